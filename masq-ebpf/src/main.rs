@@ -1,0 +1,28 @@
+//! masq-agent's tc programs. Built for `bpfel-unknown-none` by masq-agent's build script.
+#![cfg_attr(target_arch = "bpf", no_std)]
+#![cfg_attr(target_arch = "bpf", no_main)]
+
+#[cfg(target_arch = "bpf")]
+mod maps;
+#[cfg(target_arch = "bpf")]
+mod parse;
+#[cfg(target_arch = "bpf")]
+mod programs;
+
+#[cfg(target_arch = "bpf")]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any reachable panic, so this is never called.
+    loop {}
+}
+
+#[cfg(target_arch = "bpf")]
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";
+
+#[cfg(not(target_arch = "bpf"))]
+fn main() {
+    eprintln!("masq-ebpf builds for bpfel-unknown-none; masq-agent's build script builds it");
+    std::process::exit(1);
+}
