@@ -1,8 +1,139 @@
-fn main() {
-    let obj = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/masq"));
-    let mut ebpf = aya::Ebpf::load(obj).unwrap();
-    for (n, _) in ebpf.maps() { println!("map {n}"); }
-    let p: &mut aya::programs::SchedClassifier = ebpf.program_mut("masq_egress").unwrap().try_into().unwrap();
-    p.load().unwrap();
-    println!("loaded");
+use std::{io::IsTerminal as _, process::ExitCode};
+
+use clap::Parser as _;
+use masq_agent::{
+    agent::{self, Agent},
+    cli::{Cli, Command, Flags, LogFormat, normalize_go_flags},
+    config,
+    dataplane::iptables::{self, Capabilities, ChainVariant},
+    policy::{IpFamily, Policy},
+};
+use tracing::error;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse_from(normalize_go_flags(std::env::args())) {
+        Ok(cli) => cli,
+        Err(err) => {
+            let _ = err.print();
+            // Help and version are not errors; anything else, including an invalid
+            // --to-ports, is a configuration error and exits 1.
+            return if err.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    init_logging(cli.flags.log_format);
+    let result = match cli.command {
+        None => run_daemon(&cli.flags),
+        Some(Command::CheckConfig) => check_config(&cli.flags),
+        Some(Command::RenderIptables { family }) => render_iptables(&cli.flags, family),
+        Some(Command::Status { json }) => status(&cli.flags, json),
+        Some(Command::Cleanup) => cleanup(&cli.flags),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            error!("{err:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        ?flags,
+        "masq-agent starting"
+    );
+    if let Some(addr) = flags.metrics_addr {
+        tracing::warn!(%addr, "--metrics-addr: the metrics endpoint is not served by this build");
+    }
+    let mut agent = Agent::new(flags, agent::build_dataplane(flags)?);
+    if flags.once {
+        return Ok(match agent.sync() {
+            agent::SyncResult::Synced(_) => ExitCode::SUCCESS,
+            _ => ExitCode::from(1),
+        });
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(agent::run(agent, flags.config.clone()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check_config(flags: &Flags) -> anyhow::Result<ExitCode> {
+    match config::load(&flags.config, &agent::config_options(flags)) {
+        Ok(loaded) => {
+            for warning in &loaded.warnings {
+                eprintln!("warning: {warning}");
+            }
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&loaded.config.to_upstream_json())?
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(err) => {
+            eprintln!("error: {err}");
+            Ok(ExitCode::from(1))
+        }
+    }
+}
+
+fn render_iptables(flags: &Flags, family: IpFamily) -> anyhow::Result<ExitCode> {
+    let loaded = match config::load(&flags.config, &agent::config_options(flags)) {
+        Ok(loaded) => loaded,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let policy = Policy::from_config(&loaded.config, flags.enable_ipv6);
+    let Some(text) = iptables::render(
+        family,
+        &policy,
+        &agent::masquerade_options(flags),
+        Capabilities::detect(family),
+        ChainVariant::Full,
+    ) else {
+        eprintln!("error: IPv6 is not enabled; pass --enable-ipv6 to render the ip6tables chain");
+        return Ok(ExitCode::from(1));
+    };
+    print!("{text}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
+    let status = iptables::status(&flags.masq_chain)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{status}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cleanup(flags: &Flags) -> anyhow::Result<ExitCode> {
+    iptables::cleanup(&flags.masq_chain)?;
+    eprintln!(
+        "removed chain {} and its POSTROUTING jump",
+        flags.masq_chain
+    );
+    Ok(ExitCode::SUCCESS)
 }

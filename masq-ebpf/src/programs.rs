@@ -1,6 +1,8 @@
 //! The tc entry points.
 
-use aya_ebpf::{bindings::TC_ACT_OK, btf_maps::lpm_trie::Key, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_OK, btf_maps::lpm_trie::Key, macros::classifier, programs::TcContext,
+};
 use masq_ebpf::Counter;
 
 use crate::{maps, parse};

@@ -1,1 +1,96 @@
-fn main(){}
+//! `cargo xtask setup | demo | test`.
+
+mod demo;
+mod setup;
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "masq-agent developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install missing prerequisites (apt packages, rust-src, bpf-linker).
+    Setup,
+    /// Build, then show masq-agent at work on a self-made namespace topology.
+    Demo,
+    /// Run the whole suite: formatting, lints, unit and integration tests.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        cargo_test_args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let result = match Cli::parse().task {
+        Task::Setup => setup::run(),
+        Task::Demo => setup::run().and_then(|()| demo::run()),
+        Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs `program args...` with inherited output; fails if it fails.
+pub fn step(program: &str, args: &[&str]) -> anyhow::Result<()> {
+    eprintln!("xtask: $ {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .status()
+        .with_context(|| format!("running {program}"))?;
+    if !status.success() {
+        bail!("{program} {} failed: {status}", args.join(" "));
+    }
+    Ok(())
+}
+
+fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the integration tests create network namespaces and load eBPF: run as root");
+    }
+    step("cargo", &["fmt", "--all", "--check"])?;
+    step(
+        "cargo",
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    step(
+        "cargo",
+        &[
+            "+nightly",
+            "clippy",
+            "--package",
+            "masq-ebpf",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    let mut args = vec!["test", "--workspace"];
+    args.extend(cargo_test_args.iter().map(String::as_str));
+    step("cargo", &args)
+}

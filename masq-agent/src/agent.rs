@@ -1,0 +1,263 @@
+//! The sync loop: read the config, derive the policy, make the data plane enforce it. Re-sync
+//! when the config directory changes and every `resyncInterval`.
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use notify::{EventKind, RecursiveMode, Watcher as _};
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+    time::{Instant, sleep, sleep_until},
+};
+use tracing::{error, info, warn};
+
+use crate::{
+    cli::{DataplaneKind, Flags},
+    config::{self, ConfigOptions, ConfigSource},
+    dataplane::{
+        ApplyOutcome, DataPlane, Mode, ebpf,
+        iptables::{ChainVariant, IptablesDataPlane},
+    },
+    policy::{MasqueradeOptions, Policy},
+};
+
+/// How long to wait after a change in the config directory before reading it, so that the
+/// several events of one kubelet symlink swap or editor save produce one sync.
+const DEBOUNCE: Duration = Duration::from_millis(50);
+
+pub fn masquerade_options(flags: &Flags) -> MasqueradeOptions {
+    MasqueradeOptions {
+        chain: flags.masq_chain.clone(),
+        random_fully: flags.random_fully,
+        to_ports: flags.to_ports.clone(),
+    }
+}
+
+pub fn config_options(flags: &Flags) -> ConfigOptions {
+    ConfigOptions {
+        nomasq_all_reserved_ranges: flags.nomasq_all_reserved_ranges,
+        enable_ipv6: flags.enable_ipv6,
+    }
+}
+
+/// Builds the data plane the flags ask for, falling back to the full iptables chain when the
+/// eBPF one cannot run and the flags allow it.
+pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {
+    let opts = masquerade_options(flags);
+    match flags.dataplane {
+        DataplaneKind::Iptables => Ok(Box::new(IptablesDataPlane::new(
+            opts,
+            ChainVariant::Full,
+            Mode::Iptables,
+        ))),
+        DataplaneKind::Ebpf => match ebpf::new(&opts) {
+            Ok(plane) => Ok(plane),
+            Err(err) if flags.fallback_to_iptables => {
+                warn!("eBPF data plane unavailable, falling back to iptables: {err:#}");
+                Ok(Box::new(IptablesDataPlane::new(
+                    opts,
+                    ChainVariant::Full,
+                    Mode::IptablesFallback,
+                )))
+            }
+            Err(err) => {
+                Err(err.context("eBPF data plane unavailable (--fallback-to-iptables=false)"))
+            }
+        },
+    }
+}
+
+/// Logs a recurring message once, and again only when it changes.
+#[derive(Default)]
+struct OnceLogger {
+    last: Option<String>,
+}
+
+impl OnceLogger {
+    /// Returns true if `message` differs from the last one reported.
+    fn is_new(&mut self, message: &str) -> bool {
+        if self.last.as_deref() == Some(message) {
+            return false;
+        }
+        self.last = Some(message.to_string());
+        true
+    }
+
+    /// Returns true if there was a problem before, now cleared.
+    fn clear(&mut self) -> bool {
+        self.last.take().is_some()
+    }
+}
+
+/// Result of one sync.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SyncResult {
+    /// The config was valid and the data plane enforces it.
+    Synced(ApplyOutcome),
+    /// The config was invalid; the last good policy (if any) is still enforced.
+    ConfigRejected,
+    /// The data plane could not apply the policy.
+    ApplyFailed,
+}
+
+pub struct Agent {
+    config_path: PathBuf,
+    config_opts: ConfigOptions,
+    enable_ipv6: bool,
+    dataplane: Box<dyn DataPlane>,
+    last_good: Option<Policy>,
+    resync_interval: Duration,
+    config_problem: OnceLogger,
+    config_notices: OnceLogger,
+    apply_problem: OnceLogger,
+}
+
+impl Agent {
+    pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>) -> Agent {
+        Agent {
+            config_path: flags.config.clone(),
+            config_opts: config_options(flags),
+            enable_ipv6: flags.enable_ipv6,
+            dataplane,
+            last_good: None,
+            resync_interval: Duration::from_secs(60),
+            config_problem: OnceLogger::default(),
+            config_notices: OnceLogger::default(),
+            apply_problem: OnceLogger::default(),
+        }
+    }
+
+    pub fn resync_interval(&self) -> Duration {
+        self.resync_interval
+    }
+
+    /// Re-reads the config and makes the data plane enforce it. An invalid config keeps the last
+    /// good policy in force, and that policy is still re-applied, so that drift is repaired.
+    pub fn sync(&mut self) -> SyncResult {
+        let fresh = self.read_policy();
+        let Some(policy) = fresh.clone().or_else(|| self.last_good.clone()) else {
+            return SyncResult::ConfigRejected;
+        };
+        match self.dataplane.apply(&policy) {
+            Ok(outcome) => {
+                if self.apply_problem.clear() {
+                    info!("data plane recovered");
+                }
+                match outcome {
+                    ApplyOutcome::Applied => info!(
+                        mode = %self.dataplane.mode(),
+                        non_masq_v4 = ?policy.non_masq_v4.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        non_masq_v6 = ?policy.non_masq_v6.as_ref().map(|v| v.iter().map(ToString::to_string).collect::<Vec<_>>()),
+                        "policy applied"
+                    ),
+                    ApplyOutcome::Repaired => {
+                        warn!("data plane was altered by someone else; restored the policy")
+                    }
+                    ApplyOutcome::Unchanged => {}
+                }
+                if fresh.is_some() {
+                    self.last_good = Some(policy);
+                    SyncResult::Synced(outcome)
+                } else {
+                    SyncResult::ConfigRejected
+                }
+            }
+            Err(err) => {
+                let message = format!("{err:#}");
+                if self.apply_problem.is_new(&message) {
+                    error!("error syncing masquerade rules: {message}");
+                }
+                SyncResult::ApplyFailed
+            }
+        }
+    }
+
+    fn read_policy(&mut self) -> Option<Policy> {
+        match config::load(&self.config_path, &self.config_opts) {
+            Ok(loaded) => {
+                if self.config_problem.clear() {
+                    info!("config is valid again");
+                }
+                let missing = matches!(loaded.source, ConfigSource::Missing);
+                let mut notices = loaded.warnings.join("\n");
+                if missing {
+                    notices.push_str("\nmissing");
+                }
+                if notices.is_empty() {
+                    self.config_notices.clear();
+                } else if self.config_notices.is_new(&notices) {
+                    for w in &loaded.warnings {
+                        warn!("{w}");
+                    }
+                    if missing {
+                        info!(path = %self.config_path.display(), "no config file, using defaults");
+                    }
+                }
+                self.resync_interval = loaded.config.resync_interval;
+                Some(Policy::from_config(&loaded.config, self.enable_ipv6))
+            }
+            Err(err) => {
+                let message = err.to_string();
+                if self.config_problem.is_new(&message) {
+                    error!("invalid config, keeping the last good policy: {message}");
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Watches the directory holding the config file. Kubelet updates a ConfigMap volume by
+/// swapping a symlink in that directory, so watching the file itself would miss updates.
+fn watch_config_dir(
+    config_path: &Path,
+    changed: mpsc::UnboundedSender<()>,
+) -> notify::Result<notify::RecommendedWatcher> {
+    let dir = match config_path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        // Our own reads of the file show up as access events; they must not trigger a sync.
+        if let Ok(event) = event
+            && !matches!(event.kind, EventKind::Access(_))
+        {
+            let _ = changed.send(());
+        }
+    })?;
+    watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+    Ok(watcher)
+}
+
+/// Runs the daemon until SIGTERM or SIGINT, which leave the data plane in place, as upstream
+/// does, so that traffic keeps flowing while the agent restarts.
+pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let (changed_tx, mut changed_rx) = mpsc::unbounded_channel();
+    let mut watcher = None;
+    loop {
+        if watcher.is_none() {
+            match watch_config_dir(&config_path, changed_tx.clone()) {
+                Ok(w) => watcher = Some(w),
+                Err(err) => warn!(
+                    "cannot watch the config directory ({err}); relying on the resync interval"
+                ),
+            }
+        }
+        agent.sync();
+        let next_tick = Instant::now() + agent.resync_interval();
+        tokio::select! {
+            _ = sigterm.recv() => { info!("SIGTERM: exiting, data plane left in place"); return Ok(()); }
+            _ = sigint.recv() => { info!("SIGINT: exiting, data plane left in place"); return Ok(()); }
+            Some(()) = changed_rx.recv() => {
+                sleep(DEBOUNCE).await;
+                while changed_rx.try_recv().is_ok() {}
+            }
+            _ = sleep_until(next_tick) => {}
+        }
+    }
+}

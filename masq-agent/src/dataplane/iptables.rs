@@ -1,0 +1,461 @@
+//! The reference data plane: upstream's `nat` chain, byte for byte, applied with
+//! `iptables-restore --noflush` so that only this chain changes, atomically.
+
+use std::{
+    collections::HashMap,
+    io::Write as _,
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, bail};
+use serde::Serialize;
+
+use super::{ApplyOutcome, DataPlane, Mode, Status};
+use crate::policy::{IpFamily, MasqueradeOptions, Policy};
+
+const NON_MASQ_COMMENT: &str =
+    r#"-m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE""#;
+const MASQ_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)""#;
+const EBPF_RETURN_COMMENT: &str =
+    r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
+/// Seconds to wait for the xtables lock, as upstream does.
+const XTABLES_WAIT_SECS: &str = "5";
+/// MASQUERADE's `--to-ports` applies to these protocols, one rule per range each.
+const PORT_MAPPED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
+
+/// Which chain body to install.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainVariant {
+    /// Upstream's chain: masquerades everything not exempted.
+    Full,
+    /// The same chain, but the protocols the eBPF programs translate return first, so the chain
+    /// only handles the rest (SCTP, GRE, ...).
+    OutsideEbpf,
+}
+
+/// What the installed iptables can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// `--random-fully` needs iptables >= 1.6.2.
+    pub random_fully: bool,
+}
+
+impl Capabilities {
+    /// Probes `iptables --version`. Without iptables we assume a modern one, so that
+    /// `render-iptables` still shows what a current node would get.
+    pub fn detect(family: IpFamily) -> Capabilities {
+        let version = Command::new(binary(family))
+            .arg("--version")
+            .output()
+            .ok()
+            .and_then(|out| parse_version(&String::from_utf8_lossy(&out.stdout)));
+        Capabilities {
+            random_fully: version.is_none_or(|v| v >= (1, 6, 2)),
+        }
+    }
+}
+
+/// Parses `iptables v1.8.9 (nf_tables)` into `(1, 8, 9)`.
+fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+    let v = text.split_whitespace().find_map(|w| w.strip_prefix('v'))?;
+    let mut parts = v.split('.').map(|p| p.parse::<u32>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+fn binary(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::Ipv4 => "iptables",
+        IpFamily::Ipv6 => "ip6tables",
+    }
+}
+
+fn restore_binary(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::Ipv4 => "iptables-restore",
+        IpFamily::Ipv6 => "ip6tables-restore",
+    }
+}
+
+/// The iptables-restore input for one family, or `None` when the policy leaves that family
+/// alone (IPv6 not enabled).
+pub fn render(
+    family: IpFamily,
+    policy: &Policy,
+    opts: &MasqueradeOptions,
+    caps: Capabilities,
+    variant: ChainVariant,
+) -> Option<String> {
+    let exempt: Vec<String> = match family {
+        IpFamily::Ipv4 => policy.non_masq_v4.iter().map(|n| n.to_string()).collect(),
+        IpFamily::Ipv6 => policy
+            .non_masq_v6
+            .as_ref()?
+            .iter()
+            .map(|n| n.to_string())
+            .collect(),
+    };
+    let chain = &opts.chain;
+    let mut lines = vec!["*nat".to_string(), format!(":{chain} - [0:0]")];
+    if variant == ChainVariant::OutsideEbpf {
+        let icmp = match family {
+            IpFamily::Ipv4 => "icmp",
+            IpFamily::Ipv6 => "ipv6-icmp",
+        };
+        for proto in ["tcp", "udp", icmp] {
+            lines.push(format!(
+                "-A {chain} {EBPF_RETURN_COMMENT} -p {proto} -j RETURN"
+            ));
+        }
+    }
+    for cidr in exempt {
+        lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
+    }
+    let masquerade = if opts.random_fully && caps.random_fully {
+        "-j MASQUERADE --random-fully"
+    } else {
+        "-j MASQUERADE"
+    };
+    if let Some(ports) = &opts.to_ports {
+        for proto in PORT_MAPPED_PROTOCOLS {
+            for (range, probability) in ports.sequential_probabilities() {
+                let statistic = probability
+                    .map(|p| format!(" -m statistic --mode random --probability {p}"))
+                    .unwrap_or_default();
+                lines.push(format!(
+                    "-A {chain} {MASQ_COMMENT} {masquerade} -p {proto}{statistic} --to-ports {range}"
+                ));
+            }
+        }
+    }
+    lines.push(format!("-A {chain} {MASQ_COMMENT} {masquerade}"));
+    lines.push("COMMIT".to_string());
+    let mut text = lines.join("\n");
+    text.push('\n');
+    Some(text)
+}
+
+/// The rule that sends non-local traffic from POSTROUTING into our chain, as argv words.
+fn jump_rule(chain: &str) -> Vec<String> {
+    let comment = format!(
+        "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom {chain} chain"
+    );
+    [
+        "-m",
+        "comment",
+        "--comment",
+        &comment,
+        "-m",
+        "addrtype",
+        "!",
+        "--dst-type",
+        "LOCAL",
+        "-j",
+        chain,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// Runs iptables for one family, always waiting for the xtables lock.
+struct Iptables {
+    family: IpFamily,
+}
+
+impl Iptables {
+    fn run(&self, args: &[&str]) -> anyhow::Result<String> {
+        let bin = binary(self.family);
+        let out = Command::new(bin)
+            .args(["-w", XTABLES_WAIT_SECS])
+            .args(args)
+            .output()
+            .with_context(|| format!("running {bin}"))?;
+        if !out.status.success() {
+            bail!(
+                "{bin} {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `true` when the command succeeds, `false` when iptables says no; used for `-C`.
+    fn check(&self, args: &[&str]) -> anyhow::Result<bool> {
+        let bin = binary(self.family);
+        let status = Command::new(bin)
+            .args(["-w", XTABLES_WAIT_SECS])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .with_context(|| format!("running {bin}"))?;
+        Ok(status.success())
+    }
+
+    fn restore(&self, input: &str) -> anyhow::Result<()> {
+        let bin = restore_binary(self.family);
+        let mut child = Command::new(bin)
+            .args(["--noflush", "-w", XTABLES_WAIT_SECS])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running {bin}"))?;
+        child
+            .stdin
+            .take()
+            .context("stdin")?
+            .write_all(input.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!("{bin}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(())
+    }
+
+    fn jump_args<'a>(op: &'a str, jump: &'a [String]) -> Vec<&'a str> {
+        let mut args = vec!["-t", "nat", op, "POSTROUTING"];
+        args.extend(jump.iter().map(String::as_str));
+        args
+    }
+
+    fn jump_present(&self, chain: &str) -> anyhow::Result<bool> {
+        self.check(&Self::jump_args("-C", &jump_rule(chain)))
+    }
+
+    fn ensure_jump(&self, chain: &str) -> anyhow::Result<()> {
+        if !self.jump_present(chain)? {
+            self.run(&Self::jump_args("-A", &jump_rule(chain)))?;
+        }
+        Ok(())
+    }
+
+    /// The chain as iptables lists it, or `None` if it does not exist.
+    fn list_chain(&self, chain: &str) -> anyhow::Result<Option<String>> {
+        if !self.check(&["-t", "nat", "-S", chain])? {
+            return Ok(None);
+        }
+        self.run(&["-t", "nat", "-S", chain]).map(Some)
+    }
+
+    fn remove(&self, chain: &str) -> anyhow::Result<()> {
+        let jump = jump_rule(chain);
+        // `-D` removes one copy per call; a bounded loop also removes duplicates others added.
+        for _ in 0..64 {
+            if !self.check(&Self::jump_args("-D", &jump))? {
+                break;
+            }
+        }
+        if self.list_chain(chain)?.is_some() {
+            self.run(&["-t", "nat", "-F", chain])?;
+            self.run(&["-t", "nat", "-X", chain])?;
+        }
+        Ok(())
+    }
+
+    fn chain_status(&self, chain: &str) -> anyhow::Result<ChainStatus> {
+        let listing = self.list_chain(chain)?;
+        let mut status = ChainStatus {
+            family: self.family,
+            chain: chain.to_string(),
+            installed: listing.is_some(),
+            jump_installed: self.jump_present(chain)?,
+            ebpf_protocols_returned: Vec::new(),
+            non_masquerade: Vec::new(),
+            masquerade_rules: 0,
+        };
+        for line in listing.as_deref().unwrap_or_default().lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let after = |flag: &str| {
+                words
+                    .iter()
+                    .position(|w| *w == flag)
+                    .and_then(|i| words.get(i + 1))
+                    .map(|w| w.to_string())
+            };
+            if line.contains("-j MASQUERADE") {
+                status.masquerade_rules += 1;
+            } else if let Some(dst) = after("-d") {
+                status.non_masquerade.push(dst);
+            } else if let Some(proto) = after("-p") {
+                status.ebpf_protocols_returned.push(proto);
+            }
+        }
+        Ok(status)
+    }
+}
+
+/// One family's chain, as read back from the kernel.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChainStatus {
+    pub family: IpFamily,
+    pub chain: String,
+    pub installed: bool,
+    pub jump_installed: bool,
+    /// Protocols that return early because the eBPF programs translate them.
+    pub ebpf_protocols_returned: Vec<String>,
+    pub non_masquerade: Vec<String>,
+    pub masquerade_rules: usize,
+}
+
+impl std::fmt::Display for ChainStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let family = match self.family {
+            IpFamily::Ipv4 => "iptables",
+            IpFamily::Ipv6 => "ip6tables",
+        };
+        if !self.installed {
+            return writeln!(f, "{family} nat chain {}: not installed", self.chain);
+        }
+        writeln!(
+            f,
+            "{family} nat chain {}: {} non-masquerade rules, {} MASQUERADE rules, POSTROUTING jump {}",
+            self.chain,
+            self.non_masquerade.len(),
+            self.masquerade_rules,
+            if self.jump_installed {
+                "present"
+            } else {
+                "MISSING"
+            }
+        )?;
+        if !self.ebpf_protocols_returned.is_empty() {
+            writeln!(
+                f,
+                "  left to eBPF: {}",
+                self.ebpf_protocols_returned.join(", ")
+            )?;
+        }
+        for cidr in &self.non_masquerade {
+            writeln!(f, "  not masqueraded: {cidr}")?;
+        }
+        Ok(())
+    }
+}
+
+/// What was last installed for one family, to make re-applying an unchanged policy cheap.
+struct Installed {
+    rendered: String,
+    /// `iptables -S` of the chain right after installing it; any difference later means someone
+    /// else changed it.
+    listing: String,
+}
+
+pub struct IptablesDataPlane {
+    opts: MasqueradeOptions,
+    variant: ChainVariant,
+    mode: Mode,
+    installed: HashMap<IpFamily, Installed>,
+}
+
+impl IptablesDataPlane {
+    pub fn new(opts: MasqueradeOptions, variant: ChainVariant, mode: Mode) -> Self {
+        IptablesDataPlane {
+            opts,
+            variant,
+            mode,
+            installed: HashMap::new(),
+        }
+    }
+
+    fn apply_family(&mut self, family: IpFamily, rendered: String) -> anyhow::Result<ApplyOutcome> {
+        let ipt = Iptables { family };
+        let chain = &self.opts.chain;
+        let previous = self.installed.get(&family);
+        if let Some(prev) = previous
+            && prev.rendered == rendered
+            && ipt.list_chain(chain)?.as_deref() == Some(prev.listing.as_str())
+            && ipt.jump_present(chain)?
+        {
+            return Ok(ApplyOutcome::Unchanged);
+        }
+        let outcome = match previous {
+            Some(prev) if prev.rendered == rendered => ApplyOutcome::Repaired,
+            _ => ApplyOutcome::Applied,
+        };
+        // Fill the chain before jumping to it, so there is no moment with a jump to an empty
+        // chain.
+        ipt.restore(&rendered)?;
+        ipt.ensure_jump(chain)?;
+        let listing = ipt
+            .list_chain(chain)?
+            .context("chain vanished right after it was installed")?;
+        self.installed
+            .insert(family, Installed { rendered, listing });
+        Ok(outcome)
+    }
+}
+
+impl DataPlane for IptablesDataPlane {
+    fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
+        let mut outcome = ApplyOutcome::Unchanged;
+        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+            let caps = Capabilities::detect(family);
+            let Some(rendered) = render(family, policy, &self.opts, caps, self.variant) else {
+                continue;
+            };
+            match self.apply_family(family, rendered)? {
+                ApplyOutcome::Unchanged => {}
+                changed => outcome = changed,
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn status(&self) -> anyhow::Result<Status> {
+        let mut status = status(&self.opts.chain)?;
+        if status.mode.is_some() {
+            status.mode = Some(self.mode);
+        }
+        Ok(status)
+    }
+
+    fn cleanup(&mut self) -> anyhow::Result<()> {
+        self.installed.clear();
+        cleanup(&self.opts.chain)
+    }
+}
+
+/// Families whose iptables is installed on this node.
+fn available_families() -> Vec<IpFamily> {
+    [IpFamily::Ipv4, IpFamily::Ipv6]
+        .into_iter()
+        .filter(|f| Command::new(binary(*f)).arg("--version").output().is_ok())
+        .collect()
+}
+
+/// Reads the chains back from the kernel, for any process (the daemon or `status`).
+pub fn status(chain: &str) -> anyhow::Result<Status> {
+    let chains = available_families()
+        .into_iter()
+        .map(|family| Iptables { family }.chain_status(chain))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let installed = chains.iter().find(|c| c.installed);
+    let mode = installed.map(|c| {
+        if c.ebpf_protocols_returned.is_empty() {
+            Mode::Iptables
+        } else {
+            Mode::Ebpf
+        }
+    });
+    Ok(Status { mode, chains })
+}
+
+/// Removes the chain and its POSTROUTING jump for every family.
+pub fn cleanup(chain: &str) -> anyhow::Result<()> {
+    for family in available_families() {
+        Iptables { family }.remove(chain)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,75 @@
+//! Data planes make the kernel enforce a `Policy`. Two implement the same small interface:
+//! `ebpf` (tc programs and LPM maps) and `iptables` (upstream's reference chain). Nothing outside
+//! this module knows which one is running.
+
+pub mod ebpf;
+pub mod iptables;
+
+use serde::Serialize;
+
+use crate::policy::Policy;
+
+/// Which mechanism enforces the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    Ebpf,
+    Iptables,
+    /// The full iptables chain, because the eBPF data plane could not run.
+    IptablesFallback,
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+            Mode::IptablesFallback => "iptables (fallback)",
+        })
+    }
+}
+
+/// What an `apply` changed in the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApplyOutcome {
+    /// The kernel already matched the policy.
+    Unchanged,
+    /// A new policy was installed.
+    Applied,
+    /// The policy was unchanged, but someone had altered the kernel state; it was put back.
+    Repaired,
+}
+
+pub trait DataPlane {
+    fn mode(&self) -> Mode;
+
+    /// Makes the kernel match `policy`. On error, whatever was in force before stays in force.
+    fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome>;
+
+    /// Reads back what is installed.
+    fn status(&self) -> anyhow::Result<Status>;
+
+    /// Removes everything this data plane installed.
+    fn cleanup(&mut self) -> anyhow::Result<()>;
+}
+
+/// What is installed, as read back from the kernel.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    /// `None` when nothing is installed.
+    pub mode: Option<Mode>,
+    pub chains: Vec<iptables::ChainStatus>,
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.mode {
+            Some(mode) => writeln!(f, "data plane: {mode}")?,
+            None => writeln!(f, "data plane: none installed")?,
+        }
+        for chain in &self.chains {
+            write!(f, "{chain}")?;
+        }
+        Ok(())
+    }
+}

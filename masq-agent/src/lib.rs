@@ -1,0 +1,13 @@
+//! masq-agent: config -> policy -> data plane.
+//!
+//! - [`config`] reads the ConfigMap file with upstream's rules and messages;
+//! - [`policy`] turns it into the non-masquerade prefix sets per family;
+//! - [`dataplane`] makes the kernel enforce that policy, with eBPF or with iptables;
+//! - [`agent`] keeps the data plane in sync with the file.
+
+pub mod agent;
+pub mod cli;
+pub mod config;
+pub mod dataplane;
+pub mod policy;
+pub mod ports;

@@ -1,0 +1,191 @@
+//! Real traffic through the test bed: an outside server that records the source address of
+//! every TCP connection and UDP datagram it sees and answers with it, and clients that run
+//! inside a pod's namespace.
+
+use std::{
+    io::{BufRead as _, BufReader, ErrorKind, Write as _},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use socket2::{Domain, Socket, Type};
+
+use crate::netns;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+/// One packet or connection as the server saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    pub proto: Proto,
+    pub peer: SocketAddr,
+}
+
+/// A TCP and UDP server on one port in one namespace, running until dropped.
+pub struct Observer {
+    pub port: u16,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+const POLL: Duration = Duration::from_millis(10);
+
+impl Observer {
+    /// Listens on `port` of every address in `addrs`. UDP binds each address on its own so
+    /// that replies leave from the address that was asked, which source-based routes rely on.
+    pub fn start(ns: &str, addrs: &[Ipv4Addr], port: u16) -> anyhow::Result<Observer> {
+        let addrs = addrs.to_vec();
+        let (tcp, udp) = netns::within(ns, move || {
+            let tcp = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).context("bind tcp")?;
+            let udp = addrs
+                .iter()
+                .map(|a| UdpSocket::bind((*a, port)).context("bind udp"))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok((tcp, udp))
+        })?;
+        tcp.set_nonblocking(true)?;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = vec![spawn_loop(stop.clone(), seen.clone(), move |seen| {
+            serve_tcp(&tcp, seen)
+        })];
+        for socket in udp {
+            socket.set_read_timeout(Some(POLL))?;
+            threads.push(spawn_loop(stop.clone(), seen.clone(), move |seen| {
+                serve_udp(&socket, seen)
+            }));
+        }
+        Ok(Observer {
+            port,
+            seen,
+            stop,
+            threads,
+        })
+    }
+
+    /// Everything seen so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Source addresses seen for `proto`.
+    pub fn sources(&self, proto: Proto) -> Vec<IpAddr> {
+        self.seen()
+            .iter()
+            .filter(|s| s.proto == proto)
+            .map(|s| s.peer.ip())
+            .collect()
+    }
+
+    pub fn clear(&self) {
+        self.seen.lock().unwrap().clear();
+    }
+}
+
+impl Drop for Observer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn_loop(
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    mut step: impl FnMut(&Mutex<Vec<Seen>>) + Send + 'static,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            step(&seen);
+        }
+    })
+}
+
+fn serve_tcp(listener: &TcpListener, seen: &Mutex<Vec<Seen>>) {
+    match listener.accept() {
+        Ok((mut stream, peer)) => {
+            seen.lock().unwrap().push(Seen {
+                proto: Proto::Tcp,
+                peer,
+            });
+            let _ = stream.set_nonblocking(false);
+            let _ = writeln!(stream, "{peer}");
+        }
+        Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(POLL),
+        Err(_) => std::thread::sleep(POLL),
+    }
+}
+
+fn serve_udp(socket: &UdpSocket, seen: &Mutex<Vec<Seen>>) {
+    let mut buf = [0u8; 2048];
+    if let Ok((_, peer)) = socket.recv_from(&mut buf) {
+        seen.lock().unwrap().push(Seen {
+            proto: Proto::Udp,
+            peer,
+        });
+        // Without masquerading there may be no route back; the record above is what counts.
+        let _ = socket.send_to(format!("{peer}\n").as_bytes(), peer);
+    }
+}
+
+/// Connects from namespace `ns` to `server` and returns the source address the server reports
+/// having seen. `source_port` pins the client's port (0 = any).
+pub fn tcp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<SocketAddr> {
+    netns::within(ns, move || {
+        let socket = Socket::new(Domain::for_address(server), Type::STREAM, None)?;
+        // Tests reuse a source port across pods and runs; TIME_WAIT must not block that.
+        socket.set_reuse_address(true)?;
+        if source_port != 0 {
+            let any: SocketAddr = (std::net::Ipv4Addr::UNSPECIFIED, source_port).into();
+            socket.bind(&any.into())?;
+        }
+        socket
+            .connect_timeout(&server.into(), Duration::from_secs(3))
+            .with_context(|| format!("connect to {server}"))?;
+        let stream = TcpStream::from(socket);
+        stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line)?;
+        line.trim()
+            .parse()
+            .with_context(|| format!("server reply {line:?}"))
+    })
+}
+
+/// Sends one UDP datagram from namespace `ns` and returns the source address the server
+/// reports, or an error if no reply comes back (as when the server has no route back).
+pub fn udp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<SocketAddr> {
+    netns::within(ns, move || {
+        let socket = UdpSocket::bind(("0.0.0.0", source_port))?;
+        socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+        socket.send_to(b"probe\n", server)?;
+        let mut buf = [0u8; 128];
+        let (n, _) = socket.recv_from(&mut buf).context("no UDP reply")?;
+        let reply = String::from_utf8_lossy(&buf[..n]).trim().to_string();
+        reply
+            .parse()
+            .with_context(|| format!("server reply {reply:?}"))
+    })
+}
+
+/// Sends one UDP datagram from namespace `ns` without waiting for a reply.
+pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
+    netns::within(ns, move || {
+        let socket = UdpSocket::bind(("0.0.0.0", 0))?;
+        socket.send_to(b"probe\n", server)?;
+        Ok(())
+    })
+}

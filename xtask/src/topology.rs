@@ -1,0 +1,287 @@
+//! The test topology of design.md §4, made of network namespaces with unique names:
+//!
+//! ```text
+//!  pod<i> 10.244.<i>.2 ──veth── node ──veth── ext 203.0.113.10 (server)
+//!                       10.244.<i>.1  eth0 203.0.113.1   + 198.51.100.10 (outside, no route back)
+//!                                                        + 10.200.0.10  (cluster-local, routes back)
+//! ```
+//!
+//! The outside server has no route to the pod CIDR, so a reply only arrives when the node
+//! masquerades. Its cluster-local address (inside 10.0.0.0/8) answers from a routing table that
+//! does route back to the pods. Dropping a `Topology` deletes every namespace it made, which also
+//! removes their links and iptables state.
+
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use anyhow::Context as _;
+
+use crate::netns::{self, command_in, run, run_in};
+
+/// Name prefix of every namespace the test bed creates; `<prefix><pid>-<n>-<role>`.
+pub const NS_PREFIX: &str = "mqa";
+pub const NODE_UPLINK: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+pub const EXT_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+pub const EXT_SECOND_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+pub const CLUSTER_LOCAL_ADDR: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 10);
+/// Interface name of the node's uplink, inside the node namespace.
+pub const UPLINK_IF: &str = "eth0";
+const CLUSTER_LOCAL_TABLE: &str = "100";
+
+static NEXT_ID: AtomicU32 = AtomicU32::new(0);
+
+/// Every address of the outside host.
+pub const EXT_ADDRS: [Ipv4Addr; 3] = [EXT_ADDR, EXT_SECOND_ADDR, CLUSTER_LOCAL_ADDR];
+
+pub fn pod_addr(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, (i + 1) as u8, 2)
+}
+
+fn pod_gateway(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, (i + 1) as u8, 1)
+}
+
+pub struct Topology {
+    pub pods: Vec<String>,
+    pub node: String,
+    pub ext: String,
+    /// Scratch directory for this topology's config files and logs; removed on drop.
+    pub dir: PathBuf,
+}
+
+impl Topology {
+    /// Builds the topology with `pods` pod namespaces.
+    pub fn new(pods: usize) -> anyhow::Result<Topology> {
+        sweep_stale();
+        let id = format!(
+            "{NS_PREFIX}{}-{}",
+            std::process::id(),
+            NEXT_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        let dir = std::env::temp_dir().join(&id);
+        std::fs::create_dir_all(&dir)?;
+        let topo = Topology {
+            pods: (0..pods).map(|i| format!("{id}-pod{i}")).collect(),
+            node: format!("{id}-node"),
+            ext: format!("{id}-ext"),
+            dir,
+        };
+        // From here on, Drop cleans up whatever was created, even if a later step fails.
+        topo.build().context("building the test topology")?;
+        Ok(topo)
+    }
+
+    fn namespaces(&self) -> impl Iterator<Item = &String> {
+        self.pods.iter().chain([&self.node, &self.ext])
+    }
+
+    fn build(&self) -> anyhow::Result<()> {
+        for ns in self.namespaces() {
+            run("ip", &["netns", "add", ns])?;
+            ip(ns, &["link", "set", "lo", "up"])?;
+            sysctl(ns, "net.ipv4.conf.all.rp_filter", "0")?;
+            sysctl(ns, "net.ipv4.conf.default.rp_filter", "0")?;
+        }
+        sysctl(&self.node, "net.ipv4.ip_forward", "1")?;
+
+        veth(&self.node, UPLINK_IF, &self.ext, "eth0")?;
+        ip(
+            &self.node,
+            &[
+                "addr",
+                "add",
+                &format!("{NODE_UPLINK}/24"),
+                "dev",
+                UPLINK_IF,
+            ],
+        )?;
+        ip(
+            &self.node,
+            &["route", "add", "default", "via", &EXT_ADDR.to_string()],
+        )?;
+        ip(
+            &self.ext,
+            &["addr", "add", &format!("{EXT_ADDR}/24"), "dev", "eth0"],
+        )?;
+        for extra in [EXT_SECOND_ADDR, CLUSTER_LOCAL_ADDR] {
+            ip(
+                &self.ext,
+                &["addr", "add", &format!("{extra}/32"), "dev", "lo"],
+            )?;
+        }
+        // Only the cluster-local address may answer pods directly.
+        ip(
+            &self.ext,
+            &[
+                "rule",
+                "add",
+                "from",
+                &CLUSTER_LOCAL_ADDR.to_string(),
+                "lookup",
+                CLUSTER_LOCAL_TABLE,
+            ],
+        )?;
+        ip(
+            &self.ext,
+            &[
+                "route",
+                "add",
+                "10.244.0.0/16",
+                "via",
+                &NODE_UPLINK.to_string(),
+                "table",
+                CLUSTER_LOCAL_TABLE,
+            ],
+        )?;
+
+        for (i, pod) in self.pods.iter().enumerate() {
+            let node_if = format!("pod{i}");
+            veth(&self.node, &node_if, pod, "eth0")?;
+            ip(
+                &self.node,
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/24", pod_gateway(i)),
+                    "dev",
+                    &node_if,
+                ],
+            )?;
+            ip(
+                pod,
+                &["addr", "add", &format!("{}/24", pod_addr(i)), "dev", "eth0"],
+            )?;
+            ip(
+                pod,
+                &[
+                    "route",
+                    "add",
+                    "default",
+                    "via",
+                    &pod_gateway(i).to_string(),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Path for a file in this topology's scratch directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Starts `binary args...` inside the node namespace, logging to `<dir>/<log_name>`.
+    pub fn spawn_in_node(
+        &self,
+        binary: &Path,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        log_name: &str,
+    ) -> anyhow::Result<Process> {
+        let log = self.path(log_name);
+        let file = std::fs::File::create(&log)?;
+        let child = command_in(&self.node, binary.to_str().context("binary path")?)
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        Ok(Process { child, log })
+    }
+
+    /// Runs a command inside the node namespace and returns its output, failing on non-zero.
+    pub fn node_run(&self, program: &str, args: &[&str]) -> anyhow::Result<String> {
+        run_in(&self.node, program, args)
+    }
+
+    /// A command to run inside the node namespace.
+    pub fn node_command(&self, program: &str) -> Command {
+        command_in(&self.node, program)
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        for ns in self.namespaces() {
+            let _ = run("ip", &["netns", "del", ns]);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A process started in a namespace; killed when dropped.
+pub struct Process {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Process {
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `signal` and waits for the process to exit.
+    pub fn stop(&mut self, signal: i32) -> anyhow::Result<std::process::ExitStatus> {
+        // SAFETY: kill on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        Ok(self.child.wait()?)
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn ip(ns: &str, args: &[&str]) -> anyhow::Result<String> {
+    let mut full = vec!["-n", ns];
+    full.extend_from_slice(args);
+    run("ip", &full)
+}
+
+fn sysctl(ns: &str, key: &str, value: &str) -> anyhow::Result<()> {
+    run_in(ns, "sysctl", &["-qw", &format!("{key}={value}")]).map(drop)
+}
+
+/// A veth pair with one end in each namespace, both up. Created directly inside the namespaces,
+/// so the names never appear in (or collide in) the machine's own namespace.
+fn veth(ns_a: &str, if_a: &str, ns_b: &str, if_b: &str) -> anyhow::Result<()> {
+    run(
+        "ip",
+        &[
+            "link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b,
+        ],
+    )?;
+    ip(ns_a, &["link", "set", if_a, "up"])?;
+    ip(ns_b, &["link", "set", if_b, "up"])?;
+    Ok(())
+}
+
+/// Deletes namespaces left behind by test-bed runs whose process no longer exists (a run that
+/// was killed before it could clean up).
+pub fn sweep_stale() {
+    let Ok(list) = run("ip", &["netns", "list"]) else {
+        return;
+    };
+    for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
+        let Some(rest) = name.strip_prefix(NS_PREFIX) else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !netns::is_process_alive(pid)
+        {
+            let _ = run("ip", &["netns", "del", name]);
+        }
+    }
+}
