@@ -123,6 +123,11 @@ impl Bed {
             .node_run(&format!("iptables-{}", self.backend.suffix()), args)
     }
 
+    fn ip6tables(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.topo
+            .node_run(&format!("ip6tables-{}", self.backend.suffix()), args)
+    }
+
     fn chain(&self) -> Option<String> {
         self.iptables(&["-t", "nat", "-S", CHAIN]).ok()
     }
@@ -400,6 +405,67 @@ fn to_ports_rules_load_into_real_iptables(backend: Backend) {
     );
 }
 
+fn ipv6_chain_follows_enable_ipv6(backend: Backend) {
+    let bed = Bed::new(backend, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
+    let config_arg = format!("--config={}", bed.config.display());
+    let out = bed.agent_cmd(&["--dataplane=iptables", &config_arg, "--once"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "an IPv6 CIDR needs --enable-ipv6"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("ipv6 is not enabled, but ipv6 cidr fc00::/7 provided")
+    );
+    assert!(
+        bed.chain().is_none(),
+        "nothing applied from an invalid file"
+    );
+
+    let out = bed.agent_cmd(&[
+        "--dataplane=iptables",
+        &config_arg,
+        "--once",
+        "--enable-ipv6",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v6 = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
+    let returns: Vec<&str> = v6
+        .lines()
+        .filter(|l| l.contains("-j RETURN"))
+        .map(|l| l.split_whitespace().nth(3).unwrap())
+        .collect();
+    assert_eq!(returns, ["fe80::/10", "fc00::/7"], "{v6}");
+    assert!(v6.contains("-j MASQUERADE"), "{v6}");
+    let v4 = bed.chain().unwrap();
+    assert!(
+        !v4.contains("fc00"),
+        "IPv6 CIDRs stay out of the IPv4 chain: {v4}"
+    );
+    assert!(
+        bed.ip6tables(&["-t", "nat", "-S", "POSTROUTING"])
+            .unwrap()
+            .contains(&format!("-j {CHAIN}"))
+    );
+
+    let out = bed.agent_cmd(&["cleanup"]);
+    assert!(out.status.success());
+    assert!(
+        bed.ip6tables(&["-t", "nat", "-S", CHAIN]).is_err(),
+        "cleanup removes the IPv6 chain too"
+    );
+    assert!(
+        !bed.ip6tables(&["-t", "nat", "-S", "POSTROUTING"])
+            .unwrap()
+            .contains(CHAIN)
+    );
+}
+
 macro_rules! on_both_backends {
     ($($name:ident),* $(,)?) => {
         mod nft {
@@ -419,4 +485,5 @@ on_both_backends!(
     sigterm_leaves_rules_and_cleanup_leaves_no_trace,
     once_applies_and_exits_and_status_reports,
     to_ports_rules_load_into_real_iptables,
+    ipv6_chain_follows_enable_ipv6,
 );

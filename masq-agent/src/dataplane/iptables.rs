@@ -349,6 +349,8 @@ pub struct IptablesDataPlane {
     opts: MasqueradeOptions,
     variant: ChainVariant,
     mode: Mode,
+    /// Probed once: the iptables binaries do not change under a running agent.
+    caps: HashMap<IpFamily, Capabilities>,
     installed: HashMap<IpFamily, Installed>,
 }
 
@@ -358,6 +360,10 @@ impl IptablesDataPlane {
             opts,
             variant,
             mode,
+            caps: [IpFamily::Ipv4, IpFamily::Ipv6]
+                .into_iter()
+                .map(|f| (f, Capabilities::detect(f)))
+                .collect(),
             installed: HashMap::new(),
         }
     }
@@ -397,8 +403,7 @@ impl DataPlane for IptablesDataPlane {
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let mut outcome = ApplyOutcome::Unchanged;
-        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
-            let caps = Capabilities::detect(family);
+        for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
             let Some(rendered) = render(family, policy, &self.opts, caps, self.variant) else {
                 continue;
             };
