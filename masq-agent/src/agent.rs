@@ -18,15 +18,20 @@ use crate::{
     cli::{DataplaneKind, Flags},
     config::{self, ConfigOptions, ConfigSource},
     dataplane::{
-        ApplyOutcome, DataPlane, Mode, ebpf,
+        ApplyOutcome, DataPlane, Mode,
+        ebpf::{self, EbpfOptions},
         iptables::{ChainVariant, IptablesDataPlane},
     },
+    netdev,
     policy::{MasqueradeOptions, Policy},
+    ports,
 };
 
 /// How long to wait after a change in the config directory before reading it, so that the
 /// several events of one kubelet symlink swap or editor save produce one sync.
 const DEBOUNCE: Duration = Duration::from_millis(50);
+/// How often idle NAT entries are looked for.
+const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(10);
 
 pub fn masquerade_options(flags: &Flags) -> MasqueradeOptions {
     MasqueradeOptions {
@@ -53,21 +58,37 @@ pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {
             ChainVariant::Full,
             Mode::Iptables,
         ))),
-        DataplaneKind::Ebpf => match ebpf::new(&opts) {
-            Ok(plane) => Ok(plane),
-            Err(err) if flags.fallback_to_iptables => {
-                warn!("eBPF data plane unavailable, falling back to iptables: {err:#}");
-                Ok(Box::new(IptablesDataPlane::new(
-                    opts,
-                    ChainVariant::Full,
-                    Mode::IptablesFallback,
-                )))
-            }
-            Err(err) => {
-                Err(err.context("eBPF data plane unavailable (--fallback-to-iptables=false)"))
-            }
+        DataplaneKind::Ebpf => match ebpf_options(flags).and_then(|o| Ok(ebpf::new(&o)?)) {
+            Ok(plane) => Ok(Box::new(plane)),
+            Err(err) if flags.fallback_to_iptables => Ok(fallback(opts, &err)),
+            Err(err) => Err(err.context("--fallback-to-iptables=false")),
         },
     }
+}
+
+fn fallback(opts: MasqueradeOptions, why: &anyhow::Error) -> Box<dyn DataPlane> {
+    warn!("falling back to the full iptables chain: {why:#}");
+    Box::new(IptablesDataPlane::new(
+        opts,
+        ChainVariant::Full,
+        Mode::IptablesFallback,
+    ))
+}
+
+fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
+    let devices = if flags.interfaces.is_empty() {
+        netdev::default_route_devices()?
+    } else {
+        flags.interfaces.clone()
+    };
+    Ok(EbpfOptions {
+        bpffs: flags.bpffs.clone(),
+        devices,
+        nat_capacity: flags.nat_capacity.saturating_mul(2),
+        port_spans: ports::nat_port_spans(flags.to_ports.as_ref(), netdev::ephemeral_port_range()?),
+        random_fully: flags.random_fully,
+        masquerade: masquerade_options(flags),
+    })
 }
 
 /// Logs a recurring message once, and again only when it changes.
@@ -104,6 +125,8 @@ pub enum SyncResult {
 }
 
 pub struct Agent {
+    /// Where to fall back to when the eBPF data plane stops working; `None` when not allowed.
+    fallback: Option<MasqueradeOptions>,
     config_path: PathBuf,
     config_opts: ConfigOptions,
     enable_ipv6: bool,
@@ -118,6 +141,9 @@ pub struct Agent {
 impl Agent {
     pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>) -> Agent {
         Agent {
+            fallback: flags
+                .fallback_to_iptables
+                .then(|| masquerade_options(flags)),
             config_path: flags.config.clone(),
             config_opts: config_options(flags),
             enable_ipv6: flags.enable_ipv6,
@@ -134,6 +160,16 @@ impl Agent {
         self.resync_interval
     }
 
+    /// Periodic upkeep of the data plane (NAT expiry).
+    pub fn maintain(&mut self) {
+        if let Err(err) = self.dataplane.maintain() {
+            let message = format!("{err:#}");
+            if self.apply_problem.is_new(&message) {
+                error!("data plane upkeep failed: {message}");
+            }
+        }
+    }
+
     /// Re-reads the config and makes the data plane enforce it. An invalid config keeps the last
     /// good policy in force, and that policy is still re-applied, so that drift is repaired.
     pub fn sync(&mut self) -> SyncResult {
@@ -141,7 +177,15 @@ impl Agent {
         let Some(policy) = fresh.clone().or_else(|| self.last_good.clone()) else {
             return SyncResult::ConfigRejected;
         };
-        match self.dataplane.apply(&policy) {
+        let mut applied = self.dataplane.apply(&policy);
+        if let Err(err) = &applied
+            && err.downcast_ref::<ebpf::Unavailable>().is_some()
+            && let Some(opts) = self.fallback.take()
+        {
+            self.dataplane = fallback(opts, err);
+            applied = self.dataplane.apply(&policy);
+        }
+        match applied {
             Ok(outcome) => {
                 if self.apply_problem.clear() {
                     info!("data plane recovered");
@@ -239,6 +283,10 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let (changed_tx, mut changed_rx) = mpsc::unbounded_channel();
     let mut watcher = None;
+    let mut maintenance = tokio::time::interval(MAINTENANCE_INTERVAL);
+    maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sync_due = true;
+    let mut next_tick = Instant::now();
     loop {
         if watcher.is_none() {
             match watch_config_dir(&config_path, changed_tx.clone()) {
@@ -248,14 +296,21 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
                 ),
             }
         }
-        agent.sync();
-        let next_tick = Instant::now() + agent.resync_interval();
+        if sync_due {
+            agent.sync();
+            next_tick = Instant::now() + agent.resync_interval();
+        }
+        sync_due = true;
         tokio::select! {
             _ = sigterm.recv() => { info!("SIGTERM: exiting, data plane left in place"); return Ok(()); }
             _ = sigint.recv() => { info!("SIGINT: exiting, data plane left in place"); return Ok(()); }
             Some(()) = changed_rx.recv() => {
                 sleep(DEBOUNCE).await;
                 while changed_rx.try_recv().is_ok() {}
+            }
+            _ = maintenance.tick() => {
+                agent.maintain();
+                sync_due = false;
             }
             _ = sleep_until(next_tick) => {}
         }

@@ -98,6 +98,11 @@ pub struct Flags {
     #[arg(long, global = true, default_value = "/sys/fs/bpf/ip-masq-agent")]
     pub bpffs: PathBuf,
 
+    /// Flows the eBPF NAT table holds (two entries each); when full, new flows are dropped
+    /// and counted while existing ones keep working.
+    #[arg(long, global = true, default_value_t = 262_144, value_parser = clap::value_parser!(u32).range(1..=8_388_608))]
+    pub nat_capacity: u32,
+
     /// Address to serve metrics and health endpoints on.
     #[arg(long, global = true)]
     pub metrics_addr: Option<SocketAddr>,
@@ -197,6 +202,7 @@ mod tests {
         assert!(f.interfaces.is_empty());
         assert_eq!(f.bpffs, PathBuf::from("/sys/fs/bpf/ip-masq-agent"));
         assert!(!f.once);
+        assert_eq!(f.nat_capacity, 262_144);
         assert!(cli.command.is_none());
     }
 

@@ -9,5 +9,6 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod netdev;
 pub mod policy;
 pub mod ports;

@@ -5,7 +5,10 @@ use masq_agent::{
     agent::{self, Agent},
     cli::{Cli, Command, Flags, LogFormat, normalize_go_flags},
     config,
-    dataplane::iptables::{self, Capabilities, ChainVariant},
+    dataplane::{
+        self,
+        iptables::{self, Capabilities, ChainVariant},
+    },
     policy::{IpFamily, Policy},
 };
 use tracing::error;
@@ -120,7 +123,7 @@ fn render_iptables(flags: &Flags, family: IpFamily) -> anyhow::Result<ExitCode> 
 }
 
 fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
-    let status = iptables::status(&flags.masq_chain)?;
+    let status = dataplane::inspect(&flags.masq_chain, &flags.bpffs)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

@@ -90,6 +90,29 @@ impl fmt::Display for PortRanges {
     }
 }
 
+/// The ports NAT hands out: `--to-ports` if given, otherwise 1024-65535 minus the node's
+/// ephemeral range, so that NAT ports never collide with the node's own connections.
+pub fn nat_port_spans(to_ports: Option<&PortRanges>, ephemeral: (u16, u16)) -> Vec<PortRange> {
+    if let Some(ranges) = to_ports {
+        return ranges.ranges().to_vec();
+    }
+    let (lo, hi) = ephemeral;
+    let mut spans = Vec::new();
+    if lo > 1024 {
+        spans.push(PortRange {
+            first: 1024,
+            last: lo - 1,
+        });
+    }
+    if hi < 65535 {
+        spans.push(PortRange {
+            first: hi.max(1023) + 1,
+            last: 65535,
+        });
+    }
+    spans
+}
+
 fn parse_range(item: &str) -> Result<PortRange, String> {
     let (first, last) = match item.split_once('-') {
         Some((a, b)) => (parse_port(a)?, parse_port(b)?),
@@ -181,6 +204,22 @@ mod tests {
             reach *= 1.0 - pick;
         }
         assert_eq!(probs.last().unwrap().1, None);
+    }
+
+    #[test]
+    fn nat_ports_avoid_the_ephemeral_range() {
+        let spans = |eph| -> Vec<String> {
+            nat_port_spans(None, eph)
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        assert_eq!(spans((32768, 60999)), ["1024-32767", "61000-65535"]);
+        assert_eq!(spans((1024, 65535)), Vec::<String>::new());
+        assert_eq!(spans((500, 40000)), ["40001-65535"]);
+        assert_eq!(spans((40000, 65535)), ["1024-39999"]);
+        let given = PortRanges::parse_flag("2000-3000").unwrap();
+        assert_eq!(nat_port_spans(Some(&given), (32768, 60999)), given.ranges());
     }
 
     #[test]

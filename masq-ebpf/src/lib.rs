@@ -2,54 +2,247 @@
 //! layouts, counter indices. Both sides compile this one file, so the layouts can never drift.
 #![no_std]
 
-/// Names of the maps as the object declares them; the agent pins each one under `--bpffs` with
+/// Names of the maps as the object declares them. The agent pins each one under `--bpffs` with
 /// the same name, so `bpftool map dump pinned <bpffs>/<name>` finds it.
 pub mod map_names {
     pub const NON_MASQ_V4: &str = "non_masq_v4";
     pub const NON_MASQ_V6: &str = "non_masq_v6";
+    pub const NAT_V4: &str = "nat_v4";
+    pub const INTERFACES: &str = "interfaces";
+    pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
+
+    /// Every map the agent pins.
+    pub const PINNED: [&str; 6] = [
+        NON_MASQ_V4,
+        NON_MASQ_V6,
+        NAT_V4,
+        INTERFACES,
+        SETTINGS,
+        COUNTERS,
+    ];
 }
 
 /// Names of the programs in the object.
 pub mod program_names {
     pub const EGRESS: &str = "masq_egress";
+    pub const INGRESS: &str = "masq_ingress";
 }
 
 /// Capacity of each non-masquerade trie. Upstream caps a config at 64 CIDRs (`cidrLimit`), but the
-/// cap is configurable and the trie costs nothing until used, so leave room for large policies.
+/// cap is configurable and a trie costs nothing until used, so leave room for large policies.
 pub const NON_MASQ_MAX_ENTRIES: u32 = 262_144;
+/// Default NAT table size in entries; each flow takes two (one per direction).
+pub const NAT_DEFAULT_ENTRIES: u32 = 2 * 262_144;
+/// Interfaces the programs may be attached to at once.
+pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 
 /// Value stored for each prefix in the non-masquerade tries; only presence matters.
 pub type NonMasqValue = u8;
 pub const NON_MASQ_PRESENT: NonMasqValue = 1;
 
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Which way a NAT table entry translates.
+pub mod direction {
+    /// Keyed by the packet as the pod sent it; rewrites the source.
+    pub const EGRESS: u8 = 0;
+    /// Keyed by the packet as the outside sends it back; rewrites the destination.
+    pub const INGRESS: u8 = 1;
+}
+
+/// A flow as seen in one direction. Addresses and ports are in network byte order, exactly as
+/// they appear in the packet. For ICMP echo, the identifier takes the place of the pod-side port
+/// (`sport` on egress, `dport` on ingress) and the other port is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NatKeyV4 {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub direction: u8,
+    pub _pad: [u8; 2],
+}
+
+impl NatKeyV4 {
+    /// The key of the other half of the same flow, given this half's entry. An egress half
+    /// rewrites the source to `(addr, port)`, so replies arrive addressed to it; an ingress half
+    /// rewrites the destination back to `(addr, port)`, where the pod's packets come from.
+    pub const fn reverse(&self, entry: &NatEntryV4) -> NatKeyV4 {
+        if self.direction == direction::EGRESS {
+            NatKeyV4 {
+                saddr: self.daddr,
+                daddr: entry.addr,
+                sport: self.dport,
+                dport: entry.port,
+                proto: self.proto,
+                direction: direction::INGRESS,
+                _pad: [0; 2],
+            }
+        } else {
+            NatKeyV4 {
+                saddr: entry.addr,
+                daddr: self.saddr,
+                sport: entry.port,
+                dport: self.sport,
+                proto: self.proto,
+                direction: direction::EGRESS,
+                _pad: [0; 2],
+            }
+        }
+    }
+}
+
+/// What to do with a flow's packets in one direction.
+pub mod nat_kind {
+    /// Rewrite to `(addr, port)`.
+    pub const SNAT: u8 = 1;
+    /// A connection opened from outside toward a pod: never rewrite. `(addr, port)` hold the
+    /// packet's own values, so `reverse` finds the other half like for SNAT entries.
+    pub const PASSTHROUGH: u8 = 2;
+}
+
+/// TCP flags seen on a flow's half, for expiry.
+pub mod tcp_seen {
+    pub const SYN: u8 = 1 << 0;
+    /// A packet without SYN: the handshake got past its first step.
+    pub const ACK: u8 = 1 << 1;
+    pub const FIN: u8 = 1 << 2;
+    pub const RST: u8 = 1 << 3;
+}
+
+/// One half of a translated flow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NatEntryV4 {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, refreshed at most once a second.
+    pub last_seen_ns: u64,
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub kind: u8,
+    pub tcp_seen: u8,
+}
+
+/// An interface the programs are attached to, keyed by ifindex.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InterfaceV4 {
+    /// The primary IPv4 address: masqueraded packets leave with it as their source.
+    pub addr: [u8; 4],
+}
+
+pub const MAX_PORT_SPANS: usize = 8;
+
+/// `first..first + count` in host byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortSpan {
+    pub first: u32,
+    pub count: u32,
+}
+
+/// Translation settings, in slot 0 of the `settings` array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// The ports NAT may hand out, as disjoint spans.
+    pub spans: [PortSpan; MAX_PORT_SPANS],
+    pub span_count: u32,
+    /// Sum of the spans' counts; 0 means NAT is not configured yet and nothing is translated.
+    pub total_ports: u32,
+    /// 1: pick ports at random (`--random-fully`); 0: keep the pod's port when it is free.
+    pub random_fully: u32,
+    pub _pad: u32,
+}
+
 /// Per-CPU packet counters, one slot each in the `counters` array.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
-    /// IPv4 packets whose destination is in `non_masq_v4`.
-    NonMasqDestination = 0,
-    /// IPv4 packets that would be masqueraded.
-    MasqueradeCandidate = 1,
-    /// Packets the program does not look at (not IPv4, or too short to parse).
-    NotInspected = 2,
+    /// Egress packets whose source was rewritten.
+    Masqueraded = 0,
+    /// Egress packets to a destination in the non-masquerade tries.
+    NotMasqNonMasqDestination,
+    /// Egress packets from the interface's own address: the node's own traffic.
+    NotMasqNodeSource,
+    /// Egress packets of protocols left to the iptables chain.
+    NotMasqOtherProtocol,
+    /// Egress packets of connections opened from outside toward a pod.
+    NotMasqInbound,
+    /// Egress ICMP other than echo requests (replies and errors about inbound flows).
+    NotMasqIcmpOther,
+    /// Ingress packets whose destination was restored.
+    ReverseTranslated,
+    /// Ingress ICMP errors about masqueraded flows, translated inside and out.
+    IcmpErrorTranslated,
+    /// Connections opened from outside toward a pod, first seen.
+    InboundTracked,
+    /// Port allocations that found no free port.
+    AllocationFailed,
+    /// Packets dropped: no free NAT port.
+    DropPortsExhausted,
+    /// Packets dropped: the NAT table is full.
+    DropNatTableFull,
+    /// Packets dropped: IP fragments that cannot be translated.
+    DropFragment,
+    /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.
+    DropRewriteFailed,
+    /// Packets not inspected: not IPv4, too short or malformed, or NAT not configured.
+    NotInspected,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 3] = [
-        Counter::NonMasqDestination,
-        Counter::MasqueradeCandidate,
+    pub const ALL: [Counter; 15] = [
+        Counter::Masqueraded,
+        Counter::NotMasqNonMasqDestination,
+        Counter::NotMasqNodeSource,
+        Counter::NotMasqOtherProtocol,
+        Counter::NotMasqInbound,
+        Counter::NotMasqIcmpOther,
+        Counter::ReverseTranslated,
+        Counter::IcmpErrorTranslated,
+        Counter::InboundTracked,
+        Counter::AllocationFailed,
+        Counter::DropPortsExhausted,
+        Counter::DropNatTableFull,
+        Counter::DropFragment,
+        Counter::DropRewriteFailed,
         Counter::NotInspected,
     ];
 
     /// Stable, metric-friendly name.
     pub const fn name(self) -> &'static str {
         match self {
-            Counter::NonMasqDestination => "non_masq_destination",
-            Counter::MasqueradeCandidate => "masquerade_candidate",
+            Counter::Masqueraded => "masqueraded",
+            Counter::NotMasqNonMasqDestination => "not_masqueraded_non_masq_destination",
+            Counter::NotMasqNodeSource => "not_masqueraded_node_source",
+            Counter::NotMasqOtherProtocol => "not_masqueraded_other_protocol",
+            Counter::NotMasqInbound => "not_masqueraded_inbound_connection",
+            Counter::NotMasqIcmpOther => "not_masqueraded_icmp_other",
+            Counter::ReverseTranslated => "reverse_translated",
+            Counter::IcmpErrorTranslated => "icmp_error_translated",
+            Counter::InboundTracked => "inbound_connection_tracked",
+            Counter::AllocationFailed => "allocation_failed",
+            Counter::DropPortsExhausted => "dropped_ports_exhausted",
+            Counter::DropNatTableFull => "dropped_nat_table_full",
+            Counter::DropFragment => "dropped_fragment",
+            Counter::DropRewriteFailed => "dropped_rewrite_failed",
             Counter::NotInspected => "not_inspected",
         }
     }
 }
 
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are #[repr(C)] plain data with explicit padding and no pointers.
+    unsafe impl aya::Pod for super::NatKeyV4 {}
+    unsafe impl aya::Pod for super::NatEntryV4 {}
+    unsafe impl aya::Pod for super::InterfaceV4 {}
+    unsafe impl aya::Pod for super::Settings {}
+}

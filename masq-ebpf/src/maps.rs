@@ -1,10 +1,13 @@
 //! The maps the programs share with the agent. Names match `masq_ebpf::map_names`.
 
 use aya_ebpf::{
-    btf_maps::{LpmTrie, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray},
     macros::btf_map,
 };
-use masq_ebpf::{COUNTER_SLOTS, Counter, NON_MASQ_MAX_ENTRIES, NonMasqValue};
+use masq_ebpf::{
+    COUNTER_SLOTS, Counter, INTERFACES_MAX_ENTRIES, InterfaceV4, NAT_DEFAULT_ENTRIES,
+    NON_MASQ_MAX_ENTRIES, NatEntryV4, NatKeyV4, NonMasqValue, Settings,
+};
 
 #[btf_map(name = "non_masq_v4")]
 pub static NON_MASQ_V4: LpmTrie<[u8; 4], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
@@ -13,6 +16,18 @@ pub static NON_MASQ_V4: LpmTrie<[u8; 4], NonMasqValue, { NON_MASQ_MAX_ENTRIES as
 #[btf_map(name = "non_masq_v6")]
 pub static NON_MASQ_V6: LpmTrie<[u8; 16], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
     LpmTrie::new();
+
+/// Both halves of every translated flow. A plain (not LRU) hash: when it is full, new flows are
+/// dropped and counted, and no live flow is ever evicted. The agent sets the size at load time.
+#[btf_map(name = "nat_v4")]
+pub static NAT_V4: HashMap<NatKeyV4, NatEntryV4, { NAT_DEFAULT_ENTRIES as usize }> = HashMap::new();
+
+#[btf_map(name = "interfaces")]
+pub static INTERFACES: HashMap<u32, InterfaceV4, { INTERFACES_MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+#[btf_map(name = "settings")]
+pub static SETTINGS: Array<Settings, 1> = Array::new();
 
 #[btf_map(name = "counters")]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
@@ -23,4 +38,9 @@ pub fn count(counter: Counter) {
         // Per-CPU slot: no other writer can race this increment.
         unsafe { *slot += 1 };
     }
+}
+
+#[inline(always)]
+pub fn settings() -> Option<&'static Settings> {
+    SETTINGS.get(0)
 }

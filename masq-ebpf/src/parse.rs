@@ -1,28 +1,168 @@
-//! Bounds-checked header access. Every read goes through `TcContext::load`, which copies from the
-//! packet with `bpf_skb_load_bytes`, so a short packet yields `Err` rather than a verifier failure.
+//! Header parsing. Every read goes through `TcContext::load` (`bpf_skb_load_bytes`), so a short
+//! or non-linear packet yields `None` rather than a verifier failure or a misread.
 
 use aya_ebpf::programs::TcContext;
+use masq_ebpf::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+/// Only option-less IPv4 headers are translated; packets with IP options pass untouched.
+pub const IPV4_HLEN: usize = 20;
+pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
+pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
+pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
+/// Where the L4 header starts, given an option-less IPv4 header.
+pub const L4_OFF: usize = ETH_HLEN + IPV4_HLEN;
+const IP_OFFSET: u16 = 0x1fff;
 
-/// The IPv4 fields the masquerade decision needs.
-pub struct Ipv4Summary {
+pub const TCP_CSUM_OFF: usize = 16;
+pub const UDP_CSUM_OFF: usize = 6;
+pub const ICMP_CSUM_OFF: usize = 2;
+pub const ICMP_ID_OFF: usize = 4;
+pub const ICMP_ECHO_REPLY: u8 = 0;
+pub const ICMP_DEST_UNREACH: u8 = 3;
+pub const ICMP_ECHO_REQUEST: u8 = 8;
+pub const ICMP_TIME_EXCEEDED: u8 = 11;
+const TCP_FLAGS_OFF: usize = 13;
+
+/// An option-less IPv4 header, as laid out on the wire.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Ipv4Header {
+    pub version_ihl: u8,
+    pub tos: u8,
+    pub total_len: u16,
+    pub id: u16,
+    pub frag: u16,
+    pub ttl: u8,
+    pub protocol: u8,
+    pub check: u16,
+    pub saddr: [u8; 4],
     pub daddr: [u8; 4],
 }
 
-/// Parses an Ethernet frame carrying IPv4; `None` for anything else.
+impl Ipv4Header {
+    /// A fragment other than the first carries no L4 header.
+    #[inline(always)]
+    pub fn is_later_fragment(&self) -> bool {
+        u16::from_be(self.frag) & IP_OFFSET != 0
+    }
+}
+
+/// Parses an Ethernet frame carrying an option-less IPv4 header at offset `ETH_HLEN`.
 #[inline(always)]
-pub fn ipv4(ctx: &TcContext) -> Option<Ipv4Summary> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
-    if ethertype != ETH_P_IP {
+pub fn ipv4(ctx: &TcContext) -> Option<Ipv4Header> {
+    if u16::from_be(ctx.load::<u16>(12).ok()?) != ETH_P_IP {
         return None;
     }
-    let version_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
-    if version_ihl >> 4 != 4 || (version_ihl & 0x0f) < 5 {
+    ipv4_at(ctx, ETH_HLEN)
+}
+
+/// Parses an option-less IPv4 header at `offset` (also the one quoted inside ICMP errors).
+#[inline(always)]
+pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Ipv4Header> {
+    let header: Ipv4Header = ctx.load(offset).ok()?;
+    (header.version_ihl == 0x45).then_some(header)
+}
+
+/// The pair of 16-bit words at the start of an L4 header: ports for TCP and UDP; for ICMP, the
+/// type and code, then the checksum.
+#[inline(always)]
+pub fn l4_words(ctx: &TcContext, offset: usize) -> Option<(u16, u16)> {
+    let words: [u16; 2] = ctx.load(offset).ok()?;
+    Some((words[0], words[1]))
+}
+
+/// What identifies a flow at L4: ports, or for ICMP echo its identifier.
+pub struct L4 {
+    pub proto: u8,
+    /// Network byte order. For ICMP: the echo identifier.
+    pub sport: u16,
+    /// Network byte order. For ICMP: 0.
+    pub dport: u16,
+    /// ICMP type; 0 for TCP and UDP.
+    pub icmp_type: u8,
+    /// TCP flags byte; 0 for UDP and ICMP.
+    pub tcp_flags: u8,
+}
+
+/// The shortest header of each protocol: what must be present for it to be rewritten.
+#[inline(always)]
+fn min_header_len(proto: u8) -> usize {
+    match proto {
+        IPPROTO_TCP => 20,
+        _ => 8,
+    }
+}
+
+/// Reads the L4 header at `offset` for `proto`; `None` if truncated or not TCP, UDP or ICMP.
+#[inline(always)]
+pub fn l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
+    if (ctx.len() as usize) < offset + min_header_len(proto) {
         return None;
     }
-    Some(Ipv4Summary {
-        daddr: ctx.load(ETH_HLEN + 16).ok()?,
-    })
+    match proto {
+        IPPROTO_TCP => {
+            let (sport, dport) = l4_words(ctx, offset)?;
+            let tcp_flags: u8 = ctx.load(offset + TCP_FLAGS_OFF).ok()?;
+            Some(L4 {
+                proto,
+                sport,
+                dport,
+                icmp_type: 0,
+                tcp_flags,
+            })
+        }
+        IPPROTO_UDP => {
+            let (sport, dport) = l4_words(ctx, offset)?;
+            Some(L4 {
+                proto,
+                sport,
+                dport,
+                icmp_type: 0,
+                tcp_flags: 0,
+            })
+        }
+        IPPROTO_ICMP => {
+            let icmp_type: u8 = ctx.load(offset).ok()?;
+            let id: u16 = ctx.load(offset + ICMP_ID_OFF).ok()?;
+            Some(L4 {
+                proto,
+                sport: id,
+                dport: 0,
+                icmp_type,
+                tcp_flags: 0,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Like `l4`, but reads only the first 8 bytes of the header, all an ICMP error is sure to quote.
+#[inline(always)]
+pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
+    match proto {
+        IPPROTO_TCP | IPPROTO_UDP => {
+            let (sport, dport) = l4_words(ctx, offset)?;
+            Some(L4 {
+                proto,
+                sport,
+                dport,
+                icmp_type: 0,
+                tcp_flags: 0,
+            })
+        }
+        IPPROTO_ICMP => l4(ctx, offset, proto),
+        _ => None,
+    }
+}
+
+/// Offset of the checksum field within the L4 header.
+#[inline(always)]
+pub fn l4_csum_off(proto: u8) -> usize {
+    match proto {
+        IPPROTO_TCP => TCP_CSUM_OFF,
+        IPPROTO_UDP => UDP_CSUM_OFF,
+        _ => ICMP_CSUM_OFF,
+    }
 }

@@ -1,28 +1,370 @@
-//! The tc entry points.
+//! The tc entry points and the three decisions they make, named after Cilium's `nat.h`:
+//! `snat_v4_needs_masquerade` (egress: rewrite this packet?), `snat_v4_nat` (egress: rewrite the
+//! source) and `snat_v4_rev_nat` (ingress: restore the destination of replies, and of ICMP errors
+//! about translated flows).
 
 use aya_ebpf::{
-    bindings::TC_ACT_OK, btf_maps::lpm_trie::Key, macros::classifier, programs::TcContext,
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    btf_maps::lpm_trie::Key,
+    macros::classifier,
+    programs::TcContext,
 };
-use masq_ebpf::Counter;
+use masq_ebpf::{
+    Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, InterfaceV4, NatEntryV4, Settings, direction,
+    nat_kind,
+};
 
-use crate::{maps, parse};
+use crate::{
+    csum, maps,
+    nat::{self, AllocError},
+    parse::{self, Ipv4Header, L4, L4_OFF},
+};
 
-/// Egress: decide whether a packet leaving the node would be masqueraded.
 #[classifier]
 pub fn masq_egress(ctx: TcContext) -> i32 {
-    let Some(ip) = parse::ipv4(&ctx) else {
+    let Some((ip, iface, settings)) = prologue(&ctx) else {
         maps::count(Counter::NotInspected);
         return TC_ACT_OK;
     };
-    if needs_masquerade_v4(&ip.daddr) {
-        maps::count(Counter::MasqueradeCandidate);
-    } else {
-        maps::count(Counter::NonMasqDestination);
+    match snat_v4_needs_masquerade(&ctx, &ip, &iface) {
+        Decision::Masquerade(l4) => snat_v4_nat(&ctx, &ip, &l4, &iface, settings),
+        Decision::Keep(counter) => {
+            maps::count(counter);
+            TC_ACT_OK
+        }
+        Decision::Drop(counter) => {
+            maps::count(counter);
+            TC_ACT_SHOT
+        }
     }
-    TC_ACT_OK
+}
+
+#[classifier]
+pub fn masq_ingress(ctx: TcContext) -> i32 {
+    let Some((ip, iface, _)) = prologue(&ctx) else {
+        maps::count(Counter::NotInspected);
+        return TC_ACT_OK;
+    };
+    snat_v4_rev_nat(&ctx, &ip, &iface)
+}
+
+/// What every packet needs first: its IPv4 header, the interface's address, and NAT settings.
+#[inline(always)]
+fn prologue(ctx: &TcContext) -> Option<(Ipv4Header, InterfaceV4, &'static Settings)> {
+    let ip = parse::ipv4(ctx)?;
+    // SAFETY: the context pointer is valid for the program's run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: the value is copied out at once.
+    let iface = unsafe { *maps::INTERFACES.get_ptr(ifindex)? };
+    let settings = maps::settings().filter(|s| s.total_ports != 0)?;
+    Some((ip, iface, settings))
+}
+
+enum Decision {
+    Masquerade(L4),
+    Keep(Counter),
+    Drop(Counter),
 }
 
 #[inline(always)]
-fn needs_masquerade_v4(daddr: &[u8; 4]) -> bool {
-    maps::NON_MASQ_V4.get(&Key::new(32, *daddr)).is_none()
+fn is_non_masq_destination(addr: [u8; 4]) -> bool {
+    maps::NON_MASQ_V4.get(&Key::new(32, addr)).is_some()
+}
+
+/// Egress: should this packet leave with the node's address? Cheap checks first, the trie
+/// lookup last.
+#[inline(always)]
+fn snat_v4_needs_masquerade(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> Decision {
+    if ip.saddr == iface.addr {
+        return Decision::Keep(Counter::NotMasqNodeSource);
+    }
+    if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
+        return Decision::Keep(Counter::NotMasqOtherProtocol);
+    }
+    if is_non_masq_destination(ip.daddr) {
+        return Decision::Keep(Counter::NotMasqNonMasqDestination);
+    }
+    if ip.is_later_fragment() {
+        // No ports to translate by: dropped rather than sent with the pod's address.
+        return Decision::Drop(Counter::DropFragment);
+    }
+    let Some(l4) = parse::l4(ctx, L4_OFF, ip.protocol) else {
+        return Decision::Keep(Counter::NotInspected);
+    };
+    if l4.proto == IPPROTO_ICMP && l4.icmp_type != parse::ICMP_ECHO_REQUEST {
+        return Decision::Keep(Counter::NotMasqIcmpOther);
+    }
+    Decision::Masquerade(l4)
+}
+
+#[inline(always)]
+fn progress(l4: &L4) -> u8 {
+    if l4.proto == IPPROTO_TCP {
+        nat::tcp_progress(l4.tcp_flags)
+    } else {
+        0
+    }
+}
+
+/// Egress: find or create the flow's translation and rewrite the source.
+#[inline(always)]
+fn snat_v4_nat(
+    ctx: &TcContext,
+    ip: &Ipv4Header,
+    l4: &L4,
+    iface: &InterfaceV4,
+    settings: &Settings,
+) -> i32 {
+    let key = nat::key(ip.saddr, ip.daddr, l4, direction::EGRESS);
+    let progress = progress(l4);
+    let entry = match nat::lookup(&key) {
+        Some(entry) => {
+            nat::refresh(entry, progress);
+            // SAFETY: map value pointer from a successful lookup.
+            unsafe { *entry }
+        }
+        None => match nat::create_snat(&key, iface.addr, settings, progress) {
+            Ok(entry) => entry,
+            Err(AllocError::PortsExhausted) => {
+                maps::count(Counter::DropPortsExhausted);
+                return TC_ACT_SHOT;
+            }
+            Err(AllocError::TableFull) => {
+                maps::count(Counter::DropNatTableFull);
+                return TC_ACT_SHOT;
+            }
+        },
+    };
+    if entry.kind == nat_kind::PASSTHROUGH {
+        maps::count(Counter::NotMasqInbound);
+        return TC_ACT_OK;
+    }
+    let field = if l4.proto == IPPROTO_ICMP {
+        parse::ICMP_ID_OFF
+    } else {
+        0
+    };
+    match rewrite(
+        ctx,
+        parse::IPV4_SADDR_OFF,
+        ip.saddr,
+        field,
+        l4.proto,
+        l4.sport,
+        &entry,
+    ) {
+        Ok(()) => {
+            maps::count(Counter::Masqueraded);
+            TC_ACT_OK
+        }
+        Err(_) => {
+            maps::count(Counter::DropRewriteFailed);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+/// Rewrites one address (source or destination) and the matching L4 word (port or echo id) to
+/// the entry's, with every checksum that covers them.
+#[inline(always)]
+fn rewrite(
+    ctx: &TcContext,
+    addr_off: usize,
+    old_addr: [u8; 4],
+    l4_field: usize,
+    proto: u8,
+    old_word: u16,
+    entry: &NatEntryV4,
+) -> Result<(), i64> {
+    let csum_off = L4_OFF + parse::l4_csum_off(proto);
+    let pseudo = (proto != IPPROTO_ICMP).then_some((csum_off, proto));
+    if old_addr != entry.addr {
+        csum::rewrite_ipv4_addr(ctx, addr_off, old_addr, entry.addr, pseudo)?;
+    }
+    if old_word != entry.port {
+        csum::rewrite_l4_word(
+            ctx,
+            L4_OFF + l4_field,
+            csum_off,
+            proto,
+            old_word,
+            entry.port,
+        )?;
+    }
+    Ok(())
+}
+
+/// Ingress: restore the pod's address in replies to masqueraded flows, and remember connections
+/// opened from outside toward pods.
+#[inline(always)]
+fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32 {
+    if ip.is_later_fragment() {
+        return TC_ACT_OK;
+    }
+    let Some(l4) = parse::l4(ctx, L4_OFF, ip.protocol) else {
+        return TC_ACT_OK;
+    };
+    let (key, field) = match (l4.proto, l4.icmp_type) {
+        (IPPROTO_TCP | IPPROTO_UDP, _) => {
+            (nat::key(ip.saddr, ip.daddr, &l4, direction::INGRESS), 2)
+        }
+        (IPPROTO_ICMP, parse::ICMP_ECHO_REPLY) => {
+            // Replies carry the identifier the request left with: the key's pod-side port.
+            let reply = L4 {
+                sport: 0,
+                dport: l4.sport,
+                ..l4
+            };
+            (
+                nat::key(ip.saddr, ip.daddr, &reply, direction::INGRESS),
+                parse::ICMP_ID_OFF,
+            )
+        }
+        (IPPROTO_ICMP, parse::ICMP_DEST_UNREACH | parse::ICMP_TIME_EXCEEDED) => {
+            return snat_v4_rev_nat_icmp_error(ctx, ip);
+        }
+        _ => return TC_ACT_OK,
+    };
+    let progress = progress(&l4);
+    let Some(entry) = nat::lookup(&key) else {
+        if ip.daddr != iface.addr && l4.proto != IPPROTO_ICMP && !is_non_masq_destination(ip.saddr)
+        {
+            nat::track_inbound(&key, progress);
+        }
+        return TC_ACT_OK;
+    };
+    nat::refresh(entry, progress);
+    // SAFETY: map value pointer from a successful lookup.
+    let entry = unsafe { *entry };
+    if entry.kind != nat_kind::SNAT {
+        return TC_ACT_OK;
+    }
+    match rewrite(
+        ctx,
+        parse::IPV4_DADDR_OFF,
+        ip.daddr,
+        field,
+        l4.proto,
+        key.dport,
+        &entry,
+    ) {
+        Ok(()) => {
+            maps::count(Counter::ReverseTranslated);
+            TC_ACT_OK
+        }
+        Err(_) => {
+            maps::count(Counter::DropRewriteFailed);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+const INNER_IP_OFF: usize = L4_OFF + 8;
+const INNER_L4_OFF: usize = INNER_IP_OFF + parse::IPV4_HLEN;
+
+/// Ingress ICMP error (destination unreachable, fragmentation needed, time exceeded) about a
+/// packet we masqueraded: it quotes that packet as it left, from the node's address and NAT
+/// port. Translate the outer destination and the quoted source back to the pod, and fix the
+/// outer IP, quoted IP, quoted L4 and ICMP checksums.
+#[inline(always)]
+fn snat_v4_rev_nat_icmp_error(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
+    let Some(inner) = parse::ipv4_at(ctx, INNER_IP_OFF) else {
+        return TC_ACT_OK;
+    };
+    if inner.saddr != ip.daddr {
+        return TC_ACT_OK;
+    }
+    // Errors need only quote 8 bytes of L4 header: enough for ports, or an echo identifier.
+    let Some(quoted) = parse::quoted_l4(ctx, INNER_L4_OFF, inner.protocol) else {
+        return TC_ACT_OK;
+    };
+    // The quoted packet went out; a reply to it would have come in as this key.
+    let (key, field) = match quoted.proto {
+        IPPROTO_ICMP if quoted.icmp_type == parse::ICMP_ECHO_REQUEST => {
+            let reply = L4 {
+                sport: 0,
+                dport: quoted.sport,
+                ..quoted
+            };
+            (
+                nat::key(inner.daddr, inner.saddr, &reply, direction::INGRESS),
+                parse::ICMP_ID_OFF,
+            )
+        }
+        IPPROTO_TCP | IPPROTO_UDP => {
+            let reply = L4 {
+                sport: quoted.dport,
+                dport: quoted.sport,
+                ..quoted
+            };
+            (
+                nat::key(inner.daddr, inner.saddr, &reply, direction::INGRESS),
+                0,
+            )
+        }
+        _ => return TC_ACT_OK,
+    };
+    let Some(entry) = nat::lookup(&key) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: map value pointer from a successful lookup.
+    let entry = unsafe { *entry };
+    if entry.kind != nat_kind::SNAT {
+        return TC_ACT_OK;
+    }
+    match rewrite_icmp_error(ctx, ip, &inner, &quoted, field, key.dport, &entry) {
+        Ok(()) => {
+            maps::count(Counter::IcmpErrorTranslated);
+            TC_ACT_OK
+        }
+        Err(_) => {
+            maps::count(Counter::DropRewriteFailed);
+            TC_ACT_SHOT
+        }
+    }
+}
+
+#[inline(always)]
+fn rewrite_icmp_error(
+    ctx: &TcContext,
+    ip: &Ipv4Header,
+    inner: &Ipv4Header,
+    quoted: &L4,
+    quoted_field: usize,
+    nat_word: u16,
+    entry: &NatEntryV4,
+) -> Result<(), i64> {
+    let icmp_csum_off = L4_OFF + parse::ICMP_CSUM_OFF;
+    let mut icmp_csum: u16 = ctx.load(icmp_csum_off)?;
+
+    // The quoted IP header: source address and its own checksum. ICMP's checksum covers both.
+    let inner_check = csum::replace_dword(inner.check, inner.saddr, entry.addr);
+    icmp_csum = csum::replace_dword(icmp_csum, inner.saddr, entry.addr);
+    icmp_csum = csum::replace_word(icmp_csum, inner.check, inner_check);
+    ctx.store(INNER_IP_OFF + 12, &entry.addr, 0)?;
+    ctx.store(INNER_IP_OFF + 10, &inner_check, 0)?;
+
+    // The quoted port or echo identifier.
+    icmp_csum = csum::replace_word(icmp_csum, nat_word, entry.port);
+    ctx.store(INNER_L4_OFF + quoted_field, &entry.port, 0)?;
+
+    // The quoted L4 checksum, when the error quotes enough of the packet to hold it.
+    let quoted_csum_off = INNER_L4_OFF + parse::l4_csum_off(quoted.proto);
+    if let Ok(old) = ctx.load::<u16>(quoted_csum_off)
+        && !(quoted.proto == IPPROTO_UDP && old == 0)
+    {
+        let mut new = csum::replace_word(old, nat_word, entry.port);
+        if quoted.proto != IPPROTO_ICMP {
+            new = csum::replace_dword(new, inner.saddr, entry.addr);
+        }
+        if quoted.proto == IPPROTO_UDP && new == 0 {
+            new = 0xffff;
+        }
+        icmp_csum = csum::replace_word(icmp_csum, old, new);
+        ctx.store(quoted_csum_off, &new, 0)?;
+    }
+    ctx.store(icmp_csum_off, &icmp_csum, 0)?;
+
+    // The outer destination. ICMP has no pseudo-header, so only the IP checksum changes.
+    csum::rewrite_ipv4_addr(ctx, parse::IPV4_DADDR_OFF, ip.daddr, entry.addr, None)
 }

@@ -368,6 +368,10 @@ impl IptablesDataPlane {
         }
     }
 
+    pub fn chain(&self) -> &str {
+        &self.opts.chain
+    }
+
     fn apply_family(&mut self, family: IpFamily, rendered: String) -> anyhow::Result<ApplyOutcome> {
         let ipt = Iptables { family };
         let chain = &self.opts.chain;
@@ -451,7 +455,11 @@ pub fn status(chain: &str) -> anyhow::Result<Status> {
             Mode::Ebpf
         }
     });
-    Ok(Status { mode, chains })
+    Ok(Status {
+        mode,
+        chains,
+        ebpf: None,
+    })
 }
 
 /// Removes the chain and its POSTROUTING jump for every family.

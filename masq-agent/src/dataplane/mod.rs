@@ -46,6 +46,11 @@ pub trait DataPlane {
     /// Makes the kernel match `policy`. On error, whatever was in force before stays in force.
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome>;
 
+    /// Periodic upkeep between applies (expiring idle NAT entries).
+    fn maintain(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// Reads back what is installed.
     fn status(&self) -> anyhow::Result<Status>;
 
@@ -59,6 +64,27 @@ pub struct Status {
     /// `None` when nothing is installed.
     pub mode: Option<Mode>,
     pub chains: Vec<iptables::ChainStatus>,
+    pub ebpf: Option<ebpf::EbpfStatus>,
+}
+
+/// Reads back whatever the agent installed, for `masq-agent status` in a separate process.
+pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
+    let mut status = iptables::status(chain)?;
+    status.ebpf = ebpf::read_status(bpffs)?;
+    if status
+        .ebpf
+        .as_ref()
+        .is_some_and(|e| !e.attachments.is_empty())
+    {
+        status.mode = Some(Mode::Ebpf);
+    }
+    Ok(status)
+}
+
+/// Removes everything either data plane installed.
+pub fn cleanup_all(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<()> {
+    ebpf::cleanup(bpffs)?;
+    iptables::cleanup(chain)
 }
 
 impl std::fmt::Display for Status {
@@ -66,6 +92,9 @@ impl std::fmt::Display for Status {
         match self.mode {
             Some(mode) => writeln!(f, "data plane: {mode}")?,
             None => writeln!(f, "data plane: none installed")?,
+        }
+        if let Some(ebpf) = &self.ebpf {
+            write!(f, "{ebpf}")?;
         }
         for chain in &self.chains {
             write!(f, "{chain}")?;

@@ -1,0 +1,184 @@
+//! Attaching the classifiers to devices. On kernels with TCX (>= 6.6) every attachment is a
+//! link pinned under bpffs: it outlives the agent, and a restarted agent swaps its new program
+//! into the same link atomically, so no packet ever misses translation. Older kernels get a
+//! clsact filter through netlink.
+
+use std::path::Path;
+
+use anyhow::Context as _;
+use aya::{
+    programs::{
+        SchedClassifier, TcAttachType,
+        links::{FdLink, LinkOrder, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions},
+    },
+    util::KernelVersion,
+};
+use serde::Serialize;
+
+/// Set to force netlink (clsact) attachment, to exercise the path older kernels take.
+pub const FORCE_NETLINK_ENV: &str = "MASQ_AGENT_TC_NETLINK";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hook {
+    Egress,
+    Ingress,
+}
+
+impl Hook {
+    pub const BOTH: [Hook; 2] = [Hook::Egress, Hook::Ingress];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Egress => "egress",
+            Hook::Ingress => "ingress",
+        }
+    }
+
+    fn attach_type(self) -> TcAttachType {
+        match self {
+            Hook::Egress => TcAttachType::Egress,
+            Hook::Ingress => TcAttachType::Ingress,
+        }
+    }
+}
+
+/// How a program is attached to one device and hook. Dropping it leaves the program attached.
+pub enum Attachment {
+    /// A TCX link, pinned: it stays when the agent exits.
+    Tcx(FdLink),
+    /// A clsact filter; forgotten on drop so that it, too, stays when the agent exits.
+    Netlink(Option<SchedClassifierLink>),
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        if let Attachment::Netlink(link) = self {
+            std::mem::forget(link.take());
+        }
+    }
+}
+
+pub fn uses_tcx() -> bool {
+    std::env::var_os(FORCE_NETLINK_ENV).is_none()
+        && KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
+}
+
+/// Attaches `prog` to `device` at `hook`, taking over the pinned link at `pin` if an earlier
+/// agent left one there.
+pub fn attach(
+    prog: &mut SchedClassifier,
+    device: &str,
+    hook: Hook,
+    pin: &Path,
+) -> anyhow::Result<Attachment> {
+    if !uses_tcx() {
+        return attach_netlink(prog, device, hook);
+    }
+    if pin.exists() {
+        match replace_pinned(prog, device, hook, pin) {
+            Ok(link) => return Ok(Attachment::Tcx(link)),
+            Err(err) => {
+                tracing::warn!(
+                    device,
+                    hook = hook.name(),
+                    "pinned link unusable, attaching anew: {err:#}"
+                );
+                std::fs::remove_file(pin)?;
+            }
+        }
+    }
+    let id = prog
+        .attach_with_options(
+            device,
+            hook.attach_type(),
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        )
+        .with_context(|| format!("attaching to {device} {}", hook.name()))?;
+    let link: FdLink = prog.take_link(id)?.try_into()?;
+    let pinned = link
+        .pin(pin)
+        .with_context(|| format!("pinning {}", pin.display()))?;
+    Ok(Attachment::Tcx(pinned.into()))
+}
+
+/// Swaps `prog` into the link an earlier agent pinned, in one step (`BPF_LINK_UPDATE`).
+fn replace_pinned(
+    prog: &mut SchedClassifier,
+    device: &str,
+    hook: Hook,
+    pin: &Path,
+) -> anyhow::Result<FdLink> {
+    let link: FdLink = PinnedLink::from_pin(pin)?.into();
+    let link = SchedClassifierLink::try_from(link)?;
+    let id = prog.attach_to_link(link)?;
+    let link: FdLink = prog.take_link(id)?.try_into()?;
+    // A link whose device was deleted and recreated no longer points at the device.
+    if !is_attached(prog, device, hook)? {
+        anyhow::bail!("the pinned link is no longer attached to {device}");
+    }
+    Ok(link)
+}
+
+fn attach_netlink(
+    prog: &mut SchedClassifier,
+    device: &str,
+    hook: Hook,
+) -> anyhow::Result<Attachment> {
+    // An existing clsact qdisc is fine.
+    let _ = tc::qdisc_add_clsact(device);
+    if let Some(name) = prog_name(prog) {
+        // Replace what an earlier agent attached rather than stacking another copy.
+        let _ = tc::qdisc_detach_program(device, hook.attach_type(), &name);
+    }
+    let id = prog
+        .attach_with_options(
+            device,
+            hook.attach_type(),
+            TcAttachOptions::Netlink(NlOptions::default()),
+        )
+        .with_context(|| format!("attaching to {device} {} via netlink", hook.name()))?;
+    Ok(Attachment::Netlink(Some(prog.take_link(id)?)))
+}
+
+fn prog_name(prog: &SchedClassifier) -> Option<String> {
+    prog.info().ok()?.name_as_str().map(String::from)
+}
+
+/// Whether `prog` currently runs at `device`'s `hook`.
+pub fn is_attached(prog: &SchedClassifier, device: &str, hook: Hook) -> anyhow::Result<bool> {
+    if !uses_tcx() {
+        // Netlink filters cannot be listed per program here; re-attachment relies on TCX.
+        return Ok(true);
+    }
+    let id = prog.info()?.id();
+    let (_, progs) = SchedClassifier::query_tcx(device, hook.attach_type())?;
+    Ok(progs.iter().any(|p| p.id() == id))
+}
+
+/// Removes every pinned link under `links_dir`, which detaches their programs, and any clsact
+/// filters named after our programs on `devices`.
+pub fn detach_all(
+    links_dir: &Path,
+    devices: &[String],
+    program_names: &[&str],
+) -> anyhow::Result<()> {
+    if let Ok(entries) = std::fs::read_dir(links_dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match PinnedLink::from_pin(&path) {
+                Ok(link) => drop(link.unpin()?),
+                Err(_) => std::fs::remove_file(&path)?,
+            }
+        }
+    }
+    for device in devices {
+        for hook in Hook::BOTH {
+            for name in program_names {
+                let _ = tc::qdisc_detach_program(device, hook.attach_type(), name);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! Expiry of NAT table entries. The data path records when each half of a flow last saw a
+//! packet and how far a TCP connection got; here both halves of a flow are judged together and
+//! removed together.
+
+use std::{borrow::BorrowMut, collections::HashMap, time::Duration};
+
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, NatEntryV4, NatKeyV4, direction, tcp_seen};
+
+/// How long a flow may stay idle, by protocol and state.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub tcp_established: Duration,
+    /// Half-open (no reply yet) and closing (FIN or RST seen) TCP connections.
+    pub tcp_transitory: Duration,
+    pub udp: Duration,
+    pub icmp: Duration,
+    /// A reply-direction half without its egress half: left by an allocation that lost a race,
+    /// or by a crash between the two inserts.
+    pub orphan: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            tcp_established: Duration::from_secs(2 * 3600),
+            tcp_transitory: Duration::from_secs(60),
+            udp: Duration::from_secs(120),
+            icmp: Duration::from_secs(60),
+            orphan: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Timeouts {
+    fn for_flow(&self, key: &NatKeyV4, egress: &NatEntryV4, ingress: &NatEntryV4) -> Duration {
+        match key.proto {
+            IPPROTO_TCP => {
+                let seen = egress.tcp_seen | ingress.tcp_seen;
+                let closing = seen & (tcp_seen::FIN | tcp_seen::RST) != 0;
+                let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
+                if !closing && both_ways && seen & tcp_seen::ACK != 0 {
+                    self.tcp_established
+                } else {
+                    self.tcp_transitory
+                }
+            }
+            IPPROTO_UDP => self.udp,
+            _ => self.icmp,
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC, the clock `bpf_ktime_get_ns` reads.
+pub fn monotonic_now_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is always available");
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ExpiryRun {
+    pub entries: usize,
+    pub flows_expired: usize,
+    pub orphans_removed: usize,
+}
+
+/// Removes every flow idle for longer than its timeout, both halves together.
+pub fn expire<T: BorrowMut<MapData>>(
+    nat: &mut BpfHashMap<T, NatKeyV4, NatEntryV4>,
+    timeouts: &Timeouts,
+    now_ns: u64,
+) -> ExpiryRun {
+    let table: HashMap<NatKeyV4, NatEntryV4> = nat.iter().filter_map(Result::ok).collect();
+    let mut run = ExpiryRun {
+        entries: table.len(),
+        ..ExpiryRun::default()
+    };
+    let idle = |entry: &NatEntryV4| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
+    for (key, entry) in &table {
+        let partner_key = key.reverse(entry);
+        let partner = table.get(&partner_key);
+        if key.direction == direction::INGRESS {
+            if partner.is_none() && idle(entry) > timeouts.orphan {
+                run.orphans_removed += usize::from(nat.remove(key).is_ok());
+            }
+            continue;
+        }
+        let Some(ingress) = partner else {
+            // An egress half alone cannot translate replies; let it go with its timeout.
+            if idle(entry) > timeouts.for_flow(key, entry, entry) {
+                run.orphans_removed += usize::from(nat.remove(key).is_ok());
+            }
+            continue;
+        };
+        let last = entry.last_seen_ns.max(ingress.last_seen_ns);
+        let timeout = timeouts.for_flow(key, entry, ingress);
+        if Duration::from_nanos(now_ns.saturating_sub(last)) <= timeout {
+            continue;
+        }
+        // The data path may have refreshed the flow since the snapshot: look again.
+        let fresh = |k: &NatKeyV4| nat.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
+        if Duration::from_nanos(now_ns.saturating_sub(fresh(key).max(fresh(&partner_key))))
+            <= timeout
+        {
+            continue;
+        }
+        let _ = nat.remove(key);
+        let _ = nat.remove(&partner_key);
+        run.flows_expired += 1;
+    }
+    run
+}

@@ -1,0 +1,558 @@
+//! The eBPF data plane: masq-ebpf's tc programs on each selected device, the non-masquerade
+//! tries they look destinations up in, the NAT table, and beside them the reference chain
+//! reduced to the protocols the programs leave alone.
+
+pub mod attach;
+pub mod expiry;
+pub mod pins;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap as BpfHashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie::Key},
+    programs::{
+        SchedClassifier,
+        links::{FdLink, PinnedLink},
+    },
+};
+use ipnet::{Ipv4Net, Ipv6Net};
+use masq_ebpf::{
+    COUNTER_SLOTS, Counter, InterfaceV4, MAX_PORT_SPANS, NAT_DEFAULT_ENTRIES, NON_MASQ_PRESENT,
+    NatEntryV4, NatKeyV4, PortSpan, Settings, direction, map_names, program_names,
+};
+use serde::Serialize;
+use tracing::{info, warn};
+
+use self::{
+    attach::{Attachment, Hook},
+    expiry::Timeouts,
+    pins::Pins,
+};
+use super::{
+    ApplyOutcome, DataPlane, Mode, Status,
+    iptables::{ChainVariant, IptablesDataPlane},
+};
+use crate::{
+    netdev::{self, Device},
+    policy::{MasqueradeOptions, Policy},
+    ports::PortRange,
+};
+
+/// The compiled tc programs, embedded so that the agent is one binary.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/masq"));
+
+/// The eBPF data plane could not run (load, attach) or stopped running (detached and not
+/// re-attachable). The agent falls back to iptables on this error, if allowed to.
+#[derive(Debug, thiserror::Error)]
+#[error("eBPF data plane unavailable: {0:#}")]
+pub struct Unavailable(pub anyhow::Error);
+
+/// What the eBPF data plane needs from the flags and the node.
+#[derive(Debug, Clone)]
+pub struct EbpfOptions {
+    pub bpffs: PathBuf,
+    pub devices: Vec<String>,
+    pub nat_capacity: u32,
+    pub port_spans: Vec<PortRange>,
+    pub random_fully: bool,
+    pub masquerade: MasqueradeOptions,
+}
+
+impl EbpfOptions {
+    pub const DEFAULT_NAT_CAPACITY: u32 = NAT_DEFAULT_ENTRIES;
+}
+
+pub struct EbpfDataPlane {
+    ebpf: Ebpf,
+    pins: Pins,
+    devices: Vec<Device>,
+    attachments: Vec<(String, Hook, Attachment)>,
+    chain: IptablesDataPlane,
+    timeouts: Timeouts,
+    applied: Option<Policy>,
+}
+
+/// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
+/// matches. Nothing is attached until the first `apply`, so that the programs never run with
+/// empty non-masquerade tries.
+pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
+    load(opts).map_err(Unavailable)
+}
+
+fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
+    if opts.devices.is_empty() {
+        bail!("no interface to attach to (no default route, and no --interface)");
+    }
+    let pins = Pins::new(&opts.bpffs);
+    pins.prepare()?;
+    pins.discard_incompatible(opts.nat_capacity);
+    let mut loader = EbpfLoader::new();
+    loader.map_max_entries(map_names::NAT_V4, opts.nat_capacity);
+    let paths: Vec<(&str, PathBuf)> = map_names::PINNED
+        .iter()
+        .map(|name| (*name, pins.map(name)))
+        .collect();
+    for (name, path) in &paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
+    for name in [program_names::EGRESS, program_names::INGRESS] {
+        classifier(&mut ebpf, name)?
+            .load()
+            .with_context(|| format!("loading program {name}"))?;
+    }
+    write_settings(&mut ebpf, &opts.port_spans, opts.random_fully)?;
+    let devices = opts
+        .devices
+        .iter()
+        .map(|name| netdev::device(name))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    write_interfaces(&mut ebpf, &devices)?;
+    Ok(EbpfDataPlane {
+        ebpf,
+        pins,
+        devices,
+        attachments: Vec::new(),
+        chain: IptablesDataPlane::new(
+            opts.masquerade.clone(),
+            ChainVariant::OutsideEbpf,
+            Mode::Ebpf,
+        ),
+        timeouts: Timeouts::default(),
+        applied: None,
+    })
+}
+
+fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut SchedClassifier> {
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("program {name} is not a classifier"))
+}
+
+fn map_mut<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Map> {
+    ebpf.map_mut(name)
+        .with_context(|| format!("map {name} missing from the object"))
+}
+
+fn write_settings(ebpf: &mut Ebpf, spans: &[PortRange], random_fully: bool) -> anyhow::Result<()> {
+    if spans.is_empty() {
+        bail!("no ports left for NAT: the ephemeral range covers 1024-65535; set --to-ports");
+    }
+    if spans.len() > MAX_PORT_SPANS {
+        bail!(
+            "--to-ports lists {} ranges; the eBPF data plane takes at most {MAX_PORT_SPANS}",
+            spans.len()
+        );
+    }
+    let mut settings = Settings {
+        span_count: spans.len() as u32,
+        random_fully: u32::from(random_fully),
+        ..Settings::default()
+    };
+    for (slot, span) in settings.spans.iter_mut().zip(spans) {
+        *slot = PortSpan {
+            first: u32::from(span.first),
+            count: span.port_count(),
+        };
+    }
+    settings.total_ports = settings.spans.iter().map(|s| s.count).sum();
+    let mut array: Array<&mut MapData, Settings> =
+        Array::try_from(map_mut(ebpf, map_names::SETTINGS)?)?;
+    array.set(0, settings, 0)?;
+    Ok(())
+}
+
+/// Makes the `interfaces` map hold exactly `devices`, so that no stale device keeps translating.
+fn write_interfaces(ebpf: &mut Ebpf, devices: &[Device]) -> anyhow::Result<()> {
+    let mut map: BpfHashMap<&mut MapData, u32, InterfaceV4> =
+        BpfHashMap::try_from(map_mut(ebpf, map_names::INTERFACES)?)?;
+    for device in devices {
+        let entry = InterfaceV4 {
+            addr: device.ipv4.octets(),
+        };
+        if map.get(&device.index, 0).ok() != Some(entry) {
+            map.insert(device.index, entry, 0)?;
+        }
+    }
+    let stale: Vec<u32> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|index| !devices.iter().any(|d| d.index == *index))
+        .collect();
+    for index in stale {
+        map.remove(&index)?;
+    }
+    Ok(())
+}
+
+/// Makes a trie hold exactly `desired`, adding before removing so that a prefix that stays is
+/// never missing, not even for a moment. A failed insert rolls back what this call added, so
+/// the previous policy stays whole.
+fn sync_trie<const N: usize>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    desired: &BTreeSet<(u32, [u8; N])>,
+) -> anyhow::Result<bool> {
+    let mut trie: LpmTrie<&mut MapData, [u8; N], u8> = LpmTrie::try_from(map_mut(ebpf, name)?)?;
+    let current: BTreeSet<(u32, [u8; N])> = trie
+        .keys()
+        .filter_map(Result::ok)
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect();
+    let mut added = Vec::new();
+    for (len, data) in desired.difference(&current) {
+        let key = Key::new(*len, *data);
+        if let Err(err) = trie.insert(&key, NON_MASQ_PRESENT, 0) {
+            for key in &added {
+                let _ = trie.remove(key);
+            }
+            return Err(err).with_context(|| format!("adding a prefix to {name}"));
+        }
+        added.push(key);
+    }
+    let mut changed = !added.is_empty();
+    for (len, data) in current.difference(desired) {
+        trie.remove(&Key::new(*len, *data))
+            .with_context(|| format!("removing a prefix from {name}"))?;
+        changed = true;
+    }
+    Ok(changed)
+}
+
+fn v4_keys(nets: &[Ipv4Net]) -> BTreeSet<(u32, [u8; 4])> {
+    nets.iter()
+        .map(|n| (u32::from(n.prefix_len()), n.network().octets()))
+        .collect()
+}
+
+fn v6_keys(nets: &[Ipv6Net]) -> BTreeSet<(u32, [u8; 16])> {
+    nets.iter()
+        .map(|n| (u32::from(n.prefix_len()), n.network().octets()))
+        .collect()
+}
+
+impl EbpfDataPlane {
+    /// Re-reads each device's address (MASQUERADE semantics: new flows follow the address).
+    fn refresh_devices(&mut self) -> anyhow::Result<bool> {
+        let fresh = self
+            .devices
+            .iter()
+            .map(|d| netdev::device(&d.name))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if fresh == self.devices {
+            return Ok(false);
+        }
+        for (old, new) in self.devices.iter().zip(&fresh) {
+            if old != new {
+                info!(device = new.name, old = %old.ipv4, new = %new.ipv4, index = new.index, "device changed");
+            }
+        }
+        write_interfaces(&mut self.ebpf, &fresh)?;
+        self.devices = fresh;
+        Ok(true)
+    }
+
+    /// Attaches wherever a program is missing: on first apply, and after someone detached it
+    /// or the device was recreated. Returns whether anything had to be (re)attached.
+    fn ensure_attached(&mut self) -> anyhow::Result<bool> {
+        let mut repaired = false;
+        for device in self.devices.clone() {
+            for hook in Hook::BOTH {
+                let name = match hook {
+                    Hook::Egress => program_names::EGRESS,
+                    Hook::Ingress => program_names::INGRESS,
+                };
+                let pin = self.pins.link(&device.name, hook.name());
+                let prog = classifier(&mut self.ebpf, name)?;
+                let position = self
+                    .attachments
+                    .iter()
+                    .position(|(d, h, _)| *d == device.name && *h == hook);
+                if position.is_some() && attach::is_attached(prog, &device.name, hook)? {
+                    continue;
+                }
+                if let Some(i) = position {
+                    warn!(
+                        device = device.name,
+                        hook = hook.name(),
+                        "program was detached; re-attaching"
+                    );
+                    self.attachments.remove(i);
+                    let _ = std::fs::remove_file(&pin);
+                }
+                let attachment = attach::attach(prog, &device.name, hook, &pin)?;
+                self.attachments
+                    .push((device.name.clone(), hook, attachment));
+                repaired = true;
+            }
+        }
+        Ok(repaired)
+    }
+
+    fn sync_policy(&mut self, policy: &Policy) -> anyhow::Result<bool> {
+        let mut changed = sync_trie(
+            &mut self.ebpf,
+            map_names::NON_MASQ_V4,
+            &v4_keys(&policy.non_masq_v4),
+        )?;
+        if let Some(v6) = &policy.non_masq_v6 {
+            changed |= sync_trie(&mut self.ebpf, map_names::NON_MASQ_V6, &v6_keys(v6))?;
+        }
+        Ok(changed)
+    }
+}
+
+impl DataPlane for EbpfDataPlane {
+    fn mode(&self) -> Mode {
+        Mode::Ebpf
+    }
+
+    fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
+        let first = self.applied.is_none();
+        let changed = self.sync_policy(policy)?;
+        let devices_changed = self.refresh_devices().map_err(Unavailable)?;
+        let reattached = self.ensure_attached().map_err(Unavailable)?;
+        // The reduced chain goes in only once the programs run, so that no new flow is left
+        // untranslated in between.
+        let chain = self.chain.apply(policy)?;
+        self.applied = Some(policy.clone());
+        Ok(if first || changed || devices_changed {
+            ApplyOutcome::Applied
+        } else if (reattached && !first) || chain != ApplyOutcome::Unchanged {
+            ApplyOutcome::Repaired
+        } else {
+            ApplyOutcome::Unchanged
+        })
+    }
+
+    fn maintain(&mut self) -> anyhow::Result<()> {
+        let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
+            BpfHashMap::try_from(map_mut(&mut self.ebpf, map_names::NAT_V4)?)?;
+        let run = expiry::expire(&mut nat, &self.timeouts, expiry::monotonic_now_ns());
+        if run.flows_expired + run.orphans_removed > 0 {
+            tracing::debug!(?run, "expired NAT entries");
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> anyhow::Result<Status> {
+        let mut status = super::iptables::status(&self.chain_name())?;
+        status.ebpf = read_status(&self.pins.dir)?;
+        status.mode = Some(Mode::Ebpf);
+        Ok(status)
+    }
+
+    fn cleanup(&mut self) -> anyhow::Result<()> {
+        self.attachments.clear();
+        cleanup(&self.pins.dir)?;
+        self.chain.cleanup()
+    }
+}
+
+impl EbpfDataPlane {
+    fn chain_name(&self) -> String {
+        self.chain.chain().to_string()
+    }
+}
+
+/// One attachment, as read back from its pinned link.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttachmentStatus {
+    pub device: String,
+    pub hook: String,
+    pub link_id: u32,
+    pub program_id: u32,
+}
+
+/// The eBPF data plane as read back from bpffs.
+#[derive(Debug, Clone, Serialize)]
+pub struct EbpfStatus {
+    pub bpffs: PathBuf,
+    pub attachments: Vec<AttachmentStatus>,
+    pub interfaces: BTreeMap<u32, Ipv4Addr>,
+    pub non_masquerade_v4: Vec<String>,
+    pub non_masquerade_v6: Vec<String>,
+    /// Flows in the NAT table (each takes two entries), and the table's size in entries.
+    pub nat_flows: usize,
+    pub nat_inbound_flows: usize,
+    pub nat_entries: usize,
+    pub nat_capacity: u32,
+    pub counters: BTreeMap<&'static str, u64>,
+}
+
+fn pinned(pins: &Pins, name: &str) -> anyhow::Result<Map> {
+    let data =
+        MapData::from_pin(pins.map(name)).with_context(|| format!("opening pinned map {name}"))?;
+    Map::from_map_data(data).with_context(|| format!("pinned map {name}"))
+}
+
+/// Reads the data plane's state from `bpffs`; `None` if nothing is pinned there.
+pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
+    let pins = Pins::new(bpffs);
+    if !pins.map(map_names::NAT_V4).exists() {
+        return Ok(None);
+    }
+    let v4: LpmTrie<MapData, [u8; 4], u8> = pinned(&pins, map_names::NON_MASQ_V4)?.try_into()?;
+    let v6: LpmTrie<MapData, [u8; 16], u8> = pinned(&pins, map_names::NON_MASQ_V6)?.try_into()?;
+    let nat_map = pinned(&pins, map_names::NAT_V4)?;
+    let nat_capacity = match &nat_map {
+        Map::HashMap(data) => data.info()?.max_entries(),
+        _ => 0,
+    };
+    let nat: BpfHashMap<MapData, NatKeyV4, NatEntryV4> = nat_map.try_into()?;
+    let interfaces: BpfHashMap<MapData, u32, InterfaceV4> =
+        pinned(&pins, map_names::INTERFACES)?.try_into()?;
+    let counters: PerCpuArray<MapData, u64> = pinned(&pins, map_names::COUNTERS)?.try_into()?;
+
+    let mut non_masquerade_v4: Vec<(u32, [u8; 4])> = v4
+        .keys()
+        .filter_map(Result::ok)
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect();
+    non_masquerade_v4.sort();
+    let mut non_masquerade_v6: Vec<(u32, [u8; 16])> = v6
+        .keys()
+        .filter_map(Result::ok)
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect();
+    non_masquerade_v6.sort();
+    let (mut nat_entries, mut nat_flows, mut nat_inbound_flows) = (0, 0, 0);
+    for (key, entry) in nat.iter().filter_map(Result::ok) {
+        nat_entries += 1;
+        if key.direction == direction::EGRESS {
+            match entry.kind {
+                masq_ebpf::nat_kind::PASSTHROUGH => nat_inbound_flows += 1,
+                _ => nat_flows += 1,
+            }
+        }
+    }
+    let counters = Counter::ALL
+        .iter()
+        .filter(|c| (**c as u32) < COUNTER_SLOTS)
+        .map(|c| {
+            let total = counters
+                .get(&(*c as u32), 0)
+                .map(|per_cpu| per_cpu.iter().sum())
+                .unwrap_or(0);
+            (c.name(), total)
+        })
+        .collect();
+    Ok(Some(EbpfStatus {
+        bpffs: bpffs.to_path_buf(),
+        attachments: read_attachments(&pins),
+        interfaces: interfaces
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(index, iface)| (index, Ipv4Addr::from(iface.addr)))
+            .collect(),
+        non_masquerade_v4: non_masquerade_v4
+            .iter()
+            .map(|(len, data)| format!("{}/{len}", Ipv4Addr::from(*data)))
+            .collect(),
+        non_masquerade_v6: non_masquerade_v6
+            .iter()
+            .map(|(len, data)| format!("{}/{len}", std::net::Ipv6Addr::from(*data)))
+            .collect(),
+        nat_flows,
+        nat_inbound_flows,
+        nat_entries,
+        nat_capacity,
+        counters,
+    }))
+}
+
+impl std::fmt::Display for EbpfStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "eBPF objects pinned under {}", self.bpffs.display())?;
+        for a in &self.attachments {
+            writeln!(
+                f,
+                "  attached: {} {} (link {}, program {})",
+                a.device, a.hook, a.link_id, a.program_id
+            )?;
+        }
+        for (index, addr) in &self.interfaces {
+            writeln!(f, "  masquerades to {addr} on ifindex {index}")?;
+        }
+        for prefix in self.non_masquerade_v4.iter().chain(&self.non_masquerade_v6) {
+            writeln!(f, "  not masqueraded: {prefix}")?;
+        }
+        writeln!(
+            f,
+            "  NAT table: {} masqueraded flows, {} inbound flows, {} of {} entries",
+            self.nat_flows, self.nat_inbound_flows, self.nat_entries, self.nat_capacity
+        )?;
+        for (name, value) in &self.counters {
+            writeln!(f, "  {name}: {value}")?;
+        }
+        Ok(())
+    }
+}
+
+fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
+    let Ok(entries) = std::fs::read_dir(pins.links_dir()) else {
+        return Vec::new();
+    };
+    let mut out: Vec<AttachmentStatus> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let (device, hook) = name.rsplit_once('-')?;
+            let link: FdLink = PinnedLink::from_pin(entry.path()).ok()?.into();
+            let info = link.info().ok()?;
+            Some(AttachmentStatus {
+                device: device.to_string(),
+                hook: hook.to_string(),
+                link_id: info.id(),
+                program_id: info.program_id(),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.device, &a.hook).cmp(&(&b.device, &b.hook)));
+    out
+}
+
+/// Detaches the programs and removes every pin under `bpffs`.
+pub fn cleanup(bpffs: &Path) -> anyhow::Result<()> {
+    let pins = Pins::new(bpffs);
+    let devices: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    attach::detach_all(
+        &pins.links_dir(),
+        &devices,
+        &[program_names::EGRESS, program_names::INGRESS],
+    )?;
+    for name in map_names::PINNED {
+        match std::fs::remove_file(pins.map(name)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing pin {name}"));
+            }
+            _ => {}
+        }
+    }
+    for dir in [pins.links_dir(), pins.dir.clone()] {
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", dir.display()));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,179 @@
+//! The agent's objects on bpffs: where they live, and whether what an earlier agent left there
+//! can be reused. A map whose layout differs (an older version, another capacity) is replaced,
+//! never misread.
+
+use std::{
+    mem::size_of,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, bail};
+use aya::maps::{MapData, MapType};
+use masq_ebpf::{
+    COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, InterfaceV4, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatKeyV4,
+    Settings, map_names,
+};
+use tracing::{info, warn};
+
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Where everything is pinned: `<bpffs>/<map name>` and `<bpffs>/links/<device>-<hook>`.
+#[derive(Debug, Clone)]
+pub struct Pins {
+    pub dir: PathBuf,
+}
+
+impl Pins {
+    pub fn new(dir: &Path) -> Pins {
+        Pins {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    pub fn links_dir(&self) -> PathBuf {
+        self.dir.join("links")
+    }
+
+    pub fn link(&self, device: &str, hook: &str) -> PathBuf {
+        self.links_dir().join(format!("{device}-{hook}"))
+    }
+
+    /// Makes sure the directory exists on a BPF filesystem, mounting one at the parent if none
+    /// is there (as on a node where nothing has mounted /sys/fs/bpf yet).
+    pub fn prepare(&self) -> anyhow::Result<()> {
+        let parent = self
+            .dir
+            .parent()
+            .context("--bpffs must name a directory under a BPF filesystem")?;
+        if !is_bpffs(parent) {
+            std::fs::create_dir_all(parent)?;
+            nix::mount::mount(
+                Some("bpf"),
+                parent,
+                Some("bpf"),
+                nix::mount::MsFlags::empty(),
+                None::<&str>,
+            )
+            .with_context(|| {
+                format!(
+                    "{} is not on a BPF filesystem, and mounting one there failed",
+                    parent.display()
+                )
+            })?;
+            info!(path = %parent.display(), "mounted a BPF filesystem");
+        }
+        std::fs::create_dir_all(self.links_dir())
+            .with_context(|| format!("creating {}", self.links_dir().display()))?;
+        if !is_bpffs(&self.dir) {
+            bail!("{} is not on a BPF filesystem", self.dir.display());
+        }
+        Ok(())
+    }
+
+    /// Removes pinned maps whose type or layout differs from what this build expects, so that
+    /// the loader creates fresh ones. Returns the names it replaced.
+    pub fn discard_incompatible(&self, nat_capacity: u32) -> Vec<&'static str> {
+        let mut replaced = Vec::new();
+        for spec in expected_maps(nat_capacity) {
+            let path = self.map(spec.name);
+            if !path.exists() {
+                continue;
+            }
+            let verdict = MapData::from_pin(&path)
+                .map_err(anyhow::Error::from)
+                .and_then(|m| Ok(m.info()?))
+                .and_then(|info| {
+                    let found = (
+                        info.map_type()?,
+                        info.key_size(),
+                        info.value_size(),
+                        info.max_entries(),
+                    );
+                    let want = (spec.kind, spec.key_size, spec.value_size, spec.max_entries);
+                    Ok((found == want)
+                        .then_some(())
+                        .ok_or(format!("{found:?}, want {want:?}")))
+                });
+            let why = match verdict {
+                Ok(Ok(())) => continue,
+                Ok(Err(diff)) => diff,
+                Err(err) => format!("unreadable: {err:#}"),
+            };
+            warn!(
+                map = spec.name,
+                "replacing a pinned map with an incompatible layout: {why}"
+            );
+            if let Err(err) = std::fs::remove_file(&path) {
+                warn!(path = %path.display(), "could not remove: {err}");
+            }
+            replaced.push(spec.name);
+        }
+        replaced
+    }
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
+}
+
+struct MapSpec {
+    name: &'static str,
+    kind: MapType,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+}
+
+/// The maps this build creates, as the kernel reports them.
+fn expected_maps(nat_capacity: u32) -> [MapSpec; 6] {
+    const LPM_KEY_PREFIX: u32 = size_of::<u32>() as u32;
+    let size = |n: usize| n as u32;
+    [
+        MapSpec {
+            name: map_names::NON_MASQ_V4,
+            kind: MapType::LpmTrie,
+            key_size: LPM_KEY_PREFIX + 4,
+            value_size: 1,
+            max_entries: NON_MASQ_MAX_ENTRIES,
+        },
+        MapSpec {
+            name: map_names::NON_MASQ_V6,
+            kind: MapType::LpmTrie,
+            key_size: LPM_KEY_PREFIX + 16,
+            value_size: 1,
+            max_entries: NON_MASQ_MAX_ENTRIES,
+        },
+        MapSpec {
+            name: map_names::NAT_V4,
+            kind: MapType::Hash,
+            key_size: size(size_of::<NatKeyV4>()),
+            value_size: size(size_of::<NatEntryV4>()),
+            max_entries: nat_capacity,
+        },
+        MapSpec {
+            name: map_names::INTERFACES,
+            kind: MapType::Hash,
+            key_size: 4,
+            value_size: size(size_of::<InterfaceV4>()),
+            max_entries: INTERFACES_MAX_ENTRIES,
+        },
+        MapSpec {
+            name: map_names::SETTINGS,
+            kind: MapType::Array,
+            key_size: 4,
+            value_size: size(size_of::<Settings>()),
+            max_entries: 1,
+        },
+        MapSpec {
+            name: map_names::COUNTERS,
+            kind: MapType::PerCpuArray,
+            key_size: 4,
+            value_size: 8,
+            max_entries: COUNTER_SLOTS,
+        },
+    ]
+}

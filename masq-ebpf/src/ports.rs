@@ -1,0 +1,75 @@
+//! NAT port allocation: which port (or ICMP echo identifier) a new masqueraded flow gets.
+
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use masq_ebpf::{MAX_PORT_SPANS, Settings};
+
+/// How many candidate ports a new flow tries before its packet is dropped. Bounded, so that a
+/// nearly exhausted range costs a fixed amount of work per packet.
+pub const MAX_ATTEMPTS: u32 = 32;
+
+/// The port to try on `attempt` (0-based), in network byte order. With `--random-fully` every
+/// attempt is random; otherwise the first attempt keeps the pod's port when the range holds it,
+/// and later attempts walk on from there.
+#[inline(always)]
+pub fn candidate(settings: &Settings, pod_port: u16, attempt: u32, start: &mut u32) -> u16 {
+    let total = settings.total_ports;
+    if total == 0 {
+        return pod_port;
+    }
+    let offset = if settings.random_fully != 0 {
+        random_below(total)
+    } else {
+        if attempt == 0 {
+            *start =
+                offset_of(settings, u16::from_be(pod_port)).unwrap_or_else(|| random_below(total));
+        }
+        (*start + attempt).checked_rem(total).unwrap_or(0)
+    };
+    port_at(settings, offset).to_be()
+}
+
+#[inline(always)]
+fn random_below(n: u32) -> u32 {
+    // SAFETY: no preconditions.
+    let random = unsafe { bpf_get_prandom_u32() };
+    random.checked_rem(n).unwrap_or(0)
+}
+
+/// The `offset`-th port counting through the spans in order.
+#[inline(always)]
+fn port_at(settings: &Settings, mut offset: u32) -> u16 {
+    for i in 0..MAX_PORT_SPANS {
+        if i as u32 >= settings.span_count {
+            break;
+        }
+        let Some(span) = settings.spans.get(i) else {
+            break;
+        };
+        if offset < span.count {
+            return (span.first + offset) as u16;
+        }
+        offset -= span.count;
+    }
+    // Unreachable while total_ports is the sum of the counts; any port is still a valid answer.
+    settings.spans.first().map_or(0, |s| s.first as u16)
+}
+
+/// Where `port` sits in the spans, if it is in them.
+#[inline(always)]
+fn offset_of(settings: &Settings, port: u16) -> Option<u32> {
+    let port = port as u32;
+    let mut base = 0;
+    for i in 0..MAX_PORT_SPANS {
+        if i as u32 >= settings.span_count {
+            break;
+        }
+        let Some(span) = settings.spans.get(i) else {
+            break;
+        };
+        if port >= span.first && port < span.first + span.count {
+            return Some(base + port - span.first);
+        }
+        base += span.count;
+    }
+    None
+}
