@@ -1,9 +1,9 @@
 use std::{io::IsTerminal as _, process::ExitCode};
 
-use clap::Parser as _;
+use clap::{ArgMatches, CommandFactory as _, FromArgMatches as _, parser::ValueSource};
 use masq_agent::{
     agent::{self, Agent},
-    cli::{Cli, Command, Flags, LogFormat, normalize_go_flags},
+    cli::{Cli, Command, DataplaneKind, Flags, LogFormat, normalize_go_flags},
     config,
     dataplane::{
         self,
@@ -14,8 +14,11 @@ use masq_agent::{
 use tracing::error;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse_from(normalize_go_flags(std::env::args())) {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches_from(normalize_go_flags(std::env::args()))
+        .and_then(|matches| Ok((Cli::from_arg_matches(&matches)?, matches)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(err) => {
             let _ = err.print();
             // Help and version are not errors; anything else, including an invalid
@@ -31,7 +34,18 @@ fn main() -> ExitCode {
     let result = match cli.command {
         None => run_daemon(&cli.flags),
         Some(Command::CheckConfig) => check_config(&cli.flags),
-        Some(Command::RenderIptables { family }) => render_iptables(&cli.flags, family),
+        Some(Command::RenderIptables { family }) => {
+            // The chain the eBPF data plane installs is shown only on request, so that plain
+            // `render-iptables` prints upstream's chain, as upstream would apply it.
+            let variant = if given_on_command_line(&matches, "dataplane")
+                && cli.flags.dataplane == DataplaneKind::Ebpf
+            {
+                ChainVariant::OutsideEbpf
+            } else {
+                ChainVariant::Full
+            };
+            render_iptables(&cli.flags, family, variant)
+        }
         Some(Command::Status { json }) => status(&cli.flags, json),
         Some(Command::Cleanup) => cleanup(&cli.flags),
     };
@@ -99,7 +113,17 @@ fn check_config(flags: &Flags) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn render_iptables(flags: &Flags, family: IpFamily) -> anyhow::Result<ExitCode> {
+/// Whether `--<id>` was given, before or after the subcommand.
+fn given_on_command_line(matches: &ArgMatches, id: &str) -> bool {
+    let explicit = |m: &ArgMatches| m.value_source(id) == Some(ValueSource::CommandLine);
+    explicit(matches) || matches.subcommand().is_some_and(|(_, sub)| explicit(sub))
+}
+
+fn render_iptables(
+    flags: &Flags,
+    family: IpFamily,
+    variant: ChainVariant,
+) -> anyhow::Result<ExitCode> {
     let loaded = match config::load(&flags.config, &agent::config_options(flags)) {
         Ok(loaded) => loaded,
         Err(err) => {
@@ -113,7 +137,7 @@ fn render_iptables(flags: &Flags, family: IpFamily) -> anyhow::Result<ExitCode> 
         &policy,
         &agent::masquerade_options(flags),
         Capabilities::detect(family),
-        ChainVariant::Full,
+        variant,
     ) else {
         eprintln!("error: IPv6 is not enabled; pass --enable-ipv6 to render the ip6tables chain");
         return Ok(ExitCode::from(1));
@@ -133,9 +157,10 @@ fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
 }
 
 fn cleanup(flags: &Flags) -> anyhow::Result<ExitCode> {
-    iptables::cleanup(&flags.masq_chain)?;
+    dataplane::cleanup_all(&flags.masq_chain, &flags.bpffs)?;
     eprintln!(
-        "removed chain {} and its POSTROUTING jump",
+        "removed the eBPF programs and pins under {}, and chain {} with its POSTROUTING jump",
+        flags.bpffs.display(),
         flags.masq_chain
     );
     Ok(ExitCode::SUCCESS)

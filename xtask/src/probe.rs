@@ -144,13 +144,21 @@ fn serve_udp(socket: &UdpSocket, seen: &Mutex<Vec<Seen>>) {
 /// Connects from namespace `ns` to `server` and returns the source address the server reports
 /// having seen. `source_port` pins the client's port (0 = any).
 pub fn tcp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<SocketAddr> {
+    tcp_probe_from(ns, (Ipv4Addr::UNSPECIFIED, source_port).into(), server)
+}
+
+/// Like `tcp_probe`, from a chosen local address and port.
+pub fn tcp_probe_from(
+    ns: &str,
+    source: SocketAddr,
+    server: SocketAddr,
+) -> anyhow::Result<SocketAddr> {
     netns::within(ns, move || {
         let socket = Socket::new(Domain::for_address(server), Type::STREAM, None)?;
         // Tests reuse a source port across pods and runs; TIME_WAIT must not block that.
         socket.set_reuse_address(true)?;
-        if source_port != 0 {
-            let any: SocketAddr = (std::net::Ipv4Addr::UNSPECIFIED, source_port).into();
-            socket.bind(&any.into())?;
+        if source != SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)) {
+            socket.bind(&source.into())?;
         }
         socket
             .connect_timeout(&server.into(), Duration::from_secs(3))
@@ -187,5 +195,184 @@ pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
         let socket = UdpSocket::bind(("0.0.0.0", 0))?;
         socket.send_to(b"probe\n", server)?;
         Ok(())
+    })
+}
+
+/// Records the source address of every packet of one IP protocol that reaches a namespace
+/// (ICMP echo requests, GRE, ...), through a raw socket.
+pub struct RawObserver {
+    seen: Arc<Mutex<Vec<IpAddr>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+const ICMP_ECHO_REQUEST: u8 = 8;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_GRE: u8 = 47;
+
+impl RawObserver {
+    pub fn start(ns: &str, protocol: i32) -> anyhow::Result<RawObserver> {
+        let socket = netns::within(ns, move || {
+            Ok(Socket::new(
+                Domain::IPV4,
+                Type::RAW,
+                Some(socket2::Protocol::from(protocol)),
+            )?)
+        })?;
+        socket.set_read_timeout(Some(POLL))?;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = spawn_raw_loop(socket, protocol, seen.clone(), stop.clone());
+        Ok(RawObserver {
+            seen,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn sources(&self) -> Vec<IpAddr> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+fn spawn_raw_loop(
+    socket: Socket,
+    protocol: i32,
+    seen: Arc<Mutex<Vec<IpAddr>>>,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 2048];
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(n) = socket.recv(&mut buf) else {
+                continue;
+            };
+            // SAFETY: recv initialised the first n bytes.
+            let packet: Vec<u8> = buf[..n]
+                .iter()
+                .map(|b| unsafe { b.assume_init() })
+                .collect();
+            if packet.len() < 21 {
+                continue;
+            }
+            let ihl = usize::from(packet[0] & 0x0f) * 4;
+            let is_icmp = protocol == i32::from(IPPROTO_ICMP);
+            if is_icmp && packet.get(ihl) != Some(&ICMP_ECHO_REQUEST) {
+                continue;
+            }
+            let src = IpAddr::from([packet[12], packet[13], packet[14], packet[15]]);
+            seen.lock().unwrap().push(src);
+        }
+    })
+}
+
+impl Drop for RawObserver {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Sends one raw IP packet of `protocol` from namespace `ns` to `dst`.
+pub fn raw_send(ns: &str, protocol: i32, dst: Ipv4Addr, payload: &[u8]) -> anyhow::Result<()> {
+    let payload = payload.to_vec();
+    netns::within(ns, move || {
+        let socket = Socket::new(
+            Domain::IPV4,
+            Type::RAW,
+            Some(socket2::Protocol::from(protocol)),
+        )?;
+        socket.send_to(&payload, &SocketAddr::from((dst, 0)).into())?;
+        Ok(())
+    })
+}
+
+/// A TCP server that reads each connection to its end and answers with the byte count.
+pub struct BulkSink {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl BulkSink {
+    pub fn start(ns: &str, port: u16) -> anyhow::Result<BulkSink> {
+        let listener = netns::within(ns, move || {
+            Ok(TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?)
+        })?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !stop_flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        std::thread::spawn(move || drain_and_answer(stream));
+                    }
+                    Err(_) => std::thread::sleep(POLL),
+                }
+            }
+        });
+        Ok(BulkSink {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn drain_and_answer(mut stream: TcpStream) {
+    use std::io::Read as _;
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut total: u64 = 0;
+    let mut buf = [0u8; 65536];
+    while let Ok(n) = stream.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+    }
+    let _ = writeln!(stream, "{total}");
+}
+
+impl Drop for BulkSink {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Sends `chunks` chunks of `chunk_size` bytes from namespace `ns` to a `BulkSink`, sleeping
+/// `pause` between chunks, and returns the byte count the sink reports.
+pub fn tcp_bulk(
+    ns: &str,
+    server: SocketAddr,
+    chunk_size: usize,
+    chunks: usize,
+    pause: Duration,
+) -> anyhow::Result<u64> {
+    netns::within(ns, move || {
+        let socket = Socket::new(Domain::for_address(server), Type::STREAM, None)?;
+        socket
+            .connect_timeout(&server.into(), Duration::from_secs(3))
+            .with_context(|| format!("connect to {server}"))?;
+        let mut stream = TcpStream::from(socket);
+        stream.set_write_timeout(Some(Duration::from_secs(20)))?;
+        stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let chunk = vec![0x5a; chunk_size];
+        for _ in 0..chunks {
+            stream.write_all(&chunk).context("sending")?;
+            std::thread::sleep(pause);
+        }
+        stream.shutdown(std::net::Shutdown::Write)?;
+        let mut line = String::new();
+        BufReader::new(stream)
+            .read_line(&mut line)
+            .context("reading the count")?;
+        line.trim()
+            .parse()
+            .with_context(|| format!("sink reply {line:?}"))
     })
 }

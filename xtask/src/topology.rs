@@ -1,15 +1,18 @@
 //! The test topology of design.md §4, made of network namespaces with unique names:
 //!
 //! ```text
-//!  pod<i> 10.244.<i>.2 ──veth── node ──veth── ext 203.0.113.10 (server)
-//!                       10.244.<i>.1  eth0 203.0.113.1   + 198.51.100.10 (outside, no route back)
-//!                                                        + 10.200.0.10  (cluster-local, routes back)
+//!  pod<i> 10.244.<i>.2 ──veth── node ──veth── ext 203.0.113.10 ──veth (MTU 1280)── far 192.0.2.20
+//!                       10.244.<i>.1  eth0 203.0.113.1   + 198.51.100.10   (outside, no route back)
+//!                                                        + 10.200.0.10     (cluster-local)
+//!                                                        + 169.254.169.254 (link-local)
+//!                                                        + 203.0.113.20    (a routable client)
 //! ```
 //!
 //! The outside server has no route to the pod CIDR, so a reply only arrives when the node
-//! masquerades. Its cluster-local address (inside 10.0.0.0/8) answers from a routing table that
-//! does route back to the pods. Dropping a `Topology` deletes every namespace it made, which also
-//! removes their links and iptables state.
+//! masquerades. Its cluster-local, link-local and routable-client addresses answer from a routing
+//! table that does route back to the pods. `far` sits behind a narrower link, so path-MTU
+//! discovery toward it depends on ICMP errors from `ext`. Dropping a `Topology` deletes every
+//! namespace it made, which also removes their links and iptables state, and its bpffs directory.
 
 use std::{
     net::Ipv4Addr,
@@ -28,6 +31,13 @@ pub const NODE_UPLINK: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 pub const EXT_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 pub const EXT_SECOND_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 pub const CLUSTER_LOCAL_ADDR: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 10);
+pub const LINK_LOCAL_ADDR: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// An outside address with a route back to the pods, to open connections toward them.
+pub const ROUTABLE_CLIENT_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+pub const EXT_FAR_SIDE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+pub const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 20);
+/// The MTU of the link between `ext` and `far`.
+pub const FAR_LINK_MTU: u32 = 1280;
 /// Interface name of the node's uplink, inside the node namespace.
 pub const UPLINK_IF: &str = "eth0";
 const CLUSTER_LOCAL_TABLE: &str = "100";
@@ -35,7 +45,15 @@ const CLUSTER_LOCAL_TABLE: &str = "100";
 static NEXT_ID: AtomicU32 = AtomicU32::new(0);
 
 /// Every address of the outside host.
-pub const EXT_ADDRS: [Ipv4Addr; 3] = [EXT_ADDR, EXT_SECOND_ADDR, CLUSTER_LOCAL_ADDR];
+pub const EXT_ADDRS: [Ipv4Addr; 5] = [
+    EXT_ADDR,
+    EXT_SECOND_ADDR,
+    CLUSTER_LOCAL_ADDR,
+    LINK_LOCAL_ADDR,
+    ROUTABLE_CLIENT_ADDR,
+];
+/// The outside addresses that have a route back to the pods.
+const ROUTES_BACK: [Ipv4Addr; 3] = [CLUSTER_LOCAL_ADDR, LINK_LOCAL_ADDR, ROUTABLE_CLIENT_ADDR];
 
 pub fn pod_addr(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, (i + 1) as u8, 2)
@@ -49,13 +67,17 @@ pub struct Topology {
     pub pods: Vec<String>,
     pub node: String,
     pub ext: String,
+    pub far: String,
     /// Scratch directory for this topology's config files and logs; removed on drop.
     pub dir: PathBuf,
+    /// A directory of this topology's own on bpffs, for the agent's `--bpffs`; removed on drop.
+    pub bpffs: PathBuf,
 }
 
 impl Topology {
     /// Builds the topology with `pods` pod namespaces.
     pub fn new(pods: usize) -> anyhow::Result<Topology> {
+        ensure_bpffs()?;
         sweep_stale();
         let id = format!(
             "{NS_PREFIX}{}-{}",
@@ -68,7 +90,9 @@ impl Topology {
             pods: (0..pods).map(|i| format!("{id}-pod{i}")).collect(),
             node: format!("{id}-node"),
             ext: format!("{id}-ext"),
+            far: format!("{id}-far"),
             dir,
+            bpffs: Path::new(BPFFS_ROOT).join(&id),
         };
         // From here on, Drop cleans up whatever was created, even if a later step fails.
         topo.build().context("building the test topology")?;
@@ -76,95 +100,55 @@ impl Topology {
     }
 
     fn namespaces(&self) -> impl Iterator<Item = &String> {
-        self.pods.iter().chain([&self.node, &self.ext])
+        self.pods.iter().chain([&self.node, &self.ext, &self.far])
     }
 
     fn build(&self) -> anyhow::Result<()> {
         for ns in self.namespaces() {
             run("ip", &["netns", "add", ns])?;
-            ip(ns, &["link", "set", "lo", "up"])?;
+            ip(ns, "link set lo up")?;
             sysctl(ns, "net.ipv4.conf.all.rp_filter", "0")?;
             sysctl(ns, "net.ipv4.conf.default.rp_filter", "0")?;
         }
         sysctl(&self.node, "net.ipv4.ip_forward", "1")?;
+        sysctl(&self.ext, "net.ipv4.ip_forward", "1")?;
+        let (node, ext, far) = (&self.node, &self.ext, &self.far);
 
-        veth(&self.node, UPLINK_IF, &self.ext, "eth0")?;
-        ip(
-            &self.node,
-            &[
-                "addr",
-                "add",
-                &format!("{NODE_UPLINK}/24"),
-                "dev",
-                UPLINK_IF,
-            ],
-        )?;
-        ip(
-            &self.node,
-            &["route", "add", "default", "via", &EXT_ADDR.to_string()],
-        )?;
-        ip(
-            &self.ext,
-            &["addr", "add", &format!("{EXT_ADDR}/24"), "dev", "eth0"],
-        )?;
-        for extra in [EXT_SECOND_ADDR, CLUSTER_LOCAL_ADDR] {
+        veth(node, UPLINK_IF, ext, "eth0")?;
+        ip(node, &format!("addr add {NODE_UPLINK}/24 dev {UPLINK_IF}"))?;
+        ip(node, &format!("route add default via {EXT_ADDR}"))?;
+        ip(ext, &format!("addr add {EXT_ADDR}/24 dev eth0"))?;
+        for extra in &EXT_ADDRS[1..] {
+            ip(ext, &format!("addr add {extra}/32 dev lo"))?;
+        }
+        // Only these addresses may answer pods directly.
+        for addr in ROUTES_BACK {
             ip(
-                &self.ext,
-                &["addr", "add", &format!("{extra}/32"), "dev", "lo"],
+                ext,
+                &format!("rule add from {addr} lookup {CLUSTER_LOCAL_TABLE}"),
             )?;
         }
-        // Only the cluster-local address may answer pods directly.
         ip(
-            &self.ext,
-            &[
-                "rule",
-                "add",
-                "from",
-                &CLUSTER_LOCAL_ADDR.to_string(),
-                "lookup",
-                CLUSTER_LOCAL_TABLE,
-            ],
+            ext,
+            &format!("route add 10.244.0.0/16 via {NODE_UPLINK} table {CLUSTER_LOCAL_TABLE}"),
         )?;
-        ip(
-            &self.ext,
-            &[
-                "route",
-                "add",
-                "10.244.0.0/16",
-                "via",
-                &NODE_UPLINK.to_string(),
-                "table",
-                CLUSTER_LOCAL_TABLE,
-            ],
-        )?;
+
+        veth(ext, "far0", far, "eth0")?;
+        ip(ext, &format!("link set far0 mtu {FAR_LINK_MTU}"))?;
+        ip(far, &format!("link set eth0 mtu {FAR_LINK_MTU}"))?;
+        ip(ext, &format!("addr add {EXT_FAR_SIDE}/24 dev far0"))?;
+        ip(far, &format!("addr add {FAR_ADDR}/24 dev eth0"))?;
+        ip(far, &format!("route add default via {EXT_FAR_SIDE}"))?;
 
         for (i, pod) in self.pods.iter().enumerate() {
             let node_if = format!("pod{i}");
-            veth(&self.node, &node_if, pod, "eth0")?;
+            veth(node, &node_if, pod, "eth0")?;
             ip(
-                &self.node,
-                &[
-                    "addr",
-                    "add",
-                    &format!("{}/24", pod_gateway(i)),
-                    "dev",
-                    &node_if,
-                ],
+                node,
+                &format!("addr add {}/24 dev {node_if}", pod_gateway(i)),
             )?;
-            ip(
-                pod,
-                &["addr", "add", &format!("{}/24", pod_addr(i)), "dev", "eth0"],
-            )?;
-            ip(
-                pod,
-                &[
-                    "route",
-                    "add",
-                    "default",
-                    "via",
-                    &pod_gateway(i).to_string(),
-                ],
-            )?;
+            ip(pod, &format!("addr add {}/24 dev eth0", pod_addr(i)))?;
+            ip(pod, &format!("route add default via {}", pod_gateway(i)))?;
         }
         Ok(())
     }
@@ -212,6 +196,7 @@ impl Drop for Topology {
             let _ = run("ip", &["netns", "del", ns]);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.bpffs);
     }
 }
 
@@ -243,10 +228,11 @@ impl Drop for Process {
     }
 }
 
-fn ip(ns: &str, args: &[&str]) -> anyhow::Result<String> {
-    let mut full = vec!["-n", ns];
-    full.extend_from_slice(args);
-    run("ip", &full)
+/// Runs `ip -n <ns> <command>`; the command's words are split on whitespace.
+fn ip(ns: &str, command: &str) -> anyhow::Result<String> {
+    let mut args = vec!["-n", ns];
+    args.extend(command.split_whitespace());
+    run("ip", &args)
 }
 
 fn sysctl(ns: &str, key: &str, value: &str) -> anyhow::Result<()> {
@@ -262,26 +248,46 @@ fn veth(ns_a: &str, if_a: &str, ns_b: &str, if_b: &str) -> anyhow::Result<()> {
             "link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b,
         ],
     )?;
-    ip(ns_a, &["link", "set", if_a, "up"])?;
-    ip(ns_b, &["link", "set", if_b, "up"])?;
+    ip(ns_a, &format!("link set {if_a} up"))?;
+    ip(ns_b, &format!("link set {if_b} up"))?;
     Ok(())
 }
 
-/// Deletes namespaces left behind by test-bed runs whose process no longer exists (a run that
-/// was killed before it could clean up).
+/// Deletes namespaces and bpffs directories left behind by test-bed runs whose process no
+/// longer exists (a run that was killed before it could clean up).
 pub fn sweep_stale() {
-    let Ok(list) = run("ip", &["netns", "list"]) else {
-        return;
+    let stale = |name: &str| {
+        name.strip_prefix(NS_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+            .is_some_and(|pid| !netns::is_process_alive(pid))
     };
-    for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
-        let Some(rest) = name.strip_prefix(NS_PREFIX) else {
-            continue;
-        };
-        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid
-            && !netns::is_process_alive(pid)
-        {
-            let _ = run("ip", &["netns", "del", name]);
+    if let Ok(list) = run("ip", &["netns", "list"]) {
+        for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
+            if stale(name) {
+                let _ = run("ip", &["netns", "del", name]);
+            }
         }
     }
+    if let Ok(entries) = std::fs::read_dir(BPFFS_ROOT) {
+        for entry in entries.flatten() {
+            if stale(&entry.file_name().to_string_lossy()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}
+
+/// Where bpffs is conventionally mounted; the test bed mounts it there if nothing has.
+pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
+
+fn ensure_bpffs() -> anyhow::Result<()> {
+    let mounts = std::fs::read_to_string("/proc/mounts")?;
+    if !mounts
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == Some(BPFFS_ROOT) && l.contains(" bpf "))
+    {
+        run("mount", &["-t", "bpf", "bpf", BPFFS_ROOT])?;
+    }
+    Ok(())
 }

@@ -1,0 +1,786 @@
+//! Both data planes, end to end, with the same test code: the real agent in a node namespace,
+//! real iptables (nft and legacy backends) or the real eBPF programs, and real TCP, UDP, ICMP
+//! and GRE between namespaces the tests create.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Output,
+    time::Duration,
+};
+
+use xtask::{
+    probe::{self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, Observer, Proto, RawObserver},
+    topology::{self, Process, Topology},
+    wait_for, write_config,
+};
+
+const PORT: u16 = 8080;
+const CHAIN: &str = "IP-MASQ-AGENT";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Plane {
+    Ebpf,
+    IptablesNft,
+    IptablesLegacy,
+}
+
+impl Plane {
+    /// The iptables backend: the eBPF data plane's reduced chain goes through nft.
+    fn backend(self) -> &'static str {
+        match self {
+            Plane::IptablesLegacy => "legacy",
+            _ => "nft",
+        }
+    }
+}
+
+/// A topology with a server on the outside host, the agent's config in a scratch directory,
+/// and `iptables` on the agent's PATH pointing at the chosen backend.
+struct Bed {
+    topo: Topology,
+    plane: Plane,
+    server: Observer,
+    config: PathBuf,
+    bin_dir: PathBuf,
+}
+
+impl Bed {
+    fn new(plane: Plane, config_text: &str) -> Bed {
+        Bed::with_pods(plane, config_text, 1)
+    }
+
+    fn with_pods(plane: Plane, config_text: &str, pods: usize) -> Bed {
+        let topo = Topology::new(pods).expect("topology");
+        let server = Observer::start(&topo.ext, &topology::EXT_ADDRS, PORT).expect("server");
+        let config_dir = topo.path("config");
+        std::fs::create_dir_all(&config_dir).unwrap();
+        let config = config_dir.join("ip-masq-agent");
+        write_config(&config, config_text).unwrap();
+        let bin_dir = topo.path("bin");
+        std::fs::create_dir_all(&bin_dir).unwrap();
+        for family in ["iptables", "ip6tables"] {
+            for suffix in ["", "-restore", "-save"] {
+                let target = format!("/usr/sbin/{family}-{}{suffix}", plane.backend());
+                std::os::unix::fs::symlink(target, bin_dir.join(format!("{family}{suffix}")))
+                    .unwrap();
+            }
+        }
+        Bed {
+            topo,
+            plane,
+            server,
+            config,
+            bin_dir,
+        }
+    }
+
+    fn path_env(&self) -> String {
+        format!(
+            "{}:{}",
+            self.bin_dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        )
+    }
+
+    /// The flags that select this bed's data plane, its config and its bpffs directory.
+    fn plane_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--config={}", self.config.display()),
+            format!("--bpffs={}", self.topo.bpffs.display()),
+        ];
+        match self.plane {
+            Plane::Ebpf => args.extend([
+                "--dataplane=ebpf".to_string(),
+                format!("--interface={}", topology::UPLINK_IF),
+                // A test of the eBPF data plane must fail rather than quietly use iptables.
+                "--fallback-to-iptables=false".to_string(),
+            ]),
+            _ => args.push("--dataplane=iptables".to_string()),
+        }
+        args
+    }
+
+    fn start_agent(&self, extra: &[&str]) -> Process {
+        let mut args = self.plane_args();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn_agent(&args)
+    }
+
+    fn spawn_agent(&self, args: &[String]) -> Process {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let path = self.path_env();
+        let agent = self
+            .topo
+            .spawn_in_node(
+                Path::new(env!("CARGO_BIN_EXE_masq-agent")),
+                &args,
+                &[("PATH", &path)],
+                "agent.log",
+            )
+            .expect("start agent");
+        wait_for(|| Ok(self.chain().is_some_and(|c| c.contains("MASQUERADE"))))
+            .unwrap_or_else(|e| panic!("agent never synced: {e}\n{}", agent.log_text()));
+        agent
+    }
+
+    /// Runs the agent binary to completion in the node namespace.
+    fn agent_cmd(&self, args: &[&str]) -> Output {
+        self.topo
+            .node_command(env!("CARGO_BIN_EXE_masq-agent"))
+            .args(args)
+            .env("PATH", self.path_env())
+            .output()
+            .unwrap()
+    }
+
+    fn status_json(&self) -> serde_json::Value {
+        let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
+        let out = self.agent_cmd(&["status", "--json", &bpffs]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn iptables(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.topo
+            .node_run(&format!("iptables-{}", self.plane.backend()), args)
+    }
+
+    fn ip6tables(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.topo
+            .node_run(&format!("ip6tables-{}", self.plane.backend()), args)
+    }
+
+    fn chain(&self) -> Option<String> {
+        self.iptables(&["-t", "nat", "-S", CHAIN]).ok()
+    }
+
+    fn nat_table(&self) -> String {
+        self.topo
+            .node_run(
+                &format!("iptables-{}-save", self.plane.backend()),
+                &["-t", "nat"],
+            )
+            .unwrap()
+    }
+
+    fn pod(&self) -> &str {
+        &self.topo.pods[0]
+    }
+
+    /// Pings `dst` once from pod `i`; true if a reply came back.
+    fn ping(&self, i: usize, dst: std::net::Ipv4Addr) -> bool {
+        self.ping_output(i, &["-c", "1", "-W", "2", &dst.to_string()])
+            .status
+            .success()
+    }
+
+    fn ping_output(&self, i: usize, args: &[&str]) -> Output {
+        xtask::netns::command_in(&self.topo.pods[i], "ping")
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    fn ethtool_tx(&self, on: bool) {
+        let state = if on { "on" } else { "off" };
+        let set = |ns: &str, dev: &str| {
+            xtask::netns::run_in(ns, "ethtool", &["-K", dev, "tx", state]).unwrap();
+        };
+        set(self.pod(), "eth0");
+        set(&self.topo.node, "pod0");
+        set(&self.topo.node, topology::UPLINK_IF);
+        set(&self.topo.ext, "eth0");
+    }
+}
+
+fn outside() -> SocketAddr {
+    (topology::EXT_ADDR, PORT).into()
+}
+
+fn second_outside() -> SocketAddr {
+    (topology::EXT_SECOND_ADDR, PORT).into()
+}
+
+fn node_ip() -> IpAddr {
+    topology::NODE_UPLINK.into()
+}
+
+fn pod_ip(i: usize) -> IpAddr {
+    topology::pod_addr(i).into()
+}
+
+const DEFAULT_CONFIG: &str = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\nresyncInterval: 1s\n";
+
+/// Waits until UDP from the pod to `dst` reaches the server with source `expect`.
+fn wait_for_udp_source(bed: &Bed, dst: SocketAddr, expect: IpAddr) {
+    bed.server.clear();
+    wait_for(|| {
+        probe::udp_send(bed.pod(), dst)?;
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(bed.server.sources(Proto::Udp).contains(&expect))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "UDP to {dst} never arrived from {expect}: {e}; saw {:?}",
+            bed.server.seen()
+        )
+    });
+}
+
+fn assert_success(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+// ---- cases for every data plane ---------------------------------------------------------
+
+fn masquerades_outside_traffic_only(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let pings = RawObserver::start(&bed.topo.ext, i32::from(IPPROTO_ICMP)).unwrap();
+    let _agent = bed.start_agent(&[]);
+    let seen = probe::tcp_probe(bed.pod(), outside(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip(), "TCP to the outside is masqueraded");
+    let seen = probe::udp_probe(bed.pod(), outside(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip(), "UDP to the outside is masqueraded");
+    assert!(
+        bed.ping(0, topology::EXT_ADDR),
+        "ping to the outside gets its reply"
+    );
+    assert_eq!(
+        pings.sources(),
+        [node_ip()],
+        "and left with the node's address"
+    );
+
+    let cluster_local = SocketAddr::from((topology::CLUSTER_LOCAL_ADDR, PORT));
+    let seen = probe::tcp_probe(bed.pod(), cluster_local, 0).unwrap();
+    assert_eq!(seen.ip(), pod_ip(0), "cluster-local keeps the pod address");
+    let seen = probe::udp_probe(bed.pod(), cluster_local, 0).unwrap();
+    assert_eq!(seen.ip(), pod_ip(0));
+    assert!(bed.ping(0, topology::CLUSTER_LOCAL_ADDR));
+    wait_for(|| Ok(pings.sources().len() == 2)).unwrap();
+    assert_eq!(
+        pings.sources()[1],
+        pod_ip(0),
+        "ping to cluster-local keeps the pod address"
+    );
+}
+
+fn two_pods_with_one_source_port_share_the_node_address(plane: Plane) {
+    let bed = Bed::with_pods(plane, DEFAULT_CONFIG, 2);
+    let _agent = bed.start_agent(&[]);
+    let pods = &bed.topo.pods;
+    let a = probe::tcp_probe(&pods[0], outside(), 40000).unwrap();
+    let b = probe::tcp_probe(&pods[1], outside(), 40000).unwrap();
+    assert_eq!((a.ip(), b.ip()), (node_ip(), node_ip()));
+    assert_ne!(
+        a.port(),
+        b.port(),
+        "TCP: two pods, one port each on the node"
+    );
+    let a = probe::udp_probe(&pods[0], outside(), 40001).unwrap();
+    let b = probe::udp_probe(&pods[1], outside(), 40001).unwrap();
+    assert_eq!((a.ip(), b.ip()), (node_ip(), node_ip()));
+    assert_ne!(
+        a.port(),
+        b.port(),
+        "UDP: two pods, one port each on the node"
+    );
+    assert!(bed.ping(0, topology::EXT_ADDR) && bed.ping(1, topology::EXT_ADDR));
+}
+
+fn link_local_is_exempt_unless_masq_link_local(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
+    wait_for_udp_source(&bed, link_local, pod_ip(0));
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqLinkLocal: true\n",
+    )
+    .unwrap();
+    wait_for_udp_source(&bed, link_local, node_ip());
+}
+
+fn applies_a_config_change_live(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    wait_for_udp_source(&bed, second_outside(), node_ip());
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 1m\n",
+    )
+    .unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    write_config(&bed.config, DEFAULT_CONFIG).unwrap();
+    wait_for_udp_source(&bed, second_outside(), node_ip());
+}
+
+fn keeps_the_last_good_policy_on_an_invalid_config(plane: Plane) {
+    let bed = Bed::new(
+        plane,
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 1s\n",
+    );
+    let agent = bed.start_agent(&[]);
+    let before = bed.chain().unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - abcdefg\n",
+    )
+    .unwrap();
+    wait_for(|| Ok(agent.log_text().contains("abcdefg"))).expect("the error is logged");
+    // Several resync ticks later, the policy is unchanged and the error was logged once.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(bed.chain().unwrap(), before);
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    let log = agent.log_text();
+    assert_eq!(
+        log.matches("could not be parsed").count(),
+        1,
+        "logged once, not every tick: {log}"
+    );
+}
+
+fn connections_from_outside_keep_the_pod_address(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let in_pod = Observer::start(bed.pod(), &[topology::pod_addr(0)], 9090).unwrap();
+    let client = SocketAddr::from((topology::ROUTABLE_CLIENT_ADDR, 0));
+    // The handshake only completes if the pod's SYN-ACK leaves with the pod's own address.
+    let seen =
+        probe::tcp_probe_from(&bed.topo.ext, client, (topology::pod_addr(0), 9090).into()).unwrap();
+    assert_eq!(seen.ip(), IpAddr::from(topology::ROUTABLE_CLIENT_ADDR));
+    assert_eq!(
+        in_pod.sources(Proto::Tcp),
+        [IpAddr::from(topology::ROUTABLE_CLIENT_ADDR)]
+    );
+    // The pod's own connections to the same host are still masqueraded.
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+}
+
+fn path_mtu_discovery_works_through_the_translation(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let far = topology::FAR_ADDR.to_string();
+    let out = bed.ping_output(
+        0,
+        &[
+            "-M", "do", "-s", "1400", "-c", "2", "-i", "0.3", "-W", "2", &far,
+        ],
+    );
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let mtu = topology::FAR_LINK_MTU;
+    assert!(
+        text.contains(&format!("mtu = {mtu}")) || text.contains(&format!("mtu={mtu}")),
+        "the pod must learn the path MTU from the translated frag-needed error:\n{text}"
+    );
+    let sink = BulkSink::start(&bed.topo.far, 9000).unwrap();
+    let sent = probe::tcp_bulk(
+        bed.pod(),
+        (topology::FAR_ADDR, 9000).into(),
+        64 * 1024,
+        32,
+        Duration::ZERO,
+    )
+    .unwrap();
+    assert_eq!(
+        sent,
+        32 * 64 * 1024,
+        "a bulk transfer over the narrower path completes"
+    );
+    drop(sink);
+}
+
+fn a_killed_agent_does_not_break_a_transfer(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut agent = bed.start_agent(&[]);
+    let _sink = BulkSink::start(&bed.topo.ext, 9001).unwrap();
+    let pod = bed.pod().to_string();
+    let transfer = std::thread::spawn(move || {
+        probe::tcp_bulk(
+            &pod,
+            (topology::EXT_ADDR, 9001).into(),
+            32 * 1024,
+            40,
+            Duration::from_millis(50),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    agent.stop(libc::SIGKILL).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let _restarted = bed.start_agent(&[]);
+    let sent = transfer.join().unwrap().unwrap();
+    assert_eq!(
+        sent,
+        40 * 32 * 1024,
+        "the transfer survived the kill and the restart"
+    );
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+}
+
+fn checksums_hold_with_tx_offload_on_and_off(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    for on in [false, true] {
+        bed.ethtool_tx(on);
+        // A reply only comes back if every checksum on the way was right.
+        assert_eq!(
+            probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+            node_ip(),
+            "TCP, tx {on}"
+        );
+        assert_eq!(
+            probe::udp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+            node_ip(),
+            "UDP, tx {on}"
+        );
+        assert!(bed.ping(0, topology::EXT_ADDR), "ICMP, tx {on}");
+        let _sink = BulkSink::start(&bed.topo.ext, 9002 + u16::from(on)).unwrap();
+        let sent = probe::tcp_bulk(
+            bed.pod(),
+            (topology::EXT_ADDR, 9002 + u16::from(on)).into(),
+            64 * 1024,
+            16,
+            Duration::ZERO,
+        )
+        .unwrap();
+        assert_eq!(
+            sent,
+            16 * 64 * 1024,
+            "bulk TCP (segmentation offload), tx {on}"
+        );
+    }
+}
+
+fn other_protocols_are_masqueraded_by_the_chain(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let gre = RawObserver::start(&bed.topo.ext, i32::from(IPPROTO_GRE)).unwrap();
+    let _agent = bed.start_agent(&[]);
+    wait_for(|| {
+        probe::raw_send(
+            bed.pod(),
+            i32::from(IPPROTO_GRE),
+            topology::EXT_ADDR,
+            &[0, 0, 0x08, 0, 1, 2, 3, 4],
+        )?;
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(!gre.sources().is_empty())
+    })
+    .unwrap();
+    assert_eq!(
+        gre.sources()[0],
+        node_ip(),
+        "GRE leaves with the node's address"
+    );
+}
+
+fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let before = bed.nat_table();
+    let mut agent = bed.start_agent(&[]);
+    let status = agent.stop(libc::SIGTERM).unwrap();
+    assert!(
+        status.success(),
+        "clean exit on SIGTERM: {status}\n{}",
+        agent.log_text()
+    );
+    assert!(bed.chain().is_some(), "rules stay after SIGTERM");
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip(),
+        "and keep working"
+    );
+
+    let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
+    assert_success(&bed.agent_cmd(&["cleanup", &bpffs]));
+    assert!(bed.chain().is_none());
+    let rules = |t: &str| {
+        t.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        rules(&bed.nat_table()),
+        rules(&before),
+        "nat table back to its original state"
+    );
+    assert!(!bed.topo.bpffs.exists(), "no pins left");
+    let tc = bed
+        .topo
+        .node_run(
+            "bpftool",
+            &["-j", "net", "show", "dev", topology::UPLINK_IF],
+        )
+        .unwrap();
+    assert!(!tc.contains("masq_"), "no program attached: {tc}");
+    assert!(
+        probe::tcp_probe(bed.pod(), outside(), 0).is_err(),
+        "without masquerading the server cannot answer"
+    );
+    assert_success(&bed.agent_cmd(&["cleanup", &bpffs]));
+}
+
+fn once_applies_and_exits_and_status_reports(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut args = bed.plane_args();
+    args.push("--once".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_success(&bed.agent_cmd(&args));
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+
+    let status = bed.status_json();
+    let v4 = status["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["family"] == "ipv4")
+        .unwrap();
+    assert_eq!(v4["jump_installed"], true);
+    assert_eq!(
+        v4["non_masquerade"],
+        serde_json::json!(["169.254.0.0/16", "10.0.0.0/8"])
+    );
+    if plane == Plane::Ebpf {
+        assert_eq!(status["mode"], "ebpf");
+        let ebpf = &status["ebpf"];
+        let hooks: Vec<&str> = ebpf["attachments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["hook"].as_str().unwrap())
+            .collect();
+        assert_eq!(hooks, ["egress", "ingress"]);
+        assert_eq!(
+            ebpf["non_masquerade_v4"],
+            serde_json::json!(["10.0.0.0/8", "169.254.0.0/16"])
+        );
+        assert_eq!(ebpf["nat_flows"], 1, "the probe's flow");
+        assert!(ebpf["counters"]["masqueraded"].as_u64().unwrap() >= 2);
+        assert!(ebpf["counters"]["reverse_translated"].as_u64().unwrap() >= 2);
+        assert_eq!(
+            v4["ebpf_protocols_returned"],
+            serde_json::json!(["tcp", "udp", "icmp"])
+        );
+    } else {
+        assert_eq!(status["mode"], "iptables");
+        assert_eq!(v4["masquerade_rules"], 1);
+    }
+
+    // An invalid config with --once exits 1 and changes nothing.
+    let before = bed.chain().unwrap();
+    write_config(
+        &bed.config,
+        "cidrLimit: 1\nnonMasqueradeCIDRs: [10.0.0.0/8, 192.168.0.0/16]\n",
+    )
+    .unwrap();
+    let out = bed.agent_cmd(&args);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the daemon can only accept up to 1 CIDRs")
+    );
+    assert_eq!(bed.chain().unwrap(), before);
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+}
+
+// ---- iptables only ----------------------------------------------------------------------
+
+fn restores_a_flushed_chain(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    let before = bed.chain().unwrap();
+    bed.iptables(&["-t", "nat", "-F", CHAIN]).unwrap();
+    assert_eq!(
+        bed.chain().unwrap().lines().count(),
+        1,
+        "flushed down to the -N line"
+    );
+    wait_for(|| Ok(bed.chain().as_deref() == Some(before.as_str())))
+        .unwrap_or_else(|e| panic!("chain not restored: {e}\n{}", agent.log_text()));
+    // A deleted jump is put back too.
+    let jump_args = [
+        "-t",
+        "nat",
+        "-D",
+        "POSTROUTING",
+        "-m",
+        "comment",
+        "--comment",
+        "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom IP-MASQ-AGENT chain",
+        "-m",
+        "addrtype",
+        "!",
+        "--dst-type",
+        "LOCAL",
+        "-j",
+        CHAIN,
+    ];
+    bed.iptables(&jump_args).unwrap();
+    wait_for(|| Ok(bed.nat_table().contains("-A POSTROUTING"))).expect("jump restored");
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    let table = bed.nat_table();
+    assert!(
+        table.contains(r#"-A POSTROUTING -m comment --comment "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom IP-MASQ-AGENT chain" -m addrtype ! --dst-type LOCAL -j IP-MASQ-AGENT"#),
+        "{table}"
+    );
+    assert_eq!(
+        table.matches("-A POSTROUTING").count(),
+        1,
+        "the jump is appended once: {table}"
+    );
+}
+
+fn to_ports_rules_load_into_real_iptables(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&["--to-ports=1024-29999,32768-65535"]);
+    let chain = bed.chain().unwrap();
+    assert_eq!(chain.matches("--to-ports 1024-29999").count(), 3, "{chain}");
+    assert_eq!(
+        chain.matches("--to-ports 32768-65535").count(),
+        3,
+        "{chain}"
+    );
+    let seen = probe::tcp_probe(bed.pod(), outside(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip());
+    assert!(
+        (1024..=29999).contains(&seen.port()) || (32768..=65535).contains(&seen.port()),
+        "{seen}"
+    );
+}
+
+fn ipv6_chain_follows_enable_ipv6(plane: Plane) {
+    let bed = Bed::new(plane, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
+    let config_arg = format!("--config={}", bed.config.display());
+    let out = bed.agent_cmd(&["--dataplane=iptables", &config_arg, "--once"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "an IPv6 CIDR needs --enable-ipv6"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("ipv6 is not enabled, but ipv6 cidr fc00::/7 provided")
+    );
+    assert!(
+        bed.chain().is_none(),
+        "nothing applied from an invalid file"
+    );
+
+    let out = bed.agent_cmd(&[
+        "--dataplane=iptables",
+        &config_arg,
+        "--once",
+        "--enable-ipv6",
+    ]);
+    assert_success(&out);
+    let v6 = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
+    let returns: Vec<&str> = v6
+        .lines()
+        .filter(|l| l.contains("-j RETURN"))
+        .map(|l| l.split_whitespace().nth(3).unwrap())
+        .collect();
+    assert_eq!(returns, ["fe80::/10", "fc00::/7"], "{v6}");
+    assert!(v6.contains("-j MASQUERADE"), "{v6}");
+    assert!(
+        !bed.chain().unwrap().contains("fc00"),
+        "IPv6 CIDRs stay out of the IPv4 chain"
+    );
+    assert!(
+        bed.ip6tables(&["-t", "nat", "-S", "POSTROUTING"])
+            .unwrap()
+            .contains(&format!("-j {CHAIN}"))
+    );
+
+    assert_success(&bed.agent_cmd(&["cleanup"]));
+    assert!(
+        bed.ip6tables(&["-t", "nat", "-S", CHAIN]).is_err(),
+        "cleanup removes the IPv6 chain too"
+    );
+    assert!(
+        !bed.ip6tables(&["-t", "nat", "-S", "POSTROUTING"])
+            .unwrap()
+            .contains(CHAIN)
+    );
+}
+
+macro_rules! cases {
+    ($plane:ident: $($name:ident),* $(,)?) => {
+        $(#[test] fn $name() { super::$name(super::Plane::$plane) })*
+    };
+}
+
+mod ebpf {
+    cases!(Ebpf:
+        masquerades_outside_traffic_only,
+        two_pods_with_one_source_port_share_the_node_address,
+        link_local_is_exempt_unless_masq_link_local,
+        applies_a_config_change_live,
+        keeps_the_last_good_policy_on_an_invalid_config,
+        connections_from_outside_keep_the_pod_address,
+        path_mtu_discovery_works_through_the_translation,
+        a_killed_agent_does_not_break_a_transfer,
+        checksums_hold_with_tx_offload_on_and_off,
+        other_protocols_are_masqueraded_by_the_chain,
+        sigterm_leaves_everything_and_cleanup_leaves_no_trace,
+        once_applies_and_exits_and_status_reports,
+    );
+}
+
+mod iptables_nft {
+    cases!(IptablesNft:
+        masquerades_outside_traffic_only,
+        two_pods_with_one_source_port_share_the_node_address,
+        link_local_is_exempt_unless_masq_link_local,
+        applies_a_config_change_live,
+        keeps_the_last_good_policy_on_an_invalid_config,
+        connections_from_outside_keep_the_pod_address,
+        path_mtu_discovery_works_through_the_translation,
+        a_killed_agent_does_not_break_a_transfer,
+        checksums_hold_with_tx_offload_on_and_off,
+        other_protocols_are_masqueraded_by_the_chain,
+        sigterm_leaves_everything_and_cleanup_leaves_no_trace,
+        once_applies_and_exits_and_status_reports,
+        restores_a_flushed_chain,
+        to_ports_rules_load_into_real_iptables,
+        ipv6_chain_follows_enable_ipv6,
+    );
+}
+
+mod iptables_legacy {
+    cases!(IptablesLegacy:
+        masquerades_outside_traffic_only,
+        applies_a_config_change_live,
+        keeps_the_last_good_policy_on_an_invalid_config,
+        sigterm_leaves_everything_and_cleanup_leaves_no_trace,
+        once_applies_and_exits_and_status_reports,
+        restores_a_flushed_chain,
+        to_ports_rules_load_into_real_iptables,
+        ipv6_chain_follows_enable_ipv6,
+    );
+}
