@@ -104,18 +104,20 @@ impl Bed {
     fn start_agent(&self, extra: &[&str]) -> Process {
         let mut args = self.plane_args();
         args.extend(extra.iter().map(|s| s.to_string()));
-        self.spawn_agent(&args)
+        self.spawn_agent(&args, &[])
     }
 
-    fn spawn_agent(&self, args: &[String]) -> Process {
+    fn spawn_agent(&self, args: &[String], env: &[(&str, &str)]) -> Process {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let path = self.path_env();
+        let mut envs = vec![("PATH", path.as_str())];
+        envs.extend_from_slice(env);
         let agent = self
             .topo
             .spawn_in_node(
                 Path::new(env!("CARGO_BIN_EXE_masq-agent")),
                 &args,
-                &[("PATH", &path)],
+                &envs,
                 "agent.log",
             )
             .expect("start agent");
@@ -255,6 +257,8 @@ fn masquerades_outside_traffic_only(plane: Plane) {
         bed.ping(0, topology::EXT_ADDR),
         "ping to the outside gets its reply"
     );
+    // The observer records on its own thread: give it a moment after ping returns.
+    wait_for(|| Ok(!pings.sources().is_empty())).unwrap();
     assert_eq!(
         pings.sources(),
         [node_ip()],
@@ -606,6 +610,195 @@ fn once_applies_and_exits_and_status_reports(plane: Plane) {
     );
 }
 
+// ---- eBPF only ---------------------------------------------------------------------------
+
+fn args_with(bed: &Bed, replace: &[(&str, &str)]) -> Vec<String> {
+    bed.plane_args()
+        .into_iter()
+        .map(|arg| {
+            replace
+                .iter()
+                .find(|(flag, _)| arg.starts_with(&format!("{flag}=")))
+                .map_or(arg, |(flag, value)| format!("{flag}={value}"))
+        })
+        .collect()
+}
+
+fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    // A device that does not exist leaves the eBPF data plane nothing to attach to.
+    let mut args = args_with(
+        &bed,
+        &[
+            ("--interface", "nosuchdev0"),
+            ("--fallback-to-iptables", "false"),
+        ],
+    );
+    args.push("--once".into());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = bed.agent_cmd(&refs);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "--fallback-to-iptables=false: exit with the reason"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nosuchdev0"));
+    assert!(
+        bed.chain().is_none() && !bed.topo.bpffs.exists(),
+        "and nothing installed"
+    );
+
+    let args = args_with(
+        &bed,
+        &[
+            ("--interface", "nosuchdev0"),
+            ("--fallback-to-iptables", "true"),
+        ],
+    );
+    let agent = bed.spawn_agent(&args, &[]);
+    let log = agent.log_text();
+    assert_eq!(
+        log.matches("falling back to the full iptables chain")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("nosuchdev0"), "the line says why: {log}");
+    assert!(
+        !bed.chain().unwrap().contains("eBPF"),
+        "the full chain, not the reduced one"
+    );
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    assert!(bed.ping(0, topology::EXT_ADDR));
+    let status = bed.status_json();
+    assert_eq!(status["mode"], "iptables");
+    assert!(status["ebpf"].is_null());
+}
+
+fn reattaches_a_program_someone_detached(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    let egress_link = |status: &serde_json::Value| {
+        status["ebpf"]["attachments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["hook"] == "egress")
+            .map(|a| a["link_id"].as_u64().unwrap())
+    };
+    let old = egress_link(&bed.status_json()).unwrap();
+    bed.topo
+        .node_run("bpftool", &["link", "detach", "id", &old.to_string()])
+        .unwrap();
+    wait_for(|| Ok(egress_link(&bed.status_json()).is_some_and(|id| id != old))).unwrap_or_else(
+        |e| {
+            panic!(
+                "not re-attached: {e}
+{}",
+                agent.log_text()
+            )
+        },
+    );
+    assert!(agent.log_text().contains("re-attaching"));
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+}
+
+fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut args = bed.plane_args();
+    args.push("--once".into());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_success(&bed.agent_cmd(&refs));
+    let pin = bed.topo.bpffs.join("non_masq_v4");
+    let dump =
+        xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()]).unwrap();
+    let compact: String = dump.split_whitespace().collect();
+    for expected in [
+        r#""prefix_len":8,"data":[10,0,0,0]"#,
+        r#""prefix_len":16,"data":[169,254,0,0]"#,
+    ] {
+        assert!(compact.contains(expected), "{expected} in:\n{dump}");
+    }
+}
+
+fn replaces_an_incompatible_pinned_map(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    std::fs::create_dir_all(&bed.topo.bpffs).unwrap();
+    let pin = bed.topo.bpffs.join("nat_v4");
+    xtask::netns::run(
+        "bpftool",
+        &[
+            "map",
+            "create",
+            pin.to_str().unwrap(),
+            "type",
+            "hash",
+            "key",
+            "8",
+            "value",
+            "8",
+            "entries",
+            "16",
+            "name",
+            "nat_v4",
+        ],
+    )
+    .unwrap();
+    let agent = bed.start_agent(&[]);
+    assert!(
+        agent
+            .log_text()
+            .contains("replacing a pinned map with an incompatible layout")
+    );
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    assert_eq!(bed.status_json()["ebpf"]["nat_capacity"], 2 * 262_144);
+}
+
+fn attaches_through_netlink_without_tcx(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.spawn_agent(&bed.plane_args(), &[("MASQ_AGENT_TC_NETLINK", "1")]);
+    let filters = bed
+        .topo
+        .node_run(
+            "tc",
+            &["filter", "show", "dev", topology::UPLINK_IF, "egress"],
+        )
+        .unwrap();
+    assert!(
+        filters.contains("masq_egress"),
+        "a clsact filter, not a TCX link: {filters}\n{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    assert!(bed.ping(0, topology::EXT_ADDR));
+    drop(agent);
+    let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
+    assert_success(&bed.agent_cmd(&["cleanup", &bpffs]));
+    let filters = bed
+        .topo
+        .node_run(
+            "tc",
+            &["filter", "show", "dev", topology::UPLINK_IF, "egress"],
+        )
+        .unwrap();
+    assert!(
+        !filters.contains("masq_egress"),
+        "cleanup removes the filter: {filters}"
+    );
+}
+
 // ---- iptables only ----------------------------------------------------------------------
 
 fn restores_a_flushed_chain(plane: Plane) {
@@ -749,6 +942,11 @@ mod ebpf {
         other_protocols_are_masqueraded_by_the_chain,
         sigterm_leaves_everything_and_cleanup_leaves_no_trace,
         once_applies_and_exits_and_status_reports,
+        falls_back_to_iptables_when_ebpf_cannot_run,
+        reattaches_a_program_someone_detached,
+        bpftool_shows_the_prefixes_with_named_fields,
+        replaces_an_incompatible_pinned_map,
+        attaches_through_netlink_without_tcx,
     );
 }
 

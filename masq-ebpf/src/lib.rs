@@ -7,6 +7,9 @@
 pub mod map_names {
     pub const NON_MASQ_V4: &str = "non_masq_v4";
     pub const NON_MASQ_V6: &str = "non_masq_v6";
+    /// Prefixes recently removed from `non_masq_v4`, with the time of their removal (seconds of
+    /// CLOCK_MONOTONIC): TCP connections to them that started unmasqueraded stay that way.
+    pub const DRAINING_V4: &str = "non_masq_draining_v4";
     pub const NAT_V4: &str = "nat_v4";
     pub const INTERFACES: &str = "interfaces";
     pub const SETTINGS: &str = "settings";
@@ -171,7 +174,8 @@ pub enum Counter {
     NotMasqNodeSource,
     /// Egress packets of protocols left to the iptables chain.
     NotMasqOtherProtocol,
-    /// Egress packets of connections opened from outside toward a pod.
+    /// Egress packets of connections opened from outside toward a pod, or that started
+    /// unmasqueraded before their destination was removed from the non-masquerade CIDRs.
     NotMasqInbound,
     /// Egress ICMP other than echo requests (replies and errors about inbound flows).
     NotMasqIcmpOther,

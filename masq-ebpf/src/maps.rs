@@ -17,6 +17,9 @@ pub static NON_MASQ_V4: LpmTrie<[u8; 4], NonMasqValue, { NON_MASQ_MAX_ENTRIES as
 pub static NON_MASQ_V6: LpmTrie<[u8; 16], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
     LpmTrie::new();
 
+#[btf_map(name = "non_masq_draining_v4")]
+pub static DRAINING_V4: LpmTrie<[u8; 4], u32, { NON_MASQ_MAX_ENTRIES as usize }> = LpmTrie::new();
+
 /// Both halves of every translated flow. A plain (not LRU) hash: when it is full, new flows are
 /// dropped and counted, and no live flow is ever evicted. The agent sets the size at load time.
 #[btf_map(name = "nat_v4")]

@@ -128,36 +128,49 @@ fn publish_egress(
     }
 }
 
-/// Remembers a connection opened from outside toward a pod (`ingress_key` is its first packet),
-/// so that the pod's replies keep the pod's address. Both halves are identity entries.
+/// Remembers a flow that must never be translated (`egress_key` is its pod-side tuple): a
+/// connection opened from outside toward a pod, or one that started unmasqueraded before its
+/// destination left the non-masquerade CIDRs. Both halves are identity entries.
 #[inline(always)]
-pub fn track_inbound(ingress_key: &NatKeyV4, progress: u8) {
+pub fn track_passthrough(egress_key: &NatKeyV4, progress: u8) -> bool {
     let now = unsafe { bpf_ktime_get_ns() };
-    let ingress = NatEntryV4 {
+    let egress = NatEntryV4 {
         last_seen_ns: now,
-        addr: ingress_key.daddr,
-        port: ingress_key.dport,
+        addr: egress_key.saddr,
+        port: egress_key.sport,
         kind: nat_kind::PASSTHROUGH,
         tcp_seen: progress,
     };
-    let egress_key = ingress_key.reverse(&ingress);
-    let egress = NatEntryV4 {
-        addr: egress_key.saddr,
-        port: egress_key.sport,
-        ..ingress
+    let ingress_key = egress_key.reverse(&egress);
+    let ingress = NatEntryV4 {
+        addr: ingress_key.daddr,
+        port: ingress_key.dport,
+        ..egress
     };
     // Egress half first: if the pod already has a masqueraded flow with this tuple, keep it.
     if maps::NAT_V4
         .insert(egress_key, egress, BPF_NOEXIST as u64)
-        .is_ok()
+        .is_err()
     {
-        if maps::NAT_V4
-            .insert(ingress_key, ingress, BPF_NOEXIST as u64)
-            .is_ok()
-        {
-            maps::count(Counter::InboundTracked);
-        } else {
-            let _ = maps::NAT_V4.remove(egress_key);
-        }
+        return false;
     }
+    if maps::NAT_V4
+        .insert(ingress_key, ingress, BPF_NOEXIST as u64)
+        .is_err()
+    {
+        let _ = maps::NAT_V4.remove(egress_key);
+        return false;
+    }
+    true
+}
+
+/// The pod-side tuple of a flow whose first packet came in as `ingress_key`.
+#[inline(always)]
+pub fn egress_key_of(ingress_key: &NatKeyV4) -> NatKeyV4 {
+    let identity = NatEntryV4 {
+        addr: ingress_key.daddr,
+        port: ingress_key.dport,
+        ..NatEntryV4::default()
+    };
+    ingress_key.reverse(&identity)
 }

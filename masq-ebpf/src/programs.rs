@@ -10,8 +10,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, InterfaceV4, NatEntryV4, Settings, direction,
-    nat_kind,
+    Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, InterfaceV4, NatEntryV4, NatKeyV4, Settings,
+    direction, nat_kind,
 };
 
 use crate::{
@@ -26,17 +26,36 @@ pub fn masq_egress(ctx: TcContext) -> i32 {
         maps::count(Counter::NotInspected);
         return TC_ACT_OK;
     };
-    match snat_v4_needs_masquerade(&ctx, &ip, &iface) {
-        Decision::Masquerade(l4) => snat_v4_nat(&ctx, &ip, &l4, &iface, settings),
-        Decision::Keep(counter) => {
-            maps::count(counter);
-            TC_ACT_OK
+    let l4 = match snat_v4_translatable(&ctx, &ip, &iface) {
+        Ok(l4) => l4,
+        Err(verdict) => return verdict.count(),
+    };
+    let key = nat::key(ip.saddr, ip.daddr, &l4, direction::EGRESS);
+    let progress = progress(&l4);
+    // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
+    // upstream's chain: policy changes affect new flows only.
+    let entry = match nat::lookup(&key) {
+        Some(entry) => {
+            nat::refresh(entry, progress);
+            // SAFETY: map value pointer from a successful lookup.
+            unsafe { *entry }
         }
-        Decision::Drop(counter) => {
-            maps::count(counter);
-            TC_ACT_SHOT
+        None => {
+            if let Err(verdict) = snat_v4_needs_masquerade(&ip, &l4, &key) {
+                return verdict.count();
+            }
+            match nat::create_snat(&key, iface.addr, settings, progress) {
+                Ok(entry) => entry,
+                Err(AllocError::PortsExhausted) => {
+                    return Verdict::Drop(Counter::DropPortsExhausted).count();
+                }
+                Err(AllocError::TableFull) => {
+                    return Verdict::Drop(Counter::DropNatTableFull).count();
+                }
+            }
         }
-    }
+    };
+    snat_v4_nat(&ctx, &ip, &l4, &entry)
 }
 
 #[classifier]
@@ -60,10 +79,26 @@ fn prologue(ctx: &TcContext) -> Option<(Ipv4Header, InterfaceV4, &'static Settin
     Some((ip, iface, settings))
 }
 
-enum Decision {
-    Masquerade(L4),
+/// A packet the egress program lets through untranslated, or drops, and why.
+enum Verdict {
     Keep(Counter),
     Drop(Counter),
+}
+
+impl Verdict {
+    #[inline(always)]
+    fn count(self) -> i32 {
+        match self {
+            Verdict::Keep(counter) => {
+                maps::count(counter);
+                TC_ACT_OK
+            }
+            Verdict::Drop(counter) => {
+                maps::count(counter);
+                TC_ACT_SHOT
+            }
+        }
+    }
 }
 
 #[inline(always)]
@@ -71,31 +106,59 @@ fn is_non_masq_destination(addr: [u8; 4]) -> bool {
     maps::NON_MASQ_V4.get(&Key::new(32, addr)).is_some()
 }
 
-/// Egress: should this packet leave with the node's address? Cheap checks first, the trie
-/// lookup last.
 #[inline(always)]
-fn snat_v4_needs_masquerade(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> Decision {
+fn is_draining_destination(addr: [u8; 4]) -> bool {
+    maps::DRAINING_V4.get(&Key::new(32, addr)).is_some()
+}
+
+/// Egress: could this packet be translated at all? Its L4 header if so.
+#[inline(always)]
+fn snat_v4_translatable(
+    ctx: &TcContext,
+    ip: &Ipv4Header,
+    iface: &InterfaceV4,
+) -> Result<L4, Verdict> {
     if ip.saddr == iface.addr {
-        return Decision::Keep(Counter::NotMasqNodeSource);
+        return Err(Verdict::Keep(Counter::NotMasqNodeSource));
     }
     if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
-        return Decision::Keep(Counter::NotMasqOtherProtocol);
-    }
-    if is_non_masq_destination(ip.daddr) {
-        return Decision::Keep(Counter::NotMasqNonMasqDestination);
+        return Err(Verdict::Keep(Counter::NotMasqOtherProtocol));
     }
     if ip.is_later_fragment() {
+        if is_non_masq_destination(ip.daddr) {
+            return Err(Verdict::Keep(Counter::NotMasqNonMasqDestination));
+        }
         // No ports to translate by: dropped rather than sent with the pod's address.
-        return Decision::Drop(Counter::DropFragment);
+        return Err(Verdict::Drop(Counter::DropFragment));
     }
     let Some(l4) = parse::l4(ctx, L4_OFF, ip.protocol) else {
-        return Decision::Keep(Counter::NotInspected);
+        return Err(Verdict::Keep(Counter::NotInspected));
     };
     if l4.proto == IPPROTO_ICMP && l4.icmp_type != parse::ICMP_ECHO_REQUEST {
-        return Decision::Keep(Counter::NotMasqIcmpOther);
+        return Err(Verdict::Keep(Counter::NotMasqIcmpOther));
     }
-    Decision::Masquerade(l4)
+    Ok(l4)
 }
+
+/// Egress, for a flow without an entry: should it leave with the node's address?
+#[inline(always)]
+fn snat_v4_needs_masquerade(ip: &Ipv4Header, l4: &L4, key: &NatKeyV4) -> Result<(), Verdict> {
+    if is_non_masq_destination(ip.daddr) {
+        return Err(Verdict::Keep(Counter::NotMasqNonMasqDestination));
+    }
+    // A TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs,
+    // started unmasqueraded: translating it now would break it.
+    if l4.proto == IPPROTO_TCP
+        && l4.tcp_flags & TCP_SYN == 0
+        && is_draining_destination(ip.daddr)
+        && nat::track_passthrough(key, nat::tcp_progress(l4.tcp_flags))
+    {
+        return Err(Verdict::Keep(Counter::NotMasqInbound));
+    }
+    Ok(())
+}
+
+const TCP_SYN: u8 = 0x02;
 
 #[inline(always)]
 fn progress(l4: &L4) -> u8 {
@@ -106,38 +169,11 @@ fn progress(l4: &L4) -> u8 {
     }
 }
 
-/// Egress: find or create the flow's translation and rewrite the source.
+/// Egress: rewrite the source as the flow's entry says.
 #[inline(always)]
-fn snat_v4_nat(
-    ctx: &TcContext,
-    ip: &Ipv4Header,
-    l4: &L4,
-    iface: &InterfaceV4,
-    settings: &Settings,
-) -> i32 {
-    let key = nat::key(ip.saddr, ip.daddr, l4, direction::EGRESS);
-    let progress = progress(l4);
-    let entry = match nat::lookup(&key) {
-        Some(entry) => {
-            nat::refresh(entry, progress);
-            // SAFETY: map value pointer from a successful lookup.
-            unsafe { *entry }
-        }
-        None => match nat::create_snat(&key, iface.addr, settings, progress) {
-            Ok(entry) => entry,
-            Err(AllocError::PortsExhausted) => {
-                maps::count(Counter::DropPortsExhausted);
-                return TC_ACT_SHOT;
-            }
-            Err(AllocError::TableFull) => {
-                maps::count(Counter::DropNatTableFull);
-                return TC_ACT_SHOT;
-            }
-        },
-    };
+fn snat_v4_nat(ctx: &TcContext, ip: &Ipv4Header, l4: &L4, entry: &NatEntryV4) -> i32 {
     if entry.kind == nat_kind::PASSTHROUGH {
-        maps::count(Counter::NotMasqInbound);
-        return TC_ACT_OK;
+        return Verdict::Keep(Counter::NotMasqInbound).count();
     }
     let field = if l4.proto == IPPROTO_ICMP {
         parse::ICMP_ID_OFF
@@ -151,16 +187,10 @@ fn snat_v4_nat(
         field,
         l4.proto,
         l4.sport,
-        &entry,
+        entry,
     ) {
-        Ok(()) => {
-            maps::count(Counter::Masqueraded);
-            TC_ACT_OK
-        }
-        Err(_) => {
-            maps::count(Counter::DropRewriteFailed);
-            TC_ACT_SHOT
-        }
+        Ok(()) => Verdict::Keep(Counter::Masqueraded).count(),
+        Err(_) => Verdict::Drop(Counter::DropRewriteFailed).count(),
     }
 }
 
@@ -227,9 +257,13 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
     };
     let progress = progress(&l4);
     let Some(entry) = nat::lookup(&key) else {
-        if ip.daddr != iface.addr && l4.proto != IPPROTO_ICMP && !is_non_masq_destination(ip.saddr)
+        // A connection opened from outside toward a pod's own address.
+        if ip.daddr != iface.addr
+            && l4.proto != IPPROTO_ICMP
+            && !is_non_masq_destination(ip.saddr)
+            && nat::track_passthrough(&nat::egress_key_of(&key), progress)
         {
-            nat::track_inbound(&key, progress);
+            maps::count(Counter::InboundTracked);
         }
         return TC_ACT_OK;
     };

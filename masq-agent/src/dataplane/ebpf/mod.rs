@@ -89,6 +89,12 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
     if opts.devices.is_empty() {
         bail!("no interface to attach to (no default route, and no --interface)");
     }
+    // Devices first: nothing is created on bpffs for a data plane that cannot run.
+    let devices = opts
+        .devices
+        .iter()
+        .map(|name| netdev::device(name))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let pins = Pins::new(&opts.bpffs);
     pins.prepare()?;
     pins.discard_incompatible(opts.nat_capacity);
@@ -108,11 +114,6 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
             .with_context(|| format!("loading program {name}"))?;
     }
     write_settings(&mut ebpf, &opts.port_spans, opts.random_fully)?;
-    let devices = opts
-        .devices
-        .iter()
-        .map(|name| netdev::device(name))
-        .collect::<anyhow::Result<Vec<_>>>()?;
     write_interfaces(&mut ebpf, &devices)?;
     Ok(EbpfDataPlane {
         ebpf,
@@ -194,12 +195,12 @@ fn write_interfaces(ebpf: &mut Ebpf, devices: &[Device]) -> anyhow::Result<()> {
 
 /// Makes a trie hold exactly `desired`, adding before removing so that a prefix that stays is
 /// never missing, not even for a moment. A failed insert rolls back what this call added, so
-/// the previous policy stays whole.
+/// the previous policy stays whole. Returns whether anything changed, and what was removed.
 fn sync_trie<const N: usize>(
     ebpf: &mut Ebpf,
     name: &str,
     desired: &BTreeSet<(u32, [u8; N])>,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<(bool, Vec<(u32, [u8; N])>)> {
     let mut trie: LpmTrie<&mut MapData, [u8; N], u8> = LpmTrie::try_from(map_mut(ebpf, name)?)?;
     let current: BTreeSet<(u32, [u8; N])> = trie
         .keys()
@@ -217,13 +218,57 @@ fn sync_trie<const N: usize>(
         }
         added.push(key);
     }
-    let mut changed = !added.is_empty();
-    for (len, data) in current.difference(desired) {
+    let removed: Vec<(u32, [u8; N])> = current.difference(desired).copied().collect();
+    for (len, data) in &removed {
         trie.remove(&Key::new(*len, *data))
             .with_context(|| format!("removing a prefix from {name}"))?;
-        changed = true;
     }
-    Ok(changed)
+    Ok((!added.is_empty() || !removed.is_empty(), removed))
+}
+
+/// Keeps prefixes that left the non-masquerade CIDRs in the draining trie for as long as a TCP
+/// connection may stay idle, so that connections that started unmasqueraded keep their
+/// addresses; a prefix that comes back stops draining.
+fn sync_draining(
+    ebpf: &mut Ebpf,
+    removed: &[(u32, [u8; 4])],
+    policy: &BTreeSet<(u32, [u8; 4])>,
+    now_ns: u64,
+) -> anyhow::Result<()> {
+    let mut draining: LpmTrie<&mut MapData, [u8; 4], u32> =
+        LpmTrie::try_from(map_mut(ebpf, map_names::DRAINING_V4)?)?;
+    for (len, data) in removed {
+        draining.insert(&Key::new(*len, *data), seconds(now_ns), 0)?;
+    }
+    let back: Vec<Key<[u8; 4]>> = draining
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| policy.contains(&(k.prefix_len(), k.data())))
+        .collect();
+    for key in back {
+        draining.remove(&key)?;
+    }
+    Ok(())
+}
+
+fn seconds(ns: u64) -> u32 {
+    (ns / 1_000_000_000) as u32
+}
+
+/// Ends the draining of prefixes removed longer ago than `drain`.
+fn expire_draining(ebpf: &mut Ebpf, drain: std::time::Duration, now_ns: u64) -> anyhow::Result<()> {
+    let mut draining: LpmTrie<&mut MapData, [u8; 4], u32> =
+        LpmTrie::try_from(map_mut(ebpf, map_names::DRAINING_V4)?)?;
+    let done: Vec<Key<[u8; 4]>> = draining
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, since)| u64::from(seconds(now_ns).saturating_sub(*since)) > drain.as_secs())
+        .map(|(key, _)| key)
+        .collect();
+    for key in done {
+        draining.remove(&key)?;
+    }
+    Ok(())
 }
 
 fn v4_keys(nets: &[Ipv4Net]) -> BTreeSet<(u32, [u8; 4])> {
@@ -297,13 +342,11 @@ impl EbpfDataPlane {
     }
 
     fn sync_policy(&mut self, policy: &Policy) -> anyhow::Result<bool> {
-        let mut changed = sync_trie(
-            &mut self.ebpf,
-            map_names::NON_MASQ_V4,
-            &v4_keys(&policy.non_masq_v4),
-        )?;
+        let v4 = v4_keys(&policy.non_masq_v4);
+        let (mut changed, removed) = sync_trie(&mut self.ebpf, map_names::NON_MASQ_V4, &v4)?;
+        sync_draining(&mut self.ebpf, &removed, &v4, expiry::monotonic_now_ns())?;
         if let Some(v6) = &policy.non_masq_v6 {
-            changed |= sync_trie(&mut self.ebpf, map_names::NON_MASQ_V6, &v6_keys(v6))?;
+            changed |= sync_trie(&mut self.ebpf, map_names::NON_MASQ_V6, &v6_keys(v6))?.0;
         }
         Ok(changed)
     }
@@ -333,9 +376,12 @@ impl DataPlane for EbpfDataPlane {
     }
 
     fn maintain(&mut self) -> anyhow::Result<()> {
+        let now = expiry::monotonic_now_ns();
+        expire_draining(&mut self.ebpf, self.timeouts.tcp_established, now)?;
+        self.refresh_devices().map_err(Unavailable)?;
         let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
             BpfHashMap::try_from(map_mut(&mut self.ebpf, map_names::NAT_V4)?)?;
-        let run = expiry::expire(&mut nat, &self.timeouts, expiry::monotonic_now_ns());
+        let run = expiry::expire(&mut nat, &self.timeouts, now);
         if run.flows_expired + run.orphans_removed > 0 {
             tracing::debug!(?run, "expired NAT entries");
         }

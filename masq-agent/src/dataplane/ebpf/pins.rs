@@ -129,7 +129,7 @@ struct MapSpec {
 }
 
 /// The maps this build creates, as the kernel reports them.
-fn expected_maps(nat_capacity: u32) -> [MapSpec; 6] {
+fn expected_maps(nat_capacity: u32) -> [MapSpec; 7] {
     const LPM_KEY_PREFIX: u32 = size_of::<u32>() as u32;
     let size = |n: usize| n as u32;
     [
@@ -145,6 +145,13 @@ fn expected_maps(nat_capacity: u32) -> [MapSpec; 6] {
             kind: MapType::LpmTrie,
             key_size: LPM_KEY_PREFIX + 16,
             value_size: 1,
+            max_entries: NON_MASQ_MAX_ENTRIES,
+        },
+        MapSpec {
+            name: map_names::DRAINING_V4,
+            kind: MapType::LpmTrie,
+            key_size: LPM_KEY_PREFIX + 4,
+            value_size: 4,
             max_entries: NON_MASQ_MAX_ENTRIES,
         },
         MapSpec {

@@ -2,7 +2,7 @@
 //! byte and every checksum checked with this file's own checksum code, which shares nothing with
 //! the programs' incremental updates.
 
-use std::net::Ipv4Addr;
+use std::{net::Ipv4Addr, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -213,6 +213,14 @@ impl Harness {
             .collect();
         sync_trie(&mut ebpf, map_names::NON_MASQ_V4, &v4_keys(&policy)).unwrap();
         Harness { ebpf }
+    }
+
+    /// Applies a new non-masquerade policy the way the data plane does.
+    fn set_policy(&mut self, cidrs: &[&str]) {
+        let policy: Vec<Ipv4Net> = cidrs.iter().map(|s| s.parse().unwrap()).collect();
+        let keys = v4_keys(&policy);
+        let (_, removed) = sync_trie(&mut self.ebpf, map_names::NON_MASQ_V4, &keys).unwrap();
+        sync_draining(&mut self.ebpf, &removed, &keys, expiry::monotonic_now_ns()).unwrap();
     }
 
     fn default() -> Harness {
@@ -621,4 +629,163 @@ fn nothing_is_translated_before_the_agent_configures_ports() {
     let (verdict, out) = h.egress(&packet);
     assert_eq!((verdict, out), (TC_ACT_OK, packet));
     assert_eq!(h.counter(Counter::NotInspected), 1);
+}
+
+#[test]
+fn a_full_nat_table_drops_new_flows_and_keeps_live_ones() {
+    let mut ebpf = EbpfLoader::new()
+        .map_max_entries(map_names::NAT_V4, 4)
+        .load(OBJECT)
+        .unwrap();
+    for name in [program_names::EGRESS, program_names::INGRESS] {
+        classifier(&mut ebpf, name).unwrap().load().unwrap();
+    }
+    write_settings(
+        &mut ebpf,
+        &[PortRange {
+            first: 1024,
+            last: 65535,
+        }],
+        true,
+    )
+    .unwrap();
+    let lo = Device {
+        name: "lo".into(),
+        index: TEST_RUN_IFINDEX,
+        ipv4: NODE,
+    };
+    write_interfaces(&mut ebpf, &[lo]).unwrap();
+    let mut h = Harness { ebpf };
+    let (_, a) = h.egress(&udp(POD, 1001, REMOTE, 53));
+    let (_, b) = h.egress(&udp(POD, 1002, REMOTE, 53));
+    assert_eq!(h.nat().len(), 4, "two flows fill a four-entry table");
+    let (verdict, _) = h.egress(&udp(POD, 1003, REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_SHOT, "a third flow is dropped");
+    assert_eq!(h.counter(Counter::DropNatTableFull), 1);
+    assert_eq!(h.nat().len(), 4, "and leaves nothing behind");
+    for (out, pod_port) in [(a, 1001), (b, 1002)] {
+        let (verdict, again) = h.egress(&udp(POD, pod_port, REMOTE, 53));
+        assert_eq!(
+            (verdict, word(&again, L4)),
+            (TC_ACT_OK, word(&out, L4)),
+            "live flows keep their port"
+        );
+        let (_, back) = h.ingress(&udp(REMOTE, 53, NODE, word(&out, L4)));
+        assert_eq!((dst(&back), word(&back, L4 + 2)), (POD, pod_port));
+    }
+}
+
+#[test]
+fn expiry_removes_both_halves_of_idle_flows_only() {
+    let mut h = Harness::default();
+    h.egress(&udp(POD, 2001, REMOTE, 53));
+    let (_, tcp_out) = h.egress(&tcp(POD, 2002, REMOTE, 443, SYN));
+    // The TCP flow completes its handshake both ways: established.
+    h.ingress(&tcp(REMOTE, 443, NODE, word(&tcp_out, L4), SYN | ACK));
+    h.egress(&tcp(POD, 2002, REMOTE, 443, ACK));
+    h.ingress(&tcp(REMOTE, 443, NODE, word(&tcp_out, L4), ACK));
+    // A half-open TCP flow: SYN only.
+    h.egress(&tcp(POD, 2003, REMOTE, 443, SYN));
+    assert_eq!(h.nat().len(), 6);
+
+    let timeouts = Timeouts::default();
+    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    let run = |h: &mut Harness, after: Duration| {
+        let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
+            BpfHashMap::try_from(h.ebpf.map_mut(map_names::NAT_V4).unwrap()).unwrap();
+        expiry::expire(&mut nat, &timeouts, newest + after.as_nanos() as u64)
+    };
+    let flows = |h: &Harness| {
+        let mut ports: Vec<u16> = h
+            .nat()
+            .iter()
+            .filter(|(k, _)| k.direction == direction::EGRESS)
+            .map(|(k, _)| u16::from_be(k.sport))
+            .collect();
+        ports.sort();
+        ports
+    };
+    assert_eq!(run(&mut h, Duration::from_secs(30)).flows_expired, 0);
+    assert_eq!(flows(&h), [2001, 2002, 2003]);
+    // Past the transitory timeout: the half-open flow goes, both halves.
+    run(&mut h, timeouts.tcp_transitory + Duration::from_secs(1));
+    assert_eq!(flows(&h), [2001, 2002]);
+    // Past UDP's: the UDP flow goes; the established TCP flow stays for hours.
+    run(&mut h, timeouts.udp + Duration::from_secs(1));
+    assert_eq!(flows(&h), [2002]);
+    assert_eq!(h.nat().len(), 2, "no half of an expired flow is left");
+    run(&mut h, timeouts.tcp_established + Duration::from_secs(1));
+    assert!(h.nat().is_empty());
+}
+
+#[test]
+fn an_orphaned_reply_half_is_removed() {
+    let mut h = Harness::default();
+    h.egress(&udp(POD, 3001, REMOTE, 53));
+    let egress_key = h
+        .nat()
+        .into_iter()
+        .find(|(k, _)| k.direction == direction::EGRESS)
+        .unwrap()
+        .0;
+    let newest = h.nat()[0].1.last_seen_ns;
+    let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
+        BpfHashMap::try_from(h.ebpf.map_mut(map_names::NAT_V4).unwrap()).unwrap();
+    nat.remove(&egress_key).unwrap();
+    let timeouts = Timeouts::default();
+    let run = expiry::expire(
+        &mut nat,
+        &timeouts,
+        newest + (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64,
+    );
+    assert_eq!(run.orphans_removed, 1);
+    assert!(h.nat().is_empty());
+}
+
+#[test]
+fn a_policy_change_affects_new_flows_only() {
+    let mut h = Harness::default();
+    // A masqueraded connection, then its destination becomes non-masquerade.
+    let (_, before) = h.egress(&tcp(POD, 4001, REMOTE, 443, SYN));
+    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8", "203.0.113.0/24"]);
+    let (_, after) = h.egress(&tcp(POD, 4001, REMOTE, 443, ACK));
+    assert_eq!(
+        (src(&after), word(&after, L4)),
+        (NODE, word(&before, L4)),
+        "keeps its translation"
+    );
+    let fresh = tcp(POD, 4002, REMOTE, 443, SYN);
+    assert_eq!(
+        h.egress(&fresh).1,
+        fresh,
+        "a new connection is not masqueraded"
+    );
+
+    // An unmasqueraded connection, then its destination leaves the non-masquerade CIDRs.
+    let established = tcp(POD, 4003, REMOTE2, 443, ACK);
+    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]);
+    assert_eq!(h.egress(&established).1, established);
+    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8"]);
+    assert_eq!(
+        h.egress(&established).1,
+        established,
+        "stays unmasqueraded while draining"
+    );
+    let (_, again) = h.egress(&tcp(POD, 4003, REMOTE2, 443, ACK | 0x01));
+    assert_eq!(src(&again), POD, "through to its FIN");
+    let (_, new) = h.egress(&tcp(POD, 4004, REMOTE2, 443, SYN));
+    assert_eq!(src(&new), NODE, "a new connection is masqueraded");
+    // Re-adding the prefix ends the draining.
+    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]);
+    let draining: LpmTrie<&MapData, [u8; 4], u32> =
+        LpmTrie::try_from(h.ebpf.map(map_names::DRAINING_V4).unwrap()).unwrap();
+    let keys: Vec<(u32, [u8; 4])> = draining
+        .keys()
+        .map(|k| k.map(|k| (k.prefix_len(), k.data())).unwrap())
+        .collect();
+    assert_eq!(
+        keys,
+        [(24, [203, 0, 113, 0])],
+        "only the prefix still out of the policy drains"
+    );
 }
