@@ -162,3 +162,42 @@ fn unknown_flag_exits_1() {
     let out = agent(&["--no-such-flag"]);
     assert_eq!(out.status.code(), Some(1));
 }
+
+#[test]
+fn render_iptables_for_the_ebpf_data_plane_returns_its_protocols_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("absent");
+    let full = agent(&["render-iptables", "--config", path.to_str().unwrap()]);
+    let reduced = agent(&[
+        "render-iptables",
+        "--dataplane",
+        "ebpf",
+        "--config",
+        path.to_str().unwrap(),
+    ]);
+    assert!(reduced.status.success(), "{}", stderr(&reduced));
+    let (full, reduced) = (stdout(&full), stdout(&reduced));
+    let returns: Vec<&str> = reduced
+        .lines()
+        .filter(|l| l.contains("translated by the eBPF data plane"))
+        .collect();
+    assert_eq!(
+        returns,
+        [
+            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -p tcp -j RETURN"#,
+            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -p udp -j RETURN"#,
+            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -p icmp -j RETURN"#,
+        ]
+    );
+    let rest: Vec<&str> = reduced.lines().filter(|l| !l.contains("eBPF")).collect();
+    assert_eq!(
+        rest,
+        full.lines().collect::<Vec<_>>(),
+        "otherwise upstream's chain, unchanged"
+    );
+    assert_eq!(
+        reduced.lines().nth(2),
+        Some(returns[0]),
+        "in front of every other rule"
+    );
+}

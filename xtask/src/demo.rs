@@ -48,21 +48,27 @@ pub fn run() -> anyhow::Result<()> {
 
     say(
         "2",
-        "starting masq-agent in the node namespace (iptables data plane)",
+        "starting masq-agent in the node namespace (eBPF data plane on the uplink)",
     );
     let config_arg = format!("--config={}", config.display());
+    let bpffs_arg = format!("--bpffs={}", topo.bpffs.display());
     let mut agent = topo.spawn_in_node(
         &agent_bin,
-        &["--dataplane=iptables", &config_arg],
+        &[
+            "--dataplane=ebpf",
+            "--fallback-to-iptables=false",
+            &config_arg,
+            &bpffs_arg,
+        ],
         &[],
         "agent.log",
     )?;
-    wait_for(|| {
-        Ok(topo
-            .node_run("iptables", &["-t", "nat", "-S", "IP-MASQ-AGENT"])
-            .is_ok())
-    })
-    .context("the agent did not install its chain")?;
+    wait_for(|| Ok(topo.bpffs.join("links").read_dir()?.count() == 2))
+        .with_context(|| format!("the agent did not attach:\n{}", agent.log_text()))?;
+    println!(
+        "    tc programs attached to the uplink's egress and ingress, pinned under {}",
+        topo.bpffs.display()
+    );
 
     say("3", "pod traffic, as the outside server sees it");
     let outside = SocketAddr::from((topology::EXT_ADDR, PORT));
@@ -81,6 +87,17 @@ pub fn run() -> anyhow::Result<()> {
         topology::NODE_UPLINK.into(),
         "masqueraded to the node's address",
     )?;
+    ensure!(
+        xtask::netns::command_in(pod, "ping")
+            .args(["-c", "1", "-W", "2", &topology::EXT_ADDR.to_string()])
+            .output()?
+            .status
+            .success(),
+        "ping to the outside got no reply"
+    );
+    println!(
+        "    ping to the outside: reply received (the server can only answer the node's address)"
+    );
     let seen = probe::tcp_probe(pod, cluster_local, 0)?;
     show(
         "TCP to cluster-local",
@@ -88,6 +105,15 @@ pub fn run() -> anyhow::Result<()> {
         topology::pod_addr(0).into(),
         "in 10.0.0.0/8: keeps the pod's address",
     )?;
+    let pin = topo.bpffs.join("non_masq_v4");
+    println!("    $ bpftool map dump pinned {}", pin.display());
+    let dump = xtask::netns::run(
+        "bpftool",
+        &["map", "dump", "pinned", pin.to_str().context("path")?],
+    )?;
+    for line in dump.lines() {
+        println!("      {line}");
+    }
 
     say(
         "4",
@@ -122,31 +148,42 @@ pub fn run() -> anyhow::Result<()> {
     );
 
     say("5", "masq-agent status");
-    let status = topo.node_run(
-        agent_bin.to_str().context("path")?,
-        &["status", "--masq-chain=IP-MASQ-AGENT"],
-    )?;
+    let status = topo.node_run(agent_bin.to_str().context("path")?, &["status", &bpffs_arg])?;
     for line in status.lines() {
         println!("    {line}");
     }
 
     say(
         "6",
-        "stopping the agent (SIGTERM leaves the rules in place), then cleanup",
+        "stopping the agent: SIGTERM leaves the data plane in place, traffic keeps flowing",
     );
     agent.stop(libc::SIGTERM)?;
-    ensure!(
-        topo.node_run("iptables", &["-t", "nat", "-S", "IP-MASQ-AGENT"])
-            .is_ok(),
-        "SIGTERM must leave the chain in place"
-    );
-    topo.node_run(agent_bin.to_str().context("path")?, &["cleanup"])?;
+    let seen = probe::tcp_probe(pod, outside, 0)?;
+    show(
+        "TCP to the outside, agent stopped",
+        seen,
+        topology::NODE_UPLINK.into(),
+        "still masqueraded",
+    )?;
+
+    say("7", "cleanup removes everything");
+    topo.node_run(
+        agent_bin.to_str().context("path")?,
+        &["cleanup", &bpffs_arg],
+    )?;
+    ensure!(!topo.bpffs.exists(), "cleanup must remove the pins");
     ensure!(
         topo.node_run("iptables", &["-t", "nat", "-S", "IP-MASQ-AGENT"])
             .is_err(),
         "cleanup must remove the chain"
     );
-    println!("    chain and POSTROUTING jump removed; deleting the namespaces");
+    ensure!(
+        probe::tcp_probe(pod, outside, 0).is_err(),
+        "without masquerading the server cannot answer"
+    );
+    println!(
+        "    programs detached, pins and chain removed: the server can no longer answer the pod; deleting the namespaces"
+    );
     drop(server);
     drop(topo);
     println!("\ndemo passed: every claim above was checked against real traffic");

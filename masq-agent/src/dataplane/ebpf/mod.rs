@@ -193,16 +193,19 @@ fn write_interfaces(ebpf: &mut Ebpf, devices: &[Device]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An LPM trie key as plain data: prefix length in bits, then the address bytes.
+type Prefix<const N: usize> = (u32, [u8; N]);
+
 /// Makes a trie hold exactly `desired`, adding before removing so that a prefix that stays is
 /// never missing, not even for a moment. A failed insert rolls back what this call added, so
 /// the previous policy stays whole. Returns whether anything changed, and what was removed.
 fn sync_trie<const N: usize>(
     ebpf: &mut Ebpf,
     name: &str,
-    desired: &BTreeSet<(u32, [u8; N])>,
-) -> anyhow::Result<(bool, Vec<(u32, [u8; N])>)> {
+    desired: &BTreeSet<Prefix<N>>,
+) -> anyhow::Result<(bool, Vec<Prefix<N>>)> {
     let mut trie: LpmTrie<&mut MapData, [u8; N], u8> = LpmTrie::try_from(map_mut(ebpf, name)?)?;
-    let current: BTreeSet<(u32, [u8; N])> = trie
+    let current: BTreeSet<Prefix<N>> = trie
         .keys()
         .filter_map(Result::ok)
         .map(|k| (k.prefix_len(), k.data()))
@@ -218,7 +221,7 @@ fn sync_trie<const N: usize>(
         }
         added.push(key);
     }
-    let removed: Vec<(u32, [u8; N])> = current.difference(desired).copied().collect();
+    let removed: Vec<Prefix<N>> = current.difference(desired).copied().collect();
     for (len, data) in &removed {
         trie.remove(&Key::new(*len, *data))
             .with_context(|| format!("removing a prefix from {name}"))?;
@@ -231,8 +234,8 @@ fn sync_trie<const N: usize>(
 /// addresses; a prefix that comes back stops draining.
 fn sync_draining(
     ebpf: &mut Ebpf,
-    removed: &[(u32, [u8; 4])],
-    policy: &BTreeSet<(u32, [u8; 4])>,
+    removed: &[Prefix<4>],
+    policy: &BTreeSet<Prefix<4>>,
     now_ns: u64,
 ) -> anyhow::Result<()> {
     let mut draining: LpmTrie<&mut MapData, [u8; 4], u32> =
@@ -271,13 +274,13 @@ fn expire_draining(ebpf: &mut Ebpf, drain: std::time::Duration, now_ns: u64) -> 
     Ok(())
 }
 
-fn v4_keys(nets: &[Ipv4Net]) -> BTreeSet<(u32, [u8; 4])> {
+fn v4_keys(nets: &[Ipv4Net]) -> BTreeSet<Prefix<4>> {
     nets.iter()
         .map(|n| (u32::from(n.prefix_len()), n.network().octets()))
         .collect()
 }
 
-fn v6_keys(nets: &[Ipv6Net]) -> BTreeSet<(u32, [u8; 16])> {
+fn v6_keys(nets: &[Ipv6Net]) -> BTreeSet<Prefix<16>> {
     nets.iter()
         .map(|n| (u32::from(n.prefix_len()), n.network().octets()))
         .collect()
@@ -457,13 +460,13 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         pinned(&pins, map_names::INTERFACES)?.try_into()?;
     let counters: PerCpuArray<MapData, u64> = pinned(&pins, map_names::COUNTERS)?.try_into()?;
 
-    let mut non_masquerade_v4: Vec<(u32, [u8; 4])> = v4
+    let mut non_masquerade_v4: Vec<Prefix<4>> = v4
         .keys()
         .filter_map(Result::ok)
         .map(|k| (k.prefix_len(), k.data()))
         .collect();
     non_masquerade_v4.sort();
-    let mut non_masquerade_v6: Vec<(u32, [u8; 16])> = v6
+    let mut non_masquerade_v6: Vec<Prefix<16>> = v6
         .keys()
         .filter_map(Result::ok)
         .map(|k| (k.prefix_len(), k.data()))
