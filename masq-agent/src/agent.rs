@@ -21,6 +21,7 @@ use crate::{
         ApplyOutcome, DataPlane, Mode,
         ebpf::{self, EbpfOptions},
         iptables::{ChainVariant, IptablesDataPlane},
+        state,
     },
     netdev,
     policy::{MasqueradeOptions, Policy},
@@ -68,11 +69,7 @@ pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {
 
 fn fallback(opts: MasqueradeOptions, why: &anyhow::Error) -> Box<dyn DataPlane> {
     warn!("falling back to the full iptables chain: {why:#}");
-    Box::new(IptablesDataPlane::new(
-        opts,
-        ChainVariant::Full,
-        Mode::IptablesFallback,
-    ))
+    Box::new(IptablesDataPlane::fallback(opts, format!("{why:#}")))
 }
 
 fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
@@ -89,6 +86,12 @@ fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
         random_fully: flags.random_fully,
         masquerade: masquerade_options(flags),
     })
+}
+
+fn record_mode(bpffs: &Path, dataplane: &dyn DataPlane) {
+    if let Err(err) = state::record(bpffs, dataplane.mode(), dataplane.mode_reason()) {
+        warn!("cannot record the data plane mode for `status`: {err}");
+    }
 }
 
 /// Logs a recurring message once, and again only when it changes.
@@ -125,6 +128,7 @@ pub enum SyncResult {
 }
 
 pub struct Agent {
+    bpffs: PathBuf,
     /// Where to fall back to when the eBPF data plane stops working; `None` when not allowed.
     fallback: Option<MasqueradeOptions>,
     config_path: PathBuf,
@@ -140,7 +144,9 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>) -> Agent {
+        record_mode(&flags.bpffs, dataplane.as_ref());
         Agent {
+            bpffs: flags.bpffs.clone(),
             fallback: flags
                 .fallback_to_iptables
                 .then(|| masquerade_options(flags)),
@@ -183,6 +189,7 @@ impl Agent {
             && let Some(opts) = self.fallback.take()
         {
             self.dataplane = fallback(opts, err);
+            record_mode(&self.bpffs, self.dataplane.as_ref());
             applied = self.dataplane.apply(&policy);
         }
         match applied {

@@ -674,8 +674,17 @@ fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
     );
     assert!(bed.ping(0, topology::EXT_ADDR));
     let status = bed.status_json();
-    assert_eq!(status["mode"], "iptables");
-    assert!(status["ebpf"].is_null());
+    assert_eq!(status["mode"], "iptables-fallback");
+    assert!(
+        status["mode_reason"]
+            .as_str()
+            .unwrap()
+            .contains("nosuchdev0")
+    );
+    assert!(
+        status["ebpf"].is_null(),
+        "nothing of the eBPF data plane is left installed"
+    );
 }
 
 fn reattaches_a_program_someone_detached(plane: Plane) {

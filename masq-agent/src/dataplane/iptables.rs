@@ -349,6 +349,7 @@ pub struct IptablesDataPlane {
     opts: MasqueradeOptions,
     variant: ChainVariant,
     mode: Mode,
+    reason: Option<String>,
     /// Probed once: the iptables binaries do not change under a running agent.
     caps: HashMap<IpFamily, Capabilities>,
     installed: HashMap<IpFamily, Installed>,
@@ -360,11 +361,21 @@ impl IptablesDataPlane {
             opts,
             variant,
             mode,
+            reason: None,
             caps: [IpFamily::Ipv4, IpFamily::Ipv6]
                 .into_iter()
                 .map(|f| (f, Capabilities::detect(f)))
                 .collect(),
             installed: HashMap::new(),
+        }
+    }
+
+    /// The full chain, standing in for the eBPF data plane, which could not run because of
+    /// `reason`.
+    pub fn fallback(opts: MasqueradeOptions, reason: String) -> Self {
+        IptablesDataPlane {
+            reason: Some(reason),
+            ..Self::new(opts, ChainVariant::Full, Mode::IptablesFallback)
         }
     }
 
@@ -405,6 +416,10 @@ impl DataPlane for IptablesDataPlane {
         self.mode
     }
 
+    fn mode_reason(&self) -> Option<String> {
+        self.reason.clone()
+    }
+
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let mut outcome = ApplyOutcome::Unchanged;
         for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
@@ -423,6 +438,7 @@ impl DataPlane for IptablesDataPlane {
         let mut status = status(&self.opts.chain)?;
         if status.mode.is_some() {
             status.mode = Some(self.mode);
+            status.mode_reason = self.reason.clone();
         }
         Ok(status)
     }
@@ -457,6 +473,7 @@ pub fn status(chain: &str) -> anyhow::Result<Status> {
     });
     Ok(Status {
         mode,
+        mode_reason: None,
         chains,
         ebpf: None,
     })

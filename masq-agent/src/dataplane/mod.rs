@@ -4,13 +4,14 @@
 
 pub mod ebpf;
 pub mod iptables;
+pub mod state;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::policy::Policy;
 
 /// Which mechanism enforces the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
     Ebpf,
@@ -43,6 +44,11 @@ pub enum ApplyOutcome {
 pub trait DataPlane {
     fn mode(&self) -> Mode;
 
+    /// Why this data plane runs instead of the one asked for, if it does.
+    fn mode_reason(&self) -> Option<String> {
+        None
+    }
+
     /// Makes the kernel match `policy`. On error, whatever was in force before stays in force.
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome>;
 
@@ -63,6 +69,8 @@ pub trait DataPlane {
 pub struct Status {
     /// `None` when nothing is installed.
     pub mode: Option<Mode>,
+    /// Why the running agent uses this mode, when it fell back.
+    pub mode_reason: Option<String>,
     pub chains: Vec<iptables::ChainStatus>,
     pub ebpf: Option<ebpf::EbpfStatus>,
 }
@@ -78,20 +86,26 @@ pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
     {
         status.mode = Some(Mode::Ebpf);
     }
+    if let Some(record) = state::read(bpffs) {
+        status.mode = Some(record.mode);
+        status.mode_reason = record.reason;
+    }
     Ok(status)
 }
 
 /// Removes everything either data plane installed.
 pub fn cleanup_all(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<()> {
+    state::remove(bpffs);
     ebpf::cleanup(bpffs)?;
     iptables::cleanup(chain)
 }
 
 impl std::fmt::Display for Status {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.mode {
-            Some(mode) => writeln!(f, "data plane: {mode}")?,
-            None => writeln!(f, "data plane: none installed")?,
+        match (self.mode, &self.mode_reason) {
+            (Some(mode), Some(reason)) => writeln!(f, "data plane: {mode}, because {reason}")?,
+            (Some(mode), None) => writeln!(f, "data plane: {mode}")?,
+            (None, _) => writeln!(f, "data plane: none installed")?,
         }
         if let Some(ebpf) = &self.ebpf {
             write!(f, "{ebpf}")?;

@@ -1,0 +1,59 @@
+//! The running agent's mode, for `masq-agent status` in another process. bpffs holds only BPF
+//! objects, so the record lives under /run, named after the `--bpffs` directory it belongs to.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::Mode;
+
+const STATE_DIR: &str = "/run/masq-agent";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModeRecord {
+    pub mode: Mode,
+    /// Why the agent fell back to iptables, when it did.
+    pub reason: Option<String>,
+    pub pid: u32,
+}
+
+fn path(bpffs: &Path) -> PathBuf {
+    let name: String = bpffs
+        .to_string_lossy()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    Path::new(STATE_DIR).join(format!("{name}.json"))
+}
+
+/// Records the mode of the agent running now (replacing the file atomically).
+pub fn record(bpffs: &Path, mode: Mode, reason: Option<String>) -> std::io::Result<()> {
+    let record = ModeRecord {
+        mode,
+        reason,
+        pid: std::process::id(),
+    };
+    std::fs::create_dir_all(STATE_DIR)?;
+    let target = path(bpffs);
+    let tmp = target.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&record)?)?;
+    std::fs::rename(tmp, target)
+}
+
+/// The record of the agent running now, if one is.
+pub fn read(bpffs: &Path) -> Option<ModeRecord> {
+    let record: ModeRecord = serde_json::from_slice(&std::fs::read(path(bpffs)).ok()?).ok()?;
+    Path::new(&format!("/proc/{}", record.pid))
+        .exists()
+        .then_some(record)
+}
+
+pub fn remove(bpffs: &Path) {
+    let _ = std::fs::remove_file(path(bpffs));
+}
