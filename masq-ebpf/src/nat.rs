@@ -5,7 +5,7 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, Settings, nat_kind, tcp_seen};
 
-use crate::{maps, parse::L4, ports};
+use crate::{maps, ports};
 
 const EEXIST: i32 = -17;
 /// Entries are refreshed at most this often, to keep per-packet writes to shared cache lines
@@ -18,14 +18,16 @@ pub enum AllocError {
     TableFull,
 }
 
+/// A NAT table key. For ICMP echo, the identifier stands in the pod-side port and the other
+/// port is 0.
 #[inline(always)]
-pub fn key(saddr: [u8; 4], daddr: [u8; 4], l4: &L4, dir: u8) -> NatKeyV4 {
+pub fn key(saddr: [u8; 4], daddr: [u8; 4], proto: u8, sport: u16, dport: u16, dir: u8) -> NatKeyV4 {
     NatKeyV4 {
         saddr,
         daddr,
-        sport: l4.sport,
-        dport: l4.dport,
-        proto: l4.proto,
+        sport,
+        dport,
+        proto,
         direction: dir,
         _pad: [0; 2],
     }

@@ -101,60 +101,37 @@ pub fn l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
     if (ctx.len() as usize) < offset + min_header_len(proto) {
         return None;
     }
-    match proto {
-        IPPROTO_TCP => {
+    let tcp_flags = if proto == IPPROTO_TCP {
+        ctx.load(offset + TCP_FLAGS_OFF).ok()?
+    } else {
+        0
+    };
+    quoted_l4(ctx, offset, proto).map(|l4| L4 { tcp_flags, ..l4 })
+}
+
+/// Like `l4`, but reads only the first 8 bytes of the header, all an ICMP error is sure to quote,
+/// and so leaves `tcp_flags` at 0.
+#[inline(always)]
+pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
+    let (sport, dport, icmp_type) = match proto {
+        IPPROTO_TCP | IPPROTO_UDP => {
             let (sport, dport) = l4_words(ctx, offset)?;
-            let tcp_flags: u8 = ctx.load(offset + TCP_FLAGS_OFF).ok()?;
-            Some(L4 {
-                proto,
-                sport,
-                dport,
-                icmp_type: 0,
-                tcp_flags,
-            })
-        }
-        IPPROTO_UDP => {
-            let (sport, dport) = l4_words(ctx, offset)?;
-            Some(L4 {
-                proto,
-                sport,
-                dport,
-                icmp_type: 0,
-                tcp_flags: 0,
-            })
+            (sport, dport, 0)
         }
         IPPROTO_ICMP => {
             let icmp_type: u8 = ctx.load(offset).ok()?;
             let id: u16 = ctx.load(offset + ICMP_ID_OFF).ok()?;
-            Some(L4 {
-                proto,
-                sport: id,
-                dport: 0,
-                icmp_type,
-                tcp_flags: 0,
-            })
+            (id, 0, icmp_type)
         }
-        _ => None,
-    }
-}
-
-/// Like `l4`, but reads only the first 8 bytes of the header, all an ICMP error is sure to quote.
-#[inline(always)]
-pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
-    match proto {
-        IPPROTO_TCP | IPPROTO_UDP => {
-            let (sport, dport) = l4_words(ctx, offset)?;
-            Some(L4 {
-                proto,
-                sport,
-                dport,
-                icmp_type: 0,
-                tcp_flags: 0,
-            })
-        }
-        IPPROTO_ICMP => l4(ctx, offset, proto),
-        _ => None,
-    }
+        _ => return None,
+    };
+    Some(L4 {
+        proto,
+        sport,
+        dport,
+        icmp_type,
+        tcp_flags: 0,
+    })
 }
 
 /// Offset of the checksum field within the L4 header.

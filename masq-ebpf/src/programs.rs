@@ -30,7 +30,14 @@ pub fn masq_egress(ctx: TcContext) -> i32 {
         Ok(l4) => l4,
         Err(verdict) => return verdict.count(),
     };
-    let key = nat::key(ip.saddr, ip.daddr, &l4, direction::EGRESS);
+    let key = nat::key(
+        ip.saddr,
+        ip.daddr,
+        l4.proto,
+        l4.sport,
+        l4.dport,
+        direction::EGRESS,
+    );
     let progress = progress(&l4);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
     // upstream's chain: policy changes affect new flows only.
@@ -236,19 +243,27 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
     };
     let (key, field) = match (l4.proto, l4.icmp_type) {
         (IPPROTO_TCP | IPPROTO_UDP, _) => {
-            (nat::key(ip.saddr, ip.daddr, &l4, direction::INGRESS), 2)
+            let key = nat::key(
+                ip.saddr,
+                ip.daddr,
+                l4.proto,
+                l4.sport,
+                l4.dport,
+                direction::INGRESS,
+            );
+            (key, 2)
         }
+        // Replies carry the identifier the request left with, the key's pod-side port.
         (IPPROTO_ICMP, parse::ICMP_ECHO_REPLY) => {
-            // Replies carry the identifier the request left with: the key's pod-side port.
-            let reply = L4 {
-                sport: 0,
-                dport: l4.sport,
-                ..l4
-            };
-            (
-                nat::key(ip.saddr, ip.daddr, &reply, direction::INGRESS),
-                parse::ICMP_ID_OFF,
-            )
+            let key = nat::key(
+                ip.saddr,
+                ip.daddr,
+                IPPROTO_ICMP,
+                0,
+                l4.sport,
+                direction::INGRESS,
+            );
+            (key, parse::ICMP_ID_OFF)
         }
         (IPPROTO_ICMP, parse::ICMP_DEST_UNREACH | parse::ICMP_TIME_EXCEEDED) => {
             return snat_v4_rev_nat_icmp_error(ctx, ip);
@@ -313,31 +328,21 @@ fn snat_v4_rev_nat_icmp_error(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
         return TC_ACT_OK;
     };
     // The quoted packet went out; a reply to it would have come in as this key.
-    let (key, field) = match quoted.proto {
+    let (sport, dport, field) = match quoted.proto {
         IPPROTO_ICMP if quoted.icmp_type == parse::ICMP_ECHO_REQUEST => {
-            let reply = L4 {
-                sport: 0,
-                dport: quoted.sport,
-                ..quoted
-            };
-            (
-                nat::key(inner.daddr, inner.saddr, &reply, direction::INGRESS),
-                parse::ICMP_ID_OFF,
-            )
+            (0, quoted.sport, parse::ICMP_ID_OFF)
         }
-        IPPROTO_TCP | IPPROTO_UDP => {
-            let reply = L4 {
-                sport: quoted.dport,
-                dport: quoted.sport,
-                ..quoted
-            };
-            (
-                nat::key(inner.daddr, inner.saddr, &reply, direction::INGRESS),
-                0,
-            )
-        }
+        IPPROTO_TCP | IPPROTO_UDP => (quoted.dport, quoted.sport, 0),
         _ => return TC_ACT_OK,
     };
+    let key = nat::key(
+        inner.daddr,
+        inner.saddr,
+        quoted.proto,
+        sport,
+        dport,
+        direction::INGRESS,
+    );
     let Some(entry) = nat::lookup(&key) else {
         return TC_ACT_OK;
     };
