@@ -3,6 +3,7 @@
 //! run creates and deletes itself.
 
 pub mod netns;
+pub mod packet;
 pub mod probe;
 pub mod topology;
 

@@ -5,6 +5,7 @@
 pub mod attach;
 pub mod expiry;
 pub mod pins;
+pub mod testbed;
 
 use std::{
     collections::{BTreeMap, BTreeSet},

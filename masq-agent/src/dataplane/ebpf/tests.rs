@@ -4,14 +4,11 @@
 
 use std::{net::Ipv4Addr, time::Duration};
 
-use aya::{
-    Ebpf, EbpfLoader,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray},
-    programs::{TestRun, TestRunOptions},
-};
+use aya::maps::{HashMap as BpfHashMap, MapData};
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, map_names, nat_kind, program_names};
+use xtask::packet::*;
 
-use super::*;
+use super::{testbed::TestBed, *};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
@@ -19,138 +16,8 @@ const POD2: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 2);
 const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const REMOTE2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 const ROUTER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 254);
-/// BPF_PROG_TEST_RUN runs tc programs on the loopback device.
-const TEST_RUN_IFINDEX: u32 = 1;
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
-const TCP: u8 = 6;
-const UDP: u8 = 17;
-const ICMP: u8 = 1;
-
-// ---- an independent checksum and packet builder --------------------------------------------
-
-fn ones_sum(data: &[u8]) -> u32 {
-    data.chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum()
-}
-
-fn checksum(data: &[u8]) -> u16 {
-    let mut sum = ones_sum(data);
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> Vec<u8> {
-    let mut p = Vec::new();
-    p.extend(src.octets());
-    p.extend(dst.octets());
-    p.extend([0, proto]);
-    p.extend((len as u16).to_be_bytes());
-    p
-}
-
-/// An option-less IPv4 header with a correct checksum.
-fn ipv4_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, payload_len: usize, frag: u16) -> Vec<u8> {
-    let mut h = vec![0x45, 0];
-    h.extend(((20 + payload_len) as u16).to_be_bytes());
-    h.extend(0x1234u16.to_be_bytes());
-    h.extend(frag.to_be_bytes());
-    h.extend([64, proto, 0, 0]);
-    h.extend(src.octets());
-    h.extend(dst.octets());
-    let c = checksum(&h);
-    h[10..12].copy_from_slice(&c.to_be_bytes());
-    h
-}
-
-/// A TCP or UDP segment (8-byte UDP header, 20-byte TCP header) with a payload and a correct
-/// checksum over the pseudo-header.
-fn l4_segment(
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
-    proto: u8,
-    sport: u16,
-    dport: u16,
-    flags: u8,
-) -> Vec<u8> {
-    let payload = b"masq-agent test payload";
-    let mut s = Vec::new();
-    s.extend(sport.to_be_bytes());
-    s.extend(dport.to_be_bytes());
-    if proto == TCP {
-        s.extend(1000u32.to_be_bytes());
-        s.extend(0u32.to_be_bytes());
-        s.extend([0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
-    } else {
-        s.extend(((8 + payload.len()) as u16).to_be_bytes());
-        s.extend([0, 0]);
-    }
-    s.extend(payload);
-    let c = checksum(&[pseudo_header(src, dst, proto, s.len()), s.clone()].concat());
-    let off = if proto == TCP { 16 } else { 6 };
-    s[off..off + 2].copy_from_slice(&c.to_be_bytes());
-    s
-}
-
-fn icmp_message(kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
-    let mut m = vec![kind, code, 0, 0];
-    m.extend(rest);
-    m.extend(body);
-    let c = checksum(&m);
-    m[2..4].copy_from_slice(&c.to_be_bytes());
-    m
-}
-
-fn echo(kind: u8, id: u16) -> Vec<u8> {
-    let [a, b] = id.to_be_bytes();
-    icmp_message(kind, 0, [a, b, 0, 1], b"ping payload")
-}
-
-fn frame(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
-    frame_with_frag(src, dst, proto, l4, 0)
-}
-
-fn frame_with_frag(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8], frag: u16) -> Vec<u8> {
-    let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
-    f.extend(ipv4_header(src, dst, proto, l4.len(), frag));
-    f.extend(l4);
-    f
-}
-
-fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u8> {
-    frame(
-        src,
-        dst,
-        TCP,
-        &l4_segment(src, dst, TCP, sport, dport, flags),
-    )
-}
-
-fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Vec<u8> {
-    frame(src, dst, UDP, &l4_segment(src, dst, UDP, sport, dport, 0))
-}
-
-const SYN: u8 = 0x02;
-const ACK: u8 = 0x10;
-
-// ---- reading frames back -------------------------------------------------------------------
-
-fn src(f: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(f[26], f[27], f[28], f[29])
-}
-
-fn dst(f: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(f[30], f[31], f[32], f[33])
-}
-
-fn word(f: &[u8], off: usize) -> u16 {
-    u16::from_be_bytes([f[off], f[off + 1]])
-}
-
-const L4: usize = 34;
 
 /// Checks every checksum in a frame from scratch: IP header, and TCP, UDP or ICMP.
 fn assert_checksums(f: &[u8]) {
@@ -180,86 +47,34 @@ fn diff(a: &[u8], b: &[u8]) -> Vec<usize> {
 
 // ---- the harness: the real object, fresh (unpinned) maps -----------------------------------
 
-struct Harness {
-    ebpf: Ebpf,
+type Harness = TestBed;
+
+fn spans(list: &[(u16, u16)]) -> Vec<PortRange> {
+    list.iter()
+        .map(|(first, last)| PortRange {
+            first: *first,
+            last: *last,
+        })
+        .collect()
 }
 
-impl Harness {
-    fn new(spans: &[(u16, u16)], random_fully: bool) -> Harness {
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries(map_names::NAT_V4, 1024)
-            .load(OBJECT)
-            .unwrap();
-        for name in [program_names::EGRESS, program_names::INGRESS] {
-            classifier(&mut ebpf, name).unwrap().load().unwrap();
-        }
-        let spans: Vec<PortRange> = spans
-            .iter()
-            .map(|(first, last)| PortRange {
-                first: *first,
-                last: *last,
-            })
-            .collect();
-        write_settings(&mut ebpf, &spans, random_fully).unwrap();
-        let lo = Device {
-            name: "lo".into(),
-            index: TEST_RUN_IFINDEX,
-            ipv4: NODE,
-        };
-        write_interfaces(&mut ebpf, &[lo]).unwrap();
-        let policy: Vec<Ipv4Net> = ["169.254.0.0/16", "10.0.0.0/8"]
-            .iter()
-            .map(|s| s.parse().unwrap())
-            .collect();
-        sync_trie(&mut ebpf, map_names::NON_MASQ_V4, &v4_keys(&policy)).unwrap();
-        Harness { ebpf }
-    }
+fn nets(list: &[&str]) -> Vec<Ipv4Net> {
+    list.iter().map(|s| s.parse().unwrap()).collect()
+}
 
-    /// Applies a new non-masquerade policy the way the data plane does.
-    fn set_policy(&mut self, cidrs: &[&str]) {
-        let policy: Vec<Ipv4Net> = cidrs.iter().map(|s| s.parse().unwrap()).collect();
-        let keys = v4_keys(&policy);
-        let (_, removed) = sync_trie(&mut self.ebpf, map_names::NON_MASQ_V4, &keys).unwrap();
-        sync_draining(&mut self.ebpf, &removed, &keys, expiry::monotonic_now_ns()).unwrap();
-    }
+fn harness(port_spans: &[(u16, u16)], random_fully: bool) -> Harness {
+    TestBed::new(
+        1024,
+        &spans(port_spans),
+        random_fully,
+        NODE,
+        &nets(&["169.254.0.0/16", "10.0.0.0/8"]),
+    )
+    .unwrap()
+}
 
-    fn default() -> Harness {
-        Harness::new(&[(1024, 32767), (61000, 65535)], true)
-    }
-
-    fn run(&mut self, program: &str, input: &[u8]) -> (u32, Vec<u8>) {
-        let prog = classifier(&mut self.ebpf, program).unwrap();
-        let mut out = vec![0u8; input.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(input),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
-    }
-
-    fn egress(&mut self, input: &[u8]) -> (u32, Vec<u8>) {
-        self.run(program_names::EGRESS, input)
-    }
-
-    fn ingress(&mut self, input: &[u8]) -> (u32, Vec<u8>) {
-        self.run(program_names::INGRESS, input)
-    }
-
-    fn counter(&self, c: Counter) -> u64 {
-        let map: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(self.ebpf.map(map_names::COUNTERS).unwrap()).unwrap();
-        map.get(&(c as u32), 0).unwrap().iter().sum()
-    }
-
-    fn nat(&self) -> Vec<(NatKeyV4, NatEntryV4)> {
-        let map: BpfHashMap<&MapData, NatKeyV4, NatEntryV4> =
-            BpfHashMap::try_from(self.ebpf.map(map_names::NAT_V4).unwrap()).unwrap();
-        map.iter().map(Result::unwrap).collect()
-    }
+fn default_harness() -> Harness {
+    harness(&[(1024, 32767), (61000, 65535)], true)
 }
 
 /// Egress translation of a TCP or UDP packet: only the source address, source port and the
@@ -282,7 +97,7 @@ fn assert_masqueraded(input: &[u8], out: &[u8], proto: u8) -> u16 {
 
 #[test]
 fn tcp_egress_then_reply_ingress() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let syn = tcp(POD, 40000, REMOTE, 80, SYN);
     let (verdict, out) = h.egress(&syn);
     assert_eq!(verdict, TC_ACT_OK);
@@ -332,7 +147,7 @@ fn tcp_egress_then_reply_ingress() {
 
 #[test]
 fn udp_with_and_without_checksum() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let dgram = udp(POD, 5353, REMOTE, 53);
     let (_, out) = h.egress(&dgram);
     let port = assert_masqueraded(&dgram, &out, UDP);
@@ -352,7 +167,7 @@ fn udp_with_and_without_checksum() {
 
 #[test]
 fn icmp_echo_gets_an_identifier_and_its_reply_is_restored() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let request = frame(POD, REMOTE, ICMP, &echo(8, 0x4242));
     let (verdict, out) = h.egress(&request);
     assert_eq!(verdict, TC_ACT_OK);
@@ -424,7 +239,7 @@ fn assert_icmp_error_restored(back: &[u8], pod_port: u16, quoted_l4_checksum: Op
 
 #[test]
 fn icmp_errors_about_tcp_and_udp_flows_are_translated_inside_and_out() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let syn = tcp(POD, 40001, REMOTE, 443, SYN);
     let (_, tcp_out) = h.egress(&syn);
     let dgram = udp(POD, 40002, REMOTE2, 53);
@@ -452,7 +267,7 @@ fn icmp_errors_about_tcp_and_udp_flows_are_translated_inside_and_out() {
 
 #[test]
 fn icmp_error_about_a_ping_is_translated() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let (_, out) = h.egress(&frame(POD, REMOTE, ICMP, &echo(8, 7)));
     let quoted_len = out.len() - 14;
     let (_, back) = h.ingress(&icmp_error(11, 0, &out, quoted_len));
@@ -470,7 +285,7 @@ fn icmp_error_about_a_ping_is_translated() {
 
 #[test]
 fn icmp_error_about_an_unknown_flow_passes_untouched() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let stray = tcp(NODE, 33333, REMOTE, 443, SYN);
     let error = icmp_error(3, 3, &stray, 28);
     let (verdict, out) = h.ingress(&error);
@@ -480,7 +295,7 @@ fn icmp_error_about_an_unknown_flow_passes_untouched() {
 
 #[test]
 fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     for (packet, counter) in [
         (
             tcp(POD, 1000, Ipv4Addr::new(10, 96, 0, 1), 443, SYN),
@@ -513,7 +328,7 @@ fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched() {
 
 #[test]
 fn odd_and_truncated_packets_pass_unmodified() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let good = tcp(POD, 1000, REMOTE, 443, SYN);
     // IP options: IHL 6, with a NOP option word.
     let mut options = good[..34].to_vec();
@@ -532,7 +347,8 @@ fn odd_and_truncated_packets_pass_unmodified() {
     ipv6[12..14].copy_from_slice(&[0x86, 0xdd]);
     for packet in [options, bad_ihl, short_tcp, short_udp, arp, ipv6] {
         for program in [program_names::EGRESS, program_names::INGRESS] {
-            let (verdict, out) = h.run(program, &packet);
+            let run = h.run(program, &packet, 1).unwrap();
+            let (verdict, out) = (run.verdict, run.frame);
             assert_eq!(
                 (verdict, &out),
                 (TC_ACT_OK, &packet),
@@ -545,7 +361,7 @@ fn odd_and_truncated_packets_pass_unmodified() {
 
 #[test]
 fn two_pods_with_one_source_port_get_different_nat_ports() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let (_, a) = h.egress(&tcp(POD, 50000, REMOTE, 80, SYN));
     let (_, b) = h.egress(&tcp(POD2, 50000, REMOTE, 80, SYN));
     assert_eq!((src(&a), src(&b)), (NODE, NODE));
@@ -556,7 +372,7 @@ fn two_pods_with_one_source_port_get_different_nat_ports() {
 
 #[test]
 fn without_random_fully_the_pods_port_is_kept_when_free() {
-    let mut h = Harness::new(&[(1024, 65535)], false);
+    let mut h = harness(&[(1024, 65535)], false);
     let (_, a) = h.egress(&tcp(POD, 45000, REMOTE, 80, SYN));
     assert_eq!(word(&a, L4), 45000);
     // Same port from another pod to the same server: taken, so the next one is used.
@@ -566,7 +382,7 @@ fn without_random_fully_the_pods_port_is_kept_when_free() {
 
 #[test]
 fn exhausted_ports_drop_and_count_never_mistranslate() {
-    let mut h = Harness::new(&[(5000, 5000)], true);
+    let mut h = harness(&[(5000, 5000)], true);
     let (verdict, a) = h.egress(&udp(POD, 1111, REMOTE, 53));
     assert_eq!((verdict, word(&a, L4)), (TC_ACT_OK, 5000));
     // The only port is taken for this server: the next flow is dropped.
@@ -586,7 +402,7 @@ fn exhausted_ports_drop_and_count_never_mistranslate() {
 
 #[test]
 fn connections_opened_from_outside_keep_the_pods_address() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let syn = tcp(REMOTE, 5555, POD, 8080, SYN);
     let (verdict, out) = h.ingress(&syn);
     assert_eq!((verdict, &out), (TC_ACT_OK, &syn));
@@ -607,7 +423,7 @@ fn connections_opened_from_outside_keep_the_pods_address() {
 
 #[test]
 fn later_fragments_are_dropped_not_sent_with_the_pods_address() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     let later = frame_with_frag(POD, REMOTE, UDP, b"the middle of a datagram", 0x00b9);
     let (verdict, _) = h.egress(&later);
     assert_eq!(verdict, TC_ACT_SHOT);
@@ -616,15 +432,7 @@ fn later_fragments_are_dropped_not_sent_with_the_pods_address() {
 
 #[test]
 fn nothing_is_translated_before_the_agent_configures_ports() {
-    let mut ebpf = EbpfLoader::new()
-        .map_max_entries(map_names::NAT_V4, 16)
-        .load(OBJECT)
-        .unwrap();
-    classifier(&mut ebpf, program_names::EGRESS)
-        .unwrap()
-        .load()
-        .unwrap();
-    let mut h = Harness { ebpf };
+    let mut h = TestBed::unconfigured(16).unwrap();
     let packet = tcp(POD, 1000, REMOTE, 443, SYN);
     let (verdict, out) = h.egress(&packet);
     assert_eq!((verdict, out), (TC_ACT_OK, packet));
@@ -633,29 +441,7 @@ fn nothing_is_translated_before_the_agent_configures_ports() {
 
 #[test]
 fn a_full_nat_table_drops_new_flows_and_keeps_live_ones() {
-    let mut ebpf = EbpfLoader::new()
-        .map_max_entries(map_names::NAT_V4, 4)
-        .load(OBJECT)
-        .unwrap();
-    for name in [program_names::EGRESS, program_names::INGRESS] {
-        classifier(&mut ebpf, name).unwrap().load().unwrap();
-    }
-    write_settings(
-        &mut ebpf,
-        &[PortRange {
-            first: 1024,
-            last: 65535,
-        }],
-        true,
-    )
-    .unwrap();
-    let lo = Device {
-        name: "lo".into(),
-        index: TEST_RUN_IFINDEX,
-        ipv4: NODE,
-    };
-    write_interfaces(&mut ebpf, &[lo]).unwrap();
-    let mut h = Harness { ebpf };
+    let mut h = TestBed::new(4, &spans(&[(1024, 65535)]), true, NODE, &[]).unwrap();
     let (_, a) = h.egress(&udp(POD, 1001, REMOTE, 53));
     let (_, b) = h.egress(&udp(POD, 1002, REMOTE, 53));
     assert_eq!(h.nat().len(), 4, "two flows fill a four-entry table");
@@ -677,7 +463,7 @@ fn a_full_nat_table_drops_new_flows_and_keeps_live_ones() {
 
 #[test]
 fn expiry_removes_both_halves_of_idle_flows_only() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     h.egress(&udp(POD, 2001, REMOTE, 53));
     let (_, tcp_out) = h.egress(&tcp(POD, 2002, REMOTE, 443, SYN));
     // The TCP flow completes its handshake both ways: established.
@@ -691,8 +477,7 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
     let timeouts = Timeouts::default();
     let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     let run = |h: &mut Harness, after: Duration| {
-        let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
-            BpfHashMap::try_from(h.ebpf.map_mut(map_names::NAT_V4).unwrap()).unwrap();
+        let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> = h.nat_mut().unwrap();
         expiry::expire(&mut nat, &timeouts, newest + after.as_nanos() as u64)
     };
     let flows = |h: &Harness| {
@@ -720,7 +505,7 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
 
 #[test]
 fn an_orphaned_reply_half_is_removed() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     h.egress(&udp(POD, 3001, REMOTE, 53));
     let egress_key = h
         .nat()
@@ -729,8 +514,7 @@ fn an_orphaned_reply_half_is_removed() {
         .unwrap()
         .0;
     let newest = h.nat()[0].1.last_seen_ns;
-    let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
-        BpfHashMap::try_from(h.ebpf.map_mut(map_names::NAT_V4).unwrap()).unwrap();
+    let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> = h.nat_mut().unwrap();
     nat.remove(&egress_key).unwrap();
     let timeouts = Timeouts::default();
     let run = expiry::expire(
@@ -744,10 +528,11 @@ fn an_orphaned_reply_half_is_removed() {
 
 #[test]
 fn a_policy_change_affects_new_flows_only() {
-    let mut h = Harness::default();
+    let mut h = default_harness();
     // A masqueraded connection, then its destination becomes non-masquerade.
     let (_, before) = h.egress(&tcp(POD, 4001, REMOTE, 443, SYN));
-    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8", "203.0.113.0/24"]);
+    h.set_policy(&nets(&["169.254.0.0/16", "10.0.0.0/8", "203.0.113.0/24"]))
+        .unwrap();
     let (_, after) = h.egress(&tcp(POD, 4001, REMOTE, 443, ACK));
     assert_eq!(
         (src(&after), word(&after, L4)),
@@ -763,9 +548,11 @@ fn a_policy_change_affects_new_flows_only() {
 
     // An unmasqueraded connection, then its destination leaves the non-masquerade CIDRs.
     let established = tcp(POD, 4003, REMOTE2, 443, ACK);
-    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]);
+    h.set_policy(&nets(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]))
+        .unwrap();
     assert_eq!(h.egress(&established).1, established);
-    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8"]);
+    h.set_policy(&nets(&["169.254.0.0/16", "10.0.0.0/8"]))
+        .unwrap();
     assert_eq!(
         h.egress(&established).1,
         established,
@@ -776,7 +563,8 @@ fn a_policy_change_affects_new_flows_only() {
     let (_, new) = h.egress(&tcp(POD, 4004, REMOTE2, 443, SYN));
     assert_eq!(src(&new), NODE, "a new connection is masqueraded");
     // Re-adding the prefix ends the draining.
-    h.set_policy(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]);
+    h.set_policy(&nets(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]))
+        .unwrap();
     let draining: LpmTrie<&MapData, [u8; 4], u32> =
         LpmTrie::try_from(h.ebpf.map(map_names::DRAINING_V4).unwrap()).unwrap();
     let keys: Vec<(u32, [u8; 4])> = draining
