@@ -94,6 +94,17 @@ fn record_mode(bpffs: &Path, dataplane: &dyn DataPlane) {
     }
 }
 
+/// A prefix list for a log line: in full when short, counted when long.
+fn summarize<T: std::fmt::Display>(prefixes: &[T]) -> String {
+    const IN_FULL: usize = 16;
+    if prefixes.len() <= IN_FULL {
+        let list: Vec<String> = prefixes.iter().map(ToString::to_string).collect();
+        format!("[{}]", list.join(", "))
+    } else {
+        format!("{} prefixes", prefixes.len())
+    }
+}
+
 /// Logs a recurring message once, and again only when it changes.
 #[derive(Default)]
 struct OnceLogger {
@@ -183,6 +194,7 @@ impl Agent {
         let Some(policy) = fresh.clone().or_else(|| self.last_good.clone()) else {
             return SyncResult::ConfigRejected;
         };
+        let started = std::time::Instant::now();
         let mut applied = self.dataplane.apply(&policy);
         if let Err(err) = &applied
             && err.downcast_ref::<ebpf::Unavailable>().is_some()
@@ -200,8 +212,9 @@ impl Agent {
                 match outcome {
                     ApplyOutcome::Applied => info!(
                         mode = %self.dataplane.mode(),
-                        non_masq_v4 = ?policy.non_masq_v4.iter().map(ToString::to_string).collect::<Vec<_>>(),
-                        non_masq_v6 = ?policy.non_masq_v6.as_ref().map(|v| v.iter().map(ToString::to_string).collect::<Vec<_>>()),
+                        apply_ms = started.elapsed().as_secs_f64() * 1e3,
+                        non_masq_v4 = %summarize(&policy.non_masq_v4),
+                        non_masq_v6 = %policy.non_masq_v6.as_deref().map_or("disabled".into(), summarize),
                         "policy applied"
                     ),
                     ApplyOutcome::Repaired => {

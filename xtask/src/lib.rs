@@ -2,8 +2,10 @@
 //! benchmarks: a pod, a forwarding node and an outside server, each in a network namespace the
 //! run creates and deletes itself.
 
+pub mod load;
 pub mod netns;
 pub mod packet;
+pub mod prefixes;
 pub mod probe;
 pub mod topology;
 
@@ -13,15 +15,29 @@ use std::{
 };
 
 /// Polls `check` every 50 ms until it returns `Ok(true)`, for at most 10 seconds.
-pub fn wait_for(mut check: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
+pub fn wait_for(check: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<()> {
+    wait_for_long(Duration::from_secs(10), check)
+}
+
+/// Polls `check` until it returns `Ok(true)`, for at most `limit`; every 2 ms at first, so that
+/// short waits are measured finely, then every 50 ms.
+pub fn wait_for_long(
+    limit: Duration,
+    mut check: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while started.elapsed() < limit {
         if check().unwrap_or(false) {
             return Ok(());
         }
-        std::thread::sleep(Duration::from_millis(50));
+        let pause = if started.elapsed() < Duration::from_secs(1) {
+            2
+        } else {
+            50
+        };
+        std::thread::sleep(Duration::from_millis(pause));
     }
-    anyhow::bail!("timed out after 10 s")
+    anyhow::bail!("timed out after {limit:?}")
 }
 
 /// Replaces a file atomically (write, then rename), as a ConfigMap update does.

@@ -1,6 +1,8 @@
 //! `cargo xtask setup | demo | test`.
 
+mod bench;
 mod demo;
+mod report;
 mod setup;
 
 use std::process::{Command, ExitCode};
@@ -27,6 +29,12 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         cargo_test_args: Vec<String>,
     },
+    /// Measure the eBPF data plane against the iptables chain and against no NAT.
+    Bench {
+        /// A reduced run (under 3 minutes) that writes to target/bench, not docs/bench.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -34,6 +42,7 @@ fn main() -> ExitCode {
         Task::Setup => setup::run(),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
+        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,110 @@
+//! The data path in isolation: the real object through BPF_PROG_TEST_RUN with a large `repeat`,
+//! per packet kind and table size. Run by `cargo xtask bench`, which turns the JSON it prints
+//! into the report.
+//!
+//! Usage: datapath_bench [--repeat N] [--rounds N] [--sizes 4,10000,100000]
+
+use std::{net::Ipv4Addr, time::Instant};
+
+use anyhow::{Context as _, bail};
+use ipnet::Ipv4Net;
+use masq_agent::{dataplane::ebpf::testbed::TestBed, ports::PortRange};
+use masq_ebpf::program_names;
+use xtask::packet::{self, ACK, L4, word};
+
+const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
+const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const TC_ACT_OK: u32 = 0;
+
+struct Options {
+    repeat: u32,
+    rounds: usize,
+    sizes: Vec<usize>,
+}
+
+fn options() -> anyhow::Result<Options> {
+    let mut opts = Options {
+        repeat: 1_000_000,
+        rounds: 5,
+        sizes: vec![4, 10_000, 100_000],
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let value = args
+            .next()
+            .with_context(|| format!("{arg} needs a value"))?;
+        match arg.as_str() {
+            "--repeat" => opts.repeat = value.parse()?,
+            "--rounds" => opts.rounds = value.parse()?,
+            "--sizes" => opts.sizes = value.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            _ => bail!("unknown argument {arg}"),
+        }
+    }
+    Ok(opts)
+}
+
+/// The benchmark's policies, as the trie holds them.
+fn prefixes(count: usize) -> Vec<Ipv4Net> {
+    xtask::prefixes::random(count)
+        .iter()
+        .map(|p| p.parse().expect("generated prefixes parse"))
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    let opts = options()?;
+    let spans = [PortRange {
+        first: 1024,
+        last: 65535,
+    }];
+    let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
+    let to_cluster = packet::tcp(POD, 40001, CLUSTER, 443, ACK);
+    let mut arp = outbound.clone();
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    for size in &opts.sizes {
+        let started = Instant::now();
+        let mut bed = TestBed::new(1 << 16, &spans, true, NODE, &prefixes(*size))?;
+        let fill = started.elapsed();
+        // Establish the flow, and learn its port for the reply.
+        let (verdict, translated) = bed.egress(&outbound);
+        if verdict != TC_ACT_OK || packet::src(&translated) != NODE {
+            bail!("the benchmark flow was not masqueraded");
+        }
+        let reply = packet::tcp(REMOTE, 80, NODE, word(&translated, L4), ACK);
+        let cases: [(&str, &str, &[u8]); 4] = [
+            ("non_masq_hit", program_names::EGRESS, &to_cluster),
+            ("snat_established", program_names::EGRESS, &outbound),
+            ("rev_snat", program_names::INGRESS, &reply),
+            ("ignored_floor", program_names::EGRESS, &arp),
+        ];
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+        // Interleaved, so that a noisy moment hits every case alike.
+        for _ in 0..opts.rounds {
+            for (i, (_, program, frame)) in cases.iter().enumerate() {
+                let run = bed.run(program, frame, opts.repeat)?;
+                samples[i].push(run.duration.as_secs_f64() * 1e9);
+            }
+        }
+        for ((name, _, _), values) in cases.iter().zip(samples) {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "case": name,
+                    "prefixes": size,
+                    "ns_per_packet": median(values.clone()),
+                    "samples": values,
+                    "repeat": opts.repeat,
+                    "table_fill_ms": fill.as_secs_f64() * 1e3,
+                })
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,567 @@
+//! `cargo xtask bench`: the data path in isolation, end to end in namespaces against the
+//! iptables chain and against no NAT at all, and the control plane. Modes run interleaved
+//! (A B C A B C ...) and every figure that matters is a ratio within one run.
+
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use serde::Serialize;
+use xtask::{
+    load::{self, Servers},
+    netns, prefixes,
+    topology::{self, Process, Topology},
+    wait_for_long, write_config,
+};
+
+use crate::{report, step};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    NoNat,
+    IptablesNft,
+    IptablesLegacy,
+    Ebpf,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 4] = [
+        Mode::NoNat,
+        Mode::IptablesNft,
+        Mode::IptablesLegacy,
+        Mode::Ebpf,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::NoNat => "no NAT",
+            Mode::IptablesNft => "iptables (nft)",
+            Mode::IptablesLegacy => "iptables (legacy)",
+            Mode::Ebpf => "ebpf",
+        }
+    }
+
+    /// iptables chains of 100 000 rules are past what the comparison needs to show.
+    fn runs_at(self, cidrs: usize) -> bool {
+        cidrs <= 10_000 || matches!(self, Mode::NoNat | Mode::Ebpf)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    NewConnections,
+    Transactions,
+    Throughput,
+    UdpNewFlows,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 4] = [
+        Metric::NewConnections,
+        Metric::Transactions,
+        Metric::Throughput,
+        Metric::UdpNewFlows,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::NewConnections => "new TCP connections/s",
+            Metric::Transactions => "TCP transactions/s",
+            Metric::Throughput => "TCP bulk Gbit/s",
+            Metric::UdpNewFlows => "UDP new flows/s",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub mode: Mode,
+    pub cidrs: usize,
+    pub metric: Metric,
+    pub round: usize,
+    pub value: f64,
+}
+
+/// One line of the data-path benchmark's output.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct DatapathCase {
+    pub case: String,
+    pub prefixes: usize,
+    pub ns_per_packet: f64,
+    pub samples: Vec<f64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ControlPlane {
+    pub apply_100k_cold_ms: f64,
+    pub apply_one_change_to_100k_ms: f64,
+    pub iptables_restore_ms: BTreeMap<usize, f64>,
+    pub config_change_to_map_ms: Vec<f64>,
+    pub rss_100k_mib: f64,
+    pub idle_cpu_percent: f64,
+    pub idle_seconds: u64,
+}
+
+pub struct Plan {
+    pub quick: bool,
+    pub sizes: Vec<usize>,
+    pub rounds: usize,
+    pub seconds: Duration,
+    pub threads: usize,
+    pub repeat: u32,
+}
+
+impl Plan {
+    fn new(quick: bool) -> Plan {
+        if quick {
+            Plan {
+                quick,
+                sizes: vec![4, 10_000],
+                rounds: 2,
+                seconds: Duration::from_millis(700),
+                threads: 4,
+                repeat: 100_000,
+            }
+        } else {
+            Plan {
+                quick,
+                sizes: vec![4, 10_000, 100_000],
+                rounds: 3,
+                seconds: Duration::from_secs(3),
+                threads: 4,
+                repeat: 1_000_000,
+            }
+        }
+    }
+}
+
+pub fn run(quick: bool) -> anyhow::Result<()> {
+    let plan = Plan::new(quick);
+    let started = Instant::now();
+    step(
+        "cargo",
+        &[
+            "build",
+            "--release",
+            "--package",
+            "masq-agent",
+            "--bins",
+            "--examples",
+        ],
+    )?;
+    let root = workspace_root();
+    let agent = root.join("target/release/masq-agent");
+
+    eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
+    let datapath = datapath(&root.join("target/release/examples/datapath_bench"), &plan)?;
+    eprintln!("xtask: bench: end to end in namespaces");
+    let samples = end_to_end(&agent, &plan)?;
+    eprintln!("xtask: bench: the control plane");
+    let control = control_plane(&agent, &plan)?;
+
+    let out_dir = if quick {
+        root.join("target/bench")
+    } else {
+        root.join("docs/bench")
+    };
+    let readme = (!quick).then(|| root.join("README.md"));
+    report::write(
+        &out_dir,
+        readme.as_deref(),
+        &plan,
+        &datapath,
+        &samples,
+        &control,
+        started.elapsed(),
+    )
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
+    let out = Command::new(binary)
+        .args([
+            "--repeat",
+            &plan.repeat.to_string(),
+            "--rounds",
+            "5",
+            "--sizes",
+            "4,10000,100000",
+        ])
+        .output()
+        .context("running the data-path benchmark")?;
+    if !out.status.success() {
+        bail!("datapath_bench: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).with_context(|| format!("datapath_bench line {l:?}")))
+        .collect()
+}
+
+/// The namespace test bed, set up for load: servers on the outside host, conntrack active on
+/// the node in every mode, and one `iptables` directory per backend for the agent's PATH.
+struct Bed {
+    topo: Topology,
+    _servers: Servers,
+    agent: PathBuf,
+    config: PathBuf,
+}
+
+impl Bed {
+    fn new(agent: &Path) -> anyhow::Result<Bed> {
+        let topo = Topology::new(1)?;
+        let servers = Servers::start(&topo.ext)?;
+        // Conntrack runs on every real node; make sure it does here, in every mode alike.
+        topo.node_run(
+            "iptables-nft",
+            &[
+                "-A",
+                "FORWARD",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "INVALID",
+                "-j",
+                "DROP",
+            ],
+        )?;
+        for backend in ["nft", "legacy"] {
+            let dir = topo.path(&format!("bin-{backend}"));
+            std::fs::create_dir_all(&dir)?;
+            for family in ["iptables", "ip6tables"] {
+                for suffix in ["", "-restore", "-save"] {
+                    std::os::unix::fs::symlink(
+                        format!("/usr/sbin/{family}-{backend}{suffix}"),
+                        dir.join(format!("{family}{suffix}")),
+                    )?;
+                }
+            }
+        }
+        let config_dir = topo.path("config");
+        std::fs::create_dir_all(&config_dir)?;
+        Ok(Bed {
+            config: config_dir.join("ip-masq-agent"),
+            topo,
+            _servers: servers,
+            agent: agent.to_path_buf(),
+        })
+    }
+
+    fn path_env(&self, backend: &str) -> String {
+        format!(
+            "{}:{}",
+            self.topo.path(&format!("bin-{backend}")).display(),
+            std::env::var("PATH").unwrap_or_default()
+        )
+    }
+
+    fn agent_args(&self, mode: Mode) -> Vec<String> {
+        let mut args = vec![
+            format!("--config={}", self.config.display()),
+            format!("--bpffs={}", self.topo.bpffs.display()),
+            "--log-format=json".to_string(),
+        ];
+        args.push(match mode {
+            Mode::Ebpf => "--dataplane=ebpf".into(),
+            _ => "--dataplane=iptables".into(),
+        });
+        if mode == Mode::Ebpf {
+            args.extend([
+                "--fallback-to-iptables=false".into(),
+                "--interface=eth0".into(),
+            ]);
+        }
+        args
+    }
+
+    fn backend(mode: Mode) -> &'static str {
+        if mode == Mode::IptablesLegacy {
+            "legacy"
+        } else {
+            "nft"
+        }
+    }
+
+    /// Puts `mode` in force for a policy of `cidrs` prefixes, and returns the running agent.
+    fn activate(&self, mode: Mode, cidrs: usize) -> anyhow::Result<Option<Process>> {
+        let route_back = format!("10.244.0.0/16 via {}", topology::NODE_UPLINK);
+        let ext_route = |op: &str| {
+            let mut args = vec!["-n", self.topo.ext.as_str(), "route", op];
+            args.extend(route_back.split_whitespace());
+            netns::run("ip", &args)
+        };
+        if mode == Mode::NoNat {
+            ext_route("replace")?;
+            return Ok(None);
+        }
+        let _ = ext_route("del");
+        let args = self.agent_args(mode);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let path = self.path_env(Self::backend(mode));
+        let agent = self
+            .topo
+            .spawn_in_node(&self.agent, &refs, &[("PATH", &path)], "agent.log")?;
+        let ready = wait_for_long(Duration::from_secs(120), || {
+            Ok(agent.log_text().contains("policy applied"))
+        });
+        ready.with_context(|| {
+            format!(
+                "{} never applied {cidrs} prefixes:\n{}",
+                mode.name(),
+                agent.log_text()
+            )
+        })?;
+        Ok(Some(agent))
+    }
+
+    fn deactivate(&self, mode: Mode, agent: Option<Process>) -> anyhow::Result<()> {
+        if let Some(mut agent) = agent {
+            agent.stop(libc::SIGTERM)?;
+        }
+        if mode != Mode::NoNat {
+            let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
+            let path = self.path_env(Self::backend(mode));
+            let out = self
+                .topo
+                .node_command(self.agent.to_str().context("path")?)
+                .args(["cleanup", &bpffs])
+                .env("PATH", path)
+                .output()?;
+            if !out.status.success() {
+                bail!("cleanup: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
+    let bed = Bed::new(agent)?;
+    let pod = bed.topo.pods[0].clone();
+    let server = topology::EXT_ADDR;
+    let mut samples = Vec::new();
+    for &cidrs in &plan.sizes {
+        write_config(&bed.config, &prefixes::config(cidrs))?;
+        let modes: Vec<Mode> = Mode::ALL.into_iter().filter(|m| m.runs_at(cidrs)).collect();
+        for round in 0..plan.rounds {
+            for &mode in &modes {
+                eprintln!(
+                    "xtask: bench: {cidrs} CIDRs, round {}, {}",
+                    round + 1,
+                    mode.name()
+                );
+                let agent = bed.activate(mode, cidrs)?;
+                let measured = measure(&pod, server, plan);
+                bed.deactivate(mode, agent)?;
+                for (metric, value) in measured? {
+                    samples.push(Sample {
+                        mode,
+                        cidrs,
+                        metric,
+                        round,
+                        value,
+                    });
+                }
+            }
+        }
+    }
+    Ok(samples)
+}
+
+fn measure(pod: &str, server: Ipv4Addr, plan: &Plan) -> anyhow::Result<Vec<(Metric, f64)>> {
+    let (threads, seconds) = (plan.threads, plan.seconds);
+    Ok(vec![
+        (
+            Metric::NewConnections,
+            load::new_connections(pod, server, threads, seconds)?,
+        ),
+        (
+            Metric::Transactions,
+            load::transactions(pod, server, threads, seconds)?,
+        ),
+        (
+            Metric::Throughput,
+            load::throughput(pod, server, seconds)? / 1e9,
+        ),
+        (
+            Metric::UdpNewFlows,
+            load::udp_new_flows(pod, server, threads, seconds)?,
+        ),
+    ])
+}
+
+/// Milliseconds the agent reported for applying its policy, from its JSON log.
+fn apply_ms(log: &str) -> Option<f64> {
+    log.lines()
+        .rev()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "policy applied")
+        .find_map(|v| v["fields"]["apply_ms"].as_f64())
+}
+
+fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
+    let bed = Bed::new(agent)?;
+    let mut cp = ControlPlane::default();
+    let run_once = |extra: &[&str]| -> anyhow::Result<String> {
+        let mut args = bed.agent_args(Mode::Ebpf);
+        args.push("--once".into());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = bed
+            .topo
+            .node_command(agent.to_str().context("path")?)
+            .args(&args)
+            .env("PATH", bed.path_env("nft"))
+            .output()?;
+        if !out.status.success() {
+            bail!("--once: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+
+    // 100 000 prefixes from cold, then a one-prefix change on top.
+    write_config(&bed.config, &prefixes::config(100_000))?;
+    cp.apply_100k_cold_ms = apply_ms(&run_once(&[])?).context("no apply time logged")?;
+    let mut changed = prefixes::config(100_000);
+    changed.push_str("  - 198.18.0.0/15\n");
+    write_config(
+        &bed.config,
+        &changed.replace("cidrLimit: 100000", "cidrLimit: 100001"),
+    )?;
+    cp.apply_one_change_to_100k_ms = apply_ms(&run_once(&[])?).context("no apply time logged")?;
+    bed.deactivate(Mode::Ebpf, None)?;
+
+    // The same sizes through iptables-restore, as upstream's chain.
+    for cidrs in [10_000usize, 100_000] {
+        write_config(&bed.config, &prefixes::config(cidrs))?;
+        let rendered = bed
+            .topo
+            .node_command(agent.to_str().context("path")?)
+            .args([
+                "render-iptables",
+                "--dataplane=iptables",
+                &format!("--config={}", bed.config.display()),
+            ])
+            .output()?;
+        let file = bed.topo.path("chain.rules");
+        std::fs::write(&file, &rendered.stdout)?;
+        let started = Instant::now();
+        let status = bed
+            .topo
+            .node_command("sh")
+            .args([
+                "-c",
+                &format!("iptables-nft-restore --noflush -w 5 < {}", file.display()),
+            ])
+            .status()?;
+        if !status.success() {
+            bail!("iptables-restore of {cidrs} rules failed");
+        }
+        cp.iptables_restore_ms
+            .insert(cidrs, started.elapsed().as_secs_f64() * 1e3);
+        bed.topo
+            .node_run("iptables-nft", &["-t", "nat", "-F", "IP-MASQ-AGENT"])?;
+        bed.topo
+            .node_run("iptables-nft", &["-t", "nat", "-X", "IP-MASQ-AGENT"])?;
+    }
+
+    cp.config_change_to_map_ms = config_change_latency(&bed)?;
+
+    // Memory and idle CPU of a daemon holding 100 000 prefixes.
+    write_config(&bed.config, &prefixes::config(100_000))?;
+    let daemon = bed.activate(Mode::Ebpf, 100_000)?.context("agent")?;
+    let pid = daemon.child.id();
+    cp.rss_100k_mib = proc_status_kib(pid, "VmHWM")? / 1024.0;
+    cp.idle_seconds = if plan.quick { 10 } else { 60 };
+    let before = cpu_ticks(pid)?;
+    std::thread::sleep(Duration::from_secs(cp.idle_seconds));
+    let ticks = cpu_ticks(pid)? - before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    cp.idle_cpu_percent = ticks as f64 / hz / cp.idle_seconds as f64 * 100.0;
+    bed.deactivate(Mode::Ebpf, Some(daemon))?;
+    Ok(cp)
+}
+
+/// Twenty ConfigMap updates the way kubelet makes them (a new timestamped directory, then an
+/// atomic swap of the `..data` symlink), each timed until its new prefix is in the map.
+fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
+    let dir = bed.topo.path("kubelet");
+    std::fs::create_dir_all(&dir)?;
+    let publish = |n: usize, text: &str| -> anyhow::Result<()> {
+        let version = dir.join(format!("..2026_11_29_00_00_{n:02}.000000001"));
+        std::fs::create_dir_all(&version)?;
+        std::fs::write(version.join("ip-masq-agent"), text)?;
+        let tmp = dir.join("..data_tmp");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(version.file_name().context("name")?, &tmp)?;
+        std::fs::rename(&tmp, dir.join("..data"))?;
+        Ok(())
+    };
+    let base = "resyncInterval: 60s\nnonMasqueradeCIDRs:\n  - 10.0.0.0/8\n";
+    publish(0, base)?;
+    std::os::unix::fs::symlink("..data/ip-masq-agent", dir.join("ip-masq-agent"))?;
+    let mut args = bed.agent_args(Mode::Ebpf);
+    args[0] = format!("--config={}", dir.join("ip-masq-agent").display());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let path = bed.path_env("nft");
+    let agent =
+        bed.topo
+            .spawn_in_node(&bed.agent, &refs, &[("PATH", &path)], "kubelet-agent.log")?;
+    wait_for_long(Duration::from_secs(30), || {
+        Ok(agent.log_text().contains("policy applied"))
+    })?;
+    let map = bed.topo.bpffs.join("non_masq_v4");
+    let mut latencies = Vec::new();
+    for n in 1..=20u8 {
+        let text = format!("{base}  - 198.18.{n}.0/24\n");
+        let started = Instant::now();
+        publish(usize::from(n), &text)?;
+        let key = ["24", "0", "0", "0", "198", "18", &n.to_string(), "0"];
+        wait_for_long(Duration::from_secs(10), || {
+            let mut args = vec![
+                "map",
+                "lookup",
+                "pinned",
+                map.to_str().context("path")?,
+                "key",
+            ];
+            args.extend(key);
+            Ok(netns::run("bpftool", &args).is_ok())
+        })
+        .with_context(|| format!("change {n} never reached the map"))?;
+        latencies.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    bed.deactivate(Mode::Ebpf, Some(agent))?;
+    Ok(latencies)
+}
+
+fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .with_context(|| format!("{field} of {pid}"))
+}
+
+fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which sits in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').context("stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}

@@ -1,0 +1,57 @@
+//! Large non-masquerade policies for the benchmarks: deterministic, so every run measures the
+//! same tables.
+
+use std::net::Ipv4Addr;
+
+use crate::topology;
+
+/// A small deterministic generator: the same prefixes on every run.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// `count` prefixes as `a.b.c.d/len` strings: 10.0.0.0/8 and 169.254.0.0/16 first (so cluster
+/// destinations hit), then random prefixes of lengths 12 to 32 that cover none of the test bed's
+/// outside or node addresses, so that traffic to them walks the whole policy and is masqueraded.
+pub fn random(count: usize) -> Vec<String> {
+    let keep_clear = [
+        topology::EXT_ADDR,
+        topology::EXT_SECOND_ADDR,
+        topology::NODE_UPLINK,
+        topology::FAR_ADDR,
+    ];
+    let mut out = vec!["10.0.0.0/8".to_string(), "169.254.0.0/16".to_string()];
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    while out.len() < count {
+        let len = 12 + (rng.next() % 21) as u32;
+        let mask = u32::MAX << (32 - len);
+        let network = (rng.next() as u32) & mask;
+        if keep_clear.iter().any(|a| u32::from(*a) & mask == network) {
+            continue;
+        }
+        out.push(format!("{}/{len}", Ipv4Addr::from(network)));
+    }
+    out.truncate(count.max(1));
+    out
+}
+
+/// A config file with `count` random prefixes and a `cidrLimit` that admits them.
+pub fn config(count: usize) -> String {
+    let mut text = format!(
+        "cidrLimit: {}\nresyncInterval: 60s\nnonMasqueradeCIDRs:\n",
+        count.max(64)
+    );
+    for prefix in random(count) {
+        text.push_str("  - ");
+        text.push_str(&prefix);
+        text.push('\n');
+    }
+    text
+}

@@ -1,0 +1,373 @@
+//! The benchmark's report: Markdown, JSON and an SVG plot, a summary on the terminal, and (for a
+//! full run) the README's benchmark section. Every claim is a median, and every comparison a
+//! ratio of medians from the same run.
+
+use std::{collections::BTreeMap, fmt::Write as _, path::Path, time::Duration};
+
+use anyhow::Context as _;
+use plotters::prelude::*;
+
+use crate::bench::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample};
+
+const README_START: &str = "<!-- bench:start -->";
+const README_END: &str = "<!-- bench:end -->";
+
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    Some(values[values.len() / 2])
+}
+
+/// Medians per (metric, cidrs, mode).
+type Medians = BTreeMap<(Metric, usize, Mode), f64>;
+
+fn medians(samples: &[Sample]) -> Medians {
+    let mut groups: BTreeMap<(Metric, usize, Mode), Vec<f64>> = BTreeMap::new();
+    for s in samples {
+        groups
+            .entry((s.metric, s.cidrs, s.mode))
+            .or_default()
+            .push(s.value);
+    }
+    groups
+        .into_iter()
+        .filter_map(|(k, v)| Some((k, median(v)?)))
+        .collect()
+}
+
+fn ratio(m: &Medians, metric: Metric, cidrs: usize, a: Mode, b: Mode) -> Option<f64> {
+    Some(m.get(&(metric, cidrs, a))? / m.get(&(metric, cidrs, b))?)
+}
+
+struct Target {
+    figure: String,
+    target: String,
+    measured: Option<f64>,
+    met: Option<bool>,
+}
+
+fn targets(
+    m: &Medians,
+    datapath: &[DatapathCase],
+    cp: &ControlPlane,
+    sizes: &[usize],
+) -> Vec<Target> {
+    let mut out = Vec::new();
+    let mut push =
+        |figure: String, target: String, measured: Option<f64>, ok: &dyn Fn(f64) -> bool| {
+            out.push(Target {
+                figure,
+                target,
+                met: measured.map(ok),
+                measured,
+            });
+        };
+    for &n in sizes {
+        push(
+            format!("new connections/s, ebpf ÷ no NAT, {n} CIDRs"),
+            "≥ 0.95".into(),
+            ratio(m, Metric::NewConnections, n, Mode::Ebpf, Mode::NoNat),
+            &|r| r >= 0.95,
+        );
+    }
+    for (n, want) in [(4usize, 1.15), (10_000, 1.5)] {
+        if sizes.contains(&n) {
+            push(
+                format!("new connections/s, ebpf ÷ iptables (nft), {n} CIDRs"),
+                format!("≥ {want}"),
+                ratio(m, Metric::NewConnections, n, Mode::Ebpf, Mode::IptablesNft),
+                &move |r| r >= want,
+            );
+        }
+    }
+    for &n in sizes {
+        push(
+            format!("transactions/s, ebpf ÷ no NAT, {n} CIDRs"),
+            "≥ 0.97".into(),
+            ratio(m, Metric::Transactions, n, Mode::Ebpf, Mode::NoNat),
+            &|r| r >= 0.97,
+        );
+    }
+    let cost = |case: &str, n: usize| {
+        datapath
+            .iter()
+            .find(|c| c.case == case && c.prefixes == n)
+            .map(|c| c.ns_per_packet)
+    };
+    for case in ["non_masq_hit", "snat_established", "rev_snat"] {
+        push(
+            format!("data-path cost, {case}, 100 000 ÷ 4 prefixes"),
+            "≤ 1.3".into(),
+            cost(case, 100_000).zip(cost(case, 4)).map(|(a, b)| a / b),
+            &|r| r <= 1.3,
+        );
+    }
+    push(
+        "config change to map updated, median ms".into(),
+        "< 1000".into(),
+        median(cp.config_change_to_map_ms.clone()),
+        &|v| v < 1000.0,
+    );
+    push(
+        "100 000-prefix apply, ms".into(),
+        "< 2000".into(),
+        Some(cp.apply_100k_cold_ms),
+        &|v| v < 2000.0,
+    );
+    push(
+        "agent RSS with 100 000 prefixes, MiB".into(),
+        "< 64".into(),
+        Some(cp.rss_100k_mib),
+        &|v| v < 64.0,
+    );
+    out
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default();
+    format!("{cores} cores ({cpu}), Linux {}", kernel.trim())
+}
+
+fn today() -> String {
+    let out = std::process::Command::new("date").arg("+%Y-%m-%d").output();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn fmt_value(metric: Metric, v: f64) -> String {
+    match metric {
+        Metric::Throughput => format!("{v:.2}"),
+        _ => format!("{v:.0}"),
+    }
+}
+
+/// The summary: medians per mode, and the targets with how far each is from being met.
+fn summary(m: &Medians, plan: &Plan, datapath: &[DatapathCase], cp: &ControlPlane) -> String {
+    let mut s = String::new();
+    for metric in Metric::ALL {
+        let _ = writeln!(
+            s,
+            "\n| {} | {} |",
+            metric.name(),
+            Mode::ALL.map(Mode::name).join(" | ")
+        );
+        let _ = writeln!(s, "|---|{}", "---:|".repeat(Mode::ALL.len()));
+        for &n in &plan.sizes {
+            let cells: Vec<String> = Mode::ALL
+                .iter()
+                .map(|mode| {
+                    m.get(&(metric, n, *mode))
+                        .map_or("–".into(), |v| fmt_value(metric, *v))
+                })
+                .collect();
+            let _ = writeln!(s, "| {n} CIDRs | {} |", cells.join(" | "));
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\n| data path, ns per packet | 4 prefixes | 10 000 | 100 000 |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|");
+    for case in [
+        "non_masq_hit",
+        "snat_established",
+        "rev_snat",
+        "ignored_floor",
+    ] {
+        let cells: Vec<String> = [4usize, 10_000, 100_000]
+            .iter()
+            .map(|n| {
+                datapath
+                    .iter()
+                    .find(|c| c.case == case && c.prefixes == *n)
+                    .map_or("–".into(), |c| format!("{:.0}", c.ns_per_packet))
+            })
+            .collect();
+        let _ = writeln!(s, "| {case} | {} |", cells.join(" | "));
+    }
+    let latencies = &cp.config_change_to_map_ms;
+    let _ = writeln!(s, "\n| control plane | measured |\n|---|---:|");
+    let _ = writeln!(
+        s,
+        "| apply 100 000 prefixes, cold (eBPF) | {:.0} ms |",
+        cp.apply_100k_cold_ms
+    );
+    let _ = writeln!(
+        s,
+        "| apply a one-prefix change to 100 000 (eBPF) | {:.0} ms |",
+        cp.apply_one_change_to_100k_ms
+    );
+    for (n, ms) in &cp.iptables_restore_ms {
+        let _ = writeln!(
+            s,
+            "| iptables-restore of a {n}-rule chain (nft) | {ms:.0} ms |"
+        );
+    }
+    let _ = writeln!(
+        s,
+        "| ConfigMap swap to map updated, median / max of {} | {:.0} / {:.0} ms |",
+        latencies.len(),
+        median(latencies.clone()).unwrap_or(f64::NAN),
+        latencies.iter().copied().fold(0.0, f64::max)
+    );
+    let _ = writeln!(
+        s,
+        "| agent peak RSS with 100 000 prefixes | {:.1} MiB |",
+        cp.rss_100k_mib
+    );
+    let _ = writeln!(
+        s,
+        "| agent CPU over {} idle seconds | {:.2} % |",
+        cp.idle_seconds, cp.idle_cpu_percent
+    );
+
+    let _ = writeln!(s, "\n| target | wanted | measured | |\n|---|---|---:|---|");
+    for t in targets(m, datapath, cp, &plan.sizes) {
+        let verdict = match t.met {
+            Some(true) => "met",
+            Some(false) => "**missed**",
+            None => "not measured",
+        };
+        let measured = t.measured.map_or("–".into(), |v| format!("{v:.2}"));
+        let _ = writeln!(
+            s,
+            "| {} | {} | {measured} | {verdict} |",
+            t.figure, t.target
+        );
+    }
+    s
+}
+
+fn plot(path: &Path, m: &Medians, sizes: &[usize]) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, (760, 440)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let max = m
+        .iter()
+        .filter(|((metric, _, _), _)| *metric == Metric::NewConnections)
+        .map(|(_, v)| *v)
+        .fold(1.0, f64::max);
+    let x_max = *sizes.iter().max().unwrap_or(&4) as f64 * 2.0;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "New TCP connections/s vs non-masquerade CIDRs",
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d((2.0f64..x_max).log_scale(), 0.0..max * 1.15)?;
+    chart
+        .configure_mesh()
+        .x_desc("non-masquerade CIDRs (log scale)")
+        .y_desc("connections/s (median)")
+        .draw()?;
+    let colors = [BLACK, BLUE, MAGENTA, RED];
+    for (mode, color) in Mode::ALL.iter().zip(colors) {
+        let points: Vec<(f64, f64)> = sizes
+            .iter()
+            .filter_map(|n| Some((*n as f64, *m.get(&(Metric::NewConnections, *n, *mode))?)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            .label(mode.name())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        chart.draw_series(
+            points
+                .into_iter()
+                .map(|p| Circle::new(p, 4, color.filled())),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerLeft)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+pub fn write(
+    dir: &Path,
+    readme: Option<&Path>,
+    plan: &Plan,
+    datapath: &[DatapathCase],
+    samples: &[Sample],
+    cp: &ControlPlane,
+    took: Duration,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let m = medians(samples);
+    let command = if plan.quick {
+        "cargo xtask bench --quick"
+    } else {
+        "cargo xtask bench"
+    };
+    let header = format!(
+        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement, {} client threads; took {:.0} s).",
+        today(),
+        machine(),
+        plan.rounds,
+        plan.seconds,
+        plan.threads,
+        took.as_secs_f64()
+    );
+    let table = summary(&m, plan, datapath, cp);
+    plot(&dir.join("new-connections.svg"), &m, &plan.sizes)?;
+    let json = serde_json::json!({
+        "header": header,
+        "datapath": datapath,
+        "samples": samples,
+        "control_plane": cp,
+    });
+    std::fs::write(
+        dir.join("report.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    let report = format!(
+        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median, and every ratio is between medians of the same run. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}"
+    );
+    std::fs::write(dir.join("report.md"), &report)?;
+    println!("{header}\n{table}");
+    println!("report: {}", dir.join("report.md").display());
+    if let Some(readme) = readme {
+        update_readme(
+            readme,
+            &format!(
+                "{header}\n\n![new connections per second](docs/bench/new-connections.svg)\n{table}"
+            ),
+        )?;
+    }
+    Ok(())
+}
+
+/// Replaces the README's benchmark section with the latest summary.
+fn update_readme(path: &Path, section: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path)?;
+    let start = text
+        .find(README_START)
+        .context("README has no bench:start marker")?;
+    let end = text
+        .find(README_END)
+        .context("README has no bench:end marker")?;
+    let updated = format!(
+        "{}{README_START}\n{section}\n{}",
+        &text[..start],
+        &text[end..]
+    );
+    std::fs::write(path, updated)?;
+    Ok(())
+}
