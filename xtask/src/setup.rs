@@ -18,6 +18,7 @@ const APT_PACKAGES: &[&str] = &[
     "bpftool",
     "ethtool",
     "tcpdump",
+    "conntrack",
     "iputils-ping",
     "procps",
     "util-linux",
