@@ -42,12 +42,11 @@ pub fn random(count: usize) -> Vec<String> {
     out
 }
 
-/// A config file with `count` random prefixes and a `cidrLimit` that admits them.
+/// A config file with `count` random prefixes and a `cidrLimit` that admits them, with room for
+/// a few more.
 pub fn config(count: usize) -> String {
-    let mut text = format!(
-        "cidrLimit: {}\nresyncInterval: 60s\nnonMasqueradeCIDRs:\n",
-        count.max(64)
-    );
+    let limit = count.max(64) + 16;
+    let mut text = format!("cidrLimit: {limit}\nresyncInterval: 60s\nnonMasqueradeCIDRs:\n");
     for prefix in random(count) {
         text.push_str("  - ");
         text.push_str(&prefix);

@@ -15,6 +15,7 @@ const APT_PACKAGES: &[&str] = &[
     "libzstd-dev",
     "iproute2",
     "iptables",
+    "ipset",
     "bpftool",
     "ethtool",
     "tcpdump",

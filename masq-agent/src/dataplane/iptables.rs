@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::Serialize;
 
-use super::{ApplyOutcome, DataPlane, Mode, Status};
+use super::{ApplyOutcome, DataPlane, Mode, Status, ipset};
 use crate::policy::{IpFamily, MasqueradeOptions, Policy};
 
 const NON_MASQ_COMMENT: &str =
@@ -80,6 +80,20 @@ fn restore_binary(family: IpFamily) -> &'static str {
     }
 }
 
+/// The destinations that keep the pod's address, in rule order; `None` when the policy leaves
+/// the family alone.
+fn exempt(family: IpFamily, policy: &Policy) -> Option<Vec<String>> {
+    Some(match family {
+        IpFamily::Ipv4 => policy.non_masq_v4.iter().map(|n| n.to_string()).collect(),
+        IpFamily::Ipv6 => policy
+            .non_masq_v6
+            .as_ref()?
+            .iter()
+            .map(|n| n.to_string())
+            .collect(),
+    })
+}
+
 /// The iptables-restore input for one family, or `None` when the policy leaves that family
 /// alone (IPv6 not enabled).
 pub fn render(
@@ -89,15 +103,7 @@ pub fn render(
     caps: Capabilities,
     variant: ChainVariant,
 ) -> Option<String> {
-    let exempt: Vec<String> = match family {
-        IpFamily::Ipv4 => policy.non_masq_v4.iter().map(|n| n.to_string()).collect(),
-        IpFamily::Ipv6 => policy
-            .non_masq_v6
-            .as_ref()?
-            .iter()
-            .map(|n| n.to_string())
-            .collect(),
-    };
+    let exempt = exempt(family, policy)?;
     let chain = &opts.chain;
     let mut lines = vec!["*nat".to_string(), format!(":{chain} - [0:0]")];
     if variant == ChainVariant::OutsideEbpf {
@@ -111,8 +117,18 @@ pub fn render(
             ));
         }
     }
-    for cidr in exempt {
-        lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
+    match variant {
+        ChainVariant::Full => {
+            for cidr in exempt {
+                lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
+            }
+        }
+        ChainVariant::OutsideEbpf => {
+            let set = ipset::name(chain, family);
+            lines.push(format!(
+                "-A {chain} {NON_MASQ_COMMENT} -m set --match-set {set} dst -j RETURN"
+            ));
+        }
     }
     let masquerade = if opts.random_fully && caps.random_fully {
         "-j MASQUERADE --random-fully"
@@ -254,7 +270,8 @@ impl Iptables {
             self.run(&["-t", "nat", "-F", chain])?;
             self.run(&["-t", "nat", "-X", chain])?;
         }
-        Ok(())
+        // The eBPF data plane's chain matches its CIDRs through a set; it goes with the chain.
+        ipset::destroy(&ipset::name(chain, self.family))
     }
 
     fn chain_status(&self, chain: &str) -> anyhow::Result<ChainStatus> {
@@ -279,6 +296,8 @@ impl Iptables {
             };
             if line.contains("-j MASQUERADE") {
                 status.masquerade_rules += 1;
+            } else if let Some(set) = after("--match-set") {
+                status.non_masquerade.extend(ipset::members(&set)?);
             } else if let Some(dst) = after("-d") {
                 status.non_masquerade.push(dst);
             } else if let Some(proto) = after("-p") {
@@ -340,6 +359,8 @@ impl std::fmt::Display for ChainStatus {
 /// What was last installed for one family, to make re-applying an unchanged policy cheap.
 struct Installed {
     rendered: String,
+    /// The CIDRs in the chain's set, for the chain beside the eBPF programs.
+    set: Option<Vec<String>>,
     /// `iptables -S` of the chain right after installing it; any difference later means someone
     /// else changed it.
     listing: String,
@@ -383,30 +404,51 @@ impl IptablesDataPlane {
         &self.opts.chain
     }
 
-    fn apply_family(&mut self, family: IpFamily, rendered: String) -> anyhow::Result<ApplyOutcome> {
+    fn apply_family(
+        &mut self,
+        family: IpFamily,
+        rendered: String,
+        set: Option<Vec<String>>,
+    ) -> anyhow::Result<ApplyOutcome> {
         let ipt = Iptables { family };
         let chain = &self.opts.chain;
+        let set_name = ipset::name(chain, family);
+        let set_intact = |members: &Vec<String>| -> anyhow::Result<bool> {
+            let unique: std::collections::HashSet<&String> = members.iter().collect();
+            Ok(ipset::len(&set_name)? == Some(unique.len()))
+        };
         let previous = self.installed.get(&family);
         if let Some(prev) = previous
             && prev.rendered == rendered
+            && prev.set == set
+            && set.as_ref().map_or(Ok(true), set_intact)?
             && ipt.list_chain(chain)?.as_deref() == Some(prev.listing.as_str())
             && ipt.jump_present(chain)?
         {
             return Ok(ApplyOutcome::Unchanged);
         }
         let outcome = match previous {
-            Some(prev) if prev.rendered == rendered => ApplyOutcome::Repaired,
+            Some(prev) if prev.rendered == rendered && prev.set == set => ApplyOutcome::Repaired,
             _ => ApplyOutcome::Applied,
         };
-        // Fill the chain before jumping to it, so there is no moment with a jump to an empty
-        // chain.
+        // The set before the chain that matches on it; the chain before the jump to it, so there
+        // is no moment with a jump to an empty chain.
+        if let Some(members) = &set {
+            ipset::sync(&set_name, family, members)?;
+        }
         ipt.restore(&rendered)?;
         ipt.ensure_jump(chain)?;
         let listing = ipt
             .list_chain(chain)?
             .context("chain vanished right after it was installed")?;
-        self.installed
-            .insert(family, Installed { rendered, listing });
+        self.installed.insert(
+            family,
+            Installed {
+                rendered,
+                set,
+                listing,
+            },
+        );
         Ok(outcome)
     }
 }
@@ -426,7 +468,10 @@ impl DataPlane for IptablesDataPlane {
             let Some(rendered) = render(family, policy, &self.opts, caps, self.variant) else {
                 continue;
             };
-            match self.apply_family(family, rendered)? {
+            let set = (self.variant == ChainVariant::OutsideEbpf)
+                .then(|| exempt(family, policy))
+                .flatten();
+            match self.apply_family(family, rendered, set)? {
                 ApplyOutcome::Unchanged => {}
                 changed => outcome = changed,
             }

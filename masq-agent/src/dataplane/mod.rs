@@ -3,6 +3,7 @@
 //! this module knows which one is running.
 
 pub mod ebpf;
+pub mod ipset;
 pub mod iptables;
 pub mod state;
 

@@ -276,7 +276,7 @@ fn to_ports_single_ports() {
 }
 
 #[test]
-fn ebpf_variant_returns_translated_protocols_first() {
+fn ebpf_variant_returns_translated_protocols_first_and_matches_cidrs_through_a_set() {
     let p = policy(&["10.0.0.0/8", "fc00::/7"], false, false);
     let v4 = render(
         IpFamily::Ipv4,
@@ -286,23 +286,19 @@ fn ebpf_variant_returns_translated_protocols_first() {
         ChainVariant::OutsideEbpf,
     )
     .unwrap();
-    let lines: Vec<&str> = v4.lines().collect();
+    let ebpf = r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
     assert_eq!(
-        lines[2..5]
-            .iter()
-            .map(|l| l.split(" -p ").nth(1).unwrap())
-            .collect::<Vec<_>>(),
-        ["tcp -j RETURN", "udp -j RETURN", "icmp -j RETURN"]
+        v4,
+        format!(
+            "*nat\n:IP-MASQ-AGENT - [0:0]\n\
+             -A IP-MASQ-AGENT {ebpf} -p tcp -j RETURN\n\
+             -A IP-MASQ-AGENT {ebpf} -p udp -j RETURN\n\
+             -A IP-MASQ-AGENT {ebpf} -p icmp -j RETURN\n\
+             -A IP-MASQ-AGENT {RET} -m set --match-set IP-MASQ-AGENT-v4 dst -j RETURN\n\
+             -A IP-MASQ-AGENT {MASQ} -j MASQUERADE --random-fully\n\
+             COMMIT\n"
+        )
     );
-    // The rest is the full chain, unchanged.
-    let full_v4 = full(IpFamily::Ipv4, &p, true);
-    let rest: Vec<&str> = lines
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| !(2..5).contains(i))
-        .map(|(_, l)| *l)
-        .collect();
-    assert_eq!(rest, full_v4.lines().collect::<Vec<_>>());
     let v6 = render(
         IpFamily::Ipv6,
         &p,
@@ -312,6 +308,11 @@ fn ebpf_variant_returns_translated_protocols_first() {
     )
     .unwrap();
     assert!(v6.contains("-p ipv6-icmp -j RETURN"), "{v6}");
+    assert!(v6.contains("--match-set IP-MASQ-AGENT-v6 dst"), "{v6}");
+    assert_eq!(
+        exempt(IpFamily::Ipv6, &p).unwrap(),
+        ["fe80::/10", "fc00::/7"]
+    );
 }
 
 #[test]
