@@ -78,10 +78,13 @@ fn main() -> anyhow::Result<()> {
             bail!("the benchmark flow was not masqueraded");
         }
         let reply = packet::tcp(REMOTE, 80, NODE, word(&translated, L4), ACK);
-        let cases: [(&str, &str, &[u8]); 4] = [
+        // A packet to the node that belongs to no translated flow: the ingress lookup alone.
+        let to_node = packet::tcp(REMOTE, 80, NODE, 22, ACK);
+        let cases: [(&str, &str, &[u8]); 5] = [
             ("non_masq_hit", program_names::EGRESS, &to_cluster),
             ("snat_established", program_names::EGRESS, &outbound),
             ("rev_snat", program_names::INGRESS, &reply),
+            ("ingress_no_flow", program_names::INGRESS, &to_node),
             ("ignored_floor", program_names::EGRESS, &arp),
         ];
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];

@@ -27,14 +27,19 @@ pub fn sync(name: &str, family: IpFamily, cidrs: &[String]) -> anyhow::Result<()
     };
     let maxelem = (cidrs.len() * 2).max(65_536);
     let tmp = format!("{}-", &name[..name.len().min(30)]);
-    let mut input =
-        format!("create {tmp} hash:net family {family} maxelem {maxelem} -exist\nflush {tmp}\n");
+    // A leftover from an interrupted sync would clash with the new one's parameters.
+    let _ = Command::new("ipset").args(["destroy", &tmp]).output();
+    let mut input = format!("create {tmp} hash:net family {family} maxelem {maxelem}\n");
     for cidr in cidrs {
         input.push_str(&format!("add {tmp} {cidr} -exist\n"));
     }
-    input.push_str(&format!(
-        "create {name} hash:net family {family} maxelem {maxelem} -exist\nswap {tmp} {name}\ndestroy {tmp}\n"
-    ));
+    // The live set keeps whatever size it was made with: swapping only needs the same type.
+    if len(name)?.is_none() {
+        input.push_str(&format!(
+            "create {name} hash:net family {family} maxelem {maxelem}\n"
+        ));
+    }
+    input.push_str(&format!("swap {tmp} {name}\ndestroy {tmp}\n"));
     let mut child = Command::new("ipset")
         .args(["restore"])
         .stdin(Stdio::piped())
