@@ -85,7 +85,7 @@ impl Target {
         match self.measured {
             None => "not measured".into(),
             Some(v) if self.bound.met(v) => "met".into(),
-            Some(v) => format!("**missed by {:.0} %**", self.bound.gap(v) * 100.0),
+            Some(v) => format!("**missed by {:.1} %**", self.bound.gap(v) * 100.0),
         }
     }
 }
@@ -310,6 +310,8 @@ fn plot(path: &Path, m: &Medians, sizes: &[usize]) -> anyhow::Result<()> {
         .configure_mesh()
         .x_desc("non-masquerade CIDRs (log scale)")
         .y_desc("connections/s (median)")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .draw()?;
     let colors = [BLACK, BLUE, MAGENTA, RED];
     for (mode, color) in Mode::ALL.iter().zip(colors) {
