@@ -86,13 +86,23 @@ fn prologue(ctx: &TcContext) -> Option<(Ipv4Header, InterfaceV4, &'static Settin
     Some((ip, iface, settings))
 }
 
-/// A packet the egress program lets through untranslated, or drops, and why.
+/// What happens to a packet, and the counter that records why.
 enum Verdict {
     Keep(Counter),
     Drop(Counter),
 }
 
 impl Verdict {
+    /// A translated packet goes on, counted as `done`; one whose rewrite failed half-way is
+    /// dropped rather than sent half-translated.
+    #[inline(always)]
+    fn after_rewrite(rewritten: Result<(), i64>, done: Counter) -> i32 {
+        match rewritten {
+            Ok(()) => Verdict::Keep(done).count(),
+            Err(_) => Verdict::Drop(Counter::DropRewriteFailed).count(),
+        }
+    }
+
     #[inline(always)]
     fn count(self) -> i32 {
         match self {
@@ -187,7 +197,7 @@ fn snat_v4_nat(ctx: &TcContext, ip: &Ipv4Header, l4: &L4, entry: &NatEntryV4) ->
     } else {
         0
     };
-    match rewrite(
+    let rewritten = rewrite(
         ctx,
         parse::IPV4_SADDR_OFF,
         ip.saddr,
@@ -195,10 +205,8 @@ fn snat_v4_nat(ctx: &TcContext, ip: &Ipv4Header, l4: &L4, entry: &NatEntryV4) ->
         l4.proto,
         l4.sport,
         entry,
-    ) {
-        Ok(()) => Verdict::Keep(Counter::Masqueraded).count(),
-        Err(_) => Verdict::Drop(Counter::DropRewriteFailed).count(),
-    }
+    );
+    Verdict::after_rewrite(rewritten, Counter::Masqueraded)
 }
 
 /// Rewrites one address (source or destination) and the matching L4 word (port or echo id) to
@@ -288,7 +296,7 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
     if entry.kind != nat_kind::SNAT {
         return TC_ACT_OK;
     }
-    match rewrite(
+    let rewritten = rewrite(
         ctx,
         parse::IPV4_DADDR_OFF,
         ip.daddr,
@@ -296,16 +304,8 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
         l4.proto,
         key.dport,
         &entry,
-    ) {
-        Ok(()) => {
-            maps::count(Counter::ReverseTranslated);
-            TC_ACT_OK
-        }
-        Err(_) => {
-            maps::count(Counter::DropRewriteFailed);
-            TC_ACT_SHOT
-        }
-    }
+    );
+    Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
 }
 
 const INNER_IP_OFF: usize = L4_OFF + 8;
@@ -351,16 +351,8 @@ fn snat_v4_rev_nat_icmp_error(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
     if entry.kind != nat_kind::SNAT {
         return TC_ACT_OK;
     }
-    match rewrite_icmp_error(ctx, ip, &inner, &quoted, field, key.dport, &entry) {
-        Ok(()) => {
-            maps::count(Counter::IcmpErrorTranslated);
-            TC_ACT_OK
-        }
-        Err(_) => {
-            maps::count(Counter::DropRewriteFailed);
-            TC_ACT_SHOT
-        }
-    }
+    let rewritten = rewrite_icmp_error(ctx, ip, &inner, &quoted, field, key.dport, &entry);
+    Verdict::after_rewrite(rewritten, Counter::IcmpErrorTranslated)
 }
 
 #[inline(always)]

@@ -139,24 +139,28 @@ fn echo_datagram(socket: &UdpSocket) {
 }
 
 /// Runs `op` on `threads` threads inside `ns` for `duration` and returns completed operations
-/// per second. `op` gets the thread's index and the operation's sequence number.
-fn rate(
+/// per second. Each thread first makes its own state with `setup` (a connection, say); `op`
+/// gets it, the thread's index and the operation's sequence number. Failed operations do not
+/// count.
+fn rate<S>(
     ns: &str,
     threads: usize,
     duration: Duration,
-    op: impl Fn(usize, u64) -> anyhow::Result<u64> + Send + Sync + Clone + 'static,
+    setup: impl Fn() -> anyhow::Result<S> + Send + Sync + Clone + 'static,
+    op: impl Fn(&mut S, usize, u64) -> anyhow::Result<u64> + Send + Sync + Clone + 'static,
 ) -> anyhow::Result<f64> {
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let deadline = started + duration;
     let handles: Vec<_> = (0..threads)
         .map(|t| {
-            let (ns, done, op) = (ns.to_string(), done.clone(), op.clone());
+            let (ns, done, setup, op) = (ns.to_string(), done.clone(), setup.clone(), op.clone());
             std::thread::spawn(move || -> anyhow::Result<()> {
                 netns::enter(&ns)?;
+                let mut state = setup()?;
                 let mut seq = 0u64;
                 while Instant::now() < deadline {
-                    if let Ok(n) = op(t, seq) {
+                    if let Ok(n) = op(&mut state, t, seq) {
                         done.fetch_add(n, Ordering::Relaxed);
                     }
                     seq += 1;
@@ -190,14 +194,20 @@ pub fn new_connections(
     threads: usize,
     duration: Duration,
 ) -> anyhow::Result<f64> {
-    rate(ns, threads, duration, move |t, seq| {
-        let port = CRR_BASE + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16;
-        let mut stream = connect((server, port).into())?;
-        let mut byte = [7u8; 1];
-        stream.write_all(&byte)?;
-        stream.read_exact(&mut byte)?;
-        Ok(1)
-    })
+    rate(
+        ns,
+        threads,
+        duration,
+        || Ok(()),
+        move |_, t, seq| {
+            let port = CRR_BASE + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16;
+            let mut stream = connect((server, port).into())?;
+            let mut byte = [7u8; 1];
+            stream.write_all(&byte)?;
+            stream.read_exact(&mut byte)?;
+            Ok(1)
+        },
+    )
 }
 
 /// Request/response transactions per second on established connections.
@@ -207,30 +217,13 @@ pub fn transactions(
     threads: usize,
     duration: Duration,
 ) -> anyhow::Result<f64> {
-    let deadline = Instant::now() + duration;
-    let done = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (ns, done) = (ns.to_string(), done.clone());
-            std::thread::spawn(move || -> anyhow::Result<()> {
-                netns::enter(&ns)?;
-                let mut stream = connect((server, RR_PORT).into())?;
-                let mut byte = [1u8; 1];
-                while Instant::now() < deadline {
-                    stream.write_all(&byte)?;
-                    stream.read_exact(&mut byte)?;
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join()
-            .map_err(|_| anyhow::anyhow!("load thread panicked"))??;
-    }
-    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    let setup = move || connect((server, RR_PORT).into());
+    rate(ns, threads, duration, setup, |stream, _, _| {
+        let mut byte = [1u8; 1];
+        stream.write_all(&byte)?;
+        stream.read_exact(&mut byte)?;
+        Ok(1)
+    })
 }
 
 /// Bulk TCP throughput of one connection, in bits per second.
@@ -257,13 +250,19 @@ pub fn udp_new_flows(
     threads: usize,
     duration: Duration,
 ) -> anyhow::Result<f64> {
-    rate(ns, threads, duration, move |t, seq| {
-        let port = UDP_BASE + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16;
-        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-        socket.set_read_timeout(Some(Duration::from_millis(500)))?;
-        socket.send_to(b"q", (server, port))?;
-        let mut buf = [0u8; 8];
-        socket.recv_from(&mut buf)?;
-        Ok(1)
-    })
+    rate(
+        ns,
+        threads,
+        duration,
+        || Ok(()),
+        move |_, t, seq| {
+            let port = UDP_BASE + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16;
+            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+            socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+            socket.send_to(b"q", (server, port))?;
+            let mut buf = [0u8; 8];
+            socket.recv_from(&mut buf)?;
+            Ok(1)
+        },
+    )
 }

@@ -2,10 +2,7 @@
 //! programs: one rule then matches any number of prefixes, and reading the chain back (which
 //! costs seconds for a chain of 100 000 rules) stays cheap.
 
-use std::{
-    io::Write as _,
-    process::{Command, Stdio},
-};
+use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
@@ -40,26 +37,7 @@ pub fn sync(name: &str, family: IpFamily, cidrs: &[String]) -> anyhow::Result<()
         ));
     }
     input.push_str(&format!("swap {tmp} {name}\ndestroy {tmp}\n"));
-    let mut child = Command::new("ipset")
-        .args(["restore"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("running ipset")?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(input.as_bytes())?;
-    let out = child.wait_with_output()?;
-    if !out.status.success() {
-        bail!(
-            "ipset restore: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    super::run_with_input("ipset", &["restore"], &input)
 }
 
 /// How many entries the set holds, or `None` if it does not exist.

@@ -3,14 +3,13 @@
 
 use std::{
     collections::HashMap,
-    io::Write as _,
     process::{Command, Stdio},
 };
 
 use anyhow::{Context as _, bail};
 use serde::Serialize;
 
-use super::{ApplyOutcome, DataPlane, Mode, Status, ipset};
+use super::{ApplyOutcome, DataPlane, Mode, Status, ipset, run_with_input};
 use crate::policy::{IpFamily, MasqueradeOptions, Policy};
 
 const NON_MASQ_COMMENT: &str =
@@ -213,24 +212,11 @@ impl Iptables {
     }
 
     fn restore(&self, input: &str) -> anyhow::Result<()> {
-        let bin = restore_binary(self.family);
-        let mut child = Command::new(bin)
-            .args(["--noflush", "-w", XTABLES_WAIT_SECS])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {bin}"))?;
-        child
-            .stdin
-            .take()
-            .context("stdin")?
-            .write_all(input.as_bytes())?;
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!("{bin}: {}", String::from_utf8_lossy(&out.stderr).trim());
-        }
-        Ok(())
+        run_with_input(
+            restore_binary(self.family),
+            &["--noflush", "-w", XTABLES_WAIT_SECS],
+            input,
+        )
     }
 
     fn jump_args<'a>(op: &'a str, jump: &'a [String]) -> Vec<&'a str> {
