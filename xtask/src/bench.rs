@@ -119,7 +119,8 @@ pub struct Plan {
     pub rounds: usize,
     pub seconds: Duration,
     pub threads: usize,
-    pub repeat: u32,
+    /// Single runs per data-path measurement.
+    pub runs: u32,
     /// The large policy of the control-plane measurements.
     pub large: usize,
 }
@@ -133,7 +134,7 @@ impl Plan {
                 rounds: 2,
                 seconds: Duration::from_millis(700),
                 threads: 4,
-                repeat: 100_000,
+                runs: 20_000,
                 large: 20_000,
             }
         } else {
@@ -143,7 +144,7 @@ impl Plan {
                 rounds: 3,
                 seconds: Duration::from_secs(3),
                 threads: 4,
-                repeat: 1_000_000,
+                runs: 100_000,
                 large: 100_000,
             }
         }
@@ -208,8 +209,8 @@ fn workspace_root() -> PathBuf {
 fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
     let out = Command::new(binary)
         .args([
-            "--repeat",
-            &plan.repeat.to_string(),
+            "--runs",
+            &plan.runs.to_string(),
             "--rounds",
             "5",
             "--sizes",
