@@ -30,14 +30,7 @@ pub fn masq_egress(ctx: TcContext) -> i32 {
         Ok(l4) => l4,
         Err(verdict) => return verdict.count(),
     };
-    let key = nat::key(
-        ip.saddr,
-        ip.daddr,
-        l4.proto,
-        l4.sport,
-        l4.dport,
-        direction::EGRESS,
-    );
+    let key = packet_key(&ip, &l4, direction::EGRESS);
     let progress = progress(&l4);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
     // upstream's chain: policy changes affect new flows only.
@@ -72,6 +65,12 @@ pub fn masq_ingress(ctx: TcContext) -> i32 {
         return TC_ACT_OK;
     };
     snat_v4_rev_nat(&ctx, &ip, &iface)
+}
+
+/// The NAT key of a packet's own tuple, as seen in direction `dir`.
+#[inline(always)]
+fn packet_key(ip: &Ipv4Header, l4: &L4, dir: u8) -> NatKeyV4 {
+    nat::key(ip.saddr, ip.daddr, l4.proto, l4.sport, l4.dport, dir)
 }
 
 /// What every packet needs first: its IPv4 header, the interface's address, and NAT settings.
@@ -250,17 +249,7 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
         return TC_ACT_OK;
     };
     let (key, field) = match (l4.proto, l4.icmp_type) {
-        (IPPROTO_TCP | IPPROTO_UDP, _) => {
-            let key = nat::key(
-                ip.saddr,
-                ip.daddr,
-                l4.proto,
-                l4.sport,
-                l4.dport,
-                direction::INGRESS,
-            );
-            (key, 2)
-        }
+        (IPPROTO_TCP | IPPROTO_UDP, _) => (packet_key(ip, &l4, direction::INGRESS), 2),
         // Replies carry the identifier the request left with, the key's pod-side port.
         (IPPROTO_ICMP, parse::ICMP_ECHO_REPLY) => {
             let key = nat::key(

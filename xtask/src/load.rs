@@ -187,6 +187,11 @@ fn connect(server: SocketAddr) -> anyhow::Result<TcpStream> {
     Ok(stream)
 }
 
+/// The server port for thread `t`'s operation `seq`, taking the ports from `base` in turn.
+fn spread(base: u16, t: usize, seq: u64) -> u16 {
+    base + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16
+}
+
 /// New TCP connections per second: connect, one request and response, close.
 pub fn new_connections(
     ns: &str,
@@ -200,7 +205,7 @@ pub fn new_connections(
         duration,
         || Ok(()),
         move |_, t, seq| {
-            let port = CRR_BASE + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16;
+            let port = spread(CRR_BASE, t, seq);
             let mut stream = connect((server, port).into())?;
             let mut byte = [7u8; 1];
             stream.write_all(&byte)?;
@@ -256,7 +261,7 @@ pub fn udp_new_flows(
         duration,
         || Ok(()),
         move |_, t, seq| {
-            let port = UDP_BASE + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16;
+            let port = spread(UDP_BASE, t, seq);
             let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
             socket.set_read_timeout(Some(Duration::from_millis(500)))?;
             socket.send_to(b"q", (server, port))?;
