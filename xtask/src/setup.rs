@@ -30,7 +30,7 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn run() -> anyhow::Result<()> {
     apt_packages()?;
-    nightly_with_rust_src()?;
+    toolchain_components()?;
     bpf_linker()?;
     eprintln!("xtask: setup: all prerequisites present");
     Ok(())
@@ -83,7 +83,7 @@ fn dpkg_installed(package: &str) -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
 }
 
-fn nightly_with_rust_src() -> anyhow::Result<()> {
+fn toolchain_components() -> anyhow::Result<()> {
     let toolchains = output("rustup", &["toolchain", "list"])?;
     if !toolchains.lines().any(|l| l.starts_with(NIGHTLY)) {
         eprintln!("xtask: setup: installing the {NIGHTLY} toolchain");
@@ -92,19 +92,30 @@ fn nightly_with_rust_src() -> anyhow::Result<()> {
             &["toolchain", "install", NIGHTLY, "--profile", "minimal"],
         )?;
     }
-    let components = output(
+    // rust-src builds core for the BPF target; clippy lints the eBPF crate there.
+    components(NIGHTLY, &["rust-src", "clippy"])?;
+    // The default toolchain formats and lints everything else.
+    components("stable", &["rustfmt", "clippy"])
+}
+
+/// Adds whichever of `wanted` the toolchain lacks.
+fn components(toolchain: &str, wanted: &[&str]) -> anyhow::Result<()> {
+    let installed = output(
         "rustup",
-        &["component", "list", "--installed", "--toolchain", NIGHTLY],
+        &["component", "list", "--installed", "--toolchain", toolchain],
     )?;
-    if components.lines().any(|l| l.starts_with("rust-src")) {
-        eprintln!("xtask: setup: {NIGHTLY} with rust-src present");
-        return Ok(());
+    for component in wanted {
+        if installed.lines().any(|l| l.starts_with(component)) {
+            continue;
+        }
+        eprintln!("xtask: setup: adding {component} to {toolchain}");
+        step(
+            "rustup",
+            &["component", "add", component, "--toolchain", toolchain],
+        )?;
     }
-    eprintln!("xtask: setup: adding rust-src to {NIGHTLY}");
-    step(
-        "rustup",
-        &["component", "add", "rust-src", "--toolchain", NIGHTLY],
-    )
+    eprintln!("xtask: setup: {toolchain} has {}", wanted.join(", "));
+    Ok(())
 }
 
 fn bpf_linker() -> anyhow::Result<()> {
