@@ -197,6 +197,26 @@ impl Drop for Topology {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = std::fs::remove_dir_all(&self.bpffs);
+        sweep_agent_records();
+    }
+}
+
+/// Where a running agent records its mode for `masq-agent status`.
+const AGENT_RECORDS: &str = "/run/masq-agent";
+
+/// Removes the mode records of agents that are no longer running.
+fn sweep_agent_records() {
+    let Ok(entries) = std::fs::read_dir(AGENT_RECORDS) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let pid = std::fs::read(entry.path())
+            .ok()
+            .and_then(|text| serde_json::from_slice::<serde_json::Value>(&text).ok())
+            .and_then(|record| record["pid"].as_u64());
+        if pid.is_none_or(|pid| !netns::is_process_alive(pid as u32)) {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -253,7 +273,7 @@ fn veth(ns_a: &str, if_a: &str, ns_b: &str, if_b: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Deletes namespaces and bpffs directories left behind by test-bed runs whose process no
+/// Deletes namespaces, bpffs directories and agent records left behind by test-bed runs whose process no
 /// longer exists (a run that was killed before it could clean up).
 pub fn sweep_stale() {
     let stale = |name: &str| {
@@ -276,6 +296,7 @@ pub fn sweep_stale() {
             }
         }
     }
+    sweep_agent_records();
 }
 
 /// Where bpffs is conventionally mounted; the test bed mounts it there if nothing has.
