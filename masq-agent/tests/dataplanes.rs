@@ -42,7 +42,8 @@ struct Bed {
     plane: Plane,
     server: Observer,
     config: PathBuf,
-    bin_dir: PathBuf,
+    /// The agent's PATH: `iptables` and friends run the chosen backend.
+    path: String,
 }
 
 impl Bed {
@@ -57,30 +58,14 @@ impl Bed {
         std::fs::create_dir_all(&config_dir).unwrap();
         let config = config_dir.join("ip-masq-agent");
         write_config(&config, config_text).unwrap();
-        let bin_dir = topo.path("bin");
-        std::fs::create_dir_all(&bin_dir).unwrap();
-        for family in ["iptables", "ip6tables"] {
-            for suffix in ["", "-restore", "-save"] {
-                let target = format!("/usr/sbin/{family}-{}{suffix}", plane.backend());
-                std::os::unix::fs::symlink(target, bin_dir.join(format!("{family}{suffix}")))
-                    .unwrap();
-            }
-        }
+        let path = topo.path_with_iptables(plane.backend()).unwrap();
         Bed {
             topo,
             plane,
             server,
             config,
-            bin_dir,
+            path,
         }
-    }
-
-    fn path_env(&self) -> String {
-        format!(
-            "{}:{}",
-            self.bin_dir.display(),
-            std::env::var("PATH").unwrap_or_default()
-        )
     }
 
     /// The flags that select this bed's data plane, its config and its bpffs directory.
@@ -109,8 +94,7 @@ impl Bed {
 
     fn spawn_agent(&self, args: &[String], env: &[(&str, &str)]) -> Process {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let path = self.path_env();
-        let mut envs = vec![("PATH", path.as_str())];
+        let mut envs = vec![("PATH", self.path.as_str())];
         envs.extend_from_slice(env);
         let agent = self
             .topo
@@ -133,7 +117,7 @@ impl Bed {
         self.topo
             .node_command(env!("CARGO_BIN_EXE_masq-agent"))
             .args(args)
-            .env("PATH", self.path_env())
+            .env("PATH", &self.path)
             .output()
             .unwrap()
     }
@@ -222,18 +206,9 @@ const DEFAULT_CONFIG: &str = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\nresyncInterva
 
 /// Waits until UDP from the pod to `dst` reaches the server with source `expect`.
 fn wait_for_udp_source(bed: &Bed, dst: SocketAddr, expect: IpAddr) {
-    bed.server.clear();
-    wait_for(|| {
-        probe::udp_send(bed.pod(), dst)?;
-        std::thread::sleep(Duration::from_millis(50));
-        Ok(bed.server.sources(Proto::Udp).contains(&expect))
-    })
-    .unwrap_or_else(|e| {
-        panic!(
-            "UDP to {dst} never arrived from {expect}: {e}; saw {:?}",
-            bed.server.seen()
-        )
-    });
+    bed.server
+        .wait_for_udp_from(bed.pod(), dst, expect)
+        .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 fn assert_success(out: &Output) {

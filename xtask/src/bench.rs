@@ -254,18 +254,6 @@ impl Bed {
                 "DROP",
             ],
         )?;
-        for backend in ["nft", "legacy"] {
-            let dir = topo.path(&format!("bin-{backend}"));
-            std::fs::create_dir_all(&dir)?;
-            for family in ["iptables", "ip6tables"] {
-                for suffix in ["", "-restore", "-save"] {
-                    std::os::unix::fs::symlink(
-                        format!("/usr/sbin/{family}-{backend}{suffix}"),
-                        dir.join(format!("{family}{suffix}")),
-                    )?;
-                }
-            }
-        }
         let config_dir = topo.path("config");
         std::fs::create_dir_all(&config_dir)?;
         Ok(Bed {
@@ -277,11 +265,9 @@ impl Bed {
     }
 
     fn path_env(&self, backend: &str) -> String {
-        format!(
-            "{}:{}",
-            self.topo.path(&format!("bin-{backend}")).display(),
-            std::env::var("PATH").unwrap_or_default()
-        )
+        self.topo
+            .path_with_iptables(backend)
+            .expect("a directory in the topology's own scratch space")
     }
 
     fn agent_args(&self, mode: Mode) -> Vec<String> {

@@ -4,12 +4,12 @@
 use std::{
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{Context as _, bail, ensure};
 use xtask::{
-    probe::{self, Observer, Proto},
+    probe::{self, Observer},
     topology::{self, Topology},
     wait_for, write_config,
 };
@@ -132,15 +132,9 @@ pub fn run() -> anyhow::Result<()> {
         "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 60s\n",
     )?;
     let changed = Instant::now();
-    server.clear();
-    wait_for(|| {
-        probe::udp_send(pod, second)?;
-        std::thread::sleep(Duration::from_millis(50));
-        Ok(server
-            .sources(Proto::Udp)
-            .contains(&IpAddr::from(topology::pod_addr(0))))
-    })
-    .context("the config change did not take effect")?;
+    server
+        .wait_for_udp_from(pod, second, topology::pod_addr(0).into())
+        .context("the config change did not take effect")?;
     println!(
         "    UDP to 198.51.100.10 after: server saw {} (pod's own address) within {} ms of the file change",
         topology::pod_addr(0),

@@ -8,6 +8,7 @@ pub mod packet;
 pub mod prefixes;
 pub mod probe;
 pub mod topology;
+pub mod workers;
 
 use std::{
     path::Path,

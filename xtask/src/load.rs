@@ -6,16 +6,15 @@ use std::{
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
-    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
 use socket2::{Domain, Socket, Type};
 
-use crate::netns;
+use crate::{netns, workers::Workers};
 
 /// Servers spread over several ports: NAT ports are unique per remote endpoint, so spreading
 /// keeps a fast run of new flows from exhausting them.
@@ -29,14 +28,12 @@ const ACCEPTORS_PER_PORT: usize = 2;
 /// The outside host's half: connect-request-response servers, a request-response server, a
 /// bulk sink and UDP echo servers. Stops when dropped.
 pub struct Servers {
-    stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    _workers: Workers,
 }
 
 impl Servers {
     pub fn start(ns: &str) -> anyhow::Result<Servers> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut threads = Vec::new();
+        let mut workers = Workers::default();
         let listen = |port: u16| -> anyhow::Result<TcpListener> {
             let listener = netns::within(ns, move || {
                 let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
@@ -52,47 +49,28 @@ impl Servers {
             let listener = listen(CRR_BASE + i)?;
             for _ in 0..ACCEPTORS_PER_PORT {
                 let listener = listener.try_clone()?;
-                threads.push(serve(stop.clone(), move || {
-                    accept_once(&listener, answer_once)
-                }));
+                workers.spawn(move || accept_once(&listener, answer_once));
             }
             let socket = netns::within(ns, move || {
                 Ok(UdpSocket::bind((Ipv4Addr::UNSPECIFIED, UDP_BASE + i))?)
             })?;
             socket.set_read_timeout(Some(Duration::from_millis(20)))?;
-            threads.push(serve(stop.clone(), move || echo_datagram(&socket)));
+            workers.spawn(move || echo_datagram(&socket));
         }
         let rr = listen(RR_PORT)?;
-        threads.push(serve(stop.clone(), move || {
+        workers.spawn(move || {
             accept_once(&rr, |stream| {
                 std::thread::spawn(move || answer_each(stream));
             })
-        }));
+        });
         let bulk = listen(BULK_PORT)?;
-        threads.push(serve(stop.clone(), move || {
+        workers.spawn(move || {
             accept_once(&bulk, |stream| {
                 std::thread::spawn(move || drain(stream));
             })
-        }));
-        Ok(Servers { stop, threads })
+        });
+        Ok(Servers { _workers: workers })
     }
-}
-
-impl Drop for Servers {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
-
-fn serve(stop: Arc<AtomicBool>, mut step: impl FnMut() + Send + 'static) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        while !stop.load(Ordering::Relaxed) {
-            step();
-        }
-    })
 }
 
 fn accept_once(listener: &TcpListener, handle: impl FnOnce(TcpStream)) {

@@ -5,18 +5,14 @@
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Write as _},
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
 use anyhow::Context as _;
 use socket2::{Domain, Socket, Type};
 
-use crate::netns;
+use crate::{netns, workers::Workers};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Proto {
@@ -35,8 +31,7 @@ pub struct Seen {
 pub struct Observer {
     pub port: u16,
     seen: Arc<Mutex<Vec<Seen>>>,
-    stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    _workers: Workers,
 }
 
 const POLL: Duration = Duration::from_millis(10);
@@ -56,21 +51,18 @@ impl Observer {
         })?;
         tcp.set_nonblocking(true)?;
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut threads = vec![spawn_loop(stop.clone(), seen.clone(), move |seen| {
-            serve_tcp(&tcp, seen)
-        })];
+        let mut workers = Workers::default();
+        let tcp_seen = seen.clone();
+        workers.spawn(move || serve_tcp(&tcp, &tcp_seen));
         for socket in udp {
             socket.set_read_timeout(Some(POLL))?;
-            threads.push(spawn_loop(stop.clone(), seen.clone(), move |seen| {
-                serve_udp(&socket, seen)
-            }));
+            let udp_seen = seen.clone();
+            workers.spawn(move || serve_udp(&socket, &udp_seen));
         }
         Ok(Observer {
             port,
             seen,
-            stop,
-            threads,
+            _workers: workers,
         })
     }
 
@@ -91,27 +83,28 @@ impl Observer {
     pub fn clear(&self) {
         self.seen.lock().unwrap().clear();
     }
-}
 
-impl Drop for Observer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+    /// Forgets what was seen, then sends UDP from `ns` to `dst` until a datagram arrives with
+    /// source `expect` (as after a policy change, which takes effect within moments).
+    pub fn wait_for_udp_from(
+        &self,
+        ns: &str,
+        dst: SocketAddr,
+        expect: IpAddr,
+    ) -> anyhow::Result<()> {
+        self.clear();
+        crate::wait_for(|| {
+            udp_send(ns, dst)?;
+            std::thread::sleep(Duration::from_millis(50));
+            Ok(self.sources(Proto::Udp).contains(&expect))
+        })
+        .with_context(|| {
+            format!(
+                "UDP to {dst} never arrived from {expect}; saw {:?}",
+                self.seen()
+            )
+        })
     }
-}
-
-fn spawn_loop(
-    stop: Arc<AtomicBool>,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    mut step: impl FnMut(&Mutex<Vec<Seen>>) + Send + 'static,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        while !stop.load(Ordering::Relaxed) {
-            step(&seen);
-        }
-    })
 }
 
 fn serve_tcp(listener: &TcpListener, seen: &Mutex<Vec<Seen>>) {
@@ -202,8 +195,7 @@ pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
 /// (ICMP echo requests, GRE, ...), through a raw socket.
 pub struct RawObserver {
     seen: Arc<Mutex<Vec<IpAddr>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _workers: Workers,
 }
 
 const ICMP_ECHO_REQUEST: u8 = 8;
@@ -221,12 +213,16 @@ impl RawObserver {
         })?;
         socket.set_read_timeout(Some(POLL))?;
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = spawn_raw_loop(socket, protocol, seen.clone(), stop.clone());
+        let mut workers = Workers::default();
+        let recorded = seen.clone();
+        workers.spawn(move || {
+            if let Some(src) = receive_source(&socket, protocol) {
+                recorded.lock().unwrap().push(src);
+            }
+        });
         Ok(RawObserver {
             seen,
-            stop,
-            thread: Some(thread),
+            _workers: workers,
         })
     }
 
@@ -235,44 +231,27 @@ impl RawObserver {
     }
 }
 
-fn spawn_raw_loop(
-    socket: Socket,
-    protocol: i32,
-    seen: Arc<Mutex<Vec<IpAddr>>>,
-    stop: Arc<AtomicBool>,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 2048];
-        while !stop.load(Ordering::Relaxed) {
-            let Ok(n) = socket.recv(&mut buf) else {
-                continue;
-            };
-            // SAFETY: recv initialised the first n bytes.
-            let packet: Vec<u8> = buf[..n]
-                .iter()
-                .map(|b| unsafe { b.assume_init() })
-                .collect();
-            if packet.len() < 21 {
-                continue;
-            }
-            let ihl = usize::from(packet[0] & 0x0f) * 4;
-            let is_icmp = protocol == i32::from(IPPROTO_ICMP);
-            if is_icmp && packet.get(ihl) != Some(&ICMP_ECHO_REQUEST) {
-                continue;
-            }
-            let src = IpAddr::from([packet[12], packet[13], packet[14], packet[15]]);
-            seen.lock().unwrap().push(src);
-        }
-    })
-}
-
-impl Drop for RawObserver {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+/// The source of the next packet on a raw socket, if it is one to record: for ICMP, only echo
+/// requests count.
+fn receive_source(socket: &Socket, protocol: i32) -> Option<IpAddr> {
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 2048];
+    let n = socket.recv(&mut buf).ok()?;
+    // SAFETY: recv initialised the first n bytes.
+    let packet: Vec<u8> = buf[..n]
+        .iter()
+        .map(|b| unsafe { b.assume_init() })
+        .collect();
+    if packet.len() < 21 {
+        return None;
     }
+    let ihl = usize::from(packet[0] & 0x0f) * 4;
+    let is_icmp = protocol == i32::from(IPPROTO_ICMP);
+    if is_icmp && packet.get(ihl) != Some(&ICMP_ECHO_REQUEST) {
+        return None;
+    }
+    Some(IpAddr::from([
+        packet[12], packet[13], packet[14], packet[15],
+    ]))
 }
 
 /// Sends one raw IP packet of `protocol` from namespace `ns` to `dst`.
@@ -291,8 +270,7 @@ pub fn raw_send(ns: &str, protocol: i32, dst: Ipv4Addr, payload: &[u8]) -> anyho
 
 /// A TCP server that reads each connection to its end and answers with the byte count.
 pub struct BulkSink {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _workers: Workers,
 }
 
 impl BulkSink {
@@ -301,22 +279,14 @@ impl BulkSink {
             Ok(TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?)
         })?;
         listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            while !stop_flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        std::thread::spawn(move || drain_and_answer(stream));
-                    }
-                    Err(_) => std::thread::sleep(POLL),
-                }
+        let mut workers = Workers::default();
+        workers.spawn(move || match listener.accept() {
+            Ok((stream, _)) => {
+                std::thread::spawn(move || drain_and_answer(stream));
             }
+            Err(_) => std::thread::sleep(POLL),
         });
-        Ok(BulkSink {
-            stop,
-            thread: Some(thread),
-        })
+        Ok(BulkSink { _workers: workers })
     }
 }
 
@@ -333,15 +303,6 @@ fn drain_and_answer(mut stream: TcpStream) {
         total += n as u64;
     }
     let _ = writeln!(stream, "{total}");
-}
-
-impl Drop for BulkSink {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// Sends `chunks` chunks of `chunk_size` bytes from namespace `ns` to a `BulkSink`, sleeping

@@ -5,6 +5,8 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
+use xtask::netns;
+
 use crate::step;
 
 /// Debian packages: LLVM 22 for bpf-linker, and the networking tools the tests drive.
@@ -84,7 +86,7 @@ fn dpkg_installed(package: &str) -> bool {
 }
 
 fn toolchain_components() -> anyhow::Result<()> {
-    let toolchains = output("rustup", &["toolchain", "list"])?;
+    let toolchains = netns::run("rustup", &["toolchain", "list"])?;
     if !toolchains.lines().any(|l| l.starts_with(NIGHTLY)) {
         eprintln!("xtask: setup: installing the {NIGHTLY} toolchain");
         step(
@@ -100,7 +102,7 @@ fn toolchain_components() -> anyhow::Result<()> {
 
 /// Adds whichever of `wanted` the toolchain lacks.
 fn components(toolchain: &str, wanted: &[&str]) -> anyhow::Result<()> {
-    let installed = output(
+    let installed = netns::run(
         "rustup",
         &["component", "list", "--installed", "--toolchain", toolchain],
     )?;
@@ -119,7 +121,7 @@ fn components(toolchain: &str, wanted: &[&str]) -> anyhow::Result<()> {
 }
 
 fn bpf_linker() -> anyhow::Result<()> {
-    if let Ok(version) = output("bpf-linker", &["--version"])
+    if let Ok(version) = netns::run("bpf-linker", &["--version"])
         && version.contains(BPF_LINKER_VERSION)
     {
         eprintln!("xtask: setup: bpf-linker {BPF_LINKER_VERSION} present");
@@ -146,15 +148,4 @@ fn bpf_linker() -> anyhow::Result<()> {
         bail!("cargo install bpf-linker failed");
     }
     Ok(())
-}
-
-fn output(program: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {program}"))?;
-    if !out.status.success() {
-        bail!("{program} {} failed", args.join(" "));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -179,6 +179,28 @@ impl Topology {
         Ok(Process { child, log })
     }
 
+    /// A PATH on which `iptables` and friends run the given backend (`nft` or `legacy`), the
+    /// way the agent's image picks the one the node uses. The directory is made on first use.
+    pub fn path_with_iptables(&self, backend: &str) -> anyhow::Result<String> {
+        let dir = self.path(&format!("bin-{backend}"));
+        if !dir.exists() {
+            std::fs::create_dir_all(&dir)?;
+            for family in ["iptables", "ip6tables"] {
+                for suffix in ["", "-restore", "-save"] {
+                    std::os::unix::fs::symlink(
+                        format!("/usr/sbin/{family}-{backend}{suffix}"),
+                        dir.join(format!("{family}{suffix}")),
+                    )?;
+                }
+            }
+        }
+        Ok(format!(
+            "{}:{}",
+            dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        ))
+    }
+
     /// Runs a command inside the node namespace and returns its output, failing on non-zero.
     pub fn node_run(&self, program: &str, args: &[&str]) -> anyhow::Result<String> {
         run_in(&self.node, program, args)
