@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use masq_ebpf::IPPROTO_UDP;
 
-use crate::parse::IPV4_CSUM_OFF;
+use crate::parse::{IPV4_CSUM_OFF, Ipv4Header};
 
 /// Bits of `bpf_l4_csum_replace`'s flags that hold the field size.
 const SIZE_4: u64 = 4;
@@ -30,30 +30,65 @@ fn l4_flags(proto: u8) -> u64 {
     }
 }
 
-/// Rewrites the IPv4 address at `addr_off` and fixes the IP header checksum and, when
-/// `l4_csum_off` is given, the TCP or UDP checksum whose pseudo-header covers it.
+/// Which address of an IPv4 header a translation rewrites.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum AddrField {
+    Source,
+    Destination,
+}
+
+impl AddrField {
+    #[inline(always)]
+    pub fn of(self, ip: &Ipv4Header) -> [u8; 4] {
+        match self {
+            AddrField::Source => ip.saddr,
+            AddrField::Destination => ip.daddr,
+        }
+    }
+}
+
+/// The IPv4 header's checksum and both addresses, as laid out from `IPV4_CSUM_OFF`: one store
+/// rewrites an address together with the checksum that covers it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ChecksumAndAddresses {
+    check: u16,
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+}
+
+/// Rewrites one address of `ip` to `new`, with the IP header checksum and, when `l4_csum_off`
+/// is given, the TCP or UDP checksum whose pseudo-header covers it.
+///
+/// The IP header checksum is plain arithmetic: no offload state covers it, and a valid header
+/// sums to the same total before and after, so `CHECKSUM_COMPLETE` needs no update for it.
 #[inline(always)]
 pub fn rewrite_ipv4_addr(
     ctx: &TcContext,
-    addr_off: usize,
-    old: [u8; 4],
+    ip: &Ipv4Header,
+    field: AddrField,
     new: [u8; 4],
     l4_csum_off: Option<(usize, u8)>,
 ) -> Result<(), i64> {
-    let (old_word, new_word) = (
-        u32::from_ne_bytes(old) as u64,
-        u32::from_ne_bytes(new) as u64,
-    );
+    let old = field.of(ip);
+    let mut header = ChecksumAndAddresses {
+        check: replace_dword(ip.check, old, new),
+        saddr: ip.saddr,
+        daddr: ip.daddr,
+    };
+    match field {
+        AddrField::Source => header.saddr = new,
+        AddrField::Destination => header.daddr = new,
+    }
     if let Some((csum_off, proto)) = l4_csum_off {
         ctx.l4_csum_replace(
             csum_off,
-            old_word,
-            new_word,
+            u32::from_ne_bytes(old) as u64,
+            u32::from_ne_bytes(new) as u64,
             BPF_F_PSEUDO_HDR as u64 | l4_flags(proto) | SIZE_4,
         )?;
     }
-    ctx.l3_csum_replace(IPV4_CSUM_OFF, old_word, new_word, SIZE_4)?;
-    ctx.store(addr_off, &new, 0)
+    ctx.store(IPV4_CSUM_OFF, &header, 0)
 }
 
 /// Rewrites a 16-bit L4 field (a port or an ICMP echo identifier) covered by the L4 checksum at

@@ -2,7 +2,7 @@
 //! and kept fresh. The reply-direction half is created first, with `BPF_NOEXIST`, so two CPUs can
 //! never hand the same port to two flows.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, Settings, nat_kind, tcp_seen};
 
 use crate::{maps, ports};
@@ -11,6 +11,14 @@ const EEXIST: i32 = -17;
 /// Entries are refreshed at most this often, to keep per-packet writes to shared cache lines
 /// rare; expiry works in seconds to hours, so this costs no precision that matters.
 const REFRESH_NS: u64 = 1_000_000_000;
+
+/// The time entries are stamped with: CLOCK_MONOTONIC at tick precision, which is all that
+/// expiry in seconds needs, and cheaper per packet than the precise clock.
+#[inline(always)]
+fn now_ns() -> u64 {
+    // SAFETY: the helper has no preconditions.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
 
 /// Why a new flow could not be given a translation.
 pub enum AllocError {
@@ -64,7 +72,7 @@ pub fn refresh(entry: *mut NatEntryV4, progress: u8) {
     // SAFETY: `entry` points into a map value; concurrent updates race benignly (both write a
     // recent time, flags only gain bits).
     unsafe {
-        let now = bpf_ktime_get_ns();
+        let now = now_ns();
         if now.wrapping_sub((*entry).last_seen_ns) > REFRESH_NS {
             (*entry).last_seen_ns = now;
         }
@@ -82,7 +90,7 @@ pub fn create_snat(
     settings: &Settings,
     progress: u8,
 ) -> Result<NatEntryV4, AllocError> {
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = now_ns();
     let mut start = 0;
     for attempt in 0..ports::MAX_ATTEMPTS {
         let port = ports::candidate(settings, egress_key.sport, attempt, &mut start);
@@ -135,7 +143,7 @@ fn publish_egress(
 /// destination left the non-masquerade CIDRs. Both halves are identity entries.
 #[inline(always)]
 pub fn track_passthrough(egress_key: &NatKeyV4, progress: u8) -> bool {
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = now_ns();
     let egress = NatEntryV4 {
         last_seen_ns: now,
         addr: egress_key.saddr,

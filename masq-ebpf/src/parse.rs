@@ -1,5 +1,9 @@
-//! Header parsing. Every read goes through `TcContext::load` (`bpf_skb_load_bytes`), so a short
-//! or non-linear packet yields `None` rather than a verifier failure or a misread.
+//! Header parsing. Headers are read straight from the packet's linear data, bounds-checked;
+//! only what lies past it (a header in a paged fragment) is fetched with `bpf_skb_load_bytes`.
+//! A short packet yields `None` rather than a verifier failure or a misread.
+//!
+//! Reads never write: a program that writes packet data directly has every cloned skb
+//! unshared at entry, translated or not, so all writes go through the store helpers instead.
 
 use aya_ebpf::programs::TcContext;
 use masq_ebpf::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
@@ -9,8 +13,6 @@ const ETH_P_IP: u16 = 0x0800;
 /// Only option-less IPv4 headers are translated; packets with IP options pass untouched.
 pub const IPV4_HLEN: usize = 20;
 pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
-pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
-pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 /// Where the L4 header starts, given an option-less IPv4 header.
 pub const L4_OFF: usize = ETH_HLEN + IPV4_HLEN;
 const IP_OFFSET: u16 = 0x1fff;
@@ -49,10 +51,22 @@ impl Ipv4Header {
     }
 }
 
+/// The `T` at `offset` in the packet.
+#[inline(always)]
+pub fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
+    let start = ctx.data() + offset;
+    if start + size_of::<T>() <= ctx.data_end() {
+        // SAFETY: the bytes lie within the linear data, checked just above.
+        Some(unsafe { (start as *const T).read_unaligned() })
+    } else {
+        ctx.load(offset).ok()
+    }
+}
+
 /// Parses an Ethernet frame carrying an option-less IPv4 header at offset `ETH_HLEN`.
 #[inline(always)]
 pub fn ipv4(ctx: &TcContext) -> Option<Ipv4Header> {
-    if u16::from_be(ctx.load::<u16>(12).ok()?) != ETH_P_IP {
+    if u16::from_be(read::<u16>(ctx, 12)?) != ETH_P_IP {
         return None;
     }
     ipv4_at(ctx, ETH_HLEN)
@@ -61,7 +75,7 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4Header> {
 /// Parses an option-less IPv4 header at `offset` (also the one quoted inside ICMP errors).
 #[inline(always)]
 pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Ipv4Header> {
-    let header: Ipv4Header = ctx.load(offset).ok()?;
+    let header: Ipv4Header = read(ctx, offset)?;
     (header.version_ihl == 0x45).then_some(header)
 }
 
@@ -69,7 +83,7 @@ pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Ipv4Header> {
 /// type and code, then the checksum.
 #[inline(always)]
 pub fn l4_words(ctx: &TcContext, offset: usize) -> Option<(u16, u16)> {
-    let words: [u16; 2] = ctx.load(offset).ok()?;
+    let words: [u16; 2] = read(ctx, offset)?;
     Some((words[0], words[1]))
 }
 
@@ -102,7 +116,7 @@ pub fn l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
         return None;
     }
     let tcp_flags = if proto == IPPROTO_TCP {
-        ctx.load(offset + TCP_FLAGS_OFF).ok()?
+        read(ctx, offset + TCP_FLAGS_OFF)?
     } else {
         0
     };
@@ -119,8 +133,8 @@ pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
             (sport, dport, 0)
         }
         IPPROTO_ICMP => {
-            let icmp_type: u8 = ctx.load(offset).ok()?;
-            let id: u16 = ctx.load(offset + ICMP_ID_OFF).ok()?;
+            let icmp_type: u8 = read(ctx, offset)?;
+            let id: u16 = read(ctx, offset + ICMP_ID_OFF)?;
             (id, 0, icmp_type)
         }
         _ => return None,

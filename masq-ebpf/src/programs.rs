@@ -15,14 +15,15 @@ use masq_ebpf::{
 };
 
 use crate::{
-    csum, maps,
+    csum::{self, AddrField},
+    maps,
     nat::{self, AllocError},
     parse::{self, Ipv4Header, L4, L4_OFF},
 };
 
 #[classifier]
 pub fn masq_egress(ctx: TcContext) -> i32 {
-    let Some((ip, iface, settings)) = prologue(&ctx) else {
+    let Some((ip, (iface, settings))) = parse::ipv4(&ctx).zip(interface(&ctx)) else {
         maps::count(Counter::NotInspected);
         return TC_ACT_OK;
     };
@@ -60,11 +61,11 @@ pub fn masq_egress(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn masq_ingress(ctx: TcContext) -> i32 {
-    let Some((ip, iface, _)) = prologue(&ctx) else {
+    let Some(ip) = parse::ipv4(&ctx) else {
         maps::count(Counter::NotInspected);
         return TC_ACT_OK;
     };
-    snat_v4_rev_nat(&ctx, &ip, &iface)
+    snat_v4_rev_nat(&ctx, &ip)
 }
 
 /// The NAT key of a packet's own tuple, as seen in direction `dir`.
@@ -73,16 +74,17 @@ fn packet_key(ip: &Ipv4Header, l4: &L4, dir: u8) -> NatKeyV4 {
     nat::key(ip.saddr, ip.daddr, l4.proto, l4.sport, l4.dport, dir)
 }
 
-/// What every packet needs first: its IPv4 header, the interface's address, and NAT settings.
+/// The address of the interface the packet crosses, and the NAT settings; `None` until the
+/// agent has configured both. Egress needs them for every packet; ingress only for packets of
+/// no known flow, so replies skip the lookups.
 #[inline(always)]
-fn prologue(ctx: &TcContext) -> Option<(Ipv4Header, InterfaceV4, &'static Settings)> {
-    let ip = parse::ipv4(ctx)?;
+fn interface(ctx: &TcContext) -> Option<(InterfaceV4, &'static Settings)> {
     // SAFETY: the context pointer is valid for the program's run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: the value is copied out at once.
     let iface = unsafe { *maps::INTERFACES.get_ptr(ifindex)? };
     let settings = maps::settings().filter(|s| s.total_ports != 0)?;
-    Some((ip, iface, settings))
+    Some((iface, settings))
 }
 
 /// What happens to a packet, and the counter that records why.
@@ -196,15 +198,7 @@ fn snat_v4_nat(ctx: &TcContext, ip: &Ipv4Header, l4: &L4, entry: &NatEntryV4) ->
     } else {
         0
     };
-    let rewritten = rewrite(
-        ctx,
-        parse::IPV4_SADDR_OFF,
-        ip.saddr,
-        field,
-        l4.proto,
-        l4.sport,
-        entry,
-    );
+    let rewritten = rewrite(ctx, ip, AddrField::Source, field, l4.proto, l4.sport, entry);
     Verdict::after_rewrite(rewritten, Counter::Masqueraded)
 }
 
@@ -213,8 +207,8 @@ fn snat_v4_nat(ctx: &TcContext, ip: &Ipv4Header, l4: &L4, entry: &NatEntryV4) ->
 #[inline(always)]
 fn rewrite(
     ctx: &TcContext,
-    addr_off: usize,
-    old_addr: [u8; 4],
+    ip: &Ipv4Header,
+    addr: AddrField,
     l4_field: usize,
     proto: u8,
     old_word: u16,
@@ -222,8 +216,8 @@ fn rewrite(
 ) -> Result<(), i64> {
     let csum_off = L4_OFF + parse::l4_csum_off(proto);
     let pseudo = (proto != IPPROTO_ICMP).then_some((csum_off, proto));
-    if old_addr != entry.addr {
-        csum::rewrite_ipv4_addr(ctx, addr_off, old_addr, entry.addr, pseudo)?;
+    if addr.of(ip) != entry.addr {
+        csum::rewrite_ipv4_addr(ctx, ip, addr, entry.addr, pseudo)?;
     }
     if old_word != entry.port {
         csum::rewrite_l4_word(
@@ -241,7 +235,7 @@ fn rewrite(
 /// Ingress: restore the pod's address in replies to masqueraded flows, and remember connections
 /// opened from outside toward pods.
 #[inline(always)]
-fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32 {
+fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
     if ip.is_later_fragment() {
         return TC_ACT_OK;
     }
@@ -270,8 +264,8 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
     let progress = progress(&l4);
     let Some(entry) = nat::lookup(&key) else {
         // A connection opened from outside toward a pod's own address.
-        if ip.daddr != iface.addr
-            && l4.proto != IPPROTO_ICMP
+        if l4.proto != IPPROTO_ICMP
+            && interface(ctx).is_some_and(|(iface, _)| ip.daddr != iface.addr)
             && !is_non_masq_destination(ip.saddr)
             && nat::track_passthrough(&nat::egress_key_of(&key), progress)
         {
@@ -287,8 +281,8 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
     }
     let rewritten = rewrite(
         ctx,
-        parse::IPV4_DADDR_OFF,
-        ip.daddr,
+        ip,
+        AddrField::Destination,
         field,
         l4.proto,
         key.dport,
@@ -298,6 +292,8 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> i32
 }
 
 const INNER_IP_OFF: usize = L4_OFF + 8;
+/// What a rewrite reports when the field it must read back is not in the packet.
+const EFAULT: i64 = -14;
 const INNER_L4_OFF: usize = INNER_IP_OFF + parse::IPV4_HLEN;
 
 /// Ingress ICMP error (destination unreachable, fragmentation needed, time exceeded) about a
@@ -355,7 +351,7 @@ fn rewrite_icmp_error(
     entry: &NatEntryV4,
 ) -> Result<(), i64> {
     let icmp_csum_off = L4_OFF + parse::ICMP_CSUM_OFF;
-    let mut icmp_csum: u16 = ctx.load(icmp_csum_off)?;
+    let mut icmp_csum: u16 = parse::read(ctx, icmp_csum_off).ok_or(EFAULT)?;
 
     // The quoted IP header: source address and its own checksum. ICMP's checksum covers both.
     let inner_check = csum::replace_dword(inner.check, inner.saddr, entry.addr);
@@ -370,7 +366,7 @@ fn rewrite_icmp_error(
 
     // The quoted L4 checksum, when the error quotes enough of the packet to hold it.
     let quoted_csum_off = INNER_L4_OFF + parse::l4_csum_off(quoted.proto);
-    if let Ok(old) = ctx.load::<u16>(quoted_csum_off)
+    if let Some(old) = parse::read::<u16>(ctx, quoted_csum_off)
         && !(quoted.proto == IPPROTO_UDP && old == 0)
     {
         let mut new = csum::replace_word(old, nat_word, entry.port);
@@ -386,5 +382,5 @@ fn rewrite_icmp_error(
     ctx.store(icmp_csum_off, &icmp_csum, 0)?;
 
     // The outer destination. ICMP has no pseudo-header, so only the IP checksum changes.
-    csum::rewrite_ipv4_addr(ctx, parse::IPV4_DADDR_OFF, ip.daddr, entry.addr, None)
+    csum::rewrite_ipv4_addr(ctx, ip, AddrField::Destination, entry.addr, None)
 }

@@ -11,6 +11,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use clap::ValueEnum as _;
 use serde::Serialize;
 use xtask::{
     load::{self, Servers},
@@ -21,7 +22,7 @@ use xtask::{
 
 use crate::{report, step};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
     NoNat,
@@ -113,46 +114,123 @@ pub struct ControlPlane {
     pub idle_seconds: u64,
 }
 
+#[derive(clap::Args)]
+pub struct Options {
+    /// A reduced run (under 3 minutes).
+    #[arg(long)]
+    quick: bool,
+    /// Only the end-to-end part: no data path in isolation, no control plane.
+    #[arg(long)]
+    end_to_end_only: bool,
+    /// Measure end to end at these numbers of CIDRs instead (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    /// Rounds of interleaved modes, instead of the plan's.
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Measure end to end only these modes (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<Mode>,
+}
+
+impl Options {
+    /// A full run is the one the README shows; any other writes to target/bench.
+    fn is_full(&self) -> bool {
+        !self.quick
+            && !self.end_to_end_only
+            && self.sizes.is_empty()
+            && self.rounds.is_none()
+            && self.modes.is_empty()
+    }
+
+    /// The command line that reproduces this run.
+    pub fn command(&self) -> String {
+        let mut command = "cargo xtask bench".to_string();
+        if self.quick {
+            command += " --quick";
+        }
+        if self.end_to_end_only {
+            command += " --end-to-end-only";
+        }
+        if !self.sizes.is_empty() {
+            let sizes: Vec<String> = self.sizes.iter().map(usize::to_string).collect();
+            command += &format!(" --sizes {}", sizes.join(","));
+        }
+        if let Some(rounds) = self.rounds {
+            command += &format!(" --rounds {rounds}");
+        }
+        if !self.modes.is_empty() {
+            let modes: Vec<String> = self
+                .modes
+                .iter()
+                .filter_map(|m| Some(m.to_possible_value()?.get_name().to_string()))
+                .collect();
+            command += &format!(" --modes {}", modes.join(","));
+        }
+        command
+    }
+}
+
 pub struct Plan {
-    pub quick: bool,
+    pub command: String,
     pub sizes: Vec<usize>,
     pub rounds: usize,
     pub seconds: Duration,
-    pub threads: usize,
+    pub modes: Vec<Mode>,
+    /// One load lane per CPU (see `load`).
+    pub lanes: usize,
     /// Single runs per data-path measurement.
     pub runs: u32,
     /// The large policy of the control-plane measurements.
     pub large: usize,
+    /// How long the agent's idle CPU use is measured.
+    pub idle: Duration,
 }
 
 impl Plan {
-    fn new(quick: bool) -> Plan {
-        if quick {
+    fn new(options: &Options) -> anyhow::Result<Plan> {
+        let lanes = load::lanes()?.len();
+        let command = options.command();
+        let mut plan = if options.quick {
             Plan {
-                quick,
+                command,
                 sizes: vec![4, 10_000],
                 rounds: 2,
                 seconds: Duration::from_millis(700),
-                threads: 4,
+                modes: Mode::ALL.to_vec(),
+                lanes,
                 runs: 20_000,
                 large: 20_000,
+                idle: Duration::from_secs(10),
             }
         } else {
             Plan {
-                quick,
+                command,
                 sizes: vec![4, 10_000, 100_000],
                 rounds: 3,
                 seconds: Duration::from_secs(3),
-                threads: 4,
+                modes: Mode::ALL.to_vec(),
+                lanes,
                 runs: 100_000,
                 large: 100_000,
+                idle: Duration::from_secs(60),
             }
+        };
+        if !options.sizes.is_empty() {
+            plan.sizes = options.sizes.clone();
         }
+        if let Some(rounds) = options.rounds {
+            plan.rounds = rounds;
+        }
+        if !options.modes.is_empty() {
+            plan.modes = options.modes.clone();
+        }
+        Ok(plan)
     }
 }
 
-pub fn run(quick: bool) -> anyhow::Result<()> {
-    let plan = Plan::new(quick);
+pub fn run(options: &Options) -> anyhow::Result<()> {
+    let plan = Plan::new(options)?;
     let started = Instant::now();
     step(
         "cargo",
@@ -168,33 +246,39 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     let root = workspace_root();
     let agent = root.join("target/release/masq-agent");
 
-    eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
-    let datapath = datapath(&root.join("target/release/examples/datapath_bench"), &plan)?;
+    let datapath = if options.end_to_end_only {
+        Vec::new()
+    } else {
+        eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
+        datapath(&root.join("target/release/examples/datapath_bench"), &plan)?
+    };
     eprintln!("xtask: bench: end to end in namespaces");
     let samples = end_to_end(&agent, &plan)?;
-    eprintln!("xtask: bench: the control plane");
-    // A failure here must not throw away the end-to-end figures measured above.
-    let control = control_plane(&agent, &plan).unwrap_or_else(|err| {
-        eprintln!("xtask: bench: control plane failed: {err:#}");
-        ControlPlane {
-            error: Some(format!("{err:#}")),
-            ..ControlPlane::default()
-        }
+    let control = (!options.end_to_end_only).then(|| {
+        eprintln!("xtask: bench: the control plane");
+        // A failure here must not throw away the end-to-end figures measured above.
+        control_plane(&agent, &plan).unwrap_or_else(|err| {
+            eprintln!("xtask: bench: control plane failed: {err:#}");
+            ControlPlane {
+                error: Some(format!("{err:#}")),
+                ..ControlPlane::default()
+            }
+        })
     });
 
-    let out_dir = if quick {
-        root.join("target/bench")
-    } else {
+    let out_dir = if options.is_full() {
         root.join("docs/bench")
+    } else {
+        root.join("target/bench")
     };
-    let readme = (!quick).then(|| root.join("README.md"));
+    let readme = options.is_full().then(|| root.join("README.md"));
     report::write(
         &out_dir,
         readme.as_deref(),
         &plan,
         &datapath,
         &samples,
-        &control,
+        control.as_ref(),
         started.elapsed(),
     )
 }
@@ -360,7 +444,12 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
     let mut samples = Vec::new();
     for &cidrs in &plan.sizes {
         write_config(&bed.config, &prefixes::config(cidrs))?;
-        let modes: Vec<Mode> = Mode::ALL.into_iter().filter(|m| m.runs_at(cidrs)).collect();
+        let modes: Vec<Mode> = plan
+            .modes
+            .iter()
+            .copied()
+            .filter(|m| m.runs_at(cidrs))
+            .collect();
         for round in 0..plan.rounds {
             for &mode in &modes {
                 eprintln!(
@@ -387,15 +476,15 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
 }
 
 fn measure(pod: &str, server: Ipv4Addr, plan: &Plan) -> anyhow::Result<Vec<(Metric, f64)>> {
-    let (threads, seconds) = (plan.threads, plan.seconds);
+    let seconds = plan.seconds;
     Ok(vec![
         (
             Metric::NewConnections,
-            load::new_connections(pod, server, threads, seconds)?,
+            load::new_connections(pod, server, seconds)?,
         ),
         (
             Metric::Transactions,
-            load::transactions(pod, server, threads, seconds)?,
+            load::transactions(pod, server, seconds)?,
         ),
         (
             Metric::Throughput,
@@ -403,7 +492,7 @@ fn measure(pod: &str, server: Ipv4Addr, plan: &Plan) -> anyhow::Result<Vec<(Metr
         ),
         (
             Metric::UdpNewFlows,
-            load::udp_new_flows(pod, server, threads, seconds)?,
+            load::udp_new_flows(pod, server, seconds)?,
         ),
     ])
 }
@@ -486,7 +575,7 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     let daemon = bed.activate(Mode::Ebpf, plan.large)?.context("agent")?;
     let pid = daemon.child.id();
     cp.rss_mib = proc_status_kib(pid, "VmHWM")? / 1024.0;
-    cp.idle_seconds = if plan.quick { 10 } else { 60 };
+    cp.idle_seconds = plan.idle.as_secs();
     let before = cpu_ticks(pid)?;
     std::thread::sleep(Duration::from_secs(cp.idle_seconds));
     let ticks = cpu_ticks(pid)? - before;

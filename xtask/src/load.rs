@@ -1,251 +1,364 @@
-//! Load for the end-to-end benchmark: servers on the outside host, and client threads in a pod
-//! that count completed operations for a fixed time.
+//! Load for the end-to-end benchmark: servers on the outside host, and clients in a pod that
+//! count completed operations for a fixed time.
+//!
+//! The load runs in lanes, one per CPU. A lane's client, its server and the node's forwarding
+//! all stay on that CPU: a veth hands a packet to the next namespace on the CPU that sent it,
+//! so the node's conntrack, NAT and tc programs run there too. A figure is then what an
+//! operation costs along the whole path, and the data plane's share of it shows. Lanes that
+//! woke each other across CPUs would measure wake-up latency instead, which on a VM (an IPI and
+//! an exit per wake-up) dwarfs everything the data plane does.
+//!
+//! Each lane is one thread per side with an event loop, so that many operations are in flight
+//! without a thread each.
 
 use std::{
-    io::{Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+    future::Future,
+    io,
+    net::{Ipv4Addr, SocketAddr},
+    sync::mpsc,
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
-use socket2::{Domain, Socket, Type};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
+    sync::oneshot,
+    time::timeout,
+};
 
-use crate::{netns, workers::Workers};
+use crate::netns;
 
-/// Servers spread over several ports: NAT ports are unique per remote endpoint, so spreading
-/// keeps a fast run of new flows from exhausting them.
+/// Server ports per lane for new connections and for UDP: NAT ports are unique per remote
+/// endpoint, so spreading keeps a fast run of new flows from exhausting them.
 pub const SERVER_PORTS: u16 = 8;
-pub const CRR_BASE: u16 = 7100;
-pub const RR_PORT: u16 = 7200;
-pub const BULK_PORT: u16 = 7300;
-pub const UDP_BASE: u16 = 7400;
-const ACCEPTORS_PER_PORT: usize = 2;
+const CRR_BASE: u16 = 7100;
+const RR_BASE: u16 = 7200;
+const BULK_BASE: u16 = 7300;
+const UDP_BASE: u16 = 7400;
+/// The port plan leaves room for this many lanes.
+const MAX_LANES: usize = 8;
+/// Operations in flight per lane.
+const CRR_IN_FLIGHT: usize = 8;
+const RR_CONNECTIONS: usize = 4;
+const UDP_IN_FLIGHT: usize = 16;
+/// An operation that takes longer failed (a lost packet, say) and does not count.
+const OP_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// The outside host's half: connect-request-response servers, a request-response server, a
-/// bulk sink and UDP echo servers. Stops when dropped.
+fn crr_port(lane: usize, i: u64) -> u16 {
+    CRR_BASE + lane as u16 * SERVER_PORTS + (i % u64::from(SERVER_PORTS)) as u16
+}
+
+fn udp_port(lane: usize, i: u64) -> u16 {
+    UDP_BASE + lane as u16 * SERVER_PORTS + (i % u64::from(SERVER_PORTS)) as u16
+}
+
+fn rr_port(lane: usize) -> u16 {
+    RR_BASE + lane as u16
+}
+
+fn bulk_port(lane: usize) -> u16 {
+    BULK_BASE + lane as u16
+}
+
+/// The CPUs this process may run on, one lane each (at most `MAX_LANES`).
+pub fn lanes() -> anyhow::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return Err(io::Error::last_os_error()).context("sched_getaffinity");
+    }
+    let cpus = (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `cpu` is below CPU_SETSIZE.
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .take(MAX_LANES)
+        .collect();
+    Ok(cpus)
+}
+
+/// Moves the calling thread into `ns` and onto `cpu`, and gives it an event loop.
+fn lane_runtime(ns: &str, cpu: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    netns::enter(ns)?;
+    // SAFETY: as in `lanes`; the set names one CPU, and pid 0 is the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(io::Error::last_os_error()).context("sched_setaffinity");
+        }
+    }
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// The outside host's half, one server lane per CPU: connect-request-response servers, a
+/// request-response server, a bulk sink and UDP echo servers. Stops when dropped.
 pub struct Servers {
-    _workers: Workers,
+    lanes: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
 
 impl Servers {
     pub fn start(ns: &str) -> anyhow::Result<Servers> {
-        let mut workers = Workers::default();
-        let listen = |port: u16| -> anyhow::Result<TcpListener> {
-            let listener = netns::within(ns, move || {
-                let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
-                socket.set_reuse_address(true)?;
-                socket.bind(&SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)).into())?;
-                socket.listen(4096)?;
-                Ok(TcpListener::from(socket))
-            })?;
-            listener.set_nonblocking(true)?;
-            Ok(listener)
-        };
-        for i in 0..SERVER_PORTS {
-            let listener = listen(CRR_BASE + i)?;
-            for _ in 0..ACCEPTORS_PER_PORT {
-                let listener = listener.try_clone()?;
-                workers.spawn(move || accept_once(&listener, answer_once));
-            }
-            let socket = netns::within(ns, move || {
-                Ok(UdpSocket::bind((Ipv4Addr::UNSPECIFIED, UDP_BASE + i))?)
-            })?;
-            socket.set_read_timeout(Some(Duration::from_millis(20)))?;
-            workers.spawn(move || echo_datagram(&socket));
+        let mut servers = Servers { lanes: Vec::new() };
+        for (lane, cpu) in lanes()?.into_iter().enumerate() {
+            let (stop, stopped) = oneshot::channel();
+            let (ready, is_ready) = mpsc::channel();
+            let ns = ns.to_string();
+            let thread = std::thread::spawn(move || {
+                let serve = || -> anyhow::Result<tokio::runtime::Runtime> {
+                    let runtime = lane_runtime(&ns, cpu)?;
+                    runtime.block_on(serve_lane(lane))?;
+                    Ok(runtime)
+                };
+                match serve() {
+                    Ok(runtime) => {
+                        let _ = ready.send(Ok(()));
+                        // Dropping the runtime afterwards ends every server task.
+                        let _ = runtime.block_on(stopped);
+                    }
+                    Err(err) => {
+                        let _ = ready.send(Err(err));
+                    }
+                }
+            });
+            servers.lanes.push((stop, thread));
+            is_ready
+                .recv()
+                .context("server lane ended before it was ready")?
+                .with_context(|| format!("server lane {lane}"))?;
         }
-        let rr = listen(RR_PORT)?;
-        workers.spawn(move || {
-            accept_once(&rr, |stream| {
-                std::thread::spawn(move || answer_each(stream));
-            })
-        });
-        let bulk = listen(BULK_PORT)?;
-        workers.spawn(move || {
-            accept_once(&bulk, |stream| {
-                std::thread::spawn(move || drain(stream));
-            })
-        });
-        Ok(Servers { _workers: workers })
+        Ok(servers)
     }
 }
 
-fn accept_once(listener: &TcpListener, handle: impl FnOnce(TcpStream)) {
-    match listener.accept() {
-        Ok((stream, _)) => {
-            let _ = stream.set_nonblocking(false);
-            let _ = stream.set_nodelay(true);
-            let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-            handle(stream);
+impl Drop for Servers {
+    fn drop(&mut self) {
+        for (stop, thread) in self.lanes.drain(..) {
+            let _ = stop.send(());
+            let _ = thread.join();
         }
-        Err(_) => std::thread::sleep(Duration::from_micros(200)),
+    }
+}
+
+/// Binds every server of `lane` and leaves them running on the current event loop.
+async fn serve_lane(lane: usize) -> io::Result<()> {
+    for i in 0..u64::from(SERVER_PORTS) {
+        tokio::spawn(accept_each(listen(crr_port(lane, i))?, answer_once));
+        let udp = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, udp_port(lane, i))).await?;
+        tokio::spawn(echo_datagrams(udp));
+    }
+    tokio::spawn(accept_each(listen(rr_port(lane))?, answer_each));
+    tokio::spawn(accept_each(listen(bulk_port(lane))?, drain));
+    Ok(())
+}
+
+fn listen(port: u16) -> io::Result<TcpListener> {
+    let socket = TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))?;
+    socket.listen(4096)
+}
+
+async fn accept_each<F: Future<Output = io::Result<()>> + Send + 'static>(
+    listener: TcpListener,
+    handle: fn(TcpStream) -> F,
+) {
+    loop {
+        if let Ok((stream, _)) = listener.accept().await {
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(handle(stream));
+        }
     }
 }
 
 /// One request, one response, then the client closes.
-fn answer_once(mut stream: TcpStream) {
+async fn answer_once(mut stream: TcpStream) -> io::Result<()> {
     let mut byte = [0u8; 1];
-    if stream.read_exact(&mut byte).is_ok() {
-        let _ = stream.write_all(&byte);
-        let _ = stream.read(&mut byte);
-    }
+    stream.read_exact(&mut byte).await?;
+    stream.write_all(&byte).await?;
+    let _ = stream.read(&mut byte).await;
+    Ok(())
 }
 
 /// Requests and responses until the client closes.
-fn answer_each(mut stream: TcpStream) {
+async fn answer_each(mut stream: TcpStream) -> io::Result<()> {
     let mut byte = [0u8; 1];
-    while stream.read_exact(&mut byte).is_ok() {
-        if stream.write_all(&byte).is_err() {
-            break;
+    loop {
+        stream.read_exact(&mut byte).await?;
+        stream.write_all(&byte).await?;
+    }
+}
+
+async fn drain(mut stream: TcpStream) -> io::Result<()> {
+    let mut buf = vec![0u8; 1 << 16];
+    while stream.read(&mut buf).await? > 0 {}
+    Ok(())
+}
+
+async fn echo_datagrams(socket: UdpSocket) {
+    let mut buf = [0u8; 64];
+    loop {
+        if let Ok((n, peer)) = socket.recv_from(&mut buf).await {
+            let _ = socket.send_to(&buf[..n], peer).await;
         }
     }
 }
 
-fn drain(mut stream: TcpStream) {
-    let mut buf = vec![0u8; 1 << 16];
-    while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+/// What one client task of a measurement is given: its lane, its index within the lane, and
+/// when to stop.
+#[derive(Clone, Copy)]
+struct Task {
+    lane: usize,
+    index: usize,
+    deadline: Instant,
 }
 
-fn echo_datagram(socket: &UdpSocket) {
-    let mut buf = [0u8; 64];
-    if let Ok((n, peer)) = socket.recv_from(&mut buf) {
-        let _ = socket.send_to(&buf[..n], peer);
+impl Task {
+    /// Runs `op` until the deadline and returns the units it completed. An operation that
+    /// fails or times out does not count.
+    async fn repeat<Fut: Future<Output = io::Result<u64>>>(
+        self,
+        mut op: impl FnMut(u64) -> Fut,
+    ) -> u64 {
+        let (mut done, mut seq) = (0, 0);
+        while Instant::now() < self.deadline {
+            if let Ok(Ok(units)) = timeout(OP_TIMEOUT, op(seq)).await {
+                done += units;
+            }
+            seq += 1;
+        }
+        done
     }
 }
 
-/// Runs `op` on `threads` threads inside `ns` for `duration` and returns completed operations
-/// per second. Each thread first makes its own state with `setup` (a connection, say); `op`
-/// gets it, the thread's index and the operation's sequence number. Failed operations do not
-/// count.
-fn rate<S>(
+/// Runs `in_flight` tasks per lane inside `ns` for `duration` and returns the units they
+/// completed per second, summed over lanes.
+fn rate<Fut>(
     ns: &str,
-    threads: usize,
+    in_flight: usize,
     duration: Duration,
-    setup: impl Fn() -> anyhow::Result<S> + Send + Sync + Clone + 'static,
-    op: impl Fn(&mut S, usize, u64) -> anyhow::Result<u64> + Send + Sync + Clone + 'static,
-) -> anyhow::Result<f64> {
-    let done = Arc::new(AtomicU64::new(0));
+    task: impl Fn(Task) -> Fut + Send + Clone + 'static,
+) -> anyhow::Result<f64>
+where
+    Fut: Future<Output = u64> + 'static,
+{
     let started = Instant::now();
     let deadline = started + duration;
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (ns, done, setup, op) = (ns.to_string(), done.clone(), setup.clone(), op.clone());
-            std::thread::spawn(move || -> anyhow::Result<()> {
-                netns::enter(&ns)?;
-                let mut state = setup()?;
-                let mut seq = 0u64;
-                while Instant::now() < deadline {
-                    if let Ok(n) = op(&mut state, t, seq) {
-                        done.fetch_add(n, Ordering::Relaxed);
+    let threads: Vec<_> = lanes()?
+        .into_iter()
+        .enumerate()
+        .map(|(lane, cpu)| {
+            let (ns, task) = (ns.to_string(), task.clone());
+            std::thread::spawn(move || -> anyhow::Result<u64> {
+                let runtime = lane_runtime(&ns, cpu)?;
+                let local = tokio::task::LocalSet::new();
+                let total = local.block_on(&runtime, async move {
+                    let tasks: Vec<_> = (0..in_flight)
+                        .map(|index| {
+                            tokio::task::spawn_local(task(Task {
+                                lane,
+                                index,
+                                deadline,
+                            }))
+                        })
+                        .collect();
+                    let mut total = 0;
+                    for t in tasks {
+                        total += t.await.unwrap_or(0);
                     }
-                    seq += 1;
-                }
-                Ok(())
+                    total
+                });
+                Ok(total)
             })
         })
         .collect();
-    for h in handles {
-        h.join()
-            .map_err(|_| anyhow::anyhow!("load thread panicked"))??;
+    let mut total = 0;
+    for thread in threads {
+        total += thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("load lane panicked"))??;
     }
-    Ok(done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    Ok(total as f64 / started.elapsed().as_secs_f64())
 }
 
-fn connect(server: SocketAddr) -> anyhow::Result<TcpStream> {
-    let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+async fn connect(server: Ipv4Addr, port: u16) -> io::Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
     // Close with a reset: no TIME_WAIT piles up in the client over thousands of connections.
-    socket.set_linger(Some(Duration::ZERO))?;
-    socket.set_tcp_nodelay(true)?;
-    socket.connect_timeout(&server.into(), Duration::from_secs(2))?;
-    let stream = TcpStream::from(socket);
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    // (A zero linger never blocks, the reason tokio deprecates setting it.)
+    socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO))?;
+    let stream = socket.connect(SocketAddr::from((server, port))).await?;
+    stream.set_nodelay(true)?;
     Ok(stream)
 }
 
-/// The server port for thread `t`'s operation `seq`, taking the ports from `base` in turn.
-fn spread(base: u16, t: usize, seq: u64) -> u16 {
-    base + ((t as u64 + seq) % u64::from(SERVER_PORTS)) as u16
-}
-
 /// New TCP connections per second: connect, one request and response, close.
-pub fn new_connections(
-    ns: &str,
-    server: Ipv4Addr,
-    threads: usize,
-    duration: Duration,
-) -> anyhow::Result<f64> {
-    rate(
-        ns,
-        threads,
-        duration,
-        || Ok(()),
-        move |_, t, seq| {
-            let port = spread(CRR_BASE, t, seq);
-            let mut stream = connect((server, port).into())?;
+pub fn new_connections(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
+    rate(ns, CRR_IN_FLIGHT, duration, move |task| {
+        task.repeat(move |seq| async move {
+            let port = crr_port(task.lane, task.index as u64 + seq);
+            let mut stream = connect(server, port).await?;
             let mut byte = [7u8; 1];
-            stream.write_all(&byte)?;
-            stream.read_exact(&mut byte)?;
+            stream.write_all(&byte).await?;
+            stream.read_exact(&mut byte).await?;
             Ok(1)
-        },
-    )
+        })
+    })
 }
 
 /// Request/response transactions per second on established connections.
-pub fn transactions(
-    ns: &str,
-    server: Ipv4Addr,
-    threads: usize,
-    duration: Duration,
-) -> anyhow::Result<f64> {
-    let setup = move || connect((server, RR_PORT).into());
-    rate(ns, threads, duration, setup, |stream, _, _| {
+pub fn transactions(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
+    rate(ns, RR_CONNECTIONS, duration, move |task| async move {
+        let Ok(mut stream) = connect(server, rr_port(task.lane)).await else {
+            return 0;
+        };
+        let mut done = 0;
         let mut byte = [1u8; 1];
-        stream.write_all(&byte)?;
-        stream.read_exact(&mut byte)?;
-        Ok(1)
+        while Instant::now() < task.deadline {
+            let transaction = async {
+                stream.write_all(&byte).await?;
+                stream.read_exact(&mut byte).await
+            };
+            match timeout(OP_TIMEOUT, transaction).await {
+                Ok(Ok(_)) => done += 1,
+                // A broken connection cannot carry on.
+                _ => break,
+            }
+        }
+        done
     })
 }
 
-/// Bulk TCP throughput of one connection, in bits per second.
+/// Bulk TCP throughput, one connection per lane, in bits per second.
 pub fn throughput(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
-    let ns = ns.to_string();
-    netns::within(&ns, move || {
-        let mut stream = connect((server, BULK_PORT).into()).context("bulk connect")?;
-        stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    let bytes_per_second = rate(ns, 1, duration, move |task| async move {
+        let Ok(mut stream) = connect(server, bulk_port(task.lane)).await else {
+            return 0;
+        };
         let chunk = vec![0x5au8; 1 << 16];
-        let started = Instant::now();
-        let mut sent = 0u64;
-        while started.elapsed() < duration {
-            stream.write_all(&chunk)?;
-            sent += chunk.len() as u64;
+        let mut sent = 0;
+        while Instant::now() < task.deadline {
+            match timeout(OP_TIMEOUT, stream.write_all(&chunk)).await {
+                Ok(Ok(())) => sent += chunk.len() as u64,
+                _ => break,
+            }
         }
-        Ok(sent as f64 * 8.0 / started.elapsed().as_secs_f64())
-    })
+        sent
+    })?;
+    Ok(bytes_per_second * 8.0)
 }
 
 /// UDP request/response per second, each from a new source port (so each is a new flow).
-pub fn udp_new_flows(
-    ns: &str,
-    server: Ipv4Addr,
-    threads: usize,
-    duration: Duration,
-) -> anyhow::Result<f64> {
-    rate(
-        ns,
-        threads,
-        duration,
-        || Ok(()),
-        move |_, t, seq| {
-            let port = spread(UDP_BASE, t, seq);
-            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-            socket.set_read_timeout(Some(Duration::from_millis(500)))?;
-            socket.send_to(b"q", (server, port))?;
+pub fn udp_new_flows(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
+    rate(ns, UDP_IN_FLIGHT, duration, move |task| {
+        task.repeat(move |seq| async move {
+            let port = udp_port(task.lane, task.index as u64 + seq);
+            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+            socket.send_to(b"q", (server, port)).await?;
             let mut buf = [0u8; 8];
-            socket.recv_from(&mut buf)?;
+            socket.recv_from(&mut buf).await?;
             Ok(1)
-        },
-    )
+        })
+    })
 }

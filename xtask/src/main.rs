@@ -30,11 +30,7 @@ enum Task {
         cargo_test_args: Vec<String>,
     },
     /// Measure the eBPF data plane against the iptables chain and against no NAT.
-    Bench {
-        /// A reduced run (under 3 minutes) that writes to target/bench, not docs/bench.
-        #[arg(long)]
-        quick: bool,
-    },
+    Bench(bench::Options),
 }
 
 fn main() -> ExitCode {
@@ -42,7 +38,7 @@ fn main() -> ExitCode {
         Task::Setup => setup::run(),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
-        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
+        Task::Bench(options) => setup::run().and_then(|()| bench::run(&options)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -78,9 +78,20 @@ struct Target {
     figure: String,
     bound: Bound,
     measured: Option<f64>,
+    /// What bounds the figure from outside the data plane, where something does.
+    ceiling: Option<String>,
 }
 
 impl Target {
+    fn new(figure: String, bound: Bound, measured: Option<f64>) -> Target {
+        Target {
+            figure,
+            bound,
+            measured,
+            ceiling: None,
+        }
+    }
+
     fn verdict(&self) -> String {
         match self.measured {
             None => "not measured".into(),
@@ -93,39 +104,38 @@ impl Target {
 fn targets(
     m: &Medians,
     datapath: &[DatapathCase],
-    cp: &ControlPlane,
+    cp: Option<&ControlPlane>,
     sizes: &[usize],
 ) -> Vec<Target> {
     let mut out = Vec::new();
-    let mut push = |figure: String, bound: Bound, measured: Option<f64>| {
-        out.push(Target {
-            figure,
-            bound,
-            measured,
-        });
-    };
     for &n in sizes {
-        push(
+        out.push(Target::new(
             format!("new connections/s, ebpf ÷ no NAT, {n} CIDRs"),
             Bound::AtLeast(0.95),
             ratio(m, Metric::NewConnections, n, Mode::Ebpf, Mode::NoNat),
-        );
+        ));
     }
     for (n, want) in [(4usize, 1.15), (10_000, 1.5)] {
         if sizes.contains(&n) {
-            push(
+            out.push(Target::new(
                 format!("new connections/s, ebpf ÷ iptables (nft), {n} CIDRs"),
                 Bound::AtLeast(want),
                 ratio(m, Metric::NewConnections, n, Mode::Ebpf, Mode::IptablesNft),
-            );
+            ));
+            // No data plane that translates can beat doing nothing: no NAT ÷ iptables is as
+            // far as this ratio can go.
+            let limit = ratio(m, Metric::NewConnections, n, Mode::NoNat, Mode::IptablesNft);
+            if let (Some(limit), Some(target)) = (limit, out.last_mut()) {
+                target.ceiling = Some(format!("no NAT ÷ iptables (nft) is {limit:.2}"));
+            }
         }
     }
     for &n in sizes {
-        push(
+        out.push(Target::new(
             format!("transactions/s, ebpf ÷ no NAT, {n} CIDRs"),
             Bound::AtLeast(0.97),
             ratio(m, Metric::Transactions, n, Mode::Ebpf, Mode::NoNat),
-        );
+        ));
     }
     let cost = |case: &str, n: usize| {
         datapath
@@ -133,32 +143,38 @@ fn targets(
             .find(|c| c.case == case && c.prefixes == n)
             .map(|c| c.ns_per_packet)
     };
-    for case in ["non_masq_hit", "snat_established", "rev_snat"] {
-        push(
+    for case in ["non_masq_hit", "snat_established", "rev_snat"]
+        .into_iter()
+        .filter(|_| !datapath.is_empty())
+    {
+        out.push(Target::new(
             format!("data-path cost, {case}, 100 000 ÷ 4 prefixes"),
             Bound::AtMost(1.3),
             cost(case, 100_000).zip(cost(case, 4)).map(|(a, b)| a / b),
-        );
+        ));
     }
-    push(
+    let Some(cp) = cp else {
+        return out;
+    };
+    out.push(Target::new(
         "config change to map updated, median ms".into(),
         Bound::Below(1000.0),
         median(cp.config_change_to_map_ms.clone()),
-    );
+    ));
     let measured = |v: f64| cp.error.is_none().then_some(v);
-    push(
+    out.push(Target::new(
         format!("{}-prefix apply, ms (target at 100 000)", cp.prefixes),
         Bound::Below(2000.0),
         measured(cp.apply_cold_ms),
-    );
-    push(
+    ));
+    out.push(Target::new(
         format!(
             "agent RSS with {} prefixes, MiB (target at 100 000)",
             cp.prefixes
         ),
         Bound::Below(64.0),
         measured(cp.rss_mib),
-    );
+    ));
     out
 }
 
@@ -190,7 +206,12 @@ fn fmt_value(metric: Metric, v: f64) -> String {
 }
 
 /// The summary: medians per mode, and the targets with how far each is from being met.
-fn summary(m: &Medians, plan: &Plan, datapath: &[DatapathCase], cp: &ControlPlane) -> String {
+fn summary(
+    m: &Medians,
+    plan: &Plan,
+    datapath: &[DatapathCase],
+    cp: Option<&ControlPlane>,
+) -> String {
     let mut s = String::new();
     for metric in Metric::ALL {
         let _ = writeln!(
@@ -211,6 +232,64 @@ fn summary(m: &Medians, plan: &Plan, datapath: &[DatapathCase], cp: &ControlPlan
             let _ = writeln!(s, "| {n} CIDRs | {} |", cells.join(" | "));
         }
     }
+    ratios(&mut s, m, plan);
+    if !datapath.is_empty() {
+        datapath_table(&mut s, datapath);
+    }
+    if let Some(cp) = cp {
+        control_plane_table(&mut s, cp);
+    }
+    let _ = writeln!(
+        s,
+        "\n| target | wanted | measured | | ceiling |\n|---|---|---:|---|---|"
+    );
+    for t in targets(m, datapath, cp, &plan.sizes) {
+        let measured = t.measured.map_or("–".into(), |v| format!("{v:.2}"));
+        let _ = writeln!(
+            s,
+            "| {} | {} | {measured} | {} | {} |",
+            t.figure,
+            t.bound.describe(),
+            t.verdict(),
+            t.ceiling.as_deref().unwrap_or("")
+        );
+    }
+    s
+}
+
+/// Each mode's ratio to no NAT and to iptables (nft), per metric and table size.
+fn ratios(s: &mut String, m: &Medians, plan: &Plan) {
+    let pairs = [
+        (Mode::IptablesNft, Mode::NoNat),
+        (Mode::IptablesLegacy, Mode::NoNat),
+        (Mode::Ebpf, Mode::NoNat),
+        (Mode::Ebpf, Mode::IptablesNft),
+        (Mode::Ebpf, Mode::IptablesLegacy),
+    ];
+    let heads: Vec<String> = pairs
+        .iter()
+        .map(|(a, b)| format!("{} ÷ {}", a.name(), b.name()))
+        .collect();
+    let _ = writeln!(
+        s,
+        "\nRatios of the medians above, from the same rounds (above 1: the first mode is faster).\n\n| ratio | CIDRs | {} |\n|---|---:|{}",
+        heads.join(" | "),
+        "---:|".repeat(pairs.len())
+    );
+    for metric in Metric::ALL {
+        for &n in &plan.sizes {
+            let cells: Vec<String> = pairs
+                .iter()
+                .map(|&(a, b)| {
+                    ratio(m, metric, n, a, b).map_or("–".into(), |r| format!("{r:.2}"))
+                })
+                .collect();
+            let _ = writeln!(s, "| {} | {n} | {} |", metric.name(), cells.join(" | "));
+        }
+    }
+}
+
+fn datapath_table(s: &mut String, datapath: &[DatapathCase]) {
     let _ = writeln!(
         s,
         "\nThe data path alone: mean kernel-timed single runs of BPF_PROG_TEST_RUN; ignored_floor (a packet the program drops out of at once) is the runner's own cost.\n\n| data path, ns per packet | 4 prefixes | 10 000 | 100 000 |"
@@ -234,6 +313,9 @@ fn summary(m: &Medians, plan: &Plan, datapath: &[DatapathCase], cp: &ControlPlan
             .collect();
         let _ = writeln!(s, "| {case} | {} |", cells.join(" | "));
     }
+}
+
+fn control_plane_table(s: &mut String, cp: &ControlPlane) {
     let latencies = &cp.config_change_to_map_ms;
     if let Some(error) = &cp.error {
         let _ = writeln!(s, "\nThe control-plane measurements failed: {error}");
@@ -273,19 +355,6 @@ fn summary(m: &Medians, plan: &Plan, datapath: &[DatapathCase], cp: &ControlPlan
         "| agent CPU over {} idle seconds | {:.2} % |",
         cp.idle_seconds, cp.idle_cpu_percent
     );
-
-    let _ = writeln!(s, "\n| target | wanted | measured | |\n|---|---|---:|---|");
-    for t in targets(m, datapath, cp, &plan.sizes) {
-        let measured = t.measured.map_or("–".into(), |v| format!("{v:.2}"));
-        let _ = writeln!(
-            s,
-            "| {} | {} | {measured} | {} |",
-            t.figure,
-            t.bound.describe(),
-            t.verdict()
-        );
-    }
-    s
 }
 
 fn plot(path: &Path, m: &Medians, sizes: &[usize]) -> anyhow::Result<()> {
@@ -347,23 +416,19 @@ pub fn write(
     plan: &Plan,
     datapath: &[DatapathCase],
     samples: &[Sample],
-    cp: &ControlPlane,
+    cp: Option<&ControlPlane>,
     took: Duration,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let m = medians(samples);
-    let command = if plan.quick {
-        "cargo xtask bench --quick"
-    } else {
-        "cargo xtask bench"
-    };
+    let command = &plan.command;
     let header = format!(
-        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement, {} client threads; took {:.0} s).",
+        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement, {} load lanes (one per CPU); took {:.0} s).",
         today(),
         machine(),
         plan.rounds,
         plan.seconds,
-        plan.threads,
+        plan.lanes,
         took.as_secs_f64()
     );
     let table = summary(&m, plan, datapath, cp);

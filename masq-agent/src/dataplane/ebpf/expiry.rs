@@ -51,7 +51,7 @@ impl Timeouts {
     }
 }
 
-/// CLOCK_MONOTONIC, the clock `bpf_ktime_get_ns` reads.
+/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`).
 pub fn monotonic_now_ns() -> u64 {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .expect("CLOCK_MONOTONIC is always available");
