@@ -3,6 +3,7 @@
 
 use std::{
     path::{Path, PathBuf},
+    sync::Arc,
     time::Duration,
 };
 
@@ -26,6 +27,7 @@ use crate::{
     netdev,
     policy::{MasqueradeOptions, Policy},
     ports,
+    telemetry::{Check, ReloadResult, Telemetry},
 };
 
 /// How long to wait after a change in the config directory before reading it, so that the
@@ -151,11 +153,15 @@ pub struct Agent {
     config_problem: OnceLogger,
     config_notices: OnceLogger,
     apply_problem: OnceLogger,
+    upkeep_problem: OnceLogger,
+    telemetry: Arc<Telemetry>,
 }
 
 impl Agent {
-    pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>) -> Agent {
+    pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>, telemetry: Arc<Telemetry>) -> Agent {
         record_mode(&flags.bpffs, dataplane.as_ref());
+        let mode = dataplane.mode();
+        telemetry.mode(mode, mode == Mode::IptablesFallback);
         Agent {
             bpffs: flags.bpffs.clone(),
             fallback: flags
@@ -170,26 +176,74 @@ impl Agent {
             config_problem: OnceLogger::default(),
             config_notices: OnceLogger::default(),
             apply_problem: OnceLogger::default(),
+            upkeep_problem: OnceLogger::default(),
+            telemetry,
         }
+    }
+
+    /// Records that the sync loop is alive, for `/healthz`.
+    pub fn heartbeat(&self) {
+        self.telemetry.heartbeat();
     }
 
     pub fn resync_interval(&self) -> Duration {
         self.resync_interval
     }
 
-    /// Periodic upkeep of the data plane (NAT expiry).
+    /// Periodic upkeep of the data plane (re-attachment, NAT expiry).
     pub fn maintain(&mut self) {
-        if let Err(err) = self.dataplane.maintain() {
-            let message = format!("{err:#}");
-            if self.apply_problem.is_new(&message) {
-                error!("data plane upkeep failed: {message}");
+        match self.dataplane.maintain() {
+            Ok(usage) => {
+                if let Some(usage) = usage {
+                    self.telemetry.nat_swept(usage);
+                }
+                self.record_check(Check::Upkeep, None);
             }
+            Err(err) => self.record_check(Check::Upkeep, Some(&err)),
         }
+    }
+
+    /// Logs a data-plane problem once per change, and its end, and tells liveness about it.
+    fn record_check(&mut self, check: Check, problem: Option<&anyhow::Error>) {
+        let (logger, failed, recovered) = match check {
+            Check::Apply => (
+                &mut self.apply_problem,
+                "error syncing masquerade rules",
+                "data plane recovered",
+            ),
+            Check::Upkeep => (
+                &mut self.upkeep_problem,
+                "data plane upkeep failed",
+                "data plane upkeep recovered",
+            ),
+        };
+        let problem = problem.map(|err| format!("{failed}: {err:#}"));
+        match &problem {
+            Some(message) if logger.is_new(message) => error!("{message}"),
+            None if logger.clear() => info!("{recovered}"),
+            _ => {}
+        }
+        self.telemetry.dataplane_checked(check, problem);
     }
 
     /// Re-reads the config and makes the data plane enforce it. An invalid config keeps the last
     /// good policy in force, and that policy is still re-applied, so that drift is repaired.
     pub fn sync(&mut self) -> SyncResult {
+        let result = self.sync_once();
+        let reload = match result {
+            SyncResult::Synced(_) => ReloadResult::Success,
+            SyncResult::ConfigRejected => ReloadResult::Invalid,
+            SyncResult::ApplyFailed => ReloadResult::ApplyFailed,
+        };
+        let prefixes = self.last_good.as_ref().map(|p| {
+            let v6 = p.non_masq_v6.as_ref().map_or(0, Vec::len);
+            (p.non_masq_v4.len(), v6)
+        });
+        self.telemetry.synced(reload, prefixes);
+        result
+    }
+
+    fn sync_once(&mut self) -> SyncResult {
         let fresh = self.read_policy();
         let Some(policy) = fresh.clone().or_else(|| self.last_good.clone()) else {
             return SyncResult::ConfigRejected;
@@ -202,13 +256,12 @@ impl Agent {
         {
             self.dataplane = fallback(opts, err);
             record_mode(&self.bpffs, self.dataplane.as_ref());
+            self.telemetry.mode(self.dataplane.mode(), true);
             applied = self.dataplane.apply(&policy);
         }
         match applied {
             Ok(outcome) => {
-                if self.apply_problem.clear() {
-                    info!("data plane recovered");
-                }
+                self.record_check(Check::Apply, None);
                 match outcome {
                     ApplyOutcome::Applied => info!(
                         mode = %self.dataplane.mode(),
@@ -230,10 +283,7 @@ impl Agent {
                 }
             }
             Err(err) => {
-                let message = format!("{err:#}");
-                if self.apply_problem.is_new(&message) {
-                    error!("error syncing masquerade rules: {message}");
-                }
+                self.record_check(Check::Apply, Some(&err));
                 SyncResult::ApplyFailed
             }
         }
@@ -308,6 +358,7 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
     let mut sync_due = true;
     let mut next_tick = Instant::now();
     loop {
+        agent.heartbeat();
         if watcher.is_none() {
             match watch_config_dir(&config_path, changed_tx.clone()) {
                 Ok(w) => watcher = Some(w),

@@ -3,7 +3,8 @@
 //! - [`config`] reads the ConfigMap file with upstream's rules and messages;
 //! - [`policy`] turns it into the non-masquerade prefix sets per family;
 //! - [`dataplane`] makes the kernel enforce that policy, with eBPF or with iptables;
-//! - [`agent`] keeps the data plane in sync with the file.
+//! - [`agent`] keeps the data plane in sync with the file;
+//! - [`telemetry`] tells operators how that goes: metrics, liveness and readiness.
 
 pub mod agent;
 pub mod cli;
@@ -12,3 +13,4 @@ pub mod dataplane;
 pub mod netdev;
 pub mod policy;
 pub mod ports;
+pub mod telemetry;

@@ -1,4 +1,4 @@
-use std::{io::IsTerminal as _, process::ExitCode};
+use std::{io::IsTerminal as _, process::ExitCode, sync::Arc};
 
 use clap::{ArgMatches, CommandFactory as _, FromArgMatches as _, parser::ValueSource};
 use masq_agent::{
@@ -10,6 +10,7 @@ use masq_agent::{
         iptables::{self, Capabilities, ChainVariant},
     },
     policy::{IpFamily, Policy},
+    telemetry::{self, Telemetry},
 };
 use tracing::error;
 
@@ -77,10 +78,11 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
         ?flags,
         "masq-agent starting"
     );
+    let telemetry = Arc::new(Telemetry::new(flags.bpffs.clone()));
     if let Some(addr) = flags.metrics_addr {
-        tracing::warn!(%addr, "--metrics-addr: the metrics endpoint is not served by this build");
+        telemetry::serve(addr, telemetry.clone())?;
     }
-    let mut agent = Agent::new(flags, agent::build_dataplane(flags)?);
+    let mut agent = Agent::new(flags, agent::build_dataplane(flags)?, telemetry);
     if flags.once {
         return Ok(match agent.sync() {
             agent::SyncResult::Synced(_) => ExitCode::SUCCESS,

@@ -12,7 +12,7 @@ use std::{
 use xtask::{
     probe::{self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, Observer, Proto, RawObserver},
     topology::{self, Process, Topology},
-    wait_for, write_config,
+    wait_for, wait_for_long, write_config,
 };
 
 const PORT: u16 = 8080;
@@ -697,6 +697,91 @@ fn reattaches_a_program_someone_detached(plane: Plane) {
     );
 }
 
+const METRICS_ADDR: &str = "127.0.0.1:9830";
+
+fn http_get(bed: &Bed, path: &str) -> (u16, String) {
+    probe::http_get(&bed.topo.node, METRICS_ADDR.parse().unwrap(), path)
+        .unwrap_or_else(|e| panic!("GET {path}: {e:#}"))
+}
+
+/// The value of the series whose line starts with `series` (name and labels).
+fn metric(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let rest = line.strip_prefix(series)?.strip_prefix(' ')?;
+        rest.parse().ok()
+    })
+}
+
+fn serves_metrics_health_and_readiness(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
+    let agent = bed.start_agent(&[&metrics_addr]);
+    assert_eq!(http_get(&bed, "/readyz"), (200, "ok\n".into()));
+    assert_eq!(http_get(&bed, "/healthz"), (200, "ok\n".into()));
+    assert_eq!(http_get(&bed, "/nothing-here").0, 404);
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+
+    let (status, metrics) = http_get(&bed, "/metrics");
+    assert_eq!(status, 200);
+    assert!(metrics.ends_with("# EOF\n"), "OpenMetrics text:\n{metrics}");
+    let series = |s: &str| metric(&metrics, s);
+    assert!(series("masq_agent_config_reloads_total{result=\"success\"}") >= Some(1.0));
+    // DEFAULT_CONFIG's 10/8, and link-local.
+    assert_eq!(
+        series("masq_agent_non_masquerade_prefixes{family=\"ipv4\"}"),
+        Some(2.0)
+    );
+    let mode = match plane {
+        Plane::Ebpf => "ebpf",
+        _ => "iptables",
+    };
+    assert_eq!(
+        series(&format!("masq_agent_dataplane_mode{{mode=\"{mode}\"}}")),
+        Some(1.0)
+    );
+    assert_eq!(series("masq_agent_fallback_events_total"), Some(0.0));
+    if plane == Plane::Ebpf {
+        assert!(series("masq_agent_packets_masqueraded_total") >= Some(1.0));
+        assert!(series("masq_agent_packets_reverse_translated_total{kind=\"reply\"}") >= Some(1.0));
+        assert_eq!(
+            series("masq_agent_packets_dropped_total{reason=\"nat_table_full\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            series("masq_agent_nat_capacity_entries"),
+            Some(2.0 * 262_144.0)
+        );
+    } else {
+        assert_eq!(
+            series("masq_agent_packets_masqueraded_total"),
+            None,
+            "the chain's packets are counted by iptables, not here"
+        );
+    }
+    drop(agent);
+}
+
+/// The uplink disappears under the agent: its upkeep finds the programs can no longer be in
+/// place, and liveness says so.
+fn liveness_fails_when_the_data_plane_is_gone(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
+    let agent = bed.start_agent(&[&metrics_addr]);
+    assert_eq!(http_get(&bed, "/healthz").0, 200);
+    bed.topo
+        .node_run("ip", &["link", "del", topology::UPLINK_IF])
+        .unwrap();
+    wait_for_long(Duration::from_secs(30), || {
+        Ok(http_get(&bed, "/healthz").0 == 503)
+    })
+    .unwrap_or_else(|e| panic!("still healthy: {e}\n{}", agent.log_text()));
+    let (_, why) = http_get(&bed, "/healthz");
+    assert!(why.contains(topology::UPLINK_IF), "{why}");
+}
+
 fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let mut args = bed.plane_args();
@@ -932,6 +1017,7 @@ macro_rules! common_cases {
             other_protocols_are_masqueraded_by_the_chain,
             sigterm_leaves_everything_and_cleanup_leaves_no_trace,
             once_applies_and_exits_and_status_reports,
+            serves_metrics_health_and_readiness,
         );
     };
 }
@@ -939,6 +1025,7 @@ macro_rules! common_cases {
 mod ebpf {
     common_cases!(Ebpf);
     cases!(Ebpf:
+        liveness_fails_when_the_data_plane_is_gone,
         falls_back_to_iptables_when_ebpf_cannot_run,
         reattaches_a_program_someone_detached,
         bpftool_shows_the_prefixes_with_named_fields,

@@ -337,3 +337,30 @@ pub fn tcp_bulk(
             .with_context(|| format!("sink reply {line:?}"))
     })
 }
+
+/// `GET path` over HTTP/1.1 from inside `ns`: the status code and the body.
+pub fn http_get(ns: &str, server: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    use std::io::Read as _;
+
+    let path = path.to_string();
+    netns::within(ns, move || {
+        let mut stream = TcpStream::connect_timeout(&server, Duration::from_secs(2))
+            .with_context(|| format!("connecting to {server}"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {server}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .context("no end of headers")?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .with_context(|| format!("no status in {head:?}"))?;
+        Ok((status, body.to_string()))
+    })
+}

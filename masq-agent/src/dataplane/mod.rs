@@ -54,6 +54,17 @@ pub enum Mode {
     IptablesFallback,
 }
 
+impl Mode {
+    /// The name metrics and records use.
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+            Mode::IptablesFallback => "iptables-fallback",
+        }
+    }
+}
+
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -86,9 +97,10 @@ pub trait DataPlane {
     /// Makes the kernel match `policy`. On error, whatever was in force before stays in force.
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome>;
 
-    /// Periodic upkeep between applies (expiring idle NAT entries).
-    fn maintain(&mut self) -> anyhow::Result<()> {
-        Ok(())
+    /// Periodic upkeep between applies: puts back programs someone detached, and expires
+    /// idle NAT entries. Returns what the NAT table holds, for data planes that have one.
+    fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
+        Ok(None)
     }
 
     /// Reads back what is installed.
@@ -96,6 +108,16 @@ pub trait DataPlane {
 
     /// Removes everything this data plane installed.
     fn cleanup(&mut self) -> anyhow::Result<()>;
+}
+
+/// What one NAT upkeep run found in the table and removed from it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NatUsage {
+    pub entries: usize,
+    pub masqueraded_flows: usize,
+    pub inbound_flows: usize,
+    pub expired_flows: usize,
+    pub orphans_removed: usize,
 }
 
 /// What is installed, as read back from the kernel.

@@ -5,14 +5,19 @@
 use std::{borrow::BorrowMut, collections::HashMap, time::Duration};
 
 use aya::maps::{HashMap as BpfHashMap, MapData};
-use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, NatEntryV4, NatKeyV4, direction, tcp_seen};
+use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, NatEntryV4, NatKeyV4, direction, nat_kind, tcp_seen};
+
+use crate::dataplane::NatUsage;
 
 /// How long a flow may stay idle, by protocol and state.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
     pub tcp_established: Duration,
-    /// Half-open (no reply yet) and closing (FIN or RST seen) TCP connections.
+    /// Half-open (no reply yet) and closing (FIN seen) TCP connections.
     pub tcp_transitory: Duration,
+    /// TCP connections that saw a reset: over, as conntrack's CLOSE state says, and gone
+    /// quickly so that connection churn does not fill the table.
+    pub tcp_reset: Duration,
     pub udp: Duration,
     pub icmp: Duration,
     /// A reply-direction half without its egress half: left by an allocation that lost a race,
@@ -25,6 +30,7 @@ impl Default for Timeouts {
         Timeouts {
             tcp_established: Duration::from_secs(2 * 3600),
             tcp_transitory: Duration::from_secs(60),
+            tcp_reset: Duration::from_secs(10),
             udp: Duration::from_secs(120),
             icmp: Duration::from_secs(60),
             orphan: Duration::from_secs(10),
@@ -37,6 +43,9 @@ impl Timeouts {
         match key.proto {
             IPPROTO_TCP => {
                 let seen = egress.tcp_seen | ingress.tcp_seen;
+                if seen & tcp_seen::RST != 0 {
+                    return self.tcp_reset;
+                }
                 let closing = seen & (tcp_seen::FIN | tcp_seen::RST) != 0;
                 let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
                 if !closing && both_ways && seen & tcp_seen::ACK != 0 {
@@ -58,24 +67,26 @@ pub fn monotonic_now_ns() -> u64 {
     now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
 }
 
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct ExpiryRun {
-    pub entries: usize,
-    pub flows_expired: usize,
-    pub orphans_removed: usize,
-}
-
-/// Removes every flow idle for longer than its timeout, both halves together.
+/// Removes every flow idle for longer than its timeout, both halves together, and reports
+/// what the table held before.
 pub fn expire<T: BorrowMut<MapData>>(
     nat: &mut BpfHashMap<T, NatKeyV4, NatEntryV4>,
     timeouts: &Timeouts,
     now_ns: u64,
-) -> ExpiryRun {
+) -> NatUsage {
     let table: HashMap<NatKeyV4, NatEntryV4> = nat.iter().filter_map(Result::ok).collect();
-    let mut run = ExpiryRun {
+    let mut run = NatUsage {
         entries: table.len(),
-        ..ExpiryRun::default()
+        ..NatUsage::default()
     };
+    for (key, entry) in &table {
+        if key.direction == direction::EGRESS {
+            match entry.kind {
+                nat_kind::PASSTHROUGH => run.inbound_flows += 1,
+                _ => run.masqueraded_flows += 1,
+            }
+        }
+    }
     let idle = |entry: &NatEntryV4| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
     for (key, entry) in &table {
         let partner_key = key.reverse(entry);
@@ -107,7 +118,7 @@ pub fn expire<T: BorrowMut<MapData>>(
         }
         let _ = nat.remove(key);
         let _ = nat.remove(&partner_key);
-        run.flows_expired += 1;
+        run.expired_flows += 1;
     }
     run
 }

@@ -36,7 +36,7 @@ use self::{
     pins::Pins,
 };
 use super::{
-    ApplyOutcome, DataPlane, Mode, Status,
+    ApplyOutcome, DataPlane, Mode, NatUsage, Status,
     iptables::{ChainVariant, IptablesDataPlane},
 };
 use crate::{
@@ -379,17 +379,18 @@ impl DataPlane for EbpfDataPlane {
         })
     }
 
-    fn maintain(&mut self) -> anyhow::Result<()> {
+    fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
         let now = expiry::monotonic_now_ns();
         expire_draining(&mut self.ebpf, self.timeouts.tcp_established, now)?;
         self.refresh_devices().map_err(Unavailable)?;
+        self.ensure_attached()?;
         let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
             BpfHashMap::try_from(map_mut(&mut self.ebpf, map_names::NAT_V4)?)?;
         let run = expiry::expire(&mut nat, &self.timeouts, now);
-        if run.flows_expired + run.orphans_removed > 0 {
+        if run.expired_flows + run.orphans_removed > 0 {
             tracing::debug!(?run, "expired NAT entries");
         }
-        Ok(())
+        Ok(Some(run))
     }
 
     fn status(&self) -> anyhow::Result<Status> {
@@ -451,15 +452,11 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     }
     let v4: LpmTrie<MapData, [u8; 4], u8> = pinned(&pins, map_names::NON_MASQ_V4)?.try_into()?;
     let v6: LpmTrie<MapData, [u8; 16], u8> = pinned(&pins, map_names::NON_MASQ_V6)?.try_into()?;
-    let nat_map = pinned(&pins, map_names::NAT_V4)?;
-    let nat_capacity = match &nat_map {
-        Map::HashMap(data) => data.info()?.max_entries(),
-        _ => 0,
-    };
-    let nat: BpfHashMap<MapData, NatKeyV4, NatEntryV4> = nat_map.try_into()?;
+    let nat: BpfHashMap<MapData, NatKeyV4, NatEntryV4> =
+        pinned(&pins, map_names::NAT_V4)?.try_into()?;
     let interfaces: BpfHashMap<MapData, u32, InterfaceV4> =
         pinned(&pins, map_names::INTERFACES)?.try_into()?;
-    let counters: PerCpuArray<MapData, u64> = pinned(&pins, map_names::COUNTERS)?.try_into()?;
+    let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
 
     let mut non_masquerade_v4: Vec<Prefix<4>> = v4
         .keys()
@@ -483,16 +480,10 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             }
         }
     }
-    let counters = Counter::ALL
+    let counters = kernel
+        .packets
         .iter()
-        .filter(|c| (**c as u32) < COUNTER_SLOTS)
-        .map(|c| {
-            let total = counters
-                .get(&(*c as u32), 0)
-                .map(|per_cpu| per_cpu.iter().sum())
-                .unwrap_or(0);
-            (c.name(), total)
-        })
+        .map(|(counter, total)| (counter.name(), *total))
         .collect();
     Ok(Some(EbpfStatus {
         bpffs: bpffs.to_path_buf(),
@@ -513,8 +504,43 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         nat_flows,
         nat_inbound_flows,
         nat_entries,
-        nat_capacity,
+        nat_capacity: kernel.nat_capacity,
         counters,
+    }))
+}
+
+/// The programs' packet counters (summed over CPUs) and the NAT table's capacity.
+pub struct KernelCounters {
+    pub packets: Vec<(Counter, u64)>,
+    pub nat_capacity: u32,
+}
+
+/// Reads the counters from the maps pinned in `bpffs`; `None` if nothing is pinned there.
+/// Cheap enough for every metrics scrape: it reads no table, only the counters.
+pub fn read_kernel_counters(bpffs: &Path) -> anyhow::Result<Option<KernelCounters>> {
+    let pins = Pins::new(bpffs);
+    if !pins.map(map_names::COUNTERS).exists() {
+        return Ok(None);
+    }
+    let nat_capacity = match pinned(&pins, map_names::NAT_V4)? {
+        Map::HashMap(data) => data.info()?.max_entries(),
+        _ => 0,
+    };
+    let counters: PerCpuArray<MapData, u64> = pinned(&pins, map_names::COUNTERS)?.try_into()?;
+    let packets = Counter::ALL
+        .iter()
+        .filter(|c| (**c as u32) < COUNTER_SLOTS)
+        .map(|c| {
+            let total = counters
+                .get(&(*c as u32), 0)
+                .map(|per_cpu| per_cpu.iter().sum())
+                .unwrap_or(0);
+            (*c, total)
+        })
+        .collect();
+    Ok(Some(KernelCounters {
+        packets,
+        nat_capacity,
     }))
 }
 

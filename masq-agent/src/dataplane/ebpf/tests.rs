@@ -490,7 +490,7 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
         ports.sort();
         ports
     };
-    assert_eq!(run(&mut h, Duration::from_secs(30)).flows_expired, 0);
+    assert_eq!(run(&mut h, Duration::from_secs(30)).expired_flows, 0);
     assert_eq!(flows(&h), [2001, 2002, 2003]);
     // Past the transitory timeout: the half-open flow goes, both halves.
     run(&mut h, timeouts.tcp_transitory + Duration::from_secs(1));
