@@ -2,11 +2,14 @@
 //! packet and how far a TCP connection got; here both halves of a flow are judged together and
 //! removed together.
 
-use std::{borrow::BorrowMut, collections::HashMap, time::Duration};
+use std::{collections::HashMap, time::Duration};
 
-use aya::maps::{HashMap as BpfHashMap, MapData};
+use anyhow::{Context as _, bail};
+
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, NatEntryV4, NatKeyV4, direction, nat_kind, tcp_seen};
 
+use super::batch;
 use crate::dataplane::NatUsage;
 
 /// How long a flow may stay idle, by protocol and state.
@@ -68,13 +71,15 @@ pub fn monotonic_now_ns() -> u64 {
 }
 
 /// Removes every flow idle for longer than its timeout, both halves together, and reports
-/// what the table held before.
-pub fn expire<T: BorrowMut<MapData>>(
-    nat: &mut BpfHashMap<T, NatKeyV4, NatEntryV4>,
-    timeouts: &Timeouts,
-    now_ns: u64,
-) -> NatUsage {
-    let table: HashMap<NatKeyV4, NatEntryV4> = nat.iter().filter_map(Result::ok).collect();
+/// what the table held before. `nat` is the NAT table, read and pruned with batch commands.
+pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage> {
+    let Map::HashMap(data) = nat else {
+        bail!("the NAT table is not a hash map");
+    };
+    let table: HashMap<NatKeyV4, NatEntryV4> = batch::lookup_all(data)
+        .context("reading the NAT table")?
+        .into_iter()
+        .collect();
     let mut run = NatUsage {
         entries: table.len(),
         ..NatUsage::default()
@@ -87,20 +92,22 @@ pub fn expire<T: BorrowMut<MapData>>(
             }
         }
     }
+    let current: BpfHashMap<&MapData, NatKeyV4, NatEntryV4> = BpfHashMap::try_from(nat)?;
     let idle = |entry: &NatEntryV4| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
+    let (mut orphans, mut flows) = (Vec::new(), Vec::new());
     for (key, entry) in &table {
         let partner_key = key.reverse(entry);
         let partner = table.get(&partner_key);
         if key.direction == direction::INGRESS {
             if partner.is_none() && idle(entry) > timeouts.orphan {
-                run.orphans_removed += usize::from(nat.remove(key).is_ok());
+                orphans.push(*key);
             }
             continue;
         }
         let Some(ingress) = partner else {
             // An egress half alone cannot translate replies; let it go with its timeout.
             if idle(entry) > timeouts.for_flow(key, entry, entry) {
-                run.orphans_removed += usize::from(nat.remove(key).is_ok());
+                orphans.push(*key);
             }
             continue;
         };
@@ -110,15 +117,15 @@ pub fn expire<T: BorrowMut<MapData>>(
             continue;
         }
         // The data path may have refreshed the flow since the snapshot: look again.
-        let fresh = |k: &NatKeyV4| nat.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
+        let fresh = |k: &NatKeyV4| current.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
         if Duration::from_nanos(now_ns.saturating_sub(fresh(key).max(fresh(&partner_key))))
             <= timeout
         {
             continue;
         }
-        let _ = nat.remove(key);
-        let _ = nat.remove(&partner_key);
-        run.expired_flows += 1;
+        flows.extend([*key, partner_key]);
     }
-    run
+    run.orphans_removed = batch::delete_all(data, &orphans).context("pruning the NAT table")?;
+    run.expired_flows = batch::delete_all(data, &flows).context("pruning the NAT table")? / 2;
+    Ok(run)
 }

@@ -3,6 +3,7 @@
 //! reduced to the protocols the programs leave alone.
 
 pub mod attach;
+pub(crate) mod batch;
 pub mod expiry;
 pub mod pins;
 pub mod testbed;
@@ -384,9 +385,8 @@ impl DataPlane for EbpfDataPlane {
         expire_draining(&mut self.ebpf, self.timeouts.tcp_established, now)?;
         self.refresh_devices().map_err(Unavailable)?;
         self.ensure_attached()?;
-        let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> =
-            BpfHashMap::try_from(map_mut(&mut self.ebpf, map_names::NAT_V4)?)?;
-        let run = expiry::expire(&mut nat, &self.timeouts, now);
+        let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
+        let run = expiry::expire(nat, &self.timeouts, now)?;
         if run.expired_flows + run.orphans_removed > 0 {
             tracing::debug!(?run, "expired NAT entries");
         }
@@ -452,8 +452,11 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     }
     let v4: LpmTrie<MapData, [u8; 4], u8> = pinned(&pins, map_names::NON_MASQ_V4)?.try_into()?;
     let v6: LpmTrie<MapData, [u8; 16], u8> = pinned(&pins, map_names::NON_MASQ_V6)?.try_into()?;
-    let nat: BpfHashMap<MapData, NatKeyV4, NatEntryV4> =
-        pinned(&pins, map_names::NAT_V4)?.try_into()?;
+    let Map::HashMap(nat) = pinned(&pins, map_names::NAT_V4)? else {
+        bail!("the pinned NAT table is not a hash map");
+    };
+    let nat: Vec<(NatKeyV4, NatEntryV4)> =
+        batch::lookup_all(&nat).context("reading the NAT table")?;
     let interfaces: BpfHashMap<MapData, u32, InterfaceV4> =
         pinned(&pins, map_names::INTERFACES)?.try_into()?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
@@ -471,7 +474,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         .collect();
     non_masquerade_v6.sort();
     let (mut nat_entries, mut nat_flows, mut nat_inbound_flows) = (0, 0, 0);
-    for (key, entry) in nat.iter().filter_map(Result::ok) {
+    for (key, entry) in &nat {
         nat_entries += 1;
         if key.direction == direction::EGRESS {
             match entry.kind {

@@ -6,7 +6,7 @@ use std::{net::Ipv4Addr, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray},
+    maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray},
     programs::{TestRun, TestRunOptions},
 };
 use ipnet::Ipv4Net;
@@ -118,6 +118,13 @@ impl TestBed {
             .and_then(|m| BpfHashMap::<&MapData, NatKeyV4, NatEntryV4>::try_from(m).ok())
             .map(|m| m.iter().filter_map(Result::ok).collect())
             .unwrap_or_default()
+    }
+
+    /// The NAT table itself, for the agent's sweep.
+    pub fn nat_table(&self) -> anyhow::Result<&Map> {
+        self.ebpf
+            .map(map_names::NAT_V4)
+            .ok_or_else(|| anyhow::anyhow!("no NAT table in the object"))
     }
 
     pub fn nat_mut(&mut self) -> anyhow::Result<BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4>> {

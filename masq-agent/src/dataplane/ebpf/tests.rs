@@ -4,8 +4,7 @@
 
 use std::{net::Ipv4Addr, time::Duration};
 
-use aya::maps::{HashMap as BpfHashMap, MapData};
-use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, map_names, nat_kind, program_names};
+use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names};
 use xtask::packet::*;
 
 use super::{testbed::TestBed, *};
@@ -477,8 +476,12 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
     let timeouts = Timeouts::default();
     let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     let run = |h: &mut Harness, after: Duration| {
-        let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> = h.nat_mut().unwrap();
-        expiry::expire(&mut nat, &timeouts, newest + after.as_nanos() as u64)
+        expiry::expire(
+            h.nat_table().unwrap(),
+            &timeouts,
+            newest + after.as_nanos() as u64,
+        )
+        .unwrap()
     };
     let flows = |h: &Harness| {
         let mut ports: Vec<u16> = h
@@ -514,14 +517,14 @@ fn an_orphaned_reply_half_is_removed() {
         .unwrap()
         .0;
     let newest = h.nat()[0].1.last_seen_ns;
-    let mut nat: BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4> = h.nat_mut().unwrap();
-    nat.remove(&egress_key).unwrap();
+    h.nat_mut().unwrap().remove(&egress_key).unwrap();
     let timeouts = Timeouts::default();
     let run = expiry::expire(
-        &mut nat,
+        h.nat_table().unwrap(),
         &timeouts,
         newest + (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64,
-    );
+    )
+    .unwrap();
     assert_eq!(run.orphans_removed, 1);
     assert!(h.nat().is_empty());
 }
@@ -576,4 +579,60 @@ fn a_policy_change_affects_new_flows_only() {
         [(24, [203, 0, 113, 0])],
         "only the prefix still out of the policy drains"
     );
+}
+
+#[test]
+fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
+    let mut h = TestBed::new(
+        16_384,
+        &spans(&[(1024, 65535)]),
+        true,
+        NODE,
+        &nets(&["10.0.0.0/8"]),
+    )
+    .unwrap();
+    // More entries than one batch call carries, so the kernel's cursor is followed.
+    let keys: Vec<_> = (0..10_000u32)
+        .map(|i| {
+            let [a, b, c, d] = i.to_be_bytes();
+            masq_ebpf::NatKeyV4 {
+                saddr: [10, a, b, c],
+                daddr: [203, 0, 113, d],
+                sport: 1000,
+                dport: 80,
+                proto: 6,
+                direction: direction::INGRESS,
+                _pad: [0; 2],
+            }
+        })
+        .collect();
+    {
+        let mut nat = h.nat_mut().unwrap();
+        for key in &keys {
+            nat.insert(key, masq_ebpf::NatEntryV4::default(), 0)
+                .unwrap();
+        }
+    }
+    let table = h.nat_table().unwrap();
+    let aya::maps::Map::HashMap(data) = table else {
+        panic!("the NAT table is a hash map");
+    };
+    let read: Vec<(masq_ebpf::NatKeyV4, masq_ebpf::NatEntryV4)> = batch::lookup_all(data).unwrap();
+    assert_eq!(read.len(), keys.len());
+    let mut read_keys: Vec<_> = read.iter().map(|(k, _)| *k).collect();
+    read_keys.sort_by_key(|k| (k.saddr, k.daddr));
+    assert!(read_keys == keys, "every key read back, once");
+
+    // Half the keys, with some already gone in between: those are skipped, not fatal.
+    let mut doomed: Vec<_> = keys[..5_000].to_vec();
+    doomed.insert(100, keys[9_999]);
+    h.nat_mut().unwrap().remove(&keys[9_999]).unwrap();
+    doomed.insert(4_000, keys[9_999]);
+    let table = h.nat_table().unwrap();
+    let aya::maps::Map::HashMap(data) = table else {
+        unreachable!()
+    };
+    let deleted = batch::delete_all(data, &doomed).unwrap();
+    assert_eq!(deleted, 5_000);
+    assert_eq!(h.nat().len(), keys.len() - 5_001);
 }

@@ -1,0 +1,125 @@
+//! Whole-table reads and deletes with the kernel's batch commands (`BPF_MAP_LOOKUP_BATCH`,
+//! `BPF_MAP_DELETE_BATCH`): a few system calls per table, where key-by-key iteration takes two
+//! per entry. A full NAT table holds half a million entries, and the sweep reads it every ten
+//! seconds. aya has no binding for these commands, so this is the one raw `bpf(2)` call here.
+
+use std::{
+    io,
+    mem::MaybeUninit,
+    os::fd::{AsFd as _, AsRawFd as _},
+};
+
+use aya::{Pod, maps::MapData};
+
+/// Numbers from the kernel's `enum bpf_cmd` (include/uapi/linux/bpf.h).
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+/// Entries per call. A hash bucket must fit in one call; the kernel says ENOSPC if not, and
+/// the call is retried with more room.
+const CHUNK: usize = 4096;
+
+/// The `batch` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is a valid `batch` attribute whose pointers the caller keeps alive and
+    // sized for `count` entries.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut BatchAttr,
+            size_of::<BatchAttr>(),
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn fd(map: &MapData) -> u32 {
+    map.fd().as_fd().as_raw_fd() as u32
+}
+
+/// Every entry of the hash map `map`, whose key and value types are `K` and `V`.
+pub fn lookup_all<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
+    let mut entries = Vec::new();
+    let mut chunk = CHUNK;
+    let mut keys: Vec<MaybeUninit<K>> = Vec::new();
+    let mut values: Vec<MaybeUninit<V>> = Vec::new();
+    // The kernel's cursor: where the last call stopped. Hash maps use four bytes of it.
+    let (mut cursor, mut started) = (0u64, false);
+    loop {
+        keys.resize(chunk, MaybeUninit::uninit());
+        values.resize(chunk, MaybeUninit::uninit());
+        let mut next = 0u64;
+        let mut attr = BatchAttr {
+            in_batch: if started {
+                &cursor as *const u64 as u64
+            } else {
+                0
+            },
+            out_batch: &mut next as *mut u64 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk as u32,
+            map_fd: fd(map),
+            ..BatchAttr::default()
+        };
+        let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let filled = (attr.count as usize).min(chunk);
+        for i in 0..filled {
+            // SAFETY: the kernel filled the first `count` slots of both arrays.
+            entries.push(unsafe { (keys[i].assume_init(), values[i].assume_init()) });
+        }
+        match result {
+            Ok(()) => {
+                cursor = next;
+                started = true;
+            }
+            // The end of the table; the last call may still have returned entries.
+            Err(err) if err.raw_os_error() == Some(libc::ENOENT) => return Ok(entries),
+            Err(err) if err.raw_os_error() == Some(libc::ENOSPC) && filled == 0 => chunk *= 2,
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+/// Deletes `keys` from the hash map `map`. Keys already gone (the data path or another sweep
+/// got there first) are skipped. Returns how many were deleted.
+pub fn delete_all<K: Pod>(map: &MapData, keys: &[K]) -> io::Result<usize> {
+    let mut deleted = 0;
+    let mut rest = keys;
+    while !rest.is_empty() {
+        let take = rest.len().min(CHUNK);
+        let mut attr = BatchAttr {
+            keys: rest.as_ptr() as u64,
+            count: take as u32,
+            map_fd: fd(map),
+            ..BatchAttr::default()
+        };
+        let result = bpf(BPF_MAP_DELETE_BATCH, &mut attr);
+        // The kernel stops at the first key it cannot delete and says how many it did.
+        let done = (attr.count as usize).min(take);
+        deleted += done;
+        match result {
+            Ok(()) => rest = &rest[take..],
+            Err(err) if err.raw_os_error() == Some(libc::ENOENT) => rest = &rest[done + 1..],
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(deleted)
+}
