@@ -20,25 +20,41 @@ fn median(mut values: Vec<f64>) -> Option<f64> {
     Some(values[values.len() / 2])
 }
 
-/// Medians per (metric, cidrs, mode).
-type Medians = BTreeMap<(Metric, usize, Mode), f64>;
-
-fn medians(samples: &[Sample]) -> Medians {
-    let mut groups: BTreeMap<(Metric, usize, Mode), Vec<f64>> = BTreeMap::new();
-    for s in samples {
-        groups
-            .entry((s.metric, s.cidrs, s.mode))
-            .or_default()
-            .push(s.value);
-    }
-    groups
-        .into_iter()
-        .filter_map(|(k, v)| Some((k, median(v)?)))
-        .collect()
+/// The samples of one run, per (metric, cidrs, mode), round by round.
+struct Medians {
+    by_round: BTreeMap<(Metric, usize, Mode), BTreeMap<usize, f64>>,
 }
 
+fn medians(samples: &[Sample]) -> Medians {
+    let mut by_round: BTreeMap<_, BTreeMap<usize, f64>> = BTreeMap::new();
+    for s in samples {
+        by_round
+            .entry((s.metric, s.cidrs, s.mode))
+            .or_default()
+            .insert(s.round, s.value);
+    }
+    Medians { by_round }
+}
+
+impl Medians {
+    /// The median over rounds.
+    fn get(&self, key: &(Metric, usize, Mode)) -> Option<f64> {
+        median(self.by_round.get(key)?.values().copied().collect())
+    }
+}
+
+/// `a` ÷ `b`: the median of the ratios within each round, where the two modes ran minutes
+/// apart, so that the machine's drift over the run cancels out.
 fn ratio(m: &Medians, metric: Metric, cidrs: usize, a: Mode, b: Mode) -> Option<f64> {
-    Some(m.get(&(metric, cidrs, a))? / m.get(&(metric, cidrs, b))?)
+    let (a, b) = (
+        m.by_round.get(&(metric, cidrs, a))?,
+        m.by_round.get(&(metric, cidrs, b))?,
+    );
+    median(
+        a.iter()
+            .filter_map(|(round, va)| Some(va / b.get(round)?))
+            .collect(),
+    )
 }
 
 /// Which side of its bound a figure must stay on.
@@ -226,6 +242,7 @@ fn summary(
                 .iter()
                 .map(|mode| {
                     m.get(&(metric, n, *mode))
+                        .as_ref()
                         .map_or("–".into(), |v| fmt_value(metric, *v))
                 })
                 .collect();
@@ -272,7 +289,7 @@ fn ratios(s: &mut String, m: &Medians, plan: &Plan) {
         .collect();
     let _ = writeln!(
         s,
-        "\nRatios of the medians above, from the same rounds (above 1: the first mode is faster).\n\n| ratio | CIDRs | {} |\n|---|---:|{}",
+        "\nRatios within each round, then their median (above 1: the first mode is faster).\n\n| ratio | CIDRs | {} |\n|---|---:|{}",
         heads.join(" | "),
         "---:|".repeat(pairs.len())
     );
@@ -361,9 +378,10 @@ fn plot(path: &Path, m: &Medians, sizes: &[usize]) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (760, 440)).into_drawing_area();
     root.fill(&WHITE)?;
     let max = m
-        .iter()
-        .filter(|((metric, _, _), _)| *metric == Metric::NewConnections)
-        .map(|(_, v)| *v)
+        .by_round
+        .keys()
+        .filter(|(metric, _, _)| *metric == Metric::NewConnections)
+        .filter_map(|key| m.get(key))
         .fold(1.0, f64::max);
     let x_max = *sizes.iter().max().unwrap_or(&4) as f64 * 2.0;
     let mut chart = ChartBuilder::on(&root)
@@ -386,7 +404,7 @@ fn plot(path: &Path, m: &Medians, sizes: &[usize]) -> anyhow::Result<()> {
     for (mode, color) in Mode::ALL.iter().zip(colors) {
         let points: Vec<(f64, f64)> = sizes
             .iter()
-            .filter_map(|n| Some((*n as f64, *m.get(&(Metric::NewConnections, *n, *mode))?)))
+            .filter_map(|n| Some((*n as f64, m.get(&(Metric::NewConnections, *n, *mode))?)))
             .collect();
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
@@ -444,7 +462,7 @@ pub fn write(
         serde_json::to_string_pretty(&json)?,
     )?;
     let report = format!(
-        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median, and every ratio is between medians of the same run. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}"
+        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}"
     );
     std::fs::write(dir.join("report.md"), &report)?;
     println!("{header}\n{table}");
