@@ -940,6 +940,28 @@ fn to_ports_rules_load_into_real_iptables(plane: Plane) {
     );
 }
 
+/// The programs translate IPv4 only: beside them, IPv6 gets upstream's full chain, so that no
+/// IPv6 packet leaves a pod unmasqueraded for want of a program.
+fn ipv6_keeps_the_full_chain_beside_the_programs(plane: Plane) {
+    let bed = Bed::new(plane, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
+    let mut args = bed.plane_args();
+    args.extend(["--once".to_string(), "--enable-ipv6".to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_success(&bed.agent_cmd(&args));
+    let v6 = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
+    let rules: Vec<&str> = v6.lines().filter(|l| l.starts_with("-A")).collect();
+    assert_eq!(rules.len(), 3, "two exemptions and the masquerade:\n{v6}");
+    assert!(
+        rules[0].contains("-d fe80::/10") && rules[1].contains("-d fc00::/7"),
+        "{v6}"
+    );
+    assert!(rules[2].contains("-j MASQUERADE"), "{v6}");
+    assert!(
+        bed.chain().unwrap().contains("-p tcp"),
+        "the IPv4 chain still leaves TCP to the programs"
+    );
+}
+
 fn ipv6_chain_follows_enable_ipv6(plane: Plane) {
     let bed = Bed::new(plane, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
     let config_arg = format!("--config={}", bed.config.display());
@@ -1026,6 +1048,7 @@ mod ebpf {
     common_cases!(Ebpf);
     cases!(Ebpf:
         liveness_fails_when_the_data_plane_is_gone,
+        ipv6_keeps_the_full_chain_beside_the_programs,
         falls_back_to_iptables_when_ebpf_cannot_run,
         reattaches_a_program_someone_detached,
         bpftool_shows_the_prefixes_with_named_fields,
