@@ -14,10 +14,11 @@ use anyhow::{Context as _, bail};
 use clap::ValueEnum as _;
 use serde::Serialize;
 use xtask::{
+    kubelet::ConfigMapVolume,
     load::{self, Servers},
-    netns, prefixes,
+    netns, non_masq_v4_matches, prefixes,
     topology::{self, Process, Topology},
-    wait_for_long, write_config,
+    wait_for_long, workspace_root, write_config,
 };
 
 use crate::{report, step};
@@ -207,7 +208,7 @@ impl Plan {
             Plan {
                 command,
                 sizes: vec![4, 10_000, 100_000],
-                rounds: 5,
+                rounds: 7,
                 seconds: Duration::from_secs(2),
                 modes: Mode::ALL.to_vec(),
                 lanes,
@@ -281,13 +282,6 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         control.as_ref(),
         started.elapsed(),
     )
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
 }
 
 fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
@@ -589,23 +583,10 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
 /// Twenty ConfigMap updates the way kubelet makes them (a new timestamped directory, then an
 /// atomic swap of the `..data` symlink), each timed until its new prefix is in the map.
 fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
-    let dir = bed.topo.path("kubelet");
-    std::fs::create_dir_all(&dir)?;
-    let publish = |n: usize, text: &str| -> anyhow::Result<()> {
-        let version = dir.join(format!("..2026_11_29_00_00_{n:02}.000000001"));
-        std::fs::create_dir_all(&version)?;
-        std::fs::write(version.join("ip-masq-agent"), text)?;
-        let tmp = dir.join("..data_tmp");
-        let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(version.file_name().context("name")?, &tmp)?;
-        std::fs::rename(&tmp, dir.join("..data"))?;
-        Ok(())
-    };
     let base = "resyncInterval: 60s\nnonMasqueradeCIDRs:\n  - 10.0.0.0/8\n";
-    publish(0, base)?;
-    std::os::unix::fs::symlink("..data/ip-masq-agent", dir.join("ip-masq-agent"))?;
+    let mut volume = ConfigMapVolume::create(&bed.topo.path("kubelet"), "ip-masq-agent", base)?;
     let mut args = bed.agent_args(Mode::Ebpf);
-    args[0] = format!("--config={}", dir.join("ip-masq-agent").display());
+    args[0] = format!("--config={}", volume.file().display());
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let path = bed.path_env("nft");
     let agent =
@@ -617,20 +598,10 @@ fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
     let map = bed.topo.bpffs.join("non_masq_v4");
     let mut latencies = Vec::new();
     for n in 1..=20u8 {
-        let text = format!("{base}  - 198.18.{n}.0/24\n");
         let started = Instant::now();
-        publish(usize::from(n), &text)?;
-        let key = ["24", "0", "0", "0", "198", "18", &n.to_string(), "0"];
+        volume.update(&format!("{base}  - 198.18.{n}.0/24\n"))?;
         wait_for_long(Duration::from_secs(10), || {
-            let mut args = vec![
-                "map",
-                "lookup",
-                "pinned",
-                map.to_str().context("path")?,
-                "key",
-            ];
-            args.extend(key);
-            Ok(netns::run("bpftool", &args).is_ok())
+            non_masq_v4_matches(&map, Ipv4Addr::new(198, 18, n, 0))
         })
         .with_context(|| format!("change {n} never reached the map"))?;
         latencies.push(started.elapsed().as_secs_f64() * 1e3);

@@ -3,7 +3,6 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
     time::Instant,
 };
 
@@ -11,7 +10,7 @@ use anyhow::{Context as _, bail, ensure};
 use xtask::{
     probe::{self, Observer},
     topology::{self, Topology},
-    wait_for, write_config,
+    wait_for, workspace_root, write_config,
 };
 
 use crate::step;
@@ -194,11 +193,4 @@ fn show(what: &str, seen: SocketAddr, expect: IpAddr, meaning: &str) -> anyhow::
     }
     println!("    {what}: server saw {seen}  ({meaning})");
     Ok(())
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
 }

@@ -2,6 +2,7 @@
 //! benchmarks: a pod, a forwarding node and an outside server, each in a network namespace the
 //! run creates and deletes itself.
 
+pub mod kubelet;
 pub mod load;
 pub mod netns;
 pub mod packet;
@@ -11,9 +12,20 @@ pub mod topology;
 pub mod workers;
 
 use std::{
-    path::Path,
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
+
+use anyhow::Context as _;
+
+/// The root of the masq-agent workspace.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
 
 /// Polls `check` every 50 ms until it returns `Ok(true)`, for at most 10 seconds.
 pub fn wait_for(check: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<()> {
@@ -47,4 +59,32 @@ pub fn write_config(path: &Path, text: &str) -> anyhow::Result<()> {
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, path)?;
     Ok(())
+}
+
+/// Whether a packet to `addr` would be exempt under the pinned `non_masq_v4` map at `pin`: an
+/// LPM-trie lookup of the full address finds the longest prefix that covers it, if any.
+pub fn non_masq_v4_matches(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
+    let pin = pin.to_str().context("pin path")?;
+    // The key is `{prefix_len: u32, data: [u8; 4]}` in the machine's byte order.
+    let key: Vec<String> = 32u32
+        .to_ne_bytes()
+        .into_iter()
+        .chain(addr.octets())
+        .map(|b| b.to_string())
+        .collect();
+    let mut args = vec!["map", "lookup", "pinned", pin, "key"];
+    args.extend(key.iter().map(String::as_str));
+    let out = std::process::Command::new("bpftool").args(&args).output()?;
+    // bpftool fails both for "no entry" and for a missing map; only the first is an answer.
+    if out.status.success() {
+        Ok(true)
+    } else if String::from_utf8_lossy(&out.stdout).contains("Not found") {
+        Ok(false)
+    } else {
+        anyhow::bail!(
+            "bpftool {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    }
 }

@@ -1,7 +1,8 @@
-//! `cargo xtask setup | demo | test`.
+//! `cargo xtask setup | demo | test | bench | validate-manifests`.
 
 mod bench;
 mod demo;
+mod manifests;
 mod report;
 mod setup;
 
@@ -31,6 +32,8 @@ enum Task {
     },
     /// Measure the eBPF data plane against the iptables chain and against no NAT.
     Bench(bench::Options),
+    /// Validate the Kubernetes manifests in deploy/ against the API's schemas.
+    ValidateManifests,
 }
 
 fn main() -> ExitCode {
@@ -39,6 +42,7 @@ fn main() -> ExitCode {
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
         Task::Bench(options) => setup::run().and_then(|()| bench::run(&options)),
+        Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -95,6 +99,7 @@ fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
             "warnings",
         ],
     )?;
+    manifests::validate()?;
     let mut args = vec!["test", "--workspace"];
     args.extend(cargo_test_args.iter().map(String::as_str));
     step("cargo", &args)

@@ -9,7 +9,8 @@ use xtask::netns;
 
 use crate::step;
 
-/// Debian packages: LLVM 22 for bpf-linker, and the networking tools the tests drive.
+/// Debian packages: LLVM 22 for bpf-linker, the networking tools the tests drive (curl for the
+/// docs' commands), and Python's venv for the manifest validator.
 const APT_PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
@@ -22,9 +23,12 @@ const APT_PACKAGES: &[&str] = &[
     "ethtool",
     "tcpdump",
     "conntrack",
+    "curl",
     "iputils-ping",
     "procps",
     "util-linux",
+    "python3",
+    "python3-venv",
 ];
 const NIGHTLY: &str = "nightly";
 /// Pinned, and built against the LLVM that matches nightly's rustc (LLVM 22).

@@ -1,0 +1,313 @@
+//! The files in deploy/ say what a production install needs, and agree with the agent's flags,
+//! defaults and config parser, and with the metrics contract. (Schema validation is
+//! `cargo xtask validate-manifests`; the kubelet experience, and the metrics the agent really
+//! exposes, are tests/kubelet.rs.)
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use clap::Parser as _;
+use common::{
+    agent_args, agent_container, dashboard, dashboard_queries, example_config, find, manifest,
+    read, series, strings,
+};
+use masq_agent::{
+    agent::config_options,
+    cli::{Cli, LogFormat, normalize_go_flags},
+    config,
+};
+use serde_yaml::Value;
+
+fn pod_spec(daemonset: &Value) -> &Value {
+    &daemonset["spec"]["template"]["spec"]
+}
+
+/// The agent's flags as it parses the DaemonSet's args.
+fn agent_flags() -> masq_agent::cli::Flags {
+    let argv = std::iter::once("masq-agent".to_string()).chain(agent_args());
+    Cli::try_parse_from(normalize_go_flags(argv))
+        .expect("the agent accepts the DaemonSet's args")
+        .flags
+}
+
+/// Checks that `ds` is a DaemonSet in kube-system whose pods run in the node's network, ahead of
+/// other pods and whatever the node's taints; returns its pod spec.
+fn node_daemonset_pod(ds: &Value) -> &Value {
+    assert_eq!(ds["kind"], "DaemonSet");
+    assert_eq!(ds["metadata"]["namespace"], "kube-system");
+    let pod = pod_spec(ds);
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["priorityClassName"], "system-node-critical");
+    // Every taint: an `Exists` toleration with no key and no effect.
+    let tolerations = pod["tolerations"].as_sequence().expect("tolerations");
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t["operator"] == "Exists" && t["key"].is_null() && t["effect"].is_null()),
+        "{tolerations:?}"
+    );
+    pod
+}
+
+#[test]
+fn the_daemonset_runs_on_every_labelled_node_before_other_pods() {
+    let ds = manifest("daemonset.yaml");
+    let pod = node_daemonset_pod(&ds);
+    assert_eq!(
+        pod["nodeSelector"]["node.kubernetes.io/masq-agent-ds-ready"],
+        "true"
+    );
+}
+
+#[test]
+fn the_container_args_are_the_contract_and_the_agent_accepts_them() {
+    assert_eq!(
+        agent_args(),
+        [
+            "--masq-chain=IP-MASQ-AGENT",
+            "--config=/etc/config/ip-masq-agent",
+            "--metrics-addr=0.0.0.0:9830",
+            "--log-format=json",
+        ]
+    );
+    let flags = agent_flags();
+    assert_eq!(flags.masq_chain, "IP-MASQ-AGENT");
+    assert_eq!(flags.log_format, LogFormat::Json);
+    assert_eq!(
+        flags.metrics_addr.map(|a| a.to_string()).as_deref(),
+        Some("0.0.0.0:9830")
+    );
+}
+
+#[test]
+fn probes_and_the_metrics_port_match_the_metrics_address() {
+    let container = agent_container();
+    let port = find(&container["ports"], "metrics");
+    let addr = agent_flags().metrics_addr.expect("--metrics-addr");
+    assert_eq!(port["containerPort"].as_u64(), Some(u64::from(addr.port())));
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        let get = &container[probe]["httpGet"];
+        assert_eq!(get["path"], path, "{probe}");
+        assert_eq!(get["port"], "metrics", "{probe}");
+    }
+}
+
+#[test]
+fn the_config_map_is_mounted_where_the_agent_reads_it_and_is_optional() {
+    let ds = manifest("daemonset.yaml");
+    let volume = find(&pod_spec(&ds)["volumes"], "config");
+    assert_eq!(volume["configMap"]["name"], "ip-masq-agent");
+    assert_eq!(volume["configMap"]["optional"], true);
+    let item = &volume["configMap"]["items"][0];
+    assert_eq!(item["key"], "config");
+    let container = agent_container();
+    let mount = find(&container["volumeMounts"], "config");
+    let mount_path = mount["mountPath"].as_str().unwrap();
+    let file = format!("{mount_path}/{}", item["path"].as_str().unwrap());
+    assert_eq!(agent_flags().config.to_str(), Some(file.as_str()));
+    assert_eq!(
+        manifest("configmap.yaml")["metadata"]["name"],
+        volume["configMap"]["name"],
+        "the example ConfigMap is the one mounted"
+    );
+}
+
+#[test]
+fn bpffs_comes_from_the_host_with_the_propagation_pinning_needs() {
+    let ds = manifest("daemonset.yaml");
+    let volume = find(&pod_spec(&ds)["volumes"], "bpffs");
+    assert_eq!(volume["hostPath"]["path"], "/sys/fs/bpf");
+    let container = agent_container();
+    let mount = find(&container["volumeMounts"], "bpffs");
+    assert_eq!(mount["mountPath"], "/sys/fs/bpf");
+    assert_eq!(mount["mountPropagation"], "Bidirectional");
+    // The agent pins under --bpffs, and mounts bpffs on its parent where none is mounted.
+    assert_eq!(
+        agent_flags().bpffs.parent().and_then(|p| p.to_str()),
+        mount["mountPath"].as_str()
+    );
+    // Kubernetes accepts Bidirectional propagation from privileged containers only.
+    assert_eq!(container["securityContext"]["privileged"], true);
+}
+
+#[test]
+fn the_privileged_mode_is_explained() {
+    let text = read("daemonset.yaml");
+    let lines: Vec<&str> = text.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.trim() == "privileged: true")
+        .expect("privileged");
+    // The comment block right above it.
+    let comment: Vec<&str> = lines[..at]
+        .iter()
+        .rev()
+        .take_while(|l| l.trim_start().starts_with('#'))
+        .copied()
+        .collect();
+    let comment = comment.join("\n");
+    for reason in [
+        "Bidirectional",
+        "bpf()",
+        "CAP_BPF",
+        "CAP_NET_ADMIN",
+        "CAP_SYS_ADMIN",
+    ] {
+        assert!(comment.contains(reason), "{reason} in: {comment}");
+    }
+}
+
+#[test]
+fn resources_are_requested() {
+    let requests = &agent_container()["resources"]["requests"];
+    assert!(requests["cpu"].is_string(), "{requests:?}");
+    assert!(requests["memory"].is_string(), "{requests:?}");
+}
+
+#[test]
+fn a_rollout_replaces_one_node_at_a_time_without_surge() {
+    let strategy = &manifest("daemonset.yaml")["spec"]["updateStrategy"];
+    assert_eq!(strategy["type"], "RollingUpdate");
+    assert_eq!(strategy["rollingUpdate"]["maxUnavailable"], 1);
+    // A surge pod could never start: the old one holds the host port.
+    assert_eq!(strategy["rollingUpdate"]["maxSurge"], 0);
+}
+
+#[test]
+fn the_example_config_is_valid_under_the_daemonset_flags() {
+    let loaded = config::parse(
+        example_config().as_bytes(),
+        "configmap.yaml",
+        &config_options(&agent_flags()),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let json = loaded.config.to_upstream_json();
+    assert_eq!(
+        json["nonMasqueradeCIDRs"],
+        serde_json::json!(["10.0.0.0/8"])
+    );
+    assert_eq!(loaded.config.resync_interval.as_secs(), 60);
+}
+
+#[test]
+fn the_kustomization_holds_the_agent_and_its_config_but_not_the_uninstaller() {
+    let kustomization = manifest("kustomization.yaml");
+    assert_eq!(kustomization["kind"], "Kustomization");
+    let resources = strings(&kustomization["resources"]);
+    assert_eq!(resources, ["configmap.yaml", "daemonset.yaml"]);
+}
+
+#[test]
+fn the_uninstaller_cleans_every_node_of_the_agent_chain_and_pins() {
+    let ds = manifest("uninstall.yaml");
+    let pod = node_daemonset_pod(&ds);
+    assert!(
+        pod["nodeSelector"].is_null(),
+        "every node, labelled or not any more"
+    );
+    let cleanup = &pod["initContainers"][0];
+    assert_eq!(cleanup["image"], agent_container()["image"]);
+    let args = strings(&cleanup["args"]);
+    assert_eq!(args[0], "cleanup");
+    let chain = agent_args()
+        .into_iter()
+        .find(|a| a.starts_with("--masq-chain="))
+        .unwrap();
+    assert!(args.contains(&chain), "the agent's chain: {args:?}");
+    // Cleanup works from the default --bpffs, under the same mount as the agent's.
+    assert!(!args.iter().any(|a| a.starts_with("--bpffs")), "{args:?}");
+    assert_eq!(
+        find(&cleanup["volumeMounts"], "bpffs")["mountPath"],
+        find(&agent_container()["volumeMounts"], "bpffs")["mountPath"]
+    );
+}
+
+#[test]
+fn the_image_is_multi_stage_with_both_iptables_backends_behind_the_entrypoint() {
+    let dockerfile = read("Dockerfile");
+    let stages: Vec<&str> = dockerfile
+        .lines()
+        .filter(|l| l.starts_with("FROM "))
+        .collect();
+    assert_eq!(stages.len(), 2, "{stages:?}");
+    let runtime = &dockerfile[dockerfile.rfind("\nFROM ").unwrap()..];
+    for package in ["iptables", "ipset"] {
+        assert!(
+            runtime.contains(&format!(" {package} ")),
+            "{package} in the runtime image"
+        );
+    }
+    assert!(
+        runtime.contains("COPY --from="),
+        "the agent from the build stage"
+    );
+    assert!(runtime.contains(r#"ENTRYPOINT ["/usr/local/bin/masq-agent-entrypoint"]"#));
+    assert!(runtime.contains("deploy/entrypoint.sh /usr/local/bin/masq-agent-entrypoint"));
+}
+
+/// The metrics the agent exports, with the labels the dashboard splits them by.
+const METRICS: [&str; 18] = [
+    "masq_agent_packets_masqueraded_total",
+    "masq_agent_packets_not_masqueraded_total",
+    "masq_agent_packets_reverse_translated_total",
+    "masq_agent_packets_dropped_total",
+    "masq_agent_packets_not_inspected_total",
+    "masq_agent_inbound_connections_tracked_total",
+    "masq_agent_nat_entries",
+    "masq_agent_nat_flows",
+    "masq_agent_nat_capacity_entries",
+    "masq_agent_nat_allocation_failures_total",
+    "masq_agent_nat_gc_runs_total",
+    "masq_agent_nat_gc_expired_flows_total",
+    "masq_agent_config_reloads_total",
+    "masq_agent_last_successful_sync_timestamp_seconds",
+    "masq_agent_non_masquerade_prefixes",
+    "masq_agent_dataplane_mode",
+    "masq_agent_fallback_events_total",
+    "masq_agent_build_info",
+];
+
+#[test]
+fn the_dashboard_shows_every_metric_and_no_other() {
+    let queries = dashboard_queries();
+    let shown: BTreeSet<&str> = queries
+        .iter()
+        .flat_map(|q| series(q).map(|(name, _)| name))
+        .collect();
+    assert_eq!(shown, BTreeSet::from(METRICS));
+}
+
+#[test]
+fn every_dashboard_query_follows_the_node_variable() {
+    let dashboard = dashboard();
+    let variables = dashboard["templating"]["list"].as_array().unwrap();
+    let node = variables
+        .iter()
+        .find(|v| v["name"] == "node")
+        .expect("a node variable");
+    assert_eq!(node["includeAll"], true);
+    assert_eq!(node["multi"], true);
+    for query in dashboard_queries() {
+        for (name, selector) in series(&query) {
+            assert!(
+                selector.starts_with(r#"{node=~"$node""#),
+                "{name} filtered by node in: {query}"
+            );
+        }
+    }
+}
+
+#[test]
+fn dashboard_panels_have_unique_ids() {
+    let dashboard = dashboard();
+    let ids: Vec<u64> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_u64().expect("every panel has an id"))
+        .collect();
+    let unique: BTreeSet<&u64> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+}
