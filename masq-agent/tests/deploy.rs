@@ -58,6 +58,14 @@ fn the_daemonset_runs_on_every_labelled_node_before_other_pods() {
         pod["nodeSelector"]["node.kubernetes.io/masq-agent-ds-ready"],
         "true"
     );
+    // Upstream's older docs labelled nodes with the beta key: the README says what becomes of
+    // them.
+    let readme = read("../README.md");
+    assert!(
+        readme.contains("`node.kubernetes.io/masq-agent-ds-ready=true`")
+            && readme.contains("`beta.kubernetes.io/masq-agent-ds-ready=true`"),
+        "the README explains both node labels"
+    );
 }
 
 #[test]
