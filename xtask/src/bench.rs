@@ -452,6 +452,9 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
                     mode.name()
                 );
                 let agent = bed.activate(mode, cidrs)?;
+                // What the kernel does after a large apply (freeing what the old policy held,
+                // RCU callbacks) is the control plane's cost, measured apart: let it settle.
+                std::thread::sleep(SETTLE);
                 let measured = measure(&pod, server, plan);
                 bed.deactivate(mode, agent)?;
                 for (metric, value) in measured? {
@@ -468,6 +471,9 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
     }
     Ok(samples)
 }
+
+/// The pause between putting a mode in force and measuring it, the same for every mode.
+const SETTLE: Duration = Duration::from_secs(2);
 
 fn measure(pod: &str, server: Ipv4Addr, plan: &Plan) -> anyhow::Result<Vec<(Metric, f64)>> {
     let seconds = plan.seconds;
