@@ -147,11 +147,16 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// The largest config file read. A ConfigMap holds at most 1 MiB; a file given some other way
+/// may be larger (100 000 CIDRs take about 2 MiB), but a file of this size is a mistake, and
+/// reading it whole would only cost memory.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 /// Reads and checks the config file. A file that does not exist means the defaults, as
 /// upstream; any other read error (permissions, a directory, ...) is an error.
 pub fn load(path: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
     let origin = path.display().to_string();
-    match std::fs::read(path) {
+    match read_bounded(path) {
         Ok(text) => parse(&text, &origin, opts),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Loaded {
             config: Config::defaults(opts),
@@ -164,6 +169,22 @@ pub fn load(path: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
             format!("cannot read the config file: {e}"),
         )),
     }
+}
+
+/// Reads `path`, but never more than `MAX_CONFIG_BYTES`, even if the file grows meanwhile.
+fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+
+    let file = std::fs::File::open(path)?;
+    let mut text = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::other(format!(
+            "larger than {} MiB",
+            MAX_CONFIG_BYTES >> 20
+        )));
+    }
+    Ok(text)
 }
 
 /// Checks config file contents; `origin` names the file in messages.

@@ -112,6 +112,15 @@ impl Bed {
         agent
     }
 
+    /// Runs the agent once (`--once`), with this bed's data plane and `extra` flags.
+    fn sync_once(&self, extra: &[&str]) -> Output {
+        let mut args = self.plane_args();
+        args.push("--once".into());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.agent_cmd(&refs)
+    }
+
     /// Runs the agent binary to completion in the node namespace.
     fn agent_cmd(&self, args: &[&str]) -> Output {
         self.topo
@@ -521,10 +530,7 @@ fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
 
 fn once_applies_and_exits_and_status_reports(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let mut args = bed.plane_args();
-    args.push("--once".into());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_success(&bed.agent_cmd(&args));
+    assert_success(&bed.sync_once(&[]));
     assert_eq!(
         probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
         node_ip()
@@ -577,7 +583,7 @@ fn once_applies_and_exits_and_status_reports(plane: Plane) {
         "cidrLimit: 1\nnonMasqueradeCIDRs: [10.0.0.0/8, 192.168.0.0/16]\n",
     )
     .unwrap();
-    let out = bed.agent_cmd(&args);
+    let out = bed.sync_once(&[]);
     assert_eq!(out.status.code(), Some(1));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("the daemon can only accept up to 1 CIDRs")
@@ -784,10 +790,7 @@ fn liveness_fails_when_the_data_plane_is_gone(plane: Plane) {
 
 fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let mut args = bed.plane_args();
-    args.push("--once".into());
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_success(&bed.agent_cmd(&refs));
+    assert_success(&bed.sync_once(&[]));
     let pin = bed.topo.bpffs.join("non_masq_v4");
     let dump =
         xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()]).unwrap();
@@ -798,6 +801,25 @@ fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
     ] {
         assert!(compact.contains(expected), "{expected} in:\n{dump}");
     }
+}
+
+/// A prefix removed from the non-masquerade CIDRs drains for as long as a TCP connection may
+/// stay idle; a restarted agent must carry that on, not start from an empty draining trie.
+fn draining_survives_an_agent_restart(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    assert_success(&bed.sync_once(&[]));
+    write_config(&bed.config, "nonMasqueradeCIDRs: [192.168.0.0/16]\n").unwrap();
+    assert_success(&bed.sync_once(&[]));
+    // The agent that removed 10/8 is gone; the next one finds the trie already without it.
+    assert_success(&bed.sync_once(&[]));
+    let pin = bed.topo.bpffs.join("non_masq_draining_v4");
+    let dump =
+        xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()]).unwrap();
+    let compact: String = dump.split_whitespace().collect();
+    assert!(
+        compact.contains(r#""prefix_len":8,"data":[10,0,0,0]"#),
+        "10/8 still drains:\n{dump}"
+    );
 }
 
 fn replaces_an_incompatible_pinned_map(plane: Plane) {
@@ -944,10 +966,7 @@ fn to_ports_rules_load_into_real_iptables(plane: Plane) {
 /// IPv6 packet leaves a pod unmasqueraded for want of a program.
 fn ipv6_keeps_the_full_chain_beside_the_programs(plane: Plane) {
     let bed = Bed::new(plane, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
-    let mut args = bed.plane_args();
-    args.extend(["--once".to_string(), "--enable-ipv6".to_string()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_success(&bed.agent_cmd(&args));
+    assert_success(&bed.sync_once(&["--enable-ipv6"]));
     let v6 = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
     let rules: Vec<&str> = v6.lines().filter(|l| l.starts_with("-A")).collect();
     assert_eq!(rules.len(), 3, "two exemptions and the masquerade:\n{v6}");
@@ -1049,6 +1068,7 @@ mod ebpf {
     cases!(Ebpf:
         liveness_fails_when_the_data_plane_is_gone,
         ipv6_keeps_the_full_chain_beside_the_programs,
+        draining_survives_an_agent_restart,
         falls_back_to_iptables_when_ebpf_cannot_run,
         reattaches_a_program_someone_detached,
         bpftool_shows_the_prefixes_with_named_fields,

@@ -14,15 +14,23 @@ pub mod map_names {
     pub const INTERFACES: &str = "interfaces";
     pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
+    /// Bumped by the agent after every change to `non_masq_v4`; the programs' per-CPU verdict
+    /// caches hold only verdicts of the current generation. Pinned, so that a restarted
+    /// agent's programs and the ones they replace see the same generation.
+    pub const POLICY_GENERATION: &str = "policy_generation";
+    /// Each program object's per-CPU cache of `non_masq_v4` verdicts; not pinned.
+    pub const NON_MASQ_CACHE_V4: &str = "non_masq_cache_v4";
 
     /// Every map the agent pins.
-    pub const PINNED: [&str; 6] = [
+    pub const PINNED: [&str; 8] = [
         NON_MASQ_V4,
         NON_MASQ_V6,
+        DRAINING_V4,
         NAT_V4,
         INTERFACES,
         SETTINGS,
         COUNTERS,
+        POLICY_GENERATION,
     ];
 }
 
@@ -42,6 +50,38 @@ pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 
 /// Value stored for each prefix in the non-masquerade tries; only presence matters.
 pub type NonMasqValue = u8;
+
+/// Slots of the per-CPU verdict cache in front of `non_masq_v4`: direct-mapped by a hash of the
+/// destination.
+pub const NON_MASQ_CACHE_SLOTS: u32 = 4096;
+
+/// A verdict cache slot, packed into one word so that it is read and written whole: the
+/// destination in the high 32 bits, the policy generation (31 bits) above the lowest bit, and
+/// the verdict (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so
+/// that an empty slot never matches.
+pub mod verdict_slot {
+    pub const GENERATION_MASK: u32 = 0x7fff_ffff;
+
+    /// The slot's value without its verdict bit, for `addr` under `generation`.
+    #[inline(always)]
+    pub const fn tag(addr: [u8; 4], generation: u32) -> u64 {
+        ((u32::from_be_bytes(addr) as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
+    }
+
+    #[inline(always)]
+    pub const fn index(addr: [u8; 4]) -> u32 {
+        let bits = super::NON_MASQ_CACHE_SLOTS.trailing_zeros();
+        u32::from_be_bytes(addr).wrapping_mul(0x9e37_79b1) >> (32 - bits)
+    }
+
+    /// The generation after `generation`, skipping 0.
+    pub const fn next(generation: u32) -> u32 {
+        match generation.wrapping_add(1) & GENERATION_MASK {
+            0 => 1,
+            next => next,
+        }
+    }
+}
 pub const NON_MASQ_PRESENT: NonMasqValue = 1;
 
 pub const IPPROTO_ICMP: u8 = 1;

@@ -11,6 +11,8 @@ mod nat;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
+mod policy;
+#[cfg(target_arch = "bpf")]
 mod ports;
 #[cfg(target_arch = "bpf")]
 mod programs;

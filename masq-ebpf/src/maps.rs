@@ -6,7 +6,7 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, INTERFACES_MAX_ENTRIES, InterfaceV4, NAT_DEFAULT_ENTRIES,
-    NON_MASQ_MAX_ENTRIES, NatEntryV4, NatKeyV4, NonMasqValue, Settings,
+    NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatKeyV4, NonMasqValue, Settings,
 };
 
 #[btf_map(name = "non_masq_v4")]
@@ -16,6 +16,13 @@ pub static NON_MASQ_V4: LpmTrie<[u8; 4], NonMasqValue, { NON_MASQ_MAX_ENTRIES as
 #[btf_map(name = "non_masq_v6")]
 pub static NON_MASQ_V6: LpmTrie<[u8; 16], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
     LpmTrie::new();
+
+#[btf_map(name = "policy_generation")]
+pub static POLICY_GENERATION: Array<u32, 1> = Array::new();
+
+#[btf_map(name = "non_masq_cache_v4")]
+pub static NON_MASQ_CACHE_V4: PerCpuArray<u64, { NON_MASQ_CACHE_SLOTS as usize }> =
+    PerCpuArray::new();
 
 #[btf_map(name = "non_masq_draining_v4")]
 pub static DRAINING_V4: LpmTrie<[u8; 4], u32, { NON_MASQ_MAX_ENTRIES as usize }> = LpmTrie::new();

@@ -100,6 +100,9 @@ pub struct L4 {
     pub tcp_flags: u8,
 }
 
+/// What an ICMP error must quote of the offending packet's L4 header (RFC 792).
+const QUOTED_L4_LEN: usize = 8;
+
 /// The shortest header of each protocol: what must be present for it to be rewritten.
 #[inline(always)]
 fn min_header_len(proto: u8) -> usize {
@@ -124,9 +127,13 @@ pub fn l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
 }
 
 /// Like `l4`, but reads only the first 8 bytes of the header, all an ICMP error is sure to quote,
-/// and so leaves `tcp_flags` at 0.
+/// and so leaves `tcp_flags` at 0. A quote shorter than that is malformed, and not translated,
+/// as conntrack would not.
 #[inline(always)]
 pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
+    if (ctx.len() as usize) < offset + QUOTED_L4_LEN {
+        return None;
+    }
     let (sport, dport, icmp_type) = match proto {
         IPPROTO_TCP | IPPROTO_UDP => {
             let (sport, dport) = l4_words(ctx, offset)?;

@@ -5,7 +5,6 @@
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    btf_maps::lpm_trie::Key,
     macros::classifier,
     programs::TcContext,
 };
@@ -19,6 +18,7 @@ use crate::{
     maps,
     nat::{self, AllocError},
     parse::{self, Ipv4Header, L4, L4_OFF},
+    policy::{is_draining_destination, is_non_masq_destination},
 };
 
 #[classifier]
@@ -117,16 +117,6 @@ impl Verdict {
             }
         }
     }
-}
-
-#[inline(always)]
-fn is_non_masq_destination(addr: [u8; 4]) -> bool {
-    maps::NON_MASQ_V4.get(&Key::new(32, addr)).is_some()
-}
-
-#[inline(always)]
-fn is_draining_destination(addr: [u8; 4]) -> bool {
-    maps::DRAINING_V4.get(&Key::new(32, addr)).is_some()
 }
 
 /// Egress: could this packet be translated at all? Its L4 header if so.

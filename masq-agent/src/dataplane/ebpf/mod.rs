@@ -231,6 +231,28 @@ fn sync_trie<const N: usize>(
     Ok((!added.is_empty() || !removed.is_empty(), removed))
 }
 
+/// Makes `non_masq_v4` hold `desired`, starts the removed prefixes draining, and moves the
+/// policy generation on, so that the programs' cached verdicts go stale. Returns whether the
+/// trie changed.
+fn sync_non_masq_v4(ebpf: &mut Ebpf, desired: &BTreeSet<Prefix<4>>) -> anyhow::Result<bool> {
+    let synced = sync_trie(ebpf, map_names::NON_MASQ_V4, desired);
+    // Even a sync that failed half-way may have changed the trie: no cached verdict survives it.
+    if !matches!(synced, Ok((false, _))) {
+        next_policy_generation(ebpf)?;
+    }
+    let (changed, removed) = synced?;
+    sync_draining(ebpf, &removed, desired, expiry::monotonic_now_ns())?;
+    Ok(changed)
+}
+
+fn next_policy_generation(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let mut generation: Array<&mut MapData, u32> =
+        Array::try_from(map_mut(ebpf, map_names::POLICY_GENERATION)?)?;
+    let current = generation.get(&0, 0)?;
+    generation.set(0, masq_ebpf::verdict_slot::next(current), 0)?;
+    Ok(())
+}
+
 /// Keeps prefixes that left the non-masquerade CIDRs in the draining trie for as long as a TCP
 /// connection may stay idle, so that connections that started unmasqueraded keep their
 /// addresses; a prefix that comes back stops draining.
@@ -348,8 +370,7 @@ impl EbpfDataPlane {
 
     fn sync_policy(&mut self, policy: &Policy) -> anyhow::Result<bool> {
         let v4 = v4_keys(&policy.non_masq_v4);
-        let (mut changed, removed) = sync_trie(&mut self.ebpf, map_names::NON_MASQ_V4, &v4)?;
-        sync_draining(&mut self.ebpf, &removed, &v4, expiry::monotonic_now_ns())?;
+        let mut changed = sync_non_masq_v4(&mut self.ebpf, &v4)?;
         if let Some(v6) = &policy.non_masq_v6 {
             changed |= sync_trie(&mut self.ebpf, map_names::NON_MASQ_V6, &v6_keys(v6))?.0;
         }

@@ -129,7 +129,7 @@ struct MapSpec {
 }
 
 /// The maps this build creates, as the kernel reports them.
-fn expected_maps(nat_capacity: u32) -> [MapSpec; 7] {
+fn expected_maps(nat_capacity: u32) -> [MapSpec; map_names::PINNED.len()] {
     const LPM_KEY_PREFIX: u32 = size_of::<u32>() as u32;
     let size = |n: usize| n as u32;
     [
@@ -181,6 +181,13 @@ fn expected_maps(nat_capacity: u32) -> [MapSpec; 7] {
             key_size: 4,
             value_size: 8,
             max_entries: COUNTER_SLOTS,
+        },
+        MapSpec {
+            name: map_names::POLICY_GENERATION,
+            kind: MapType::Array,
+            key_size: 4,
+            value_size: 4,
+            max_entries: 1,
         },
     ]
 }

@@ -13,8 +13,7 @@ use ipnet::Ipv4Net;
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, map_names, program_names};
 
 use super::{
-    OBJECT, classifier, expiry, map_mut, sync_draining, sync_trie, v4_keys, write_interfaces,
-    write_settings,
+    OBJECT, classifier, map_mut, sync_non_masq_v4, v4_keys, write_interfaces, write_settings,
 };
 use crate::{netdev::Device, ports::PortRange};
 
@@ -67,9 +66,8 @@ impl TestBed {
 
     /// Applies a non-masquerade policy the way the data plane does.
     pub fn set_policy(&mut self, non_masq: &[Ipv4Net]) -> anyhow::Result<()> {
-        let keys = v4_keys(non_masq);
-        let (_, removed) = sync_trie(&mut self.ebpf, map_names::NON_MASQ_V4, &keys)?;
-        sync_draining(&mut self.ebpf, &removed, &keys, expiry::monotonic_now_ns())
+        sync_non_masq_v4(&mut self.ebpf, &v4_keys(non_masq))?;
+        Ok(())
     }
 
     /// Runs `program` over `frame`, `repeat` times.
@@ -118,6 +116,13 @@ impl TestBed {
             .and_then(|m| BpfHashMap::<&MapData, NatKeyV4, NatEntryV4>::try_from(m).ok())
             .map(|m| m.iter().filter_map(Result::ok).collect())
             .unwrap_or_default()
+    }
+
+    /// The entry under `key`, if there is one.
+    pub fn nat_entry(&self, key: &NatKeyV4) -> Option<NatEntryV4> {
+        let map = self.ebpf.map(map_names::NAT_V4)?;
+        let nat = BpfHashMap::<&MapData, NatKeyV4, NatEntryV4>::try_from(map).ok()?;
+        nat.get(key, 0).ok()
     }
 
     /// The NAT table itself, for the agent's sweep.
