@@ -33,8 +33,9 @@ use crate::{
 /// How long to wait after a change in the config directory before reading it, so that the
 /// several events of one kubelet symlink swap or editor save produce one sync.
 const DEBOUNCE: Duration = Duration::from_millis(50);
-/// How often idle NAT entries are looked for.
-const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(10);
+/// How often the data plane's upkeep runs: a changed address or a detached program is found
+/// within this; the data plane sweeps its NAT table less often.
+const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(1);
 
 pub fn masquerade_options(flags: &Flags) -> MasqueradeOptions {
     MasqueradeOptions {
@@ -346,6 +347,23 @@ fn watch_config_dir(
     Ok(watcher)
 }
 
+/// How long to wait before retrying a failed apply: one second, doubling each time, up to the
+/// resync interval.
+#[derive(Debug, Default)]
+struct Backoff {
+    failures: u32,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_secs(1);
+
+    fn next(&mut self, ceiling: Duration) -> Duration {
+        let wait = Self::FIRST.saturating_mul(1 << self.failures.min(16));
+        self.failures += 1;
+        wait.min(ceiling)
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT, which leave the data plane in place, as upstream
 /// does, so that traffic keeps flowing while the agent restarts.
 pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
@@ -357,6 +375,7 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
     maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sync_due = true;
     let mut next_tick = Instant::now();
+    let mut retry = Backoff::default();
     loop {
         agent.heartbeat();
         if watcher.is_none() {
@@ -368,8 +387,15 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
             }
         }
         if sync_due {
-            agent.sync();
-            next_tick = Instant::now() + agent.resync_interval();
+            let wait = match agent.sync() {
+                // A held xtables lock or a busy kernel passes: try again soon, then less often.
+                SyncResult::ApplyFailed => retry.next(agent.resync_interval()),
+                _ => {
+                    retry = Backoff::default();
+                    agent.resync_interval()
+                }
+            };
+            next_tick = Instant::now() + wait;
         }
         sync_due = true;
         tokio::select! {
@@ -385,5 +411,29 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
             }
             _ = sleep_until(next_tick) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_applies_are_retried_sooner_than_the_resync_then_less_and_less_often() {
+        let mut retry = Backoff::default();
+        let ceiling = Duration::from_secs(60);
+        let waits: Vec<u64> = (0..8).map(|_| retry.next(ceiling).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(
+            Backoff::default().next(Duration::from_millis(500)),
+            Duration::from_millis(500),
+            "never later than the resync interval"
+        );
+        let mut long = Backoff { failures: 1000 };
+        assert_eq!(
+            long.next(ceiling),
+            ceiling,
+            "no overflow after many failures"
+        );
     }
 }

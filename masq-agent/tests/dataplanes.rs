@@ -341,6 +341,128 @@ fn keeps_the_last_good_policy_on_an_invalid_config(plane: Plane) {
     );
 }
 
+/// The config file turns into a directory, then into a symlink loop, then back into a file: the
+/// last good policy stays in force throughout, each problem is logged, and the file's return is
+/// picked up.
+fn keeps_the_policy_while_the_config_file_cannot_be_read(plane: Plane) {
+    let bed = Bed::new(
+        plane,
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 1s\n",
+    );
+    let agent = bed.start_agent(&[]);
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    std::fs::remove_file(&bed.config).unwrap();
+    std::fs::create_dir(&bed.config).unwrap();
+    wait_for(|| Ok(agent.log_text().contains("Is a directory"))).unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+
+    std::fs::remove_dir(&bed.config).unwrap();
+    std::os::unix::fs::symlink(&bed.config, &bed.config).unwrap();
+    wait_for(|| Ok(agent.log_text().contains("symbolic links"))).unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+
+    std::fs::remove_file(&bed.config).unwrap();
+    write_config(&bed.config, DEFAULT_CONFIG).unwrap();
+    wait_for_udp_source(&bed, second_outside(), node_ip());
+}
+
+/// For a minute the config file flips between valid and invalid every 100 ms: outside traffic
+/// stays masqueraded and cluster traffic not, at every probe, and the agent stays live and takes
+/// the config that comes to rest.
+fn survives_a_config_flipping_between_valid_and_invalid(plane: Plane) {
+    const VALID: [&str; 2] = [
+        "nonMasqueradeCIDRs: [10.0.0.0/8]\nresyncInterval: 1s\n",
+        "nonMasqueradeCIDRs: [10.0.0.0/8]\nresyncInterval: 2s\n",
+    ];
+    const INVALID: &str = "nonMasqueradeCIDRs: [10.0.0.0/8, bogus]\n";
+    let bed = Bed::new(plane, VALID[0]);
+    let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
+    let agent = bed.start_agent(&[&metrics_addr]);
+    let config = bed.config.clone();
+    let flipper = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let mut flips = 0;
+        while started.elapsed() < Duration::from_secs(60) {
+            let text = if flips % 2 == 0 {
+                INVALID
+            } else {
+                VALID[flips / 2 % 2]
+            };
+            write_config(&config, text).unwrap();
+            flips += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        flips
+    });
+    let cluster_local = SocketAddr::from((topology::CLUSTER_LOCAL_ADDR, PORT));
+    let mut probes = 0;
+    while !flipper.is_finished() {
+        let out = probe::tcp_probe(bed.pod(), outside(), 0).unwrap();
+        assert_eq!(
+            out.ip(),
+            node_ip(),
+            "probe {probes}: outside is masqueraded"
+        );
+        let local = probe::tcp_probe(bed.pod(), cluster_local, 0).unwrap();
+        assert_eq!(
+            local.ip(),
+            pod_ip(0),
+            "probe {probes}: cluster-local is not"
+        );
+        probes += 1;
+    }
+    let flips = flipper.join().unwrap();
+    assert!(flips > 500 && probes > 50, "{flips} flips, {probes} probes");
+    assert_eq!(http_get(&bed, "/healthz").0, 200, "{}", agent.log_text());
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs: [10.0.0.0/8, 198.51.100.0/24]\n",
+    )
+    .unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+}
+
+/// The uplink's address changes under the agent: new flows leave with the new one within
+/// seconds, and (eBPF) the flows on the old address are forgotten, as MASQUERADE forgets its
+/// connections when their address goes.
+fn new_flows_take_the_uplink_s_new_address(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    let new_address = IpAddr::from([203, 0, 113, 2]);
+    let uplink = topology::UPLINK_IF;
+    let promote = format!("net.ipv4.conf.{uplink}.promote_secondaries=1");
+    bed.topo.node_run("sysctl", &["-qw", &promote]).unwrap();
+    bed.topo
+        .node_run("ip", &["addr", "add", "203.0.113.2/24", "dev", uplink])
+        .unwrap();
+    let old = format!("{}/24", topology::NODE_UPLINK);
+    bed.topo
+        .node_run("ip", &["addr", "del", &old, "dev", uplink])
+        .unwrap();
+    wait_for(|| Ok(probe::tcp_probe(bed.pod(), outside(), 0)?.ip() == new_address))
+        .unwrap_or_else(|e| panic!("still the old address: {e}\n{}", agent.log_text()));
+    if plane == Plane::Ebpf {
+        assert!(
+            agent
+                .log_text()
+                .contains("flows on the old address forgotten")
+        );
+        let pin = bed.topo.bpffs.join("nat_v4");
+        let dump = xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
+            .unwrap();
+        let compact: String = dump.split_whitespace().collect();
+        assert!(compact.contains(r#""addr":[203,0,113,2]"#), "{dump}");
+        assert!(
+            !compact.contains(r#""addr":[203,0,113,1]"#),
+            "nothing is left on the old address:\n{dump}"
+        );
+    }
+}
+
 fn connections_from_outside_keep_the_pod_address(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
@@ -803,6 +925,35 @@ fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
     }
 }
 
+/// With the NAT table full, the flows in it keep working; new ones are dropped and counted,
+/// never sent with the pod's address.
+fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&["--nat-capacity=2"]);
+    let first = probe::udp_probe(bed.pod(), outside(), 5001).unwrap();
+    let second = probe::udp_probe(bed.pod(), outside(), 5002).unwrap();
+    assert_eq!((first.ip(), second.ip()), (node_ip(), node_ip()));
+    assert!(
+        probe::udp_probe(bed.pod(), outside(), 5003).is_err(),
+        "a third flow finds no room"
+    );
+    let status = bed.status_json();
+    assert!(status["ebpf"]["counters"]["dropped_nat_table_full"].as_u64() >= Some(1));
+    assert_eq!(status["ebpf"]["nat_flows"], 2);
+    assert_eq!(
+        probe::udp_probe(bed.pod(), outside(), 5001).unwrap(),
+        first,
+        "the first flow keeps its translation"
+    );
+    assert!(
+        bed.server
+            .sources(Proto::Udp)
+            .iter()
+            .all(|s| *s != pod_ip(0)),
+        "nothing left with the pod's address"
+    );
+}
+
 /// A prefix removed from the non-masquerade CIDRs drains for as long as a TCP connection may
 /// stay idle; a restarted agent must carry that on, not start from an empty draining trie.
 fn draining_survives_an_agent_restart(plane: Plane) {
@@ -981,6 +1132,53 @@ fn ipv6_keeps_the_full_chain_beside_the_programs(plane: Plane) {
     );
 }
 
+/// Another program holds the xtables lock for longer than iptables waits for it (upstream's
+/// issue #23): the apply fails, is logged once, and is retried with backoff, well before the
+/// resync interval, until the lock is free.
+fn retries_while_the_xtables_lock_is_held(plane: Plane) {
+    let bed = Bed::new(
+        plane,
+        "nonMasqueradeCIDRs: [10.0.0.0/8]\nresyncInterval: 60s\n",
+    );
+    let lock = bed.topo.path("xtables.lock");
+    std::fs::write(&lock, "").unwrap();
+    // Longer than the 5 s iptables waits for the lock.
+    let mut holder = std::process::Command::new("flock")
+        .arg(&lock)
+        .args(["sleep", "8"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let args = bed.plane_args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let envs = [
+        ("PATH", bed.path.as_str()),
+        ("XTABLES_LOCKFILE", lock.to_str().unwrap()),
+    ];
+    let agent = bed
+        .topo
+        .spawn_in_node(
+            Path::new(env!("CARGO_BIN_EXE_masq-agent")),
+            &args,
+            &envs,
+            "agent.log",
+        )
+        .unwrap();
+    wait_for_long(Duration::from_secs(30), || {
+        Ok(agent.log_text().contains("policy applied"))
+    })
+    .unwrap_or_else(|e| panic!("never applied: {e}\n{}", agent.log_text()));
+    let _ = holder.wait();
+    let log = agent.log_text();
+    assert_eq!(
+        log.matches("error syncing masquerade rules").count(),
+        1,
+        "the held lock is logged once:\n{log}"
+    );
+    assert!(log.contains("xtables lock"), "{log}");
+    assert!(bed.chain().is_some_and(|c| c.contains("-d 10.0.0.0/8")));
+}
+
 fn ipv6_chain_follows_enable_ipv6(plane: Plane) {
     let bed = Bed::new(plane, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
     let config_arg = format!("--config={}", bed.config.display());
@@ -1051,6 +1249,8 @@ macro_rules! common_cases {
             link_local_is_exempt_unless_masq_link_local,
             applies_a_config_change_live,
             keeps_the_last_good_policy_on_an_invalid_config,
+            keeps_the_policy_while_the_config_file_cannot_be_read,
+            new_flows_take_the_uplink_s_new_address,
             connections_from_outside_keep_the_pod_address,
             path_mtu_discovery_works_through_the_translation,
             a_killed_agent_does_not_break_a_transfer,
@@ -1069,6 +1269,8 @@ mod ebpf {
         liveness_fails_when_the_data_plane_is_gone,
         ipv6_keeps_the_full_chain_beside_the_programs,
         draining_survives_an_agent_restart,
+        a_full_nat_table_keeps_its_flows_and_drops_new_ones,
+        survives_a_config_flipping_between_valid_and_invalid,
         falls_back_to_iptables_when_ebpf_cannot_run,
         reattaches_a_program_someone_detached,
         bpftool_shows_the_prefixes_with_named_fields,
@@ -1086,9 +1288,11 @@ mod iptables_nft {
     );
 }
 
-/// The legacy backend differs from nft only in how rules are stored: the chain's own cases.
+/// The legacy backend differs from nft only in how rules are stored, and in taking the xtables
+/// lock: the chain's own cases.
 mod iptables_legacy {
     cases!(IptablesLegacy:
+        retries_while_the_xtables_lock_is_held,
         masquerades_outside_traffic_only,
         applies_a_config_change_live,
         keeps_the_last_good_policy_on_an_invalid_config,

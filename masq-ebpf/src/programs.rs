@@ -167,6 +167,7 @@ fn snat_v4_needs_masquerade(ip: &Ipv4Header, l4: &L4, key: &NatKeyV4) -> Result<
 }
 
 const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
 
 #[inline(always)]
 fn progress(l4: &L4) -> u8 {
@@ -253,8 +254,10 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
     };
     let progress = progress(&l4);
     let Some(entry) = nat::lookup(&key) else {
-        // A connection opened from outside toward a pod's own address.
+        // A connection opened from outside toward a pod's own address. A TCP connection opens
+        // with a SYN: stray segments (to an address the node no longer has, say) open nothing.
         if l4.proto != IPPROTO_ICMP
+            && (l4.proto != IPPROTO_TCP || l4.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN)
             && interface(ctx).is_some_and(|(iface, _)| ip.daddr != iface.addr)
             && !is_non_masq_destination(ip.saddr)
             && nat::track_passthrough(&nat::egress_key_of(&key), progress)

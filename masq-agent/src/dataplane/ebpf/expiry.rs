@@ -129,3 +129,22 @@ pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<Nat
     run.expired_flows = batch::delete_all(data, &flows).context("pruning the NAT table")? / 2;
     Ok(run)
 }
+
+/// Removes every masqueraded flow whose node address is `addr`, both halves; returns how many.
+pub fn forget_address(nat: &Map, addr: std::net::Ipv4Addr) -> anyhow::Result<usize> {
+    let Map::HashMap(data) = nat else {
+        bail!("the NAT table is not a hash map");
+    };
+    let table: Vec<(NatKeyV4, NatEntryV4)> =
+        batch::lookup_all(data).context("reading the NAT table")?;
+    let doomed: Vec<NatKeyV4> = table
+        .iter()
+        .filter(|(key, entry)| {
+            key.direction == direction::EGRESS
+                && entry.kind == nat_kind::SNAT
+                && entry.addr == addr.octets()
+        })
+        .flat_map(|(key, entry)| [*key, key.reverse(entry)])
+        .collect();
+    Ok(batch::delete_all(data, &doomed).context("pruning the NAT table")? / 2)
+}

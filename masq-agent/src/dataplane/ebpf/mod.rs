@@ -78,7 +78,12 @@ pub struct EbpfDataPlane {
     chain: IptablesDataPlane,
     timeouts: Timeouts,
     applied: Option<Policy>,
+    last_sweep: Option<std::time::Instant>,
 }
+
+/// How often the NAT table is swept for idle flows; upkeep runs more often than that, to catch
+/// a changed address or a detached program quickly.
+const SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
 /// matches. Nothing is attached until the first `apply`, so that the programs never run with
@@ -129,6 +134,7 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
         ),
         timeouts: Timeouts::default(),
         applied: None,
+        last_sweep: None,
     })
 }
 
@@ -321,12 +327,19 @@ impl EbpfDataPlane {
         if fresh == self.devices {
             return Ok(false);
         }
+        write_interfaces(&mut self.ebpf, &fresh)?;
         for (old, new) in self.devices.iter().zip(&fresh) {
             if old != new {
                 info!(device = new.name, old = %old.ipv4, new = %new.ipv4, index = new.index, "device changed");
             }
+            if old.ipv4 != new.ipv4 {
+                // As MASQUERADE forgets its connections when their address goes: replies to
+                // the old address can no longer reach the node.
+                let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
+                let purged = expiry::forget_address(nat, old.ipv4)?;
+                info!(device = new.name, address = %old.ipv4, flows = purged, "flows on the old address forgotten");
+            }
         }
-        write_interfaces(&mut self.ebpf, &fresh)?;
         self.devices = fresh;
         Ok(true)
     }
@@ -402,10 +415,17 @@ impl DataPlane for EbpfDataPlane {
     }
 
     fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
-        let now = expiry::monotonic_now_ns();
-        expire_draining(&mut self.ebpf, self.timeouts.tcp_established, now)?;
         self.refresh_devices().map_err(Unavailable)?;
         self.ensure_attached()?;
+        if self
+            .last_sweep
+            .is_some_and(|last| last.elapsed() < SWEEP_INTERVAL)
+        {
+            return Ok(None);
+        }
+        self.last_sweep = Some(std::time::Instant::now());
+        let now = expiry::monotonic_now_ns();
+        expire_draining(&mut self.ebpf, self.timeouts.tcp_established, now)?;
         let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
         let run = expiry::expire(nat, &self.timeouts, now)?;
         if run.expired_flows + run.orphans_removed > 0 {

@@ -402,6 +402,12 @@ fn exhausted_ports_drop_and_count_never_mistranslate() {
 #[test]
 fn connections_opened_from_outside_keep_the_pods_address() {
     let mut h = default_harness();
+    // Stray segments open nothing: only a SYN starts a connection.
+    for stray in [ACK, SYN | ACK, 0x04] {
+        h.ingress(&tcp(REMOTE, 5555, POD, 8080, stray));
+    }
+    assert_eq!(h.counter(Counter::InboundTracked), 0);
+    assert!(h.nat().is_empty());
     let syn = tcp(REMOTE, 5555, POD, 8080, SYN);
     let (verdict, out) = h.ingress(&syn);
     assert_eq!((verdict, &out), (TC_ACT_OK, &syn));
