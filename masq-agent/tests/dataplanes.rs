@@ -92,19 +92,23 @@ impl Bed {
         self.spawn_agent(&args, &[])
     }
 
-    fn spawn_agent(&self, args: &[String], env: &[(&str, &str)]) -> Process {
+    /// Starts the agent in the node namespace, without waiting for it to sync.
+    fn launch_agent(&self, args: &[String], env: &[(&str, &str)]) -> Process {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut envs = vec![("PATH", self.path.as_str())];
         envs.extend_from_slice(env);
-        let agent = self
-            .topo
+        self.topo
             .spawn_in_node(
                 Path::new(env!("CARGO_BIN_EXE_masq-agent")),
                 &args,
                 &envs,
                 "agent.log",
             )
-            .expect("start agent");
+            .expect("start agent")
+    }
+
+    fn spawn_agent(&self, args: &[String], env: &[(&str, &str)]) -> Process {
+        let agent = self.launch_agent(args, env);
         // The log line comes once everything is in place; the chain alone appears before its
         // POSTROUTING jump, and a flow started in between would stay unmasqueraded.
         wait_for(|| Ok(agent.log_text().contains("policy applied")))
@@ -1149,21 +1153,10 @@ fn retries_while_the_xtables_lock_is_held(plane: Plane) {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    let args = bed.plane_args();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let envs = [
-        ("PATH", bed.path.as_str()),
-        ("XTABLES_LOCKFILE", lock.to_str().unwrap()),
-    ];
-    let agent = bed
-        .topo
-        .spawn_in_node(
-            Path::new(env!("CARGO_BIN_EXE_masq-agent")),
-            &args,
-            &envs,
-            "agent.log",
-        )
-        .unwrap();
+    let agent = bed.launch_agent(
+        &bed.plane_args(),
+        &[("XTABLES_LOCKFILE", lock.to_str().unwrap())],
+    );
     wait_for_long(Duration::from_secs(30), || {
         Ok(agent.log_text().contains("policy applied"))
     })
