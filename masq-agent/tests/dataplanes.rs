@@ -3,6 +3,7 @@
 //! and GRE between namespaces the tests create.
 
 use std::{
+    collections::BTreeSet,
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     process::Output,
@@ -958,6 +959,113 @@ fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
     );
 }
 
+/// The prefixes in `text`'s policy, as the trie keys them.
+fn policy_keys(text: &str) -> BTreeSet<(u32, [u8; 4])> {
+    let opts = masq_agent::config::ConfigOptions {
+        nomasq_all_reserved_ranges: false,
+        enable_ipv6: false,
+    };
+    let loaded = masq_agent::config::parse(text.as_bytes(), "test", &opts).unwrap();
+    masq_agent::policy::Policy::from_config(&loaded.config, false)
+        .non_masq_v4
+        .iter()
+        .map(|net| (u32::from(net.prefix_len()), net.network().octets()))
+        .collect()
+}
+
+/// The agent is killed half-way through applying a large change. Prefixes in both the old and
+/// the new policy are never missing from the trie, and the restarted agent leaves it exactly as
+/// the file says.
+fn sigkill_mid_apply_loses_no_prefix(plane: Plane) {
+    let all = xtask::prefixes::random(60_000);
+    let text = |prefixes: &[String]| {
+        let list: String = prefixes.iter().map(|p| format!("  - {p}\n")).collect();
+        format!("cidrLimit: 100000\nnonMasqueradeCIDRs:\n{list}")
+    };
+    // 10/8 and link-local, then 30 000 prefixes; the new policy keeps 10 000 of them.
+    let old = text(&all[..30_002]);
+    let new = text(&[&all[..2], &all[20_002..]].concat());
+    let bed = Bed::new(plane, &old);
+    let mut agent = bed.start_agent(&[]);
+    // A trie lookup matches the longest covering prefix: sample only prefixes that nothing else
+    // in either policy covers, so that a match means the prefix itself is there.
+    let everything: BTreeSet<_> = policy_keys(&old)
+        .union(&policy_keys(&new))
+        .copied()
+        .collect();
+    let alone = |(len, data): &(u32, [u8; 4])| {
+        (0..*len).all(|shorter| {
+            let mask = u32::MAX.checked_shl(32 - shorter).unwrap_or(0);
+            let network = (u32::from_be_bytes(*data) & mask).to_be_bytes();
+            !everything.contains(&(shorter, network))
+        })
+    };
+    let kept: Vec<(u32, [u8; 4])> = policy_keys(&old)
+        .intersection(&policy_keys(&new))
+        .copied()
+        .filter(alone)
+        .step_by(25)
+        .collect();
+    let pin = bed.topo.bpffs.join("non_masq_v4");
+    let trie: aya::maps::LpmTrie<aya::maps::MapData, [u8; 4], u8> =
+        aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(&pin).unwrap())
+            .unwrap()
+            .try_into()
+            .unwrap();
+    let missing = |trie: &aya::maps::LpmTrie<_, [u8; 4], u8>| {
+        kept.iter()
+            .filter(|(len, data)| {
+                trie.get(&aya::maps::lpm_trie::Key::new(*len, *data), 0)
+                    .is_err()
+            })
+            .count()
+    };
+    assert_eq!(missing(&trie), 0);
+
+    let arriving: Vec<(u32, [u8; 4])> = policy_keys(&new)
+        .difference(&policy_keys(&old))
+        .copied()
+        .filter(alone)
+        .step_by(250)
+        .collect();
+    assert!(kept.len() > 50 && arriving.len() > 10);
+    write_config(&bed.config, &new).unwrap();
+    // Kill the agent as soon as the new prefixes start arriving: it adds them all before it
+    // removes any old one.
+    let started = std::time::Instant::now();
+    let mut samples = 0;
+    while !arriving.iter().any(|(len, data)| {
+        trie.get(&aya::maps::lpm_trie::Key::new(*len, *data), 0)
+            .is_ok()
+    }) {
+        assert_eq!(missing(&trie), 0, "a kept prefix went missing mid-apply");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the change never started"
+        );
+        samples += 1;
+    }
+    agent.stop(libc::SIGKILL).unwrap();
+    assert!(samples > 0);
+    assert_eq!(missing(&trie), 0, "a kept prefix is missing after the kill");
+
+    let restarted = bed.start_agent(&[]);
+    let keys: BTreeSet<(u32, [u8; 4])> = trie
+        .keys()
+        .map(|k| {
+            let k = k.unwrap();
+            (k.prefix_len(), k.data())
+        })
+        .collect();
+    assert!(
+        keys == policy_keys(&new),
+        "the trie holds exactly the file's policy ({} keys, want {})\n{}",
+        keys.len(),
+        policy_keys(&new).len(),
+        restarted.log_text()
+    );
+}
+
 /// A prefix removed from the non-masquerade CIDRs drains for as long as a TCP connection may
 /// stay idle; a restarted agent must carry that on, not start from an empty draining trie.
 fn draining_survives_an_agent_restart(plane: Plane) {
@@ -1263,6 +1371,7 @@ mod ebpf {
         ipv6_keeps_the_full_chain_beside_the_programs,
         draining_survives_an_agent_restart,
         a_full_nat_table_keeps_its_flows_and_drops_new_ones,
+        sigkill_mid_apply_loses_no_prefix,
         survives_a_config_flipping_between_valid_and_invalid,
         falls_back_to_iptables_when_ebpf_cannot_run,
         reattaches_a_program_someone_detached,
