@@ -1000,12 +1000,12 @@ fn sigkill_mid_apply_loses_no_prefix(plane: Plane) {
             !everything.contains(&(shorter, network))
         })
     };
-    let kept: Vec<(u32, [u8; 4])> = policy_keys(&old)
-        .intersection(&policy_keys(&new))
-        .copied()
-        .filter(alone)
-        .step_by(25)
-        .collect();
+    let sample = |keys: Vec<(u32, [u8; 4])>, every: usize| -> Vec<(u32, [u8; 4])> {
+        keys.into_iter().filter(alone).step_by(every).collect()
+    };
+    let (old_keys, new_keys) = (policy_keys(&old), policy_keys(&new));
+    let kept = sample(old_keys.intersection(&new_keys).copied().collect(), 25);
+    let arriving = sample(new_keys.difference(&old_keys).copied().collect(), 250);
     let pin = bed.topo.bpffs.join("non_masq_v4");
     let trie: aya::maps::LpmTrie<aya::maps::MapData, [u8; 4], u8> =
         aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(&pin).unwrap())
@@ -1022,12 +1022,6 @@ fn sigkill_mid_apply_loses_no_prefix(plane: Plane) {
     };
     assert_eq!(missing(&trie), 0);
 
-    let arriving: Vec<(u32, [u8; 4])> = policy_keys(&new)
-        .difference(&policy_keys(&old))
-        .copied()
-        .filter(alone)
-        .step_by(250)
-        .collect();
     assert!(kept.len() > 50 && arriving.len() > 10);
     write_config(&bed.config, &new).unwrap();
     // Kill the agent as soon as the new prefixes start arriving: it adds them all before it
