@@ -468,6 +468,35 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane) {
     }
 }
 
+/// The uplink goes down for a few upkeep ticks and comes back: masquerading resumes with no
+/// help, once the node has its default route again (which a down link takes with it).
+fn survives_the_uplink_going_down_and_up(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    let uplink = topology::UPLINK_IF;
+    bed.topo
+        .node_run("ip", &["link", "set", uplink, "down"])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    bed.topo
+        .node_run("ip", &["link", "set", uplink, "up"])
+        .unwrap();
+    let gateway = topology::EXT_ADDR.to_string();
+    bed.topo
+        .node_run("ip", &["route", "replace", "default", "via", &gateway])
+        .unwrap();
+    wait_for(|| Ok(probe::tcp_probe(bed.pod(), outside(), 0)?.ip() == node_ip()))
+        .unwrap_or_else(|e| panic!("not masquerading again: {e}\n{}", agent.log_text()));
+    if plane == Plane::Ebpf {
+        let status = bed.status_json();
+        assert_eq!(status["ebpf"]["attachments"].as_array().unwrap().len(), 2);
+    }
+}
+
 fn connections_from_outside_keep_the_pod_address(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
@@ -1346,6 +1375,7 @@ macro_rules! common_cases {
             keeps_the_last_good_policy_on_an_invalid_config,
             keeps_the_policy_while_the_config_file_cannot_be_read,
             new_flows_take_the_uplink_s_new_address,
+            survives_the_uplink_going_down_and_up,
             connections_from_outside_keep_the_pod_address,
             path_mtu_discovery_works_through_the_translation,
             a_killed_agent_does_not_break_a_transfer,
