@@ -307,16 +307,17 @@ fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
 
 /// The namespace test bed, set up for load: servers on the outside host, conntrack active on
 /// the node in every mode, and one `iptables` directory per backend for the agent's PATH.
-struct Bed {
-    topo: Topology,
+pub struct Bed {
+    pub topo: Topology,
     _servers: Servers,
     agent: PathBuf,
-    config: PathBuf,
+    pub config: PathBuf,
 }
 
 impl Bed {
-    fn new(agent: &Path) -> anyhow::Result<Bed> {
-        let topo = Topology::new(1)?;
+    /// A bed with `pods` pod namespaces.
+    pub fn new(agent: &Path, pods: usize) -> anyhow::Result<Bed> {
+        let topo = Topology::new(pods)?;
         let servers = Servers::start(&topo.ext)?;
         // Conntrack runs on every real node; make sure it does here, in every mode alike.
         topo.node_run(
@@ -342,13 +343,13 @@ impl Bed {
         })
     }
 
-    fn path_env(&self, backend: &str) -> String {
+    pub fn path_env(&self, backend: &str) -> String {
         self.topo
             .path_with_iptables(backend)
             .expect("a directory in the topology's own scratch space")
     }
 
-    fn agent_args(&self, mode: Mode) -> Vec<String> {
+    pub fn agent_args(&self, mode: Mode) -> Vec<String> {
         let mut args = vec![
             format!("--config={}", self.config.display()),
             format!("--bpffs={}", self.topo.bpffs.display()),
@@ -376,7 +377,7 @@ impl Bed {
     }
 
     /// Puts `mode` in force for a policy of `cidrs` prefixes, and returns the running agent.
-    fn activate(&self, mode: Mode, cidrs: usize) -> anyhow::Result<Option<Process>> {
+    pub fn activate(&self, mode: Mode, cidrs: usize) -> anyhow::Result<Option<Process>> {
         let route_back = format!("10.244.0.0/16 via {}", topology::NODE_UPLINK);
         let ext_route = |op: &str| {
             let mut args = vec!["-n", self.topo.ext.as_str(), "route", op];
@@ -432,7 +433,7 @@ impl Bed {
 }
 
 fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
-    let bed = Bed::new(agent)?;
+    let bed = Bed::new(agent, 1)?;
     let pod = bed.topo.pods[0].clone();
     let server = topology::EXT_ADDR;
     let mut samples = Vec::new();
@@ -507,7 +508,7 @@ fn apply_ms(log: &str) -> Option<f64> {
 }
 
 fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
-    let bed = Bed::new(agent)?;
+    let bed = Bed::new(agent, 1)?;
     let mut cp = ControlPlane::default();
     let run_once = |extra: &[&str]| -> anyhow::Result<String> {
         let mut args = bed.agent_args(Mode::Ebpf);
@@ -616,7 +617,7 @@ fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
     Ok(latencies)
 }
 
-fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<f64> {
+pub fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()

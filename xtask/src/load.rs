@@ -50,11 +50,11 @@ fn crr_port(lane: usize, i: u64) -> u16 {
     CRR_BASE + lane as u16 * SERVER_PORTS + (i % u64::from(SERVER_PORTS)) as u16
 }
 
-fn udp_port(lane: usize, i: u64) -> u16 {
+pub fn udp_port(lane: usize, i: u64) -> u16 {
     UDP_BASE + lane as u16 * SERVER_PORTS + (i % u64::from(SERVER_PORTS)) as u16
 }
 
-fn rr_port(lane: usize) -> u16 {
+pub fn rr_port(lane: usize) -> u16 {
     RR_BASE + lane as u16
 }
 

@@ -5,6 +5,7 @@ mod demo;
 mod manifests;
 mod report;
 mod setup;
+mod soak;
 
 use std::process::{Command, ExitCode};
 
@@ -32,6 +33,9 @@ enum Task {
     },
     /// Measure the eBPF data plane against the iptables chain and against no NAT.
     Bench(bench::Options),
+    /// Many concurrent flows from many pods through the eBPF data plane for minutes, with the
+    /// agent's memory and the NAT table sampled as they run.
+    Soak(soak::Options),
     /// Validate the Kubernetes manifests in deploy/ against the API's schemas.
     ValidateManifests,
 }
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
         Task::Bench(options) => setup::run().and_then(|()| bench::run(&options)),
+        Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
     };
     match result {

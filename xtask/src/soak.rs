@@ -1,0 +1,271 @@
+//! `cargo xtask soak`: many concurrent flows from many pods through the eBPF data plane for
+//! minutes. Every flow echoes a payload that names it, so a reply that reaches the wrong socket
+//! (a translation handed to two live flows, say) shows as a mismatch. The agent's memory and
+//! the NAT table are sampled as it goes. Not a CI test: it takes minutes and a lot of sockets.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpStream, UdpSocket},
+    time::{sleep, timeout},
+};
+use xtask::{load, netns, prefixes, topology, write_config};
+
+use crate::{
+    bench::{Bed, Mode, proc_status_kib},
+    step,
+};
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// How long the flows run.
+    #[arg(long, default_value_t = 10)]
+    minutes: u64,
+    /// Concurrent flows in all, one in ten of them TCP.
+    #[arg(long, default_value_t = 100_000)]
+    flows: usize,
+}
+
+/// Pods the flows come from; each has its own port space, so 100 000 flows fit.
+const PODS: usize = 5;
+/// Each flow sends its payload this often: far inside the NAT timeouts, so that no flow expires
+/// while it lives.
+const PERIOD: Duration = Duration::from_secs(20);
+const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+const SAMPLE_EVERY: Duration = Duration::from_secs(30);
+
+#[derive(Default)]
+struct Tally {
+    echoed: AtomicU64,
+    lost: AtomicU64,
+    /// Replies that came back to a flow with another flow's payload.
+    crossed: AtomicU64,
+}
+
+pub fn run(options: &Options) -> anyhow::Result<()> {
+    step(
+        "cargo",
+        &["build", "--release", "--package", "masq-agent", "--bins"],
+    )?;
+    raise_fd_limit(options.flows as u64 * 2 + 4096)?;
+    let agent_bin = xtask::workspace_root().join("target/release/masq-agent");
+    let bed = Bed::new(&agent_bin, PODS)?;
+    write_config(&bed.config, &prefixes::config(4))?;
+    let agent = bed
+        .activate(Mode::Ebpf, 4)?
+        .context("the eBPF data plane runs an agent")?;
+    let pid = agent.child.id();
+    let deadline = Instant::now() + Duration::from_secs(options.minutes * 60);
+    let tally = Arc::new(Tally::default());
+    let per_pod = options.flows / PODS;
+    let threads: Vec<_> = bed
+        .topo
+        .pods
+        .iter()
+        .enumerate()
+        .map(|(index, pod)| {
+            let (pod, tally) = (pod.clone(), tally.clone());
+            std::thread::spawn(move || pod_flows(&pod, index, per_pod, deadline, &tally))
+        })
+        .collect();
+
+    eprintln!(
+        "xtask: soak: {} flows from {PODS} pods for {} min",
+        per_pod * PODS,
+        options.minutes
+    );
+    println!(
+        "| minute | agent RSS MiB | NAT flows | NAT entries | echoed | lost | crossed | drops |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let started = Instant::now();
+    let mut rss = Vec::new();
+    while Instant::now() < deadline {
+        std::thread::sleep(SAMPLE_EVERY.min(deadline.saturating_duration_since(Instant::now())));
+        let status = status(&bed, &agent_bin)?;
+        let ebpf = &status["ebpf"];
+        let drops: u64 = ebpf["counters"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(name, _)| name.starts_with("dropped"))
+            .filter_map(|(_, v)| v.as_u64())
+            .sum();
+        let mib = proc_status_kib(pid, "VmRSS")? / 1024.0;
+        rss.push(mib);
+        println!(
+            "| {:.1} | {mib:.1} | {} | {} | {} | {} | {} | {drops} |",
+            started.elapsed().as_secs_f64() / 60.0,
+            ebpf["nat_flows"],
+            ebpf["nat_entries"],
+            tally.echoed.load(Ordering::Relaxed),
+            tally.lost.load(Ordering::Relaxed),
+            tally.crossed.load(Ordering::Relaxed),
+        );
+    }
+    for thread in threads {
+        thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("a pod's flows panicked"))??;
+    }
+    verdict(&tally, &rss)
+}
+
+/// Fails the soak on any crossed reply, on more than one reply in a thousand lost, or on an
+/// agent that kept growing after the flows were all up.
+fn verdict(tally: &Tally, rss: &[f64]) -> anyhow::Result<()> {
+    let (echoed, lost, crossed) = (
+        tally.echoed.load(Ordering::Relaxed),
+        tally.lost.load(Ordering::Relaxed),
+        tally.crossed.load(Ordering::Relaxed),
+    );
+    println!("echoed {echoed}, lost {lost}, crossed {crossed}");
+    if crossed > 0 {
+        bail!("{crossed} replies reached a flow other than their own");
+    }
+    if lost * 1000 > echoed {
+        bail!("{lost} of {} replies lost", echoed + lost);
+    }
+    // The first samples include start-up; compare the second with the last.
+    if let (Some(early), Some(late)) = (rss.get(1), rss.last())
+        && *late > early * 1.1 + 1.0
+    {
+        bail!("the agent grew from {early:.1} to {late:.1} MiB");
+    }
+    Ok(())
+}
+
+fn status(bed: &Bed, agent: &Path) -> anyhow::Result<serde_json::Value> {
+    let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
+    let out = bed
+        .topo
+        .node_command(agent.to_str().context("path")?)
+        .args(["status", "--json", &bpffs])
+        .env("PATH", bed.path_env("nft"))
+        .output()?;
+    if !out.status.success() {
+        bail!("status: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+fn raise_fd_limit(want: u64) -> anyhow::Result<()> {
+    let limit = libc::rlimit {
+        rlim_cur: want,
+        rlim_max: want,
+    };
+    // SAFETY: setrlimit with a valid struct; root may raise both limits.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("raising the open-file limit");
+    }
+    Ok(())
+}
+
+/// One pod's flows, nine in ten UDP and the rest TCP, on an event loop in the pod's namespace.
+fn pod_flows(
+    pod: &str,
+    index: usize,
+    flows: usize,
+    deadline: Instant,
+    tally: &Arc<Tally>,
+) -> anyhow::Result<()> {
+    netns::enter(pod)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, async {
+        let server = topology::EXT_ADDR;
+        let mut tasks = Vec::new();
+        for flow in 0..flows {
+            let name = format!("pod{index}-flow{flow}");
+            // Spread the first sends over a period, so that the flows do not move in step.
+            let offset = PERIOD.mul_f64(flow as f64 / flows as f64);
+            let tally = tally.clone();
+            tasks.push(tokio::task::spawn_local(async move {
+                sleep(offset).await;
+                if flow % 10 == 0 {
+                    let port = load::rr_port(0);
+                    tcp_flow(&name, (server, port).into(), deadline, &tally).await
+                } else {
+                    let port = load::udp_port(0, flow as u64);
+                    udp_flow(&name, (server, port).into(), deadline, &tally).await
+                }
+            }));
+        }
+        for task in tasks {
+            task.await??;
+        }
+        anyhow::Ok(())
+    })
+}
+
+fn record(tally: &Tally, sent: &[u8], got: Option<&[u8]>) {
+    let counter = match got {
+        None => &tally.lost,
+        Some(reply) if reply == sent => &tally.echoed,
+        Some(_) => &tally.crossed,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+async fn udp_flow(
+    name: &str,
+    server: SocketAddr,
+    deadline: Instant,
+    tally: &Tally,
+) -> anyhow::Result<()> {
+    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+    let mut seq = 0u64;
+    let mut buf = [0u8; 128];
+    while Instant::now() < deadline {
+        let payload = format!("{name}-{seq}");
+        socket.send_to(payload.as_bytes(), server).await?;
+        let reply = timeout(REPLY_TIMEOUT, socket.recv_from(&mut buf)).await;
+        let got = match &reply {
+            Ok(Ok((n, _))) => Some(&buf[..*n]),
+            _ => None,
+        };
+        record(tally, payload.as_bytes(), got);
+        seq += 1;
+        sleep(PERIOD).await;
+    }
+    Ok(())
+}
+
+async fn tcp_flow(
+    name: &str,
+    server: SocketAddr,
+    deadline: Instant,
+    tally: &Tally,
+) -> anyhow::Result<()> {
+    let mut stream = TcpStream::connect(server)
+        .await
+        .with_context(|| format!("{name}: connecting"))?;
+    let mut seq = 0u64;
+    while Instant::now() < deadline {
+        // The server echoes byte by byte; one byte that names the round is enough to tell.
+        let payload = [(seq % 251) as u8];
+        stream.write_all(&payload).await?;
+        let mut reply = [0u8; 1];
+        let got = timeout(REPLY_TIMEOUT, stream.read_exact(&mut reply)).await;
+        record(
+            tally,
+            &payload,
+            matches!(got, Ok(Ok(_))).then_some(&reply[..]),
+        );
+        seq += 1;
+        sleep(PERIOD).await;
+    }
+    Ok(())
+}
