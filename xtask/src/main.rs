@@ -36,6 +36,9 @@ enum Task {
     /// Many concurrent flows from many pods through the eBPF data plane for minutes, with the
     /// agent's memory and the NAT table sampled as they run.
     Soak(soak::Options),
+    /// One pod's flows of a soak run (started by `soak`).
+    #[command(hide = true)]
+    SoakPod(soak::PodOptions),
     /// Validate the Kubernetes manifests in deploy/ against the API's schemas.
     ValidateManifests,
 }
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
         Task::Bench(options) => setup::run().and_then(|()| bench::run(&options)),
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
+        Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
     };
     match result {

@@ -36,8 +36,9 @@ pub struct Options {
     flows: usize,
 }
 
-/// Pods the flows come from; each has its own port space, so 100 000 flows fit.
-const PODS: usize = 5;
+/// Pods the flows come from, one process each: every pod has its own port space, and every
+/// process its own open-file limit, which a container may not let even root raise.
+const PODS: usize = 8;
 /// Each flow sends its payload this often: far inside the NAT timeouts, so that no flow expires
 /// while it lives.
 const PERIOD: Duration = Duration::from_secs(20);
@@ -52,12 +53,40 @@ struct Tally {
     crossed: AtomicU64,
 }
 
+/// One pod's share of the soak, run as a process of its own by `run`.
+#[derive(clap::Args)]
+pub struct PodOptions {
+    #[arg(long)]
+    pod: String,
+    #[arg(long)]
+    index: usize,
+    #[arg(long)]
+    flows: usize,
+    #[arg(long)]
+    seconds: u64,
+}
+
+/// Runs one pod's flows and prints their tally as JSON.
+pub fn run_pod(options: &PodOptions) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(options.seconds);
+    let tally = Arc::new(Tally::default());
+    pod_flows(&options.pod, options.index, options.flows, deadline, &tally)?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "echoed": tally.echoed.load(Ordering::Relaxed),
+            "lost": tally.lost.load(Ordering::Relaxed),
+            "crossed": tally.crossed.load(Ordering::Relaxed),
+        })
+    );
+    Ok(())
+}
+
 pub fn run(options: &Options) -> anyhow::Result<()> {
     step(
         "cargo",
         &["build", "--release", "--package", "masq-agent", "--bins"],
     )?;
-    raise_fd_limit(options.flows as u64 * 2 + 4096)?;
     let agent_bin = xtask::workspace_root().join("target/release/masq-agent");
     let bed = Bed::new(&agent_bin, PODS)?;
     write_config(&bed.config, &prefixes::config(4))?;
@@ -65,29 +94,33 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         .activate(Mode::Ebpf, 4)?
         .context("the eBPF data plane runs an agent")?;
     let pid = agent.child.id();
-    let deadline = Instant::now() + Duration::from_secs(options.minutes * 60);
-    let tally = Arc::new(Tally::default());
+    let seconds = options.minutes * 60;
+    let deadline = Instant::now() + Duration::from_secs(seconds);
     let per_pod = options.flows / PODS;
-    let threads: Vec<_> = bed
+    let me = std::env::current_exe()?;
+    let children = bed
         .topo
         .pods
         .iter()
         .enumerate()
         .map(|(index, pod)| {
-            let (pod, tally) = (pod.clone(), tally.clone());
-            std::thread::spawn(move || pod_flows(&pod, index, per_pod, deadline, &tally))
+            std::process::Command::new(&me)
+                .args(["soak-pod", "--pod", pod])
+                .args(["--index", &index.to_string()])
+                .args(["--flows", &per_pod.to_string()])
+                .args(["--seconds", &seconds.to_string()])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .context("starting a pod's flows")
         })
-        .collect();
-
+        .collect::<anyhow::Result<Vec<_>>>()?;
     eprintln!(
         "xtask: soak: {} flows from {PODS} pods for {} min",
         per_pod * PODS,
         options.minutes
     );
-    println!(
-        "| minute | agent RSS MiB | NAT flows | NAT entries | echoed | lost | crossed | drops |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| minute | agent RSS MiB | NAT flows | NAT entries | drops |");
+    println!("|---:|---:|---:|---:|---:|");
     let started = Instant::now();
     let mut rss = Vec::new();
     while Instant::now() < deadline {
@@ -104,19 +137,26 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         let mib = proc_status_kib(pid, "VmRSS")? / 1024.0;
         rss.push(mib);
         println!(
-            "| {:.1} | {mib:.1} | {} | {} | {} | {} | {} | {drops} |",
+            "| {:.1} | {mib:.1} | {} | {} | {drops} |",
             started.elapsed().as_secs_f64() / 60.0,
             ebpf["nat_flows"],
             ebpf["nat_entries"],
-            tally.echoed.load(Ordering::Relaxed),
-            tally.lost.load(Ordering::Relaxed),
-            tally.crossed.load(Ordering::Relaxed),
         );
     }
-    for thread in threads {
-        thread
-            .join()
-            .map_err(|_| anyhow::anyhow!("a pod's flows panicked"))??;
+    let tally = Tally::default();
+    for child in children {
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!("a pod's flows failed: {}", out.status);
+        }
+        let counts: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        for (name, counter) in [
+            ("echoed", &tally.echoed),
+            ("lost", &tally.lost),
+            ("crossed", &tally.crossed),
+        ] {
+            counter.fetch_add(counts[name].as_u64().unwrap_or(0), Ordering::Relaxed);
+        }
     }
     verdict(&tally, &rss)
 }
@@ -157,18 +197,6 @@ fn status(bed: &Bed, agent: &Path) -> anyhow::Result<serde_json::Value> {
         bail!("status: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(serde_json::from_slice(&out.stdout)?)
-}
-
-fn raise_fd_limit(want: u64) -> anyhow::Result<()> {
-    let limit = libc::rlimit {
-        rlim_cur: want,
-        rlim_max: want,
-    };
-    // SAFETY: setrlimit with a valid struct; root may raise both limits.
-    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("raising the open-file limit");
-    }
-    Ok(())
 }
 
 /// One pod's flows, nine in ten UDP and the rest TCP, on an event loop in the pod's namespace.
