@@ -988,6 +988,44 @@ fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
     );
 }
 
+/// No BPF filesystem where `--bpffs` points: the agent mounts one, or says clearly why it
+/// cannot. Run in a private mount namespace whose /sys/fs/bpf is a plain tmpfs.
+fn mounts_a_missing_bpffs_or_says_why_not(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let config = format!("--config={}", bed.config.display());
+    let interface = format!("--interface={}", topology::UPLINK_IF);
+    let agent = env!("CARGO_BIN_EXE_masq-agent");
+    let run = |bpffs: &str| {
+        let script = format!(
+            "mount -t tmpfs masq-test /sys/fs/bpf && exec {agent} --once {config} {interface} \
+             --fallback-to-iptables=false --bpffs={bpffs}"
+        );
+        bed.topo
+            .node_command("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .env("PATH", &bed.path)
+            .output()
+            .unwrap()
+    };
+    let out = run("/sys/fs/bpf/masq/ip-masq-agent");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("mounted a BPF filesystem"), "{log}");
+    assert!(log.contains("policy applied"), "{log}");
+
+    let out = run("/proc/self/masq/ip-masq-agent");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{log}");
+    let error = log
+        .lines()
+        .find(|l| l.contains("ERROR"))
+        .unwrap_or_default();
+    assert!(
+        error.contains("/proc/self/masq is not on a BPF filesystem"),
+        "the error says where and why: {log}"
+    );
+}
+
 /// The prefixes in `text`'s policy, as the trie keys them.
 fn policy_keys(text: &str) -> BTreeSet<(u32, [u8; 4])> {
     let opts = masq_agent::config::ConfigOptions {
@@ -1396,6 +1434,7 @@ mod ebpf {
         draining_survives_an_agent_restart,
         a_full_nat_table_keeps_its_flows_and_drops_new_ones,
         sigkill_mid_apply_loses_no_prefix,
+        mounts_a_missing_bpffs_or_says_why_not,
         survives_a_config_flipping_between_valid_and_invalid,
         falls_back_to_iptables_when_ebpf_cannot_run,
         reattaches_a_program_someone_detached,

@@ -50,7 +50,12 @@ impl Pins {
             .parent()
             .context("--bpffs must name a directory under a BPF filesystem")?;
         if !is_bpffs(parent) {
-            std::fs::create_dir_all(parent)?;
+            std::fs::create_dir_all(parent).with_context(|| {
+                format!(
+                    "{} is not on a BPF filesystem, and creating it to mount one failed",
+                    parent.display()
+                )
+            })?;
             nix::mount::mount(
                 Some("bpf"),
                 parent,
