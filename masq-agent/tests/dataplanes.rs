@@ -497,6 +497,32 @@ fn survives_the_uplink_going_down_and_up(plane: Plane) {
     }
 }
 
+/// The uplink is deleted and created again (a driver reload, a recreated bond): masquerading
+/// resumes on the new device, and (eBPF) the programs are attached to it.
+fn survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip()
+    );
+    bed.topo
+        .node_run("ip", &["link", "del", topology::UPLINK_IF])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    bed.topo.connect_uplink().unwrap();
+    wait_for(|| Ok(probe::tcp_probe(bed.pod(), outside(), 0)?.ip() == node_ip()))
+        .unwrap_or_else(|e| panic!("not masquerading again: {e}\n{}", agent.log_text()));
+    if plane == Plane::Ebpf {
+        let status = bed.status_json();
+        assert_eq!(
+            status["ebpf"]["attachments"].as_array().unwrap().len(),
+            2,
+            "{status}"
+        );
+    }
+}
+
 fn connections_from_outside_keep_the_pod_address(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
@@ -1414,6 +1440,7 @@ macro_rules! common_cases {
             keeps_the_policy_while_the_config_file_cannot_be_read,
             new_flows_take_the_uplink_s_new_address,
             survives_the_uplink_going_down_and_up,
+            survives_the_uplink_being_deleted_and_recreated,
             connections_from_outside_keep_the_pod_address,
             path_mtu_discovery_works_through_the_translation,
             a_killed_agent_does_not_break_a_transfer,

@@ -99,6 +99,21 @@ impl Topology {
         Ok(topo)
     }
 
+    /// The link between the node and the outside host, with its addresses and routes: built
+    /// with the topology, and built again by tests that delete it.
+    pub fn connect_uplink(&self) -> anyhow::Result<()> {
+        let (node, ext) = (&self.node, &self.ext);
+        veth(node, UPLINK_IF, ext, "eth0")?;
+        ip(node, &format!("addr add {NODE_UPLINK}/24 dev {UPLINK_IF}"))?;
+        ip(node, &format!("route add default via {EXT_ADDR}"))?;
+        ip(ext, &format!("addr add {EXT_ADDR}/24 dev eth0"))?;
+        ip(
+            ext,
+            &format!("route add 10.244.0.0/16 via {NODE_UPLINK} table {CLUSTER_LOCAL_TABLE}"),
+        )?;
+        Ok(())
+    }
+
     fn namespaces(&self) -> impl Iterator<Item = &String> {
         self.pods.iter().chain([&self.node, &self.ext, &self.far])
     }
@@ -114,10 +129,6 @@ impl Topology {
         sysctl(&self.ext, "net.ipv4.ip_forward", "1")?;
         let (node, ext, far) = (&self.node, &self.ext, &self.far);
 
-        veth(node, UPLINK_IF, ext, "eth0")?;
-        ip(node, &format!("addr add {NODE_UPLINK}/24 dev {UPLINK_IF}"))?;
-        ip(node, &format!("route add default via {EXT_ADDR}"))?;
-        ip(ext, &format!("addr add {EXT_ADDR}/24 dev eth0"))?;
         for extra in &EXT_ADDRS[1..] {
             ip(ext, &format!("addr add {extra}/32 dev lo"))?;
         }
@@ -128,10 +139,7 @@ impl Topology {
                 &format!("rule add from {addr} lookup {CLUSTER_LOCAL_TABLE}"),
             )?;
         }
-        ip(
-            ext,
-            &format!("route add 10.244.0.0/16 via {NODE_UPLINK} table {CLUSTER_LOCAL_TABLE}"),
-        )?;
+        self.connect_uplink()?;
 
         veth(ext, "far0", far, "eth0")?;
         ip(ext, &format!("link set far0 mtu {FAR_LINK_MTU}"))?;
