@@ -218,6 +218,15 @@ fn pod_ip(i: usize) -> IpAddr {
 
 const DEFAULT_CONFIG: &str = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\nresyncInterval: 1s\n";
 
+/// A TCP connection from the pod to the outside arrives from the node's address.
+fn assert_masqueraded(bed: &Bed) {
+    assert_eq!(
+        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
+        node_ip(),
+        "TCP to the outside is masqueraded"
+    );
+}
+
 /// Waits until UDP from the pod to `dst` reaches the server with source `expect`.
 fn wait_for_udp_source(bed: &Bed, dst: SocketAddr, expect: IpAddr) {
     bed.server
@@ -433,10 +442,7 @@ fn survives_a_config_flipping_between_valid_and_invalid(plane: Plane) {
 fn new_flows_take_the_uplink_s_new_address(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let agent = bed.start_agent(&[]);
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     let new_address = IpAddr::from([203, 0, 113, 2]);
     let uplink = topology::UPLINK_IF;
     let promote = format!("net.ipv4.conf.{uplink}.promote_secondaries=1");
@@ -473,10 +479,7 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane) {
 fn survives_the_uplink_going_down_and_up(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let agent = bed.start_agent(&[]);
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     let uplink = topology::UPLINK_IF;
     bed.topo
         .node_run("ip", &["link", "set", uplink, "down"])
@@ -502,10 +505,7 @@ fn survives_the_uplink_going_down_and_up(plane: Plane) {
 fn survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let agent = bed.start_agent(&[]);
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     bed.topo
         .node_run("ip", &["link", "del", topology::UPLINK_IF])
         .unwrap();
@@ -537,10 +537,7 @@ fn connections_from_outside_keep_the_pod_address(plane: Plane) {
         [IpAddr::from(topology::ROUTABLE_CLIENT_ADDR)]
     );
     // The pod's own connections to the same host are still masqueraded.
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
 }
 
 fn path_mtu_discovery_works_through_the_translation(plane: Plane) {
@@ -601,10 +598,7 @@ fn a_killed_agent_does_not_break_a_transfer(plane: Plane) {
         40 * 32 * 1024,
         "the transfer survived the kill and the restart"
     );
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
 }
 
 fn checksums_hold_with_tx_offload_on_and_off(plane: Plane) {
@@ -713,10 +707,7 @@ fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
 fn once_applies_and_exits_and_status_reports(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     assert_success(&bed.sync_once(&[]));
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
 
     let status = bed.status_json();
     let v4 = status["chains"]
@@ -771,10 +762,7 @@ fn once_applies_and_exits_and_status_reports(plane: Plane) {
         String::from_utf8_lossy(&out.stderr).contains("the daemon can only accept up to 1 CIDRs")
     );
     assert_eq!(bed.chain().unwrap(), before);
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
 }
 
 // ---- eBPF only ---------------------------------------------------------------------------
@@ -835,10 +823,7 @@ fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
         !bed.chain().unwrap().contains("eBPF"),
         "the full chain, not the reduced one"
     );
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     assert!(bed.ping(0, topology::EXT_ADDR));
     let status = bed.status_json();
     assert_eq!(status["mode"], "iptables-fallback");
@@ -879,10 +864,7 @@ fn reattaches_a_program_someone_detached(plane: Plane) {
         },
     );
     assert!(agent.log_text().contains("re-attaching"));
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
 }
 
 const METRICS_ADDR: &str = "127.0.0.1:9830";
@@ -907,10 +889,7 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
     assert_eq!(http_get(&bed, "/readyz"), (200, "ok\n".into()));
     assert_eq!(http_get(&bed, "/healthz"), (200, "ok\n".into()));
     assert_eq!(http_get(&bed, "/nothing-here").0, 404);
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
 
     let (status, metrics) = http_get(&bed, "/metrics");
     assert_eq!(status, 200);
@@ -1201,10 +1180,7 @@ fn replaces_an_incompatible_pinned_map(plane: Plane) {
             .log_text()
             .contains("replacing a pinned map with an incompatible layout")
     );
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     assert_eq!(bed.status_json()["ebpf"]["nat_capacity"], 2 * 262_144);
 }
 
@@ -1223,10 +1199,7 @@ fn attaches_through_netlink_without_tcx(plane: Plane) {
         "a clsact filter, not a TCX link: {filters}\n{}",
         agent.log_text()
     );
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     assert!(bed.ping(0, topology::EXT_ADDR));
     drop(agent);
     let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
@@ -1278,10 +1251,7 @@ fn restores_a_flushed_chain(plane: Plane) {
     ];
     bed.iptables(&jump_args).unwrap();
     wait_for(|| Ok(bed.nat_table().contains("-A POSTROUTING"))).expect("jump restored");
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip()
-    );
+    assert_masqueraded(&bed);
     let table = bed.nat_table();
     assert!(
         table.contains(r#"-A POSTROUTING -m comment --comment "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom IP-MASQ-AGENT chain" -m addrtype ! --dst-type LOCAL -j IP-MASQ-AGENT"#),
