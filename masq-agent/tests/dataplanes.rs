@@ -523,6 +523,38 @@ fn survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
     }
 }
 
+/// Datagrams larger than the links' MTU travel as fragments: a 4 000-byte UDP datagram goes out
+/// and comes back whole, and so does a 4 000-byte ping.
+fn fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _echo = xtask::load::Servers::start(&bed.topo.ext).unwrap();
+    let _agent = bed.start_agent(&[]);
+    let server = SocketAddr::from((topology::EXT_ADDR, xtask::load::udp_port(0, 0)));
+    let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
+    let sent = payload.clone();
+    let echoed = xtask::netns::within(bed.pod(), move || {
+        let socket = std::net::UdpSocket::bind(("0.0.0.0", 0))?;
+        socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+        socket.send_to(&sent, server)?;
+        let mut buf = vec![0u8; 8192];
+        let (n, _) = socket.recv_from(&mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    })
+    .unwrap();
+    assert!(echoed == payload, "{} bytes came back", echoed.len());
+    let ping = bed.ping_output(0, &["-c", "1", "-W", "2", "-s", "4000", "203.0.113.10"]);
+    assert!(
+        ping.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ping.stdout)
+    );
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert_eq!(counters["dropped_fragment"], 0, "{counters}");
+    }
+}
+
 fn connections_from_outside_keep_the_pod_address(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
@@ -1411,6 +1443,7 @@ macro_rules! common_cases {
             new_flows_take_the_uplink_s_new_address,
             survives_the_uplink_going_down_and_up,
             survives_the_uplink_being_deleted_and_recreated,
+            fragmented_datagrams_arrive_whole_both_ways,
             connections_from_outside_keep_the_pod_address,
             path_mtu_discovery_works_through_the_translation,
             a_killed_agent_does_not_break_a_transfer,

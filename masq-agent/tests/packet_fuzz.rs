@@ -241,13 +241,13 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
     if word(input, 12) != 0x0800 || input.len() < 34 || input[14] != 0x45 {
         return Err("translated a frame that is not option-less IPv4".into());
     }
-    if word(input, 20) & 0x1fff != 0 {
-        return Err("translated a later fragment".into());
-    }
-    let proto = input[23];
     if residual(&out[14..34]) != residual(&input[14..34]) {
         return Err("IP header checksum broken".into());
     }
+    if word(input, 20) & 0x1fff != 0 {
+        return check_later_fragment(hook, input, out);
+    }
+    let proto = input[23];
     let is_error = hook == Hook::Ingress && proto == ICMP && matches!(input[34], 3 | 11);
     let (allowed, entry_key, rewritten) = if is_error {
         check_icmp_error(input, out)?
@@ -308,6 +308,29 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
                 "the translation is not the NAT table's: {entry:?} for {entry_key:?}"
             ));
         }
+    }
+    Ok(())
+}
+
+/// A fragment after the first carries no ports: it may only take the address its first
+/// fragment took, the node's on the way out, a pod's on the way in.
+fn check_later_fragment(hook: Hook, input: &[u8], out: &[u8]) -> Result<(), String> {
+    let (addr, allowed): (usize, &[Ipv4Addr]) = match hook {
+        Hook::Egress => (26, &[NODE]),
+        Hook::Ingress => (30, &PODS),
+    };
+    let changed: Vec<usize> = (0..input.len()).filter(|&i| input[i] != out[i]).collect();
+    if changed
+        .iter()
+        .any(|&i| !(24..26).contains(&i) && !(addr..addr + 4).contains(&i))
+    {
+        return Err(format!(
+            "a later fragment changed beyond its address: {changed:?}"
+        ));
+    }
+    let new = ipv4_at(out, addr);
+    if !allowed.contains(&new) {
+        return Err(format!("a later fragment took {new}"));
     }
     Ok(())
 }

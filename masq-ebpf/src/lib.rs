@@ -20,6 +20,10 @@ pub mod map_names {
     pub const POLICY_GENERATION: &str = "policy_generation";
     /// Each program object's per-CPU cache of `non_masq_v4` verdicts; not pinned.
     pub const NON_MASQ_CACHE_V4: &str = "non_masq_cache_v4";
+    /// The translation of each fragmented datagram in flight, taken from its first fragment
+    /// for the later ones, which carry no ports; an LRU, since a datagram lives milliseconds.
+    /// Not pinned.
+    pub const FRAGMENTS_V4: &str = "nat_fragments_v4";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 8] = [
@@ -169,6 +173,22 @@ pub struct NatEntryV4 {
     pub kind: u8,
     pub tcp_seen: u8,
 }
+
+/// A fragmented datagram, as its fragments carry it: the IP header's addresses, identification
+/// and protocol, and the direction it crosses the node in.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragmentKeyV4 {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    /// Network byte order.
+    pub id: u16,
+    pub proto: u8,
+    pub direction: u8,
+}
+
+/// Datagrams whose fragments can be in flight at once.
+pub const FRAGMENTS_MAX_ENTRIES: u32 = 16_384;
 
 /// An interface the programs are attached to, keyed by ifindex.
 #[repr(C)]

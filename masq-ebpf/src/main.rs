@@ -5,6 +5,8 @@
 #[cfg(target_arch = "bpf")]
 mod csum;
 #[cfg(target_arch = "bpf")]
+mod frag;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod nat;

@@ -1,12 +1,13 @@
 //! The maps the programs share with the agent. Names match `masq_ebpf::map_names`.
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use masq_ebpf::{
-    COUNTER_SLOTS, Counter, INTERFACES_MAX_ENTRIES, InterfaceV4, NAT_DEFAULT_ENTRIES,
-    NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatKeyV4, NonMasqValue, Settings,
+    COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKeyV4, INTERFACES_MAX_ENTRIES,
+    InterfaceV4, NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntryV4,
+    NatKeyV4, NonMasqValue, Settings,
 };
 
 #[btf_map(name = "non_masq_v4")]
@@ -31,6 +32,11 @@ pub static DRAINING_V4: LpmTrie<[u8; 4], u32, { NON_MASQ_MAX_ENTRIES as usize }>
 /// dropped and counted, and no live flow is ever evicted. The agent sets the size at load time.
 #[btf_map(name = "nat_v4")]
 pub static NAT_V4: HashMap<NatKeyV4, NatEntryV4, { NAT_DEFAULT_ENTRIES as usize }> = HashMap::new();
+
+/// What the first fragment of a datagram became: the address its later fragments take.
+#[btf_map(name = "nat_fragments_v4")]
+pub static FRAGMENTS_V4: LruHashMap<FragmentKeyV4, [u8; 4], { FRAGMENTS_MAX_ENTRIES as usize }> =
+    LruHashMap::new();
 
 #[btf_map(name = "interfaces")]
 pub static INTERFACES: HashMap<u32, InterfaceV4, { INTERFACES_MAX_ENTRIES as usize }> =

@@ -16,6 +16,7 @@ pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 /// Where the L4 header starts, given an option-less IPv4 header.
 pub const L4_OFF: usize = ETH_HLEN + IPV4_HLEN;
 const IP_OFFSET: u16 = 0x1fff;
+const IP_MORE_FRAGMENTS: u16 = 0x2000;
 
 pub const TCP_CSUM_OFF: usize = 16;
 pub const UDP_CSUM_OFF: usize = 6;
@@ -48,6 +49,12 @@ impl Ipv4Header {
     #[inline(always)]
     pub fn is_later_fragment(&self) -> bool {
         u16::from_be(self.frag) & IP_OFFSET != 0
+    }
+
+    /// The first fragment of a fragmented datagram: it carries the L4 header for all of them.
+    #[inline(always)]
+    pub fn is_first_fragment(&self) -> bool {
+        u16::from_be(self.frag) & (IP_MORE_FRAGMENTS | IP_OFFSET) == IP_MORE_FRAGMENTS
     }
 }
 

@@ -15,7 +15,7 @@ use masq_ebpf::{
 
 use crate::{
     csum::{self, AddrField},
-    maps,
+    frag, maps,
     nat::{self, AllocError},
     parse::{self, Ipv4Header, L4, L4_OFF},
     policy::{is_draining_destination, is_non_masq_destination},
@@ -27,6 +27,9 @@ pub fn masq_egress(ctx: TcContext) -> i32 {
         maps::count(Counter::NotInspected);
         return TC_ACT_OK;
     };
+    if ip.is_later_fragment() {
+        return snat_v4_nat_fragment(&ctx, &ip, &iface).count();
+    }
     let l4 = match snat_v4_translatable(&ctx, &ip, &iface) {
         Ok(l4) => l4,
         Err(verdict) => return verdict.count(),
@@ -98,9 +101,14 @@ impl Verdict {
     /// dropped rather than sent half-translated.
     #[inline(always)]
     fn after_rewrite(rewritten: Result<(), i64>, done: Counter) -> i32 {
+        Verdict::after(rewritten, done).count()
+    }
+
+    #[inline(always)]
+    fn after(rewritten: Result<(), i64>, done: Counter) -> Verdict {
         match rewritten {
-            Ok(()) => Verdict::Keep(done).count(),
-            Err(_) => Verdict::Drop(Counter::DropRewriteFailed).count(),
+            Ok(()) => Verdict::Keep(done),
+            Err(_) => Verdict::Drop(Counter::DropRewriteFailed),
         }
     }
 
@@ -131,13 +139,6 @@ fn snat_v4_translatable(
     }
     if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
         return Err(Verdict::Keep(Counter::NotMasqOtherProtocol));
-    }
-    if ip.is_later_fragment() {
-        if is_non_masq_destination(ip.daddr) {
-            return Err(Verdict::Keep(Counter::NotMasqNonMasqDestination));
-        }
-        // No ports to translate by: dropped rather than sent with the pod's address.
-        return Err(Verdict::Drop(Counter::DropFragment));
     }
     let Some(l4) = parse::l4(ctx, L4_OFF, ip.protocol) else {
         return Err(Verdict::Keep(Counter::NotInspected));
@@ -178,12 +179,38 @@ fn progress(l4: &L4) -> u8 {
     }
 }
 
+/// Egress, a fragment after the first: it carries no ports, so it takes the source its first
+/// fragment took. One without a known first fragment is dropped rather than sent with the pod's
+/// address, unless nothing would have translated it anyway.
+#[inline(always)]
+fn snat_v4_nat_fragment(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -> Verdict {
+    if let Some(addr) = frag::recall(ip, direction::EGRESS) {
+        if addr == ip.saddr {
+            return Verdict::Keep(Counter::NotMasqInbound);
+        }
+        let rewritten = csum::rewrite_ipv4_addr(ctx, ip, AddrField::Source, addr, None);
+        return Verdict::after(rewritten, Counter::Masqueraded);
+    }
+    if ip.saddr == iface.addr {
+        return Verdict::Keep(Counter::NotMasqNodeSource);
+    }
+    if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
+        return Verdict::Keep(Counter::NotMasqOtherProtocol);
+    }
+    if is_non_masq_destination(ip.daddr) {
+        return Verdict::Keep(Counter::NotMasqNonMasqDestination);
+    }
+    Verdict::Drop(Counter::DropFragment)
+}
+
 /// Egress: rewrite the source as the flow's entry says.
 #[inline(always)]
 fn snat_v4_nat(ctx: &TcContext, ip: &Ipv4Header, l4: &L4, entry: &NatEntryV4) -> i32 {
     if entry.kind == nat_kind::PASSTHROUGH {
+        frag::remember(ip, direction::EGRESS, ip.saddr);
         return Verdict::Keep(Counter::NotMasqInbound).count();
     }
+    frag::remember(ip, direction::EGRESS, entry.addr);
     let field = if l4.proto == IPPROTO_ICMP {
         parse::ICMP_ID_OFF
     } else {
@@ -228,7 +255,7 @@ fn rewrite(
 #[inline(always)]
 fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
     if ip.is_later_fragment() {
-        return TC_ACT_OK;
+        return snat_v4_rev_nat_fragment(ctx, ip);
     }
     let Some(l4) = parse::l4(ctx, L4_OFF, ip.protocol) else {
         return TC_ACT_OK;
@@ -272,6 +299,7 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
     if entry.kind != nat_kind::SNAT {
         return TC_ACT_OK;
     }
+    frag::remember(ip, direction::INGRESS, entry.addr);
     let rewritten = rewrite(
         ctx,
         ip,
@@ -282,6 +310,19 @@ fn snat_v4_rev_nat(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
         &entry,
     );
     Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
+}
+
+/// Ingress, a fragment after the first: it takes the destination its first fragment took. One
+/// without a known first fragment passes as it is: it may well be the node's own.
+#[inline(always)]
+fn snat_v4_rev_nat_fragment(ctx: &TcContext, ip: &Ipv4Header) -> i32 {
+    match frag::recall(ip, direction::INGRESS) {
+        Some(addr) if addr != ip.daddr => {
+            let rewritten = csum::rewrite_ipv4_addr(ctx, ip, AddrField::Destination, addr, None);
+            Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
+        }
+        _ => TC_ACT_OK,
+    }
 }
 
 const INNER_IP_OFF: usize = L4_OFF + 8;

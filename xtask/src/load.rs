@@ -198,7 +198,8 @@ async fn drain(mut stream: TcpStream) -> io::Result<()> {
 }
 
 async fn echo_datagrams(socket: UdpSocket) {
-    let mut buf = [0u8; 64];
+    // Room for any datagram, so that fragmented ones come back whole.
+    let mut buf = vec![0u8; 65_536];
     loop {
         if let Ok((n, peer)) = socket.recv_from(&mut buf).await {
             let _ = socket.send_to(&buf[..n], peer).await;

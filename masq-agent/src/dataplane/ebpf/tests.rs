@@ -427,12 +427,67 @@ fn connections_opened_from_outside_keep_the_pods_address() {
 }
 
 #[test]
-fn later_fragments_are_dropped_not_sent_with_the_pods_address() {
+fn later_fragments_without_their_first_are_dropped_not_sent_with_the_pods_address() {
     let mut h = default_harness();
     let later = frame_with_frag(POD, REMOTE, UDP, b"the middle of a datagram", 0x00b9);
     let (verdict, _) = h.egress(&later);
     assert_eq!(verdict, TC_ACT_SHOT);
     assert_eq!(h.counter(Counter::DropFragment), 1);
+    // On ingress one passes untouched: it may be the node's own.
+    let stray = frame_with_frag(REMOTE, NODE, UDP, b"the middle of a datagram", 0x00b9);
+    assert_eq!(h.ingress(&stray), (TC_ACT_OK, stray));
+}
+
+/// A fragmented datagram out and its fragmented reply back: the first fragments are translated
+/// as any packet of their flow, and the later ones, which carry no ports, take the same
+/// addresses, with valid IP header checksums and their payload untouched.
+#[test]
+fn later_fragments_follow_their_first() {
+    let mut h = default_harness();
+    const MORE: u16 = 0x2000;
+    let first = frame_with_frag(
+        POD,
+        REMOTE,
+        UDP,
+        &l4_segment(POD, REMOTE, UDP, 3000, 53, 0),
+        MORE,
+    );
+    let (verdict, out) = h.egress(&first);
+    assert_eq!((verdict, src(&out)), (TC_ACT_OK, NODE));
+    let node_port = word(&out, L4);
+    let later = frame_with_frag(POD, REMOTE, UDP, b"the rest of the datagram", 0x00b9);
+    let (verdict, out) = h.egress(&later);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        diff(&later, &out),
+        (24..30).collect::<Vec<_>>(),
+        "checksum and source only"
+    );
+    assert_eq!(src(&out), NODE);
+    assert_eq!(checksum(&out[14..34]), 0, "IPv4 header checksum");
+
+    let reply_first = frame_with_frag(
+        REMOTE,
+        NODE,
+        UDP,
+        &l4_segment(REMOTE, NODE, UDP, 53, node_port, 0),
+        MORE,
+    );
+    let (verdict, back) = h.ingress(&reply_first);
+    assert_eq!(
+        (verdict, dst(&back), word(&back, L4 + 2)),
+        (TC_ACT_OK, POD, 3000)
+    );
+    let reply_later = frame_with_frag(REMOTE, NODE, UDP, b"and the rest of the reply", 0x00b9);
+    let (verdict, back) = h.ingress(&reply_later);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(dst(&back), POD);
+    assert_eq!(
+        diff(&reply_later, &back),
+        [24, 25, 30, 31, 32, 33],
+        "checksum and destination only"
+    );
+    assert_eq!(checksum(&back[14..34]), 0, "IPv4 header checksum");
 }
 
 #[test]
