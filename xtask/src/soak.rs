@@ -1,5 +1,5 @@
 //! `cargo xtask soak`: many concurrent flows from many pods through the eBPF data plane for
-//! minutes. Every flow echoes a payload that names it, so a reply that reaches the wrong socket
+//! minutes, UDP ones moving to new ports as they go, so that expiry runs under load. Every flow echoes a payload that names it, so a reply that reaches the wrong socket
 //! (a translation handed to two live flows, say) shows as a mismatch. The agent's memory and
 //! the NAT table are sampled as it goes. Not a CI test: it takes minutes and a lot of sockets.
 
@@ -43,6 +43,10 @@ const PODS: usize = 8;
 /// while it lives.
 const PERIOD: Duration = Duration::from_secs(20);
 const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// A UDP flow moves to a new source port after this many rounds, so that the NAT table keeps
+/// gaining flows and expiring idle ones (after 120 s) all through the run, while staying under
+/// its capacity: 90 000 live flows plus those of the last 120 s.
+const UDP_ROUNDS_PER_PORT: u64 = 10;
 const SAMPLE_EVERY: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
@@ -253,10 +257,14 @@ async fn udp_flow(
     deadline: Instant,
     tally: &Tally,
 ) -> anyhow::Result<()> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+    let mut socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
     let mut seq = 0u64;
     let mut buf = [0u8; 128];
     while Instant::now() < deadline {
+        if seq > 0 && seq % UDP_ROUNDS_PER_PORT == 0 {
+            // A new source port, a new flow: the old one is left for the sweep to expire.
+            socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+        }
         let payload = format!("{name}-{seq}");
         socket.send_to(payload.as_bytes(), server).await?;
         let reply = timeout(REPLY_TIMEOUT, socket.recv_from(&mut buf)).await;
