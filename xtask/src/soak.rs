@@ -261,7 +261,7 @@ async fn udp_flow(
     let mut seq = 0u64;
     let mut buf = [0u8; 128];
     while Instant::now() < deadline {
-        if seq > 0 && seq % UDP_ROUNDS_PER_PORT == 0 {
+        if seq > 0 && seq.is_multiple_of(UDP_ROUNDS_PER_PORT) {
             // A new source port, a new flow: the old one is left for the sweep to expire.
             socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
         }
