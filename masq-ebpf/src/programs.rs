@@ -127,6 +127,19 @@ impl Verdict {
     }
 }
 
+/// Egress packets that no translation here is for, whatever their L4 header: the node's own,
+/// and protocols left to the chain.
+#[inline(always)]
+fn snat_v4_left_alone(ip: &Ipv4Header, iface: &InterfaceV4) -> Option<Verdict> {
+    if ip.saddr == iface.addr {
+        return Some(Verdict::Keep(Counter::NotMasqNodeSource));
+    }
+    if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
+        return Some(Verdict::Keep(Counter::NotMasqOtherProtocol));
+    }
+    None
+}
+
 /// Egress: could this packet be translated at all? Its L4 header if so.
 #[inline(always)]
 fn snat_v4_translatable(
@@ -134,11 +147,8 @@ fn snat_v4_translatable(
     ip: &Ipv4Header,
     iface: &InterfaceV4,
 ) -> Result<L4, Verdict> {
-    if ip.saddr == iface.addr {
-        return Err(Verdict::Keep(Counter::NotMasqNodeSource));
-    }
-    if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
-        return Err(Verdict::Keep(Counter::NotMasqOtherProtocol));
+    if let Some(verdict) = snat_v4_left_alone(ip, iface) {
+        return Err(verdict);
     }
     let Some(l4) = parse::l4(ctx, L4_OFF, ip.protocol) else {
         return Err(Verdict::Keep(Counter::NotInspected));
@@ -191,11 +201,8 @@ fn snat_v4_nat_fragment(ctx: &TcContext, ip: &Ipv4Header, iface: &InterfaceV4) -
         let rewritten = csum::rewrite_ipv4_addr(ctx, ip, AddrField::Source, addr, None);
         return Verdict::after(rewritten, Counter::Masqueraded);
     }
-    if ip.saddr == iface.addr {
-        return Verdict::Keep(Counter::NotMasqNodeSource);
-    }
-    if !matches!(ip.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP) {
-        return Verdict::Keep(Counter::NotMasqOtherProtocol);
+    if let Some(verdict) = snat_v4_left_alone(ip, iface) {
+        return verdict;
     }
     if is_non_masq_destination(ip.daddr) {
         return Verdict::Keep(Counter::NotMasqNonMasqDestination);

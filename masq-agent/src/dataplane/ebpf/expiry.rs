@@ -49,7 +49,7 @@ impl Timeouts {
                 if seen & tcp_seen::RST != 0 {
                     return self.tcp_reset;
                 }
-                let closing = seen & (tcp_seen::FIN | tcp_seen::RST) != 0;
+                let closing = seen & tcp_seen::FIN != 0;
                 let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
                 if !closing && both_ways && seen & tcp_seen::ACK != 0 {
                     self.tcp_established
@@ -70,28 +70,38 @@ pub fn monotonic_now_ns() -> u64 {
     now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
 }
 
-/// Removes every flow idle for longer than its timeout, both halves together, and reports
-/// what the table held before. `nat` is the NAT table, read and pruned with batch commands.
-pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage> {
+/// The NAT table, read whole with batch commands: its map, for pruning, and its entries.
+pub fn read_table(nat: &Map) -> anyhow::Result<(&MapData, Vec<(NatKeyV4, NatEntryV4)>)> {
     let Map::HashMap(data) = nat else {
         bail!("the NAT table is not a hash map");
     };
-    let table: HashMap<NatKeyV4, NatEntryV4> = batch::lookup_all(data)
-        .context("reading the NAT table")?
-        .into_iter()
-        .collect();
-    let mut run = NatUsage {
-        entries: table.len(),
+    let entries = batch::lookup_all(data).context("reading the NAT table")?;
+    Ok((data, entries))
+}
+
+/// What `entries` hold: entries, and flows by kind (each flow has one egress half).
+pub fn usage(entries: &[(NatKeyV4, NatEntryV4)]) -> NatUsage {
+    let mut usage = NatUsage {
+        entries: entries.len(),
         ..NatUsage::default()
     };
-    for (key, entry) in &table {
+    for (key, entry) in entries {
         if key.direction == direction::EGRESS {
             match entry.kind {
-                nat_kind::PASSTHROUGH => run.inbound_flows += 1,
-                _ => run.masqueraded_flows += 1,
+                nat_kind::PASSTHROUGH => usage.inbound_flows += 1,
+                _ => usage.masqueraded_flows += 1,
             }
         }
     }
+    usage
+}
+
+/// Removes every flow idle for longer than its timeout, both halves together, and reports
+/// what the table held before.
+pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage> {
+    let (data, entries) = read_table(nat)?;
+    let mut run = usage(&entries);
+    let table: HashMap<NatKeyV4, NatEntryV4> = entries.into_iter().collect();
     let current: BpfHashMap<&MapData, NatKeyV4, NatEntryV4> = BpfHashMap::try_from(nat)?;
     let idle = |entry: &NatEntryV4| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
     let (mut orphans, mut flows) = (Vec::new(), Vec::new());
@@ -132,11 +142,7 @@ pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<Nat
 
 /// Removes every masqueraded flow whose node address is `addr`, both halves; returns how many.
 pub fn forget_address(nat: &Map, addr: std::net::Ipv4Addr) -> anyhow::Result<usize> {
-    let Map::HashMap(data) = nat else {
-        bail!("the NAT table is not a hash map");
-    };
-    let table: Vec<(NatKeyV4, NatEntryV4)> =
-        batch::lookup_all(data).context("reading the NAT table")?;
+    let (data, table) = read_table(nat)?;
     let doomed: Vec<NatKeyV4> = table
         .iter()
         .filter(|(key, entry)| {

@@ -26,7 +26,7 @@ use aya::{
 use ipnet::{Ipv4Net, Ipv6Net};
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, InterfaceV4, MAX_PORT_SPANS, NAT_DEFAULT_ENTRIES, NON_MASQ_PRESENT,
-    NatEntryV4, NatKeyV4, PortSpan, Settings, direction, map_names, program_names,
+    PortSpan, Settings, map_names, program_names,
 };
 use serde::Serialize;
 use tracing::{info, warn};
@@ -493,11 +493,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     }
     let v4: LpmTrie<MapData, [u8; 4], u8> = pinned(&pins, map_names::NON_MASQ_V4)?.try_into()?;
     let v6: LpmTrie<MapData, [u8; 16], u8> = pinned(&pins, map_names::NON_MASQ_V6)?.try_into()?;
-    let Map::HashMap(nat) = pinned(&pins, map_names::NAT_V4)? else {
-        bail!("the pinned NAT table is not a hash map");
-    };
-    let nat: Vec<(NatKeyV4, NatEntryV4)> =
-        batch::lookup_all(&nat).context("reading the NAT table")?;
+    let nat = expiry::usage(&expiry::read_table(&pinned(&pins, map_names::NAT_V4)?)?.1);
     let interfaces: BpfHashMap<MapData, u32, InterfaceV4> =
         pinned(&pins, map_names::INTERFACES)?.try_into()?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
@@ -514,16 +510,6 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         .map(|k| (k.prefix_len(), k.data()))
         .collect();
     non_masquerade_v6.sort();
-    let (mut nat_entries, mut nat_flows, mut nat_inbound_flows) = (0, 0, 0);
-    for (key, entry) in &nat {
-        nat_entries += 1;
-        if key.direction == direction::EGRESS {
-            match entry.kind {
-                masq_ebpf::nat_kind::PASSTHROUGH => nat_inbound_flows += 1,
-                _ => nat_flows += 1,
-            }
-        }
-    }
     let counters = kernel
         .packets
         .iter()
@@ -545,9 +531,9 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .iter()
             .map(|(len, data)| format!("{}/{len}", std::net::Ipv6Addr::from(*data)))
             .collect(),
-        nat_flows,
-        nat_inbound_flows,
-        nat_entries,
+        nat_flows: nat.masqueraded_flows,
+        nat_inbound_flows: nat.inbound_flows,
+        nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
         counters,
     }))
