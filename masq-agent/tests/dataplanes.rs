@@ -11,7 +11,9 @@ use std::{
 };
 
 use xtask::{
-    probe::{self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, Observer, Proto, RawObserver},
+    probe::{
+        self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, Observer, Proto, RawObserver,
+    },
     topology::{self, Process, Topology},
     wait_for, wait_for_long, write_config,
 };
@@ -54,7 +56,12 @@ impl Bed {
 
     fn with_pods(plane: Plane, config_text: &str, pods: usize) -> Bed {
         let topo = Topology::new(pods).expect("topology");
-        let server = Observer::start(&topo.ext, &topology::EXT_ADDRS, PORT).expect("server");
+        let addrs: Vec<IpAddr> = topology::EXT_ADDRS
+            .iter()
+            .map(|a| IpAddr::from(*a))
+            .chain(topology::EXT_ADDRS_V6.iter().map(|a| IpAddr::from(*a)))
+            .collect();
+        let server = Observer::start(&topo.ext, &addrs, PORT).expect("server");
         let config_dir = topo.path("config");
         std::fs::create_dir_all(&config_dir).unwrap();
         let config = config_dir.join("ip-masq-agent");
@@ -527,14 +534,38 @@ fn survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
 /// and comes back whole, and so does a 4 000-byte ping.
 fn fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let _echo = xtask::load::Servers::start(&bed.topo.ext).unwrap();
     let _agent = bed.start_agent(&[]);
-    let server = SocketAddr::from((topology::EXT_ADDR, xtask::load::udp_port(0, 0)));
+    assert_fragments_arrive_whole(&bed, topology::EXT_ADDR.into());
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert_eq!(counters["dropped_fragment"], 0, "{counters}");
+    }
+}
+
+/// A 4 000-byte UDP datagram goes out to `server` in fragments, and its echo comes back in
+/// fragments from the outside host; a 4 000-byte ping does the same.
+fn assert_fragments_arrive_whole(bed: &Bed, server: IpAddr) {
+    let server = SocketAddr::from((server, 9500));
+    let echo = xtask::netns::within(&bed.topo.ext, move || {
+        Ok(std::net::UdpSocket::bind(server)?)
+    })
+    .unwrap();
+    let echoer = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 8192];
+        echo.set_read_timeout(Some(Duration::from_secs(5))).ok();
+        if let Ok((n, from)) = echo.recv_from(&mut buf) {
+            let _ = echo.send_to(&buf[..n], from);
+        }
+    });
     let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
     let sent = payload.clone();
     let echoed = xtask::netns::within(bed.pod(), move || {
-        let socket = std::net::UdpSocket::bind(("0.0.0.0", 0))?;
-        socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let any: IpAddr = match server {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+        };
+        let socket = std::net::UdpSocket::bind((any, 0))?;
+        socket.set_read_timeout(Some(Duration::from_secs(3)))?;
         socket.send_to(&sent, server)?;
         let mut buf = vec![0u8; 8192];
         let (n, _) = socket.recv_from(&mut buf)?;
@@ -542,17 +573,12 @@ fn fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
         Ok(buf)
     })
     .unwrap();
+    echoer.join().unwrap();
     assert!(echoed == payload, "{} bytes came back", echoed.len());
-    let ping = bed.ping_output(0, &["-c", "1", "-W", "2", "-s", "4000", "203.0.113.10"]);
-    assert!(
-        ping.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ping.stdout)
-    );
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert_eq!(counters["dropped_fragment"], 0, "{counters}");
-    }
+    let family = if server.is_ipv6() { "-6" } else { "-4" };
+    let dst = server.ip().to_string();
+    let ping = bed.ping_output(0, &[family, "-c", "1", "-W", "2", "-s", "4000", &dst]);
+    assert_success(&ping);
 }
 
 fn connections_from_outside_keep_the_pod_address(plane: Plane) {
@@ -575,11 +601,18 @@ fn connections_from_outside_keep_the_pod_address(plane: Plane) {
 fn path_mtu_discovery_works_through_the_translation(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
-    let far = topology::FAR_ADDR.to_string();
+    assert_path_mtu_discovery(&bed, topology::FAR_ADDR.into());
+}
+
+/// A pod learns the narrower path's MTU toward `far` from the ICMP error (frag-needed, or
+/// packet-too-big) that the hop before it sends to the node, and a bulk transfer completes.
+fn assert_path_mtu_discovery(bed: &Bed, far: IpAddr) {
+    let family = if far.is_ipv6() { "-6" } else { "-4" };
+    let dst = far.to_string();
     let out = bed.ping_output(
         0,
         &[
-            "-M", "do", "-s", "1400", "-c", "2", "-i", "0.3", "-W", "2", &far,
+            family, "-M", "do", "-s", "1400", "-c", "2", "-i", "0.3", "-W", "2", &dst,
         ],
     );
     let text =
@@ -587,17 +620,11 @@ fn path_mtu_discovery_works_through_the_translation(plane: Plane) {
     let mtu = topology::FAR_LINK_MTU;
     assert!(
         text.contains(&format!("mtu = {mtu}")) || text.contains(&format!("mtu={mtu}")),
-        "the pod must learn the path MTU from the translated frag-needed error:\n{text}"
+        "the pod must learn the path MTU from the translated ICMP error:\n{text}"
     );
     let sink = BulkSink::start(&bed.topo.far, 9000).unwrap();
-    let sent = probe::tcp_bulk(
-        bed.pod(),
-        (topology::FAR_ADDR, 9000).into(),
-        64 * 1024,
-        32,
-        Duration::ZERO,
-    )
-    .unwrap();
+    let sent =
+        probe::tcp_bulk(bed.pod(), (far, 9000).into(), 64 * 1024, 32, Duration::ZERO).unwrap();
     assert_eq!(
         sent,
         32 * 64 * 1024,
@@ -1424,6 +1451,131 @@ fn ipv6_chain_follows_enable_ipv6(plane: Plane) {
     );
 }
 
+// ---- IPv6 (--enable-ipv6), on every data plane --------------------------------------------
+
+/// The pods' own prefix is exempt, as 10.0.0.0/8 holds the IPv4 pods: without it, the chain
+/// would masquerade connections from outside on their way in.
+const IPV6_CONFIG: &str = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - fd00:10:244::/48\n  - fd00:200::/64\nresyncInterval: 1s\n";
+
+fn outside_v6() -> SocketAddr {
+    (topology::EXT_ADDR_V6, PORT).into()
+}
+
+fn node_ip_v6() -> IpAddr {
+    topology::NODE_UPLINK_V6.into()
+}
+
+fn pod_ip_v6(i: usize) -> IpAddr {
+    topology::pod_addr_v6(i).into()
+}
+
+/// Pings `dst` over IPv6 from pod `i`, with `extra` options first.
+fn ping6(bed: &Bed, i: usize, extra: &[&str], dst: std::net::Ipv6Addr) -> Output {
+    let dst = dst.to_string();
+    let mut args = vec!["-6", "-c", "1", "-W", "2"];
+    args.extend_from_slice(extra);
+    args.push(&dst);
+    bed.ping_output(i, &args)
+}
+
+fn ipv6_masquerades_outside_traffic_only(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let pings = RawObserver::start_v6(&bed.topo.ext, i32::from(IPPROTO_ICMPV6)).unwrap();
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    let seen = probe::tcp_probe(bed.pod(), outside_v6(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip_v6(), "TCP to the outside is masqueraded");
+    let seen = probe::udp_probe(bed.pod(), outside_v6(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip_v6(), "UDP to the outside is masqueraded");
+    let out = ping6(&bed, 0, &[], topology::EXT_ADDR_V6);
+    assert_success(&out);
+    wait_for(|| Ok(!pings.sources().is_empty())).unwrap();
+    assert_eq!(
+        pings.sources(),
+        [node_ip_v6()],
+        "and left with the node's address"
+    );
+
+    let cluster_local = SocketAddr::from((topology::CLUSTER_LOCAL_ADDR_V6, PORT));
+    let seen = probe::tcp_probe(bed.pod(), cluster_local, 0).unwrap();
+    assert_eq!(
+        seen.ip(),
+        pod_ip_v6(0),
+        "cluster-local keeps the pod address"
+    );
+    let seen = probe::udp_probe(bed.pod(), cluster_local, 0).unwrap();
+    assert_eq!(seen.ip(), pod_ip_v6(0));
+    assert_success(&ping6(&bed, 0, &[], topology::CLUSTER_LOCAL_ADDR_V6));
+    wait_for(|| Ok(pings.sources().len() == 2)).unwrap();
+    assert_eq!(
+        pings.sources()[1],
+        pod_ip_v6(0),
+        "ping to cluster-local keeps the pod address"
+    );
+    // IPv4 is masqueraded as before, beside it.
+    assert_masqueraded(&bed);
+}
+
+fn ipv6_two_pods_with_one_source_port_share_the_node_address(plane: Plane) {
+    let bed = Bed::with_pods(plane, IPV6_CONFIG, 2);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    let pods = &bed.topo.pods;
+    for probe in [probe::tcp_probe, probe::udp_probe] {
+        let a = probe(&pods[0], outside_v6(), 40000).unwrap();
+        let b = probe(&pods[1], outside_v6(), 40000).unwrap();
+        assert_eq!((a.ip(), b.ip()), (node_ip_v6(), node_ip_v6()));
+        assert_ne!(a.port(), b.port(), "two pods, one port each on the node");
+    }
+}
+
+fn ipv6_applies_a_config_change_live(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    let second = SocketAddr::from((topology::EXT_SECOND_ADDR_V6, PORT));
+    wait_for_udp_source(&bed, second, node_ip_v6());
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs: [10.0.0.0/8, 'fd00:10:244::/48', 'fd00:200::/64', '2001:db8:2::/64']\nresyncInterval: 1s\n",
+    )
+    .unwrap();
+    wait_for_udp_source(&bed, second, pod_ip_v6(0));
+    write_config(&bed.config, IPV6_CONFIG).unwrap();
+    wait_for_udp_source(&bed, second, node_ip_v6());
+}
+
+fn ipv6_connections_from_outside_keep_the_pod_address(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    let pod = topology::pod_addr_v6(0);
+    let in_pod = Observer::start(bed.pod(), &[pod], 9090).unwrap();
+    let client = SocketAddr::from((topology::ROUTABLE_CLIENT_ADDR_V6, 0));
+    // The handshake only completes if the pod's SYN-ACK leaves with the pod's own address.
+    let seen = probe::tcp_probe_from(&bed.topo.ext, client, (pod, 9090).into()).unwrap();
+    assert_eq!(seen.ip(), IpAddr::from(topology::ROUTABLE_CLIENT_ADDR_V6));
+    assert_eq!(
+        in_pod.sources(Proto::Tcp),
+        [IpAddr::from(topology::ROUTABLE_CLIENT_ADDR_V6)]
+    );
+    let seen = probe::tcp_probe(bed.pod(), outside_v6(), 0).unwrap();
+    assert_eq!(
+        seen.ip(),
+        node_ip_v6(),
+        "the pod's own connections are still masqueraded"
+    );
+}
+
+/// Packet-too-big errors from beyond the node reach the pod, which learns the path MTU.
+fn ipv6_path_mtu_discovery_works_through_the_translation(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    assert_path_mtu_discovery(&bed, topology::FAR_ADDR_V6.into());
+}
+
+fn ipv6_fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    assert_fragments_arrive_whole(&bed, topology::EXT_ADDR_V6.into());
+}
+
 macro_rules! cases {
     ($plane:ident: $($name:ident),* $(,)?) => {
         $(#[test] fn $name() { super::$name(super::Plane::$plane) })*
@@ -1452,6 +1604,12 @@ macro_rules! common_cases {
             sigterm_leaves_everything_and_cleanup_leaves_no_trace,
             once_applies_and_exits_and_status_reports,
             serves_metrics_health_and_readiness,
+            ipv6_masquerades_outside_traffic_only,
+            ipv6_two_pods_with_one_source_port_share_the_node_address,
+            ipv6_applies_a_config_change_live,
+            ipv6_connections_from_outside_keep_the_pod_address,
+            ipv6_path_mtu_discovery_works_through_the_translation,
+            ipv6_fragmented_datagrams_arrive_whole_both_ways,
         );
     };
 }
@@ -1489,6 +1647,7 @@ mod iptables_legacy {
     cases!(IptablesLegacy:
         retries_while_the_xtables_lock_is_held,
         masquerades_outside_traffic_only,
+        ipv6_masquerades_outside_traffic_only,
         applies_a_config_change_live,
         keeps_the_last_good_policy_on_an_invalid_config,
         sigterm_leaves_everything_and_cleanup_leaves_no_trace,

@@ -1,10 +1,12 @@
 //! Real traffic through the test bed: an outside server that records the source address of
 //! every TCP connection and UDP datagram it sees and answers with it, and clients that run
-//! inside a pod's namespace.
+//! inside a pod's namespace. Everything works over IPv4 and IPv6 alike: servers listen on both
+//! families, clients take the family of the address they are given, and addresses are reported
+//! as they are (an IPv4 peer is an `IpAddr::V4`, never an IPv4-mapped IPv6 address).
 
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Write as _},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -37,23 +39,32 @@ pub struct Observer {
 const POLL: Duration = Duration::from_millis(10);
 
 impl Observer {
-    /// Listens on `port` of every address in `addrs`. UDP binds each address on its own so
-    /// that replies leave from the address that was asked, which source-based routes rely on.
-    pub fn start(ns: &str, addrs: &[Ipv4Addr], port: u16) -> anyhow::Result<Observer> {
-        let addrs = addrs.to_vec();
+    /// Listens on `port`: TCP on every address of both families, UDP on each address in `addrs`
+    /// (IPv4, IPv6 or a mix) on its own, so that replies leave from the address that was asked,
+    /// which source-based routes rely on.
+    pub fn start<A: Copy + Into<IpAddr>>(
+        ns: &str,
+        addrs: &[A],
+        port: u16,
+    ) -> anyhow::Result<Observer> {
+        let addrs: Vec<IpAddr> = addrs.iter().map(|&a| a.into()).collect();
         let (tcp, udp) = netns::within(ns, move || {
-            let tcp = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).context("bind tcp")?;
+            let tcp = tcp_listeners(port, addrs.iter().any(IpAddr::is_ipv6))?;
             let udp = addrs
                 .iter()
-                .map(|a| UdpSocket::bind((*a, port)).context("bind udp"))
+                .map(|&a| {
+                    udp_socket((a, port).into()).with_context(|| format!("bind udp {a}:{port}"))
+                })
                 .collect::<anyhow::Result<Vec<_>>>()?;
             Ok((tcp, udp))
         })?;
-        tcp.set_nonblocking(true)?;
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut workers = Workers::default();
-        let tcp_seen = seen.clone();
-        workers.spawn(move || serve_tcp(&tcp, &tcp_seen));
+        for listener in tcp {
+            listener.set_nonblocking(true)?;
+            let tcp_seen = seen.clone();
+            workers.spawn(move || serve_tcp(&listener, &tcp_seen));
+        }
         for socket in udp {
             socket.set_read_timeout(Some(POLL))?;
             let udp_seen = seen.clone();
@@ -107,9 +118,60 @@ impl Observer {
     }
 }
 
+/// TCP listeners on `port` of every IPv4 and every IPv6 address, one socket per family. The
+/// IPv6 one is required only when `need_v6`; otherwise a namespace without IPv6 still serves
+/// IPv4.
+fn tcp_listeners(port: u16, need_v6: bool) -> anyhow::Result<Vec<TcpListener>> {
+    let mut listeners =
+        vec![tcp_listener((Ipv4Addr::UNSPECIFIED, port).into()).context("bind tcp 0.0.0.0")?];
+    match tcp_listener((Ipv6Addr::UNSPECIFIED, port).into()) {
+        Ok(listener) => listeners.push(listener),
+        Err(e) if need_v6 => return Err(e).context("bind tcp [::]"),
+        Err(_) => {}
+    }
+    Ok(listeners)
+}
+
+/// A listening TCP socket on `addr`; an IPv6 one takes IPv6 only, so that IPv4 has its own.
+fn tcp_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    // As `TcpListener::bind` does, which the listener replaces.
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(libc::SOMAXCONN)?;
+    Ok(socket.into())
+}
+
+/// A UDP socket bound to `addr`; an IPv6 one takes IPv6 only.
+fn udp_socket(addr: SocketAddr) -> std::io::Result<UdpSocket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, None)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+/// The unspecified address of `server`'s family, with `port`: where a client binds.
+fn any_addr_for(server: SocketAddr, port: u16) -> SocketAddr {
+    match server {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, port).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, port).into(),
+    }
+}
+
+/// `addr` with an IPv4-mapped IPv6 address turned back into IPv4.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
 fn serve_tcp(listener: &TcpListener, seen: &Mutex<Vec<Seen>>) {
     match listener.accept() {
         Ok((mut stream, peer)) => {
+            let peer = canonical(peer);
             seen.lock().unwrap().push(Seen {
                 proto: Proto::Tcp,
                 peer,
@@ -125,33 +187,42 @@ fn serve_tcp(listener: &TcpListener, seen: &Mutex<Vec<Seen>>) {
 fn serve_udp(socket: &UdpSocket, seen: &Mutex<Vec<Seen>>) {
     let mut buf = [0u8; 2048];
     if let Ok((_, peer)) = socket.recv_from(&mut buf) {
+        let seen_peer = canonical(peer);
         seen.lock().unwrap().push(Seen {
             proto: Proto::Udp,
-            peer,
+            peer: seen_peer,
         });
         // Without masquerading there may be no route back; the record above is what counts.
-        let _ = socket.send_to(format!("{peer}\n").as_bytes(), peer);
+        let _ = socket.send_to(format!("{seen_peer}\n").as_bytes(), peer);
     }
 }
 
 /// Connects from namespace `ns` to `server` and returns the source address the server reports
 /// having seen. `source_port` pins the client's port (0 = any).
 pub fn tcp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<SocketAddr> {
-    tcp_probe_from(ns, (Ipv4Addr::UNSPECIFIED, source_port).into(), server)
+    tcp_probe_from(ns, any_addr_for(server, source_port), server)
 }
 
-/// Like `tcp_probe`, from a chosen local address and port.
+/// Like `tcp_probe`, from a chosen local address and port. An unspecified source address (of
+/// either family) stands for the unspecified address of `server`'s family.
 pub fn tcp_probe_from(
     ns: &str,
     source: SocketAddr,
     server: SocketAddr,
 ) -> anyhow::Result<SocketAddr> {
+    let source = if source.ip().is_unspecified() {
+        any_addr_for(server, source.port())
+    } else {
+        source
+    };
     netns::within(ns, move || {
         let socket = Socket::new(Domain::for_address(server), Type::STREAM, None)?;
         // Tests reuse a source port across pods and runs; TIME_WAIT must not block that.
         socket.set_reuse_address(true)?;
-        if source != SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)) {
-            socket.bind(&source.into())?;
+        if source != any_addr_for(server, 0) {
+            socket
+                .bind(&source.into())
+                .with_context(|| format!("bind {source}"))?;
         }
         socket
             .connect_timeout(&server.into(), Duration::from_secs(3))
@@ -170,7 +241,7 @@ pub fn tcp_probe_from(
 /// reports, or an error if no reply comes back (as when the server has no route back).
 pub fn udp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<SocketAddr> {
     netns::within(ns, move || {
-        let socket = UdpSocket::bind(("0.0.0.0", source_port))?;
+        let socket = udp_socket(any_addr_for(server, source_port))?;
         socket.set_read_timeout(Some(Duration::from_secs(2)))?;
         socket.send_to(b"probe\n", server)?;
         let mut buf = [0u8; 128];
@@ -185,28 +256,41 @@ pub fn udp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Resu
 /// Sends one UDP datagram from namespace `ns` without waiting for a reply.
 pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
     netns::within(ns, move || {
-        let socket = UdpSocket::bind(("0.0.0.0", 0))?;
+        let socket = udp_socket(any_addr_for(server, 0))?;
         socket.send_to(b"probe\n", server)?;
         Ok(())
     })
 }
 
 /// Records the source address of every packet of one IP protocol that reaches a namespace
-/// (ICMP echo requests, GRE, ...), through a raw socket.
+/// (ICMP or ICMPv6 echo requests, GRE, ...), through a raw socket.
 pub struct RawObserver {
     seen: Arc<Mutex<Vec<IpAddr>>>,
     _workers: Workers,
 }
 
 const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_GRE: u8 = 47;
+pub const IPPROTO_ICMPV6: u8 = 58;
 
 impl RawObserver {
+    /// Observes IPv4 packets of `protocol`; for `IPPROTO_ICMP`, echo requests only.
     pub fn start(ns: &str, protocol: i32) -> anyhow::Result<RawObserver> {
+        Self::start_in(ns, Domain::IPV4, protocol)
+    }
+
+    /// Observes IPv6 packets of `protocol`; for `IPPROTO_ICMPV6`, echo requests only (not the
+    /// neighbour discovery that shares the protocol).
+    pub fn start_v6(ns: &str, protocol: i32) -> anyhow::Result<RawObserver> {
+        Self::start_in(ns, Domain::IPV6, protocol)
+    }
+
+    fn start_in(ns: &str, domain: Domain, protocol: i32) -> anyhow::Result<RawObserver> {
         let socket = netns::within(ns, move || {
             Ok(Socket::new(
-                Domain::IPV4,
+                domain,
                 Type::RAW,
                 Some(socket2::Protocol::from(protocol)),
             )?)
@@ -216,7 +300,12 @@ impl RawObserver {
         let mut workers = Workers::default();
         let recorded = seen.clone();
         workers.spawn(move || {
-            if let Some(src) = receive_source(&socket, protocol) {
+            let src = if domain == Domain::IPV6 {
+                receive_source_v6(&socket, protocol)
+            } else {
+                receive_source(&socket, protocol)
+            };
+            if let Some(src) = src {
                 recorded.lock().unwrap().push(src);
             }
         });
@@ -231,16 +320,22 @@ impl RawObserver {
     }
 }
 
-/// The source of the next packet on a raw socket, if it is one to record: for ICMP, only echo
-/// requests count.
-fn receive_source(socket: &Socket, protocol: i32) -> Option<IpAddr> {
+/// Receives one packet from a raw socket: its bytes and where it came from.
+fn receive(socket: &Socket) -> Option<(Vec<u8>, Option<SocketAddr>)> {
     let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 2048];
-    let n = socket.recv(&mut buf).ok()?;
-    // SAFETY: recv initialised the first n bytes.
-    let packet: Vec<u8> = buf[..n]
+    let (n, from) = socket.recv_from(&mut buf).ok()?;
+    // SAFETY: recv_from initialised the first n bytes.
+    let packet = buf[..n]
         .iter()
         .map(|b| unsafe { b.assume_init() })
         .collect();
+    Some((packet, from.as_socket()))
+}
+
+/// The source of the next packet on an IPv4 raw socket, if it is one to record: for ICMP, only
+/// echo requests count.
+fn receive_source(socket: &Socket, protocol: i32) -> Option<IpAddr> {
+    let (packet, _) = receive(socket)?;
     if packet.len() < 21 {
         return None;
     }
@@ -254,38 +349,62 @@ fn receive_source(socket: &Socket, protocol: i32) -> Option<IpAddr> {
     ]))
 }
 
+/// The source of the next packet on an IPv6 raw socket, if it is one to record: for ICMPv6,
+/// only echo requests count. An IPv6 raw socket returns the payload without the IPv6 header,
+/// so the source is the address the packet was received from.
+fn receive_source_v6(socket: &Socket, protocol: i32) -> Option<IpAddr> {
+    let (payload, from) = receive(socket)?;
+    let is_icmpv6 = protocol == i32::from(IPPROTO_ICMPV6);
+    if is_icmpv6 && payload.first() != Some(&ICMPV6_ECHO_REQUEST) {
+        return None;
+    }
+    from.map(|from| from.ip().to_canonical())
+}
+
 /// Sends one raw IP packet of `protocol` from namespace `ns` to `dst`.
 pub fn raw_send(ns: &str, protocol: i32, dst: Ipv4Addr, payload: &[u8]) -> anyhow::Result<()> {
+    raw_send_to(ns, protocol, dst.into(), payload)
+}
+
+/// Sends one raw IPv6 packet of `protocol` (`payload` follows the IPv6 header the kernel
+/// builds) from namespace `ns` to `dst`. For ICMPv6 the kernel fills in the checksum.
+pub fn raw_send_v6(ns: &str, protocol: i32, dst: Ipv6Addr, payload: &[u8]) -> anyhow::Result<()> {
+    raw_send_to(ns, protocol, dst.into(), payload)
+}
+
+fn raw_send_to(ns: &str, protocol: i32, dst: IpAddr, payload: &[u8]) -> anyhow::Result<()> {
     let payload = payload.to_vec();
     netns::within(ns, move || {
+        let dst = SocketAddr::from((dst, 0));
         let socket = Socket::new(
-            Domain::IPV4,
+            Domain::for_address(dst),
             Type::RAW,
             Some(socket2::Protocol::from(protocol)),
         )?;
-        socket.send_to(&payload, &SocketAddr::from((dst, 0)).into())?;
+        socket.send_to(&payload, &dst.into())?;
         Ok(())
     })
 }
 
-/// A TCP server that reads each connection to its end and answers with the byte count.
+/// A TCP server, on every IPv4 and IPv6 address, that reads each connection to its end and
+/// answers with the byte count.
 pub struct BulkSink {
     _workers: Workers,
 }
 
 impl BulkSink {
     pub fn start(ns: &str, port: u16) -> anyhow::Result<BulkSink> {
-        let listener = netns::within(ns, move || {
-            Ok(TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))?)
-        })?;
-        listener.set_nonblocking(true)?;
+        let listeners = netns::within(ns, move || tcp_listeners(port, false))?;
         let mut workers = Workers::default();
-        workers.spawn(move || match listener.accept() {
-            Ok((stream, _)) => {
-                std::thread::spawn(move || drain_and_answer(stream));
-            }
-            Err(_) => std::thread::sleep(POLL),
-        });
+        for listener in listeners {
+            listener.set_nonblocking(true)?;
+            workers.spawn(move || match listener.accept() {
+                Ok((stream, _)) => {
+                    std::thread::spawn(move || drain_and_answer(stream));
+                }
+                Err(_) => std::thread::sleep(POLL),
+            });
+        }
         Ok(BulkSink { _workers: workers })
     }
 }

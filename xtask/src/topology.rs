@@ -1,4 +1,5 @@
-//! The test topology of design.md §4, made of network namespaces with unique names:
+//! The test topology of design.md §4, made of network namespaces with unique names. Every link
+//! is dual-stack:
 //!
 //! ```text
 //!  pod<i> 10.244.<i>.2 ──veth── node ──veth── ext 203.0.113.10 ──veth (MTU 1280)── far 192.0.2.20
@@ -6,16 +7,24 @@
 //!                                                        + 10.200.0.10     (cluster-local)
 //!                                                        + 169.254.169.254 (link-local)
 //!                                                        + 203.0.113.20    (a routable client)
+//!
+//!  pod<i> fd00:10:244:<i+1>::2 ──veth── node ──veth── ext 2001:db8:1::10 ──veth (MTU 1280)── far 2001:db8:3::20
+//!               fd00:10:244:<i+1>::1  eth0 2001:db8:1::1   + 2001:db8:2::10 (outside, no route back)
+//!                                                          + fd00:200::10   (cluster-local)
+//!                                                          + 2001:db8:1::20 (a routable client)
 //! ```
 //!
-//! The outside server has no route to the pod CIDR, so a reply only arrives when the node
-//! masquerades. Its cluster-local, link-local and routable-client addresses answer from a routing
-//! table that does route back to the pods. `far` sits behind a narrower link, so path-MTU
-//! discovery toward it depends on ICMP errors from `ext`. Dropping a `Topology` deletes every
-//! namespace it made, which also removes their links and iptables state, and its bpffs directory.
+//! The outside server has no route to the pod CIDRs (10.244.0.0/16, fd00:10:244::/48), so a
+//! reply only arrives when the node masquerades. Its cluster-local, link-local and
+//! routable-client addresses answer from a routing table that does route back to the pods (there
+//! is no IPv6 link-local case: fe80::/10 does not cross routers). `far` sits behind a narrower
+//! link, so path-MTU discovery toward it depends on ICMP and ICMPv6 errors from `ext`. IPv6
+//! addresses skip duplicate address detection, so they are usable at once. Dropping a `Topology`
+//! deletes every namespace it made, which also removes their links and iptables state, and its
+//! bpffs directory.
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -42,6 +51,23 @@ pub const FAR_LINK_MTU: u32 = 1280;
 pub const UPLINK_IF: &str = "eth0";
 const CLUSTER_LOCAL_TABLE: &str = "100";
 
+/// The pods' IPv6 prefix: pod `i` lives in `fd00:10:244:<i+1>::/64`.
+pub const POD_PREFIX_V6: &str = "fd00:10:244::/48";
+/// The IPv6 CIDR that holds `CLUSTER_LOCAL_ADDR_V6`, for non-masquerade configs.
+pub const CLUSTER_LOCAL_CIDR_V6: &str = "fd00:200::/64";
+pub const NODE_UPLINK_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);
+pub const EXT_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x10);
+/// Outside, with no route back to the pods.
+pub const EXT_SECOND_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x10);
+/// Inside `CLUSTER_LOCAL_CIDR_V6`, with a route back to the pods.
+pub const CLUSTER_LOCAL_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 0x10);
+/// An outside address with a route back to the pods, to open connections toward them. It sits
+/// on the uplink's subnet, so unlike the other extra addresses it is on `ext`'s `eth0`, not on
+/// `lo`: neighbour discovery only answers for addresses of the interface asked.
+pub const ROUTABLE_CLIENT_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x20);
+pub const EXT_FAR_SIDE_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 1);
+pub const FAR_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 0x20);
+
 static NEXT_ID: AtomicU32 = AtomicU32::new(0);
 
 /// Every address of the outside host.
@@ -55,12 +81,31 @@ pub const EXT_ADDRS: [Ipv4Addr; 5] = [
 /// The outside addresses that have a route back to the pods.
 const ROUTES_BACK: [Ipv4Addr; 3] = [CLUSTER_LOCAL_ADDR, LINK_LOCAL_ADDR, ROUTABLE_CLIENT_ADDR];
 
+/// Every IPv6 address of the outside host.
+pub const EXT_ADDRS_V6: [Ipv6Addr; 4] = [
+    EXT_ADDR_V6,
+    EXT_SECOND_ADDR_V6,
+    CLUSTER_LOCAL_ADDR_V6,
+    ROUTABLE_CLIENT_ADDR_V6,
+];
+/// The outside IPv6 addresses that have a route back to the pods.
+const ROUTES_BACK_V6: [Ipv6Addr; 2] = [CLUSTER_LOCAL_ADDR_V6, ROUTABLE_CLIENT_ADDR_V6];
+
 pub fn pod_addr(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, (i + 1) as u8, 2)
 }
 
 fn pod_gateway(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, (i + 1) as u8, 1)
+}
+
+/// Pod `i`'s IPv6 address, `fd00:10:244:<i+1>::2`.
+pub fn pod_addr_v6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, (i + 1) as u16, 0, 0, 0, 2)
+}
+
+fn pod_gateway_v6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, (i + 1) as u16, 0, 0, 0, 1)
 }
 
 pub struct Topology {
@@ -111,6 +156,26 @@ impl Topology {
             ext,
             &format!("route add 10.244.0.0/16 via {NODE_UPLINK} table {CLUSTER_LOCAL_TABLE}"),
         )?;
+
+        ip(
+            node,
+            &format!("-6 addr add {NODE_UPLINK_V6}/64 dev {UPLINK_IF} nodad"),
+        )?;
+        ip(ext, &format!("-6 addr add {EXT_ADDR_V6}/64 dev eth0 nodad"))?;
+        // Deprecated, so that `ext` never picks it as the source of its own packets (ICMPv6
+        // errors, say), which the longest-prefix rule would otherwise prefer; it still answers
+        // and may be bound.
+        ip(
+            ext,
+            &format!("-6 addr add {ROUTABLE_CLIENT_ADDR_V6}/128 dev eth0 nodad preferred_lft 0"),
+        )?;
+        ip(node, &format!("-6 route add default via {EXT_ADDR_V6}"))?;
+        ip(
+            ext,
+            &format!(
+                "-6 route add {POD_PREFIX_V6} via {NODE_UPLINK_V6} table {CLUSTER_LOCAL_TABLE}"
+            ),
+        )?;
         Ok(())
     }
 
@@ -121,12 +186,32 @@ impl Topology {
     fn build(&self) -> anyhow::Result<()> {
         for ns in self.namespaces() {
             run("ip", &["netns", "add", ns])?;
+            // Before any link exists, so that every link (also a recreated uplink) inherits
+            // `default`: IPv6 on, addresses usable at once (no duplicate address detection), no
+            // autoconfiguration.
+            let mut settings = vec![
+                "net.ipv4.conf.all.rp_filter=0".to_string(),
+                "net.ipv4.conf.default.rp_filter=0".to_string(),
+                "net.ipv6.conf.lo.disable_ipv6=0".to_string(),
+            ];
+            for conf in ["all", "default"] {
+                for setting in ["disable_ipv6=0", "accept_dad=0", "accept_ra=0"] {
+                    settings.push(format!("net.ipv6.conf.{conf}.{setting}"));
+                }
+            }
+            sysctls(ns, &settings)?;
             ip(ns, "link set lo up")?;
-            sysctl(ns, "net.ipv4.conf.all.rp_filter", "0")?;
-            sysctl(ns, "net.ipv4.conf.default.rp_filter", "0")?;
         }
-        sysctl(&self.node, "net.ipv4.ip_forward", "1")?;
-        sysctl(&self.ext, "net.ipv4.ip_forward", "1")?;
+        for router in [&self.node, &self.ext] {
+            sysctls(
+                router,
+                &[
+                    "net.ipv4.ip_forward=1",
+                    "net.ipv6.conf.all.forwarding=1",
+                    "net.ipv6.conf.default.forwarding=1",
+                ],
+            )?;
+        }
         let (node, ext, far) = (&self.node, &self.ext, &self.far);
 
         for extra in &EXT_ADDRS[1..] {
@@ -139,6 +224,15 @@ impl Topology {
                 &format!("rule add from {addr} lookup {CLUSTER_LOCAL_TABLE}"),
             )?;
         }
+        for extra in [EXT_SECOND_ADDR_V6, CLUSTER_LOCAL_ADDR_V6] {
+            ip(ext, &format!("-6 addr add {extra}/128 dev lo nodad"))?;
+        }
+        for addr in ROUTES_BACK_V6 {
+            ip(
+                ext,
+                &format!("-6 rule add from {addr} lookup {CLUSTER_LOCAL_TABLE}"),
+            )?;
+        }
         self.connect_uplink()?;
 
         veth(ext, "far0", far, "eth0")?;
@@ -147,6 +241,12 @@ impl Topology {
         ip(ext, &format!("addr add {EXT_FAR_SIDE}/24 dev far0"))?;
         ip(far, &format!("addr add {FAR_ADDR}/24 dev eth0"))?;
         ip(far, &format!("route add default via {EXT_FAR_SIDE}"))?;
+        ip(
+            ext,
+            &format!("-6 addr add {EXT_FAR_SIDE_V6}/64 dev far0 nodad"),
+        )?;
+        ip(far, &format!("-6 addr add {FAR_ADDR_V6}/64 dev eth0 nodad"))?;
+        ip(far, &format!("-6 route add default via {EXT_FAR_SIDE_V6}"))?;
 
         for (i, pod) in self.pods.iter().enumerate() {
             let node_if = format!("pod{i}");
@@ -157,6 +257,18 @@ impl Topology {
             )?;
             ip(pod, &format!("addr add {}/24 dev eth0", pod_addr(i)))?;
             ip(pod, &format!("route add default via {}", pod_gateway(i)))?;
+            ip(
+                node,
+                &format!("-6 addr add {}/64 dev {node_if} nodad", pod_gateway_v6(i)),
+            )?;
+            ip(
+                pod,
+                &format!("-6 addr add {}/64 dev eth0 nodad", pod_addr_v6(i)),
+            )?;
+            ip(
+                pod,
+                &format!("-6 route add default via {}", pod_gateway_v6(i)),
+            )?;
         }
         Ok(())
     }
@@ -285,8 +397,11 @@ fn ip(ns: &str, command: &str) -> anyhow::Result<String> {
     run("ip", &args)
 }
 
-fn sysctl(ns: &str, key: &str, value: &str) -> anyhow::Result<()> {
-    run_in(ns, "sysctl", &["-qw", &format!("{key}={value}")]).map(drop)
+/// Sets `key=value` settings in namespace `ns`, with one `sysctl` run.
+fn sysctls(ns: &str, settings: &[impl AsRef<str>]) -> anyhow::Result<()> {
+    let mut args = vec!["-qw"];
+    args.extend(settings.iter().map(AsRef::as_ref));
+    run_in(ns, "sysctl", &args).map(drop)
 }
 
 /// A veth pair with one end in each namespace, both up. Created directly inside the namespaces,
@@ -341,4 +456,81 @@ fn ensure_bpffs() -> anyhow::Result<()> {
         run("mount", &["-t", "bpf", "bpf", BPFFS_ROOT])?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, SocketAddr};
+
+    use super::*;
+    use crate::probe::{self, IPPROTO_ICMPV6, Observer, Proto, RawObserver};
+
+    fn ping6(ns: &str, from: Option<Ipv6Addr>, dst: Ipv6Addr) -> bool {
+        let mut cmd = command_in(ns, "ping");
+        cmd.args(["-6", "-c1", "-W1"]);
+        if let Some(from) = from {
+            cmd.args(["-I", &from.to_string()]);
+        }
+        cmd.arg(dst.to_string()).output().unwrap().status.success()
+    }
+
+    /// Over IPv6 as over IPv4, only the addresses meant to route back to the pods answer them,
+    /// and the probes report the real sources of both families.
+    #[test]
+    fn dual_stack_bed_routes_back_only_where_intended() {
+        let topo = Topology::new(1).unwrap();
+        let pod = &topo.pods[0];
+        for ns in topo.namespaces() {
+            let addrs = run("ip", &["-n", ns, "-6", "addr"]).unwrap();
+            assert!(!addrs.contains("tentative"), "{ns}: {addrs}");
+        }
+        assert!(!ping6(pod, None, EXT_ADDR_V6), "ext must not route back");
+        assert!(ping6(pod, None, CLUSTER_LOCAL_ADDR_V6));
+        assert!(ping6(
+            &topo.ext,
+            Some(ROUTABLE_CLIENT_ADDR_V6),
+            pod_addr_v6(0)
+        ));
+
+        let mut addrs: Vec<IpAddr> = EXT_ADDRS.iter().map(|&a| a.into()).collect();
+        addrs.extend(EXT_ADDRS_V6.iter().map(|&a| IpAddr::from(a)));
+        let server = Observer::start(&topo.ext, &addrs, 7777).unwrap();
+        let cluster_local = SocketAddr::from((CLUSTER_LOCAL_ADDR_V6, 7777));
+        let pod_v6 = SocketAddr::from((pod_addr_v6(0), 4242));
+        assert_eq!(probe::udp_probe(pod, cluster_local, 4242).unwrap(), pod_v6);
+        assert_eq!(probe::tcp_probe(pod, cluster_local, 4242).unwrap(), pod_v6);
+        let v4 = SocketAddr::from((CLUSTER_LOCAL_ADDR, 7777));
+        assert_eq!(probe::tcp_probe(pod, v4, 0).unwrap().ip(), pod_addr(0));
+        assert_eq!(
+            server.sources(Proto::Tcp),
+            [IpAddr::from(pod_addr_v6(0)), pod_addr(0).into()]
+        );
+
+        let in_pod = Observer::start(pod, &[pod_addr_v6(0)], 9090).unwrap();
+        let client = SocketAddr::from((ROUTABLE_CLIENT_ADDR_V6, 0));
+        let got = probe::tcp_probe_from(&topo.ext, client, (pod_addr_v6(0), 9090).into());
+        assert_eq!(got.unwrap().ip(), ROUTABLE_CLIENT_ADDR_V6);
+        assert_eq!(in_pod.sources(Proto::Tcp), [ROUTABLE_CLIENT_ADDR_V6]);
+
+        let pings = RawObserver::start_v6(&topo.ext, i32::from(IPPROTO_ICMPV6)).unwrap();
+        let icmpv6 = i32::from(IPPROTO_ICMPV6);
+        // An echo reply, then an echo request: only the request counts.
+        probe::raw_send_v6(
+            pod,
+            icmpv6,
+            CLUSTER_LOCAL_ADDR_V6,
+            &[129, 0, 0, 0, 0, 1, 0, 1],
+        )
+        .unwrap();
+        probe::raw_send_v6(
+            pod,
+            icmpv6,
+            CLUSTER_LOCAL_ADDR_V6,
+            &[128, 0, 0, 0, 0, 1, 0, 2],
+        )
+        .unwrap();
+        crate::wait_for(|| Ok(!pings.sources().is_empty())).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(pings.sources(), [pod_addr_v6(0)]);
+    }
 }
