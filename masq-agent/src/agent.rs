@@ -88,6 +88,7 @@ fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
         port_spans: ports::nat_port_spans(flags.to_ports.as_ref(), netdev::ephemeral_port_range()?),
         random_fully: flags.random_fully,
         masquerade: masquerade_options(flags),
+        enable_ipv6: flags.enable_ipv6,
     })
 }
 

@@ -1,7 +1,7 @@
 //! What the agent needs to know about the node's network devices, read from the kernel of the
 //! network namespace the agent runs in.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, bail};
 
@@ -12,6 +12,8 @@ pub struct Device {
     pub index: u32,
     /// The primary IPv4 address: masqueraded packets leave with it as their source.
     pub ipv4: Ipv4Addr,
+    /// The first global IPv6 address, which masqueraded IPv6 packets leave with.
+    pub ipv6: Option<Ipv6Addr>,
 }
 
 /// The devices that hold an IPv4 default route (`/proc/net/route`), in table order.
@@ -35,22 +37,37 @@ pub fn default_route_devices() -> anyhow::Result<Vec<String>> {
 pub fn device(name: &str) -> anyhow::Result<Device> {
     let index = nix::net::if_::if_nametoindex(name)
         .with_context(|| format!("interface {name} does not exist"))?;
-    let Some(ipv4) = primary_ipv4(name)? else {
+    let addrs: Vec<nix::ifaddrs::InterfaceAddress> = nix::ifaddrs::getifaddrs()
+        .context("getifaddrs")?
+        .filter(|a| a.interface_name == name)
+        .collect();
+    // The first address the kernel lists is the primary one.
+    let Some(ipv4) = addrs
+        .iter()
+        .find_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+    else {
         bail!("interface {name} has no IPv4 address to masquerade to");
     };
+    let ipv6 = addrs
+        .iter()
+        .filter_map(|a| a.address?.as_sockaddr_in6().map(|s| s.ip()))
+        .find(is_global_ipv6);
     Ok(Device {
         name: name.to_string(),
         index,
         ipv4,
+        ipv6,
     })
 }
 
-/// The first IPv4 address the kernel lists for `name`: its primary address.
-fn primary_ipv4(name: &str) -> anyhow::Result<Option<Ipv4Addr>> {
-    let addrs = nix::ifaddrs::getifaddrs().context("getifaddrs")?;
-    Ok(addrs
-        .filter(|a| a.interface_name == name)
-        .find_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip())))
+/// An address other hosts can reply to from beyond the link: not link-local, loopback,
+/// multicast or unspecified. Unique local addresses count, as they do for the kernel's
+/// source address selection.
+fn is_global_ipv6(addr: &Ipv6Addr) -> bool {
+    !(addr.is_unspecified()
+        || addr.is_loopback()
+        || addr.is_multicast()
+        || addr.is_unicast_link_local())
 }
 
 /// The node's ephemeral port range (`net.ipv4.ip_local_port_range`).

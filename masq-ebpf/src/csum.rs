@@ -8,12 +8,17 @@
 //! share one order.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     programs::TcContext,
 };
-use masq_ebpf::IPPROTO_UDP;
+use masq_ebpf::{Address, IPPROTO_UDP};
 
-use crate::parse::{IPV4_CSUM_OFF, Ipv4Header};
+use crate::parse::Packet;
+
+/// Where the IPv4 header checksum sits in the header; the addresses follow it.
+const IPV4_CSUM_OFF: usize = 10;
+const IPV6_SADDR_OFF: usize = 8;
+const IPV6_DADDR_OFF: usize = 24;
 
 /// Bits of `bpf_l4_csum_replace`'s flags that hold the field size.
 const SIZE_4: u64 = 4;
@@ -30,7 +35,7 @@ fn l4_flags(proto: u8) -> u64 {
     }
 }
 
-/// Which address of an IPv4 header a translation rewrites.
+/// Which address of an IP header a translation rewrites.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum AddrField {
     Source,
@@ -39,7 +44,7 @@ pub enum AddrField {
 
 impl AddrField {
     #[inline(always)]
-    pub fn of(self, ip: &Ipv4Header) -> [u8; 4] {
+    pub fn of<A: Copy>(self, ip: &Packet<A>) -> A {
         match self {
             AddrField::Source => ip.saddr,
             AddrField::Destination => ip.daddr,
@@ -65,14 +70,14 @@ struct ChecksumAndAddresses {
 #[inline(always)]
 pub fn rewrite_ipv4_addr(
     ctx: &TcContext,
-    ip: &Ipv4Header,
+    ip: &Packet<[u8; 4]>,
     field: AddrField,
     new: [u8; 4],
     l4_csum_off: Option<(usize, u8)>,
 ) -> Result<(), i64> {
     let old = field.of(ip);
     let mut header = ChecksumAndAddresses {
-        check: replace_dword(ip.check, old, new),
+        check: replace_dword(ip.ip_check, old, new),
         saddr: ip.saddr,
         daddr: ip.daddr,
     };
@@ -81,14 +86,94 @@ pub fn rewrite_ipv4_addr(
         AddrField::Destination => header.daddr = new,
     }
     if let Some((csum_off, proto)) = l4_csum_off {
-        ctx.l4_csum_replace(
-            csum_off,
-            u32::from_ne_bytes(old) as u64,
-            u32::from_ne_bytes(new) as u64,
-            BPF_F_PSEUDO_HDR as u64 | l4_flags(proto) | SIZE_4,
-        )?;
+        replace_pseudo_header_dword(ctx, csum_off, proto, old, new)?;
     }
-    ctx.store(IPV4_CSUM_OFF, &header, 0)
+    ctx.store(ip.ip_off + IPV4_CSUM_OFF, &header, 0)
+}
+
+/// Rewrites one address of the IPv6 header `ip` to `new`, and, when `l4_csum_off` is given,
+/// the L4 checksum whose pseudo-header covers it (ICMPv6's too).
+///
+/// With no header checksum to balance it, the address change alters the packet's sum: under
+/// `CHECKSUM_COMPLETE` the store must carry it into `skb->csum`, which the pseudo-header update
+/// of the L4 checksum moves the other way (the kernel's `BPF_F_IPV6` does the same, but only
+/// on kernels from 6.16).
+#[inline(always)]
+pub fn rewrite_ipv6_addr(
+    ctx: &TcContext,
+    ip: &Packet<[u8; 16]>,
+    field: AddrField,
+    new: [u8; 16],
+    l4_csum_off: Option<(usize, u8)>,
+) -> Result<(), i64> {
+    let addr_off = ip.ip_off
+        + match field {
+            AddrField::Source => IPV6_SADDR_OFF,
+            AddrField::Destination => IPV6_DADDR_OFF,
+        };
+    let l4_csum = l4_csum_off.map(|(off, proto)| L4Checksum { off, proto });
+    match store_ipv6_addr(ctx, addr_off, &field.of(ip), &new, l4_csum.as_ref()) {
+        0 => Ok(()),
+        err => Err(err),
+    }
+}
+
+/// Where an L4 checksum sits, and whose it is.
+#[derive(Clone, Copy)]
+pub struct L4Checksum {
+    off: usize,
+    proto: u8,
+}
+
+/// A function of its own, called with references and returning the helpers' error code (a
+/// BPF function takes five registers, and nothing on the stack): sixteen-byte addresses copied
+/// around inline would overflow the programs' 512-byte stack.
+#[inline(never)]
+fn store_ipv6_addr(
+    ctx: &TcContext,
+    addr_off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    l4_csum: Option<&L4Checksum>,
+) -> i64 {
+    if let Some(csum) = l4_csum {
+        for i in 0..4 {
+            let (old_word, new_word) = (dword(old, i), dword(new, i));
+            if old_word != new_word
+                && let Err(err) =
+                    replace_pseudo_header_dword(ctx, csum.off, csum.proto, old_word, new_word)
+            {
+                return err;
+            }
+        }
+    }
+    ctx.store(addr_off, new, BPF_F_RECOMPUTE_CSUM as u64)
+        .err()
+        .unwrap_or(0)
+}
+
+/// The `i`-th 32-bit word of `addr`.
+#[inline(always)]
+fn dword<A: Address>(addr: &A, i: usize) -> [u8; 4] {
+    let bytes = addr.as_ref();
+    let at = |j: usize| bytes.get(4 * i + j).copied().unwrap_or(0);
+    [at(0), at(1), at(2), at(3)]
+}
+
+#[inline(always)]
+fn replace_pseudo_header_dword(
+    ctx: &TcContext,
+    csum_off: usize,
+    proto: u8,
+    old: [u8; 4],
+    new: [u8; 4],
+) -> Result<(), i64> {
+    ctx.l4_csum_replace(
+        csum_off,
+        u32::from_ne_bytes(old) as u64,
+        u32::from_ne_bytes(new) as u64,
+        BPF_F_PSEUDO_HDR as u64 | l4_flags(proto) | SIZE_4,
+    )
 }
 
 /// Rewrites a 16-bit L4 field (a port or an ICMP echo identifier) covered by the L4 checksum at
@@ -111,6 +196,15 @@ pub fn rewrite_l4_word(
 pub fn replace_word(check: u16, old: u16, new: u16) -> u16 {
     let sum = (!check as u32) + (!old as u32) + (new as u32);
     !fold(sum)
+}
+
+/// The checksum after an address in the covered data changed.
+#[inline(always)]
+pub fn replace_addr<A: Address>(mut check: u16, old: A, new: A) -> u16 {
+    for i in 0..A::BITS as usize / 32 {
+        check = replace_dword(check, dword(&old, i), dword(&new, i));
+    }
+    check
 }
 
 /// The checksum after a 32-bit value of the covered data changed.

@@ -4,18 +4,19 @@
 //! the change). Conntrack on the node reassembles what it forwards and splits it again on the
 //! way out, so fragments leave first fragment first.
 
-use masq_ebpf::FragmentKeyV4;
+use masq_ebpf::FragmentKey;
 
-use crate::{maps, parse::Ipv4Header};
+use crate::{family::Family, parse::Packet};
 
 #[inline(always)]
-fn key(ip: &Ipv4Header, dir: u8) -> FragmentKeyV4 {
-    FragmentKeyV4 {
+fn key<A: Copy>(ip: &Packet<A>, dir: u8) -> FragmentKey<A> {
+    FragmentKey {
         saddr: ip.saddr,
         daddr: ip.daddr,
-        id: ip.id,
-        proto: ip.protocol,
+        id: ip.fragment.id,
+        proto: ip.proto,
         direction: dir,
+        _pad: [0; 2],
     }
 }
 
@@ -23,18 +24,18 @@ fn key(ip: &Ipv4Header, dir: u8) -> FragmentKeyV4 {
 /// the new source on egress, the new destination on ingress (or the old one, for datagrams
 /// left as they are).
 #[inline(always)]
-pub fn remember(ip: &Ipv4Header, dir: u8, addr: [u8; 4]) {
-    if ip.is_first_fragment() {
+pub fn remember<F: Family>(ip: &Packet<F::Addr>, dir: u8, addr: F::Addr) {
+    if ip.fragment.first {
         // A full table evicts the oldest datagram, whose fragments have long gone.
-        let _ = maps::FRAGMENTS_V4.insert(key(ip, dir), addr, 0);
+        let _ = F::fragments().insert(key(ip, dir), addr, 0);
     }
 }
 
 /// The address a later fragment takes, if its first fragment went through.
 #[inline(always)]
-pub fn recall(ip: &Ipv4Header, dir: u8) -> Option<[u8; 4]> {
+pub fn recall<F: Family>(ip: &Packet<F::Addr>, dir: u8) -> Option<F::Addr> {
     // SAFETY: the value is copied out at once.
-    maps::FRAGMENTS_V4
+    F::fragments()
         .get_ptr(key(ip, dir))
         .map(|addr| unsafe { *addr })
 }

@@ -10,7 +10,10 @@ pub mod map_names {
     /// Prefixes recently removed from `non_masq_v4`, with the time of their removal (seconds of
     /// CLOCK_MONOTONIC): TCP connections to them that started unmasqueraded stay that way.
     pub const DRAINING_V4: &str = "non_masq_draining_v4";
+    /// The same for `non_masq_v6`.
+    pub const DRAINING_V6: &str = "non_masq_draining_v6";
     pub const NAT_V4: &str = "nat_v4";
+    pub const NAT_V6: &str = "nat_v6";
     pub const INTERFACES: &str = "interfaces";
     pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
@@ -24,13 +27,16 @@ pub mod map_names {
     /// for the later ones, which carry no ports; an LRU, since a datagram lives milliseconds.
     /// Not pinned.
     pub const FRAGMENTS_V4: &str = "nat_fragments_v4";
+    pub const FRAGMENTS_V6: &str = "nat_fragments_v6";
 
     /// Every map the agent pins.
-    pub const PINNED: [&str; 8] = [
+    pub const PINNED: [&str; 10] = [
         NON_MASQ_V4,
         NON_MASQ_V6,
         DRAINING_V4,
+        DRAINING_V6,
         NAT_V4,
+        NAT_V6,
         INTERFACES,
         SETTINGS,
         COUNTERS,
@@ -91,6 +97,27 @@ pub const NON_MASQ_PRESENT: NonMasqValue = 1;
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ICMPV6: u8 = 58;
+
+/// An address as the maps hold it: `[u8; 4]` for IPv4, `[u8; 16]` for IPv6, in network order.
+/// The NAT table's key and entry types are written once, over this.
+pub trait Address: Copy + Default + Eq + core::hash::Hash + core::fmt::Debug + AsRef<[u8]> {
+    /// Bits in the address: the LPM key length of a host.
+    const BITS: u32;
+    /// The bytes that round a `NatEntry` of this address up to its alignment, declared so that
+    /// every byte the kernel copies is defined.
+    type EntryPad: Copy + Default + Eq + core::hash::Hash + core::fmt::Debug;
+}
+
+impl Address for [u8; 4] {
+    const BITS: u32 = 32;
+    type EntryPad = [u8; 0];
+}
+
+impl Address for [u8; 16] {
+    const BITS: u32 = 128;
+    type EntryPad = [u8; 4];
+}
 
 /// Which way a NAT table entry translates.
 pub mod direction {
@@ -105,9 +132,9 @@ pub mod direction {
 /// (`sport` on egress, `dport` on ingress) and the other port is 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct NatKeyV4 {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+pub struct NatKey<A> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
@@ -115,13 +142,16 @@ pub struct NatKeyV4 {
     pub _pad: [u8; 2],
 }
 
-impl NatKeyV4 {
+pub type NatKeyV4 = NatKey<[u8; 4]>;
+pub type NatKeyV6 = NatKey<[u8; 16]>;
+
+impl<A: Address> NatKey<A> {
     /// The key of the other half of the same flow, given this half's entry. An egress half
     /// rewrites the source to `(addr, port)`, so replies arrive addressed to it; an ingress half
     /// rewrites the destination back to `(addr, port)`, where the pod's packets come from.
-    pub const fn reverse(&self, entry: &NatEntryV4) -> NatKeyV4 {
+    pub fn reverse(&self, entry: &NatEntry<A>) -> NatKey<A> {
         if self.direction == direction::EGRESS {
-            NatKeyV4 {
+            NatKey {
                 saddr: self.daddr,
                 daddr: entry.addr,
                 sport: self.dport,
@@ -131,7 +161,7 @@ impl NatKeyV4 {
                 _pad: [0; 2],
             }
         } else {
-            NatKeyV4 {
+            NatKey {
                 saddr: entry.addr,
                 daddr: self.saddr,
                 sport: entry.port,
@@ -165,37 +195,45 @@ pub mod tcp_seen {
 /// One half of a translated flow.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NatEntryV4 {
+pub struct NatEntry<A: Address> {
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, refreshed at most once a second.
     pub last_seen_ns: u64,
-    pub addr: [u8; 4],
+    pub addr: A,
     pub port: u16,
     pub kind: u8,
     pub tcp_seen: u8,
+    pub _pad: A::EntryPad,
 }
+
+pub type NatEntryV4 = NatEntry<[u8; 4]>;
+pub type NatEntryV6 = NatEntry<[u8; 16]>;
 
 /// A fragmented datagram, as its fragments carry it: the IP header's addresses, identification
 /// and protocol, and the direction it crosses the node in.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FragmentKeyV4 {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
-    /// Network byte order.
-    pub id: u16,
+pub struct FragmentKey<A> {
+    pub saddr: A,
+    pub daddr: A,
+    /// As the header carries it, in network byte order: IPv4's 16 bits widened, IPv6's 32.
+    pub id: u32,
     pub proto: u8,
     pub direction: u8,
+    pub _pad: [u8; 2],
 }
 
 /// Datagrams whose fragments can be in flight at once.
 pub const FRAGMENTS_MAX_ENTRIES: u32 = 16_384;
 
-/// An interface the programs are attached to, keyed by ifindex.
+/// An interface the programs are attached to, keyed by ifindex: the addresses masqueraded
+/// packets leave it with.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct InterfaceV4 {
-    /// The primary IPv4 address: masqueraded packets leave with it as their source.
-    pub addr: [u8; 4],
+pub struct Interface {
+    /// The primary IPv4 address.
+    pub ipv4: [u8; 4],
+    /// The first global IPv6 address; all zeros (`::`) when IPv6 is not masqueraded here.
+    pub ipv6: [u8; 16],
 }
 
 pub const MAX_PORT_SPANS: usize = 8;
@@ -255,7 +293,8 @@ pub enum Counter {
     DropFragment,
     /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.
     DropRewriteFailed,
-    /// Packets not inspected: not IPv4, too short or malformed, or NAT not configured.
+    /// Packets not inspected: neither IPv4 nor IPv6, too short or malformed, or NAT not
+    /// configured for their family.
     NotInspected,
 }
 
@@ -307,6 +346,8 @@ mod pod {
     // SAFETY: all of these are #[repr(C)] plain data with explicit padding and no pointers.
     unsafe impl aya::Pod for super::NatKeyV4 {}
     unsafe impl aya::Pod for super::NatEntryV4 {}
-    unsafe impl aya::Pod for super::InterfaceV4 {}
+    unsafe impl aya::Pod for super::NatKeyV6 {}
+    unsafe impl aya::Pod for super::NatEntryV6 {}
+    unsafe impl aya::Pod for super::Interface {}
     unsafe impl aya::Pod for super::Settings {}
 }

@@ -5,6 +5,8 @@
 #[cfg(target_arch = "bpf")]
 mod csum;
 #[cfg(target_arch = "bpf")]
+mod family;
+#[cfg(target_arch = "bpf")]
 mod frag;
 #[cfg(target_arch = "bpf")]
 mod maps;
@@ -18,6 +20,9 @@ mod policy;
 mod ports;
 #[cfg(target_arch = "bpf")]
 mod programs;
+
+#[cfg(target_arch = "bpf")]
+mod verifier;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

@@ -5,10 +5,20 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use masq_ebpf::{
-    COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKeyV4, INTERFACES_MAX_ENTRIES,
-    InterfaceV4, NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntryV4,
-    NatKeyV4, NonMasqValue, Settings,
+    COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
+    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
+    NonMasqValue, Settings,
 };
+
+/// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
+/// is full, new flows are dropped and counted, and no live flow is ever evicted. The agent sets
+/// the size at load time.
+pub type NatTable<A> = HashMap<NatKey<A>, NatEntry<A>, { NAT_DEFAULT_ENTRIES as usize }>;
+/// What the first fragment of each datagram in flight became: the address its later fragments
+/// take.
+pub type FragmentTable<A> = LruHashMap<FragmentKey<A>, A, { FRAGMENTS_MAX_ENTRIES as usize }>;
+/// Prefixes recently removed from a non-masquerade trie, with the time of their removal.
+pub type DrainingTrie<A> = LpmTrie<A, u32, { NON_MASQ_MAX_ENTRIES as usize }>;
 
 #[btf_map(name = "non_masq_v4")]
 pub static NON_MASQ_V4: LpmTrie<[u8; 4], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
@@ -26,20 +36,25 @@ pub static NON_MASQ_CACHE_V4: PerCpuArray<u64, { NON_MASQ_CACHE_SLOTS as usize }
     PerCpuArray::new();
 
 #[btf_map(name = "non_masq_draining_v4")]
-pub static DRAINING_V4: LpmTrie<[u8; 4], u32, { NON_MASQ_MAX_ENTRIES as usize }> = LpmTrie::new();
+pub static DRAINING_V4: DrainingTrie<[u8; 4]> = LpmTrie::new();
 
-/// Both halves of every translated flow. A plain (not LRU) hash: when it is full, new flows are
-/// dropped and counted, and no live flow is ever evicted. The agent sets the size at load time.
+#[btf_map(name = "non_masq_draining_v6")]
+pub static DRAINING_V6: DrainingTrie<[u8; 16]> = LpmTrie::new();
+
 #[btf_map(name = "nat_v4")]
-pub static NAT_V4: HashMap<NatKeyV4, NatEntryV4, { NAT_DEFAULT_ENTRIES as usize }> = HashMap::new();
+pub static NAT_V4: NatTable<[u8; 4]> = HashMap::new();
 
-/// What the first fragment of a datagram became: the address its later fragments take.
+#[btf_map(name = "nat_v6")]
+pub static NAT_V6: NatTable<[u8; 16]> = HashMap::new();
+
 #[btf_map(name = "nat_fragments_v4")]
-pub static FRAGMENTS_V4: LruHashMap<FragmentKeyV4, [u8; 4], { FRAGMENTS_MAX_ENTRIES as usize }> =
-    LruHashMap::new();
+pub static FRAGMENTS_V4: FragmentTable<[u8; 4]> = LruHashMap::new();
+
+#[btf_map(name = "nat_fragments_v6")]
+pub static FRAGMENTS_V6: FragmentTable<[u8; 16]> = LruHashMap::new();
 
 #[btf_map(name = "interfaces")]
-pub static INTERFACES: HashMap<u32, InterfaceV4, { INTERFACES_MAX_ENTRIES as usize }> =
+pub static INTERFACES: HashMap<u32, Interface, { INTERFACES_MAX_ENTRIES as usize }> =
     HashMap::new();
 
 #[btf_map(name = "settings")]

@@ -1,11 +1,11 @@
-//! NAT state: the two halves of every translated flow in `nat_v4`, how they are created, found
-//! and kept fresh. The reply-direction half is created first, with `BPF_NOEXIST`, so two CPUs can
+//! NAT state: the two halves of every translated flow in `nat_v4` or `nat_v6`, how they are
+//! created, found and kept fresh. The reply-direction half is created first, with `BPF_NOEXIST`, so two CPUs can
 //! never hand the same port to two flows.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns};
-use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, Settings, nat_kind, tcp_seen};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, programs::TcContext};
+use masq_ebpf::{Address, Counter, NatEntry, NatKey, Settings, nat_kind, tcp_seen};
 
-use crate::{maps, ports};
+use crate::{family::Family, maps, ports, verifier};
 
 const EEXIST: i32 = -17;
 /// Entries are refreshed at most this often, to keep per-packet writes to shared cache lines
@@ -29,8 +29,8 @@ pub enum AllocError {
 /// A NAT table key. For ICMP echo, the identifier stands in the pod-side port and the other
 /// port is 0.
 #[inline(always)]
-pub fn key(saddr: [u8; 4], daddr: [u8; 4], proto: u8, sport: u16, dport: u16, dir: u8) -> NatKeyV4 {
-    NatKeyV4 {
+pub fn key<A>(saddr: A, daddr: A, proto: u8, sport: u16, dport: u16, dir: u8) -> NatKey<A> {
+    NatKey {
         saddr,
         daddr,
         sport,
@@ -62,13 +62,13 @@ pub fn tcp_progress(flags: u8) -> u8 {
 }
 
 #[inline(always)]
-pub fn lookup(key: &NatKeyV4) -> Option<*mut NatEntryV4> {
-    maps::NAT_V4.get_ptr_mut(key)
+pub fn lookup<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> {
+    F::nat().get_ptr_mut(key)
 }
 
 /// Records that the flow is alive, and how far a TCP connection has got.
 #[inline(always)]
-pub fn refresh(entry: *mut NatEntryV4, progress: u8) {
+pub fn refresh<A: Address>(entry: *mut NatEntry<A>, progress: u8) {
     // SAFETY: `entry` points into a map value; concurrent updates race benignly (both write a
     // recent time, flags only gain bits).
     unsafe {
@@ -84,52 +84,82 @@ pub fn refresh(entry: *mut NatEntryV4, progress: u8) {
 
 /// Gives a new egress flow a port on `node_addr`, creating both halves. Returns the egress half.
 #[inline(always)]
-pub fn create_snat(
-    egress_key: &NatKeyV4,
-    node_addr: [u8; 4],
+pub fn create_snat<F: Family>(
+    ctx: &TcContext,
+    egress_key: &NatKey<F::Addr>,
+    node_addr: F::Addr,
     settings: &Settings,
     progress: u8,
-) -> Result<NatEntryV4, AllocError> {
-    let now = now_ns();
-    let mut start = 0;
+) -> Result<NatEntry<F::Addr>, AllocError> {
+    let mut egress = NatEntry {
+        last_seen_ns: now_ns(),
+        addr: node_addr,
+        port: 0,
+        kind: nat_kind::SNAT,
+        tcp_seen: progress,
+        _pad: Default::default(),
+    };
+    match reserve_port::<F>(ctx, egress_key, &mut egress, settings) {
+        RESERVED => {
+            let ingress_key = egress_key.reverse(&egress);
+            publish_egress::<F>(egress_key, &ingress_key, egress)
+        }
+        PORTS_EXHAUSTED => {
+            maps::count(Counter::AllocationFailed);
+            Err(AllocError::PortsExhausted)
+        }
+        _ => Err(AllocError::TableFull),
+    }
+}
+
+const RESERVED: u32 = 0;
+const PORTS_EXHAUSTED: u32 = 1;
+const TABLE_FULL: u32 = 2;
+
+/// Finds `egress` a free port and reserves it by inserting the flow's reply half. A function
+/// of its own, taking references and returning a plain code: a BPF function gets five
+/// registers and no stack arguments, and its frame is not added to its callers' all at once.
+#[inline(never)]
+fn reserve_port<F: Family>(
+    ctx: &TcContext,
+    egress_key: &NatKey<F::Addr>,
+    egress: &mut NatEntry<F::Addr>,
+    settings: &Settings,
+) -> u32 {
+    // Each span a port may come from is a path of its own for the verifier, and every attempt
+    // would multiply them.
+    let start = verifier::forget(ctx, ports::first_offset(settings, egress_key.sport));
     for attempt in 0..ports::MAX_ATTEMPTS {
-        let port = ports::candidate(settings, egress_key.sport, attempt, &mut start);
-        let egress = NatEntryV4 {
-            last_seen_ns: now,
-            addr: node_addr,
-            port,
-            kind: nat_kind::SNAT,
-            tcp_seen: progress,
-        };
-        let ingress_key = egress_key.reverse(&egress);
-        let ingress = NatEntryV4 {
+        let port = ports::candidate(settings, start, attempt);
+        egress.port = verifier::forget(ctx, u32::from(port)) as u16;
+        let ingress_key = egress_key.reverse(egress);
+        let ingress = NatEntry {
             addr: egress_key.saddr,
             port: egress_key.sport,
-            ..egress
+            ..*egress
         };
-        match maps::NAT_V4.insert(ingress_key, ingress, BPF_NOEXIST as u64) {
-            Ok(()) => return publish_egress(egress_key, &ingress_key, egress),
+        match F::nat().insert(ingress_key, ingress, BPF_NOEXIST as u64) {
+            Ok(()) => return RESERVED,
             Err(EEXIST) => continue,
-            Err(_) => return Err(AllocError::TableFull),
+            Err(_) => return TABLE_FULL,
         }
     }
-    maps::count(Counter::AllocationFailed);
-    Err(AllocError::PortsExhausted)
+    PORTS_EXHAUSTED
 }
 
 /// Inserts the egress half once its port is reserved. If another CPU translated the same flow
 /// meanwhile, its translation wins and our reservation is released.
 #[inline(always)]
-fn publish_egress(
-    egress_key: &NatKeyV4,
-    ingress_key: &NatKeyV4,
-    egress: NatEntryV4,
-) -> Result<NatEntryV4, AllocError> {
-    match maps::NAT_V4.insert(egress_key, egress, BPF_NOEXIST as u64) {
+fn publish_egress<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    ingress_key: &NatKey<F::Addr>,
+    egress: NatEntry<F::Addr>,
+) -> Result<NatEntry<F::Addr>, AllocError> {
+    match F::nat().insert(egress_key, egress, BPF_NOEXIST as u64) {
         Ok(()) => Ok(egress),
         Err(err) => {
-            let _ = maps::NAT_V4.remove(ingress_key);
-            match (err, lookup(egress_key)) {
+            let _ = F::nat().remove(ingress_key);
+            match (err, lookup::<F>(egress_key)) {
                 // SAFETY: map value pointer from a successful lookup.
                 (EEXIST, Some(winner)) => Ok(unsafe { *winner }),
                 _ => Err(AllocError::TableFull),
@@ -142,33 +172,29 @@ fn publish_egress(
 /// connection opened from outside toward a pod, or one that started unmasqueraded before its
 /// destination left the non-masquerade CIDRs. Both halves are identity entries.
 #[inline(always)]
-pub fn track_passthrough(egress_key: &NatKeyV4, progress: u8) -> bool {
+pub fn track_passthrough<F: Family>(egress_key: &NatKey<F::Addr>, progress: u8) -> bool {
     let now = now_ns();
-    let egress = NatEntryV4 {
+    let egress = NatEntry {
         last_seen_ns: now,
         addr: egress_key.saddr,
         port: egress_key.sport,
         kind: nat_kind::PASSTHROUGH,
         tcp_seen: progress,
+        _pad: Default::default(),
     };
     let ingress_key = egress_key.reverse(&egress);
-    let ingress = NatEntryV4 {
+    let ingress = NatEntry {
         addr: ingress_key.daddr,
         port: ingress_key.dport,
         ..egress
     };
+    let nat = F::nat();
     // Egress half first: if the pod already has a masqueraded flow with this tuple, keep it.
-    if maps::NAT_V4
-        .insert(egress_key, egress, BPF_NOEXIST as u64)
-        .is_err()
-    {
+    if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {
         return false;
     }
-    if maps::NAT_V4
-        .insert(ingress_key, ingress, BPF_NOEXIST as u64)
-        .is_err()
-    {
-        let _ = maps::NAT_V4.remove(egress_key);
+    if nat.insert(ingress_key, ingress, BPF_NOEXIST as u64).is_err() {
+        let _ = nat.remove(egress_key);
         return false;
     }
     true
@@ -176,11 +202,11 @@ pub fn track_passthrough(egress_key: &NatKeyV4, progress: u8) -> bool {
 
 /// The pod-side tuple of a flow whose first packet came in as `ingress_key`.
 #[inline(always)]
-pub fn egress_key_of(ingress_key: &NatKeyV4) -> NatKeyV4 {
-    let identity = NatEntryV4 {
+pub fn egress_key_of<A: Address>(ingress_key: &NatKey<A>) -> NatKey<A> {
+    let identity = NatEntry {
         addr: ingress_key.daddr,
         port: ingress_key.dport,
-        ..NatEntryV4::default()
+        ..NatEntry::default()
     };
     ingress_key.reverse(&identity)
 }

@@ -6,17 +6,18 @@
 //! unshared at entry, translated or not, so all writes go through the store helpers instead.
 
 use aya_ebpf::programs::TcContext;
-use masq_ebpf::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
+use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::verifier;
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 /// Only option-less IPv4 headers are translated; packets with IP options pass untouched.
 pub const IPV4_HLEN: usize = 20;
-pub const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
-/// Where the L4 header starts, given an option-less IPv4 header.
-pub const L4_OFF: usize = ETH_HLEN + IPV4_HLEN;
 const IP_OFFSET: u16 = 0x1fff;
 const IP_MORE_FRAGMENTS: u16 = 0x2000;
+pub const IPV6_HLEN: usize = 40;
 
 pub const TCP_CSUM_OFF: usize = 16;
 pub const UDP_CSUM_OFF: usize = 6;
@@ -26,35 +27,81 @@ pub const ICMP_ECHO_REPLY: u8 = 0;
 pub const ICMP_DEST_UNREACH: u8 = 3;
 pub const ICMP_ECHO_REQUEST: u8 = 8;
 pub const ICMP_TIME_EXCEEDED: u8 = 11;
+pub const ICMPV6_DEST_UNREACH: u8 = 1;
+pub const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
+pub const ICMPV6_ECHO_REQUEST: u8 = 128;
+pub const ICMPV6_ECHO_REPLY: u8 = 129;
 const TCP_FLAGS_OFF: usize = 13;
+
+/// IPv6 extension headers that ip6tables' protocol match (`ipv6_find_hdr`) steps over, and so
+/// the programs too: what `-p tcp` matches in the chain is what they translate.
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+/// Extension headers walked before giving up on a packet; real traffic carries one or two.
+const MAX_EXTENSION_HEADERS: usize = 6;
 
 /// An option-less IPv4 header, as laid out on the wire.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct Ipv4Header {
-    pub version_ihl: u8,
-    pub tos: u8,
-    pub total_len: u16,
-    pub id: u16,
-    pub frag: u16,
-    pub ttl: u8,
-    pub protocol: u8,
-    pub check: u16,
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+struct Ipv4Header {
+    version_ihl: u8,
+    tos: u8,
+    total_len: u16,
+    id: u16,
+    frag: u16,
+    ttl: u8,
+    protocol: u8,
+    check: u16,
+    saddr: [u8; 4],
+    daddr: [u8; 4],
 }
 
-impl Ipv4Header {
-    /// A fragment other than the first carries no L4 header.
+/// The fixed IPv6 header, as laid out on the wire.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ipv6Header {
+    version_class_flow: [u8; 4],
+    payload_len: u16,
+    next_header: u8,
+    hop_limit: u8,
+    saddr: [u8; 16],
+    daddr: [u8; 16],
+}
+
+/// Where a packet stands in its datagram's fragmentation.
+#[derive(Clone, Copy)]
+pub struct Fragment {
+    /// The datagram's identification, in network byte order.
+    pub id: u32,
+    /// The first fragment carries the L4 header for all of them.
+    pub first: bool,
+    /// The later ones carry none.
+    pub later: bool,
+}
+
+/// What the translation needs of a packet's IP layer, whatever its family.
+#[derive(Clone, Copy)]
+pub struct Packet<A> {
+    /// Where the IP header starts.
+    pub ip_off: usize,
+    pub saddr: A,
+    pub daddr: A,
+    /// The L4 protocol, past IPv6's extension headers.
+    pub proto: u8,
+    /// Where the L4 header (in a later fragment: the payload) starts.
+    pub l4_off: usize,
+    /// IPv4's header checksum, which every address rewrite updates; IPv6 has none.
+    pub ip_check: u16,
+    pub fragment: Fragment,
+}
+
+impl<A> Packet<A> {
     #[inline(always)]
     pub fn is_later_fragment(&self) -> bool {
-        u16::from_be(self.frag) & IP_OFFSET != 0
-    }
-
-    /// The first fragment of a fragmented datagram: it carries the L4 header for all of them.
-    #[inline(always)]
-    pub fn is_first_fragment(&self) -> bool {
-        u16::from_be(self.frag) & (IP_MORE_FRAGMENTS | IP_OFFSET) == IP_MORE_FRAGMENTS
+        self.fragment.later
     }
 }
 
@@ -66,24 +113,143 @@ pub fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
         // SAFETY: the bytes lie within the linear data, checked just above.
         Some(unsafe { (start as *const T).read_unaligned() })
     } else {
-        ctx.load(offset).ok()
+        let mut value = core::mem::MaybeUninit::<T>::uninit();
+        // SAFETY: `load` fills `value` whole when it returns 0.
+        (load(ctx, offset, &mut value) == 0).then(|| unsafe { value.assume_init() })
     }
 }
 
-/// Parses an Ethernet frame carrying an option-less IPv4 header at offset `ETH_HLEN`.
-#[inline(always)]
-pub fn ipv4(ctx: &TcContext) -> Option<Ipv4Header> {
-    if u16::from_be(read::<u16>(ctx, 12)?) != ETH_P_IP {
-        return None;
+/// The rare path of `read`, a function of its own so that the helper's own buffer takes no
+/// room in every caller's stack frame. It fills `out` and returns the helper's code: a BPF
+/// function may not return a pointer to its caller's stack, which is how aggregates return.
+#[inline(never)]
+fn load<T: Copy>(ctx: &TcContext, offset: usize, out: &mut core::mem::MaybeUninit<T>) -> i64 {
+    match ctx.load::<T>(offset) {
+        Ok(value) => {
+            out.write(value);
+            0
+        }
+        Err(err) => err,
     }
-    ipv4_at(ctx, ETH_HLEN)
+}
+
+/// The furthest an L4 header may start: past six extension headers of the largest size.
+const MAX_L4_OFF: usize = ETH_HLEN + IPV6_HLEN + MAX_EXTENSION_HEADERS * 2048;
+
+/// The frame's EtherType.
+#[inline(always)]
+pub fn ethertype(ctx: &TcContext) -> Option<u16> {
+    read::<u16>(ctx, 12).map(u16::from_be)
 }
 
 /// Parses an option-less IPv4 header at `offset` (also the one quoted inside ICMP errors).
 #[inline(always)]
-pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Ipv4Header> {
+pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
     let header: Ipv4Header = read(ctx, offset)?;
-    (header.version_ihl == 0x45).then_some(header)
+    if header.version_ihl != 0x45 {
+        return None;
+    }
+    let frag = u16::from_be(header.frag);
+    Some(Packet {
+        ip_off: offset,
+        saddr: header.saddr,
+        daddr: header.daddr,
+        proto: header.protocol,
+        l4_off: offset + IPV4_HLEN,
+        ip_check: header.check,
+        fragment: Fragment {
+            id: u32::from(header.id),
+            first: frag & (IP_MORE_FRAGMENTS | IP_OFFSET) == IP_MORE_FRAGMENTS,
+            later: frag & IP_OFFSET != 0,
+        },
+    })
+}
+
+/// Parses an IPv6 header at `offset` and the extension headers behind it, up to the L4
+/// header. `None` for a chain too long or cut short: such a packet is not inspected.
+#[inline(always)]
+pub fn ipv6_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
+    let mut packet = core::mem::MaybeUninit::uninit();
+    // SAFETY: `walk_ipv6` fills `packet` whole when it returns true.
+    walk_ipv6(ctx, offset, &mut packet).then(|| unsafe { packet.assume_init() })
+}
+
+/// The walk behind `ipv6_at`, a function of its own so that its temporaries take no room in
+/// the callers' stack frames. It fills `out`, since a BPF function cannot return an aggregate.
+#[inline(never)]
+fn walk_ipv6(
+    ctx: &TcContext,
+    offset: usize,
+    out: &mut core::mem::MaybeUninit<Packet<[u8; 16]>>,
+) -> bool {
+    match ipv6_headers(ctx, offset) {
+        Some(packet) => {
+            out.write(packet);
+            true
+        }
+        None => false,
+    }
+}
+
+#[inline(always)]
+fn ipv6_headers(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
+    let header: Ipv6Header = read(ctx, offset)?;
+    if header.version_class_flow[0] >> 4 != 6 {
+        return None;
+    }
+    let mut fragment = Fragment {
+        id: 0,
+        first: false,
+        later: false,
+    };
+    let mut proto = header.next_header;
+    let mut l4_off = offset + IPV6_HLEN;
+    let mut walked = 0;
+    // Past a later fragment's header lies payload, not more headers.
+    while !fragment.later {
+        let len = match proto {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
+                let [_, units]: [u8; 2] = read(ctx, l4_off)?;
+                (usize::from(units) + 1) * 8
+            }
+            // AH counts its length in 4-byte units, less two.
+            NEXTHDR_AUTH => {
+                let [_, units]: [u8; 2] = read(ctx, l4_off)?;
+                (usize::from(units) + 2) * 4
+            }
+            NEXTHDR_FRAGMENT => {
+                let header: [u8; 8] = read(ctx, l4_off)?;
+                let offset_flags = u16::from_be_bytes([header[2], header[3]]);
+                fragment = Fragment {
+                    id: u32::from_ne_bytes([header[4], header[5], header[6], header[7]]),
+                    first: offset_flags & 0xfff8 == 0 && offset_flags & 1 == 1,
+                    later: offset_flags & 0xfff8 != 0,
+                };
+                8
+            }
+            _ => break,
+        };
+        if walked == MAX_EXTENSION_HEADERS {
+            return None;
+        }
+        walked += 1;
+        proto = read(ctx, l4_off)?;
+        l4_off += len;
+    }
+    // Every path through the extension headers ends at an offset of its own.
+    let l4_off = verifier::forget(ctx, l4_off as u32) as usize;
+    if l4_off > MAX_L4_OFF {
+        return None;
+    }
+    Some(Packet {
+        ip_off: offset,
+        saddr: header.saddr,
+        daddr: header.daddr,
+        proto,
+        l4_off,
+        ip_check: 0,
+        fragment,
+    })
 }
 
 /// The pair of 16-bit words at the start of an L4 header: ports for TCP and UDP; for ICMP, the
@@ -119,7 +285,8 @@ fn min_header_len(proto: u8) -> usize {
     }
 }
 
-/// Reads the L4 header at `offset` for `proto`; `None` if truncated or not TCP, UDP or ICMP.
+/// Reads the L4 header at `offset` for `proto`; `None` if truncated or not TCP, UDP, ICMP or
+/// ICMPv6.
 #[inline(always)]
 pub fn l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
     if (ctx.len() as usize) < offset + min_header_len(proto) {
@@ -146,7 +313,7 @@ pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
             let (sport, dport) = l4_words(ctx, offset)?;
             (sport, dport, 0)
         }
-        IPPROTO_ICMP => {
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
             let icmp_type: u8 = read(ctx, offset)?;
             let id: u16 = read(ctx, offset + ICMP_ID_OFF)?;
             (id, 0, icmp_type)

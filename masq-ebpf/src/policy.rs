@@ -1,28 +1,31 @@
 //! The policy as the data path sees it: is a destination in the non-masquerade CIDRs, or in
 //! the ones recently removed from them?
 //!
-//! The non-masquerade answer is cached per CPU, per destination, for the current policy
+//! The IPv4 non-masquerade answer is cached per CPU, per destination, for the current policy
 //! generation: a trie of 100 000 prefixes is twenty-odd nodes deep, while the cache is one
 //! array slot. The agent bumps the generation after every change to the trie, which makes every
-//! cached answer stale at once.
+//! cached answer stale at once. IPv6 asks its trie every time: a slot packs a whole IPv4
+//! address with its verdict into one word, read and written whole, and an IPv6 address does
+//! not fit.
 
-use aya_ebpf::btf_maps::lpm_trie::Key;
-use masq_ebpf::verdict_slot;
+use aya_ebpf::btf_maps::{LpmTrie, lpm_trie::Key};
+use masq_ebpf::{Address, verdict_slot};
 
 use crate::maps;
 
+/// Whether the trie holds a prefix of `addr`.
 #[inline(always)]
-fn in_non_masq_trie(addr: [u8; 4]) -> bool {
-    maps::NON_MASQ_V4.get(&Key::new(32, addr)).is_some()
+pub fn in_trie<A: Address, V, const M: usize>(trie: &LpmTrie<A, V, M>, addr: A) -> bool {
+    trie.get(&Key::new(A::BITS, addr)).is_some()
 }
 
 #[inline(always)]
-pub fn is_non_masq_destination(addr: [u8; 4]) -> bool {
+pub fn is_non_masq_destination_v4(addr: [u8; 4]) -> bool {
     let generation =
         maps::POLICY_GENERATION.get(0).copied().unwrap_or(0) & verdict_slot::GENERATION_MASK;
     let slot = maps::NON_MASQ_CACHE_V4.get_ptr_mut(verdict_slot::index(addr));
     let (Some(slot), true) = (slot, generation != 0) else {
-        return in_non_masq_trie(addr);
+        return in_trie(&maps::NON_MASQ_V4, addr);
     };
     let tag = verdict_slot::tag(addr, generation);
     // SAFETY: a per-CPU slot, read and written whole.
@@ -30,13 +33,8 @@ pub fn is_non_masq_destination(addr: [u8; 4]) -> bool {
     if cached & !1 == tag {
         return cached & 1 == 1;
     }
-    let verdict = in_non_masq_trie(addr);
+    let verdict = in_trie(&maps::NON_MASQ_V4, addr);
     // SAFETY: as above.
     unsafe { *slot = tag | u64::from(verdict) };
     verdict
-}
-
-#[inline(always)]
-pub fn is_draining_destination(addr: [u8; 4]) -> bool {
-    maps::DRAINING_V4.get(&Key::new(32, addr)).is_some()
 }

@@ -7,26 +7,29 @@ use masq_ebpf::{MAX_PORT_SPANS, Settings};
 /// nearly exhausted range costs a fixed amount of work per packet.
 pub const MAX_ATTEMPTS: u32 = 32;
 
-/// The port to try on `attempt` (0-based), in network byte order. With `--random-fully` every
-/// attempt is random; otherwise the first attempt keeps the pod's port when the range holds it,
-/// and later attempts walk on from there.
+/// Where in the spans a walk through them starts, without `--random-fully`: at the pod's own
+/// port when the range holds it, so that the first attempt keeps it, or anywhere.
 #[inline(always)]
-pub fn candidate(settings: &Settings, pod_port: u16, attempt: u32, start: &mut u32) -> u16 {
-    let total = settings.total_ports;
-    if total == 0 {
-        return pod_port;
-    }
-    let offset = if settings.random_fully != 0 {
+pub fn first_offset(settings: &Settings, pod_port: u16) -> u32 {
+    offset_of(settings, u16::from_be(pod_port))
+        .unwrap_or_else(|| random_below(settings.total_ports))
+}
+
+/// The port to try on `attempt` (0-based), in network byte order. With `--random-fully` every
+/// attempt is random; otherwise the attempts walk on from `start` (see `first_offset`).
+#[inline(always)]
+pub fn candidate(settings: &Settings, start: u32, attempt: u32) -> u16 {
+    let total = fresh(&settings.total_ports);
+    let offset = if fresh(&settings.random_fully) != 0 {
         random_below(total)
     } else {
-        if attempt == 0 {
-            *start =
-                offset_of(settings, u16::from_be(pod_port)).unwrap_or_else(|| random_below(total));
-        }
-        (*start + attempt).checked_rem(total).unwrap_or(0)
+        (start % MAX_OFFSET + attempt).checked_rem(total).unwrap_or(0)
     };
     port_at(settings, offset).to_be()
 }
+
+/// Above any offset into the spans: they hold at most 65 536 ports.
+const MAX_OFFSET: u32 = 1 << 16;
 
 #[inline(always)]
 fn random_below(n: u32) -> u32 {
@@ -35,14 +38,23 @@ fn random_below(n: u32) -> u32 {
     random.checked_rem(n).unwrap_or(0)
 }
 
+/// `value`, read from the map afresh. Settings the compiler kept in registers across attempts
+/// would carry what the verifier learned of them on one attempt's path into every later one,
+/// and it would walk each combination apart.
+#[inline(always)]
+fn fresh<T: Copy>(value: &T) -> T {
+    // SAFETY: a reference is valid to read.
+    unsafe { core::ptr::read_volatile(value) }
+}
+
 /// The `offset`-th port counting through the spans in order.
 #[inline(always)]
 fn port_at(settings: &Settings, mut offset: u32) -> u16 {
     for i in 0..MAX_PORT_SPANS {
-        if i as u32 >= settings.span_count {
+        if i as u32 >= fresh(&settings.span_count) {
             break;
         }
-        let Some(span) = settings.spans.get(i) else {
+        let Some(span) = settings.spans.get(i).map(fresh) else {
             break;
         };
         if offset < span.count {

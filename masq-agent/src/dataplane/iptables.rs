@@ -32,18 +32,6 @@ pub enum ChainVariant {
     OutsideEbpf,
 }
 
-impl ChainVariant {
-    /// The variant for `family`'s chain. The eBPF programs translate IPv4 only, so IPv6 keeps
-    /// upstream's full chain beside them: nothing may leave a pod unmasqueraded because no
-    /// program handles its family.
-    pub fn for_family(self, family: IpFamily) -> ChainVariant {
-        match family {
-            IpFamily::Ipv4 => self,
-            IpFamily::Ipv6 => ChainVariant::Full,
-        }
-    }
-}
-
 /// What the installed iptables can do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
@@ -115,7 +103,6 @@ pub fn render(
     variant: ChainVariant,
 ) -> Option<String> {
     let exempt = exempt(family, policy)?;
-    let variant = variant.for_family(family);
     let chain = &opts.chain;
     let mut lines = vec!["*nat".to_string(), format!(":{chain} - [0:0]")];
     if variant == ChainVariant::OutsideEbpf {
@@ -467,7 +454,7 @@ impl DataPlane for IptablesDataPlane {
             let Some(rendered) = render(family, policy, &self.opts, caps, self.variant) else {
                 continue;
             };
-            let set = (self.variant.for_family(family) == ChainVariant::OutsideEbpf)
+            let set = (self.variant == ChainVariant::OutsideEbpf)
                 .then(|| exempt(family, policy))
                 .flatten();
             match self.apply_family(family, rendered, set)? {

@@ -120,6 +120,21 @@ pub struct NatUsage {
     pub orphans_removed: usize,
 }
 
+/// Both families' tables together.
+impl std::ops::Add for NatUsage {
+    type Output = NatUsage;
+
+    fn add(self, other: NatUsage) -> NatUsage {
+        NatUsage {
+            entries: self.entries + other.entries,
+            masqueraded_flows: self.masqueraded_flows + other.masqueraded_flows,
+            inbound_flows: self.inbound_flows + other.inbound_flows,
+            expired_flows: self.expired_flows + other.expired_flows,
+            orphans_removed: self.orphans_removed + other.orphans_removed,
+        }
+    }
+}
+
 /// What is installed, as read back from the kernel.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {

@@ -7,7 +7,8 @@ use std::{collections::HashMap, time::Duration};
 use anyhow::{Context as _, bail};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, NatEntryV4, NatKeyV4, direction, nat_kind, tcp_seen};
+use aya::Pod;
+use masq_ebpf::{Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, tcp_seen};
 
 use super::batch;
 use crate::dataplane::NatUsage;
@@ -42,7 +43,12 @@ impl Default for Timeouts {
 }
 
 impl Timeouts {
-    fn for_flow(&self, key: &NatKeyV4, egress: &NatEntryV4, ingress: &NatEntryV4) -> Duration {
+    fn for_flow<A: Address>(
+        &self,
+        key: &NatKey<A>,
+        egress: &NatEntry<A>,
+        ingress: &NatEntry<A>,
+    ) -> Duration {
         match key.proto {
             IPPROTO_TCP => {
                 let seen = egress.tcp_seen | ingress.tcp_seen;
@@ -70,8 +76,16 @@ pub fn monotonic_now_ns() -> u64 {
     now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
 }
 
-/// The NAT table, read whole with batch commands: its map, for pruning, and its entries.
-pub fn read_table(nat: &Map) -> anyhow::Result<(&MapData, Vec<(NatKeyV4, NatEntryV4)>)> {
+/// A family's NAT table, entry by entry.
+pub type Table<A> = Vec<(NatKey<A>, NatEntry<A>)>;
+
+/// A NAT table, read whole with batch commands: its map, for pruning, and its entries.
+pub fn read_table<A>(nat: &Map) -> anyhow::Result<(&MapData, Table<A>)>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
     let Map::HashMap(data) = nat else {
         bail!("the NAT table is not a hash map");
     };
@@ -80,7 +94,7 @@ pub fn read_table(nat: &Map) -> anyhow::Result<(&MapData, Vec<(NatKeyV4, NatEntr
 }
 
 /// What `entries` hold: entries, and flows by kind (each flow has one egress half).
-pub fn usage(entries: &[(NatKeyV4, NatEntryV4)]) -> NatUsage {
+pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     let mut usage = NatUsage {
         entries: entries.len(),
         ..NatUsage::default()
@@ -98,12 +112,17 @@ pub fn usage(entries: &[(NatKeyV4, NatEntryV4)]) -> NatUsage {
 
 /// Removes every flow idle for longer than its timeout, both halves together, and reports
 /// what the table held before.
-pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage> {
-    let (data, entries) = read_table(nat)?;
+pub fn expire<A>(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
+    let (data, entries) = read_table::<A>(nat)?;
     let mut run = usage(&entries);
-    let table: HashMap<NatKeyV4, NatEntryV4> = entries.into_iter().collect();
-    let current: BpfHashMap<&MapData, NatKeyV4, NatEntryV4> = BpfHashMap::try_from(nat)?;
-    let idle = |entry: &NatEntryV4| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
+    let table: HashMap<NatKey<A>, NatEntry<A>> = entries.into_iter().collect();
+    let current: BpfHashMap<&MapData, NatKey<A>, NatEntry<A>> = BpfHashMap::try_from(nat)?;
+    let idle = |entry: &NatEntry<A>| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
     let (mut orphans, mut flows) = (Vec::new(), Vec::new());
     for (key, entry) in &table {
         let partner_key = key.reverse(entry);
@@ -127,7 +146,7 @@ pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<Nat
             continue;
         }
         // The data path may have refreshed the flow since the snapshot: look again.
-        let fresh = |k: &NatKeyV4| current.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
+        let fresh = |k: &NatKey<A>| current.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
         if Duration::from_nanos(now_ns.saturating_sub(fresh(key).max(fresh(&partner_key))))
             <= timeout
         {
@@ -141,14 +160,17 @@ pub fn expire(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<Nat
 }
 
 /// Removes every masqueraded flow whose node address is `addr`, both halves; returns how many.
-pub fn forget_address(nat: &Map, addr: std::net::Ipv4Addr) -> anyhow::Result<usize> {
-    let (data, table) = read_table(nat)?;
-    let doomed: Vec<NatKeyV4> = table
+pub fn forget_address<A>(nat: &Map, addr: A) -> anyhow::Result<usize>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
+    let (data, table) = read_table::<A>(nat)?;
+    let doomed: Vec<NatKey<A>> = table
         .iter()
         .filter(|(key, entry)| {
-            key.direction == direction::EGRESS
-                && entry.kind == nat_kind::SNAT
-                && entry.addr == addr.octets()
+            key.direction == direction::EGRESS && entry.kind == nat_kind::SNAT && entry.addr == addr
         })
         .flat_map(|(key, entry)| [*key, key.reverse(entry)])
         .collect();

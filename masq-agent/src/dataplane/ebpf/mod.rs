@@ -10,7 +10,7 @@ pub mod testbed;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
 };
 
@@ -25,7 +25,7 @@ use aya::{
 };
 use ipnet::{Ipv4Net, Ipv6Net};
 use masq_ebpf::{
-    COUNTER_SLOTS, Counter, InterfaceV4, MAX_PORT_SPANS, NAT_DEFAULT_ENTRIES, NON_MASQ_PRESENT,
+    COUNTER_SLOTS, Counter, Interface, MAX_PORT_SPANS, NAT_DEFAULT_ENTRIES, NON_MASQ_PRESENT,
     PortSpan, Settings, map_names, program_names,
 };
 use serde::Serialize;
@@ -64,15 +64,27 @@ pub struct EbpfOptions {
     pub port_spans: Vec<PortRange>,
     pub random_fully: bool,
     pub masquerade: MasqueradeOptions,
+    /// `--enable-ipv6`: the programs masquerade IPv6 too.
+    pub enable_ipv6: bool,
 }
 
 impl EbpfOptions {
     pub const DEFAULT_NAT_CAPACITY: u32 = NAT_DEFAULT_ENTRIES;
+
+    /// The size of `nat_v6`: a table that is never used takes one entry, not megabytes.
+    pub fn nat_v6_capacity(&self) -> u32 {
+        if self.enable_ipv6 {
+            self.nat_capacity
+        } else {
+            1
+        }
+    }
 }
 
 pub struct EbpfDataPlane {
     ebpf: Ebpf,
     pins: Pins,
+    enable_ipv6: bool,
     devices: Vec<Device>,
     attachments: Vec<(String, Hook, Attachment)>,
     chain: IptablesDataPlane,
@@ -104,9 +116,10 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     let pins = Pins::new(&opts.bpffs);
     pins.prepare()?;
-    pins.discard_incompatible(opts.nat_capacity);
+    pins.discard_incompatible(opts.nat_capacity, opts.nat_v6_capacity());
     let mut loader = EbpfLoader::new();
     loader.map_max_entries(map_names::NAT_V4, opts.nat_capacity);
+    loader.map_max_entries(map_names::NAT_V6, opts.nat_v6_capacity());
     let paths: Vec<(&str, PathBuf)> = map_names::PINNED
         .iter()
         .map(|name| (*name, pins.map(name)))
@@ -121,10 +134,11 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
             .with_context(|| format!("loading program {name}"))?;
     }
     write_settings(&mut ebpf, &opts.port_spans, opts.random_fully)?;
-    write_interfaces(&mut ebpf, &devices)?;
+    write_interfaces(&mut ebpf, &devices, opts.enable_ipv6)?;
     Ok(EbpfDataPlane {
         ebpf,
         pins,
+        enable_ipv6: opts.enable_ipv6,
         devices,
         attachments: Vec::new(),
         chain: IptablesDataPlane::new(
@@ -179,12 +193,17 @@ fn write_settings(ebpf: &mut Ebpf, spans: &[PortRange], random_fully: bool) -> a
 }
 
 /// Makes the `interfaces` map hold exactly `devices`, so that no stale device keeps translating.
-fn write_interfaces(ebpf: &mut Ebpf, devices: &[Device]) -> anyhow::Result<()> {
-    let mut map: BpfHashMap<&mut MapData, u32, InterfaceV4> =
+/// Their IPv6 addresses go in only with `ipv6`: without one, the programs leave IPv6 alone.
+fn write_interfaces(ebpf: &mut Ebpf, devices: &[Device], ipv6: bool) -> anyhow::Result<()> {
+    let mut map: BpfHashMap<&mut MapData, u32, Interface> =
         BpfHashMap::try_from(map_mut(ebpf, map_names::INTERFACES)?)?;
     for device in devices {
-        let entry = InterfaceV4 {
-            addr: device.ipv4.octets(),
+        let entry = Interface {
+            ipv4: device.ipv4.octets(),
+            ipv6: device
+                .ipv6
+                .filter(|_| ipv6)
+                .map_or([0; 16], |addr| addr.octets()),
         };
         if map.get(&device.index, 0).ok() != Some(entry) {
             map.insert(device.index, entry, 0)?;
@@ -237,17 +256,36 @@ fn sync_trie<const N: usize>(
     Ok((!added.is_empty() || !removed.is_empty(), removed))
 }
 
-/// Makes `non_masq_v4` hold `desired`, starts the removed prefixes draining, and moves the
-/// policy generation on, so that the programs' cached verdicts go stale. Returns whether the
-/// trie changed.
-fn sync_non_masq_v4(ebpf: &mut Ebpf, desired: &BTreeSet<Prefix<4>>) -> anyhow::Result<bool> {
-    let synced = sync_trie(ebpf, map_names::NON_MASQ_V4, desired);
+/// A family's non-masquerade trie and the trie its removed prefixes drain in.
+struct Tries {
+    non_masq: &'static str,
+    draining: &'static str,
+}
+
+const TRIES_V4: Tries = Tries {
+    non_masq: map_names::NON_MASQ_V4,
+    draining: map_names::DRAINING_V4,
+};
+const TRIES_V6: Tries = Tries {
+    non_masq: map_names::NON_MASQ_V6,
+    draining: map_names::DRAINING_V6,
+};
+
+/// Makes a family's non-masquerade trie hold `desired`, starts the removed prefixes draining,
+/// and moves the policy generation on, so that the programs' cached verdicts go stale. Returns
+/// whether the trie changed.
+fn sync_non_masq<const N: usize>(
+    ebpf: &mut Ebpf,
+    tries: &Tries,
+    desired: &BTreeSet<Prefix<N>>,
+) -> anyhow::Result<bool> {
+    let synced = sync_trie(ebpf, tries.non_masq, desired);
     // Even a sync that failed half-way may have changed the trie: no cached verdict survives it.
     if !matches!(synced, Ok((false, _))) {
         next_policy_generation(ebpf)?;
     }
     let (changed, removed) = synced?;
-    sync_draining(ebpf, &removed, desired, expiry::monotonic_now_ns())?;
+    sync_draining(ebpf, tries.draining, &removed, desired, expiry::monotonic_now_ns())?;
     Ok(changed)
 }
 
@@ -262,18 +300,19 @@ fn next_policy_generation(ebpf: &mut Ebpf) -> anyhow::Result<()> {
 /// Keeps prefixes that left the non-masquerade CIDRs in the draining trie for as long as a TCP
 /// connection may stay idle, so that connections that started unmasqueraded keep their
 /// addresses; a prefix that comes back stops draining.
-fn sync_draining(
+fn sync_draining<const N: usize>(
     ebpf: &mut Ebpf,
-    removed: &[Prefix<4>],
-    policy: &BTreeSet<Prefix<4>>,
+    name: &str,
+    removed: &[Prefix<N>],
+    policy: &BTreeSet<Prefix<N>>,
     now_ns: u64,
 ) -> anyhow::Result<()> {
-    let mut draining: LpmTrie<&mut MapData, [u8; 4], u32> =
-        LpmTrie::try_from(map_mut(ebpf, map_names::DRAINING_V4)?)?;
+    let mut draining: LpmTrie<&mut MapData, [u8; N], u32> =
+        LpmTrie::try_from(map_mut(ebpf, name)?)?;
     for (len, data) in removed {
         draining.insert(&Key::new(*len, *data), seconds(now_ns), 0)?;
     }
-    let back: Vec<Key<[u8; 4]>> = draining
+    let back: Vec<Key<[u8; N]>> = draining
         .keys()
         .filter_map(Result::ok)
         .filter(|k| policy.contains(&(k.prefix_len(), k.data())))
@@ -289,10 +328,15 @@ fn seconds(ns: u64) -> u32 {
 }
 
 /// Ends the draining of prefixes removed longer ago than `drain`.
-fn expire_draining(ebpf: &mut Ebpf, drain: std::time::Duration, now_ns: u64) -> anyhow::Result<()> {
-    let mut draining: LpmTrie<&mut MapData, [u8; 4], u32> =
-        LpmTrie::try_from(map_mut(ebpf, map_names::DRAINING_V4)?)?;
-    let done: Vec<Key<[u8; 4]>> = draining
+fn expire_draining<const N: usize>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    drain: std::time::Duration,
+    now_ns: u64,
+) -> anyhow::Result<()> {
+    let mut draining: LpmTrie<&mut MapData, [u8; N], u32> =
+        LpmTrie::try_from(map_mut(ebpf, name)?)?;
+    let done: Vec<Key<[u8; N]>> = draining
         .iter()
         .filter_map(Result::ok)
         .filter(|(_, since)| u64::from(seconds(now_ns).saturating_sub(*since)) > drain.as_secs())
@@ -327,17 +371,22 @@ impl EbpfDataPlane {
         if fresh == self.devices {
             return Ok(false);
         }
-        write_interfaces(&mut self.ebpf, &fresh)?;
+        write_interfaces(&mut self.ebpf, &fresh, self.enable_ipv6)?;
         for (old, new) in self.devices.iter().zip(&fresh) {
             if old != new {
-                info!(device = new.name, old = %old.ipv4, new = %new.ipv4, index = new.index, "device changed");
+                info!(device = new.name, old = ?(old.ipv4, old.ipv6), new = ?(new.ipv4, new.ipv6), index = new.index, "device changed");
             }
+            // As MASQUERADE forgets its connections when their address goes: replies to the
+            // old address can no longer reach the node.
             if old.ipv4 != new.ipv4 {
-                // As MASQUERADE forgets its connections when their address goes: replies to
-                // the old address can no longer reach the node.
                 let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
-                let purged = expiry::forget_address(nat, old.ipv4)?;
+                let purged = expiry::forget_address(nat, old.ipv4.octets())?;
                 info!(device = new.name, address = %old.ipv4, flows = purged, "flows on the old address forgotten");
+            }
+            if let Some(gone) = old.ipv6.filter(|addr| new.ipv6 != Some(*addr)) {
+                let nat = map_mut(&mut self.ebpf, map_names::NAT_V6)?;
+                let purged = expiry::forget_address(nat, gone.octets())?;
+                info!(device = new.name, address = %gone, flows = purged, "flows on the old address forgotten");
             }
         }
         self.devices = fresh;
@@ -383,9 +432,9 @@ impl EbpfDataPlane {
 
     fn sync_policy(&mut self, policy: &Policy) -> anyhow::Result<bool> {
         let v4 = v4_keys(&policy.non_masq_v4);
-        let mut changed = sync_non_masq_v4(&mut self.ebpf, &v4)?;
+        let mut changed = sync_non_masq(&mut self.ebpf, &TRIES_V4, &v4)?;
         if let Some(v6) = &policy.non_masq_v6 {
-            changed |= sync_trie(&mut self.ebpf, map_names::NON_MASQ_V6, &v6_keys(v6))?.0;
+            changed |= sync_non_masq(&mut self.ebpf, &TRIES_V6, &v6_keys(v6))?;
         }
         Ok(changed)
     }
@@ -425,9 +474,20 @@ impl DataPlane for EbpfDataPlane {
         }
         self.last_sweep = Some(std::time::Instant::now());
         let now = expiry::monotonic_now_ns();
-        expire_draining(&mut self.ebpf, self.timeouts.tcp_established, now)?;
-        let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
-        let run = expiry::expire(nat, &self.timeouts, now)?;
+        let drain = self.timeouts.tcp_established;
+        expire_draining::<4>(&mut self.ebpf, map_names::DRAINING_V4, drain, now)?;
+        expire_draining::<16>(&mut self.ebpf, map_names::DRAINING_V6, drain, now)?;
+        let v4 = expiry::expire::<[u8; 4]>(
+            map_mut(&mut self.ebpf, map_names::NAT_V4)?,
+            &self.timeouts,
+            now,
+        )?;
+        let v6 = expiry::expire::<[u8; 16]>(
+            map_mut(&mut self.ebpf, map_names::NAT_V6)?,
+            &self.timeouts,
+            now,
+        )?;
+        let run = v4 + v6;
         if run.expired_flows + run.orphans_removed > 0 {
             tracing::debug!(?run, "expired NAT entries");
         }
@@ -469,6 +529,8 @@ pub struct EbpfStatus {
     pub bpffs: PathBuf,
     pub attachments: Vec<AttachmentStatus>,
     pub interfaces: BTreeMap<u32, Ipv4Addr>,
+    /// The interfaces that masquerade IPv6, and their addresses.
+    pub interfaces_v6: BTreeMap<u32, Ipv6Addr>,
     pub non_masquerade_v4: Vec<String>,
     pub non_masquerade_v6: Vec<String>,
     /// Flows in the NAT table (each takes two entries), and the table's size in entries.
@@ -493,8 +555,14 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     }
     let v4: LpmTrie<MapData, [u8; 4], u8> = pinned(&pins, map_names::NON_MASQ_V4)?.try_into()?;
     let v6: LpmTrie<MapData, [u8; 16], u8> = pinned(&pins, map_names::NON_MASQ_V6)?.try_into()?;
-    let nat = expiry::usage(&expiry::read_table(&pinned(&pins, map_names::NAT_V4)?)?.1);
-    let interfaces: BpfHashMap<MapData, u32, InterfaceV4> =
+    let nat = expiry::usage(&expiry::read_table::<[u8; 4]>(&pinned(&pins, map_names::NAT_V4)?)?.1);
+    // An agent from before IPv6 pinned no `nat_v6`.
+    let nat_v6 = match pins.map(map_names::NAT_V6).exists() {
+        true => expiry::usage(&expiry::read_table::<[u8; 16]>(&pinned(&pins, map_names::NAT_V6)?)?.1),
+        false => NatUsage::default(),
+    };
+    let nat = nat + nat_v6;
+    let interfaces: BpfHashMap<MapData, u32, Interface> =
         pinned(&pins, map_names::INTERFACES)?.try_into()?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
 
@@ -521,7 +589,13 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         interfaces: interfaces
             .iter()
             .filter_map(Result::ok)
-            .map(|(index, iface)| (index, Ipv4Addr::from(iface.addr)))
+            .map(|(index, iface)| (index, Ipv4Addr::from(iface.ipv4)))
+            .collect(),
+        interfaces_v6: interfaces
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, iface)| iface.ipv6 != [0; 16])
+            .map(|(index, iface)| (index, Ipv6Addr::from(iface.ipv6)))
             .collect(),
         non_masquerade_v4: non_masquerade_v4
             .iter()
@@ -529,7 +603,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .collect(),
         non_masquerade_v6: non_masquerade_v6
             .iter()
-            .map(|(len, data)| format!("{}/{len}", std::net::Ipv6Addr::from(*data)))
+            .map(|(len, data)| format!("{}/{len}", Ipv6Addr::from(*data)))
             .collect(),
         nat_flows: nat.masqueraded_flows,
         nat_inbound_flows: nat.inbound_flows,
@@ -584,7 +658,9 @@ impl std::fmt::Display for EbpfStatus {
                 a.device, a.hook, a.link_id, a.program_id
             )?;
         }
-        for (index, addr) in &self.interfaces {
+        let v4 = self.interfaces.iter().map(|(i, a)| (i, IpAddr::from(*a)));
+        let v6 = self.interfaces_v6.iter().map(|(i, a)| (i, IpAddr::from(*a)));
+        for (index, addr) in v4.chain(v6) {
             writeln!(f, "  masquerades to {addr} on ifindex {index}")?;
         }
         for prefix in self.non_masquerade_v4.iter().chain(&self.non_masquerade_v6) {

@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::{MapData, MapType};
 use masq_ebpf::{
-    COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, InterfaceV4, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatKeyV4,
+    COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, Interface, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatEntryV6, NatKeyV4, NatKeyV6,
     Settings, map_names,
 };
 use tracing::{info, warn};
@@ -81,9 +81,9 @@ impl Pins {
 
     /// Removes pinned maps whose type or layout differs from what this build expects, so that
     /// the loader creates fresh ones. Returns the names it replaced.
-    pub fn discard_incompatible(&self, nat_capacity: u32) -> Vec<&'static str> {
+    pub fn discard_incompatible(&self, nat_capacity: u32, nat_v6_capacity: u32) -> Vec<&'static str> {
         let mut replaced = Vec::new();
-        for spec in expected_maps(nat_capacity) {
+        for spec in expected_maps(nat_capacity, nat_v6_capacity) {
             let path = self.map(spec.name);
             if !path.exists() {
                 continue;
@@ -134,7 +134,7 @@ struct MapSpec {
 }
 
 /// The maps this build creates, as the kernel reports them.
-fn expected_maps(nat_capacity: u32) -> [MapSpec; map_names::PINNED.len()] {
+fn expected_maps(nat_capacity: u32, nat_v6_capacity: u32) -> [MapSpec; map_names::PINNED.len()] {
     const LPM_KEY_PREFIX: u32 = size_of::<u32>() as u32;
     let size = |n: usize| n as u32;
     [
@@ -160,6 +160,13 @@ fn expected_maps(nat_capacity: u32) -> [MapSpec; map_names::PINNED.len()] {
             max_entries: NON_MASQ_MAX_ENTRIES,
         },
         MapSpec {
+            name: map_names::DRAINING_V6,
+            kind: MapType::LpmTrie,
+            key_size: LPM_KEY_PREFIX + 16,
+            value_size: 4,
+            max_entries: NON_MASQ_MAX_ENTRIES,
+        },
+        MapSpec {
             name: map_names::NAT_V4,
             kind: MapType::Hash,
             key_size: size(size_of::<NatKeyV4>()),
@@ -167,10 +174,17 @@ fn expected_maps(nat_capacity: u32) -> [MapSpec; map_names::PINNED.len()] {
             max_entries: nat_capacity,
         },
         MapSpec {
+            name: map_names::NAT_V6,
+            kind: MapType::Hash,
+            key_size: size(size_of::<NatKeyV6>()),
+            value_size: size(size_of::<NatEntryV6>()),
+            max_entries: nat_v6_capacity,
+        },
+        MapSpec {
             name: map_names::INTERFACES,
             kind: MapType::Hash,
             key_size: 4,
-            value_size: size(size_of::<InterfaceV4>()),
+            value_size: size(size_of::<Interface>()),
             max_entries: INTERFACES_MAX_ENTRIES,
         },
         MapSpec {

@@ -2,18 +2,23 @@
 //! tests and the data-path benchmark run against. The kernel's test runner runs tc programs on
 //! the loopback device, so the node address is configured for ifindex 1.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray},
     programs::{TestRun, TestRunOptions},
 };
-use ipnet::Ipv4Net;
-use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, map_names, program_names};
+use aya::Pod;
+use ipnet::{Ipv4Net, Ipv6Net};
+use masq_ebpf::{Address, Counter, NatEntry, NatKey, map_names, program_names};
 
 use super::{
-    OBJECT, classifier, map_mut, sync_non_masq_v4, v4_keys, write_interfaces, write_settings,
+    OBJECT, TRIES_V4, TRIES_V6, classifier, map_mut, sync_non_masq, v4_keys, v6_keys,
+    write_interfaces, write_settings,
 };
 use crate::{netdev::Device, ports::PortRange};
 
@@ -37,6 +42,7 @@ impl TestBed {
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(map_names::NAT_V4, nat_entries)
+            .map_max_entries(map_names::NAT_V6, nat_entries)
             .load(OBJECT)?;
         for name in [program_names::EGRESS, program_names::INGRESS] {
             classifier(&mut ebpf, name)?.load()?;
@@ -58,15 +64,46 @@ impl TestBed {
             name: "lo".into(),
             index: TEST_RUN_IFINDEX,
             ipv4: node,
+            ipv6: None,
         };
-        write_interfaces(&mut bed.ebpf, &[lo])?;
+        write_interfaces(&mut bed.ebpf, &[lo], false)?;
         bed.set_policy(non_masq)?;
         Ok(bed)
     }
 
+    /// Masquerades IPv6 too, to `node`, leaving alone destinations in `non_masq`.
+    pub fn enable_ipv6(&mut self, node: Ipv6Addr, non_masq: &[Ipv6Net]) -> anyhow::Result<()> {
+        let mut lo = Device {
+            name: "lo".into(),
+            index: TEST_RUN_IFINDEX,
+            ipv4: Ipv4Addr::UNSPECIFIED,
+            ipv6: Some(node),
+        };
+        if let Some(current) = self.interface_v4()? {
+            lo.ipv4 = current;
+        }
+        write_interfaces(&mut self.ebpf, &[lo], true)?;
+        self.set_policy_v6(non_masq)
+    }
+
+    fn interface_v4(&mut self) -> anyhow::Result<Option<Ipv4Addr>> {
+        let map: BpfHashMap<&MapData, u32, masq_ebpf::Interface> = BpfHashMap::try_from(
+            self.ebpf
+                .map(map_names::INTERFACES)
+                .ok_or_else(|| anyhow::anyhow!("no interfaces map"))?,
+        )?;
+        Ok(map.get(&TEST_RUN_IFINDEX, 0).ok().map(|i| Ipv4Addr::from(i.ipv4)))
+    }
+
     /// Applies a non-masquerade policy the way the data plane does.
     pub fn set_policy(&mut self, non_masq: &[Ipv4Net]) -> anyhow::Result<()> {
-        sync_non_masq_v4(&mut self.ebpf, &v4_keys(non_masq))?;
+        sync_non_masq(&mut self.ebpf, &TRIES_V4, &v4_keys(non_masq))?;
+        Ok(())
+    }
+
+    /// The same for IPv6.
+    pub fn set_policy_v6(&mut self, non_masq: &[Ipv6Net]) -> anyhow::Result<()> {
+        sync_non_masq(&mut self.ebpf, &TRIES_V6, &v6_keys(non_masq))?;
         Ok(())
     }
 
@@ -110,19 +147,41 @@ impl TestBed {
             .map_or(0, |per_cpu| per_cpu.iter().sum())
     }
 
-    pub fn nat(&self) -> Vec<(NatKeyV4, NatEntryV4)> {
+    /// The IPv4 NAT table's entries.
+    pub fn nat(&self) -> Vec<(NatKey<[u8; 4]>, NatEntry<[u8; 4]>)> {
+        self.nat_of(map_names::NAT_V4)
+    }
+
+    /// The IPv6 NAT table's entries.
+    pub fn nat_v6(&self) -> Vec<(NatKey<[u8; 16]>, NatEntry<[u8; 16]>)> {
+        self.nat_of(map_names::NAT_V6)
+    }
+
+    fn nat_of<A: Address>(&self, name: &str) -> Vec<(NatKey<A>, NatEntry<A>)>
+    where
+        NatKey<A>: Pod,
+        NatEntry<A>: Pod,
+    {
         self.ebpf
-            .map(map_names::NAT_V4)
-            .and_then(|m| BpfHashMap::<&MapData, NatKeyV4, NatEntryV4>::try_from(m).ok())
+            .map(name)
+            .and_then(|m| BpfHashMap::<&MapData, NatKey<A>, NatEntry<A>>::try_from(m).ok())
             .map(|m| m.iter().filter_map(Result::ok).collect())
             .unwrap_or_default()
     }
 
     /// The entry under `key`, if there is one.
-    pub fn nat_entry(&self, key: &NatKeyV4) -> Option<NatEntryV4> {
-        let map = self.ebpf.map(map_names::NAT_V4)?;
-        let nat = BpfHashMap::<&MapData, NatKeyV4, NatEntryV4>::try_from(map).ok()?;
-        nat.get(key, 0).ok()
+    pub fn nat_entry<A: Address>(&self, key: &NatKey<A>) -> Option<NatEntry<A>>
+    where
+        NatKey<A>: Pod,
+        NatEntry<A>: Pod,
+    {
+        let name = if A::BITS == 32 {
+            map_names::NAT_V4
+        } else {
+            map_names::NAT_V6
+        };
+        let nat = BpfHashMap::<&MapData, NatKey<A>, NatEntry<A>>::try_from(self.ebpf.map(name)?);
+        nat.ok()?.get(key, 0).ok()
     }
 
     /// The NAT table itself, for the agent's sweep.
@@ -132,7 +191,9 @@ impl TestBed {
             .ok_or_else(|| anyhow::anyhow!("no NAT table in the object"))
     }
 
-    pub fn nat_mut(&mut self) -> anyhow::Result<BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4>> {
+    pub fn nat_mut(
+        &mut self,
+    ) -> anyhow::Result<BpfHashMap<&mut MapData, NatKey<[u8; 4]>, NatEntry<[u8; 4]>>> {
         Ok(BpfHashMap::try_from(map_mut(
             &mut self.ebpf,
             map_names::NAT_V4,

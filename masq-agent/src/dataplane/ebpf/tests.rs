@@ -537,7 +537,7 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
     let timeouts = Timeouts::default();
     let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     let run = |h: &mut Harness, after: Duration| {
-        expiry::expire(
+        expiry::expire::<[u8; 4]>(
             h.nat_table().unwrap(),
             &timeouts,
             newest + after.as_nanos() as u64,
@@ -580,7 +580,7 @@ fn an_orphaned_reply_half_is_removed() {
     let newest = h.nat()[0].1.last_seen_ns;
     h.nat_mut().unwrap().remove(&egress_key).unwrap();
     let timeouts = Timeouts::default();
-    let run = expiry::expire(
+    let run = expiry::expire::<[u8; 4]>(
         h.nat_table().unwrap(),
         &timeouts,
         newest + (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64,

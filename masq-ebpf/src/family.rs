@@ -1,0 +1,181 @@
+//! What differs between IPv4 and IPv6 for the translation: header layout, the ICMP dialect,
+//! the maps, and how an address rewrite keeps checksums right. Everything else (the decisions,
+//! the NAT state, ports, fragments) is written once over `Family`.
+
+use aya_ebpf::programs::TcContext;
+use masq_ebpf::{Address, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
+
+use crate::{
+    csum::{self, AddrField},
+    maps::{self, FragmentTable, NatTable},
+    parse::{self, Packet},
+    policy,
+};
+
+pub trait Family {
+    type Addr: Address + 'static;
+    /// The family's ICMP protocol number.
+    const ICMP: u8;
+    const ECHO_REQUEST: u8;
+    const ECHO_REPLY: u8;
+    /// ICMPv6's checksum covers the pseudo-header; ICMP's does not.
+    const ICMP_PSEUDO_HEADER: bool;
+    /// Where the source address sits in the IP header.
+    const SADDR_OFF: usize;
+    /// Where the header's own checksum sits; IPv6 has none.
+    const IP_CSUM_OFF: Option<usize>;
+
+    /// Parses the IP header at `offset`: the packet's own, or one quoted in an ICMP error.
+    fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<Self::Addr>>;
+    /// ICMP errors that quote the packet they are about.
+    fn is_icmp_error(icmp_type: u8) -> bool;
+    /// The address masqueraded packets leave `iface` with; `None` when there is none.
+    fn node_addr(iface: &Interface) -> Option<Self::Addr>;
+    /// Whether a pod could be `addr`: replies to broadcast or multicast open no flow.
+    fn is_unicast(addr: &Self::Addr) -> bool;
+    fn nat() -> &'static NatTable<Self::Addr>;
+    fn fragments() -> &'static FragmentTable<Self::Addr>;
+    fn is_non_masq_destination(addr: Self::Addr) -> bool;
+    fn is_draining_destination(addr: Self::Addr) -> bool;
+    /// Rewrites one address of the outer header, with every checksum that covers it; the L4
+    /// checksum at `l4_csum` if given, whose pseudo-header holds the address.
+    fn rewrite_addr(
+        ctx: &TcContext,
+        ip: &Packet<Self::Addr>,
+        field: AddrField,
+        new: Self::Addr,
+        l4_csum: Option<(usize, u8)>,
+    ) -> Result<(), i64>;
+}
+
+pub struct V4;
+pub struct V6;
+
+impl Family for V4 {
+    type Addr = [u8; 4];
+    const ICMP: u8 = IPPROTO_ICMP;
+    const ECHO_REQUEST: u8 = parse::ICMP_ECHO_REQUEST;
+    const ECHO_REPLY: u8 = parse::ICMP_ECHO_REPLY;
+    const ICMP_PSEUDO_HEADER: bool = false;
+    const SADDR_OFF: usize = 12;
+    const IP_CSUM_OFF: Option<usize> = Some(10);
+
+    #[inline(always)]
+    fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
+        parse::ipv4_at(ctx, offset)
+    }
+
+    #[inline(always)]
+    fn is_icmp_error(icmp_type: u8) -> bool {
+        matches!(
+            icmp_type,
+            parse::ICMP_DEST_UNREACH | parse::ICMP_TIME_EXCEEDED
+        )
+    }
+
+    #[inline(always)]
+    fn node_addr(iface: &Interface) -> Option<[u8; 4]> {
+        Some(iface.ipv4)
+    }
+
+    #[inline(always)]
+    fn is_unicast(_addr: &[u8; 4]) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn nat() -> &'static NatTable<[u8; 4]> {
+        &maps::NAT_V4
+    }
+
+    #[inline(always)]
+    fn fragments() -> &'static FragmentTable<[u8; 4]> {
+        &maps::FRAGMENTS_V4
+    }
+
+    #[inline(always)]
+    fn is_non_masq_destination(addr: [u8; 4]) -> bool {
+        policy::is_non_masq_destination_v4(addr)
+    }
+
+    #[inline(always)]
+    fn is_draining_destination(addr: [u8; 4]) -> bool {
+        policy::in_trie(&maps::DRAINING_V4, addr)
+    }
+
+    #[inline(always)]
+    fn rewrite_addr(
+        ctx: &TcContext,
+        ip: &Packet<[u8; 4]>,
+        field: AddrField,
+        new: [u8; 4],
+        l4_csum: Option<(usize, u8)>,
+    ) -> Result<(), i64> {
+        csum::rewrite_ipv4_addr(ctx, ip, field, new, l4_csum)
+    }
+}
+
+impl Family for V6 {
+    type Addr = [u8; 16];
+    const ICMP: u8 = IPPROTO_ICMPV6;
+    const ECHO_REQUEST: u8 = parse::ICMPV6_ECHO_REQUEST;
+    const ECHO_REPLY: u8 = parse::ICMPV6_ECHO_REPLY;
+    const ICMP_PSEUDO_HEADER: bool = true;
+    const SADDR_OFF: usize = 8;
+    const IP_CSUM_OFF: Option<usize> = None;
+
+    #[inline(always)]
+    fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
+        parse::ipv6_at(ctx, offset)
+    }
+
+    /// Destination unreachable, packet too big, time exceeded and parameter problem.
+    #[inline(always)]
+    fn is_icmp_error(icmp_type: u8) -> bool {
+        (parse::ICMPV6_DEST_UNREACH..=parse::ICMPV6_PARAMETER_PROBLEM).contains(&icmp_type)
+    }
+
+    /// All zeros when the agent masquerades no IPv6 here.
+    #[inline(always)]
+    fn node_addr(iface: &Interface) -> Option<[u8; 16]> {
+        (iface.ipv6 != [0; 16]).then_some(iface.ipv6)
+    }
+
+    /// Not multicast (ff00::/8), nor link-local (fe80::/10), which no pod is reached at from
+    /// outside.
+    #[inline(always)]
+    fn is_unicast(addr: &[u8; 16]) -> bool {
+        addr[0] != 0xff && !(addr[0] == 0xfe && addr[1] & 0xc0 == 0x80)
+    }
+
+    #[inline(always)]
+    fn nat() -> &'static NatTable<[u8; 16]> {
+        &maps::NAT_V6
+    }
+
+    #[inline(always)]
+    fn fragments() -> &'static FragmentTable<[u8; 16]> {
+        &maps::FRAGMENTS_V6
+    }
+
+    #[inline(always)]
+    fn is_non_masq_destination(addr: [u8; 16]) -> bool {
+        policy::in_trie(&maps::NON_MASQ_V6, addr)
+    }
+
+    #[inline(always)]
+    fn is_draining_destination(addr: [u8; 16]) -> bool {
+        policy::in_trie(&maps::DRAINING_V6, addr)
+    }
+
+    #[inline(always)]
+    fn rewrite_addr(
+        ctx: &TcContext,
+        ip: &Packet<[u8; 16]>,
+        field: AddrField,
+        new: [u8; 16],
+        l4_csum: Option<(usize, u8)>,
+    ) -> Result<(), i64> {
+        csum::rewrite_ipv6_addr(ctx, ip, field, new, l4_csum)
+    }
+}
