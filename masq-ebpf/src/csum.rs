@@ -9,6 +9,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
+    helpers::bpf_csum_diff,
     programs::TcContext,
 };
 use masq_ebpf::{Address, IPPROTO_UDP};
@@ -198,13 +199,27 @@ pub fn replace_word(check: u16, old: u16, new: u16) -> u16 {
     !fold(sum)
 }
 
-/// The checksum after an address in the covered data changed.
+/// The checksum after an address in the covered data changed. An IPv4 address is two words
+/// of arithmetic; an IPv6 address goes to the kernel's `bpf_csum_diff`, which sums it without
+/// the eight words' worth of registers the verifier would see spilled.
 #[inline(always)]
-pub fn replace_addr<A: Address>(mut check: u16, old: A, new: A) -> u16 {
-    for i in 0..A::BITS as usize / 32 {
-        check = replace_dword(check, dword(&old, i), dword(&new, i));
+pub fn replace_addr<A: Address>(check: u16, old: A, new: A) -> u16 {
+    if A::BITS == 32 {
+        return replace_dword(check, dword(&old, 0), dword(&new, 0));
     }
-    check
+    let (mut old, mut new) = (old, new);
+    let len = old.as_ref().len() as u32;
+    // SAFETY: both buffers are `len` bytes on the stack, a multiple of four.
+    let sum = unsafe {
+        bpf_csum_diff(
+            old.as_mut().as_mut_ptr().cast(),
+            len,
+            new.as_mut().as_mut_ptr().cast(),
+            len,
+            u32::from(!check),
+        )
+    };
+    !fold(sum as u32)
 }
 
 /// The checksum after a 32-bit value of the covered data changed.

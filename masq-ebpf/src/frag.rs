@@ -24,11 +24,17 @@ fn key<A: Copy>(ip: &Packet<A>, dir: u8) -> FragmentKey<A> {
 /// the new source on egress, the new destination on ingress (or the old one, for datagrams
 /// left as they are).
 #[inline(always)]
-pub fn remember<F: Family>(ip: &Packet<F::Addr>, dir: u8, addr: F::Addr) {
+pub fn remember<F: Family>(ip: &Packet<F::Addr>, dir: u8, addr: &F::Addr) {
     if ip.fragment.first {
-        // A full table evicts the oldest datagram, whose fragments have long gone.
-        let _ = F::fragments().insert(key(ip, dir), addr, 0);
+        remember_first::<F>(ip, dir, addr);
     }
+}
+
+/// A function of its own: the datagram's key takes room that whole packets never need.
+#[inline(never)]
+fn remember_first<F: Family>(ip: &Packet<F::Addr>, dir: u8, addr: &F::Addr) {
+    // A full table evicts the oldest datagram, whose fragments have long gone.
+    let _ = F::fragments().insert(key(ip, dir), addr, 0);
 }
 
 /// The address a later fragment takes, if its first fragment went through.

@@ -101,7 +101,9 @@ pub const IPPROTO_ICMPV6: u8 = 58;
 
 /// An address as the maps hold it: `[u8; 4]` for IPv4, `[u8; 16]` for IPv6, in network order.
 /// The NAT table's key and entry types are written once, over this.
-pub trait Address: Copy + Default + Eq + core::hash::Hash + core::fmt::Debug + AsRef<[u8]> {
+pub trait Address:
+    Copy + Default + Eq + core::hash::Hash + core::fmt::Debug + AsRef<[u8]> + AsMut<[u8]>
+{
     /// Bits in the address: the LPM key length of a host.
     const BITS: u32;
     /// The bytes that round a `NatEntry` of this address up to its alignment, declared so that

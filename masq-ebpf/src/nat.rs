@@ -126,20 +126,24 @@ fn reserve_port<F: Family>(
     egress: &mut NatEntry<F::Addr>,
     settings: &Settings,
 ) -> u32 {
+    // The reply half differs from one attempt to the next only in its port.
+    let mut ingress_key = egress_key.reverse(egress);
+    let ingress = NatEntry {
+        addr: egress_key.saddr,
+        port: egress_key.sport,
+        ..*egress
+    };
     // Each span a port may come from is a path of its own for the verifier, and every attempt
     // would multiply them.
     let start = verifier::forget(ctx, ports::first_offset(settings, egress_key.sport));
     for attempt in 0..ports::MAX_ATTEMPTS {
         let port = ports::candidate(settings, start, attempt);
-        egress.port = verifier::forget(ctx, u32::from(port)) as u16;
-        let ingress_key = egress_key.reverse(egress);
-        let ingress = NatEntry {
-            addr: egress_key.saddr,
-            port: egress_key.sport,
-            ..*egress
-        };
-        match F::nat().insert(ingress_key, ingress, BPF_NOEXIST as u64) {
-            Ok(()) => return RESERVED,
+        ingress_key.dport = verifier::forget(ctx, u32::from(port)) as u16;
+        match F::nat().insert(&ingress_key, &ingress, BPF_NOEXIST as u64) {
+            Ok(()) => {
+                egress.port = ingress_key.dport;
+                return RESERVED;
+            }
             Err(EEXIST) => continue,
             Err(_) => return TABLE_FULL,
         }

@@ -109,7 +109,9 @@ impl<A> Packet<A> {
 #[inline(always)]
 pub fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
     let start = ctx.data() + offset;
-    if start + size_of::<T>() <= ctx.data_end() {
+    // At least two bytes: a one-byte check compiles to `start < data_end`, from which the
+    // verifier grants no byte at a variable offset. A byte at the very end takes the helper.
+    if start + size_of::<T>().max(2) <= ctx.data_end() {
         // SAFETY: the bytes lie within the linear data, checked just above.
         Some(unsafe { (start as *const T).read_unaligned() })
     } else {
@@ -170,8 +172,14 @@ pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
 #[inline(always)]
 pub fn ipv6_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
     let mut packet = core::mem::MaybeUninit::uninit();
-    // SAFETY: `walk_ipv6` fills `packet` whole when it returns true.
-    walk_ipv6(ctx, offset, &mut packet).then(|| unsafe { packet.assume_init() })
+    if !walk_ipv6(ctx, offset, &mut packet) {
+        return None;
+    }
+    // SAFETY: `walk_ipv6` filled `packet` whole.
+    let packet: Packet<[u8; 16]> = unsafe { packet.assume_init() };
+    // Copied back through memory, the offset has lost its bound for the verifier: give it
+    // back, or no read at it passes.
+    (packet.l4_off <= MAX_L4_OFF).then_some(packet)
 }
 
 /// The walk behind `ipv6_at`, a function of its own so that its temporaries take no room in

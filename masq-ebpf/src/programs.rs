@@ -9,7 +9,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey, Settings, direction, nat_kind,
+    Counter, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, Settings, direction, nat_kind,
 };
 
 use crate::{
@@ -38,47 +38,57 @@ pub fn masq_ingress(ctx: TcContext) -> i32 {
     }
 }
 
-// Each family's path is a function of its own, so that the verifier sizes the stack for one
-// family at a time rather than both together.
+// Each family's path is a function of its own, as are the steps below marked so: the verifier
+// allows 512 bytes of stack along any chain of calls, and one function holding every step's
+// locals at once (IPv6 addresses are sixteen bytes each) would need more.
 #[inline(never)]
 fn egress<F: Family>(ctx: &TcContext) -> i32 {
-    let Some((ip, (node_addr, settings))) = F::parse_at(ctx, ETH_HLEN).zip(interface::<F>(ctx))
-    else {
+    let Some(ip) = F::parse_at(ctx, ETH_HLEN) else {
         return Verdict::Keep(Counter::NotInspected).count();
     };
     if ip.is_later_fragment() {
-        return snat_nat_fragment::<F>(ctx, &ip, node_addr).count();
+        return snat_nat_fragment::<F>(ctx, &ip).count();
     }
-    let l4 = match snat_translatable::<F>(ctx, &ip, node_addr) {
+    let l4 = match snat_translatable::<F>(ctx, &ip) {
         Ok(l4) => l4,
         Err(verdict) => return verdict.count(),
     };
     let key = packet_key(&ip, &l4, direction::EGRESS);
-    let progress = progress(&l4);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
     // upstream's chain: policy changes affect new flows only.
-    let entry = match nat::lookup::<F>(&key) {
+    match nat::lookup::<F>(&key) {
         Some(entry) => {
-            nat::refresh(entry, progress);
+            nat::refresh(entry, progress(&l4));
             // SAFETY: map value pointer from a successful lookup.
-            unsafe { *entry }
+            snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry })
         }
-        None => {
-            if let Err(verdict) = snat_needs_masquerade::<F>(&ip, &l4, &key) {
-                return verdict.count();
-            }
-            match nat::create_snat::<F>(ctx, &key, node_addr, settings, progress) {
-                Ok(entry) => entry,
-                Err(AllocError::PortsExhausted) => {
-                    return Verdict::Drop(Counter::DropPortsExhausted).count();
-                }
-                Err(AllocError::TableFull) => {
-                    return Verdict::Drop(Counter::DropNatTableFull).count();
-                }
-            }
-        }
+        None => snat_new_flow::<F>(ctx, &ip, &l4, &key),
+    }
+}
+
+/// Egress, a packet of no known flow: the node's own, one to leave alone, or the first of a
+/// flow to masquerade.
+#[inline(never)]
+fn snat_new_flow<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    l4: &L4,
+    key: &NatKey<F::Addr>,
+) -> i32 {
+    let Some((node_addr, settings)) = interface::<F>(ctx) else {
+        return Verdict::Keep(Counter::NotInspected).count();
     };
-    snat_nat::<F>(ctx, &ip, &l4, &entry)
+    if ip.saddr == node_addr {
+        return Verdict::Keep(Counter::NotMasqNodeSource).count();
+    }
+    if let Err(verdict) = snat_needs_masquerade::<F>(ip, l4, key) {
+        return verdict.count();
+    }
+    match nat::create_snat::<F>(ctx, key, node_addr, settings, progress(l4)) {
+        Ok(entry) => snat_nat::<F>(ctx, ip, l4, &entry),
+        Err(AllocError::PortsExhausted) => Verdict::Drop(Counter::DropPortsExhausted).count(),
+        Err(AllocError::TableFull) => Verdict::Drop(Counter::DropNatTableFull).count(),
+    }
 }
 
 #[inline(never)]
@@ -102,10 +112,10 @@ fn packet_key<A: Copy>(ip: &Packet<A>, l4: &L4, dir: u8) -> NatKey<A> {
 fn interface<F: Family>(ctx: &TcContext) -> Option<(F::Addr, &'static Settings)> {
     // SAFETY: the context pointer is valid for the program's run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // SAFETY: the value is copied out at once.
-    let iface: Interface = unsafe { *maps::INTERFACES.get_ptr(ifindex)? };
+    // SAFETY: the map value lives as long as the program runs; only the address is copied.
+    let node_addr = F::node_addr(unsafe { &*maps::INTERFACES.get_ptr(ifindex)? })?;
     let settings = maps::settings().filter(|s| s.total_ports != 0)?;
-    Some((F::node_addr(&iface)?, settings))
+    Some((node_addr, settings))
 }
 
 /// What happens to a packet, and the counter that records why.
@@ -145,27 +155,19 @@ impl Verdict {
     }
 }
 
-/// Egress packets that no translation here is for, whatever their L4 header: the node's own,
-/// and protocols left to the chain.
+/// Egress packets of protocols left to the chain.
 #[inline(always)]
-fn snat_left_alone<F: Family>(ip: &Packet<F::Addr>, node_addr: F::Addr) -> Option<Verdict> {
-    if ip.saddr == node_addr {
-        return Some(Verdict::Keep(Counter::NotMasqNodeSource));
-    }
-    if ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP && ip.proto != F::ICMP {
-        return Some(Verdict::Keep(Counter::NotMasqOtherProtocol));
-    }
-    None
+fn snat_other_protocol<F: Family>(ip: &Packet<F::Addr>) -> Option<Verdict> {
+    (ip.proto != IPPROTO_TCP && ip.proto != IPPROTO_UDP && ip.proto != F::ICMP)
+        .then_some(Verdict::Keep(Counter::NotMasqOtherProtocol))
 }
 
-/// Egress: could this packet be translated at all? Its L4 header if so.
+/// Egress: could this packet be translated at all? Its L4 header if so. The node's own packets
+/// are told apart later, once no flow is found for them: established flows skip the lookup of
+/// the node's address.
 #[inline(always)]
-fn snat_translatable<F: Family>(
-    ctx: &TcContext,
-    ip: &Packet<F::Addr>,
-    node_addr: F::Addr,
-) -> Result<L4, Verdict> {
-    if let Some(verdict) = snat_left_alone::<F>(ip, node_addr) {
+fn snat_translatable<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Result<L4, Verdict> {
+    if let Some(verdict) = snat_other_protocol::<F>(ip) {
         return Err(verdict);
     }
     let Some(l4) = parse::l4(ctx, ip.l4_off, ip.proto) else {
@@ -215,11 +217,7 @@ fn progress(l4: &L4) -> u8 {
 /// fragment took. One without a known first fragment is dropped rather than sent with the pod's
 /// address, unless nothing would have translated it anyway.
 #[inline(never)]
-fn snat_nat_fragment<F: Family>(
-    ctx: &TcContext,
-    ip: &Packet<F::Addr>,
-    node_addr: F::Addr,
-) -> Verdict {
+fn snat_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
     if let Some(addr) = frag::recall::<F>(ip, direction::EGRESS) {
         if addr == ip.saddr {
             return Verdict::Keep(Counter::NotMasqInbound);
@@ -227,7 +225,13 @@ fn snat_nat_fragment<F: Family>(
         let rewritten = F::rewrite_addr(ctx, ip, AddrField::Source, addr, None);
         return Verdict::after(rewritten, Counter::Masqueraded);
     }
-    if let Some(verdict) = snat_left_alone::<F>(ip, node_addr) {
+    let Some((node_addr, _)) = interface::<F>(ctx) else {
+        return Verdict::Keep(Counter::NotInspected);
+    };
+    if ip.saddr == node_addr {
+        return Verdict::Keep(Counter::NotMasqNodeSource);
+    }
+    if let Some(verdict) = snat_other_protocol::<F>(ip) {
         return verdict;
     }
     if F::is_non_masq_destination(ip.daddr) {
@@ -247,10 +251,10 @@ fn snat_nat<F: Family>(
     entry: &NatEntry<F::Addr>,
 ) -> i32 {
     if entry.kind == nat_kind::PASSTHROUGH {
-        frag::remember::<F>(ip, direction::EGRESS, ip.saddr);
+        frag::remember::<F>(ip, direction::EGRESS, &ip.saddr);
         return Verdict::Keep(Counter::NotMasqInbound).count();
     }
-    frag::remember::<F>(ip, direction::EGRESS, entry.addr);
+    frag::remember::<F>(ip, direction::EGRESS, &entry.addr);
     let field = if l4.proto == F::ICMP {
         parse::ICMP_ID_OFF
     } else {
@@ -306,41 +310,59 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
     let Some(l4) = parse::l4(ctx, ip.l4_off, ip.proto) else {
         return TC_ACT_OK;
     };
-    let (key, field) = if l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP {
-        (packet_key(ip, &l4, direction::INGRESS), 2)
-    } else if l4.proto != F::ICMP {
-        return TC_ACT_OK;
-    } else if l4.icmp_type == F::ECHO_REPLY {
-        // Replies carry the identifier the request left with, the key's pod-side port.
-        let key = nat::key(ip.saddr, ip.daddr, F::ICMP, 0, l4.sport, direction::INGRESS);
-        (key, parse::ICMP_ID_OFF)
-    } else if F::is_icmp_error(l4.icmp_type) {
-        return snat_rev_nat_icmp_error::<F>(ctx, ip);
-    } else {
-        return TC_ACT_OK;
-    };
-    let progress = progress(&l4);
-    let Some(entry) = nat::lookup::<F>(&key) else {
-        // A connection opened from outside toward a pod's own address. A TCP connection opens
-        // with a SYN: stray segments (to an address the node no longer has, say) open nothing.
-        if l4.proto != F::ICMP
-            && (l4.proto != IPPROTO_TCP || l4.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN)
-            && F::is_unicast(&ip.daddr)
-            && interface::<F>(ctx).is_some_and(|(node_addr, _)| ip.daddr != node_addr)
-            && !F::is_non_masq_destination(ip.saddr)
-            && nat::track_passthrough::<F>(&nat::egress_key_of(&key), progress)
-        {
-            maps::count(Counter::InboundTracked);
+    if l4.proto == IPPROTO_TCP
+        || l4.proto == IPPROTO_UDP
+        || (l4.proto == F::ICMP && l4.icmp_type == F::ECHO_REPLY)
+    {
+        let verdict = snat_rev_nat_flow::<F>(ctx, ip, &l4);
+        // Called from here rather than from the flow's own step, so that the two frames
+        // never stack.
+        if verdict == UNKNOWN_FLOW {
+            snat_track_inbound::<F>(ctx, ip, &l4);
+            return TC_ACT_OK;
         }
-        return TC_ACT_OK;
+        verdict
+    } else if l4.proto == F::ICMP && F::is_icmp_error(l4.icmp_type) {
+        snat_rev_nat_icmp_error::<F>(ctx, ip)
+    } else {
+        TC_ACT_OK
+    }
+}
+
+/// What `snat_rev_nat_flow` says of a packet of no known flow.
+const UNKNOWN_FLOW: i32 = -1;
+
+/// The NAT key a packet coming in would find its flow under: its own tuple, or for an echo
+/// reply, its identifier in the pod-side port.
+#[inline(always)]
+fn ingress_key<A: Copy>(ip: &Packet<A>, l4: &L4, icmp: u8) -> NatKey<A> {
+    if l4.proto == icmp {
+        nat::key(ip.saddr, ip.daddr, icmp, 0, l4.sport, direction::INGRESS)
+    } else {
+        packet_key(ip, l4, direction::INGRESS)
+    }
+}
+
+/// Ingress, a TCP or UDP packet or an echo reply: restore the destination its flow left from.
+/// `UNKNOWN_FLOW` if it has none.
+#[inline(never)]
+fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> i32 {
+    let key = ingress_key(ip, l4, F::ICMP);
+    let field = if l4.proto == F::ICMP {
+        parse::ICMP_ID_OFF
+    } else {
+        2
     };
-    nat::refresh(entry, progress);
+    let Some(entry) = nat::lookup::<F>(&key) else {
+        return UNKNOWN_FLOW;
+    };
+    nat::refresh(entry, progress(l4));
     // SAFETY: map value pointer from a successful lookup.
-    let entry = unsafe { *entry };
+    let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
         return TC_ACT_OK;
     }
-    frag::remember::<F>(ip, direction::INGRESS, entry.addr);
+    frag::remember::<F>(ip, direction::INGRESS, &entry.addr);
     let rewritten = rewrite::<F>(
         ctx,
         ip,
@@ -348,14 +370,31 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
         field,
         l4.proto,
         key.dport,
-        &entry,
+        entry,
     );
     Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
 }
 
+/// Ingress, a packet of no known flow: a connection opened from outside toward a pod's own
+/// address is remembered, so that the pod's replies keep that address. A TCP connection opens
+/// with a SYN: stray segments (to an address the node no longer has, say) open nothing.
+#[inline(never)]
+fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) {
+    let key = &ingress_key(ip, l4, F::ICMP);
+    if l4.proto != F::ICMP
+        && (l4.proto != IPPROTO_TCP || l4.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN)
+        && F::is_unicast(&ip.daddr)
+        && interface::<F>(ctx).is_some_and(|(node_addr, _)| ip.daddr != node_addr)
+        && !F::is_non_masq_destination(ip.saddr)
+        && nat::track_passthrough::<F>(&nat::egress_key_of(key), progress(l4))
+    {
+        maps::count(Counter::InboundTracked);
+    }
+}
+
 /// Ingress, a fragment after the first: it takes the destination its first fragment took. One
 /// without a known first fragment passes as it is: it may well be the node's own.
-#[inline(always)]
+#[inline(never)]
 fn snat_rev_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
     match frag::recall::<F>(ip, direction::INGRESS) {
         Some(addr) if addr != ip.daddr => {
@@ -387,10 +426,10 @@ fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> 
         return TC_ACT_OK;
     };
     // The quoted packet went out; a reply to it would have come in as this key.
-    let (sport, dport, field) = if quoted.proto == IPPROTO_TCP || quoted.proto == IPPROTO_UDP {
-        (quoted.dport, quoted.sport, 0)
+    let (sport, dport) = if quoted.proto == IPPROTO_TCP || quoted.proto == IPPROTO_UDP {
+        (quoted.dport, quoted.sport)
     } else if quoted.proto == F::ICMP && quoted.icmp_type == F::ECHO_REQUEST {
-        (0, quoted.sport, parse::ICMP_ID_OFF)
+        (0, quoted.sport)
     } else {
         return TC_ACT_OK;
     };
@@ -406,24 +445,49 @@ fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> 
         return TC_ACT_OK;
     };
     // SAFETY: map value pointer from a successful lookup.
-    let entry = unsafe { *entry };
+    let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
         return TC_ACT_OK;
     }
-    let rewritten = rewrite_icmp_error::<F>(ctx, ip, &inner, &quoted, field, key.dport, &entry);
+    let rewritten = match rewrite_icmp_error::<F>(ctx, ip, &inner, &quoted, entry) {
+        0 => Ok(()),
+        err => Err(err),
+    };
     Verdict::after_rewrite(rewritten, Counter::IcmpErrorTranslated)
 }
 
-#[inline(always)]
+/// Rewrites the error about `quoted` as `entry` says; returns the helpers' error code. A function
+/// of its own, with five arguments and a plain return (what a BPF function can take and give):
+/// the checksum arithmetic over sixteen-byte addresses needs a frame of its own.
+#[inline(never)]
 fn rewrite_icmp_error<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     inner: &Packet<F::Addr>,
     quoted: &L4,
-    quoted_field: usize,
-    nat_word: u16,
+    entry: &NatEntry<F::Addr>,
+) -> i64 {
+    match rewrite_icmp_error_fields::<F>(ctx, ip, inner, quoted, entry) {
+        Ok(()) => 0,
+        Err(err) => err,
+    }
+}
+
+#[inline(always)]
+fn rewrite_icmp_error_fields<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    inner: &Packet<F::Addr>,
+    quoted: &L4,
     entry: &NatEntry<F::Addr>,
 ) -> Result<(), i64> {
+    // The quoted packet's pod-side word, now the NAT port: its source port, or echo identifier.
+    let nat_word = quoted.sport;
+    let quoted_field = if quoted.proto == F::ICMP {
+        parse::ICMP_ID_OFF
+    } else {
+        0
+    };
     let icmp_csum_off = ip.l4_off + parse::ICMP_CSUM_OFF;
     let mut icmp_csum: u16 = parse::read(ctx, icmp_csum_off).ok_or(EFAULT)?;
 

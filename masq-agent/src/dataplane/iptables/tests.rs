@@ -276,7 +276,7 @@ fn to_ports_single_ports() {
 }
 
 #[test]
-fn ebpf_variant_returns_translated_protocols_first_and_matches_cidrs_through_a_set_for_ipv4_only() {
+fn ebpf_variant_returns_translated_protocols_first_and_matches_cidrs_through_a_set() {
     let p = policy(&["10.0.0.0/8", "fc00::/7"], false, false);
     let v4 = render(
         IpFamily::Ipv4,
@@ -307,18 +307,18 @@ fn ebpf_variant_returns_translated_protocols_first_and_matches_cidrs_through_a_s
         ChainVariant::OutsideEbpf,
     )
     .unwrap();
-    // The programs translate IPv4 only: IPv6 keeps upstream's full chain.
-    let full_v6 = render(
-        IpFamily::Ipv6,
-        &p,
-        &opts(true, None),
-        MODERN,
-        ChainVariant::Full,
-    )
-    .unwrap();
-    assert_eq!(v6, full_v6);
-    assert!(!v6.contains("translated by the eBPF data plane"), "{v6}");
-    assert!(v6.contains("-d fc00::/7 -j RETURN"), "{v6}");
+    assert_eq!(
+        v6,
+        format!(
+            "*nat\n:IP-MASQ-AGENT - [0:0]\n\
+             -A IP-MASQ-AGENT {ebpf} -p tcp -j RETURN\n\
+             -A IP-MASQ-AGENT {ebpf} -p udp -j RETURN\n\
+             -A IP-MASQ-AGENT {ebpf} -p ipv6-icmp -j RETURN\n\
+             -A IP-MASQ-AGENT {RET} -m set --match-set IP-MASQ-AGENT-v6 dst -j RETURN\n\
+             -A IP-MASQ-AGENT {MASQ} -j MASQUERADE --random-fully\n\
+             COMMIT\n"
+        )
+    );
     assert_eq!(
         exempt(IpFamily::Ipv6, &p).unwrap(),
         ["fe80::/10", "fc00::/7"]
