@@ -380,9 +380,12 @@ fn series(
         Counter::DropNatTableFull => (DROPPED, DROPPED_HELP, Some(("reason", "nat_table_full"))),
         Counter::DropFragment => (DROPPED, DROPPED_HELP, Some(("reason", "fragment"))),
         Counter::DropRewriteFailed => (DROPPED, DROPPED_HELP, Some(("reason", "rewrite_failed"))),
+        Counter::DropExtensionHeaders => {
+            (DROPPED, DROPPED_HELP, Some(("reason", "extension_headers")))
+        }
         Counter::NotInspected => (
             "packets_not_inspected",
-            "Packets the programs passed without a look: not IPv4, malformed, or before the agent configured them",
+            "Packets the programs passed without a look: not IP, malformed, or before the agent configured them",
             None,
         ),
     }

@@ -450,32 +450,55 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let agent = bed.start_agent(&[]);
     assert_masqueraded(&bed);
-    let new_address = IpAddr::from([203, 0, 113, 2]);
     let uplink = topology::UPLINK_IF;
     let promote = format!("net.ipv4.conf.{uplink}.promote_secondaries=1");
     bed.topo.node_run("sysctl", &["-qw", &promote]).unwrap();
-    bed.topo
-        .node_run("ip", &["addr", "add", "203.0.113.2/24", "dev", uplink])
-        .unwrap();
     let old = format!("{}/24", topology::NODE_UPLINK);
+    assert_new_flows_take_the_new_address(&bed, &agent, outside(), &old, "203.0.113.2/24");
+}
+
+/// The uplink's address `old` gives way to `new`: new flows leave with the new one, and on the
+/// eBPF data plane no flow is left on the old one.
+fn assert_new_flows_take_the_new_address(
+    bed: &Bed,
+    agent: &Process,
+    server: SocketAddr,
+    old: &str,
+    new: &str,
+) {
+    let uplink = topology::UPLINK_IF;
+    let family = if server.is_ipv6() { "-6" } else { "-4" };
+    let new_address: IpAddr = new.split('/').next().unwrap().parse().unwrap();
     bed.topo
-        .node_run("ip", &["addr", "del", &old, "dev", uplink])
+        .node_run("ip", &[family, "addr", "add", new, "dev", uplink, "nodad"])
         .unwrap();
-    wait_for(|| Ok(probe::tcp_probe(bed.pod(), outside(), 0)?.ip() == new_address))
+    bed.topo
+        .node_run("ip", &[family, "addr", "del", old, "dev", uplink])
+        .unwrap();
+    wait_for(|| Ok(probe::tcp_probe(bed.pod(), server, 0)?.ip() == new_address))
         .unwrap_or_else(|e| panic!("still the old address: {e}\n{}", agent.log_text()));
-    if plane == Plane::Ebpf {
+    if bed.plane == Plane::Ebpf {
         assert!(
             agent
                 .log_text()
                 .contains("flows on the old address forgotten")
         );
-        let pin = bed.topo.bpffs.join("nat_v4");
+        let table = if server.is_ipv6() { "nat_v6" } else { "nat_v4" };
+        let pin = bed.topo.bpffs.join(table);
         let dump = xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
             .unwrap();
         let compact: String = dump.split_whitespace().collect();
-        assert!(compact.contains(r#""addr":[203,0,113,2]"#), "{dump}");
+        let bytes = |addr: IpAddr| {
+            let octets: Vec<String> = match addr {
+                IpAddr::V4(a) => a.octets().iter().map(u8::to_string).collect(),
+                IpAddr::V6(a) => a.octets().iter().map(u8::to_string).collect(),
+            };
+            format!(r#""addr":[{}]"#, octets.join(","))
+        };
+        let old_address: IpAddr = old.split('/').next().unwrap().parse().unwrap();
+        assert!(compact.contains(&bytes(new_address)), "{dump}");
         assert!(
-            !compact.contains(r#""addr":[203,0,113,1]"#),
+            !compact.contains(&bytes(old_address)),
             "nothing is left on the old address:\n{dump}"
         );
     }
@@ -663,34 +686,33 @@ fn a_killed_agent_does_not_break_a_transfer(plane: Plane) {
 fn checksums_hold_with_tx_offload_on_and_off(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
+    assert_checksums_hold_with_tx_offload_on_and_off(&bed, outside(), node_ip());
+}
+
+/// A reply only comes back if every checksum on the way was right: TCP, UDP, ping and a bulk
+/// transfer (segmentation offload) to `server`, with the devices' checksum offload off, then on.
+fn assert_checksums_hold_with_tx_offload_on_and_off(bed: &Bed, server: SocketAddr, node: IpAddr) {
+    let family = if server.is_ipv6() { "-6" } else { "-4" };
+    let dst = server.ip().to_string();
     for on in [false, true] {
         bed.ethtool_tx(on);
-        // A reply only comes back if every checksum on the way was right.
-        assert_eq!(
-            probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-            node_ip(),
-            "TCP, tx {on}"
-        );
-        assert_eq!(
-            probe::udp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-            node_ip(),
-            "UDP, tx {on}"
-        );
-        assert!(bed.ping(0, topology::EXT_ADDR), "ICMP, tx {on}");
-        let _sink = BulkSink::start(&bed.topo.ext, 9002 + u16::from(on)).unwrap();
+        let tcp = probe::tcp_probe(bed.pod(), server, 0).unwrap();
+        assert_eq!(tcp.ip(), node, "TCP, tx {on}");
+        let udp = probe::udp_probe(bed.pod(), server, 0).unwrap();
+        assert_eq!(udp.ip(), node, "UDP, tx {on}");
+        let ping = bed.ping_output(0, &[family, "-c", "1", "-W", "2", &dst]);
+        assert_success(&ping);
+        let port = 9002 + u16::from(on);
+        let _sink = BulkSink::start(&bed.topo.ext, port).unwrap();
         let sent = probe::tcp_bulk(
             bed.pod(),
-            (topology::EXT_ADDR, 9002 + u16::from(on)).into(),
+            (server.ip(), port).into(),
             64 * 1024,
             16,
             Duration::ZERO,
         )
         .unwrap();
-        assert_eq!(
-            sent,
-            16 * 64 * 1024,
-            "bulk TCP (segmentation offload), tx {on}"
-        );
+        assert_eq!(sent, 16 * 64 * 1024, "bulk TCP, tx {on}");
     }
 }
 
@@ -698,22 +720,27 @@ fn other_protocols_are_masqueraded_by_the_chain(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let gre = RawObserver::start(&bed.topo.ext, i32::from(IPPROTO_GRE)).unwrap();
     let _agent = bed.start_agent(&[]);
+    assert_gre_leaves_with(&bed, &gre, topology::EXT_ADDR.into(), node_ip());
+}
+
+/// GRE from the pod to `dst`, which the programs leave to the chain, reaches the outside host
+/// (where `gre` listens) from `node`.
+fn assert_gre_leaves_with(bed: &Bed, gre: &RawObserver, dst: IpAddr, node: IpAddr) {
+    let gre_payload = [0, 0, 0x08, 0, 1, 2, 3, 4];
     wait_for(|| {
-        probe::raw_send(
-            bed.pod(),
-            i32::from(IPPROTO_GRE),
-            topology::EXT_ADDR,
-            &[0, 0, 0x08, 0, 1, 2, 3, 4],
-        )?;
+        match dst {
+            IpAddr::V4(dst) => {
+                probe::raw_send(bed.pod(), i32::from(IPPROTO_GRE), dst, &gre_payload)?
+            }
+            IpAddr::V6(dst) => {
+                probe::raw_send_v6(bed.pod(), i32::from(IPPROTO_GRE), dst, &gre_payload)?
+            }
+        }
         std::thread::sleep(Duration::from_millis(50));
         Ok(!gre.sources().is_empty())
     })
     .unwrap();
-    assert_eq!(
-        gre.sources()[0],
-        node_ip(),
-        "GRE leaves with the node's address"
-    );
+    assert_eq!(gre.sources()[0], node, "GRE leaves with the node's address");
 }
 
 fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
@@ -1341,22 +1368,75 @@ fn to_ports_rules_load_into_real_iptables(plane: Plane) {
     );
 }
 
-/// The programs translate IPv4 only: beside them, IPv6 gets upstream's full chain, so that no
-/// IPv6 packet leaves a pod unmasqueraded for want of a program.
-fn ipv6_keeps_the_full_chain_beside_the_programs(plane: Plane) {
-    let bed = Bed::new(plane, "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]\n");
-    assert_success(&bed.sync_once(&["--enable-ipv6"]));
+/// Beside the programs, the IPv6 chain too is reduced to the protocols they leave alone, and
+/// what they translate they count; GRE over IPv6 is masqueraded by the chain.
+fn ipv6_is_translated_by_the_programs_and_the_rest_by_the_chain(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let gre = RawObserver::start_v6(&bed.topo.ext, i32::from(IPPROTO_GRE)).unwrap();
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
     let v6 = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
     let rules: Vec<&str> = v6.lines().filter(|l| l.starts_with("-A")).collect();
-    assert_eq!(rules.len(), 3, "two exemptions and the masquerade:\n{v6}");
+    for (rule, proto) in rules.iter().zip(["tcp", "udp", "ipv6-icmp"]) {
+        assert!(
+            rule.contains(&format!("-p {proto}")) && rule.contains("-j RETURN"),
+            "{v6}"
+        );
+    }
     assert!(
-        rules[0].contains("-d fe80::/10") && rules[1].contains("-d fc00::/7"),
+        rules[3].contains("--match-set") && rules[4].contains("-j MASQUERADE"),
         "{v6}"
     );
-    assert!(rules[2].contains("-j MASQUERADE"), "{v6}");
+
+    let counted = || -> u64 {
+        let counters = bed.status_json()["ebpf"]["counters"].clone();
+        counters["masqueraded"].as_u64().unwrap() + counters["reverse_translated"].as_u64().unwrap()
+    };
+    let before = counted();
+    let seen = probe::tcp_probe(bed.pod(), outside_v6(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip_v6());
     assert!(
-        bed.chain().unwrap().contains("-p tcp"),
-        "the IPv4 chain still leaves TCP to the programs"
+        counted() >= before + 2,
+        "the programs translated the connection both ways"
+    );
+    let status = bed.status_json();
+    assert_eq!(
+        status["ebpf"]["interfaces_v6"]
+            .as_object()
+            .unwrap()
+            .values()
+            .next(),
+        Some(&serde_json::json!(topology::NODE_UPLINK_V6.to_string())),
+        "{status}"
+    );
+
+    assert_gre_leaves_with(&bed, &gre, topology::EXT_ADDR_V6.into(), node_ip_v6());
+}
+
+/// Without a global IPv6 address on the uplink the programs have nothing to give IPv6 flows,
+/// so IPv6 keeps upstream's full chain until the address is there.
+fn ipv6_keeps_the_full_chain_while_the_uplink_has_no_ipv6_address(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let uplink_v6 = format!("{}/64", topology::NODE_UPLINK_V6);
+    let uplink = topology::UPLINK_IF;
+    bed.topo
+        .node_run("ip", &["-6", "addr", "del", &uplink_v6, "dev", uplink])
+        .unwrap();
+    let reduced = || {
+        assert_success(&bed.sync_once(&["--enable-ipv6"]));
+        let v6 = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
+        assert!(v6.contains("-j MASQUERADE"), "{v6}");
+        v6.contains("translated by the eBPF data plane")
+    };
+    assert!(!reduced(), "no address: the full chain");
+    bed.topo
+        .node_run(
+            "ip",
+            &["-6", "addr", "add", &uplink_v6, "dev", uplink, "nodad"],
+        )
+        .unwrap();
+    assert!(
+        reduced(),
+        "with the address: the programs, and the reduced chain"
     );
 }
 
@@ -1570,10 +1650,29 @@ fn ipv6_path_mtu_discovery_works_through_the_translation(plane: Plane) {
     assert_path_mtu_discovery(&bed, topology::FAR_ADDR_V6.into());
 }
 
+fn ipv6_checksums_hold_with_tx_offload_on_and_off(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    assert_checksums_hold_with_tx_offload_on_and_off(&bed, outside_v6(), node_ip_v6());
+}
+
+fn ipv6_new_flows_take_the_uplink_s_new_address(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let agent = bed.start_agent(&["--enable-ipv6"]);
+    let seen = probe::tcp_probe(bed.pod(), outside_v6(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip_v6());
+    let old = format!("{}/64", topology::NODE_UPLINK_V6);
+    assert_new_flows_take_the_new_address(&bed, &agent, outside_v6(), &old, "2001:db8:1::2/64");
+}
+
 fn ipv6_fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
     let bed = Bed::new(plane, IPV6_CONFIG);
     let _agent = bed.start_agent(&["--enable-ipv6"]);
     assert_fragments_arrive_whole(&bed, topology::EXT_ADDR_V6.into());
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert_eq!(counters["dropped_fragment"], 0, "{counters}");
+    }
 }
 
 macro_rules! cases {
@@ -1610,6 +1709,8 @@ macro_rules! common_cases {
             ipv6_connections_from_outside_keep_the_pod_address,
             ipv6_path_mtu_discovery_works_through_the_translation,
             ipv6_fragmented_datagrams_arrive_whole_both_ways,
+            ipv6_checksums_hold_with_tx_offload_on_and_off,
+            ipv6_new_flows_take_the_uplink_s_new_address,
         );
     };
 }
@@ -1618,7 +1719,8 @@ mod ebpf {
     common_cases!(Ebpf);
     cases!(Ebpf:
         liveness_fails_when_the_data_plane_is_gone,
-        ipv6_keeps_the_full_chain_beside_the_programs,
+        ipv6_is_translated_by_the_programs_and_the_rest_by_the_chain,
+        ipv6_keeps_the_full_chain_while_the_uplink_has_no_ipv6_address,
         draining_survives_an_agent_restart,
         a_full_nat_table_keeps_its_flows_and_drops_new_ones,
         sigkill_mid_apply_loses_no_prefix,

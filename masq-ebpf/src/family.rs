@@ -24,6 +24,8 @@ pub trait Family {
     const SADDR_OFF: usize;
     /// Where the header's own checksum sits; IPv6 has none.
     const IP_CSUM_OFF: Option<usize>;
+    /// Whether the steps declared with `step!` run as functions of their own.
+    const OWN_FRAMES: bool;
 
     /// Parses the IP header at `offset`: the packet's own, or one quoted in an ICMP error.
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<Self::Addr>>;
@@ -59,6 +61,7 @@ impl Family for V4 {
     const ICMP_PSEUDO_HEADER: bool = false;
     const SADDR_OFF: usize = 12;
     const IP_CSUM_OFF: Option<usize> = Some(10);
+    const OWN_FRAMES: bool = false;
 
     #[inline(always)]
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
@@ -123,6 +126,7 @@ impl Family for V6 {
     const ICMP_PSEUDO_HEADER: bool = true;
     const SADDR_OFF: usize = 8;
     const IP_CSUM_OFF: Option<usize> = None;
+    const OWN_FRAMES: bool = true;
 
     #[inline(always)]
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {

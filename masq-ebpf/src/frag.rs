@@ -30,11 +30,12 @@ pub fn remember<F: Family>(ip: &Packet<F::Addr>, dir: u8, addr: &F::Addr) {
     }
 }
 
+step! {
 /// A function of its own: the datagram's key takes room that whole packets never need.
-#[inline(never)]
 fn remember_first<F: Family>(ip: &Packet<F::Addr>, dir: u8, addr: &F::Addr) {
     // A full table evicts the oldest datagram, whose fragments have long gone.
     let _ = F::fragments().insert(key(ip, dir), addr, 0);
+}
 }
 
 /// The address a later fragment takes, if its first fragment went through.

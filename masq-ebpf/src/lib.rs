@@ -295,13 +295,16 @@ pub enum Counter {
     DropFragment,
     /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.
     DropRewriteFailed,
+    /// Packets dropped: IPv6 from a pod whose extension headers run on past what the programs
+    /// walk. The chain's protocol match walks any chain and would let it out untranslated.
+    DropExtensionHeaders,
     /// Packets not inspected: neither IPv4 nor IPv6, too short or malformed, or NAT not
     /// configured for their family.
     NotInspected,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 15] = [
+    pub const ALL: [Counter; 16] = [
         Counter::Masqueraded,
         Counter::NotMasqNonMasqDestination,
         Counter::NotMasqNodeSource,
@@ -316,6 +319,7 @@ impl Counter {
         Counter::DropNatTableFull,
         Counter::DropFragment,
         Counter::DropRewriteFailed,
+        Counter::DropExtensionHeaders,
         Counter::NotInspected,
     ];
 
@@ -336,6 +340,7 @@ impl Counter {
             Counter::DropNatTableFull => "dropped_nat_table_full",
             Counter::DropFragment => "dropped_fragment",
             Counter::DropRewriteFailed => "dropped_rewrite_failed",
+            Counter::DropExtensionHeaders => "dropped_extension_headers",
             Counter::NotInspected => "not_inspected",
         }
     }

@@ -2,6 +2,10 @@
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
+// First: its `step!` macro is used by the modules below.
+#[cfg(target_arch = "bpf")]
+#[macro_use]
+mod verifier;
 #[cfg(target_arch = "bpf")]
 mod csum;
 #[cfg(target_arch = "bpf")]
@@ -20,9 +24,6 @@ mod policy;
 mod ports;
 #[cfg(target_arch = "bpf")]
 mod programs;
-
-#[cfg(target_arch = "bpf")]
-mod verifier;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

@@ -116,10 +116,10 @@ const RESERVED: u32 = 0;
 const PORTS_EXHAUSTED: u32 = 1;
 const TABLE_FULL: u32 = 2;
 
+step! {
 /// Finds `egress` a free port and reserves it by inserting the flow's reply half. A function
 /// of its own, taking references and returning a plain code: a BPF function gets five
 /// registers and no stack arguments, and its frame is not added to its callers' all at once.
-#[inline(never)]
 fn reserve_port<F: Family>(
     ctx: &TcContext,
     egress_key: &NatKey<F::Addr>,
@@ -139,7 +139,9 @@ fn reserve_port<F: Family>(
     for attempt in 0..ports::MAX_ATTEMPTS {
         let port = ports::candidate(settings, start, attempt);
         ingress_key.dport = verifier::forget(ctx, u32::from(port)) as u16;
-        match F::nat().insert(&ingress_key, &ingress, BPF_NOEXIST as u64) {
+        // By reference: copies for the helper would take the frame past the verifier's limit.
+        let (key, value) = (&ingress_key, &ingress);
+        match F::nat().insert(key, value, BPF_NOEXIST as u64) {
             Ok(()) => {
                 egress.port = ingress_key.dport;
                 return RESERVED;
@@ -149,6 +151,7 @@ fn reserve_port<F: Family>(
         }
     }
     PORTS_EXHAUSTED
+}
 }
 
 /// Inserts the egress half once its port is reserved. If another CPU translated the same flow
@@ -197,7 +200,10 @@ pub fn track_passthrough<F: Family>(egress_key: &NatKey<F::Addr>, progress: u8) 
     if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {
         return false;
     }
-    if nat.insert(ingress_key, ingress, BPF_NOEXIST as u64).is_err() {
+    if nat
+        .insert(ingress_key, ingress, BPF_NOEXIST as u64)
+        .is_err()
+    {
         let _ = nat.remove(egress_key);
         return false;
     }

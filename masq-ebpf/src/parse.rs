@@ -96,6 +96,9 @@ pub struct Packet<A> {
     /// IPv4's header checksum, which every address rewrite updates; IPv6 has none.
     pub ip_check: u16,
     pub fragment: Fragment,
+    /// False for IPv6 whose extension headers run on past `MAX_EXTENSION_HEADERS`: `proto`
+    /// and `l4_off` are then the last header walked, not the L4 one.
+    pub walked_whole: bool,
 }
 
 impl<A> Packet<A> {
@@ -108,17 +111,22 @@ impl<A> Packet<A> {
 /// The `T` at `offset` in the packet.
 #[inline(always)]
 pub fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
-    let start = ctx.data() + offset;
-    // At least two bytes: a one-byte check compiles to `start < data_end`, from which the
-    // verifier grants no byte at a variable offset. A byte at the very end takes the helper.
-    if start + size_of::<T>().max(2) <= ctx.data_end() {
-        // SAFETY: the bytes lie within the linear data, checked just above.
-        Some(unsafe { (start as *const T).read_unaligned() })
-    } else {
+    read_linear(ctx, offset).or_else(|| {
         let mut value = core::mem::MaybeUninit::<T>::uninit();
         // SAFETY: `load` fills `value` whole when it returns 0.
         (load(ctx, offset, &mut value) == 0).then(|| unsafe { value.assume_init() })
-    }
+    })
+}
+
+/// The `T` at `offset`, if it lies within the packet's linear data.
+#[inline(always)]
+fn read_linear<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
+    let start = ctx.data() + offset;
+    // At least two bytes: a one-byte check compiles to `start < data_end`, from which the
+    // verifier grants no byte at a variable offset. A byte at the very end takes the helper.
+    // SAFETY: the bytes lie within the linear data, checked first.
+    (start + size_of::<T>().max(2) <= ctx.data_end())
+        .then(|| unsafe { (start as *const T).read_unaligned() })
 }
 
 /// The rare path of `read`, a function of its own so that the helper's own buffer takes no
@@ -164,11 +172,12 @@ pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
             first: frag & (IP_MORE_FRAGMENTS | IP_OFFSET) == IP_MORE_FRAGMENTS,
             later: frag & IP_OFFSET != 0,
         },
+        walked_whole: true,
     })
 }
 
 /// Parses an IPv6 header at `offset` and the extension headers behind it, up to the L4
-/// header. `None` for a chain too long or cut short: such a packet is not inspected.
+/// header. `None` for a chain cut short; a chain too long comes back not `walked_whole`.
 #[inline(always)]
 pub fn ipv6_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
     let mut packet = core::mem::MaybeUninit::uninit();
@@ -201,7 +210,10 @@ fn walk_ipv6(
 
 #[inline(always)]
 fn ipv6_headers(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
-    let header: Ipv6Header = read(ctx, offset)?;
+    // From the linear data only: the helper's fallback would add its frame to the deepest
+    // chain of calls (an ICMPv6 error's quoted header), past the verifier's 512 bytes. The
+    // kernel keeps IP headers in the linear data; a packet where it did not passes untouched.
+    let header: Ipv6Header = read_linear(ctx, offset)?;
     if header.version_class_flow[0] >> 4 != 6 {
         return None;
     }
@@ -213,6 +225,7 @@ fn ipv6_headers(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
     let mut proto = header.next_header;
     let mut l4_off = offset + IPV6_HLEN;
     let mut walked = 0;
+    let mut walked_whole = true;
     // Past a later fragment's header lies payload, not more headers.
     while !fragment.later {
         let len = match proto {
@@ -238,7 +251,8 @@ fn ipv6_headers(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
             _ => break,
         };
         if walked == MAX_EXTENSION_HEADERS {
-            return None;
+            walked_whole = false;
+            break;
         }
         walked += 1;
         proto = read(ctx, l4_off)?;
@@ -257,6 +271,7 @@ fn ipv6_headers(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
         l4_off,
         ip_check: 0,
         fragment,
+        walked_whole,
     })
 }
 

@@ -23,7 +23,9 @@ pub fn candidate(settings: &Settings, start: u32, attempt: u32) -> u16 {
     let offset = if fresh(&settings.random_fully) != 0 {
         random_below(total)
     } else {
-        (start % MAX_OFFSET + attempt).checked_rem(total).unwrap_or(0)
+        (start % MAX_OFFSET + attempt)
+            .checked_rem(total)
+            .unwrap_or(0)
     };
     port_at(settings, offset).to_be()
 }

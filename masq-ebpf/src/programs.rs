@@ -38,9 +38,8 @@ pub fn masq_ingress(ctx: TcContext) -> i32 {
     }
 }
 
-// Each family's path is a function of its own, as are the steps below marked so: the verifier
-// allows 512 bytes of stack along any chain of calls, and one function holding every step's
-// locals at once (IPv6 addresses are sixteen bytes each) would need more.
+// Each family's path is a function of its own, so that the stack along one family's calls
+// is not added to the other's.
 #[inline(never)]
 fn egress<F: Family>(ctx: &TcContext) -> i32 {
     let Some(ip) = F::parse_at(ctx, ETH_HLEN) else {
@@ -48,6 +47,9 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     };
     if ip.is_later_fragment() {
         return snat_nat_fragment::<F>(ctx, &ip).count();
+    }
+    if !ip.walked_whole {
+        return snat_unwalked::<F>(ctx, &ip).count();
     }
     let l4 = match snat_translatable::<F>(ctx, &ip) {
         Ok(l4) => l4,
@@ -66,9 +68,9 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     }
 }
 
+step! {
 /// Egress, a packet of no known flow: the node's own, one to leave alone, or the first of a
 /// flow to masquerade.
-#[inline(never)]
 fn snat_new_flow<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
@@ -90,7 +92,10 @@ fn snat_new_flow<F: Family>(
         Err(AllocError::TableFull) => Verdict::Drop(Counter::DropNatTableFull).count(),
     }
 }
+}
 
+// Each family's path is a function of its own, so that the stack along one family's calls
+// is not added to the other's.
 #[inline(never)]
 fn ingress<F: Family>(ctx: &TcContext) -> i32 {
     let Some(ip) = F::parse_at(ctx, ETH_HLEN) else {
@@ -179,8 +184,26 @@ fn snat_translatable<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Result
     Ok(l4)
 }
 
+step! {
+/// Egress, an IPv6 packet whose extension headers run on past what is walked: its L4 header is
+/// out of sight, but ip6tables' protocol match walks any chain, so the reduced chain would let
+/// it out with the pod's address. Dropped, unless it would have kept its address anyway.
+fn snat_unwalked<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
+    let Some((node_addr, _)) = interface::<F>(ctx) else {
+        return Verdict::Keep(Counter::NotInspected);
+    };
+    if ip.saddr == node_addr {
+        return Verdict::Keep(Counter::NotMasqNodeSource);
+    }
+    if F::is_non_masq_destination(ip.daddr) {
+        return Verdict::Keep(Counter::NotMasqNonMasqDestination);
+    }
+    Verdict::Drop(Counter::DropExtensionHeaders)
+}
+}
+
+step! {
 /// Egress, for a flow without an entry: should it leave with the node's address?
-#[inline(never)]
 fn snat_needs_masquerade<F: Family>(
     ip: &Packet<F::Addr>,
     l4: &L4,
@@ -200,6 +223,7 @@ fn snat_needs_masquerade<F: Family>(
     }
     Ok(())
 }
+}
 
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
@@ -213,10 +237,10 @@ fn progress(l4: &L4) -> u8 {
     }
 }
 
+step! {
 /// Egress, a fragment after the first: it carries no ports, so it takes the source its first
 /// fragment took. One without a known first fragment is dropped rather than sent with the pod's
 /// address, unless nothing would have translated it anyway.
-#[inline(never)]
 fn snat_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
     if let Some(addr) = frag::recall::<F>(ip, direction::EGRESS) {
         if addr == ip.saddr {
@@ -239,11 +263,12 @@ fn snat_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdic
     }
     Verdict::Drop(Counter::DropFragment)
 }
+}
 
+step! {
 /// Egress: rewrite the source as the flow's entry says. A function of its own, as are the
 /// other steps marked so: the verifier allows 512 bytes of stack along any chain of calls, and
 /// one function holding every step's locals at once would need more.
-#[inline(never)]
 fn snat_nat<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
@@ -262,6 +287,7 @@ fn snat_nat<F: Family>(
     };
     let rewritten = rewrite::<F>(ctx, ip, AddrField::Source, field, l4.proto, l4.sport, entry);
     Verdict::after_rewrite(rewritten, Counter::Masqueraded)
+}
 }
 
 /// Whether `proto`'s checksum covers the pseudo-header, and so the addresses.
@@ -343,9 +369,9 @@ fn ingress_key<A: Copy>(ip: &Packet<A>, l4: &L4, icmp: u8) -> NatKey<A> {
     }
 }
 
+step! {
 /// Ingress, a TCP or UDP packet or an echo reply: restore the destination its flow left from.
 /// `UNKNOWN_FLOW` if it has none.
-#[inline(never)]
 fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> i32 {
     let key = ingress_key(ip, l4, F::ICMP);
     let field = if l4.proto == F::ICMP {
@@ -374,11 +400,12 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
     );
     Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
 }
+}
 
+step! {
 /// Ingress, a packet of no known flow: a connection opened from outside toward a pod's own
 /// address is remembered, so that the pod's replies keep that address. A TCP connection opens
 /// with a SYN: stray segments (to an address the node no longer has, say) open nothing.
-#[inline(never)]
 fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) {
     let key = &ingress_key(ip, l4, F::ICMP);
     if l4.proto != F::ICMP
@@ -391,10 +418,11 @@ fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4)
         maps::count(Counter::InboundTracked);
     }
 }
+}
 
+step! {
 /// Ingress, a fragment after the first: it takes the destination its first fragment took. One
 /// without a known first fragment passes as it is: it may well be the node's own.
-#[inline(never)]
 fn snat_rev_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
     match frag::recall::<F>(ip, direction::INGRESS) {
         Some(addr) if addr != ip.daddr => {
@@ -404,16 +432,17 @@ fn snat_rev_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i3
         _ => TC_ACT_OK,
     }
 }
+}
 
 /// What a rewrite reports when the field it must read back is not in the packet.
 const EFAULT: i64 = -14;
 
+step! {
 /// Ingress ICMP error (destination unreachable, fragmentation needed or packet too big, time
 /// exceeded) about a packet we masqueraded: it quotes that packet as it left, from the node's
 /// address and NAT port. Translate the outer destination and the quoted source back to the
 /// pod, and fix every checksum that covers them. A function of its own: the quoted packet
 /// and its flow take stack that the common path does not need.
-#[inline(never)]
 fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
     let Some(inner) = F::parse_at(ctx, ip.l4_off + 8) else {
         return TC_ACT_OK;
@@ -455,11 +484,12 @@ fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> 
     };
     Verdict::after_rewrite(rewritten, Counter::IcmpErrorTranslated)
 }
+}
 
+step! {
 /// Rewrites the error about `quoted` as `entry` says; returns the helpers' error code. A function
 /// of its own, with five arguments and a plain return (what a BPF function can take and give):
 /// the checksum arithmetic over sixteen-byte addresses needs a frame of its own.
-#[inline(never)]
 fn rewrite_icmp_error<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
@@ -471,6 +501,7 @@ fn rewrite_icmp_error<F: Family>(
         Ok(()) => 0,
         Err(err) => err,
     }
+}
 }
 
 #[inline(always)]

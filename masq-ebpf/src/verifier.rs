@@ -5,6 +5,36 @@
 
 use aya_ebpf::programs::TcContext;
 
+/// Declares a step of the translation that a family with `Family::OWN_FRAMES` runs as a BPF
+/// function of its own, and any other inline. The verifier allows 512 bytes of stack along a
+/// chain of calls: IPv6's sixteen-byte addresses, and the spills they cause, would overflow
+/// one function holding every step at once; for IPv4 each call would be cost without need.
+macro_rules! step {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident<F: Family>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
+        $body:block
+    ) => {
+        $(#[$attr])*
+        #[inline(always)]
+        $vis fn $name<F: Family>($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn inline<F: Family>($($arg: $ty),*) $(-> $ret)? $body
+
+            #[inline(never)]
+            fn own_frame<F: Family>($($arg: $ty),*) $(-> $ret)? {
+                inline::<F>($($arg),*)
+            }
+
+            if F::OWN_FRAMES {
+                own_frame::<F>($($arg),*)
+            } else {
+                inline::<F>($($arg),*)
+            }
+        }
+    };
+}
+
 /// `value`, as the verifier sees a value it knows nothing of: read back from the skb's control
 /// block, whose contents it does not track. Every path that produced `value` meets the others
 /// here as one. The control block is left as it was found. The caller bounds the result again.

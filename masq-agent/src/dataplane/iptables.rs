@@ -354,7 +354,8 @@ struct Installed {
 
 pub struct IptablesDataPlane {
     opts: MasqueradeOptions,
-    variant: ChainVariant,
+    /// The chain each family gets.
+    variants: HashMap<IpFamily, ChainVariant>,
     mode: Mode,
     reason: Option<String>,
     /// Probed once: the iptables binaries do not change under a running agent.
@@ -366,7 +367,10 @@ impl IptablesDataPlane {
     pub fn new(opts: MasqueradeOptions, variant: ChainVariant, mode: Mode) -> Self {
         IptablesDataPlane {
             opts,
-            variant,
+            variants: [IpFamily::Ipv4, IpFamily::Ipv6]
+                .into_iter()
+                .map(|f| (f, variant))
+                .collect(),
             mode,
             reason: None,
             caps: [IpFamily::Ipv4, IpFamily::Ipv6]
@@ -375,6 +379,11 @@ impl IptablesDataPlane {
                 .collect(),
             installed: HashMap::new(),
         }
+    }
+
+    /// Gives `family` the `variant` chain from the next apply on.
+    pub fn set_variant(&mut self, family: IpFamily, variant: ChainVariant) {
+        self.variants.insert(family, variant);
     }
 
     /// The full chain, standing in for the eBPF data plane, which could not run because of
@@ -451,10 +460,11 @@ impl DataPlane for IptablesDataPlane {
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let mut outcome = ApplyOutcome::Unchanged;
         for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
-            let Some(rendered) = render(family, policy, &self.opts, caps, self.variant) else {
+            let variant = self.variants[&family];
+            let Some(rendered) = render(family, policy, &self.opts, caps, variant) else {
                 continue;
             };
-            let set = (self.variant == ChainVariant::OutsideEbpf)
+            let set = (variant == ChainVariant::OutsideEbpf)
                 .then(|| exempt(family, policy))
                 .flatten();
             match self.apply_family(family, rendered, set)? {

@@ -6,9 +6,11 @@ use std::{collections::HashMap, time::Duration};
 
 use anyhow::{Context as _, bail};
 
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use aya::Pod;
-use masq_ebpf::{Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, tcp_seen};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use masq_ebpf::{
+    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, tcp_seen,
+};
 
 use super::batch;
 use crate::dataplane::NatUsage;
@@ -122,7 +124,8 @@ where
     let mut run = usage(&entries);
     let table: HashMap<NatKey<A>, NatEntry<A>> = entries.into_iter().collect();
     let current: BpfHashMap<&MapData, NatKey<A>, NatEntry<A>> = BpfHashMap::try_from(nat)?;
-    let idle = |entry: &NatEntry<A>| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
+    let idle =
+        |entry: &NatEntry<A>| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
     let (mut orphans, mut flows) = (Vec::new(), Vec::new());
     for (key, entry) in &table {
         let partner_key = key.reverse(entry);

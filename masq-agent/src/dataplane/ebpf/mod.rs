@@ -42,7 +42,7 @@ use super::{
 };
 use crate::{
     netdev::{self, Device},
-    policy::{MasqueradeOptions, Policy},
+    policy::{IpFamily, MasqueradeOptions, Policy},
     ports::PortRange,
 };
 
@@ -85,6 +85,8 @@ pub struct EbpfDataPlane {
     ebpf: Ebpf,
     pins: Pins,
     enable_ipv6: bool,
+    /// IPv6 goes to the full chain: a device has no IPv6 address for the programs.
+    ipv6_by_chain: bool,
     devices: Vec<Device>,
     attachments: Vec<(String, Hook, Attachment)>,
     chain: IptablesDataPlane,
@@ -139,6 +141,7 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
         ebpf,
         pins,
         enable_ipv6: opts.enable_ipv6,
+        ipv6_by_chain: false,
         devices,
         attachments: Vec::new(),
         chain: IptablesDataPlane::new(
@@ -285,7 +288,13 @@ fn sync_non_masq<const N: usize>(
         next_policy_generation(ebpf)?;
     }
     let (changed, removed) = synced?;
-    sync_draining(ebpf, tries.draining, &removed, desired, expiry::monotonic_now_ns())?;
+    sync_draining(
+        ebpf,
+        tries.draining,
+        &removed,
+        desired,
+        expiry::monotonic_now_ns(),
+    )?;
     Ok(changed)
 }
 
@@ -440,6 +449,25 @@ impl EbpfDataPlane {
     }
 }
 
+impl EbpfDataPlane {
+    /// The programs masquerade IPv6 only where the device has a global IPv6 address; while
+    /// one lacks it, IPv6 gets upstream's full chain, so that nothing leaves a pod
+    /// unmasqueraded for want of an address to give it.
+    fn choose_ipv6_chain(&mut self) {
+        let translated = self.devices.iter().all(|d| d.ipv6.is_some());
+        if self.enable_ipv6 && !translated && !self.ipv6_by_chain {
+            warn!("a device has no global IPv6 address: IPv6 is masqueraded by ip6tables alone");
+        }
+        self.ipv6_by_chain = !translated;
+        let variant = if translated {
+            ChainVariant::OutsideEbpf
+        } else {
+            ChainVariant::Full
+        };
+        self.chain.set_variant(IpFamily::Ipv6, variant);
+    }
+}
+
 impl DataPlane for EbpfDataPlane {
     fn mode(&self) -> Mode {
         Mode::Ebpf
@@ -450,6 +478,7 @@ impl DataPlane for EbpfDataPlane {
         let changed = self.sync_policy(policy)?;
         let devices_changed = self.refresh_devices().map_err(Unavailable)?;
         let reattached = self.ensure_attached().map_err(Unavailable)?;
+        self.choose_ipv6_chain();
         // The reduced chain goes in only once the programs run, so that no new flow is left
         // untranslated in between.
         let chain = self.chain.apply(policy)?;
@@ -558,7 +587,9 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     let nat = expiry::usage(&expiry::read_table::<[u8; 4]>(&pinned(&pins, map_names::NAT_V4)?)?.1);
     // An agent from before IPv6 pinned no `nat_v6`.
     let nat_v6 = match pins.map(map_names::NAT_V6).exists() {
-        true => expiry::usage(&expiry::read_table::<[u8; 16]>(&pinned(&pins, map_names::NAT_V6)?)?.1),
+        true => {
+            expiry::usage(&expiry::read_table::<[u8; 16]>(&pinned(&pins, map_names::NAT_V6)?)?.1)
+        }
         false => NatUsage::default(),
     };
     let nat = nat + nat_v6;
@@ -613,7 +644,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     }))
 }
 
-/// The programs' packet counters (summed over CPUs) and the NAT table's capacity.
+/// The programs' packet counters (summed over CPUs) and the NAT tables' capacity.
 pub struct KernelCounters {
     pub packets: Vec<(Counter, u64)>,
     pub nat_capacity: u32,
@@ -626,10 +657,18 @@ pub fn read_kernel_counters(bpffs: &Path) -> anyhow::Result<Option<KernelCounter
     if !pins.map(map_names::COUNTERS).exists() {
         return Ok(None);
     }
-    let nat_capacity = match pinned(&pins, map_names::NAT_V4)? {
-        Map::HashMap(data) => data.info()?.max_entries(),
-        _ => 0,
+    let capacity = |name: &str| -> anyhow::Result<u32> {
+        if !pins.map(name).exists() {
+            return Ok(0);
+        }
+        Ok(match pinned(&pins, name)? {
+            Map::HashMap(data) => data.info()?.max_entries(),
+            _ => 0,
+        })
     };
+    // `nat_v6` takes a single entry while IPv6 is off: no capacity to speak of.
+    let v6 = capacity(map_names::NAT_V6)?;
+    let nat_capacity = capacity(map_names::NAT_V4)? + if v6 > 1 { v6 } else { 0 };
     let counters: PerCpuArray<MapData, u64> = pinned(&pins, map_names::COUNTERS)?.try_into()?;
     let packets = Counter::ALL
         .iter()
@@ -659,7 +698,10 @@ impl std::fmt::Display for EbpfStatus {
             )?;
         }
         let v4 = self.interfaces.iter().map(|(i, a)| (i, IpAddr::from(*a)));
-        let v6 = self.interfaces_v6.iter().map(|(i, a)| (i, IpAddr::from(*a)));
+        let v6 = self
+            .interfaces_v6
+            .iter()
+            .map(|(i, a)| (i, IpAddr::from(*a)));
         for (index, addr) in v4.chain(v6) {
             writeln!(f, "  masquerades to {addr} on ifindex {index}")?;
         }
@@ -738,3 +780,5 @@ pub fn cleanup(bpffs: &Path) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_v6;

@@ -10,8 +10,8 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::{MapData, MapType};
 use masq_ebpf::{
-    COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, Interface, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatEntryV6, NatKeyV4, NatKeyV6,
-    Settings, map_names,
+    COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, Interface, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatEntryV6,
+    NatKeyV4, NatKeyV6, Settings, map_names,
 };
 use tracing::{info, warn};
 
@@ -81,7 +81,11 @@ impl Pins {
 
     /// Removes pinned maps whose type or layout differs from what this build expects, so that
     /// the loader creates fresh ones. Returns the names it replaced.
-    pub fn discard_incompatible(&self, nat_capacity: u32, nat_v6_capacity: u32) -> Vec<&'static str> {
+    pub fn discard_incompatible(
+        &self,
+        nat_capacity: u32,
+        nat_v6_capacity: u32,
+    ) -> Vec<&'static str> {
         let mut replaced = Vec::new();
         for spec in expected_maps(nat_capacity, nat_v6_capacity) {
             let path = self.map(spec.name);

@@ -7,18 +7,20 @@ use std::{
     time::Duration,
 };
 
+use aya::Pod;
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray},
     programs::{TestRun, TestRunOptions},
 };
-use aya::Pod;
 use ipnet::{Ipv4Net, Ipv6Net};
-use masq_ebpf::{Address, Counter, NatEntry, NatKey, map_names, program_names};
+use masq_ebpf::{
+    Address, Counter, NatEntry, NatEntryV4, NatKey, NatKeyV4, map_names, program_names,
+};
 
 use super::{
-    OBJECT, TRIES_V4, TRIES_V6, classifier, map_mut, sync_non_masq, v4_keys, v6_keys,
-    write_interfaces, write_settings,
+    OBJECT, TRIES_V4, TRIES_V6, classifier, expiry::Table, map_mut, sync_non_masq, v4_keys,
+    v6_keys, write_interfaces, write_settings,
 };
 use crate::{netdev::Device, ports::PortRange};
 
@@ -92,7 +94,10 @@ impl TestBed {
                 .map(map_names::INTERFACES)
                 .ok_or_else(|| anyhow::anyhow!("no interfaces map"))?,
         )?;
-        Ok(map.get(&TEST_RUN_IFINDEX, 0).ok().map(|i| Ipv4Addr::from(i.ipv4)))
+        Ok(map
+            .get(&TEST_RUN_IFINDEX, 0)
+            .ok()
+            .map(|i| Ipv4Addr::from(i.ipv4)))
     }
 
     /// Applies a non-masquerade policy the way the data plane does.
@@ -148,16 +153,16 @@ impl TestBed {
     }
 
     /// The IPv4 NAT table's entries.
-    pub fn nat(&self) -> Vec<(NatKey<[u8; 4]>, NatEntry<[u8; 4]>)> {
+    pub fn nat(&self) -> Table<[u8; 4]> {
         self.nat_of(map_names::NAT_V4)
     }
 
     /// The IPv6 NAT table's entries.
-    pub fn nat_v6(&self) -> Vec<(NatKey<[u8; 16]>, NatEntry<[u8; 16]>)> {
+    pub fn nat_v6(&self) -> Table<[u8; 16]> {
         self.nat_of(map_names::NAT_V6)
     }
 
-    fn nat_of<A: Address>(&self, name: &str) -> Vec<(NatKey<A>, NatEntry<A>)>
+    fn nat_of<A: Address>(&self, name: &str) -> Table<A>
     where
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
@@ -184,16 +189,23 @@ impl TestBed {
         nat.ok()?.get(key, 0).ok()
     }
 
-    /// The NAT table itself, for the agent's sweep.
+    /// The IPv4 NAT table itself, for the agent's sweep.
     pub fn nat_table(&self) -> anyhow::Result<&Map> {
-        self.ebpf
-            .map(map_names::NAT_V4)
-            .ok_or_else(|| anyhow::anyhow!("no NAT table in the object"))
+        self.map(map_names::NAT_V4)
     }
 
-    pub fn nat_mut(
-        &mut self,
-    ) -> anyhow::Result<BpfHashMap<&mut MapData, NatKey<[u8; 4]>, NatEntry<[u8; 4]>>> {
+    /// The IPv6 one.
+    pub fn nat_table_v6(&self) -> anyhow::Result<&Map> {
+        self.map(map_names::NAT_V6)
+    }
+
+    fn map(&self, name: &str) -> anyhow::Result<&Map> {
+        self.ebpf
+            .map(name)
+            .ok_or_else(|| anyhow::anyhow!("no map {name} in the object"))
+    }
+
+    pub fn nat_mut(&mut self) -> anyhow::Result<BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4>> {
         Ok(BpfHashMap::try_from(map_mut(
             &mut self.ebpf,
             map_names::NAT_V4,

@@ -2,7 +2,10 @@
 //! byte and every checksum checked with this file's own checksum code, which shares nothing with
 //! the programs' incremental updates.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
 
 use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names};
 use xtask::packet::*;
@@ -565,6 +568,57 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
     assert_eq!(h.nat().len(), 2, "no half of an expired flow is left");
     run(&mut h, timeouts.tcp_established + Duration::from_secs(1));
     assert!(h.nat().is_empty());
+}
+
+/// The sweep judges IPv6 flows as it does IPv4 ones, in their own table.
+#[test]
+fn expiry_sweeps_the_ipv6_table_too() {
+    let pod: Ipv6Addr = "fd00:10:244:1::2".parse().unwrap();
+    let remote: Ipv6Addr = "2001:db8:1::10".parse().unwrap();
+    let node: Ipv6Addr = "2001:db8:1::1".parse().unwrap();
+    let mut h = default_harness();
+    h.enable_ipv6(node, &["fd00::/8".parse().unwrap()]).unwrap();
+    h.egress(&udp6(pod, 2001, remote, 53));
+    let (_, syn) = h.egress(&tcp6(pod, 2002, remote, 443, SYN));
+    let nat_port = word(&syn, L4_6);
+    h.ingress(&tcp6(remote, 443, node, nat_port, SYN | ACK));
+    h.egress(&tcp6(pod, 2002, remote, 443, ACK));
+    assert_eq!(h.nat_v6().len(), 4);
+    assert!(h.nat().is_empty(), "the IPv4 table holds no IPv6 flow");
+
+    let timeouts = Timeouts::default();
+    let newest = h
+        .nat_v6()
+        .iter()
+        .map(|(_, e)| e.last_seen_ns)
+        .max()
+        .unwrap();
+    let at = |after: Duration| newest + after.as_nanos() as u64;
+    let run = expiry::expire::<[u8; 16]>(
+        h.nat_table_v6().unwrap(),
+        &timeouts,
+        at(timeouts.udp + Duration::from_secs(1)),
+    )
+    .unwrap();
+    assert_eq!((run.masqueraded_flows, run.expired_flows), (2, 1));
+    let left: Vec<u16> = h
+        .nat_v6()
+        .iter()
+        .filter(|(k, _)| k.direction == direction::EGRESS)
+        .map(|(k, _)| u16::from_be(k.sport))
+        .collect();
+    assert_eq!(
+        left,
+        [2002],
+        "the established TCP flow stays; UDP went, both halves"
+    );
+    assert_eq!(h.nat_v6().len(), 2);
+    assert_eq!(
+        expiry::forget_address::<[u8; 16]>(h.nat_table_v6().unwrap(), node.octets()).unwrap(),
+        1,
+        "the flow on the node's old address is forgotten"
+    );
+    assert!(h.nat_v6().is_empty());
 }
 
 #[test]
