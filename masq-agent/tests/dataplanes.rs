@@ -227,11 +227,7 @@ const DEFAULT_CONFIG: &str = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\nresyncInterva
 
 /// A TCP connection from the pod to the outside arrives from the node's address.
 fn assert_masqueraded(bed: &Bed) {
-    assert_eq!(
-        probe::tcp_probe(bed.pod(), outside(), 0).unwrap().ip(),
-        node_ip(),
-        "TCP to the outside is masqueraded"
-    );
+    Family::V4.assert_masqueraded(bed);
 }
 
 /// Waits until UDP from the pod to `dst` reaches the server with source `expect`.
@@ -507,9 +503,15 @@ fn assert_new_flows_take_the_new_address(
 /// The uplink goes down for a few upkeep ticks and comes back: masquerading resumes with no
 /// help, once the node has its default route again (which a down link takes with it).
 fn survives_the_uplink_going_down_and_up(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let agent = bed.start_agent(&[]);
-    assert_masqueraded(&bed);
+    uplink_goes_down_and_up(plane, Family::V4);
+}
+
+/// The uplink goes down for a few upkeep ticks and comes back, with its routes (which a down
+/// link takes with it) and, for IPv6, its address (which the kernel drops with the link).
+fn uplink_goes_down_and_up(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
     let uplink = topology::UPLINK_IF;
     bed.topo
         .node_run("ip", &["link", "set", uplink, "down"])
@@ -518,11 +520,26 @@ fn survives_the_uplink_going_down_and_up(plane: Plane) {
     bed.topo
         .node_run("ip", &["link", "set", uplink, "up"])
         .unwrap();
-    let gateway = topology::EXT_ADDR.to_string();
+    if family == Family::V6 {
+        let address = format!("{}/64", topology::NODE_UPLINK_V6);
+        bed.topo
+            .node_run(
+                "ip",
+                &["-6", "addr", "replace", &address, "dev", uplink, "nodad"],
+            )
+            .unwrap();
+    }
+    let (flag, gateway) = match family {
+        Family::V4 => ("-4", topology::EXT_ADDR.to_string()),
+        Family::V6 => ("-6", topology::EXT_ADDR_V6.to_string()),
+    };
     bed.topo
-        .node_run("ip", &["route", "replace", "default", "via", &gateway])
+        .node_run(
+            "ip",
+            &[flag, "route", "replace", "default", "via", &gateway],
+        )
         .unwrap();
-    wait_for(|| Ok(probe::tcp_probe(bed.pod(), outside(), 0)?.ip() == node_ip()))
+    wait_for(|| Ok(probe::tcp_probe(bed.pod(), family.outside(), 0)?.ip() == family.node()))
         .unwrap_or_else(|e| panic!("not masquerading again: {e}\n{}", agent.log_text()));
     if plane == Plane::Ebpf {
         let status = bed.status_json();
@@ -533,15 +550,19 @@ fn survives_the_uplink_going_down_and_up(plane: Plane) {
 /// The uplink is deleted and created again (a driver reload, a recreated bond): masquerading
 /// resumes on the new device, and (eBPF) the programs are attached to it.
 fn survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let agent = bed.start_agent(&[]);
-    assert_masqueraded(&bed);
+    uplink_is_deleted_and_recreated(plane, Family::V4);
+}
+
+fn uplink_is_deleted_and_recreated(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
     bed.topo
         .node_run("ip", &["link", "del", topology::UPLINK_IF])
         .unwrap();
     std::thread::sleep(Duration::from_millis(2500));
     bed.topo.connect_uplink().unwrap();
-    wait_for(|| Ok(probe::tcp_probe(bed.pod(), outside(), 0)?.ip() == node_ip()))
+    wait_for(|| Ok(probe::tcp_probe(bed.pod(), family.outside(), 0)?.ip() == family.node()))
         .unwrap_or_else(|e| panic!("not masquerading again: {e}\n{}", agent.log_text()));
     if plane == Plane::Ebpf {
         let status = bed.status_json();
@@ -657,30 +678,29 @@ fn assert_path_mtu_discovery(bed: &Bed, far: IpAddr) {
 }
 
 fn a_killed_agent_does_not_break_a_transfer(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let mut agent = bed.start_agent(&[]);
+    killed_agent_does_not_break_a_transfer(plane, Family::V4);
+}
+
+fn killed_agent_does_not_break_a_transfer(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let mut agent = bed.start_agent(family.agent_args());
     let _sink = BulkSink::start(&bed.topo.ext, 9001).unwrap();
     let pod = bed.pod().to_string();
+    let server = (family.outside().ip(), 9001).into();
     let transfer = std::thread::spawn(move || {
-        probe::tcp_bulk(
-            &pod,
-            (topology::EXT_ADDR, 9001).into(),
-            32 * 1024,
-            40,
-            Duration::from_millis(50),
-        )
+        probe::tcp_bulk(&pod, server, 32 * 1024, 40, Duration::from_millis(50))
     });
     std::thread::sleep(Duration::from_millis(700));
     agent.stop(libc::SIGKILL).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let _restarted = bed.start_agent(&[]);
+    let _restarted = bed.start_agent(family.agent_args());
     let sent = transfer.join().unwrap().unwrap();
     assert_eq!(
         sent,
         40 * 32 * 1024,
         "the transfer survived the kill and the restart"
     );
-    assert_masqueraded(&bed);
+    family.assert_masqueraded(&bed);
 }
 
 fn checksums_hold_with_tx_offload_on_and_off(plane: Plane) {
@@ -1537,6 +1557,61 @@ fn ipv6_chain_follows_enable_ipv6(plane: Plane) {
 /// would masquerade connections from outside on their way in.
 const IPV6_CONFIG: &str = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - fd00:10:244::/48\n  - fd00:200::/64\nresyncInterval: 1s\n";
 
+/// The address family a case runs over, for the cases written once for both.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn config(self) -> &'static str {
+        match self {
+            Family::V4 => DEFAULT_CONFIG,
+            Family::V6 => IPV6_CONFIG,
+        }
+    }
+
+    fn agent_args(self) -> &'static [&'static str] {
+        match self {
+            Family::V4 => &[],
+            Family::V6 => &["--enable-ipv6"],
+        }
+    }
+
+    fn outside(self) -> SocketAddr {
+        match self {
+            Family::V4 => outside(),
+            Family::V6 => outside_v6(),
+        }
+    }
+
+    fn node(self) -> IpAddr {
+        match self {
+            Family::V4 => node_ip(),
+            Family::V6 => node_ip_v6(),
+        }
+    }
+
+    /// A TCP connection from the pod to the outside arrives from the node's address.
+    fn assert_masqueraded(self, bed: &Bed) {
+        let seen = probe::tcp_probe(bed.pod(), self.outside(), 0).unwrap();
+        assert_eq!(seen.ip(), self.node(), "TCP to the outside is masqueraded");
+    }
+}
+
+fn ipv6_survives_the_uplink_going_down_and_up(plane: Plane) {
+    uplink_goes_down_and_up(plane, Family::V6);
+}
+
+fn ipv6_survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
+    uplink_is_deleted_and_recreated(plane, Family::V6);
+}
+
+fn ipv6_a_killed_agent_does_not_break_a_transfer(plane: Plane) {
+    killed_agent_does_not_break_a_transfer(plane, Family::V6);
+}
+
 fn outside_v6() -> SocketAddr {
     (topology::EXT_ADDR_V6, PORT).into()
 }
@@ -1711,6 +1786,9 @@ macro_rules! common_cases {
             ipv6_fragmented_datagrams_arrive_whole_both_ways,
             ipv6_checksums_hold_with_tx_offload_on_and_off,
             ipv6_new_flows_take_the_uplink_s_new_address,
+            ipv6_survives_the_uplink_going_down_and_up,
+            ipv6_survives_the_uplink_being_deleted_and_recreated,
+            ipv6_a_killed_agent_does_not_break_a_transfer,
         );
     };
 }
