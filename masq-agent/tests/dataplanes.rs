@@ -282,6 +282,24 @@ fn masquerades_outside_traffic_only(plane: Plane) {
     );
 }
 
+/// A ping carrying an IP option (record route) is masqueraded like any other: the reply only
+/// comes back to a pod the outside host cannot route to if it left with the node's address.
+fn packets_with_ip_options_are_masqueraded(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let pings = RawObserver::start(&bed.topo.ext, i32::from(IPPROTO_ICMP)).unwrap();
+    let _agent = bed.start_agent(&[]);
+    let dst = topology::EXT_ADDR.to_string();
+    let out = bed.ping_output(0, &["-4", "-R", "-c", "1", "-W", "2", &dst]);
+    assert_success(&out);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("RR:"),
+        "the reply carried the option back:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    wait_for(|| Ok(!pings.sources().is_empty())).unwrap();
+    assert_eq!(pings.sources(), [node_ip()], "left with the node's address");
+}
+
 fn two_pods_with_one_source_port_share_the_node_address(plane: Plane) {
     let bed = Bed::with_pods(plane, DEFAULT_CONFIG, 2);
     let _agent = bed.start_agent(&[]);
@@ -1761,6 +1779,7 @@ macro_rules! common_cases {
     ($plane:ident) => {
         cases!($plane:
             masquerades_outside_traffic_only,
+            packets_with_ip_options_are_masqueraded,
             two_pods_with_one_source_port_share_the_node_address,
             link_local_is_exempt_unless_masq_link_local,
             applies_a_config_change_live,

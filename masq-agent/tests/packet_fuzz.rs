@@ -252,6 +252,14 @@ fn l4_residual(f: &[u8], ip: usize, l4: usize, len: usize) -> u16 {
     residual(&[pseudo, f[l4..l4 + len].to_vec()].concat())
 }
 
+/// Where the L4 header starts behind the IPv4 header at `ip`, options stepped over; `None` if
+/// there is no IPv4 header there.
+fn ipv4_l4_offset(f: &[u8], ip: usize) -> Option<usize> {
+    let version_ihl = *f.get(ip)?;
+    let l4 = ip + usize::from(version_ihl & 0x0f) * 4;
+    (version_ihl >> 4 == 4 && version_ihl & 0x0f >= 5 && f.len() >= l4).then_some(l4)
+}
+
 /// Where a checksum or translated field lives, for the list of bytes a translation may change.
 fn span(at: usize, len: usize) -> std::ops::Range<usize> {
     at..at + len
@@ -270,22 +278,22 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
     if out.len() != input.len() {
         return Err("the length changed".into());
     }
-    if word(input, 12) != 0x0800 || input.len() < 34 || input[14] != 0x45 {
-        return Err("translated a frame that is not option-less IPv4".into());
-    }
-    if residual(&out[14..34]) != residual(&input[14..34]) {
+    let Some(l4) = ipv4_l4_offset(input, 14) else {
+        return Err("translated a frame that is not IPv4".into());
+    };
+    if residual(&out[14..l4]) != residual(&input[14..l4]) {
         return Err("IP header checksum broken".into());
     }
     if word(input, 20) & 0x1fff != 0 {
         return check_later_fragment(hook, input, out);
     }
     let proto = input[23];
-    let is_error = hook == Hook::Ingress && proto == ICMP && matches!(input[34], 3 | 11);
+    let is_error = hook == Hook::Ingress && proto == ICMP && matches!(input[l4], 3 | 11);
     let (allowed, entry_key, rewritten) = if is_error {
-        check_icmp_error(input, out)?
+        check_icmp_error(input, out, l4)?
     } else {
-        let seg_len = input.len() - L4;
-        let csum = L4 + l4_csum_offset(proto);
+        let seg_len = input.len() - l4;
+        let csum = l4 + l4_csum_offset(proto);
         let min = if proto == TCP { 20 } else { 8 };
         if seg_len < min {
             return Err("translated a truncated L4 header".into());
@@ -296,10 +304,10 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
                 return Err("a UDP datagram without checksum got one".into());
             }
         } else if proto == ICMP {
-            if residual(&out[L4..]) != residual(&input[L4..]) {
+            if residual(&out[l4..]) != residual(&input[l4..]) {
                 return Err("ICMP checksum broken".into());
             }
-        } else if l4_residual(out, 14, L4, seg_len) != l4_residual(input, 14, L4, seg_len) {
+        } else if l4_residual(out, 14, l4, seg_len) != l4_residual(input, 14, l4, seg_len) {
             return Err("L4 checksum broken".into());
         }
         let (saddr, daddr) = (ipv4_at(input, 26), ipv4_at(input, 30));
@@ -309,16 +317,16 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
         };
         // Egress rewrites the source port (or echo id), ingress the destination's.
         let (field, k) = if proto == ICMP {
-            let id = raw(input, L4 + 4);
+            let id = raw(input, l4 + 4);
             let (sport, dport) = if hook == Hook::Egress {
                 (id, 0)
             } else {
                 (0, id)
             };
-            (L4 + 4, key(saddr, daddr, ICMP, sport, dport, dir))
+            (l4 + 4, key(saddr, daddr, ICMP, sport, dport, dir))
         } else {
-            let field = if hook == Hook::Egress { L4 } else { L4 + 2 };
-            let (sport, dport) = (raw(input, L4), raw(input, L4 + 2));
+            let field = if hook == Hook::Egress { l4 } else { l4 + 2 };
+            let (sport, dport) = (raw(input, l4), raw(input, l4 + 2));
             (field, key(saddr, daddr, proto, sport, dport, dir))
         };
         let addr = if hook == Hook::Egress { 26 } else { 30 };
@@ -384,16 +392,15 @@ fn check_fragment_rewrite(
 fn check_icmp_error(
     input: &[u8],
     out: &[u8],
+    l4: usize,
 ) -> Result<(Vec<std::ops::Range<usize>>, NatKeyV4, Vec<(usize, usize)>), String> {
-    let inner = L4 + 8;
-    let inner_l4 = inner + 20;
-    if input.len() < inner_l4 + 8 || input[inner] != 0x45 {
+    let inner = l4 + 8;
+    let Some(inner_l4) = ipv4_l4_offset(input, inner).filter(|at| input.len() >= at + 8) else {
         return Err(
-            "translated an ICMP error that quotes less than an option-less IPv4 header and 8 bytes"
-                .into(),
+            "translated an ICMP error that quotes less than an IPv4 header and 8 bytes".into(),
         );
-    }
-    if residual(&out[L4..]) != residual(&input[L4..]) {
+    };
+    if residual(&out[l4..]) != residual(&input[l4..]) {
         return Err("ICMP checksum broken".into());
     }
     if residual(&out[inner..inner_l4]) != residual(&input[inner..inner_l4]) {
@@ -442,7 +449,7 @@ fn check_icmp_error(
     let allowed = vec![
         span(24, 2),
         span(30, 4),
-        span(L4 + 2, 2),
+        span(l4 + 2, 2),
         span(inner + 10, 2),
         span(inner + 12, 4),
         span(field, 2),

@@ -13,7 +13,7 @@ use crate::verifier;
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
-/// Only option-less IPv4 headers are translated; packets with IP options pass untouched.
+/// The IPv4 header without options.
 pub const IPV4_HLEN: usize = 20;
 const IP_OFFSET: u16 = 0x1fff;
 const IP_MORE_FRAGMENTS: u16 = 0x2000;
@@ -43,7 +43,7 @@ const NEXTHDR_DEST: u8 = 60;
 /// Extension headers walked before giving up on a packet; real traffic carries one or two.
 const MAX_EXTENSION_HEADERS: usize = 6;
 
-/// An option-less IPv4 header, as laid out on the wire.
+/// The fixed part of an IPv4 header, as laid out on the wire; options follow it.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Ipv4Header {
@@ -152,11 +152,17 @@ pub fn ethertype(ctx: &TcContext) -> Option<u16> {
     read::<u16>(ctx, 12).map(u16::from_be)
 }
 
-/// Parses an option-less IPv4 header at `offset` (also the one quoted inside ICMP errors).
+/// Parses an IPv4 header at `offset` (also the one quoted inside ICMP errors). Options are
+/// stepped over: the reduced chain's protocol match does not look at them, so a packet the
+/// programs left alone for its options would leave with the pod's address.
 #[inline(always)]
 pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
     let header: Ipv4Header = read(ctx, offset)?;
-    if header.version_ihl != 0x45 {
+    let header_len = usize::from(header.version_ihl & 0x0f) * 4;
+    if header.version_ihl >> 4 != 4
+        || header_len < IPV4_HLEN
+        || (ctx.len() as usize) < offset + header_len
+    {
         return None;
     }
     let frag = u16::from_be(header.frag);
@@ -165,7 +171,7 @@ pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
         saddr: header.saddr,
         daddr: header.daddr,
         proto: header.protocol,
-        l4_off: offset + IPV4_HLEN,
+        l4_off: offset + header_len,
         ip_check: header.check,
         fragment: Fragment {
             id: u32::from(header.id),

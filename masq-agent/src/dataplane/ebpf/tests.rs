@@ -328,15 +328,79 @@ fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched() {
     assert!(h.nat().is_empty());
 }
 
+/// `frame` with a word of IP options (three NOPs and an end of list), its header checksum
+/// made right again.
+fn with_ip_options(frame: &[u8]) -> Vec<u8> {
+    let mut f = frame[..L4].to_vec();
+    f[14] = 0x46;
+    let total = word(&f, 16) + 4;
+    f[16..18].copy_from_slice(&total.to_be_bytes());
+    f.extend([1, 1, 1, 0]);
+    f[24..26].copy_from_slice(&[0, 0]);
+    let c = checksum(&f[14..38]);
+    f[24..26].copy_from_slice(&c.to_be_bytes());
+    f.extend(&frame[L4..]);
+    f
+}
+
+/// IP options are stepped over, as the chain's protocol match does: left alone, the packet
+/// would leave with the pod's address.
+#[test]
+fn a_packet_with_ip_options_is_translated_past_them() {
+    let mut h = default_harness();
+    let syn = with_ip_options(&tcp(POD, 1000, REMOTE, 443, SYN));
+    assert_eq!(checksum(&syn[14..38]), 0);
+    let (verdict, out) = h.egress(&syn);
+    assert_eq!(verdict, TC_ACT_OK);
+    let l4 = L4 + 4;
+    assert_eq!(src(&out), NODE);
+    assert_eq!(
+        checksum(&out[14..38]),
+        0,
+        "IPv4 header checksum, options included"
+    );
+    let segment = &out[l4..];
+    assert_eq!(
+        checksum(
+            &[
+                pseudo_header(NODE, REMOTE, TCP, segment.len()),
+                segment.to_vec()
+            ]
+            .concat()
+        ),
+        0,
+        "TCP checksum"
+    );
+    for i in diff(&syn, &out) {
+        assert!(
+            (24..30).contains(&i) || (l4..l4 + 2).contains(&i) || (l4 + 16..l4 + 18).contains(&i),
+            "byte {i} changed"
+        );
+    }
+    let port = word(&out, l4);
+    let reply = with_ip_options(&tcp(REMOTE, 443, NODE, port, SYN | ACK));
+    let (verdict, back) = h.ingress(&reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!((dst(&back), word(&back, l4 + 2)), (POD, 1000));
+    assert_eq!(checksum(&back[14..38]), 0);
+    let segment = &back[l4..];
+    assert_eq!(
+        checksum(
+            &[
+                pseudo_header(REMOTE, POD, TCP, segment.len()),
+                segment.to_vec()
+            ]
+            .concat()
+        ),
+        0,
+        "the reply's TCP checksum"
+    );
+}
+
 #[test]
 fn odd_and_truncated_packets_pass_unmodified() {
     let mut h = default_harness();
     let good = tcp(POD, 1000, REMOTE, 443, SYN);
-    // IP options: IHL 6, with a NOP option word.
-    let mut options = good[..34].to_vec();
-    options[14] = 0x46;
-    options.extend([1, 1, 1, 0]);
-    options.extend(&good[34..]);
     // An IHL below the minimum, a TCP header cut short, a UDP header cut short, an ARP frame,
     // an IPv6 frame. (The kernel's test runner refuses IP frames shorter than an IP header.)
     let mut bad_ihl = good.clone();
@@ -347,7 +411,7 @@ fn odd_and_truncated_packets_pass_unmodified() {
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     let mut ipv6 = good.clone();
     ipv6[12..14].copy_from_slice(&[0x86, 0xdd]);
-    for packet in [options, bad_ihl, short_tcp, short_udp, arp, ipv6] {
+    for packet in [bad_ihl, short_tcp, short_udp, arp, ipv6] {
         for program in [program_names::EGRESS, program_names::INGRESS] {
             let run = h.run(program, &packet, 1).unwrap();
             let (verdict, out) = (run.verdict, run.frame);
