@@ -14,16 +14,25 @@ use aya_ebpf::{
 };
 use masq_ebpf::{Address, IPPROTO_UDP};
 
-use crate::parse::Packet;
+use crate::{parse::Packet, verifier};
 
 /// Where the IPv4 header checksum sits in the header; the addresses follow it.
 const IPV4_CSUM_OFF: usize = 10;
 const IPV6_SADDR_OFF: usize = 8;
 const IPV6_DADDR_OFF: usize = 24;
 
-/// Bits of `bpf_l4_csum_replace`'s flags that hold the field size.
+/// Bits of `bpf_l4_csum_replace`'s flags that hold the field size; 0 passes a checksum
+/// difference instead of the old and new values.
 const SIZE_4: u64 = 4;
 const SIZE_2: u64 = 2;
+const SIZE_DIFF: u64 = 0;
+
+/// Where an L4 checksum whose pseudo-header covers the addresses sits, and whose it is.
+#[derive(Clone, Copy)]
+pub struct L4Checksum {
+    pub off: usize,
+    pub proto: u8,
+}
 
 /// Flags for an L4 checksum update. A UDP checksum of 0 means "none" and must stay 0
 /// (`BPF_F_MARK_MANGLED_0` also turns a computed 0 into 0xffff).
@@ -63,8 +72,8 @@ struct ChecksumAndAddresses {
     daddr: [u8; 4],
 }
 
-/// Rewrites one address of `ip` to `new`, with the IP header checksum and, when `l4_csum_off`
-/// is given, the TCP or UDP checksum whose pseudo-header covers it.
+/// Rewrites one address of `ip` to `new`, with the IP header checksum and, when `l4_csum` is
+/// given, the TCP or UDP checksum whose pseudo-header covers it.
 ///
 /// The IP header checksum is plain arithmetic: no offload state covers it, and a valid header
 /// sums to the same total before and after, so `CHECKSUM_COMPLETE` needs no update for it.
@@ -74,7 +83,7 @@ pub fn rewrite_ipv4_addr(
     ip: &Packet<[u8; 4]>,
     field: AddrField,
     new: [u8; 4],
-    l4_csum_off: Option<(usize, u8)>,
+    l4_csum: Option<L4Checksum>,
 ) -> Result<(), i64> {
     let old = field.of(ip);
     let mut header = ChecksumAndAddresses {
@@ -86,14 +95,19 @@ pub fn rewrite_ipv4_addr(
         AddrField::Source => header.saddr = new,
         AddrField::Destination => header.daddr = new,
     }
-    if let Some((csum_off, proto)) = l4_csum_off {
-        replace_pseudo_header_dword(ctx, csum_off, proto, old, new)?;
+    if let Some(csum) = l4_csum {
+        ctx.l4_csum_replace(
+            csum.off,
+            u32::from_ne_bytes(old) as u64,
+            u32::from_ne_bytes(new) as u64,
+            BPF_F_PSEUDO_HDR as u64 | l4_flags(csum.proto) | SIZE_4,
+        )?;
     }
     ctx.store(ip.ip_off + IPV4_CSUM_OFF, &header, 0)
 }
 
-/// Rewrites one address of the IPv6 header `ip` to `new`, and, when `l4_csum_off` is given,
-/// the L4 checksum whose pseudo-header covers it (ICMPv6's too).
+/// Rewrites one address of the IPv6 header `ip` to `new`, and, when `l4_csum` is given, the L4
+/// checksum whose pseudo-header covers it (ICMPv6's too).
 ///
 /// With no header checksum to balance it, the address change alters the packet's sum: under
 /// `CHECKSUM_COMPLETE` the store must carry it into `skb->csum`, which the pseudo-header update
@@ -105,25 +119,20 @@ pub fn rewrite_ipv6_addr(
     ip: &Packet<[u8; 16]>,
     field: AddrField,
     new: [u8; 16],
-    l4_csum_off: Option<(usize, u8)>,
+    l4_csum: Option<L4Checksum>,
 ) -> Result<(), i64> {
     let addr_off = ip.ip_off
         + match field {
             AddrField::Source => IPV6_SADDR_OFF,
             AddrField::Destination => IPV6_DADDR_OFF,
         };
-    let l4_csum = l4_csum_off.map(|(off, proto)| L4Checksum { off, proto });
-    match store_ipv6_addr(ctx, addr_off, &field.of(ip), &new, l4_csum.as_ref()) {
-        0 => Ok(()),
-        err => Err(err),
-    }
-}
-
-/// Where an L4 checksum sits, and whose it is.
-#[derive(Clone, Copy)]
-pub struct L4Checksum {
-    off: usize,
-    proto: u8,
+    verifier::result(store_ipv6_addr(
+        ctx,
+        addr_off,
+        &field.of(ip),
+        &new,
+        l4_csum.as_ref(),
+    ))
 }
 
 /// A function of its own, called with references and returning the helpers' error code (a
@@ -138,19 +147,13 @@ fn store_ipv6_addr(
     l4_csum: Option<&L4Checksum>,
 ) -> i64 {
     if let Some(csum) = l4_csum {
-        for i in 0..4 {
-            let (old_word, new_word) = (dword(old, i), dword(new, i));
-            if old_word != new_word
-                && let Err(err) =
-                    replace_pseudo_header_dword(ctx, csum.off, csum.proto, old_word, new_word)
-            {
-                return err;
-            }
+        let diff = addr_diff(*old, *new, 0);
+        let flags = BPF_F_PSEUDO_HDR as u64 | l4_flags(csum.proto) | SIZE_DIFF;
+        if let Err(err) = ctx.l4_csum_replace(csum.off, 0, u64::from(diff), flags) {
+            return err;
         }
     }
-    ctx.store(addr_off, new, BPF_F_RECOMPUTE_CSUM as u64)
-        .err()
-        .unwrap_or(0)
+    verifier::code(ctx.store(addr_off, new, BPF_F_RECOMPUTE_CSUM as u64))
 }
 
 /// The `i`-th 32-bit word of `addr`.
@@ -159,22 +162,6 @@ fn dword<A: Address>(addr: &A, i: usize) -> [u8; 4] {
     let bytes = addr.as_ref();
     let at = |j: usize| bytes.get(4 * i + j).copied().unwrap_or(0);
     [at(0), at(1), at(2), at(3)]
-}
-
-#[inline(always)]
-fn replace_pseudo_header_dword(
-    ctx: &TcContext,
-    csum_off: usize,
-    proto: u8,
-    old: [u8; 4],
-    new: [u8; 4],
-) -> Result<(), i64> {
-    ctx.l4_csum_replace(
-        csum_off,
-        u32::from_ne_bytes(old) as u64,
-        u32::from_ne_bytes(new) as u64,
-        BPF_F_PSEUDO_HDR as u64 | l4_flags(proto) | SIZE_4,
-    )
 }
 
 /// Rewrites a 16-bit L4 field (a port or an ICMP echo identifier) covered by the L4 checksum at
@@ -207,7 +194,13 @@ pub fn replace_addr<A: Address>(check: u16, old: A, new: A) -> u16 {
     if A::BITS == 32 {
         return replace_dword(check, dword(&old, 0), dword(&new, 0));
     }
-    let (mut old, mut new) = (old, new);
+    !fold(addr_diff(old, new, u32::from(!check)))
+}
+
+/// `seed` plus what changing `old` to `new` adds to a one's-complement sum, unfolded, from the
+/// kernel's `bpf_csum_diff`.
+#[inline(always)]
+fn addr_diff<A: Address>(mut old: A, mut new: A, seed: u32) -> u32 {
     let len = old.as_ref().len() as u32;
     // SAFETY: both buffers are `len` bytes on the stack, a multiple of four.
     let sum = unsafe {
@@ -216,10 +209,10 @@ pub fn replace_addr<A: Address>(check: u16, old: A, new: A) -> u16 {
             len,
             new.as_mut().as_mut_ptr().cast(),
             len,
-            u32::from(!check),
+            seed,
         )
     };
-    !fold(sum as u32)
+    sum as u32
 }
 
 /// The checksum after a 32-bit value of the covered data changed.

@@ -6,7 +6,7 @@ use aya_ebpf::programs::TcContext;
 use masq_ebpf::{Address, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
 
 use crate::{
-    csum::{self, AddrField},
+    csum::{self, AddrField, L4Checksum},
     maps::{self, FragmentTable, NatTable},
     parse::{self, Packet},
     policy,
@@ -46,7 +46,7 @@ pub trait Family {
         ip: &Packet<Self::Addr>,
         field: AddrField,
         new: Self::Addr,
-        l4_csum: Option<(usize, u8)>,
+        l4_csum: Option<L4Checksum>,
     ) -> Result<(), i64>;
 }
 
@@ -112,7 +112,7 @@ impl Family for V4 {
         ip: &Packet<[u8; 4]>,
         field: AddrField,
         new: [u8; 4],
-        l4_csum: Option<(usize, u8)>,
+        l4_csum: Option<L4Checksum>,
     ) -> Result<(), i64> {
         csum::rewrite_ipv4_addr(ctx, ip, field, new, l4_csum)
     }
@@ -178,7 +178,7 @@ impl Family for V6 {
         ip: &Packet<[u8; 16]>,
         field: AddrField,
         new: [u8; 16],
-        l4_csum: Option<(usize, u8)>,
+        l4_csum: Option<L4Checksum>,
     ) -> Result<(), i64> {
         csum::rewrite_ipv6_addr(ctx, ip, field, new, l4_csum)
     }

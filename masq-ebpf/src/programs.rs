@@ -13,11 +13,12 @@ use masq_ebpf::{
 };
 
 use crate::{
-    csum::{self, AddrField},
+    csum::{self, AddrField, L4Checksum},
     family::{Family, V4, V6},
     frag, maps,
     nat::{self, AllocError},
     parse::{self, ETH_HLEN, L4, Packet},
+    verifier,
 };
 
 #[classifier]
@@ -77,12 +78,10 @@ fn snat_new_flow<F: Family>(
     l4: &L4,
     key: &NatKey<F::Addr>,
 ) -> i32 {
-    let Some((node_addr, settings)) = interface::<F>(ctx) else {
-        return Verdict::Keep(Counter::NotInspected).count();
+    let (node_addr, settings) = match pod_packet_interface::<F>(ctx, ip) {
+        Ok(found) => found,
+        Err(verdict) => return verdict.count(),
     };
-    if ip.saddr == node_addr {
-        return Verdict::Keep(Counter::NotMasqNodeSource).count();
-    }
     if let Err(verdict) = snat_needs_masquerade::<F>(ip, l4, key) {
         return verdict.count();
     }
@@ -111,8 +110,8 @@ fn packet_key<A: Copy>(ip: &Packet<A>, l4: &L4, dir: u8) -> NatKey<A> {
 }
 
 /// The family's address of the interface the packet crosses, and the NAT settings; `None`
-/// until the agent has configured both. Egress needs them for every packet; ingress only for
-/// packets of no known flow, so replies skip the lookups.
+/// until the agent has configured both. Only packets of no known flow need them, so the packets
+/// of established flows, both ways, skip the lookups.
 #[inline(always)]
 fn interface<F: Family>(ctx: &TcContext) -> Option<(F::Addr, &'static Settings)> {
     // SAFETY: the context pointer is valid for the program's run.
@@ -160,6 +159,46 @@ impl Verdict {
     }
 }
 
+/// The node's address and the NAT settings, for an egress packet of no known flow; the
+/// verdict instead for the node's own packet, or before the device is configured.
+#[inline(always)]
+fn pod_packet_interface<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+) -> Result<(F::Addr, &'static Settings), Verdict> {
+    let Some((node_addr, settings)) = interface::<F>(ctx) else {
+        return Err(Verdict::Keep(Counter::NotInspected));
+    };
+    if ip.saddr == node_addr {
+        return Err(Verdict::Keep(Counter::NotMasqNodeSource));
+    }
+    Ok((node_addr, settings))
+}
+
+/// Egress, a packet of no known flow whose ports the programs cannot see: a later fragment
+/// whose first never came, or IPv6 whose L4 header lies past the extension headers walked.
+/// It passes where nothing would have translated it (the node's own, a protocol the chain
+/// handles, `left_to_chain`, or a non-masquerade destination); otherwise it is dropped and
+/// counted as `dropped`, rather than sent with the pod's address.
+#[inline(always)]
+fn snat_untranslatable<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    left_to_chain: Option<Verdict>,
+    dropped: Counter,
+) -> Verdict {
+    if let Err(verdict) = pod_packet_interface::<F>(ctx, ip) {
+        return verdict;
+    }
+    if let Some(verdict) = left_to_chain {
+        return verdict;
+    }
+    if F::is_non_masq_destination(ip.daddr) {
+        return Verdict::Keep(Counter::NotMasqNonMasqDestination);
+    }
+    Verdict::Drop(dropped)
+}
+
 /// Egress packets of protocols left to the chain.
 #[inline(always)]
 fn snat_other_protocol<F: Family>(ip: &Packet<F::Addr>) -> Option<Verdict> {
@@ -189,16 +228,7 @@ step! {
 /// out of sight, but ip6tables' protocol match walks any chain, so the reduced chain would let
 /// it out with the pod's address. Dropped, unless it would have kept its address anyway.
 fn snat_unwalked<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
-    let Some((node_addr, _)) = interface::<F>(ctx) else {
-        return Verdict::Keep(Counter::NotInspected);
-    };
-    if ip.saddr == node_addr {
-        return Verdict::Keep(Counter::NotMasqNodeSource);
-    }
-    if F::is_non_masq_destination(ip.daddr) {
-        return Verdict::Keep(Counter::NotMasqNonMasqDestination);
-    }
-    Verdict::Drop(Counter::DropExtensionHeaders)
+    snat_untranslatable::<F>(ctx, ip, None, Counter::DropExtensionHeaders)
 }
 }
 
@@ -249,26 +279,13 @@ fn snat_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdic
         let rewritten = F::rewrite_addr(ctx, ip, AddrField::Source, addr, None);
         return Verdict::after(rewritten, Counter::Masqueraded);
     }
-    let Some((node_addr, _)) = interface::<F>(ctx) else {
-        return Verdict::Keep(Counter::NotInspected);
-    };
-    if ip.saddr == node_addr {
-        return Verdict::Keep(Counter::NotMasqNodeSource);
-    }
-    if let Some(verdict) = snat_other_protocol::<F>(ip) {
-        return verdict;
-    }
-    if F::is_non_masq_destination(ip.daddr) {
-        return Verdict::Keep(Counter::NotMasqNonMasqDestination);
-    }
-    Verdict::Drop(Counter::DropFragment)
+    let left_to_chain = snat_other_protocol::<F>(ip);
+    snat_untranslatable::<F>(ctx, ip, left_to_chain, Counter::DropFragment)
 }
 }
 
 step! {
-/// Egress: rewrite the source as the flow's entry says. A function of its own, as are the
-/// other steps marked so: the verifier allows 512 bytes of stack along any chain of calls, and
-/// one function holding every step's locals at once would need more.
+/// Egress: rewrite the source as the flow's entry says.
 fn snat_nat<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
@@ -309,7 +326,10 @@ fn rewrite<F: Family>(
     entry: &NatEntry<F::Addr>,
 ) -> Result<(), i64> {
     let csum_off = ip.l4_off + parse::l4_csum_off(proto);
-    let pseudo = has_pseudo_header::<F>(proto).then_some((csum_off, proto));
+    let pseudo = has_pseudo_header::<F>(proto).then_some(L4Checksum {
+        off: csum_off,
+        proto,
+    });
     if addr.of(ip) != entry.addr {
         F::rewrite_addr(ctx, ip, addr, entry.addr, pseudo)?;
     }
@@ -441,8 +461,7 @@ step! {
 /// Ingress ICMP error (destination unreachable, fragmentation needed or packet too big, time
 /// exceeded) about a packet we masqueraded: it quotes that packet as it left, from the node's
 /// address and NAT port. Translate the outer destination and the quoted source back to the
-/// pod, and fix every checksum that covers them. A function of its own: the quoted packet
-/// and its flow take stack that the common path does not need.
+/// pod, and fix every checksum that covers them.
 fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
     let Some(inner) = F::parse_at(ctx, ip.l4_off + 8) else {
         return TC_ACT_OK;
@@ -478,18 +497,15 @@ fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> 
     if entry.kind != nat_kind::SNAT {
         return TC_ACT_OK;
     }
-    let rewritten = match rewrite_icmp_error::<F>(ctx, ip, &inner, &quoted, entry) {
-        0 => Ok(()),
-        err => Err(err),
-    };
+    let rewritten = verifier::result(rewrite_icmp_error::<F>(ctx, ip, &inner, &quoted, entry));
     Verdict::after_rewrite(rewritten, Counter::IcmpErrorTranslated)
 }
 }
 
 step! {
-/// Rewrites the error about `quoted` as `entry` says; returns the helpers' error code. A function
-/// of its own, with five arguments and a plain return (what a BPF function can take and give):
-/// the checksum arithmetic over sixteen-byte addresses needs a frame of its own.
+/// Rewrites the error about `quoted` as `entry` says; returns the helpers' error code (see
+/// `verifier::code`). A step of its own: the checksum arithmetic over sixteen-byte addresses
+/// needs a frame of its own.
 fn rewrite_icmp_error<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
@@ -497,10 +513,7 @@ fn rewrite_icmp_error<F: Family>(
     quoted: &L4,
     entry: &NatEntry<F::Addr>,
 ) -> i64 {
-    match rewrite_icmp_error_fields::<F>(ctx, ip, inner, quoted, entry) {
-        Ok(()) => 0,
-        Err(err) => err,
-    }
+    verifier::code(rewrite_icmp_error_fields::<F>(ctx, ip, inner, quoted, entry))
 }
 }
 
@@ -554,6 +567,9 @@ fn rewrite_icmp_error_fields<F: Family>(
     ctx.store(icmp_csum_off, &icmp_csum, 0)?;
 
     // The outer destination, and ICMPv6's pseudo-header, which holds it.
-    let pseudo = F::ICMP_PSEUDO_HEADER.then_some((icmp_csum_off, F::ICMP));
+    let pseudo = F::ICMP_PSEUDO_HEADER.then_some(L4Checksum {
+        off: icmp_csum_off,
+        proto: F::ICMP,
+    });
     F::rewrite_addr(ctx, ip, AddrField::Destination, entry.addr, pseudo)
 }

@@ -35,6 +35,22 @@ macro_rules! step {
     };
 }
 
+/// A helper's result as a `step!` returns it: a BPF function gives back one register, and an
+/// aggregate only through a pointer the verifier refuses. 0 for success, the error otherwise.
+#[inline(always)]
+pub fn code(result: Result<(), i64>) -> i64 {
+    result.err().unwrap_or(0)
+}
+
+/// The other way round.
+#[inline(always)]
+pub fn result(code: i64) -> Result<(), i64> {
+    match code {
+        0 => Ok(()),
+        err => Err(err),
+    }
+}
+
 /// `value`, as the verifier sees a value it knows nothing of: read back from the skb's control
 /// block, whose contents it does not track. Every path that produced `value` meets the others
 /// here as one. The control block is left as it was found. The caller bounds the result again.
