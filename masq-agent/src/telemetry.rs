@@ -366,6 +366,16 @@ fn series(
         ),
         Counter::ReverseTranslated => (REVERSED, REVERSED_HELP, Some(("kind", "reply"))),
         Counter::IcmpErrorTranslated => (REVERSED, REVERSED_HELP, Some(("kind", "icmp_error"))),
+        Counter::IcmpErrorMasqueraded => (
+            "icmp_errors_masqueraded",
+            "Egress ICMP errors about masqueraded flows, translated inside and out as conntrack translates a related error",
+            None,
+        ),
+        Counter::TcpRstNotAcceptable => (
+            "tcp_resets_not_acceptable",
+            "TCP RSTs whose sequence number the receiving end would not accept; the flow keeps its state",
+            None,
+        ),
         Counter::InboundTracked => (
             "inbound_connections_tracked",
             "Connections opened from outside toward a pod, first seen",

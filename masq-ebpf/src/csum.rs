@@ -14,12 +14,10 @@ use aya_ebpf::{
 };
 use masq_ebpf::{Address, IPPROTO_UDP};
 
-use crate::{parse::Packet, verifier};
-
-/// Where the IPv4 header checksum sits in the header; the addresses follow it.
-const IPV4_CSUM_OFF: usize = 10;
-const IPV6_SADDR_OFF: usize = 8;
-const IPV6_DADDR_OFF: usize = 24;
+use crate::{
+    parse::{IPV4_CSUM_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
+    verifier,
+};
 
 /// Bits of `bpf_l4_csum_replace`'s flags that hold the field size; 0 passes a checksum
 /// difference instead of the old and new values.
@@ -58,6 +56,15 @@ impl AddrField {
         match self {
             AddrField::Source => ip.saddr,
             AddrField::Destination => ip.daddr,
+        }
+    }
+
+    /// The address at the other end.
+    #[inline(always)]
+    pub fn other(self) -> AddrField {
+        match self {
+            AddrField::Source => AddrField::Destination,
+            AddrField::Destination => AddrField::Source,
         }
     }
 }

@@ -20,8 +20,12 @@ pub trait Family {
     const ECHO_REPLY: u8;
     /// ICMPv6's checksum covers the pseudo-header; ICMP's does not.
     const ICMP_PSEUDO_HEADER: bool;
-    /// Where the source address sits in the IP header.
+    /// Where the length field sits in the IP header, and the header bytes it leaves out.
+    const LEN_OFF: usize;
+    const LEN_UNCOUNTED: usize;
+    /// Where the addresses sit in the IP header.
     const SADDR_OFF: usize;
+    const DADDR_OFF: usize;
     /// Where the header's own checksum sits; IPv6 has none.
     const IP_CSUM_OFF: Option<usize>;
     /// Whether the steps declared with `step!` run as functions of their own.
@@ -39,6 +43,14 @@ pub trait Family {
     fn fragments() -> &'static FragmentTable<Self::Addr>;
     fn is_non_masq_destination(addr: Self::Addr) -> bool;
     fn is_draining_destination(addr: Self::Addr) -> bool;
+    /// Where `field` sits in the IP header.
+    #[inline(always)]
+    fn addr_off(field: AddrField) -> usize {
+        match field {
+            AddrField::Source => Self::SADDR_OFF,
+            AddrField::Destination => Self::DADDR_OFF,
+        }
+    }
     /// Rewrites one address of the outer header, with every checksum that covers it; the L4
     /// checksum at `l4_csum` if given, whose pseudo-header holds the address.
     fn rewrite_addr(
@@ -59,8 +71,11 @@ impl Family for V4 {
     const ECHO_REQUEST: u8 = parse::ICMP_ECHO_REQUEST;
     const ECHO_REPLY: u8 = parse::ICMP_ECHO_REPLY;
     const ICMP_PSEUDO_HEADER: bool = false;
-    const SADDR_OFF: usize = 12;
-    const IP_CSUM_OFF: Option<usize> = Some(10);
+    const LEN_OFF: usize = parse::IPV4_LEN_OFF;
+    const LEN_UNCOUNTED: usize = 0;
+    const SADDR_OFF: usize = parse::IPV4_SADDR_OFF;
+    const DADDR_OFF: usize = parse::IPV4_DADDR_OFF;
+    const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
 
     #[inline(always)]
@@ -68,11 +83,12 @@ impl Family for V4 {
         parse::ipv4_at(ctx, offset)
     }
 
+    /// Destination unreachable, time exceeded and parameter problem.
     #[inline(always)]
     fn is_icmp_error(icmp_type: u8) -> bool {
         matches!(
             icmp_type,
-            parse::ICMP_DEST_UNREACH | parse::ICMP_TIME_EXCEEDED
+            parse::ICMP_DEST_UNREACH | parse::ICMP_TIME_EXCEEDED | parse::ICMP_PARAMETER_PROBLEM
         )
     }
 
@@ -124,7 +140,10 @@ impl Family for V6 {
     const ECHO_REQUEST: u8 = parse::ICMPV6_ECHO_REQUEST;
     const ECHO_REPLY: u8 = parse::ICMPV6_ECHO_REPLY;
     const ICMP_PSEUDO_HEADER: bool = true;
-    const SADDR_OFF: usize = 8;
+    const LEN_OFF: usize = parse::IPV6_LEN_OFF;
+    const LEN_UNCOUNTED: usize = parse::IPV6_HLEN;
+    const SADDR_OFF: usize = parse::IPV6_SADDR_OFF;
+    const DADDR_OFF: usize = parse::IPV6_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
 

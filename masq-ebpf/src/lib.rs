@@ -191,10 +191,19 @@ pub mod tcp_seen {
     /// A packet without SYN: the handshake got past its first step.
     pub const ACK: u8 = 1 << 1;
     pub const FIN: u8 = 1 << 2;
+    /// An acceptable RST (see `NatEntry::tcp_next_seq`): the connection is over.
     pub const RST: u8 = 1 << 3;
+    /// A segment with the ACK flag: `NatEntry::tcp_max_ack` holds an acknowledgment number.
+    pub const ACKED: u8 = 1 << 4;
 }
 
 /// One half of a translated flow.
+///
+/// For TCP, each half also holds where its sender stands in the sequence space, so that an RST
+/// ends the flow only when the receiving end would accept it, as conntrack decides (RFC 5961
+/// §3): its sequence number is the highest acknowledgment the other half sent, or it follows
+/// right after its own sender's last segment; before the other half acknowledged anything, it
+/// must acknowledge the other half's SYN. A blind RST from outside leaves the flow as it was.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NatEntry<A: Address> {
@@ -203,7 +212,12 @@ pub struct NatEntry<A: Address> {
     pub addr: A,
     pub port: u16,
     pub kind: u8,
+    /// `tcp_seen` bits of the packets sent this way; 0 until the first one.
     pub tcp_seen: u8,
+    /// TCP: the sequence number after the furthest segment sent this way (host byte order).
+    pub tcp_next_seq: u32,
+    /// TCP: the highest acknowledgment number sent this way, once `tcp_seen::ACKED`.
+    pub tcp_max_ack: u32,
     pub _pad: A::EntryPad,
 }
 
@@ -283,6 +297,12 @@ pub enum Counter {
     ReverseTranslated,
     /// Ingress ICMP errors about masqueraded flows, translated inside and out.
     IcmpErrorTranslated,
+    /// Egress ICMP errors about masqueraded flows (a pod's, or the node's own about a packet
+    /// it restored), translated inside and out, as conntrack translates a RELATED error.
+    IcmpErrorMasqueraded,
+    /// TCP RSTs whose sequence number the receiving end would not accept: passed on, but the
+    /// flow keeps its state.
+    TcpRstNotAcceptable,
     /// Connections opened from outside toward a pod, first seen.
     InboundTracked,
     /// Port allocations that found no free port.
@@ -304,7 +324,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 16] = [
+    pub const ALL: [Counter; 18] = [
         Counter::Masqueraded,
         Counter::NotMasqNonMasqDestination,
         Counter::NotMasqNodeSource,
@@ -313,6 +333,8 @@ impl Counter {
         Counter::NotMasqIcmpOther,
         Counter::ReverseTranslated,
         Counter::IcmpErrorTranslated,
+        Counter::IcmpErrorMasqueraded,
+        Counter::TcpRstNotAcceptable,
         Counter::InboundTracked,
         Counter::AllocationFailed,
         Counter::DropPortsExhausted,
@@ -334,6 +356,8 @@ impl Counter {
             Counter::NotMasqIcmpOther => "not_masqueraded_icmp_other",
             Counter::ReverseTranslated => "reverse_translated",
             Counter::IcmpErrorTranslated => "icmp_error_translated",
+            Counter::IcmpErrorMasqueraded => "icmp_error_masqueraded",
+            Counter::TcpRstNotAcceptable => "tcp_rst_not_acceptable",
             Counter::InboundTracked => "inbound_connection_tracked",
             Counter::AllocationFailed => "allocation_failed",
             Counter::DropPortsExhausted => "dropped_ports_exhausted",

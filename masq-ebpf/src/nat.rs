@@ -3,9 +3,16 @@
 //! never hand the same port to two flows.
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, programs::TcContext};
-use masq_ebpf::{Address, Counter, NatEntry, NatKey, Settings, nat_kind, tcp_seen};
+use masq_ebpf::{
+    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind, tcp_seen,
+};
 
-use crate::{family::Family, maps, ports, verifier};
+use crate::{
+    family::Family,
+    maps,
+    parse::{self, L4, Packet},
+    ports, verifier,
+};
 
 const EEXIST: i32 = -17;
 /// Entries are refreshed at most this often, to keep per-packet writes to shared cache lines
@@ -41,12 +48,58 @@ pub fn key<A>(saddr: A, daddr: A, proto: u8, sport: u16, dport: u16, dir: u8) ->
     }
 }
 
-/// What the TCP flags byte tells about the connection's progress.
-#[inline(always)]
-pub fn tcp_progress(flags: u8) -> u8 {
-    const FIN: u8 = 0x01;
-    const SYN: u8 = 0x02;
-    const RST: u8 = 0x04;
+/// What one packet tells about its half of a flow: for TCP, how far the connection got and
+/// where its sender stands in the sequence space; nothing for UDP and ICMP.
+#[derive(Clone, Copy, Default)]
+pub struct Segment {
+    /// `tcp_seen` bits; 0 for other protocols.
+    pub seen: u8,
+    pub seq: u32,
+    /// The sequence number after the segment: its payload, and one each for SYN and FIN.
+    pub end: u32,
+    /// The acknowledgment number, where `seen` has `tcp_seen::ACKED`.
+    pub ack: u32,
+}
+
+const FIN: u8 = 0x01;
+const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
+const ACK: u8 = 0x10;
+
+impl Segment {
+    /// What the packet `ip`, with L4 header `l4`, tells.
+    #[inline(always)]
+    pub fn read<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> Segment {
+        let mut segment = Segment::default();
+        if l4.proto == IPPROTO_TCP {
+            read_tcp::<F>(ctx, ip, &mut segment);
+        }
+        segment
+    }
+
+    /// Every TCP segment is past the handshake's first step or in it; other packets are not
+    /// TCP.
+    #[inline(always)]
+    pub fn is_tcp(&self) -> bool {
+        self.seen != 0
+    }
+
+    /// A TCP segment that opens a connection: SYN without ACK.
+    #[inline(always)]
+    pub fn opens(&self) -> bool {
+        self.seen & (tcp_seen::SYN | tcp_seen::ACKED) == tcp_seen::SYN
+    }
+}
+
+step! {
+/// Fills `segment` from the TCP header behind `ip`. A function of its own, filling what its
+/// caller holds: the header's fields and the datagram's length take no room in the frames of
+/// the steps that need a segment.
+fn read_tcp<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, segment: &mut Segment) {
+    let Some(tcp) = parse::tcp_header(ctx, ip.l4_off) else {
+        return;
+    };
+    let flags = tcp.flags;
     let mut seen = if flags & SYN != 0 {
         tcp_seen::SYN
     } else {
@@ -58,7 +111,46 @@ pub fn tcp_progress(flags: u8) -> u8 {
     if flags & RST != 0 {
         seen |= tcp_seen::RST;
     }
-    seen
+    if flags & ACK != 0 {
+        seen |= tcp_seen::ACKED;
+    }
+    let end = parse::datagram_end(ctx, ip.ip_off, F::LEN_OFF, F::LEN_UNCOUNTED);
+    let payload = end.saturating_sub(ip.l4_off + usize::from(tcp.len)) as u32;
+    let flags_len = u32::from(flags & SYN != 0) + u32::from(flags & FIN != 0);
+    *segment = Segment {
+        seen,
+        seq: tcp.seq,
+        end: tcp.seq.wrapping_add(payload).wrapping_add(flags_len),
+        ack: tcp.ack,
+    };
+}
+}
+
+/// Whether sequence number `a` lies after `b`, modulo 2^32.
+#[inline(always)]
+fn after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+/// A half as `segment` leaves it when it is the half's first packet.
+#[inline(always)]
+fn half<A: Address>(addr: A, port: u16, kind: u8, segment: &Segment, now: u64) -> NatEntry<A> {
+    NatEntry {
+        last_seen_ns: now,
+        addr,
+        port,
+        kind,
+        tcp_seen: segment.seen,
+        tcp_next_seq: segment.end,
+        tcp_max_ack: segment.ack,
+        _pad: Default::default(),
+    }
+}
+
+/// The other half of a new flow, which no packet has crossed yet.
+#[inline(always)]
+fn unseen<A: Address>(addr: A, port: u16, kind: u8, now: u64) -> NatEntry<A> {
+    half(addr, port, kind, &Segment::default(), now)
 }
 
 #[inline(always)]
@@ -66,20 +158,88 @@ pub fn lookup<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>
     F::nat().get_ptr_mut(key)
 }
 
-/// Records that the flow is alive, and how far a TCP connection has got.
+/// Records that the flow is alive, and what a TCP segment tells of it; `key` is the half
+/// `entry` holds.
 #[inline(always)]
-pub fn refresh<A: Address>(entry: *mut NatEntry<A>, progress: u8) {
+pub fn refresh<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) {
     // SAFETY: `entry` points into a map value; concurrent updates race benignly (both write a
-    // recent time, flags only gain bits).
+    // recent time).
     unsafe {
         let now = now_ns();
         if now.wrapping_sub((*entry).last_seen_ns) > REFRESH_NS {
             (*entry).last_seen_ns = now;
         }
-        if (*entry).tcp_seen & progress != progress {
-            (*entry).tcp_seen |= progress;
+    }
+    if segment.seen != 0 {
+        track_tcp::<F>(key, entry, segment);
+    }
+}
+
+/// Moves a TCP half on by one segment: its flags, the furthest sequence number it sent and the
+/// highest acknowledgment. Only the half's own direction writes it, so the cache line stays
+/// with the CPU that handles that direction.
+#[inline(always)]
+fn track_tcp<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) {
+    let mut seen = segment.seen;
+    let acked = seen & tcp_seen::ACKED != 0;
+    if seen & tcp_seen::RST != 0
+        && !rst_acceptable::<F>(key, entry, segment.seq, segment.ack, acked)
+    {
+        maps::count(Counter::TcpRstNotAcceptable);
+        seen &= !tcp_seen::RST;
+    }
+    // SAFETY: as in `refresh`. Two CPUs moving one half at once may leave either's numbers,
+    // both recent: at worst an RST is judged against the other of two recent segments.
+    unsafe {
+        let before = (*entry).tcp_seen;
+        if before & seen != seen {
+            (*entry).tcp_seen = before | seen;
+        }
+        if before == 0 || after(segment.end, (*entry).tcp_next_seq) {
+            (*entry).tcp_next_seq = segment.end;
+        }
+        if seen & tcp_seen::ACKED != 0
+            && (before & tcp_seen::ACKED == 0 || after(segment.ack, (*entry).tcp_max_ack))
+        {
+            (*entry).tcp_max_ack = segment.ack;
         }
     }
+}
+
+step! {
+/// Whether the end that receives an RST would accept it, as conntrack judges (RFC 5961 §3):
+/// its sequence number is the highest acknowledgment the receiver sent, or directly follows
+/// the sender's own last segment (an RST right behind data); before the receiver acknowledged
+/// anything, it must acknowledge (`acked`, with `ack`) the receiver's SYN. A function of its
+/// own, taking the segment's numbers in registers: the other half's key takes room that other
+/// packets never need.
+fn rst_acceptable<F: Family>(
+    key: &NatKey<F::Addr>,
+    entry: *mut NatEntry<F::Addr>,
+    seq: u32,
+    ack: u32,
+    acked: bool,
+) -> bool {
+    // SAFETY: `entry` points into a map value; its fields are copied out.
+    let (sent, next_seq) = unsafe { ((*entry).tcp_seen, (*entry).tcp_next_seq) };
+    if sent != 0 && seq == next_seq {
+        return true;
+    }
+    // SAFETY: as above.
+    let other_key = &key.reverse(unsafe { &*entry });
+    let Some(other) = F::nat().get_ptr(other_key) else {
+        // Half a flow cannot translate replies anyway.
+        return true;
+    };
+    // SAFETY: map value pointer from a successful lookup; its fields are copied out.
+    let (seen, max_ack, other_next) =
+        unsafe { ((*other).tcp_seen, (*other).tcp_max_ack, (*other).tcp_next_seq) };
+    if seen & tcp_seen::ACKED != 0 {
+        seq == max_ack
+    } else {
+        seen != 0 && acked && ack == other_next
+    }
+}
 }
 
 /// Gives a new egress flow a port on `node_addr`, creating both halves. Returns the egress half.
@@ -89,16 +249,9 @@ pub fn create_snat<F: Family>(
     egress_key: &NatKey<F::Addr>,
     node_addr: F::Addr,
     settings: &Settings,
-    progress: u8,
+    segment: &Segment,
 ) -> Result<NatEntry<F::Addr>, AllocError> {
-    let mut egress = NatEntry {
-        last_seen_ns: now_ns(),
-        addr: node_addr,
-        port: 0,
-        kind: nat_kind::SNAT,
-        tcp_seen: progress,
-        _pad: Default::default(),
-    };
+    let mut egress = half(node_addr, 0, nat_kind::SNAT, segment, now_ns());
     match reserve_port::<F>(ctx, egress_key, &mut egress, settings) {
         RESERVED => {
             let ingress_key = egress_key.reverse(&egress);
@@ -126,13 +279,15 @@ fn reserve_port<F: Family>(
     egress: &mut NatEntry<F::Addr>,
     settings: &Settings,
 ) -> u32 {
-    // The reply half differs from one attempt to the next only in its port.
+    // The reply half differs from one attempt to the next only in its port. No reply has
+    // crossed it yet: established means both ways seen.
     let mut ingress_key = egress_key.reverse(egress);
-    let ingress = NatEntry {
-        addr: egress_key.saddr,
-        port: egress_key.sport,
-        ..*egress
-    };
+    let ingress = unseen(
+        egress_key.saddr,
+        egress_key.sport,
+        egress.kind,
+        egress.last_seen_ns,
+    );
     // Each span a port may come from is a path of its own for the verifier, and every attempt
     // would multiply them.
     let start = verifier::forget(ctx, ports::first_offset(settings, egress_key.sport));
@@ -177,24 +332,26 @@ fn publish_egress<F: Family>(
 
 /// Remembers a flow that must never be translated (`egress_key` is its pod-side tuple): a
 /// connection opened from outside toward a pod, or one that started unmasqueraded before its
-/// destination left the non-masquerade CIDRs. Both halves are identity entries.
+/// destination left the non-masquerade CIDRs. Both halves are identity entries; `segment`, the
+/// packet that opened it, crossed the half of direction `dir`.
 #[inline(always)]
-pub fn track_passthrough<F: Family>(egress_key: &NatKey<F::Addr>, progress: u8) -> bool {
+pub fn track_passthrough<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    dir: u8,
+    segment: &Segment,
+) -> bool {
     let now = now_ns();
-    let egress = NatEntry {
-        last_seen_ns: now,
-        addr: egress_key.saddr,
-        port: egress_key.sport,
-        kind: nat_kind::PASSTHROUGH,
-        tcp_seen: progress,
-        _pad: Default::default(),
-    };
+    let kind = nat_kind::PASSTHROUGH;
+    let (addr, port) = (egress_key.saddr, egress_key.sport);
+    let (mut egress, mut ingress) = (unseen(addr, port, kind, now), unseen(addr, port, kind, now));
     let ingress_key = egress_key.reverse(&egress);
-    let ingress = NatEntry {
-        addr: ingress_key.daddr,
-        port: ingress_key.dport,
-        ..egress
+    (ingress.addr, ingress.port) = (ingress_key.daddr, ingress_key.dport);
+    let opener = if dir == direction::EGRESS {
+        &mut egress
+    } else {
+        &mut ingress
     };
+    *opener = half(opener.addr, opener.port, kind, segment, now);
     let nat = F::nat();
     // Egress half first: if the pod already has a masqueraded flow with this tuple, keep it.
     if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {

@@ -15,9 +15,16 @@ pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
 /// The IPv4 header without options.
 pub const IPV4_HLEN: usize = 20;
+pub const IPV4_LEN_OFF: usize = 2;
+pub const IPV4_CSUM_OFF: usize = 10;
+pub const IPV4_SADDR_OFF: usize = 12;
+pub const IPV4_DADDR_OFF: usize = 16;
 const IP_OFFSET: u16 = 0x1fff;
 const IP_MORE_FRAGMENTS: u16 = 0x2000;
 pub const IPV6_HLEN: usize = 40;
+pub const IPV6_LEN_OFF: usize = 4;
+pub const IPV6_SADDR_OFF: usize = 8;
+pub const IPV6_DADDR_OFF: usize = 24;
 
 pub const TCP_CSUM_OFF: usize = 16;
 pub const UDP_CSUM_OFF: usize = 6;
@@ -27,11 +34,14 @@ pub const ICMP_ECHO_REPLY: u8 = 0;
 pub const ICMP_DEST_UNREACH: u8 = 3;
 pub const ICMP_ECHO_REQUEST: u8 = 8;
 pub const ICMP_TIME_EXCEEDED: u8 = 11;
+pub const ICMP_PARAMETER_PROBLEM: u8 = 12;
 pub const ICMPV6_DEST_UNREACH: u8 = 1;
 pub const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
 pub const ICMPV6_ECHO_REQUEST: u8 = 128;
 pub const ICMPV6_ECHO_REPLY: u8 = 129;
-const TCP_FLAGS_OFF: usize = 13;
+/// Where the TCP header's sequence number starts; the acknowledgment number, the data offset and
+/// the flags follow it.
+const TCP_SEQ_OFF: usize = 4;
 
 /// IPv6 extension headers that ip6tables' protocol match (`ipv6_find_hdr`) steps over, and so
 /// the programs too: what `-p tcp` matches in the chain is what they translate.
@@ -182,6 +192,19 @@ pub fn ipv4_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
     })
 }
 
+/// Where the datagram whose IP header is at `ip_off` ends, as its length field at `len_off`
+/// says (`uncounted`: the header bytes it leaves out): Ethernet padding of short frames lies
+/// beyond. A length of 0 is a segmentation-offload packet longer than the field holds (BIG
+/// TCP): it ends with the skb. Only TCP's sequence tracking needs it, so it is read then.
+#[inline(always)]
+pub fn datagram_end(ctx: &TcContext, ip_off: usize, len_off: usize, uncounted: usize) -> usize {
+    let frame_end = ctx.len() as usize;
+    match read::<u16>(ctx, ip_off + len_off).map(u16::from_be) {
+        Some(0) | None => frame_end,
+        Some(len) => frame_end.min(ip_off + uncounted + usize::from(len)),
+    }
+}
+
 /// Parses an IPv6 header at `offset` and the extension headers behind it, up to the L4
 /// header. `None` for a chain cut short; a chain too long comes back not `walked_whole`.
 #[inline(always)]
@@ -298,8 +321,39 @@ pub struct L4 {
     pub dport: u16,
     /// ICMP type; 0 for TCP and UDP.
     pub icmp_type: u8,
-    /// TCP flags byte; 0 for UDP and ICMP.
-    pub tcp_flags: u8,
+}
+
+/// What a TCP header says of its segment, in host byte order.
+#[derive(Clone, Copy)]
+pub struct TcpHeader {
+    pub seq: u32,
+    pub ack: u32,
+    /// The header's length in bytes, options included.
+    pub len: u8,
+    pub flags: u8,
+}
+
+/// The TCP header from its sequence number to its flags, as laid out on the wire.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TcpHeaderFields {
+    seq: u32,
+    ack: u32,
+    data_offset: u8,
+    flags: u8,
+}
+
+/// Reads the TCP header at `offset`, which `l4` found whole. Only the packets of TCP flows
+/// need it, so the other packets, and every stack frame that holds an `L4`, do without.
+#[inline(always)]
+pub fn tcp_header(ctx: &TcContext, offset: usize) -> Option<TcpHeader> {
+    let fields: TcpHeaderFields = read(ctx, offset + TCP_SEQ_OFF)?;
+    Some(TcpHeader {
+        seq: u32::from_be(fields.seq),
+        ack: u32::from_be(fields.ack),
+        len: (fields.data_offset >> 4) * 4,
+        flags: fields.flags,
+    })
 }
 
 /// What an ICMP error must quote of the offending packet's L4 header (RFC 792).
@@ -321,16 +375,11 @@ pub fn l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
     if (ctx.len() as usize) < offset + min_header_len(proto) {
         return None;
     }
-    let tcp_flags = if proto == IPPROTO_TCP {
-        read(ctx, offset + TCP_FLAGS_OFF)?
-    } else {
-        0
-    };
-    quoted_l4(ctx, offset, proto).map(|l4| L4 { tcp_flags, ..l4 })
+    quoted_l4(ctx, offset, proto)
 }
 
-/// Like `l4`, but reads only the first 8 bytes of the header, all an ICMP error is sure to quote,
-/// and so leaves `tcp_flags` at 0. A quote shorter than that is malformed, and not translated,
+/// Like `l4`, but reads only the first 8 bytes of the header, all an ICMP error is sure to
+/// quote. A quote shorter than that is malformed, and not translated,
 /// as conntrack would not.
 #[inline(always)]
 pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
@@ -354,7 +403,6 @@ pub fn quoted_l4(ctx: &TcContext, offset: usize, proto: u8) -> Option<L4> {
         sport,
         dport,
         icmp_type,
-        tcp_flags: 0,
     })
 }
 

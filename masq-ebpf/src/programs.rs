@@ -9,14 +9,14 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, Settings, direction, nat_kind,
+    Counter, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, Settings, direction, nat_kind, tcp_seen,
 };
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
     family::{Family, V4, V6},
     frag, maps,
-    nat::{self, AllocError},
+    nat::{self, AllocError, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     verifier,
 };
@@ -24,11 +24,25 @@ use crate::{
 #[classifier]
 pub fn masq_egress(ctx: TcContext) -> i32 {
     match parse::ethertype(&ctx) {
-        Some(parse::ETH_P_IP) => egress::<V4>(&ctx),
-        Some(parse::ETH_P_IPV6) => egress::<V6>(&ctx),
+        Some(parse::ETH_P_IP) => egress_of::<V4>(&ctx),
+        Some(parse::ETH_P_IPV6) => egress_of::<V6>(&ctx),
         _ => Verdict::Keep(Counter::NotInspected).count(),
     }
 }
+
+/// Egress, one family. ICMP other than echo requests is seen to apart from the flows, so that
+/// the frame of `egress` is not added to the chain of calls that translates an ICMP error:
+/// together they would pass the verifier's 512 bytes of stack.
+#[inline(always)]
+fn egress_of<F: Family>(ctx: &TcContext) -> i32 {
+    match egress::<F>(ctx) {
+        ICMP_NOT_ECHO_REQUEST => egress_icmp::<F>(ctx),
+        verdict => verdict,
+    }
+}
+
+/// What `egress` says of ICMP other than an echo request.
+const ICMP_NOT_ECHO_REQUEST: i32 = -2;
 
 #[classifier]
 pub fn masq_ingress(ctx: TcContext) -> i32 {
@@ -56,12 +70,15 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
         Ok(l4) => l4,
         Err(verdict) => return verdict.count(),
     };
+    if l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST {
+        return ICMP_NOT_ECHO_REQUEST;
+    }
     let key = packet_key(&ip, &l4, direction::EGRESS);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
     // upstream's chain: policy changes affect new flows only.
     match nat::lookup::<F>(&key) {
         Some(entry) => {
-            nat::refresh(entry, progress(&l4));
+            nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, &ip, &l4));
             // SAFETY: map value pointer from a successful lookup.
             snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry })
         }
@@ -82,10 +99,11 @@ fn snat_new_flow<F: Family>(
         Ok(found) => found,
         Err(verdict) => return verdict.count(),
     };
-    if let Err(verdict) = snat_needs_masquerade::<F>(ip, l4, key) {
+    let segment = Segment::read::<F>(ctx, ip, l4);
+    if let Err(verdict) = snat_needs_masquerade::<F>(ip, key, &segment) {
         return verdict.count();
     }
-    match nat::create_snat::<F>(ctx, key, node_addr, settings, progress(l4)) {
+    match nat::create_snat::<F>(ctx, key, node_addr, settings, &segment) {
         Ok(entry) => snat_nat::<F>(ctx, ip, l4, &entry),
         Err(AllocError::PortsExhausted) => Verdict::Drop(Counter::DropPortsExhausted).count(),
         Err(AllocError::TableFull) => Verdict::Drop(Counter::DropNatTableFull).count(),
@@ -206,7 +224,8 @@ fn snat_other_protocol<F: Family>(ip: &Packet<F::Addr>) -> Option<Verdict> {
         .then_some(Verdict::Keep(Counter::NotMasqOtherProtocol))
 }
 
-/// Egress: could this packet be translated at all? Its L4 header if so. The node's own packets
+/// Egress: could this packet be translated at all (an ICMP error, about a flow)? Its L4 header
+/// if so. The node's own packets
 /// are told apart later, once no flow is found for them: established flows skip the lookup of
 /// the node's address.
 #[inline(always)]
@@ -217,9 +236,6 @@ fn snat_translatable<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Result
     let Some(l4) = parse::l4(ctx, ip.l4_off, ip.proto) else {
         return Err(Verdict::Keep(Counter::NotInspected));
     };
-    if l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST {
-        return Err(Verdict::Keep(Counter::NotMasqIcmpOther));
-    }
     Ok(l4)
 }
 
@@ -236,35 +252,23 @@ step! {
 /// Egress, for a flow without an entry: should it leave with the node's address?
 fn snat_needs_masquerade<F: Family>(
     ip: &Packet<F::Addr>,
-    l4: &L4,
     key: &NatKey<F::Addr>,
+    segment: &Segment,
 ) -> Result<(), Verdict> {
     if F::is_non_masq_destination(ip.daddr) {
         return Err(Verdict::Keep(Counter::NotMasqNonMasqDestination));
     }
     // A TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs,
     // started unmasqueraded: translating it now would break it.
-    if l4.proto == IPPROTO_TCP
-        && l4.tcp_flags & TCP_SYN == 0
+    if segment.is_tcp()
+        && segment.seen & tcp_seen::SYN == 0
         && F::is_draining_destination(ip.daddr)
-        && nat::track_passthrough::<F>(key, nat::tcp_progress(l4.tcp_flags))
+        && nat::track_passthrough::<F>(key, direction::EGRESS, segment)
     {
         return Err(Verdict::Keep(Counter::NotMasqInbound));
     }
     Ok(())
 }
-}
-
-const TCP_SYN: u8 = 0x02;
-const TCP_ACK: u8 = 0x10;
-
-#[inline(always)]
-fn progress(l4: &L4) -> u8 {
-    if l4.proto == IPPROTO_TCP {
-        nat::tcp_progress(l4.tcp_flags)
-    } else {
-        0
-    }
 }
 
 step! {
@@ -369,7 +373,10 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
         }
         verdict
     } else if l4.proto == F::ICMP && F::is_icmp_error(l4.icmp_type) {
-        snat_rev_nat_icmp_error::<F>(ctx, ip)
+        match snat_icmp_error::<F>(ctx, ip, direction::INGRESS) {
+            UNKNOWN_FLOW => TC_ACT_OK,
+            verdict => verdict,
+        }
     } else {
         TC_ACT_OK
     }
@@ -383,9 +390,21 @@ const UNKNOWN_FLOW: i32 = -1;
 #[inline(always)]
 fn ingress_key<A: Copy>(ip: &Packet<A>, l4: &L4, icmp: u8) -> NatKey<A> {
     if l4.proto == icmp {
-        nat::key(ip.saddr, ip.daddr, icmp, 0, l4.sport, direction::INGRESS)
+        let (sport, dport) = echo_ports(direction::INGRESS, l4.sport);
+        nat::key(ip.saddr, ip.daddr, icmp, sport, dport, direction::INGRESS)
     } else {
         packet_key(ip, l4, direction::INGRESS)
+    }
+}
+
+/// The ports of an echo flow's key in direction `dir`: the identifier stands in the pod-side
+/// port, the other is 0.
+#[inline(always)]
+fn echo_ports(dir: u8, id: u16) -> (u16, u16) {
+    if dir == direction::EGRESS {
+        (id, 0)
+    } else {
+        (0, id)
     }
 }
 
@@ -402,7 +421,7 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
     let Some(entry) = nat::lookup::<F>(&key) else {
         return UNKNOWN_FLOW;
     };
-    nat::refresh(entry, progress(l4));
+    nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, ip, l4));
     // SAFETY: map value pointer from a successful lookup.
     let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
@@ -428,12 +447,13 @@ step! {
 /// with a SYN: stray segments (to an address the node no longer has, say) open nothing.
 fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) {
     let key = &ingress_key(ip, l4, F::ICMP);
+    let segment = Segment::read::<F>(ctx, ip, l4);
     if l4.proto != F::ICMP
-        && (l4.proto != IPPROTO_TCP || l4.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN)
+        && (l4.proto != IPPROTO_TCP || segment.opens())
         && F::is_unicast(&ip.daddr)
         && interface::<F>(ctx).is_some_and(|(node_addr, _)| ip.daddr != node_addr)
         && !F::is_non_masq_destination(ip.saddr)
-        && nat::track_passthrough::<F>(&nat::egress_key_of(key), progress(l4))
+        && nat::track_passthrough::<F>(&nat::egress_key_of(key), direction::INGRESS, &segment)
     {
         maps::count(Counter::InboundTracked);
     }
@@ -457,63 +477,90 @@ fn snat_rev_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i3
 /// What a rewrite reports when the field it must read back is not in the packet.
 const EFAULT: i64 = -14;
 
+/// Egress ICMP other than an echo request, parsed afresh (see `egress_of`): an error about a
+/// masqueraded flow is translated; anything else (an echo reply, an error about a flow left
+/// alone) keeps its address.
+#[inline(never)]
+fn egress_icmp<F: Family>(ctx: &TcContext) -> i32 {
+    if let Some(ip) = F::parse_at(ctx, ETH_HLEN)
+        && let Some(icmp_type) = parse::read::<u8>(ctx, ip.l4_off)
+        && F::is_icmp_error(icmp_type)
+    {
+        let verdict = snat_icmp_error::<F>(ctx, &ip, direction::EGRESS);
+        if verdict != UNKNOWN_FLOW {
+            return verdict;
+        }
+    }
+    Verdict::Keep(Counter::NotMasqIcmpOther).count()
+}
+
 step! {
-/// Ingress ICMP error (destination unreachable, fragmentation needed or packet too big, time
-/// exceeded) about a packet we masqueraded: it quotes that packet as it left, from the node's
-/// address and NAT port. Translate the outer destination and the quoted source back to the
-/// pod, and fix every checksum that covers them.
-fn snat_rev_nat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
+/// An ICMP error (destination unreachable, fragmentation needed or packet too big, time
+/// exceeded, parameter problem) crossing the node in direction `dir`, about a packet of a
+/// masqueraded flow that went the other way. On ingress it quotes a packet as it left, from the
+/// node's address and NAT port: the outer destination and the quoted source go back to the
+/// pod's. On egress (the pod's own error, or the node's about a reply it restored) it quotes a
+/// reply as the pod got it: the quoted destination becomes the node's address and NAT port,
+/// and the outer source the node's address, as conntrack translates a RELATED error. Every
+/// checksum that covers them follows. `UNKNOWN_FLOW` for an error about no masqueraded flow.
+fn snat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, dir: u8) -> i32 {
     let Some(inner) = F::parse_at(ctx, ip.l4_off + 8) else {
-        return TC_ACT_OK;
+        return UNKNOWN_FLOW;
     };
+    // An error goes back to where the packet it quotes came from.
     if inner.saddr != ip.daddr || inner.is_later_fragment() {
-        return TC_ACT_OK;
+        return UNKNOWN_FLOW;
     }
     // Errors need only quote 8 bytes of L4 header: enough for ports, or an echo identifier.
-    let Some(quoted) = parse::quoted_l4(ctx, inner.l4_off, inner.proto) else {
-        return TC_ACT_OK;
+    let Some(l4) = parse::quoted_l4(ctx, inner.l4_off, inner.proto) else {
+        return UNKNOWN_FLOW;
     };
-    // The quoted packet went out; a reply to it would have come in as this key.
-    let (sport, dport) = if quoted.proto == IPPROTO_TCP || quoted.proto == IPPROTO_UDP {
-        (quoted.dport, quoted.sport)
-    } else if quoted.proto == F::ICMP && quoted.icmp_type == F::ECHO_REQUEST {
-        (0, quoted.sport)
+    // The quoted packet went against `dir`: an answer to it goes with `dir`, and finds the
+    // flow's half of that direction. An echo went out as a request and came back as a reply.
+    let quoted_echo = if dir == direction::INGRESS {
+        F::ECHO_REQUEST
     } else {
-        return TC_ACT_OK;
+        F::ECHO_REPLY
     };
-    let key = nat::key(
-        inner.daddr,
-        inner.saddr,
-        quoted.proto,
-        sport,
-        dport,
-        direction::INGRESS,
-    );
+    let (sport, dport) = if l4.proto == IPPROTO_TCP || l4.proto == IPPROTO_UDP {
+        (l4.dport, l4.sport)
+    } else if l4.proto == F::ICMP && l4.icmp_type == quoted_echo {
+        echo_ports(dir, l4.sport)
+    } else {
+        return UNKNOWN_FLOW;
+    };
+    let key = nat::key(inner.daddr, inner.saddr, l4.proto, sport, dport, dir);
     let Some(entry) = nat::lookup::<F>(&key) else {
-        return TC_ACT_OK;
+        return UNKNOWN_FLOW;
     };
     // SAFETY: map value pointer from a successful lookup.
     let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
-        return TC_ACT_OK;
+        return UNKNOWN_FLOW;
     }
-    let rewritten = verifier::result(rewrite_icmp_error::<F>(ctx, ip, &inner, &quoted, entry));
-    Verdict::after_rewrite(rewritten, Counter::IcmpErrorTranslated)
+    let (translated, done) = if dir == direction::INGRESS {
+        (AddrField::Source, Counter::IcmpErrorTranslated)
+    } else {
+        (AddrField::Destination, Counter::IcmpErrorMasqueraded)
+    };
+    let rewritten = rewrite_icmp_error::<F>(ctx, ip, &inner, entry, translated);
+    Verdict::after_rewrite(verifier::result(rewritten), done)
 }
 }
 
 step! {
-/// Rewrites the error about `quoted` as `entry` says; returns the helpers' error code (see
+/// Rewrites the error quoting `inner` as `entry` says: the quoted packet's `translated` address
+/// and its port or echo identifier there; returns the helpers' error code (see
 /// `verifier::code`). A step of its own: the checksum arithmetic over sixteen-byte addresses
 /// needs a frame of its own.
 fn rewrite_icmp_error<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     inner: &Packet<F::Addr>,
-    quoted: &L4,
     entry: &NatEntry<F::Addr>,
+    translated: AddrField,
 ) -> i64 {
-    verifier::code(rewrite_icmp_error_fields::<F>(ctx, ip, inner, quoted, entry))
+    verifier::code(rewrite_icmp_error_fields::<F>(ctx, ip, inner, entry, translated))
 }
 }
 
@@ -522,43 +569,46 @@ fn rewrite_icmp_error_fields<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     inner: &Packet<F::Addr>,
-    quoted: &L4,
     entry: &NatEntry<F::Addr>,
+    translated: AddrField,
 ) -> Result<(), i64> {
-    // The quoted packet's pod-side word, now the NAT port: its source port, or echo identifier.
-    let nat_word = quoted.sport;
-    let quoted_field = if quoted.proto == F::ICMP {
-        parse::ICMP_ID_OFF
-    } else {
-        0
-    };
+    let proto = inner.proto;
+    // The quoted packet's word on the translated side: its port there, or the echo identifier.
+    let word_off = inner.l4_off
+        + match (proto == F::ICMP, translated) {
+            (true, _) => parse::ICMP_ID_OFF,
+            (false, AddrField::Source) => 0,
+            (false, AddrField::Destination) => 2,
+        };
+    let old_word: u16 = parse::read(ctx, word_off).ok_or(EFAULT)?;
+    let old_addr = translated.of(inner);
     let icmp_csum_off = ip.l4_off + parse::ICMP_CSUM_OFF;
     let mut icmp_csum: u16 = parse::read(ctx, icmp_csum_off).ok_or(EFAULT)?;
 
-    // The quoted IP header: its source address, and IPv4's own checksum over it. The error's
+    // The quoted IP header: the address, and IPv4's own checksum over it. The error's
     // checksum covers both.
-    icmp_csum = csum::replace_addr(icmp_csum, inner.saddr, entry.addr);
-    ctx.store(inner.ip_off + F::SADDR_OFF, &entry.addr, 0)?;
+    icmp_csum = csum::replace_addr(icmp_csum, old_addr, entry.addr);
+    ctx.store(inner.ip_off + F::addr_off(translated), &entry.addr, 0)?;
     if let Some(check_off) = F::IP_CSUM_OFF {
-        let inner_check = csum::replace_addr(inner.ip_check, inner.saddr, entry.addr);
+        let inner_check = csum::replace_addr(inner.ip_check, old_addr, entry.addr);
         icmp_csum = csum::replace_word(icmp_csum, inner.ip_check, inner_check);
         ctx.store(inner.ip_off + check_off, &inner_check, 0)?;
     }
 
     // The quoted port or echo identifier.
-    icmp_csum = csum::replace_word(icmp_csum, nat_word, entry.port);
-    ctx.store(inner.l4_off + quoted_field, &entry.port, 0)?;
+    icmp_csum = csum::replace_word(icmp_csum, old_word, entry.port);
+    ctx.store(word_off, &entry.port, 0)?;
 
     // The quoted L4 checksum, when the error quotes enough of the packet to hold it.
-    let quoted_csum_off = inner.l4_off + parse::l4_csum_off(quoted.proto);
+    let quoted_csum_off = inner.l4_off + parse::l4_csum_off(proto);
     if let Some(old) = parse::read::<u16>(ctx, quoted_csum_off)
-        && !(quoted.proto == IPPROTO_UDP && old == 0)
+        && !(proto == IPPROTO_UDP && old == 0)
     {
-        let mut new = csum::replace_word(old, nat_word, entry.port);
-        if has_pseudo_header::<F>(quoted.proto) {
-            new = csum::replace_addr(new, inner.saddr, entry.addr);
+        let mut new = csum::replace_word(old, old_word, entry.port);
+        if has_pseudo_header::<F>(proto) {
+            new = csum::replace_addr(new, old_addr, entry.addr);
         }
-        if quoted.proto == IPPROTO_UDP && new == 0 {
+        if proto == IPPROTO_UDP && new == 0 {
             new = 0xffff;
         }
         icmp_csum = csum::replace_word(icmp_csum, old, new);
@@ -566,10 +616,15 @@ fn rewrite_icmp_error_fields<F: Family>(
     }
     ctx.store(icmp_csum_off, &icmp_csum, 0)?;
 
-    // The outer destination, and ICMPv6's pseudo-header, which holds it.
+    // The outer address at the node's end (the destination on ingress, the source on egress),
+    // and ICMPv6's pseudo-header, which holds it.
+    let outer = translated.other();
+    if outer.of(ip) == entry.addr {
+        return Ok(());
+    }
     let pseudo = F::ICMP_PSEUDO_HEADER.then_some(L4Checksum {
         off: icmp_csum_off,
         proto: F::ICMP,
     });
-    F::rewrite_addr(ctx, ip, AddrField::Destination, entry.addr, pseudo)
+    F::rewrite_addr(ctx, ip, outer, entry.addr, pseudo)
 }
