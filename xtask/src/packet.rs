@@ -3,7 +3,10 @@
 //! nothing with the eBPF programs' incremental checksum updates is the point: a test that checks
 //! a translation with this code checks it independently.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    ops::Range,
+};
 
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
@@ -71,22 +74,83 @@ pub fn l4_segment(
     s
 }
 
+/// The payload of the segments and datagrams built here, unless a test gives one.
+const PAYLOAD: &[u8] = b"masq-agent test payload";
+
 /// A TCP segment (20-byte header) or UDP datagram with a payload, its checksum field zero.
 fn segment_without_checksum(proto: u8, sport: u16, dport: u16, flags: u8) -> Vec<u8> {
-    let payload = b"masq-agent test payload";
+    if proto == TCP {
+        return Tcp {
+            sport,
+            dport,
+            flags,
+            ..Tcp::default()
+        }
+        .without_checksum();
+    }
     let mut s = Vec::new();
     s.extend(sport.to_be_bytes());
     s.extend(dport.to_be_bytes());
-    if proto == TCP {
-        s.extend(1000u32.to_be_bytes());
-        s.extend(0u32.to_be_bytes());
-        s.extend([0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
-    } else {
-        s.extend(((8 + payload.len()) as u16).to_be_bytes());
-        s.extend([0, 0]);
-    }
-    s.extend(payload);
+    s.extend(((8 + PAYLOAD.len()) as u16).to_be_bytes());
+    s.extend([0, 0]);
+    s.extend(PAYLOAD);
     s
+}
+
+/// A TCP segment with chosen sequence numbers and payload, for the tests of what TCP's
+/// sequence space decides.
+#[derive(Clone, Copy)]
+pub struct Tcp<'a> {
+    pub sport: u16,
+    pub dport: u16,
+    pub flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    pub payload: &'a [u8],
+}
+
+impl Default for Tcp<'_> {
+    fn default() -> Self {
+        Tcp {
+            sport: 0,
+            dport: 0,
+            flags: ACK,
+            seq: 1000,
+            ack: 0,
+            payload: PAYLOAD,
+        }
+    }
+}
+
+impl Tcp<'_> {
+    /// The segment, 20-byte header first, its checksum field zero.
+    fn without_checksum(&self) -> Vec<u8> {
+        let mut s = Vec::new();
+        s.extend(self.sport.to_be_bytes());
+        s.extend(self.dport.to_be_bytes());
+        s.extend(self.seq.to_be_bytes());
+        s.extend(self.ack.to_be_bytes());
+        s.extend([0x50, self.flags, 0xff, 0xff, 0, 0, 0, 0]);
+        s.extend(self.payload);
+        s
+    }
+
+    /// The segment in a frame from `src` to `dst`, of either family, checksums computed.
+    pub fn frame(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+        let mut seg = self.without_checksum();
+        match (src, dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                let c = checksum(&[pseudo_header(src, dst, TCP, seg.len()), seg.clone()].concat());
+                seg[16..18].copy_from_slice(&c.to_be_bytes());
+                frame(src, dst, TCP, &seg)
+            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                fill_checksum6(src, dst, TCP, &mut seg);
+                frame6(src, dst, TCP, &seg)
+            }
+            _ => panic!("{src} and {dst} are of two families"),
+        }
+    }
 }
 
 pub fn icmp_message(kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
@@ -127,7 +191,9 @@ pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Vec<u8> {
     frame(src, dst, UDP, &l4_segment(src, dst, UDP, sport, dport, 0))
 }
 
+pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
+pub const RST: u8 = 0x04;
 pub const ACK: u8 = 0x10;
 
 pub fn src(f: &[u8]) -> Ipv4Addr {
@@ -668,6 +734,52 @@ pub fn checksum_adjusted(check: u16, old: &[u8], new: &[u8]) -> u16 {
 /// stand for zero.
 pub fn same_checksum(a: u16, b: u16) -> bool {
     a == b || (a | b == 0xffff && a & b == 0 && (a == 0 || b == 0))
+}
+
+// ---- checking what came out ----------------------------------------------------------------
+
+/// The byte offsets at which two frames of one length differ.
+pub fn diff(a: &[u8], b: &[u8]) -> Vec<usize> {
+    assert_eq!(a.len(), b.len(), "frame length changed");
+    (0..a.len()).filter(|&i| a[i] != b[i]).collect()
+}
+
+/// `len` bytes from `at`.
+pub fn range(at: usize, len: usize) -> Range<usize> {
+    at..at + len
+}
+
+/// Every byte that differs between `input` and `out` lies in `allowed`.
+pub fn assert_changed_within(input: &[u8], out: &[u8], allowed: &[Range<usize>]) {
+    for i in diff(input, out) {
+        assert!(
+            allowed.iter().any(|r| r.contains(&i)),
+            "byte {i} changed ({:#04x} -> {:#04x}), outside {allowed:?}",
+            input[i],
+            out[i]
+        );
+    }
+}
+
+/// `out` is `expected` byte for byte, except that the 16-bit checksum fields at `csums` may
+/// hold either form of one's-complement zero.
+pub fn assert_frame(out: &[u8], expected: &[u8], csums: &[usize]) {
+    assert_eq!(out.len(), expected.len(), "frame length");
+    let wrong: Vec<usize> = (0..out.len())
+        .filter(|&i| !csums.iter().any(|&c| (c..c + 2).contains(&i)) && out[i] != expected[i])
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "bytes {wrong:?} differ from the expected frame\n     got: {out:02x?}\nexpected: {expected:02x?}"
+    );
+    for &c in csums {
+        assert!(
+            same_checksum(word(out, c), word(expected, c)),
+            "checksum at {c}: {:#06x}, expected {:#06x}",
+            word(out, c),
+            word(expected, c)
+        );
+    }
 }
 
 #[cfg(test)]

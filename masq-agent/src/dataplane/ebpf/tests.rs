@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names};
+use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names, tcp_seen};
 use xtask::packet::*;
 
 use super::{testbed::TestBed, *};
@@ -39,12 +39,6 @@ fn assert_checksums(f: &[u8]) {
         ICMP => assert_eq!(checksum(l4), 0, "ICMP checksum"),
         _ => {}
     }
-}
-
-/// The byte offsets at which two frames differ.
-fn diff(a: &[u8], b: &[u8]) -> Vec<usize> {
-    assert_eq!(a.len(), b.len(), "frame length changed");
-    (0..a.len()).filter(|i| a[*i] != b[*i]).collect()
 }
 
 // ---- the harness: the real object, fresh (unpinned) maps -----------------------------------
@@ -293,6 +287,227 @@ fn icmp_error_about_an_unknown_flow_passes_untouched() {
     let (verdict, out) = h.ingress(&error);
     assert_eq!((verdict, out), (TC_ACT_OK, error));
     assert_eq!(h.counter(Counter::IcmpErrorTranslated), 0);
+}
+
+/// A flow out and its first reply back: the reply as it arrived, and as the pod got it.
+struct Answered {
+    arrived: Vec<u8>,
+    restored: Vec<u8>,
+}
+
+/// Sends `out` (from a pod), then the reply `reply(node_port)` builds to what left.
+fn answered(h: &mut Harness, out: &[u8], reply: impl Fn(u16) -> Vec<u8>) -> Answered {
+    let (verdict, left) = h.egress(out);
+    assert_eq!((verdict, src(&left)), (TC_ACT_OK, NODE));
+    let node_word = if out[23] == ICMP {
+        word(&left, L4 + 4)
+    } else {
+        word(&left, L4)
+    };
+    let arrived = reply(node_word);
+    let (verdict, restored) = h.ingress(&arrived);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_ne!(dst(&restored), NODE, "the reply went back to the pod");
+    Answered { arrived, restored }
+}
+
+/// An ICMP error from `from` to `to`, quoting the first `quote_len` bytes of the IP packet in
+/// `quoted` (a frame).
+fn icmp_error_from(
+    (from, to): (Ipv4Addr, Ipv4Addr),
+    (kind, code, rest): (u8, u8, [u8; 4]),
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    let body = &quoted[14..14 + quote_len];
+    frame(from, to, ICMP, &icmp_message(kind, code, rest, body))
+}
+
+/// The same, to where the quoted packet came from, as errors go.
+fn icmp_error_about(
+    from: Ipv4Addr,
+    kind: (u8, u8, [u8; 4]),
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    icmp_error_from((from, src(quoted)), kind, quoted, quote_len)
+}
+
+/// The residual of the L4 checksum of the IP packet at `ip` in `f`, computed from scratch over
+/// its pseudo-header (ICMP has none): 0 when it is right.
+fn l4_residual_at(f: &[u8], ip: usize) -> u16 {
+    let header = &f[ip..ip + 20];
+    let seg = &f[ip + 20..];
+    let at = |o: usize| Ipv4Addr::new(header[o], header[o + 1], header[o + 2], header[o + 3]);
+    match header[9] {
+        ICMP => checksum(seg),
+        proto => checksum(
+            &[
+                pseudo_header(at(12), at(16), proto, seg.len()),
+                seg.to_vec(),
+            ]
+            .concat(),
+        ),
+    }
+}
+
+const FRAG_NEEDED_1400: (u8, u8, [u8; 4]) = (3, 4, [0, 0, 0x05, 0x78]);
+const PORT_UNREACHABLE: (u8, u8, [u8; 4]) = (3, 3, [0; 4]);
+const TTL_EXCEEDED: (u8, u8, [u8; 4]) = (11, 0, [0; 4]);
+const PARAMETER_PROBLEM: (u8, u8, [u8; 4]) = (12, 0, [20, 0, 0, 0]);
+/// The pod's gateway on the node: a source a node's error may take.
+const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+
+/// Where the checksums of an ICMP error's headers sit: the outer IP header, the ICMP message,
+/// the quoted IP header, and the quoted L4 header's when the quote holds it.
+fn error_checksums(error: &[u8], quoted_proto: u8) -> Vec<usize> {
+    let inner = L4 + 8;
+    let quoted_l4 = inner + 20;
+    let quoted_csum = quoted_l4
+        + match quoted_proto {
+            TCP => 16,
+            UDP => 6,
+            _ => 2,
+        };
+    [24, L4 + 2, inner + 10, quoted_csum]
+        .into_iter()
+        .filter(|&c| c + 2 <= error.len())
+        .collect()
+}
+
+/// ICMP errors leaving the node about replies it restored to a pod, as conntrack translates a
+/// RELATED error: the quoted packet becomes the reply as it arrived (to the node's address and
+/// NAT port), and the outer source the node's address. Each is compared with the frame the
+/// outside host must receive, built from scratch.
+#[test]
+fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does() {
+    let mut h = default_harness();
+    let tcp_flow = answered(&mut h, &tcp(POD, 40001, REMOTE, 443, SYN), |port| {
+        tcp(REMOTE, 443, NODE, port, SYN | ACK)
+    });
+    let udp_flow = answered(&mut h, &udp(POD, 40002, REMOTE2, 53), |port| {
+        udp(REMOTE2, 53, NODE, port)
+    });
+    let zero_udp_flow = answered(&mut h, &udp(POD, 40003, REMOTE2, 53), |port| {
+        let mut reply = udp(REMOTE2, 53, NODE, port);
+        reply[L4 + 6..L4 + 8].copy_from_slice(&[0, 0]);
+        reply
+    });
+    let echo_flow = answered(&mut h, &frame(POD, REMOTE, ICMP, &echo(8, 0x4242)), |id| {
+        frame(REMOTE, NODE, ICMP, &echo(0, id))
+    });
+    let whole = |f: &Answered| f.restored.len() - 14;
+    let cases = [
+        (
+            "the node's fragmentation needed about a TCP reply, quoted whole",
+            NODE,
+            FRAG_NEEDED_1400,
+            &tcp_flow,
+            whole(&tcp_flow),
+        ),
+        (
+            "the node's time exceeded from the pods' gateway, 8 bytes of TCP quoted",
+            POD_GATEWAY,
+            TTL_EXCEEDED,
+            &tcp_flow,
+            28,
+        ),
+        (
+            "the pod's port unreachable about a UDP reply, quoted whole",
+            POD,
+            PORT_UNREACHABLE,
+            &udp_flow,
+            whole(&udp_flow),
+        ),
+        (
+            "the pod's port unreachable about a UDP reply without a checksum",
+            POD,
+            PORT_UNREACHABLE,
+            &zero_udp_flow,
+            whole(&zero_udp_flow),
+        ),
+        (
+            "the pod's parameter problem about an echo reply, quoted whole",
+            POD,
+            PARAMETER_PROBLEM,
+            &echo_flow,
+            whole(&echo_flow),
+        ),
+    ];
+    for (n, (what, from, kind, flow, quote_len)) in cases.into_iter().enumerate() {
+        let error = icmp_error_about(from, kind, &flow.restored, quote_len);
+        assert_checksums(&error);
+        let (verdict, out) = h.egress(&error);
+        assert_eq!(verdict, TC_ACT_OK, "{what}");
+        let expected = icmp_error_about(NODE, kind, &flow.arrived, quote_len);
+        assert_frame(&out, &expected, &error_checksums(&out, flow.arrived[23]));
+        assert_checksums(&out);
+        let inner = L4 + 8;
+        assert_eq!(
+            checksum(&out[inner..inner + 20]),
+            0,
+            "{what}: quoted header"
+        );
+        let quoted_csum = *error_checksums(&out, flow.arrived[23]).last().unwrap();
+        if flow.arrived[23] == UDP && word(&flow.arrived, L4 + 6) == 0 {
+            assert_eq!(
+                word(&out, quoted_csum),
+                0,
+                "{what}: no UDP checksum stays none"
+            );
+        } else if quote_len == whole(flow) {
+            assert_eq!(l4_residual_at(&out, inner), 0, "{what}: quoted L4 checksum");
+        }
+        assert_eq!(
+            h.counter(Counter::IcmpErrorMasqueraded),
+            n as u64 + 1,
+            "{what}"
+        );
+    }
+    assert_eq!(h.counter(Counter::NotMasqIcmpOther), 0);
+}
+
+/// Errors that are about no masqueraded flow, or not addressed to where the quoted packet came
+/// from, leave as they are, as conntrack leaves them.
+#[test]
+fn egress_icmp_errors_about_no_masqueraded_flow_pass_untouched() {
+    let mut h = default_harness();
+    let flow = answered(&mut h, &udp(POD, 40010, REMOTE, 53), |port| {
+        udp(REMOTE, 53, NODE, port)
+    });
+    // A connection opened from outside keeps the pod's address, and so do errors about it.
+    h.ingress(&tcp(REMOTE, 5555, POD, 8080, SYN));
+    let inbound = tcp(REMOTE, 5555, POD, 8080, ACK);
+    let whole = flow.restored.len() - 14;
+    let misaddressed = icmp_error_from((POD, REMOTE2), PORT_UNREACHABLE, &flow.restored, whole);
+    let short_quote = icmp_error_about(POD, PORT_UNREACHABLE, &flow.restored, 27);
+    for (what, error) in [
+        (
+            "about a flow never seen",
+            icmp_error_about(POD, PORT_UNREACHABLE, &udp(REMOTE, 53, POD, 40011), 28),
+        ),
+        (
+            "about a connection from outside",
+            icmp_error_about(POD, PORT_UNREACHABLE, &inbound, 28),
+        ),
+        ("to another host than the quoted source", misaddressed),
+        ("quoting less than 8 bytes of UDP", short_quote),
+        (
+            "quoting an echo request, which no masqueraded echo flow received",
+            icmp_error_about(
+                POD,
+                PARAMETER_PROBLEM,
+                &frame(REMOTE, POD, ICMP, &echo(8, 40010)),
+                28,
+            ),
+        ),
+    ] {
+        assert_checksums(&error);
+        let (verdict, out) = h.egress(&error);
+        assert_eq!((verdict, &out), (TC_ACT_OK, &error), "{what}");
+    }
+    assert_eq!(h.counter(Counter::IcmpErrorMasqueraded), 0);
+    assert_eq!(h.counter(Counter::NotMasqIcmpOther), 5);
 }
 
 #[test]
@@ -683,6 +898,200 @@ fn expiry_sweeps_the_ipv6_table_too() {
         "the flow on the node's old address is forgotten"
     );
     assert!(h.nat_v6().is_empty());
+}
+
+/// One TCP connection from `POD` to `REMOTE:443` through the harness, segment by segment, with
+/// sequence numbers chosen by the test.
+struct Connection {
+    pod_port: u16,
+    node_port: u16,
+}
+
+impl Connection {
+    /// Opens it with the pod's SYN (sequence `isn`, so its next is `isn + 1`).
+    fn open(h: &mut Harness, pod_port: u16, isn: u32) -> Connection {
+        let syn = Tcp {
+            sport: pod_port,
+            dport: 443,
+            flags: SYN,
+            seq: isn,
+            payload: &[],
+            ..Tcp::default()
+        };
+        let (verdict, out) = h.egress(&syn.frame(POD.into(), REMOTE.into()));
+        assert_eq!((verdict, src(&out)), (TC_ACT_OK, NODE));
+        Connection {
+            pod_port,
+            node_port: word(&out, L4),
+        }
+    }
+
+    /// A segment from the pod, as it left the node.
+    fn from_pod(&self, h: &mut Harness, flags: u8, seq: u32, ack: u32, payload: &[u8]) -> Vec<u8> {
+        let segment = Tcp {
+            sport: self.pod_port,
+            dport: 443,
+            flags,
+            seq,
+            ack,
+            payload,
+        };
+        let (verdict, out) = h.egress(&segment.frame(POD.into(), REMOTE.into()));
+        assert_eq!((verdict, src(&out)), (TC_ACT_OK, NODE));
+        out
+    }
+
+    /// A segment from the outside host, as the pod got it.
+    fn from_remote(
+        &self,
+        h: &mut Harness,
+        flags: u8,
+        seq: u32,
+        ack: u32,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let segment = Tcp {
+            sport: 443,
+            dport: self.node_port,
+            flags,
+            seq,
+            ack,
+            payload,
+        };
+        let (verdict, back) = h.ingress(&segment.frame(REMOTE.into(), NODE.into()));
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!((dst(&back), word(&back, L4 + 2)), (POD, self.pod_port));
+        back
+    }
+
+    /// Whether either half of the flow took an RST.
+    fn reset(&self, h: &Harness) -> bool {
+        h.nat()
+            .iter()
+            .filter(|(k, e)| {
+                (k.direction == direction::EGRESS && u16::from_be(k.sport) == self.pod_port)
+                    || (k.direction == direction::INGRESS && e.port == self.pod_port.to_be())
+            })
+            .any(|(_, e)| e.tcp_seen & tcp_seen::RST != 0)
+    }
+}
+
+/// An RST ends a flow only when the end it is sent to would accept it (RFC 5961 §3, as
+/// conntrack judges): its sequence number is the receiver's next expected one. A blind RST, out
+/// of the window or in it but not exact, passes on (the pod's kernel answers or ignores it)
+/// and leaves the flow's state as it was; an exact one, or one right behind the sender's own
+/// data, ends it.
+#[test]
+fn only_an_acceptable_rst_ends_a_flow() {
+    let mut h = default_harness();
+    let c = Connection::open(&mut h, 40100, 1000);
+    c.from_remote(&mut h, SYN | ACK, 5000, 1001, &[]);
+    c.from_pod(&mut h, ACK, 1001, 5001, &[]);
+    c.from_remote(&mut h, ACK, 5001, 1001, &[0x61; 100]);
+    c.from_pod(&mut h, ACK, 1001, 5101, &[]);
+    for (n, blind) in [
+        5101 + 1_000_000,
+        5100,
+        5101 + 10,
+        5101u32.wrapping_sub(1 << 31),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        c.from_remote(&mut h, RST, blind, 0, &[]);
+        assert!(
+            !c.reset(&h),
+            "an RST at {blind}, expected 5101, ended the flow"
+        );
+        assert_eq!(h.counter(Counter::TcpRstNotAcceptable), n as u64 + 1);
+    }
+    c.from_remote(&mut h, RST | ACK, 5101, 1001, &[]);
+    assert!(c.reset(&h), "the exact RST ends the flow");
+
+    // An RST right behind data the pod has not acknowledged yet follows the sender's own
+    // segment: the pod takes the data, then the RST.
+    let c = Connection::open(&mut h, 40101, 2000);
+    c.from_remote(&mut h, SYN | ACK, 7000, 2001, &[]);
+    c.from_pod(&mut h, ACK, 2001, 7001, &[]);
+    c.from_remote(&mut h, ACK | 0x08, 7001, 2001, &[0x62; 50]);
+    c.from_remote(&mut h, RST, 7051, 0, &[]);
+    assert!(
+        c.reset(&h),
+        "an RST right behind the sender's data ends the flow"
+    );
+
+    // Before the pod's SYN is answered, an RST must acknowledge it.
+    let c = Connection::open(&mut h, 40102, 3000);
+    c.from_remote(&mut h, RST | ACK, 0, 9999, &[]);
+    assert!(!c.reset(&h), "an RST acknowledging another SYN");
+    c.from_remote(&mut h, RST | ACK, 0, 3001, &[]);
+    assert!(c.reset(&h), "the refusal of the pod's SYN ends the flow");
+
+    // The pod's own RST, at its next sequence number, ends its flow too.
+    let c = Connection::open(&mut h, 40103, 4000);
+    c.from_remote(&mut h, SYN | ACK, 8000, 4001, &[]);
+    c.from_pod(&mut h, ACK, 4001, 8001, &[0x63; 10]);
+    c.from_pod(&mut h, RST, 4011, 0, &[]);
+    assert!(c.reset(&h), "the pod's RST ends its flow");
+    assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 5);
+}
+
+/// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
+#[test]
+fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout() {
+    let mut h = default_harness();
+    let c = Connection::open(&mut h, 40200, 1000);
+    c.from_remote(&mut h, SYN | ACK, 5000, 1001, &[]);
+    c.from_pod(&mut h, ACK, 1001, 5001, &[]);
+    c.from_remote(&mut h, RST, 5001 + 1_000_000, 0, &[]);
+    let timeouts = Timeouts::default();
+    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    let idle = timeouts.tcp_transitory + Duration::from_secs(1);
+    let run = expiry::expire::<[u8; 4]>(
+        h.nat_table().unwrap(),
+        &timeouts,
+        newest + idle.as_nanos() as u64,
+    )
+    .unwrap();
+    assert_eq!(run.expired_flows, 0, "established: kept for hours");
+    assert_eq!(h.nat().len(), 2);
+}
+
+/// Established means both directions seen: a pod's lone ACK to a host that never answers, or
+/// a SYN, holds its port only for the transitory timeout.
+#[test]
+fn a_flow_no_reply_crossed_is_not_established() {
+    let mut h = default_harness();
+    h.egress(&tcp(POD, 40300, REMOTE, 443, ACK));
+    h.egress(&tcp(POD, 40301, REMOTE, 443, SYN));
+    let (_, answered) = h.egress(&tcp(POD, 40302, REMOTE, 443, SYN));
+    h.ingress(&tcp(REMOTE, 443, NODE, word(&answered, L4), SYN | ACK));
+    h.egress(&tcp(POD, 40302, REMOTE, 443, ACK));
+    let unseen: Vec<u8> = h
+        .nat()
+        .iter()
+        .filter(|(k, _)| k.direction == direction::INGRESS && k.sport == 443u16.to_be())
+        .map(|(_, e)| e.tcp_seen)
+        .collect();
+    assert_eq!(unseen.iter().filter(|&&s| s == 0).count(), 2, "{unseen:?}");
+
+    let timeouts = Timeouts::default();
+    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    let after = timeouts.tcp_transitory + Duration::from_secs(1);
+    let run = expiry::expire::<[u8; 4]>(
+        h.nat_table().unwrap(),
+        &timeouts,
+        newest + after.as_nanos() as u64,
+    )
+    .unwrap();
+    assert_eq!(run.expired_flows, 2, "the lone ACK's flow and the SYN's");
+    let left: Vec<u16> = h
+        .nat()
+        .iter()
+        .filter(|(k, _)| k.direction == direction::EGRESS)
+        .map(|(k, _)| u16::from_be(k.sport))
+        .collect();
+    assert_eq!(left, [40302], "the flow a reply crossed stays");
 }
 
 #[test]

@@ -68,49 +68,6 @@ fn in_spans(port: u16) -> bool {
     SPANS.iter().any(|&(a, b)| (a..=b).contains(&port))
 }
 
-/// The byte offsets at which two frames differ.
-fn diff(a: &[u8], b: &[u8]) -> Vec<usize> {
-    assert_eq!(a.len(), b.len(), "frame length changed");
-    (0..a.len()).filter(|&i| a[i] != b[i]).collect()
-}
-
-fn range(at: usize, len: usize) -> Range<usize> {
-    at..at + len
-}
-
-/// Every byte that differs between `input` and `out` lies in `allowed`.
-fn assert_changed_within(input: &[u8], out: &[u8], allowed: &[Range<usize>]) {
-    for i in diff(input, out) {
-        assert!(
-            allowed.iter().any(|r| r.contains(&i)),
-            "byte {i} changed ({:#04x} -> {:#04x}), outside {allowed:?}",
-            input[i],
-            out[i]
-        );
-    }
-}
-
-/// `out` is `expected` byte for byte, except that the 16-bit checksum fields at `csums` may
-/// hold either form of one's-complement zero.
-fn assert_frame(out: &[u8], expected: &[u8], csums: &[usize]) {
-    assert_eq!(out.len(), expected.len(), "frame length");
-    let wrong: Vec<usize> = (0..out.len())
-        .filter(|&i| !csums.iter().any(|&c| (c..c + 2).contains(&i)) && out[i] != expected[i])
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "bytes {wrong:?} differ from the expected frame\n     got: {out:02x?}\nexpected: {expected:02x?}"
-    );
-    for &c in csums {
-        assert!(
-            same_checksum(word(out, c), word(expected, c)),
-            "checksum at {c}: {:#06x}, expected {:#06x}",
-            word(out, c),
-            word(expected, c)
-        );
-    }
-}
-
 fn key6(
     saddr: Ipv6Addr,
     daddr: Ipv6Addr,
@@ -504,6 +461,139 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
     );
     assert_eq!(h.ingress(&misaddressed), (TC_ACT_OK, misaddressed));
     assert_eq!(h.counter(Counter::IcmpErrorTranslated), cases.len() as u64);
+}
+
+/// A flow out and its first reply back: the reply as it arrived, and as the pod got it.
+struct Answered6 {
+    arrived: Vec<u8>,
+    restored: Vec<u8>,
+}
+
+/// Sends `out` (from a pod), then the reply `reply(node_word)` builds to what left: its port,
+/// or its echo identifier.
+fn answered6(h: &mut TestBed, out: &[u8], reply: impl Fn(u16) -> Vec<u8>) -> Answered6 {
+    let (verdict, left) = h.egress(out);
+    assert_eq!((verdict, src6(&left)), (TC_ACT_OK, NODE6));
+    let at = if left[IP6 + 6] == ICMPV6 { 4 } else { 0 };
+    let arrived = reply(word(&left, L4_6 + at));
+    let (verdict, restored) = h.ingress(&arrived);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_ne!(dst6(&restored), NODE6, "the reply went back to the pod");
+    Answered6 { arrived, restored }
+}
+
+/// An ICMPv6 error from `from` to `to`, quoting the first `quote_len` bytes of the IPv6 packet
+/// in `quoted` (a frame).
+fn icmp6_error_from(
+    (from, to): (Ipv6Addr, Ipv6Addr),
+    (kind, code, rest): (u8, u8, [u8; 4]),
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    icmp6_frame(from, to, kind, code, rest, &quoted[IP6..IP6 + quote_len])
+}
+
+/// A pods' gateway on the node: a source a node's error may take.
+const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 1);
+
+/// ICMPv6 errors leaving the node about replies it restored to a pod, as conntrack translates
+/// a RELATED error: the quoted packet becomes the reply as it arrived (to the node's address
+/// and NAT port) and the outer source the node's address, with the ICMPv6 checksum over the new
+/// pseudo-header. Each is compared with the frame the outside host must receive, built from
+/// scratch.
+#[test]
+fn v6_egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does() {
+    let mut h = harness();
+    let tcp_flow = answered6(&mut h, &tcp6(POD6, 40001, REMOTE6, 443, SYN), |port| {
+        tcp6(REMOTE6, 443, NODE6, port, SYN | ACK)
+    });
+    let udp_flow = answered6(&mut h, &udp6(POD6, 40002, REMOTE6_2, 53), |port| {
+        udp6(REMOTE6_2, 53, NODE6, port)
+    });
+    let echo_flow = answered6(
+        &mut h,
+        &ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242),
+        |id| ping6(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, id),
+    );
+    let whole = |f: &Answered6| f.restored.len() - IP6;
+    let cases = [
+        (
+            "the node's packet too big about a TCP reply, quoted whole",
+            NODE6,
+            (ICMPV6_PACKET_TOO_BIG, 0, MTU_1280),
+            &tcp_flow,
+            whole(&tcp_flow),
+        ),
+        (
+            "the node's time exceeded from the pods' gateway, 8 bytes of TCP quoted",
+            POD_GATEWAY6,
+            (ICMPV6_TIME_EXCEEDED, 0, [0; 4]),
+            &tcp_flow,
+            48,
+        ),
+        (
+            "the pod's port unreachable about a UDP reply, quoted whole",
+            POD6,
+            (ICMPV6_DEST_UNREACH, 4, [0; 4]),
+            &udp_flow,
+            whole(&udp_flow),
+        ),
+        (
+            "the pod's parameter problem about an echo reply, quoted whole",
+            POD6,
+            (ICMPV6_PARAMETER_PROBLEM, 0, [0, 0, 0, 6]),
+            &echo_flow,
+            whole(&echo_flow),
+        ),
+    ];
+    for (n, (what, from, kind, flow, quote_len)) in cases.into_iter().enumerate() {
+        let error = icmp6_error_from((from, src6(&flow.arrived)), kind, &flow.restored, quote_len);
+        assert!(checksum6_ok(&error), "{what}: the error as built");
+        let (verdict, out) = h.egress(&error);
+        assert_eq!(verdict, TC_ACT_OK, "{what}");
+        let expected =
+            icmp6_error_from((NODE6, src6(&flow.arrived)), kind, &flow.arrived, quote_len);
+        let quote = headers6_at(&out, L4_6 + 8).expect("the quote parses");
+        let quoted_csum = quote.l4 + l4_checksum_offset(quote.proto);
+        let csums: Vec<usize> = [L4_6 + 2, quoted_csum]
+            .into_iter()
+            .filter(|&c| c + 2 <= out.len())
+            .collect();
+        assert_frame(&out, &expected, &csums);
+        assert!(checksum6_ok(&out), "{what}: ICMPv6 checksum from scratch");
+        assert_eq!(quote.dst, NODE6, "{what}: quoted destination");
+        if quote_len == whole(flow) {
+            assert!(
+                segment_checksum6_ok(&out, &quote),
+                "{what}: quoted checksum"
+            );
+        }
+        assert_eq!(
+            h.counter(Counter::IcmpErrorMasqueraded),
+            n as u64 + 1,
+            "{what}"
+        );
+    }
+
+    // Errors about no masqueraded flow, or to another host than the quoted source, pass.
+    let never_seen = udp6(REMOTE6, 53, POD6, 40011);
+    let unknown = icmp6_error_from(
+        (POD6, REMOTE6),
+        (ICMPV6_DEST_UNREACH, 4, [0; 4]),
+        &never_seen,
+        48,
+    );
+    let misaddressed = icmp6_error_from(
+        (POD6, REMOTE6),
+        (ICMPV6_DEST_UNREACH, 4, [0; 4]),
+        &udp_flow.restored,
+        whole(&udp_flow),
+    );
+    for error in [unknown, misaddressed] {
+        assert_eq!(h.egress(&error), (TC_ACT_OK, error));
+    }
+    assert_eq!(h.counter(Counter::IcmpErrorMasqueraded), cases.len() as u64);
+    assert_eq!(h.counter(Counter::NotMasqIcmpOther), 2);
 }
 
 // ---- e. neighbour discovery and MLD ---------------------------------------------------------
