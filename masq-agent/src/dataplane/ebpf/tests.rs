@@ -927,7 +927,7 @@ impl Connection {
     }
 
     /// A segment from the pod, as it left the node.
-    fn from_pod(&self, h: &mut Harness, flags: u8, seq: u32, ack: u32, payload: &[u8]) -> Vec<u8> {
+    fn pod_sends(&self, h: &mut Harness, flags: u8, seq: u32, ack: u32, payload: &[u8]) -> Vec<u8> {
         let segment = Tcp {
             sport: self.pod_port,
             dport: 443,
@@ -942,7 +942,7 @@ impl Connection {
     }
 
     /// A segment from the outside host, as the pod got it.
-    fn from_remote(
+    fn remote_sends(
         &self,
         h: &mut Harness,
         flags: u8,
@@ -985,10 +985,10 @@ impl Connection {
 fn only_an_acceptable_rst_ends_a_flow() {
     let mut h = default_harness();
     let c = Connection::open(&mut h, 40100, 1000);
-    c.from_remote(&mut h, SYN | ACK, 5000, 1001, &[]);
-    c.from_pod(&mut h, ACK, 1001, 5001, &[]);
-    c.from_remote(&mut h, ACK, 5001, 1001, &[0x61; 100]);
-    c.from_pod(&mut h, ACK, 1001, 5101, &[]);
+    c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
+    c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
+    c.remote_sends(&mut h, ACK, 5001, 1001, &[0x61; 100]);
+    c.pod_sends(&mut h, ACK, 1001, 5101, &[]);
     for (n, blind) in [
         5101 + 1_000_000,
         5100,
@@ -998,23 +998,23 @@ fn only_an_acceptable_rst_ends_a_flow() {
     .into_iter()
     .enumerate()
     {
-        c.from_remote(&mut h, RST, blind, 0, &[]);
+        c.remote_sends(&mut h, RST, blind, 0, &[]);
         assert!(
             !c.reset(&h),
             "an RST at {blind}, expected 5101, ended the flow"
         );
         assert_eq!(h.counter(Counter::TcpRstNotAcceptable), n as u64 + 1);
     }
-    c.from_remote(&mut h, RST | ACK, 5101, 1001, &[]);
+    c.remote_sends(&mut h, RST | ACK, 5101, 1001, &[]);
     assert!(c.reset(&h), "the exact RST ends the flow");
 
     // An RST right behind data the pod has not acknowledged yet follows the sender's own
     // segment: the pod takes the data, then the RST.
     let c = Connection::open(&mut h, 40101, 2000);
-    c.from_remote(&mut h, SYN | ACK, 7000, 2001, &[]);
-    c.from_pod(&mut h, ACK, 2001, 7001, &[]);
-    c.from_remote(&mut h, ACK | 0x08, 7001, 2001, &[0x62; 50]);
-    c.from_remote(&mut h, RST, 7051, 0, &[]);
+    c.remote_sends(&mut h, SYN | ACK, 7000, 2001, &[]);
+    c.pod_sends(&mut h, ACK, 2001, 7001, &[]);
+    c.remote_sends(&mut h, ACK | 0x08, 7001, 2001, &[0x62; 50]);
+    c.remote_sends(&mut h, RST, 7051, 0, &[]);
     assert!(
         c.reset(&h),
         "an RST right behind the sender's data ends the flow"
@@ -1022,16 +1022,16 @@ fn only_an_acceptable_rst_ends_a_flow() {
 
     // Before the pod's SYN is answered, an RST must acknowledge it.
     let c = Connection::open(&mut h, 40102, 3000);
-    c.from_remote(&mut h, RST | ACK, 0, 9999, &[]);
+    c.remote_sends(&mut h, RST | ACK, 0, 9999, &[]);
     assert!(!c.reset(&h), "an RST acknowledging another SYN");
-    c.from_remote(&mut h, RST | ACK, 0, 3001, &[]);
+    c.remote_sends(&mut h, RST | ACK, 0, 3001, &[]);
     assert!(c.reset(&h), "the refusal of the pod's SYN ends the flow");
 
     // The pod's own RST, at its next sequence number, ends its flow too.
     let c = Connection::open(&mut h, 40103, 4000);
-    c.from_remote(&mut h, SYN | ACK, 8000, 4001, &[]);
-    c.from_pod(&mut h, ACK, 4001, 8001, &[0x63; 10]);
-    c.from_pod(&mut h, RST, 4011, 0, &[]);
+    c.remote_sends(&mut h, SYN | ACK, 8000, 4001, &[]);
+    c.pod_sends(&mut h, ACK, 4001, 8001, &[0x63; 10]);
+    c.pod_sends(&mut h, RST, 4011, 0, &[]);
     assert!(c.reset(&h), "the pod's RST ends its flow");
     assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 5);
 }
@@ -1041,9 +1041,9 @@ fn only_an_acceptable_rst_ends_a_flow() {
 fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout() {
     let mut h = default_harness();
     let c = Connection::open(&mut h, 40200, 1000);
-    c.from_remote(&mut h, SYN | ACK, 5000, 1001, &[]);
-    c.from_pod(&mut h, ACK, 1001, 5001, &[]);
-    c.from_remote(&mut h, RST, 5001 + 1_000_000, 0, &[]);
+    c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
+    c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
+    c.remote_sends(&mut h, RST, 5001 + 1_000_000, 0, &[]);
     let timeouts = Timeouts::default();
     let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     let idle = timeouts.tcp_transitory + Duration::from_secs(1);
