@@ -134,7 +134,18 @@ fn corpus(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
                 UDP => udp(remote, their_port, NODE, node_port),
                 _ => frame(remote, NODE, ICMP, &echo(0, word(&left, L4 + 4))),
             };
-            frames.push((Hook::Ingress, reply));
+            frames.push((Hook::Ingress, reply.clone()));
+            // The reply as the pod got it, and errors about it leaving: the pod's own, or the
+            // node's.
+            let (_, restored) = run(bed, Hook::Ingress, &reply);
+            if restored != reply {
+                for from in [pod, NODE, rng.pick(&PODS)] {
+                    let (kind, code, rest) = rng.pick(&ERRORS);
+                    let quote_len = rng.pick(&[28usize, restored.len() - 14]);
+                    let error = icmp_message(kind, code, rest, &restored[14..14 + quote_len]);
+                    frames.push((Hook::Egress, frame(from, remote, ICMP, &error)));
+                }
+            }
             for (kind, code) in [(3, 4), (11, 0)] {
                 let quote_len = rng.pick(&[28usize, left.len() - 14]);
                 let body = &left[14..14 + quote_len.min(left.len() - 14)];
@@ -150,6 +161,15 @@ fn corpus(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
     }
     frames
 }
+
+/// ICMP errors (type, code, rest of header): fragmentation needed, port unreachable, time
+/// exceeded, parameter problem.
+const ERRORS: [(u8, u8, [u8; 4]); 4] = [
+    (3, 4, [0, 0, 0x05, 0x78]),
+    (3, 3, [0; 4]),
+    (11, 0, [0; 4]),
+    (12, 0, [20, 0, 0, 0]),
+];
 
 /// One to three random damages of the kinds real networks and attackers produce.
 fn mutate(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
@@ -273,8 +293,65 @@ fn l4_csum_offset(proto: u8) -> usize {
     }
 }
 
+/// What a translation was, for the figures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Translation {
+    Flow,
+    IcmpError,
+    LaterFragment,
+}
+
+/// The NAT table's direction for a hook.
+fn dir_of(hook: Hook) -> u8 {
+    match hook {
+        Hook::Egress => direction::EGRESS,
+        Hook::Ingress => direction::INGRESS,
+    }
+}
+
+/// Where an ICMP error's quoted packet was translated, given the hook the error crosses: on
+/// ingress it quotes a packet that left the node (its source was the node's), on egress a
+/// reply the node restored to a pod (its destination was the pod's). The quoted echo is the
+/// request or the reply accordingly.
+struct QuotedSide {
+    /// Offset of the translated address within the quoted IP header.
+    addr: usize,
+    /// Offset of the translated port within the quoted L4 header.
+    port: usize,
+    /// The outer header's address at the node's end: destination on ingress, source on egress.
+    outer: usize,
+    echo: u8,
+}
+
+fn quoted_side(hook: Hook, addr_len: usize, icmp_echo: (u8, u8)) -> QuotedSide {
+    let (saddr, daddr, outer_src, outer_dst) = if addr_len == 4 {
+        (12, 16, 26, 30)
+    } else {
+        (8, 24, SRC6, DST6)
+    };
+    match hook {
+        Hook::Ingress => QuotedSide {
+            addr: saddr,
+            port: 0,
+            outer: outer_dst,
+            echo: icmp_echo.0,
+        },
+        Hook::Egress => QuotedSide {
+            addr: daddr,
+            port: 2,
+            outer: outer_src,
+            echo: icmp_echo.1,
+        },
+    }
+}
+
 /// Checks one translated frame against its input and the NAT table. `Err` says what is wrong.
-fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Result<(), String> {
+fn check_translation(
+    bed: &TestBed,
+    hook: Hook,
+    input: &[u8],
+    out: &[u8],
+) -> Result<Translation, String> {
     if out.len() != input.len() {
         return Err("the length changed".into());
     }
@@ -285,12 +362,13 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
         return Err("IP header checksum broken".into());
     }
     if word(input, 20) & 0x1fff != 0 {
-        return check_later_fragment(hook, input, out);
+        check_later_fragment(hook, input, out)?;
+        return Ok(Translation::LaterFragment);
     }
     let proto = input[23];
-    let is_error = hook == Hook::Ingress && proto == ICMP && matches!(input[l4], 3 | 11);
+    let is_error = proto == ICMP && input.len() > l4 && matches!(input[l4], 3 | 11 | 12);
     let (allowed, entry_key, rewritten) = if is_error {
-        check_icmp_error(input, out, l4)?
+        check_icmp_error(hook, input, out, l4)?
     } else {
         let seg_len = input.len() - l4;
         let csum = l4 + l4_csum_offset(proto);
@@ -311,10 +389,7 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
             return Err("L4 checksum broken".into());
         }
         let (saddr, daddr) = (ipv4_at(input, 26), ipv4_at(input, 30));
-        let dir = match hook {
-            Hook::Egress => direction::EGRESS,
-            Hook::Ingress => direction::INGRESS,
-        };
+        let dir = dir_of(hook);
         // Egress rewrites the source port (or echo id), ingress the destination's.
         let (field, k) = if proto == ICMP {
             let id = raw(input, l4 + 4);
@@ -349,7 +424,11 @@ fn check_translation(bed: &TestBed, hook: Hook, input: &[u8], out: &[u8]) -> Res
             ));
         }
     }
-    Ok(())
+    Ok(if is_error {
+        Translation::IcmpError
+    } else {
+        Translation::Flow
+    })
 }
 
 /// A fragment after the first carries no ports: it may only take the address its first
@@ -386,10 +465,11 @@ fn check_fragment_rewrite(
     Ok(())
 }
 
-/// An ICMP error about a translated flow: the bytes it may change, the NAT key of the flow it
-/// quotes, and where the restored (address, port) pairs are.
+/// An ICMP error about a translated flow, crossing `hook`: the bytes it may change, the NAT key
+/// of the flow it quotes, and where the translated (address, port) pairs are.
 #[allow(clippy::type_complexity)]
 fn check_icmp_error(
+    hook: Hook,
     input: &[u8],
     out: &[u8],
     l4: usize,
@@ -406,11 +486,16 @@ fn check_icmp_error(
     if residual(&out[inner..inner_l4]) != residual(&input[inner..inner_l4]) {
         return Err("quoted IP header checksum broken".into());
     }
+    let (qsrc, qdst) = (ipv4_at(input, inner + 12), ipv4_at(input, inner + 16));
+    if qsrc != ipv4_at(input, 30) {
+        return Err("translated an error not sent to where the quoted packet came from".into());
+    }
+    let side = quoted_side(hook, 4, (8, 0));
     let proto = input[inner + 9];
-    let (sport_off, field) = match proto {
-        TCP | UDP => (inner_l4, inner_l4),
-        ICMP => (inner_l4 + 4, inner_l4 + 4),
-        _ => return Err("translated an error quoting an untranslatable protocol".into()),
+    let field = match proto {
+        TCP | UDP => inner_l4 + side.port,
+        ICMP if input[inner_l4] == side.echo => inner_l4 + 4,
+        _ => return Err("translated an error quoting an untranslatable packet".into()),
     };
     let quoted_csum = inner_l4 + l4_csum_offset(proto);
     if quoted_csum + 2 <= input.len()
@@ -426,41 +511,27 @@ fn check_icmp_error(
             return Err("quoted L4 checksum broken".into());
         }
     }
-    // The quoted packet left the node; a reply to it would come in as this key.
-    let (qsrc, qdst) = (ipv4_at(input, inner + 12), ipv4_at(input, inner + 16));
-    let k = match proto {
-        ICMP => key(
-            qdst,
-            qsrc,
-            ICMP,
-            0,
-            raw(input, sport_off),
-            direction::INGRESS,
-        ),
-        _ => key(
-            qdst,
-            qsrc,
-            proto,
-            raw(input, inner_l4 + 2),
-            raw(input, sport_off),
-            direction::INGRESS,
-        ),
+    // The quoted packet went against `hook`: an answer to it goes with it, as this key.
+    let (sport, dport) = match (proto, hook) {
+        (ICMP, Hook::Ingress) => (0, raw(input, field)),
+        (ICMP, Hook::Egress) => (raw(input, field), 0),
+        _ => (raw(input, inner_l4 + 2), raw(input, inner_l4)),
     };
+    let k = key(qdst, qsrc, proto, sport, dport, dir_of(hook));
     let allowed = vec![
         span(24, 2),
-        span(30, 4),
+        span(side.outer, 4),
         span(l4 + 2, 2),
         span(inner + 10, 2),
-        span(inner + 12, 4),
+        span(inner + side.addr, 4),
         span(field, 2),
         span(quoted_csum, 2),
     ];
-    // The outer destination becomes the pod's address; the quoted source address and port too.
-    let outer_pod = ipv4_at(out, 30);
-    if outer_pod != ipv4_at(out, inner + 12) {
-        return Err("outer destination and quoted source disagree".into());
+    // The outer address at the node's end becomes the one translated in the quote.
+    if out[side.outer..side.outer + 4] != out[inner + side.addr..inner + side.addr + 4] {
+        return Err("outer and quoted addresses disagree".into());
     }
-    Ok((allowed, k, vec![(inner + 12, field)]))
+    Ok((allowed, k, vec![(inner + side.addr, field)]))
 }
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -490,6 +561,23 @@ struct Tally<K> {
     unchanged: u64,
     dropped: u64,
     refused: u64,
+}
+
+impl Tally<Translation> {
+    /// Each of `kinds` of translation came up both ways, in a run long enough to expect it.
+    fn assert_kinds_reached(&self, iterations: u64, kinds: &[Translation]) {
+        if iterations < 10_000 {
+            return;
+        }
+        for hook in [Hook::Egress, Hook::Ingress] {
+            for kind in kinds {
+                assert!(
+                    self.translated.contains_key(&(hook, *kind)),
+                    "no {kind:?} translated on {hook:?}"
+                );
+            }
+        }
+    }
 }
 
 impl<K> Tally<K> {
@@ -572,14 +660,17 @@ fn no_mutated_packet_is_mistranslated() {
     };
     let tally = run_campaign(&campaign, seed, &mut Rng(seed), iterations);
     eprintln!(
-        "seed {seed}: {iterations} packets, {} translated, {} unchanged, {} dropped, {} refused \
-         by the test runner",
+        "seed {seed}: {iterations} packets, {} translated {:?}, {} unchanged, {} dropped, {} \
+         refused by the test runner",
         tally.total_translated(),
+        tally.translated,
         tally.unchanged,
         tally.dropped,
         tally.refused
     );
     tally.assert_reached_everywhere(iterations);
+    // Later fragments come up only where mutations make a first fragment, then a later one.
+    tally.assert_kinds_reached(iterations, &[Translation::Flow, Translation::IcmpError]);
 }
 
 // ---- IPv6 -----------------------------------------------------------------------------------
@@ -689,8 +780,8 @@ fn udp6_datagram(
     d
 }
 
-/// An ICMPv6 error from the router about `left` (a frame), quoting all of it or a part.
-fn error6(rng: &mut Rng, left: &[u8]) -> Vec<u8> {
+/// An ICMPv6 error from `from` to `to` about `left` (a frame), quoting all of it or a part.
+fn error6(rng: &mut Rng, (from, to): (Ipv6Addr, Ipv6Addr), left: &[u8]) -> Vec<u8> {
     let (kind, code, rest) = rng.pick(&[
         (ICMPV6_PACKET_TOO_BIG, 0, [0, 0, 5, 0]),
         (ICMPV6_DEST_UNREACH, 4, [0; 4]),
@@ -701,14 +792,7 @@ fn error6(rng: &mut Rng, left: &[u8]) -> Vec<u8> {
     let whole = left.len() - IP6;
     let part = 40 + rng.below(whole - 39);
     let quote_len = rng.pick(&[whole, whole, 48.min(whole), part]);
-    icmp6_frame(
-        ROUTER6,
-        NODE6,
-        kind,
-        code,
-        rest,
-        &left[IP6..IP6 + quote_len],
-    )
+    icmp6_frame(from, to, kind, code, rest, &left[IP6..IP6 + quote_len])
 }
 
 /// Neighbour discovery and MLD, which the programs must leave alone.
@@ -791,34 +875,35 @@ fn corpus6(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
                 continue;
             }
             let (node_port, their_port) = (word(&left, h.l4), word(&left, h.l4 + 2));
+            for _ in 0..2 {
+                frames.push((Hook::Ingress, error6(rng, (ROUTER6, NODE6), &left)));
+            }
             let back_chain: Vec<ExtHeader> =
                 (0..rng.below(3)).map(|_| random_ext(rng, false)).collect();
-            match h.proto {
-                TCP => frames.push((
-                    Hook::Ingress,
-                    insert_ext6(
-                        &tcp6(remote, their_port, NODE6, node_port, SYN | ACK),
-                        &back_chain,
-                    ),
-                )),
+            let reply = match h.proto {
+                TCP => insert_ext6(
+                    &tcp6(remote, their_port, NODE6, node_port, SYN | ACK),
+                    &back_chain,
+                ),
                 UDP if h.fragment.is_some() => {
                     let reply =
                         udp6_datagram(rng, remote, their_port, NODE6, node_port, datagram.len());
                     for f in fragments6(remote, NODE6, UDP, &reply, rng.next() as u32, 48) {
                         frames.push((Hook::Ingress, f));
                     }
+                    continue;
                 }
-                UDP => frames.push((
-                    Hook::Ingress,
-                    insert_ext6(&udp6(remote, their_port, NODE6, node_port), &back_chain),
-                )),
-                _ => frames.push((
-                    Hook::Ingress,
-                    ping6(remote, NODE6, ICMPV6_ECHO_REPLY, word(&left, h.l4 + 4)),
-                )),
-            }
-            for _ in 0..2 {
-                frames.push((Hook::Ingress, error6(rng, &left)));
+                UDP => insert_ext6(&udp6(remote, their_port, NODE6, node_port), &back_chain),
+                _ => ping6(remote, NODE6, ICMPV6_ECHO_REPLY, word(&left, h.l4 + 4)),
+            };
+            frames.push((Hook::Ingress, reply.clone()));
+            // The reply as the pod got it, and errors about it leaving: the pod's own, or the
+            // node's.
+            let (_, restored) = run(bed, Hook::Ingress, &reply);
+            if restored != reply {
+                for from in [pod, NODE6] {
+                    frames.push((Hook::Egress, error6(rng, (from, remote), &restored)));
+                }
             }
         }
         // A connection opened from outside toward a pod, and the pod's answer.
@@ -933,14 +1018,6 @@ fn mutate6(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
     f
 }
 
-/// What an IPv6 translation was, for the figures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Translation6 {
-    Flow,
-    IcmpError,
-    LaterFragment,
-}
-
 /// Checks one translated IPv6 frame against its input and the NAT table, with this file's
 /// own walk of the header chains. `Err` says what is wrong.
 fn check_translation6(
@@ -948,21 +1025,20 @@ fn check_translation6(
     hook: Hook,
     input: &[u8],
     out: &[u8],
-) -> Result<Translation6, String> {
+) -> Result<Translation, String> {
     if out.len() != input.len() {
         return Err("the length changed".into());
     }
     let h = headers6(input).ok_or("translated a frame whose IPv6 header chain does not parse")?;
     if h.is_later_fragment() {
         check_later_fragment6(hook, input, out)?;
-        return Ok(Translation6::LaterFragment);
+        return Ok(Translation::LaterFragment);
     }
-    let is_error = hook == Hook::Ingress
-        && h.proto == ICMPV6
+    let is_error = h.proto == ICMPV6
         && input.len() > h.l4
         && (ICMPV6_DEST_UNREACH..=ICMPV6_PARAMETER_PROBLEM).contains(&input[h.l4]);
     let (allowed, entry_key, rewritten) = if is_error {
-        check_icmp_error6(input, out, &h)?
+        check_icmp_error6(hook, input, out, &h)?
     } else {
         check_flow6(hook, input, out, &h)?
     };
@@ -985,9 +1061,9 @@ fn check_translation6(
         }
     }
     Ok(if is_error {
-        Translation6::IcmpError
+        Translation::IcmpError
     } else {
-        Translation6::Flow
+        Translation::Flow
     })
 }
 
@@ -1064,10 +1140,11 @@ fn check_later_fragment6(hook: Hook, input: &[u8], out: &[u8]) -> Result<(), Str
     check_fragment_rewrite(input, out, may_change, &new, allowed.contains(&new))
 }
 
-/// An ICMPv6 error about a translated flow: the bytes it may change, the NAT key of the flow
-/// it quotes, and where the restored (address, port) pairs are.
+/// An ICMPv6 error about a translated flow, crossing `hook`: the bytes it may change, the NAT
+/// key of the flow it quotes, and where the translated (address, port) pairs are.
 #[allow(clippy::type_complexity)]
 fn check_icmp_error6(
+    hook: Hook,
     input: &[u8],
     out: &[u8],
     h: &Headers6,
@@ -1075,7 +1152,7 @@ fn check_icmp_error6(
     let inner = headers6_at(input, h.l4 + 8)
         .ok_or("translated an ICMPv6 error whose quoted header chain does not parse")?;
     if inner.src != h.dst {
-        return Err("translated an error about a packet its destination did not send".into());
+        return Err("translated an error not sent to where the quoted packet came from".into());
     }
     if inner.is_later_fragment() {
         return Err("translated an error quoting a later fragment".into());
@@ -1083,10 +1160,11 @@ fn check_icmp_error6(
     if input.len() < inner.l4 + 8 {
         return Err("translated an error quoting less than 8 bytes of L4 header".into());
     }
+    let side = quoted_side(hook, 16, (ICMPV6_ECHO_REQUEST, ICMPV6_ECHO_REPLY));
     let proto = inner.proto;
     let field = match proto {
-        TCP | UDP => inner.l4,
-        ICMPV6 if input[inner.l4] == ICMPV6_ECHO_REQUEST => inner.l4 + 4,
+        TCP | UDP => inner.l4 + side.port,
+        ICMPV6 if input[inner.l4] == side.echo => inner.l4 + 4,
         _ => return Err(format!("translated an error quoting protocol {proto}")),
     };
     if residual6_at(out, IP6, h.l4, ICMPV6) != residual6_at(input, IP6, h.l4, ICMPV6) {
@@ -1105,34 +1183,23 @@ fn check_icmp_error6(
             return Err("quoted L4 checksum broken".into());
         }
     }
-    // The quoted packet left the node; a reply to it would come in as this key.
-    let k = match proto {
-        ICMPV6 => key(
-            inner.dst,
-            inner.src,
-            ICMPV6,
-            0,
-            raw(input, field),
-            direction::INGRESS,
-        ),
-        _ => key(
-            inner.dst,
-            inner.src,
-            proto,
-            raw(input, inner.l4 + 2),
-            raw(input, field),
-            direction::INGRESS,
-        ),
+    // The quoted packet went against `hook`: an answer to it goes with it, as this key.
+    let (sport, dport) = match (proto, hook) {
+        (ICMPV6, Hook::Ingress) => (0, raw(input, field)),
+        (ICMPV6, Hook::Egress) => (raw(input, field), 0),
+        _ => (raw(input, inner.l4 + 2), raw(input, inner.l4)),
     };
+    let k = key(inner.dst, inner.src, proto, sport, dport, dir_of(hook));
+    let quoted_addr = inner.ip + side.addr;
     let allowed = vec![
-        span(DST6, 16),
+        span(side.outer, 16),
         span(h.l4 + 2, 2),
-        span(inner.ip + 8, 16),
+        span(quoted_addr, 16),
         span(field, 2),
         span(quoted_csum, 2),
     ];
-    // The outer destination becomes the pod's address; the quoted source address and port too.
-    Ok((allowed, k, vec![(DST6, field), (inner.ip + 8, field)]))
+    // The outer address at the node's end becomes the one translated in the quote.
+    Ok((allowed, k, vec![(side.outer, field), (quoted_addr, field)]))
 }
 
 #[test]
@@ -1164,18 +1231,12 @@ fn no_mutated_ipv6_packet_is_mistranslated() {
         tally.refused
     );
     tally.assert_reached_everywhere(iterations);
-    if iterations >= 10_000 {
-        for hook in [Hook::Egress, Hook::Ingress] {
-            for kind in [Translation6::Flow, Translation6::LaterFragment] {
-                assert!(
-                    translated.contains_key(&(hook, kind)),
-                    "no {kind:?} translated on {hook:?}"
-                );
-            }
-        }
-        assert!(
-            translated.contains_key(&(Hook::Ingress, Translation6::IcmpError)),
-            "no ICMPv6 error translated"
-        );
-    }
+    tally.assert_kinds_reached(
+        iterations,
+        &[
+            Translation::Flow,
+            Translation::IcmpError,
+            Translation::LaterFragment,
+        ],
+    );
 }
