@@ -195,6 +195,9 @@ pub mod tcp_seen {
     pub const RST: u8 = 1 << 3;
     /// A segment with the ACK flag: `NatEntry::tcp_max_ack` holds an acknowledgment number.
     pub const ACKED: u8 = 1 << 4;
+    /// `NatEntry::tcp_next_seq` holds a sequence number: every segment sets it, but a half an
+    /// older agent created (before entries recorded sequence numbers) has flags without it.
+    pub const SEQ: u8 = 1 << 5;
 }
 
 /// One half of a translated flow.

@@ -100,11 +100,12 @@ fn read_tcp<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, segment: &mut Segm
         return;
     };
     let flags = tcp.flags;
-    let mut seen = if flags & SYN != 0 {
-        tcp_seen::SYN
-    } else {
-        tcp_seen::ACK
-    };
+    let mut seen = tcp_seen::SEQ
+        | if flags & SYN != 0 {
+            tcp_seen::SYN
+        } else {
+            tcp_seen::ACK
+        };
     if flags & FIN != 0 {
         seen |= tcp_seen::FIN;
     }
@@ -195,7 +196,7 @@ fn track_tcp<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, se
         if before & seen != seen {
             (*entry).tcp_seen = before | seen;
         }
-        if before == 0 || after(segment.end, (*entry).tcp_next_seq) {
+        if before & tcp_seen::SEQ == 0 || after(segment.end, (*entry).tcp_next_seq) {
             (*entry).tcp_next_seq = segment.end;
         }
         if seen & tcp_seen::ACKED != 0
@@ -222,7 +223,7 @@ fn rst_acceptable<F: Family>(
 ) -> bool {
     // SAFETY: `entry` points into a map value; its fields are copied out.
     let (sent, next_seq) = unsafe { ((*entry).tcp_seen, (*entry).tcp_next_seq) };
-    if sent != 0 && seq == next_seq {
+    if sent & tcp_seen::SEQ != 0 && seq == next_seq {
         return true;
     }
     // SAFETY: as above.
@@ -237,7 +238,7 @@ fn rst_acceptable<F: Family>(
     if seen & tcp_seen::ACKED != 0 {
         seq == max_ack
     } else {
-        seen != 0 && acked && ack == other_next
+        seen & tcp_seen::SEQ != 0 && acked && ack == other_next
     }
 }
 }

@@ -135,20 +135,28 @@ impl Tcp<'_> {
         s
     }
 
-    /// The segment in a frame from `src` to `dst`, of either family, checksums computed.
-    pub fn frame(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    /// The segment from `src` to `dst`, of either family, its checksum computed over their
+    /// pseudo-header.
+    pub fn segment(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
         let mut seg = self.without_checksum();
         match (src, dst) {
             (IpAddr::V4(src), IpAddr::V4(dst)) => {
                 let c = checksum(&[pseudo_header(src, dst, TCP, seg.len()), seg.clone()].concat());
                 seg[16..18].copy_from_slice(&c.to_be_bytes());
-                frame(src, dst, TCP, &seg)
             }
-            (IpAddr::V6(src), IpAddr::V6(dst)) => {
-                fill_checksum6(src, dst, TCP, &mut seg);
-                frame6(src, dst, TCP, &seg)
-            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => fill_checksum6(src, dst, TCP, &mut seg),
             _ => panic!("{src} and {dst} are of two families"),
+        }
+        seg
+    }
+
+    /// The segment in a frame from `src` to `dst`, checksums computed.
+    pub fn frame(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+        let seg = self.segment(src, dst);
+        match (src, dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => frame(src, dst, TCP, &seg),
+            (IpAddr::V6(src), IpAddr::V6(dst)) => frame6(src, dst, TCP, &seg),
+            _ => unreachable!("segment() refuses two families"),
         }
     }
 }

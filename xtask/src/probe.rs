@@ -262,27 +262,36 @@ pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
     })
 }
 
-/// Records the source address of every packet of one IP protocol that reaches a namespace
-/// (ICMP or ICMPv6 echo requests, GRE, ...), through a raw socket.
+/// Records every packet of one IP protocol that reaches a namespace (ICMP or ICMPv6, TCP, GRE,
+/// ...), through a raw socket: where it came from and its bytes past the IP header.
 pub struct RawObserver {
-    seen: Arc<Mutex<Vec<IpAddr>>>,
+    seen: Arc<Mutex<Vec<Captured>>>,
+    protocol: i32,
     _workers: Workers,
+}
+
+/// One packet a `RawObserver` saw.
+#[derive(Debug, Clone)]
+pub struct Captured {
+    pub src: IpAddr,
+    /// The upper layer: the TCP, UDP or ICMP header and what follows.
+    pub l4: Vec<u8>,
 }
 
 const ICMP_ECHO_REQUEST: u8 = 8;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_GRE: u8 = 47;
 pub const IPPROTO_ICMPV6: u8 = 58;
 
 impl RawObserver {
-    /// Observes IPv4 packets of `protocol`; for `IPPROTO_ICMP`, echo requests only.
+    /// Observes IPv4 packets of `protocol`.
     pub fn start(ns: &str, protocol: i32) -> anyhow::Result<RawObserver> {
         Self::start_in(ns, Domain::IPV4, protocol)
     }
 
-    /// Observes IPv6 packets of `protocol`; for `IPPROTO_ICMPV6`, echo requests only (not the
-    /// neighbour discovery that shares the protocol).
+    /// Observes IPv6 packets of `protocol`.
     pub fn start_v6(ns: &str, protocol: i32) -> anyhow::Result<RawObserver> {
         Self::start_in(ns, Domain::IPV6, protocol)
     }
@@ -300,23 +309,42 @@ impl RawObserver {
         let mut workers = Workers::default();
         let recorded = seen.clone();
         workers.spawn(move || {
-            let src = if domain == Domain::IPV6 {
-                receive_source_v6(&socket, protocol)
+            let captured = if domain == Domain::IPV6 {
+                receive_v6(&socket)
             } else {
-                receive_source(&socket, protocol)
+                receive_v4(&socket)
             };
-            if let Some(src) = src {
-                recorded.lock().unwrap().push(src);
+            if let Some(captured) = captured {
+                recorded.lock().unwrap().push(captured);
             }
         });
         Ok(RawObserver {
             seen,
+            protocol,
             _workers: workers,
         })
     }
 
-    pub fn sources(&self) -> Vec<IpAddr> {
+    /// Every packet seen so far.
+    pub fn packets(&self) -> Vec<Captured> {
         self.seen.lock().unwrap().clone()
+    }
+
+    /// The sources of the packets seen so far; for ICMP and ICMPv6, of echo requests only (not
+    /// the replies, errors or neighbour discovery that share the protocol).
+    pub fn sources(&self) -> Vec<IpAddr> {
+        let echo = [
+            (i32::from(IPPROTO_ICMP), ICMP_ECHO_REQUEST),
+            (i32::from(IPPROTO_ICMPV6), ICMPV6_ECHO_REQUEST),
+        ]
+        .into_iter()
+        .find(|(protocol, _)| *protocol == self.protocol)
+        .map(|(_, request)| request);
+        self.packets()
+            .into_iter()
+            .filter(|p| echo.is_none_or(|request| p.l4.first() == Some(&request)))
+            .map(|p| p.src)
+            .collect()
     }
 }
 
@@ -332,38 +360,56 @@ fn receive(socket: &Socket) -> Option<(Vec<u8>, Option<SocketAddr>)> {
     Some((packet, from.as_socket()))
 }
 
-/// The source of the next packet on an IPv4 raw socket, if it is one to record: for ICMP, only
-/// echo requests count.
-fn receive_source(socket: &Socket, protocol: i32) -> Option<IpAddr> {
+/// The next packet on an IPv4 raw socket, which returns it with its IP header.
+fn receive_v4(socket: &Socket) -> Option<Captured> {
     let (packet, _) = receive(socket)?;
-    if packet.len() < 21 {
+    let ihl = usize::from(packet.first()? & 0x0f) * 4;
+    if packet.len() <= ihl.max(20) {
         return None;
     }
-    let ihl = usize::from(packet[0] & 0x0f) * 4;
-    let is_icmp = protocol == i32::from(IPPROTO_ICMP);
-    if is_icmp && packet.get(ihl) != Some(&ICMP_ECHO_REQUEST) {
-        return None;
-    }
-    Some(IpAddr::from([
-        packet[12], packet[13], packet[14], packet[15],
-    ]))
+    Some(Captured {
+        src: IpAddr::from([packet[12], packet[13], packet[14], packet[15]]),
+        l4: packet[ihl..].to_vec(),
+    })
 }
 
-/// The source of the next packet on an IPv6 raw socket, if it is one to record: for ICMPv6,
-/// only echo requests count. An IPv6 raw socket returns the payload without the IPv6 header,
+/// The next packet on an IPv6 raw socket, which returns the payload without the IPv6 header,
 /// so the source is the address the packet was received from.
-fn receive_source_v6(socket: &Socket, protocol: i32) -> Option<IpAddr> {
+fn receive_v6(socket: &Socket) -> Option<Captured> {
     let (payload, from) = receive(socket)?;
-    let is_icmpv6 = protocol == i32::from(IPPROTO_ICMPV6);
-    if is_icmpv6 && payload.first() != Some(&ICMPV6_ECHO_REQUEST) {
-        return None;
-    }
-    from.map(|from| from.ip().to_canonical())
+    Some(Captured {
+        src: from?.ip().to_canonical(),
+        l4: payload,
+    })
 }
 
 /// Sends one raw IP packet of `protocol` from namespace `ns` to `dst`.
 pub fn raw_send(ns: &str, protocol: i32, dst: Ipv4Addr, payload: &[u8]) -> anyhow::Result<()> {
     raw_send_to(ns, protocol, dst.into(), payload)
+}
+
+/// Sends the upper layer `payload` of `protocol` from `src`, an address of namespace `ns`, to
+/// `dst`, in an IP header the kernel builds: a crafted segment (a TCP RST, say), whose checksum
+/// the caller computed over the pseudo-header of `src` and `dst`.
+pub fn raw_send_from(
+    ns: &str,
+    protocol: i32,
+    src: IpAddr,
+    dst: IpAddr,
+    payload: &[u8],
+) -> anyhow::Result<()> {
+    let payload = payload.to_vec();
+    netns::within(ns, move || {
+        let dst = SocketAddr::from((dst, 0));
+        let socket = Socket::new(
+            Domain::for_address(dst),
+            Type::RAW,
+            Some(socket2::Protocol::from(protocol)),
+        )?;
+        socket.bind(&SocketAddr::from((src, 0)).into())?;
+        socket.send_to(&payload, &dst.into())?;
+        Ok(())
+    })
 }
 
 /// Sends one raw IPv6 packet of `protocol` (`payload` follows the IPv6 header the kernel
@@ -422,6 +468,67 @@ fn drain_and_answer(mut stream: TcpStream) {
         total += n as u64;
     }
     let _ = writeln!(stream, "{total}");
+}
+
+/// A TCP server, on every IPv4 and IPv6 address, that sends each connection `bytes` bytes and
+/// closes it: the far end of a download.
+pub struct BulkSource {
+    _workers: Workers,
+}
+
+impl BulkSource {
+    pub fn start(ns: &str, port: u16, bytes: usize) -> anyhow::Result<BulkSource> {
+        let listeners = netns::within(ns, move || tcp_listeners(port, false))?;
+        let mut workers = Workers::default();
+        for listener in listeners {
+            listener.set_nonblocking(true)?;
+            workers.spawn(move || match listener.accept() {
+                Ok((stream, _)) => {
+                    std::thread::spawn(move || send_and_close(stream, bytes));
+                }
+                Err(_) => std::thread::sleep(POLL),
+            });
+        }
+        Ok(BulkSource { _workers: workers })
+    }
+}
+
+fn send_and_close(mut stream: TcpStream, bytes: usize) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
+    let chunk = vec![0xa5; 64 * 1024];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        if stream.write_all(&chunk[..n]).is_err() {
+            return;
+        }
+        left -= n;
+    }
+}
+
+/// Downloads from a `BulkSource` into namespace `ns` until it closes, or until nothing has
+/// arrived for `stall`: the bytes received.
+pub fn tcp_download(ns: &str, server: SocketAddr, stall: Duration) -> anyhow::Result<u64> {
+    use std::io::Read as _;
+
+    netns::within(ns, move || {
+        let mut stream = TcpStream::connect_timeout(&server, Duration::from_secs(3))
+            .with_context(|| format!("connect to {server}"))?;
+        stream.set_read_timeout(Some(stall))?;
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut received = 0u64;
+        loop {
+            match stream.read(&mut buf) {
+                Ok(0) => return Ok(received),
+                Ok(n) => received += n as u64,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Ok(received);
+                }
+                Err(e) => return Err(e).context("downloading"),
+            }
+        }
+    })
 }
 
 /// Sends `chunks` chunks of `chunk_size` bytes from namespace `ns` to a `BulkSink`, sleeping
