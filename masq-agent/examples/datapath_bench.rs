@@ -11,7 +11,10 @@ use std::{net::Ipv4Addr, time::Instant};
 
 use anyhow::{Context as _, bail};
 use ipnet::Ipv4Net;
-use masq_agent::{dataplane::ebpf::testbed::TestBed, ports::PortRange};
+use masq_agent::{
+    dataplane::ebpf::testbed::{TC_ACT_OK, TestBed},
+    ports::PortRange,
+};
 use masq_ebpf::program_names;
 use xtask::packet::{self, ACK, L4, word};
 
@@ -19,7 +22,6 @@ const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const TC_ACT_OK: u32 = 0;
 
 struct Options {
     runs: u32,

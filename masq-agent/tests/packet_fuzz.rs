@@ -18,7 +18,10 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use ipnet::{Ipv4Net, Ipv6Net};
-use masq_agent::{dataplane::ebpf::testbed::TestBed, ports::PortRange};
+use masq_agent::{
+    dataplane::ebpf::testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
+    ports::PortRange,
+};
 use masq_ebpf::{
     NatEntryV4, NatEntryV6, NatKey, NatKeyV4, NatKeyV6, direction, nat_kind, program_names,
 };
@@ -38,8 +41,6 @@ const REMOTES: [Ipv4Addr; 3] = [
 ];
 const ROUTER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 254);
 const GRE: u8 = 47;
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
 /// A fresh NAT table every so many packets, so that new flows keep being translated rather than
 /// dropped by a full table.
 const BED_LIFETIME: u64 = 20_000;

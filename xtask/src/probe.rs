@@ -385,7 +385,7 @@ fn receive_v6(socket: &Socket) -> Option<Captured> {
 
 /// Sends one raw IP packet of `protocol` from namespace `ns` to `dst`.
 pub fn raw_send(ns: &str, protocol: i32, dst: Ipv4Addr, payload: &[u8]) -> anyhow::Result<()> {
-    raw_send_to(ns, protocol, dst.into(), payload)
+    raw_send_to(ns, protocol, None, dst.into(), payload)
 }
 
 /// Sends the upper layer `payload` of `protocol` from `src`, an address of namespace `ns`, to
@@ -398,27 +398,24 @@ pub fn raw_send_from(
     dst: IpAddr,
     payload: &[u8],
 ) -> anyhow::Result<()> {
-    let payload = payload.to_vec();
-    netns::within(ns, move || {
-        let dst = SocketAddr::from((dst, 0));
-        let socket = Socket::new(
-            Domain::for_address(dst),
-            Type::RAW,
-            Some(socket2::Protocol::from(protocol)),
-        )?;
-        socket.bind(&SocketAddr::from((src, 0)).into())?;
-        socket.send_to(&payload, &dst.into())?;
-        Ok(())
-    })
+    raw_send_to(ns, protocol, Some(src), dst, payload)
 }
 
 /// Sends one raw IPv6 packet of `protocol` (`payload` follows the IPv6 header the kernel
 /// builds) from namespace `ns` to `dst`. For ICMPv6 the kernel fills in the checksum.
 pub fn raw_send_v6(ns: &str, protocol: i32, dst: Ipv6Addr, payload: &[u8]) -> anyhow::Result<()> {
-    raw_send_to(ns, protocol, dst.into(), payload)
+    raw_send_to(ns, protocol, None, dst.into(), payload)
 }
 
-fn raw_send_to(ns: &str, protocol: i32, dst: IpAddr, payload: &[u8]) -> anyhow::Result<()> {
+/// Sends `payload` through a raw socket of `protocol`, from `src` if given (else the kernel
+/// picks the source as for any packet to `dst`).
+fn raw_send_to(
+    ns: &str,
+    protocol: i32,
+    src: Option<IpAddr>,
+    dst: IpAddr,
+    payload: &[u8],
+) -> anyhow::Result<()> {
     let payload = payload.to_vec();
     netns::within(ns, move || {
         let dst = SocketAddr::from((dst, 0));
@@ -427,6 +424,9 @@ fn raw_send_to(ns: &str, protocol: i32, dst: IpAddr, payload: &[u8]) -> anyhow::
             Type::RAW,
             Some(socket2::Protocol::from(protocol)),
         )?;
+        if let Some(src) = src {
+            socket.bind(&SocketAddr::from((src, 0)).into())?;
+        }
         socket.send_to(&payload, &dst.into())?;
         Ok(())
     })

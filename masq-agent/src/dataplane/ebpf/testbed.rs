@@ -31,6 +31,17 @@ pub struct TestBed {
     pub ebpf: Ebpf,
 }
 
+/// The programs' verdicts, as the test runner reports them (include/uapi/linux/pkt_cls.h):
+/// the packet goes on, or is dropped.
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+
+/// A reply to a pod's flow: as it arrived, and as the pod got it.
+pub struct Answered {
+    pub arrived: Vec<u8>,
+    pub restored: Vec<u8>,
+}
+
 /// One run of a program over a frame.
 pub struct Run {
     pub verdict: u32,
@@ -134,6 +145,20 @@ impl TestBed {
     pub fn egress(&mut self, frame: &[u8]) -> (u32, Vec<u8>) {
         let run = self.run(program_names::EGRESS, frame, 1).expect("test run");
         (run.verdict, run.frame)
+    }
+
+    /// Sends `out` out (a pod's packet, which must be translated), then in the reply that
+    /// `reply` builds to what left (which must be restored): the reply as it arrived, and as
+    /// the pod got it.
+    pub fn answered(&mut self, out: &[u8], reply: impl Fn(&[u8]) -> Vec<u8>) -> Answered {
+        let (verdict, left) = self.egress(out);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_ne!(left, out, "the packet out was translated");
+        let arrived = reply(&left);
+        let (verdict, restored) = self.ingress(&arrived);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_ne!(restored, arrived, "the reply was restored");
+        Answered { arrived, restored }
     }
 
     /// The ingress program's verdict and output frame, for one run.

@@ -10,7 +10,10 @@ use std::{
 use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names, tcp_seen};
 use xtask::packet::*;
 
-use super::{testbed::TestBed, *};
+use super::{
+    testbed::{self, TC_ACT_OK, TC_ACT_SHOT, TestBed},
+    *,
+};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
@@ -18,8 +21,6 @@ const POD2: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 2);
 const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const REMOTE2: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 const ROUTER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 254);
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
 
 /// Checks every checksum in a frame from scratch: IP header, and TCP, UDP or ICMP.
 fn assert_checksums(f: &[u8]) {
@@ -289,28 +290,6 @@ fn icmp_error_about_an_unknown_flow_passes_untouched() {
     assert_eq!(h.counter(Counter::IcmpErrorTranslated), 0);
 }
 
-/// A flow out and its first reply back: the reply as it arrived, and as the pod got it.
-struct Answered {
-    arrived: Vec<u8>,
-    restored: Vec<u8>,
-}
-
-/// Sends `out` (from a pod), then the reply `reply(node_port)` builds to what left.
-fn answered(h: &mut Harness, out: &[u8], reply: impl Fn(u16) -> Vec<u8>) -> Answered {
-    let (verdict, left) = h.egress(out);
-    assert_eq!((verdict, src(&left)), (TC_ACT_OK, NODE));
-    let node_word = if out[23] == ICMP {
-        word(&left, L4 + 4)
-    } else {
-        word(&left, L4)
-    };
-    let arrived = reply(node_word);
-    let (verdict, restored) = h.ingress(&arrived);
-    assert_eq!(verdict, TC_ACT_OK);
-    assert_ne!(dst(&restored), NODE, "the reply went back to the pod");
-    Answered { arrived, restored }
-}
-
 /// An ICMP error from `from` to `to`, quoting the first `quote_len` bytes of the IP packet in
 /// `quoted` (a frame).
 fn icmp_error_from(
@@ -382,21 +361,21 @@ fn error_checksums(error: &[u8], quoted_proto: u8) -> Vec<usize> {
 #[test]
 fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does() {
     let mut h = default_harness();
-    let tcp_flow = answered(&mut h, &tcp(POD, 40001, REMOTE, 443, SYN), |port| {
-        tcp(REMOTE, 443, NODE, port, SYN | ACK)
+    let tcp_flow = h.answered(&tcp(POD, 40001, REMOTE, 443, SYN), |left| {
+        tcp(REMOTE, 443, NODE, word(left, L4), SYN | ACK)
     });
-    let udp_flow = answered(&mut h, &udp(POD, 40002, REMOTE2, 53), |port| {
-        udp(REMOTE2, 53, NODE, port)
+    let udp_flow = h.answered(&udp(POD, 40002, REMOTE2, 53), |left| {
+        udp(REMOTE2, 53, NODE, word(left, L4))
     });
-    let zero_udp_flow = answered(&mut h, &udp(POD, 40003, REMOTE2, 53), |port| {
-        let mut reply = udp(REMOTE2, 53, NODE, port);
+    let zero_udp_flow = h.answered(&udp(POD, 40003, REMOTE2, 53), |left| {
+        let mut reply = udp(REMOTE2, 53, NODE, word(left, L4));
         reply[L4 + 6..L4 + 8].copy_from_slice(&[0, 0]);
         reply
     });
-    let echo_flow = answered(&mut h, &frame(POD, REMOTE, ICMP, &echo(8, 0x4242)), |id| {
-        frame(REMOTE, NODE, ICMP, &echo(0, id))
+    let echo_flow = h.answered(&frame(POD, REMOTE, ICMP, &echo(8, 0x4242)), |left| {
+        frame(REMOTE, NODE, ICMP, &echo(0, word(left, L4 + 4)))
     });
-    let whole = |f: &Answered| f.restored.len() - 14;
+    let whole = |f: &testbed::Answered| f.restored.len() - 14;
     let cases = [
         (
             "the node's fragmentation needed about a TCP reply, quoted whole",
@@ -472,8 +451,8 @@ fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does()
 #[test]
 fn egress_icmp_errors_about_no_masqueraded_flow_pass_untouched() {
     let mut h = default_harness();
-    let flow = answered(&mut h, &udp(POD, 40010, REMOTE, 53), |port| {
-        udp(REMOTE, 53, NODE, port)
+    let flow = h.answered(&udp(POD, 40010, REMOTE, 53), |left| {
+        udp(REMOTE, 53, NODE, word(left, L4))
     });
     // A connection opened from outside keeps the pod's address, and so do errors about it.
     h.ingress(&tcp(REMOTE, 5555, POD, 8080, SYN));
@@ -817,15 +796,7 @@ fn expiry_removes_both_halves_of_idle_flows_only() {
     assert_eq!(h.nat().len(), 6);
 
     let timeouts = Timeouts::default();
-    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
-    let run = |h: &mut Harness, after: Duration| {
-        expiry::expire::<[u8; 4]>(
-            h.nat_table().unwrap(),
-            &timeouts,
-            newest + after.as_nanos() as u64,
-        )
-        .unwrap()
-    };
+    let run = |h: &mut Harness, after: Duration| sweep_after(h, after);
     let flows = |h: &Harness| {
         let mut ports: Vec<u16> = h
             .nat()
@@ -898,6 +869,17 @@ fn expiry_sweeps_the_ipv6_table_too() {
         "the flow on the node's old address is forgotten"
     );
     assert!(h.nat_v6().is_empty());
+}
+
+/// The agent's sweep of the IPv4 NAT table, `idle` after the newest entry's last packet.
+fn sweep_after(h: &Harness, idle: Duration) -> NatUsage {
+    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    expiry::expire::<[u8; 4]>(
+        h.nat_table().unwrap(),
+        &Timeouts::default(),
+        newest + idle.as_nanos() as u64,
+    )
+    .unwrap()
 }
 
 /// One TCP connection from `POD` to `REMOTE:443` through the harness, segment by segment, with
@@ -1044,15 +1026,10 @@ fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout() {
     c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
     c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
     c.remote_sends(&mut h, RST, 5001 + 1_000_000, 0, &[]);
-    let timeouts = Timeouts::default();
-    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
-    let idle = timeouts.tcp_transitory + Duration::from_secs(1);
-    let run = expiry::expire::<[u8; 4]>(
-        h.nat_table().unwrap(),
-        &timeouts,
-        newest + idle.as_nanos() as u64,
-    )
-    .unwrap();
+    let run = sweep_after(
+        &h,
+        Timeouts::default().tcp_transitory + Duration::from_secs(1),
+    );
     assert_eq!(run.expired_flows, 0, "established: kept for hours");
     assert_eq!(h.nat().len(), 2);
 }
@@ -1075,15 +1052,10 @@ fn a_flow_no_reply_crossed_is_not_established() {
         .collect();
     assert_eq!(unseen.iter().filter(|&&s| s == 0).count(), 2, "{unseen:?}");
 
-    let timeouts = Timeouts::default();
-    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
-    let after = timeouts.tcp_transitory + Duration::from_secs(1);
-    let run = expiry::expire::<[u8; 4]>(
-        h.nat_table().unwrap(),
-        &timeouts,
-        newest + after.as_nanos() as u64,
-    )
-    .unwrap();
+    let run = sweep_after(
+        &h,
+        Timeouts::default().tcp_transitory + Duration::from_secs(1),
+    );
     assert_eq!(run.expired_flows, 2, "the lone ACK's flow and the SYN's");
     let left: Vec<u16> = h
         .nat()

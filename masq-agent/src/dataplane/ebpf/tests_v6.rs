@@ -14,7 +14,7 @@ use ipnet::{Ipv4Net, Ipv6Net};
 use masq_ebpf::{Counter, NatEntry, NatKey, direction, nat_kind};
 use xtask::packet::*;
 
-use super::testbed::TestBed;
+use super::testbed::{Answered, TC_ACT_OK, TC_ACT_SHOT, TestBed};
 use crate::ports::PortRange;
 
 const NODE_V4: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
@@ -33,8 +33,6 @@ const HOST_LL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0x200, 0xff, 0xfe00, 2)
 const ALL_NODES: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
 const ALL_ROUTERS: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2);
 const ALL_MLDV2_ROUTERS: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 0x16);
-const TC_ACT_OK: u32 = 0;
-const TC_ACT_SHOT: u32 = 2;
 
 const SPANS: [(u16, u16); 2] = [(1024, 32767), (61000, 65535)];
 
@@ -463,25 +461,6 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
     assert_eq!(h.counter(Counter::IcmpErrorTranslated), cases.len() as u64);
 }
 
-/// A flow out and its first reply back: the reply as it arrived, and as the pod got it.
-struct Answered6 {
-    arrived: Vec<u8>,
-    restored: Vec<u8>,
-}
-
-/// Sends `out` (from a pod), then the reply `reply(node_word)` builds to what left: its port,
-/// or its echo identifier.
-fn answered6(h: &mut TestBed, out: &[u8], reply: impl Fn(u16) -> Vec<u8>) -> Answered6 {
-    let (verdict, left) = h.egress(out);
-    assert_eq!((verdict, src6(&left)), (TC_ACT_OK, NODE6));
-    let at = if left[IP6 + 6] == ICMPV6 { 4 } else { 0 };
-    let arrived = reply(word(&left, L4_6 + at));
-    let (verdict, restored) = h.ingress(&arrived);
-    assert_eq!(verdict, TC_ACT_OK);
-    assert_ne!(dst6(&restored), NODE6, "the reply went back to the pod");
-    Answered6 { arrived, restored }
-}
-
 /// An ICMPv6 error from `from` to `to`, quoting the first `quote_len` bytes of the IPv6 packet
 /// in `quoted` (a frame).
 fn icmp6_error_from(
@@ -504,18 +483,16 @@ const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 1)
 #[test]
 fn v6_egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does() {
     let mut h = harness();
-    let tcp_flow = answered6(&mut h, &tcp6(POD6, 40001, REMOTE6, 443, SYN), |port| {
-        tcp6(REMOTE6, 443, NODE6, port, SYN | ACK)
+    let tcp_flow = h.answered(&tcp6(POD6, 40001, REMOTE6, 443, SYN), |left| {
+        tcp6(REMOTE6, 443, NODE6, word(left, L4_6), SYN | ACK)
     });
-    let udp_flow = answered6(&mut h, &udp6(POD6, 40002, REMOTE6_2, 53), |port| {
-        udp6(REMOTE6_2, 53, NODE6, port)
+    let udp_flow = h.answered(&udp6(POD6, 40002, REMOTE6_2, 53), |left| {
+        udp6(REMOTE6_2, 53, NODE6, word(left, L4_6))
     });
-    let echo_flow = answered6(
-        &mut h,
-        &ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242),
-        |id| ping6(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, id),
-    );
-    let whole = |f: &Answered6| f.restored.len() - IP6;
+    let echo_flow = h.answered(&ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242), |left| {
+        ping6(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, word(left, L4_6 + 4))
+    });
+    let whole = |f: &Answered| f.restored.len() - IP6;
     let cases = [
         (
             "the node's packet too big about a TCP reply, quoted whole",
