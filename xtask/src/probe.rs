@@ -440,19 +440,31 @@ pub struct BulkSink {
 
 impl BulkSink {
     pub fn start(ns: &str, port: u16) -> anyhow::Result<BulkSink> {
-        let listeners = netns::within(ns, move || tcp_listeners(port, false))?;
-        let mut workers = Workers::default();
-        for listener in listeners {
-            listener.set_nonblocking(true)?;
-            workers.spawn(move || match listener.accept() {
-                Ok((stream, _)) => {
-                    std::thread::spawn(move || drain_and_answer(stream));
-                }
-                Err(_) => std::thread::sleep(POLL),
-            });
-        }
-        Ok(BulkSink { _workers: workers })
+        Ok(BulkSink {
+            _workers: serve_connections(ns, port, drain_and_answer)?,
+        })
     }
+}
+
+/// TCP listeners on `port` of every address of `ns`, handing each connection to `handle` on a
+/// thread of its own, until the workers are dropped.
+fn serve_connections(
+    ns: &str,
+    port: u16,
+    handle: impl Fn(TcpStream) + Copy + Send + 'static,
+) -> anyhow::Result<Workers> {
+    let listeners = netns::within(ns, move || tcp_listeners(port, false))?;
+    let mut workers = Workers::default();
+    for listener in listeners {
+        listener.set_nonblocking(true)?;
+        workers.spawn(move || match listener.accept() {
+            Ok((stream, _)) => {
+                std::thread::spawn(move || handle(stream));
+            }
+            Err(_) => std::thread::sleep(POLL),
+        });
+    }
+    Ok(workers)
 }
 
 fn drain_and_answer(mut stream: TcpStream) {
@@ -478,18 +490,9 @@ pub struct BulkSource {
 
 impl BulkSource {
     pub fn start(ns: &str, port: u16, bytes: usize) -> anyhow::Result<BulkSource> {
-        let listeners = netns::within(ns, move || tcp_listeners(port, false))?;
-        let mut workers = Workers::default();
-        for listener in listeners {
-            listener.set_nonblocking(true)?;
-            workers.spawn(move || match listener.accept() {
-                Ok((stream, _)) => {
-                    std::thread::spawn(move || send_and_close(stream, bytes));
-                }
-                Err(_) => std::thread::sleep(POLL),
-            });
-        }
-        Ok(BulkSource { _workers: workers })
+        Ok(BulkSource {
+            _workers: serve_connections(ns, port, move |stream| send_and_close(stream, bytes))?,
+        })
     }
 }
 
