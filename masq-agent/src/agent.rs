@@ -20,7 +20,7 @@ use crate::{
     config::{self, ConfigOptions, ConfigSource},
     dataplane::{
         ApplyOutcome, DataPlane, Mode,
-        ebpf::{self, EbpfOptions},
+        ebpf::{self, EbpfOptions, devices::Selection},
         iptables::{ChainVariant, IptablesDataPlane},
         state,
     },
@@ -75,15 +75,15 @@ fn fallback(opts: MasqueradeOptions, why: &anyhow::Error) -> Box<dyn DataPlane> 
     Box::new(IptablesDataPlane::fallback(opts, format!("{why:#}")))
 }
 
+/// The devices the eBPF programs go on: each `--interface`, or else those of the default routes.
+pub fn device_selection(flags: &Flags) -> Selection {
+    Selection::new(&flags.interfaces, flags.enable_ipv6)
+}
+
 fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
-    let devices = if flags.interfaces.is_empty() {
-        netdev::default_route_devices()?
-    } else {
-        flags.interfaces.clone()
-    };
     Ok(EbpfOptions {
         bpffs: flags.bpffs.clone(),
-        devices,
+        devices: device_selection(flags),
         nat_capacity: flags.nat_capacity.saturating_mul(2),
         port_spans: ports::nat_port_spans(flags.to_ports.as_ref(), netdev::ephemeral_port_range()?),
         random_fully: flags.random_fully,

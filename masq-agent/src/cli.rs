@@ -90,7 +90,8 @@ pub struct Flags {
           require_equals = true, default_missing_value = "true", value_parser = parse_go_bool)]
     pub fallback_to_iptables: bool,
 
-    /// Interface to attach to (repeatable). Default: the devices that hold the default routes.
+    /// Interface to attach to (repeatable). Default: the devices that hold a default route,
+    /// followed as routes change. Traffic leaving by other devices is masqueraded by the chain.
     #[arg(long = "interface", global = true)]
     pub interfaces: Vec<String>,
 

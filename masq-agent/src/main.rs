@@ -7,6 +7,7 @@ use masq_agent::{
     config,
     dataplane::{
         self,
+        ebpf::devices,
         iptables::{self, Capabilities, ChainVariant},
     },
     policy::{IpFamily, Policy},
@@ -38,14 +39,10 @@ fn main() -> ExitCode {
         Some(Command::RenderIptables { family }) => {
             // The chain the eBPF data plane installs is shown only on request, so that plain
             // `render-iptables` prints upstream's chain, as upstream would apply it.
-            let variant = if given_on_command_line(&matches, "dataplane")
-                && cli.flags.dataplane == DataplaneKind::Ebpf
-            {
-                ChainVariant::OutsideEbpf
-            } else {
-                ChainVariant::Full
-            };
-            render_iptables(&cli.flags, family, variant)
+            let beside_programs = given_on_command_line(&matches, "dataplane")
+                && cli.flags.dataplane == DataplaneKind::Ebpf;
+            chain_variant(&cli.flags, family, beside_programs)
+                .and_then(|variant| render_iptables(&cli.flags, family, &variant))
         }
         Some(Command::Status { json }) => status(&cli.flags, json),
         Some(Command::Cleanup) => cleanup(&cli.flags),
@@ -121,10 +118,23 @@ fn given_on_command_line(matches: &ArgMatches, id: &str) -> bool {
     explicit(matches) || matches.subcommand().is_some_and(|(_, sub)| explicit(sub))
 }
 
+/// Upstream's chain, or the eBPF data plane's for the devices it would put its programs on now.
+fn chain_variant(
+    flags: &Flags,
+    family: IpFamily,
+    beside_programs: bool,
+) -> anyhow::Result<ChainVariant> {
+    if !beside_programs {
+        return Ok(ChainVariant::Full);
+    }
+    let returned = devices::returned_now(&agent::device_selection(flags), flags.enable_ipv6)?;
+    Ok(returned.variant(family))
+}
+
 fn render_iptables(
     flags: &Flags,
     family: IpFamily,
-    variant: ChainVariant,
+    variant: &ChainVariant,
 ) -> anyhow::Result<ExitCode> {
     let loaded = match config::load(&flags.config, &agent::config_options(flags)) {
         Ok(loaded) => loaded,

@@ -16,15 +16,12 @@ pub struct Device {
     pub ipv6: Option<Ipv6Addr>,
 }
 
-/// The devices that hold an IPv4 default route (`/proc/net/route`), in table order.
-pub fn default_route_devices() -> anyhow::Result<Vec<String>> {
-    let table = std::fs::read_to_string("/proc/net/route").context("reading /proc/net/route")?;
-    let mut names: Vec<String> = Vec::new();
-    for line in table.lines().skip(1) {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
-        if fields.len() > 7 && fields[1] == "00000000" && fields[7] == "00000000" {
-            let name = fields[0].to_string();
+/// The devices that hold a default route, in table order: IPv4's (`/proc/net/route`), then,
+/// with `ipv6`, IPv6's (`/proc/net/ipv6_route`).
+pub fn default_route_devices(ipv6: bool) -> anyhow::Result<Vec<String>> {
+    let mut names = ipv4_default_route_devices(&read_proc("/proc/net/route")?);
+    if ipv6 {
+        for name in ipv6_default_route_devices(&read_proc("/proc/net/ipv6_route")?) {
             if !names.contains(&name) {
                 names.push(name);
             }
@@ -33,10 +30,63 @@ pub fn default_route_devices() -> anyhow::Result<Vec<String>> {
     Ok(names)
 }
 
-/// Resolves `name` to its index and primary IPv4 address.
-pub fn device(name: &str) -> anyhow::Result<Device> {
-    let index = nix::net::if_::if_nametoindex(name)
-        .with_context(|| format!("interface {name} does not exist"))?;
+fn read_proc(path: &str) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {path}"))
+}
+
+/// A route that refuses packets (`unreachable`, `prohibit`, `blackhole`) carries none.
+const RTF_REJECT: u32 = 0x0200;
+
+/// `/proc/net/route`: Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+fn ipv4_default_route_devices(table: &str) -> Vec<String> {
+    let routes = table.lines().skip(1).filter_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let default = fields.get(1)? == &"00000000" && fields.get(7)? == &"00000000";
+        default.then_some((fields[0], fields[3]))
+    });
+    carrying_devices(routes)
+}
+
+/// `/proc/net/ipv6_route`: destination, its prefix length, source, its prefix length, next
+/// hop, metric, refcnt, use, flags, device.
+fn ipv6_default_route_devices(table: &str) -> Vec<String> {
+    let routes = table.lines().filter_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let default = fields.first()?.bytes().all(|b| b == b'0') && fields.get(1)? == &"00";
+        default.then_some((*fields.get(9)?, fields[8]))
+    });
+    carrying_devices(routes)
+}
+
+/// The devices of `(device, hex flags)` routes that carry packets, once each, in order.
+fn carrying_devices<'a>(routes: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for (device, flags) in routes {
+        let rejects = u32::from_str_radix(flags, 16).is_ok_and(|f| f & RTF_REJECT != 0);
+        if !rejects && device != LOOPBACK && !names.iter().any(|n| n == device) {
+            names.push(device.to_string());
+        }
+    }
+    names
+}
+
+/// The loopback device, which never leads off the node.
+pub const LOOPBACK: &str = "lo";
+
+/// A device as the eBPF data plane finds it when it looks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceState {
+    Usable(Device),
+    Missing,
+    /// Masqueraded packets would have no address to leave with.
+    NoIpv4Address,
+}
+
+/// Looks `name` up: its index, primary IPv4 address and first global IPv6 address.
+pub fn device_state(name: &str) -> anyhow::Result<DeviceState> {
+    let Ok(index) = nix::net::if_::if_nametoindex(name) else {
+        return Ok(DeviceState::Missing);
+    };
     let addrs: Vec<nix::ifaddrs::InterfaceAddress> = nix::ifaddrs::getifaddrs()
         .context("getifaddrs")?
         .filter(|a| a.interface_name == name)
@@ -46,18 +96,28 @@ pub fn device(name: &str) -> anyhow::Result<Device> {
         .iter()
         .find_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
     else {
-        bail!("interface {name} has no IPv4 address to masquerade to");
+        return Ok(DeviceState::NoIpv4Address);
     };
     let ipv6 = addrs
         .iter()
         .filter_map(|a| a.address?.as_sockaddr_in6().map(|s| s.ip()))
         .find(is_global_ipv6);
-    Ok(Device {
+    Ok(DeviceState::Usable(Device {
         name: name.to_string(),
         index,
         ipv4,
         ipv6,
-    })
+    }))
+}
+
+/// Every device of the network namespace, loopback aside, with its index.
+pub fn names_and_indexes() -> anyhow::Result<Vec<(String, u32)>> {
+    let interfaces = nix::net::if_::if_nameindex().context("listing the network devices")?;
+    Ok(interfaces
+        .iter()
+        .map(|i| (i.name().to_string_lossy().into_owned(), i.index()))
+        .filter(|(name, _)| name != LOOPBACK)
+        .collect())
 }
 
 /// An address other hosts can reply to from beyond the link: not link-local, loopback,
@@ -78,5 +138,33 @@ pub fn ephemeral_port_range() -> anyhow::Result<(u16, u16)> {
     match (words.next(), words.next()) {
         (Some(Ok(lo)), Some(Ok(hi))) if lo <= hi => Ok((lo, hi)),
         _ => bail!("unexpected net.ipv4.ip_local_port_range {text:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipv4_default_routes_carrying_packets_in_table_order() {
+        let table = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+            up1\t00000000\t8264336C\t0003\t0\t0\t200\t00000000\t0\t0\t0\n\
+            eth0\t00000000\t0A7100CB\t0003\t0\t0\t0\t00000000\t0\t0\t0\n\
+            eth0\t007100CB\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n\
+            up1\t00000000\t0A7100CB\t0003\t0\t0\t300\t00000000\t0\t0\t0\n\
+            *\t00000000\t00000000\t0201\t0\t0\t400\t00000000\t0\t0\t0\n";
+        assert_eq!(ipv4_default_route_devices(table), ["up1", "eth0"]);
+    }
+
+    #[test]
+    fn ipv6_default_routes_leave_out_rejecting_and_loopback_routes() {
+        let table = "\
+20010db8000100000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 20010db8000100000000000000000010 00000400 00000001 00000000 00000003     eth0
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 20010db8000400000000000000000010 00000400 00000001 00000000 00000003      up1
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 00000400 00000001 00000000 00000201     eth1
+";
+        assert_eq!(ipv6_default_route_devices(table), ["eth0", "up1"]);
     }
 }

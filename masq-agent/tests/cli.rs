@@ -168,10 +168,13 @@ fn render_iptables_for_the_ebpf_data_plane_returns_its_protocols_first_and_uses_
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("absent");
     let full = agent(&["render-iptables", "--config", path.to_str().unwrap()]);
+    // The rules name the devices that would carry the programs: loopback is on every machine.
     let reduced = agent(&[
         "render-iptables",
         "--dataplane",
         "ebpf",
+        "--interface",
+        "lo",
         "--config",
         path.to_str().unwrap(),
     ]);
@@ -184,9 +187,9 @@ fn render_iptables_for_the_ebpf_data_plane_returns_its_protocols_first_and_uses_
     assert_eq!(
         returns,
         [
-            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -p tcp -j RETURN"#,
-            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -p udp -j RETURN"#,
-            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -p icmp -j RETURN"#,
+            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -o lo -p tcp -j RETURN"#,
+            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -o lo -p udp -j RETURN"#,
+            r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -o lo -p icmp -j RETURN"#,
         ]
     );
     // The CIDRs are matched through a set, in one rule; the MASQUERADE rule is upstream's.

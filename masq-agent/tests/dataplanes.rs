@@ -4,15 +4,18 @@
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, SocketAddr},
+    io::ErrorKind,
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     path::{Path, PathBuf},
     process::Output,
     time::Duration,
 };
 
 use xtask::{
+    packet::{ACK, RST, Tcp},
     probe::{
-        self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, Observer, Proto, RawObserver,
+        self, BulkSink, BulkSource, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP,
+        Observer, Proto, RawObserver,
     },
     topology::{self, Process, Topology},
     wait_for, wait_for_long, write_config,
@@ -583,6 +586,8 @@ fn uplink_is_deleted_and_recreated(plane: Plane, family: Family) {
     wait_for(|| Ok(probe::tcp_probe(bed.pod(), family.outside(), 0)?.ip() == family.node()))
         .unwrap_or_else(|e| panic!("not masquerading again: {e}\n{}", agent.log_text()));
     if plane == Plane::Ebpf {
+        // The chain masquerades the new device until the programs are on it.
+        wait_for_coverage(&bed, &agent, topology::UPLINK_IF, family, "ebpf");
         let status = bed.status_json();
         assert_eq!(
             status["ebpf"]["attachments"].as_array().unwrap().len(),
@@ -905,13 +910,12 @@ fn args_with(bed: &Bed, replace: &[(&str, &str)]) -> Vec<String> {
 
 fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    // A device that does not exist leaves the eBPF data plane nothing to attach to.
+    // No BPF filesystem can be mounted under /proc: the maps have nowhere to be pinned.
+    let id = bed.topo.dir.file_name().unwrap().to_string_lossy();
+    let bpffs = format!("/proc/self/{id}/ip-masq-agent");
     let mut args = args_with(
         &bed,
-        &[
-            ("--interface", "nosuchdev0"),
-            ("--fallback-to-iptables", "false"),
-        ],
+        &[("--bpffs", &bpffs), ("--fallback-to-iptables", "false")],
     );
     args.push("--once".into());
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -921,18 +925,13 @@ fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
         Some(1),
         "--fallback-to-iptables=false: exit with the reason"
     );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("nosuchdev0"));
-    assert!(
-        bed.chain().is_none() && !bed.topo.bpffs.exists(),
-        "and nothing installed"
-    );
+    let why = "is not on a BPF filesystem";
+    assert!(String::from_utf8_lossy(&out.stderr).contains(why));
+    assert!(bed.chain().is_none(), "and nothing installed");
 
     let args = args_with(
         &bed,
-        &[
-            ("--interface", "nosuchdev0"),
-            ("--fallback-to-iptables", "true"),
-        ],
+        &[("--bpffs", &bpffs), ("--fallback-to-iptables", "true")],
     );
     let agent = bed.spawn_agent(&args, &[]);
     let log = agent.log_text();
@@ -942,21 +941,18 @@ fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
         1,
         "{log}"
     );
-    assert!(log.contains("nosuchdev0"), "the line says why: {log}");
+    assert!(log.contains(why), "the line says why: {log}");
     assert!(
         !bed.chain().unwrap().contains("eBPF"),
         "the full chain, not the reduced one"
     );
     assert_masqueraded(&bed);
     assert!(bed.ping(0, topology::EXT_ADDR));
-    let status = bed.status_json();
+    let out = bed.agent_cmd(&["status", "--json", &format!("--bpffs={bpffs}")]);
+    assert_success(&out);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["mode"], "iptables-fallback");
-    assert!(
-        status["mode_reason"]
-            .as_str()
-            .unwrap()
-            .contains("nosuchdev0")
-    );
+    assert!(status["mode_reason"].as_str().unwrap().contains(why));
     assert!(
         status["ebpf"].is_null(),
         "nothing of the eBPF data plane is left installed"
@@ -1055,22 +1051,36 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
     drop(agent);
 }
 
-/// The uplink disappears under the agent: its upkeep finds the programs can no longer be in
-/// place, and liveness says so.
+/// Someone detaches the uplink's egress program, and it cannot be attached again (a directory
+/// stands where its link is pinned): liveness says so, and meanwhile the chain masquerades what
+/// leaves the uplink. (A device that merely goes away is followed, not a failure.)
 fn liveness_fails_when_the_data_plane_is_gone(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
     let agent = bed.start_agent(&[&metrics_addr]);
     assert_eq!(http_get(&bed, "/healthz").0, 200);
+    let egress = format!("{}-egress", topology::UPLINK_IF);
+    let link = bed.status_json()["ebpf"]["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["hook"] == "egress")
+        .map(|a| a["link_id"].to_string())
+        .unwrap();
+    let pin = bed.topo.bpffs.join("links").join(&egress);
+    std::fs::remove_file(&pin).unwrap();
+    std::fs::create_dir(&pin).unwrap();
     bed.topo
-        .node_run("ip", &["link", "del", topology::UPLINK_IF])
+        .node_run("bpftool", &["link", "detach", "id", &link])
         .unwrap();
     wait_for_long(Duration::from_secs(30), || {
         Ok(http_get(&bed, "/healthz").0 == 503)
     })
     .unwrap_or_else(|e| panic!("still healthy: {e}\n{}", agent.log_text()));
     let (_, why) = http_get(&bed, "/healthz");
-    assert!(why.contains(topology::UPLINK_IF), "{why}");
+    assert!(why.contains(&egress), "{why}");
+    wait_for_coverage(&bed, &agent, topology::UPLINK_IF, Family::V4, "iptables");
+    assert_masqueraded(&bed);
 }
 
 fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
@@ -1768,6 +1778,822 @@ fn ipv6_fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
     }
 }
 
+// ---- every device: a second uplink beside eth0 ------------------------------------------
+
+/// When the node's second uplink `up1` comes to exist, relative to the agent's start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SecondUplink {
+    BeforeTheAgent,
+    AfterTheAgent,
+}
+
+impl Family {
+    /// The host behind the second uplink.
+    fn behind_second_uplink(self) -> IpAddr {
+        match self {
+            Family::V4 => topology::EXT2_ADDR.into(),
+            Family::V6 => topology::EXT2_ADDR_V6.into(),
+        }
+    }
+
+    /// The node's address on the second uplink.
+    fn second_uplink_node(self) -> IpAddr {
+        match self {
+            Family::V4 => topology::NODE_SECOND_UPLINK.into(),
+            Family::V6 => topology::NODE_SECOND_UPLINK_V6.into(),
+        }
+    }
+
+    fn ping_flag(self) -> &'static str {
+        match self {
+            Family::V4 => "-4",
+            Family::V6 => "-6",
+        }
+    }
+
+    /// What `status --json` names the family by.
+    fn status_key(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+}
+
+/// A TCP and UDP server on `ext2`, behind the second uplink (which must be connected).
+fn serve_behind_second_uplink(bed: &Bed) -> Observer {
+    let addrs = [Family::V4, Family::V6].map(Family::behind_second_uplink);
+    Observer::start(&bed.topo.ext2, &addrs, PORT).expect("server behind up1")
+}
+
+/// A pod's TCP, UDP and ping to the host behind the second uplink arrive from the node's
+/// address on that uplink, and get their answers: `ext2` has no route back to the pods.
+fn assert_second_uplink_masquerades(bed: &Bed, family: Family) {
+    let pings = family.observe(&bed.topo.ext2, IPPROTO_ICMP);
+    let server = SocketAddr::from((family.behind_second_uplink(), PORT));
+    let node = family.second_uplink_node();
+    let seen = probe::tcp_probe(bed.pod(), server, 0).unwrap();
+    assert_eq!(seen.ip(), node, "TCP by up1 is masqueraded");
+    let seen = probe::udp_probe(bed.pod(), server, 0).unwrap();
+    assert_eq!(seen.ip(), node, "UDP by up1 is masqueraded");
+    let dst = server.ip().to_string();
+    let ping = bed.ping_output(0, &[family.ping_flag(), "-c", "1", "-W", "2", &dst]);
+    assert_success(&ping);
+    wait_for(|| Ok(!pings.sources().is_empty())).unwrap();
+    assert_eq!(pings.sources(), [node], "ping by up1 is masqueraded");
+}
+
+fn second_uplink_is_masqueraded(plane: Plane, family: Family, when: SecondUplink) {
+    let bed = Bed::new(plane, family.config());
+    if when == SecondUplink::BeforeTheAgent {
+        bed.topo.connect_second_uplink().unwrap();
+    }
+    let _agent = bed.start_agent(family.agent_args());
+    if when == SecondUplink::AfterTheAgent {
+        bed.topo.connect_second_uplink().unwrap();
+    }
+    let _server = serve_behind_second_uplink(&bed);
+    assert_second_uplink_masquerades(&bed, family);
+    family.assert_masqueraded(&bed);
+}
+
+fn masquerades_traffic_leaving_by_a_second_uplink(plane: Plane) {
+    second_uplink_is_masqueraded(plane, Family::V4, SecondUplink::BeforeTheAgent);
+}
+
+fn masquerades_traffic_leaving_by_a_second_uplink_added_later(plane: Plane) {
+    second_uplink_is_masqueraded(plane, Family::V4, SecondUplink::AfterTheAgent);
+}
+
+fn ipv6_masquerades_traffic_leaving_by_a_second_uplink(plane: Plane) {
+    second_uplink_is_masqueraded(plane, Family::V6, SecondUplink::BeforeTheAgent);
+}
+
+fn ipv6_masquerades_traffic_leaving_by_a_second_uplink_added_later(plane: Plane) {
+    second_uplink_is_masqueraded(plane, Family::V6, SecondUplink::AfterTheAgent);
+}
+
+/// This bed's flags without `--interface`: the agent follows the default routes.
+fn args_following_default_routes(bed: &Bed) -> Vec<String> {
+    bed.plane_args()
+        .into_iter()
+        .filter(|arg| !arg.starts_with("--interface="))
+        .collect()
+}
+
+/// What `status --json` says masquerades `family` leaving by `device`; `None` when it lists no
+/// such device.
+fn coverage(status: &serde_json::Value, device: &str, family: Family) -> Option<String> {
+    let devices = status["devices"].as_array()?;
+    let entry = devices.iter().find(|d| d["device"] == device)?;
+    entry[family.status_key()].as_str().map(String::from)
+}
+
+/// Waits until `status --json` says `family` leaving by `device` is masqueraded by `by`.
+fn wait_for_coverage(bed: &Bed, agent: &Process, device: &str, family: Family, by: &str) {
+    wait_for(|| Ok(coverage(&bed.status_json(), device, family).as_deref() == Some(by)))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{device} {} never covered by {by}: {e}\n{}\n{}",
+                family.status_key(),
+                bed.status_json(),
+                agent.log_text()
+            )
+        });
+}
+
+/// The devices with programs attached, as `status --json` lists them (each once per hook);
+/// a link whose program no longer runs (its device is gone) is listed as `<device> (gone)`.
+fn attached_devices(status: &serde_json::Value) -> Vec<String> {
+    status["ebpf"]["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            let device = a["device"].as_str().unwrap();
+            match a["running"].as_bool().unwrap() {
+                true => device.to_string(),
+                false => format!("{device} (gone)"),
+            }
+        })
+        .collect()
+}
+
+fn masqueraded_packets(bed: &Bed) -> u64 {
+    bed.status_json()["ebpf"]["counters"]["masqueraded"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Without `--interface`, a device that gains a default route gets the programs, and keeps them
+/// when it loses the route; `status` says per device, per family, what masquerades it.
+fn follows_a_device_that_gains_a_default_route(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    bed.topo.connect_second_uplink().unwrap();
+    let _server = serve_behind_second_uplink(&bed);
+    let mut args = args_following_default_routes(&bed);
+    args.push("--enable-ipv6".into());
+    let agent = bed.spawn_agent(&args, &[]);
+    let up1 = topology::SECOND_UPLINK_IF;
+    let status = bed.status_json();
+    for family in [Family::V4, Family::V6] {
+        assert_eq!(
+            coverage(&status, "eth0", family).unwrap(),
+            "ebpf",
+            "{status}"
+        );
+        assert_eq!(
+            coverage(&status, up1, family).unwrap(),
+            "iptables",
+            "{status}"
+        );
+    }
+    assert_eq!(attached_devices(&status), ["eth0", "eth0"], "{status}");
+    let text = bed.agent_cmd(&["status", &format!("--bpffs={}", bed.topo.bpffs.display())]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("  eth0: ipv4 ebpf, ipv6 ebpf\n"), "{text}");
+    assert!(
+        text.contains("  up1: ipv4 iptables, ipv6 iptables\n"),
+        "{text}"
+    );
+    for family in [Family::V4, Family::V6] {
+        assert_second_uplink_masquerades(&bed, family);
+    }
+
+    let ext2 = topology::EXT2_ADDR.to_string();
+    let route = ["route", "add", "default", "via", &ext2, "metric", "100"];
+    bed.topo.node_run("ip", &route).unwrap();
+    for family in [Family::V4, Family::V6] {
+        wait_for_coverage(&bed, &agent, up1, family, "ebpf");
+    }
+    let status = bed.status_json();
+    assert_eq!(
+        attached_devices(&status),
+        ["eth0", "eth0", up1, up1],
+        "{status}"
+    );
+    assert!(agent.log_text().contains("programs attached to the device"));
+    let before = masqueraded_packets(&bed);
+    for family in [Family::V4, Family::V6] {
+        let server = SocketAddr::from((family.behind_second_uplink(), PORT));
+        let seen = probe::tcp_probe(bed.pod(), server, 0).unwrap();
+        assert_eq!(seen.ip(), family.second_uplink_node(), "by up1's programs");
+    }
+    assert!(
+        masqueraded_packets(&bed) >= before + 2,
+        "the programs on up1 translated both connections"
+    );
+
+    bed.topo
+        .node_run("ip", &["route", "del", "default", "via", &ext2])
+        .unwrap();
+    // A few upkeeps later, up1 still carries the programs, for the flows through it.
+    std::thread::sleep(Duration::from_millis(2500));
+    let status = bed.status_json();
+    assert_eq!(
+        coverage(&status, up1, Family::V4).unwrap(),
+        "ebpf",
+        "{status}"
+    );
+    assert_second_uplink_masquerades(&bed, Family::V4);
+}
+
+/// With `--interface`, the named devices carry the programs whenever they exist with an IPv4
+/// address; before any does, the chain alone masquerades everything.
+fn follows_named_interfaces_as_they_appear_and_vanish(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let up1 = topology::SECOND_UPLINK_IF;
+    let mut args = args_with(&bed, &[("--interface", up1)]);
+    args.push("--enable-ipv6".into());
+    let agent = bed.spawn_agent(&args, &[]);
+    assert!(
+        agent
+            .log_text()
+            .contains("no device carries the eBPF programs"),
+        "{}",
+        agent.log_text()
+    );
+    let status = bed.status_json();
+    assert_eq!(status["mode"], "ebpf");
+    assert_eq!(coverage(&status, "eth0", Family::V4).unwrap(), "iptables");
+    assert!(attached_devices(&status).is_empty(), "{status}");
+    Family::V4.assert_masqueraded(&bed);
+    Family::V6.assert_masqueraded(&bed);
+
+    for round in 0..2 {
+        bed.topo.connect_second_uplink().unwrap();
+        let _server = serve_behind_second_uplink(&bed);
+        for family in [Family::V4, Family::V6] {
+            wait_for_coverage(&bed, &agent, up1, family, "ebpf");
+            assert_second_uplink_masquerades(&bed, family);
+        }
+        assert_eq!(
+            coverage(&bed.status_json(), "eth0", Family::V4).unwrap(),
+            "iptables"
+        );
+        if round == 0 {
+            assert_a_device_without_ipv4_is_left_to_the_chain(&bed, &agent);
+        }
+        bed.topo.disconnect_second_uplink().unwrap();
+        wait_for(|| Ok(attached_devices(&bed.status_json()).is_empty())).unwrap();
+        let status = bed.status_json();
+        assert_eq!(coverage(&status, up1, Family::V4), None, "{status}");
+        let returned: Vec<&serde_json::Value> = status["chains"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|c| c["ebpf_devices_returned"].as_array().unwrap())
+            .collect();
+        assert!(
+            returned.is_empty(),
+            "nothing left to vanished programs: {status}"
+        );
+        assert!(status["ebpf"]["interfaces"].as_object().unwrap().is_empty());
+    }
+}
+
+/// up1 loses its IPv4 address: its programs go, and the chain masquerades what leaves it,
+/// which the agent says once; with the address back, the programs come back.
+fn assert_a_device_without_ipv4_is_left_to_the_chain(bed: &Bed, agent: &Process) {
+    let up1 = topology::SECOND_UPLINK_IF;
+    let address = format!("{}/25", topology::NODE_SECOND_UPLINK);
+    bed.topo
+        .node_run("ip", &["addr", "del", &address, "dev", up1])
+        .unwrap();
+    wait_for_coverage(bed, agent, up1, Family::V4, "iptables");
+    wait_for_coverage(bed, agent, up1, Family::V6, "iptables");
+    std::thread::sleep(Duration::from_millis(2500));
+    let said = "device has no IPv4 address";
+    assert_eq!(
+        agent.log_text().matches(said).count(),
+        1,
+        "{}",
+        agent.log_text()
+    );
+    bed.topo
+        .node_run("ip", &["addr", "add", &address, "dev", up1])
+        .unwrap();
+    wait_for_coverage(bed, agent, up1, Family::V4, "ebpf");
+}
+
+// ---- a node like a real one: errors leaving it, hostile packets, kube-proxy -----------------
+//
+// What upstream's chain (conntrack's NAT) gets right on a real node, run the same way on every
+// data plane: the outside host must see the same thing whichever is in force.
+
+impl Family {
+    fn any(self) -> IpAddr {
+        match self {
+            Family::V4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
+            Family::V6 => std::net::Ipv6Addr::UNSPECIFIED.into(),
+        }
+    }
+
+    fn pod(self) -> IpAddr {
+        match self {
+            Family::V4 => pod_ip(0),
+            Family::V6 => pod_ip_v6(0),
+        }
+    }
+
+    /// A raw observer of `protocol` in `ns`, `IPPROTO_ICMP` meaning the family's ICMP.
+    fn observe(self, ns: &str, protocol: u8) -> RawObserver {
+        match (self, protocol) {
+            (Family::V4, _) => RawObserver::start(ns, i32::from(protocol)),
+            (Family::V6, IPPROTO_ICMP) => RawObserver::start_v6(ns, i32::from(IPPROTO_ICMPV6)),
+            (Family::V6, _) => RawObserver::start_v6(ns, i32::from(protocol)),
+        }
+        .unwrap()
+    }
+
+    /// ICMP's destination unreachable type.
+    fn unreachable(self) -> u8 {
+        match self {
+            Family::V4 => 3,
+            Family::V6 => 1,
+        }
+    }
+}
+
+/// A pod closes its UDP socket; the outside host's late reply is restored to the pod, which
+/// answers it with port unreachable. The host must get that error as conntrack translates it:
+/// from the node's address, about the datagram the host sent to the node's port, so that the
+/// host's own socket takes it (ECONNREFUSED). Untranslated, it carries the pod's address and
+/// quotes a packet the host never sent.
+fn a_pods_icmp_error_reaches_the_outside_host(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(family.agent_args());
+    let server = SocketAddr::from((family.outside().ip(), 9600));
+    let host = xtask::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(server)?)).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let any = family.any();
+    xtask::netns::within(bed.pod(), move || {
+        UdpSocket::bind((any, 0))?.send_to(b"hello", server)?;
+        Ok(())
+    })
+    .unwrap();
+    let mut buf = [0u8; 64];
+    let (_, node_side) = host.recv_from(&mut buf).unwrap();
+    assert_eq!(node_side.ip(), family.node(), "masqueraded");
+    let errors = family.observe(&bed.topo.ext, IPPROTO_ICMP);
+    host.connect(node_side).unwrap();
+    host.send(b"late reply").unwrap();
+    assert_eq!(
+        host.recv(&mut buf).map_err(|e| e.kind()).err(),
+        Some(ErrorKind::ConnectionRefused),
+        "the host's socket must take the pod's port unreachable as about its own datagram"
+    );
+    wait_for(|| {
+        Ok(errors
+            .packets()
+            .iter()
+            .any(|p| p.l4.first() == Some(&family.unreachable())))
+    })
+    .unwrap();
+    let sources: Vec<IpAddr> = errors.packets().iter().map(|p| p.src).collect();
+    assert!(
+        sources.iter().all(|&src| src == family.node()),
+        "the error left with the node's address: {sources:?}"
+    );
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert_eq!(counters["icmp_error_masqueraded"], 1, "{counters}");
+    }
+}
+
+/// Pods behind a smaller MTU than the uplink (an overlay's): the node answers a reply too big
+/// for the pod's route with fragmentation needed (packet too big), which must reach the
+/// outside sender as about the segment it sent, or path-MTU discovery black-holes the download.
+fn path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(family.agent_args());
+    bed.topo.narrow_pod_route(0, 1400).unwrap();
+    const DOWNLOAD: usize = 20 << 20;
+    let _source = BulkSource::start(&bed.topo.ext, 9800, DOWNLOAD).unwrap();
+    let server = SocketAddr::from((family.outside().ip(), 9800));
+    let got = probe::tcp_download(bed.pod(), server, Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        got, DOWNLOAD as u64,
+        "a 20 MB download into a pod behind a 1400-byte route"
+    );
+}
+
+/// A TCP connection from the pod to the outside host, with the host's end of it.
+struct Conversation {
+    pod: TcpStream,
+    host: TcpStream,
+    /// The connection's address and port as the host sees them: the node's, masqueraded.
+    node_side: SocketAddr,
+    server: SocketAddr,
+}
+
+impl Conversation {
+    fn open(bed: &Bed, family: Family, port: u16) -> Conversation {
+        let server = SocketAddr::from((family.outside().ip(), port));
+        let listener =
+            xtask::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(server)?)).unwrap();
+        let pod = xtask::netns::within(bed.pod(), move || {
+            Ok(TcpStream::connect_timeout(&server, Duration::from_secs(3))?)
+        })
+        .unwrap();
+        let (host, node_side) = listener.accept().unwrap();
+        for stream in [&pod, &host] {
+            stream
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+        }
+        let conversation = Conversation {
+            pod,
+            host,
+            node_side,
+            server,
+        };
+        conversation.exchange("hello").unwrap();
+        conversation
+    }
+
+    /// The pod says `what`, the host answers it back: both ways still work.
+    fn exchange(&self, what: &str) -> std::io::Result<()> {
+        use std::io::{Read as _, Write as _};
+        let line = format!("{what}\n");
+        let mut buf = vec![0u8; line.len()];
+        (&self.pod).write_all(line.as_bytes())?;
+        (&self.host).read_exact(&mut buf)?;
+        (&self.host).write_all(&buf)?;
+        (&self.pod).read_exact(&mut buf)?;
+        if buf != line.as_bytes() {
+            return Err(std::io::Error::other(format!("got {buf:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// An outside host sends one RST with the connection's addresses and ports and a sequence
+/// number far outside the window. The pod's kernel ignores it, and so must the NAT: well past
+/// the reset timeout and a sweep of the NAT table, the connection still carries data both ways.
+fn a_blind_rst_does_not_end_an_established_connection(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(family.agent_args());
+    let segments = family.observe(&bed.topo.ext, IPPROTO_TCP);
+    let conversation = Conversation::open(&bed, family, 9700);
+    let node_side = conversation.node_side;
+    assert_eq!(node_side.ip(), family.node(), "masqueraded");
+    // The node's last segment acknowledges all the host sent: the host's next sequence number.
+    let port_of = |l4: &[u8], at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
+    let acked = segments
+        .packets()
+        .iter()
+        .rev()
+        .find(|p| p.src == node_side.ip() && port_of(&p.l4, 0) == node_side.port())
+        .map(|p| u32::from_be_bytes([p.l4[8], p.l4[9], p.l4[10], p.l4[11]]))
+        .expect("the host saw the node's segments");
+    let rst = Tcp {
+        sport: conversation.server.port(),
+        dport: node_side.port(),
+        flags: RST,
+        seq: acked.wrapping_add(1 << 30),
+        ack: 0,
+        payload: &[],
+    }
+    .segment(conversation.server.ip(), node_side.ip());
+    probe::raw_send_from(
+        &bed.topo.ext,
+        i32::from(IPPROTO_TCP),
+        conversation.server.ip(),
+        node_side.ip(),
+        &rst,
+    )
+    .unwrap();
+    // Past the reset timeout (10 s) and the next sweep of the NAT table (every 10 s).
+    std::thread::sleep(Duration::from_secs(25));
+    conversation
+        .exchange("still there")
+        .expect("the connection outlived a blind RST");
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert_eq!(counters["tcp_rst_not_acceptable"], 1, "{counters}");
+    }
+}
+
+/// Established means both directions seen: a pod's lone ACK toward a host that never answers
+/// leaves the flow's reply half unseen, so it goes with the transitory timeout (60 s), not the
+/// established one (2 h).
+fn a_lone_ack_opens_no_established_flow(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(family.agent_args());
+    // Beyond the outside host, on its narrow link, where no host answers: the node sends it
+    // on through the uplink (an address on the uplink's own subnet would wait for a neighbour
+    // that never answers, and never leave).
+    let nowhere: IpAddr = match family {
+        Family::V4 => "192.0.2.99".parse().unwrap(),
+        Family::V6 => "2001:db8:3::99".parse().unwrap(),
+    };
+    let ack = Tcp {
+        sport: 41000,
+        dport: 443,
+        flags: ACK,
+        ..Tcp::default()
+    }
+    .segment(family.pod(), nowhere);
+    probe::raw_send_from(
+        bed.pod(),
+        i32::from(IPPROTO_TCP),
+        family.pod(),
+        nowhere,
+        &ack,
+    )
+    .unwrap();
+    let table = match family {
+        Family::V4 => "nat_v4",
+        Family::V6 => "nat_v6",
+    };
+    let pin = bed.topo.bpffs.join(table);
+    let halves = || -> Vec<(u64, u64)> {
+        let dump = xtask::netns::run(
+            "bpftool",
+            &["-j", "map", "dump", "pinned", pin.to_str().unwrap()],
+        )
+        .unwrap();
+        let entries: Vec<serde_json::Value> = serde_json::from_str(&dump).unwrap();
+        entries
+            .iter()
+            .map(|e| &e["formatted"])
+            .map(|e| {
+                (
+                    e["key"]["direction"].as_u64().unwrap(),
+                    e["value"]["tcp_seen"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    wait_for(|| Ok(halves().len() == 2)).unwrap();
+    let mut seen = halves();
+    seen.sort();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_ne!(seen[0].1, 0, "the pod's half saw its ACK: {seen:?}");
+    assert_eq!(seen[1].1, 0, "no reply crossed the other half: {seen:?}");
+}
+
+/// The nat table of the node's namespace, through the data plane's iptables backend, as
+/// kube-proxy would write it: one rule per call.
+fn kube_proxy(bed: &Bed, rules: &[&str]) {
+    for rule in rules {
+        let args: Vec<&str> = ["-w", "-t", "nat"]
+            .into_iter()
+            .chain(rule.split_whitespace())
+            .collect();
+        bed.iptables(&args).unwrap();
+    }
+}
+
+/// A ClusterIP service whose endpoint is outside the cluster: kube-proxy DNATs it before
+/// routing, and what leaves is masqueraded like any traffic to the outside.
+fn a_cluster_ip_to_an_endpoint_outside_is_masqueraded(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let endpoint = format!("{}:{PORT}", topology::EXT_ADDR);
+    kube_proxy(
+        &bed,
+        &[&format!(
+            "-A PREROUTING -d 10.96.0.10/32 -p tcp --dport 80 -j DNAT --to-destination {endpoint}"
+        )],
+    );
+    let seen = probe::tcp_probe(bed.pod(), "10.96.0.10:80".parse().unwrap(), 0).unwrap();
+    assert_eq!(seen.ip(), node_ip(), "the endpoint saw the node's address");
+}
+
+/// kube-proxy masquerades the traffic it marks itself, ahead of the agent's jump: such a
+/// connection must leave translated once, by kube-proxy's rule, and keep working.
+fn kube_proxys_own_masquerade_is_not_translated_twice(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let endpoint = format!("{}:{PORT}", topology::EXT_ADDR);
+    kube_proxy(
+        &bed,
+        &[
+            "-A PREROUTING -d 10.96.0.11/32 -p tcp --dport 80 -j MARK --set-xmark 0x4000/0x4000",
+            &format!(
+                "-A PREROUTING -d 10.96.0.11/32 -p tcp --dport 80 -j DNAT --to-destination {endpoint}"
+            ),
+            "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j MASQUERADE --random-fully",
+        ],
+    );
+    for _ in 0..3 {
+        let seen = probe::tcp_probe(bed.pod(), "10.96.0.11:80".parse().unwrap(), 0).unwrap();
+        assert_eq!(seen.ip(), node_ip());
+    }
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert_eq!(
+            counters["masqueraded"], 0,
+            "kube-proxy's translation is not translated again: {counters}"
+        );
+    }
+    assert_masqueraded(&bed);
+}
+
+/// A ClusterIP to a pod on the same node, from another pod (kept unmasqueraded: a pod
+/// destination) and from the endpoint itself (the hairpin, which kube-proxy masquerades).
+fn a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node(plane: Plane) {
+    let bed = Bed::with_pods(plane, DEFAULT_CONFIG, 2);
+    let _agent = bed.start_agent(&[]);
+    let endpoint = topology::pod_addr(1);
+    let in_pod = Observer::start(&bed.topo.pods[1], &[endpoint], 9090).unwrap();
+    kube_proxy(
+        &bed,
+        &[
+            &format!(
+                "-A PREROUTING -s {endpoint}/32 -d 10.96.0.12/32 -p tcp --dport 80 -j MARK --set-xmark 0x4000/0x4000"
+            ),
+            &format!(
+                "-A PREROUTING -d 10.96.0.12/32 -p tcp --dport 80 -j DNAT --to-destination {endpoint}:9090"
+            ),
+            "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j MASQUERADE",
+        ],
+    );
+    let service: SocketAddr = "10.96.0.12:80".parse().unwrap();
+    let seen = probe::tcp_probe(&bed.topo.pods[0], service, 0).unwrap();
+    assert_eq!(seen.ip(), pod_ip(0), "another pod keeps its address");
+    let seen = probe::tcp_probe(&bed.topo.pods[1], service, 0).unwrap();
+    assert_eq!(
+        seen.ip(),
+        IpAddr::from([10, 244, 2, 1]),
+        "the hairpin comes back from the node's side of the pod's link"
+    );
+    assert_eq!(in_pod.sources(Proto::Tcp).len(), 2);
+}
+
+/// Replacing upstream's chain (the `iptables` data plane is byte for byte upstream's) with this
+/// data plane while a connection is open: the connection goes on, and new ones are masqueraded.
+fn migrating_from_upstreams_chain_keeps_an_open_connection(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let upstream_args: Vec<String> = bed
+        .plane_args()
+        .into_iter()
+        .filter(|a| !a.starts_with("--dataplane") && !a.starts_with("--interface"))
+        .filter(|a| !a.starts_with("--fallback"))
+        .chain(["--dataplane=iptables".to_string()])
+        .collect();
+    let mut upstream = bed.spawn_agent(&upstream_args, &[]);
+    let conversation = Conversation::open(&bed, Family::V4, 9710);
+    assert_eq!(conversation.node_side.ip(), node_ip());
+    upstream.stop(libc::SIGTERM).unwrap();
+    let _agent = bed.start_agent(&[]);
+    conversation
+        .exchange("after the switch")
+        .expect("the open connection goes on");
+    assert_masqueraded(&bed);
+}
+
+/// `conntrack -F` while flows are live. The eBPF data plane's NAT table keeps them, so an open
+/// connection goes on; upstream's chain keeps its translations in conntrack alone, so it cannot
+/// (operations.md says so). New connections are masqueraded after it on both.
+fn a_conntrack_flush_during_live_flows(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let conversation = Conversation::open(&bed, Family::V4, 9720);
+    bed.topo.node_run("conntrack", &["-F"]).unwrap();
+    if plane == Plane::Ebpf {
+        conversation
+            .exchange("after the flush")
+            .expect("the NAT table kept the connection");
+    }
+    assert_masqueraded(&bed);
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock NAT entries are stamped with.
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) },
+        0
+    );
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// `bytes` as the words `bpftool map update ... hex` takes.
+fn hex_words(bytes: &[u8]) -> Vec<String> {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// An agent from before NAT entries recorded TCP sequence numbers left its table pinned, with a
+/// live flow in it. The new agent carries the flow into its table: the pod's datagrams keep the
+/// node port the old agent gave them.
+fn an_upgrade_carries_the_flows_of_an_older_nat_table(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    std::fs::create_dir_all(&bed.topo.bpffs).unwrap();
+    let pin = bed.topo.bpffs.join("nat_v4");
+    let pin = pin.to_str().unwrap();
+    let run = |args: &[&str]| xtask::netns::run("bpftool", args).unwrap();
+    run(&[
+        "map", "create", pin, "type", "hash", "key", "16", "value", "16", "entries", "4096",
+        "name", "nat_v4",
+    ]);
+    let (pod_port, node_port) = (40500u16, 45678u16);
+    let key = |src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, dir: u8| {
+        [
+            &src[..],
+            &dst,
+            &sport.to_be_bytes(),
+            &dport.to_be_bytes(),
+            &[17, dir, 0, 0],
+        ]
+        .concat()
+    };
+    // The old layout: last seen (8 bytes), address, port, kind (1: SNAT), TCP flags.
+    let entry = |addr: [u8; 4], port: u16| {
+        [
+            &monotonic_ns().to_ne_bytes()[..],
+            &addr,
+            &port.to_be_bytes(),
+            &[1, 0],
+        ]
+        .concat()
+    };
+    let (pod, ext, node) = (
+        topology::pod_addr(0).octets(),
+        topology::EXT_ADDR.octets(),
+        topology::NODE_UPLINK.octets(),
+    );
+    for (k, v) in [
+        (key(pod, ext, pod_port, PORT, 0), entry(node, node_port)),
+        (key(ext, node, PORT, node_port, 1), entry(pod, pod_port)),
+    ] {
+        let (k, v) = (hex_words(&k), hex_words(&v));
+        let mut args = vec!["map", "update", "pinned", pin, "key", "hex"];
+        args.extend(k.iter().map(String::as_str));
+        args.extend(["value", "hex"]);
+        args.extend(v.iter().map(String::as_str));
+        run(&args);
+    }
+    let agent = bed.start_agent(&[]);
+    let seen = probe::udp_probe(bed.pod(), outside(), pod_port).unwrap();
+    assert_eq!(
+        seen,
+        SocketAddr::from((node_ip(), node_port)),
+        "the old agent's translation goes on\n{}",
+        agent.log_text()
+    );
+    assert!(
+        agent.log_text().contains("flows carried"),
+        "{}",
+        agent.log_text()
+    );
+    assert_masqueraded(&bed);
+}
+
+/// `--nat-capacity` changes between two runs of the agent: the new table is of another size,
+/// and the open connection goes on through it.
+fn a_new_nat_capacity_keeps_open_connections(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut agent = bed.start_agent(&["--nat-capacity=4096"]);
+    let conversation = Conversation::open(&bed, Family::V4, 9730);
+    let capacity = || bed.status_json()["ebpf"]["nat_capacity"].as_u64().unwrap();
+    let before = capacity();
+    agent.stop(libc::SIGTERM).unwrap();
+    let _agent = bed.start_agent(&["--nat-capacity=8192"]);
+    assert_eq!(capacity(), 2 * before, "the table was resized");
+    conversation
+        .exchange("through the bigger table")
+        .expect("the connection outlived the resize");
+}
+
+fn a_pods_icmp_error_reaches_the_outside_host_v4(plane: Plane) {
+    a_pods_icmp_error_reaches_the_outside_host(plane, Family::V4);
+}
+
+fn ipv6_a_pods_icmp_error_reaches_the_outside_host(plane: Plane) {
+    a_pods_icmp_error_reaches_the_outside_host(plane, Family::V6);
+}
+
+fn path_mtu_discovery_toward_a_pod_behind_a_narrower_route_v4(plane: Plane) {
+    path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane, Family::V4);
+}
+
+fn ipv6_path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane: Plane) {
+    path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane, Family::V6);
+}
+
+fn a_blind_rst_does_not_end_an_established_connection_v4(plane: Plane) {
+    a_blind_rst_does_not_end_an_established_connection(plane, Family::V4);
+}
+
+fn ipv6_a_blind_rst_does_not_end_an_established_connection(plane: Plane) {
+    a_blind_rst_does_not_end_an_established_connection(plane, Family::V6);
+}
+
+fn a_lone_ack_opens_no_established_flow_v4(plane: Plane) {
+    a_lone_ack_opens_no_established_flow(plane, Family::V4);
+}
+
+fn ipv6_a_lone_ack_opens_no_established_flow(plane: Plane) {
+    a_lone_ack_opens_no_established_flow(plane, Family::V6);
+}
+
 macro_rules! cases {
     ($plane:ident: $($name:ident),* $(,)?) => {
         $(#[test] fn $name() { super::$name(super::Plane::$plane) })*
@@ -1808,6 +2634,21 @@ macro_rules! common_cases {
             ipv6_survives_the_uplink_going_down_and_up,
             ipv6_survives_the_uplink_being_deleted_and_recreated,
             ipv6_a_killed_agent_does_not_break_a_transfer,
+            masquerades_traffic_leaving_by_a_second_uplink,
+            masquerades_traffic_leaving_by_a_second_uplink_added_later,
+            ipv6_masquerades_traffic_leaving_by_a_second_uplink,
+            ipv6_masquerades_traffic_leaving_by_a_second_uplink_added_later,
+            a_pods_icmp_error_reaches_the_outside_host_v4,
+            ipv6_a_pods_icmp_error_reaches_the_outside_host,
+            path_mtu_discovery_toward_a_pod_behind_a_narrower_route_v4,
+            ipv6_path_mtu_discovery_toward_a_pod_behind_a_narrower_route,
+            a_blind_rst_does_not_end_an_established_connection_v4,
+            ipv6_a_blind_rst_does_not_end_an_established_connection,
+            a_cluster_ip_to_an_endpoint_outside_is_masqueraded,
+            kube_proxys_own_masquerade_is_not_translated_twice,
+            a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node,
+            migrating_from_upstreams_chain_keeps_an_open_connection,
+            a_conntrack_flush_during_live_flows,
         );
     };
 }
@@ -1828,6 +2669,12 @@ mod ebpf {
         bpftool_shows_the_prefixes_with_named_fields,
         replaces_an_incompatible_pinned_map,
         attaches_through_netlink_without_tcx,
+        follows_a_device_that_gains_a_default_route,
+        follows_named_interfaces_as_they_appear_and_vanish,
+        a_lone_ack_opens_no_established_flow_v4,
+        ipv6_a_lone_ack_opens_no_established_flow,
+        an_upgrade_carries_the_flows_of_an_older_nat_table,
+        a_new_nat_capacity_keeps_open_connections,
     );
 }
 

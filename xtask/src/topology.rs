@@ -12,12 +12,17 @@
 //!               fd00:10:244:<i+1>::1  eth0 2001:db8:1::1   + 2001:db8:2::10 (outside, no route back)
 //!                                                          + fd00:200::10   (cluster-local)
 //!                                                          + 2001:db8:1::20 (a routable client)
+//!
+//!  and, once a test connects it, a second uplink with only a connected route:
+//!                                  up1 198.51.100.129/25 ──veth── ext2 198.51.100.130
+//!                                  up1 2001:db8:4::1/64            ext2 2001:db8:4::10
 //! ```
 //!
-//! The outside server has no route to the pod CIDRs (10.244.0.0/16, fd00:10:244::/48), so a
-//! reply only arrives when the node masquerades. Its cluster-local, link-local and
-//! routable-client addresses answer from a routing table that does route back to the pods (there
-//! is no IPv6 link-local case: fe80::/10 does not cross routers). `far` sits behind a narrower
+//! The outside servers have no route to the pod CIDRs (10.244.0.0/16, fd00:10:244::/48), so a
+//! reply only arrives when the node masquerades (toward `ext2`, with the second uplink's
+//! address). The cluster-local, link-local and routable-client addresses of `ext` answer from a
+//! routing table that does route back to the pods (there is no IPv6 link-local case: fe80::/10
+//! does not cross routers). `far` sits behind a narrower
 //! link, so path-MTU discovery toward it depends on ICMP and ICMPv6 errors from `ext`. IPv6
 //! addresses skip duplicate address detection, so they are usable at once. Dropping a `Topology`
 //! deletes every namespace it made, which also removes their links and iptables state, and its
@@ -68,6 +73,15 @@ pub const ROUTABLE_CLIENT_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0,
 pub const EXT_FAR_SIDE_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 1);
 pub const FAR_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 0x20);
 
+/// Interface name of the node's second uplink, which tests connect and delete.
+pub const SECOND_UPLINK_IF: &str = "up1";
+pub const NODE_SECOND_UPLINK: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 129);
+/// The host behind the second uplink, with no route back to the pods.
+pub const EXT2_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 130);
+const SECOND_UPLINK_PREFIX_LEN: u8 = 25;
+pub const NODE_SECOND_UPLINK_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 4, 0, 0, 0, 0, 1);
+pub const EXT2_ADDR_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 4, 0, 0, 0, 0, 0x10);
+
 static NEXT_ID: AtomicU32 = AtomicU32::new(0);
 
 /// Every address of the outside host.
@@ -113,6 +127,9 @@ pub struct Topology {
     pub node: String,
     pub ext: String,
     pub far: String,
+    /// The host behind the second uplink; its namespace exists from the start, the link only
+    /// once `connect_second_uplink` makes it.
+    pub ext2: String,
     /// Scratch directory for this topology's config files and logs; removed on drop.
     pub dir: PathBuf,
     /// A directory of this topology's own on bpffs, for the agent's `--bpffs`; removed on drop.
@@ -136,6 +153,7 @@ impl Topology {
             node: format!("{id}-node"),
             ext: format!("{id}-ext"),
             far: format!("{id}-far"),
+            ext2: format!("{id}-ext2"),
             dir,
             bpffs: Path::new(BPFFS_ROOT).join(&id),
         };
@@ -179,8 +197,37 @@ impl Topology {
         Ok(())
     }
 
+    /// The node's second uplink `up1` toward `ext2`, with addresses and connected routes only:
+    /// no default route on the node, and no route back to the pods in `ext2`.
+    pub fn connect_second_uplink(&self) -> anyhow::Result<()> {
+        let (node, ext2) = (&self.node, &self.ext2);
+        let len = SECOND_UPLINK_PREFIX_LEN;
+        veth(node, SECOND_UPLINK_IF, ext2, "eth0")?;
+        ip(
+            node,
+            &format!("addr add {NODE_SECOND_UPLINK}/{len} dev {SECOND_UPLINK_IF}"),
+        )?;
+        ip(ext2, &format!("addr add {EXT2_ADDR}/{len} dev eth0"))?;
+        ip(
+            node,
+            &format!("-6 addr add {NODE_SECOND_UPLINK_V6}/64 dev {SECOND_UPLINK_IF} nodad"),
+        )?;
+        ip(
+            ext2,
+            &format!("-6 addr add {EXT2_ADDR_V6}/64 dev eth0 nodad"),
+        )?;
+        Ok(())
+    }
+
+    /// Deletes the second uplink; its end in `ext2` goes with it.
+    pub fn disconnect_second_uplink(&self) -> anyhow::Result<()> {
+        ip(&self.node, &format!("link del {SECOND_UPLINK_IF}")).map(drop)
+    }
+
     fn namespaces(&self) -> impl Iterator<Item = &String> {
-        self.pods.iter().chain([&self.node, &self.ext, &self.far])
+        self.pods
+            .iter()
+            .chain([&self.node, &self.ext, &self.far, &self.ext2])
     }
 
     fn build(&self) -> anyhow::Result<()> {
@@ -329,6 +376,25 @@ impl Topology {
     /// A command to run inside the node namespace.
     pub fn node_command(&self, program: &str) -> Command {
         command_in(&self.node, program)
+    }
+
+    /// Routes to pod `i` over a path of `mtu` bytes, smaller than the uplink's, as an overlay's
+    /// tunnel would: the node then answers a bigger packet for the pod with fragmentation
+    /// needed (packet too big), locked so that nothing raises it.
+    pub fn narrow_pod_route(&self, i: usize, mtu: u32) -> anyhow::Result<()> {
+        let dev = format!("pod{i}");
+        ip(
+            &self.node,
+            &format!("route replace {}/32 dev {dev} mtu lock {mtu}", pod_addr(i)),
+        )?;
+        ip(
+            &self.node,
+            &format!(
+                "-6 route replace {}/128 dev {dev} mtu lock {mtu}",
+                pod_addr_v6(i)
+            ),
+        )?;
+        Ok(())
     }
 }
 
@@ -532,5 +598,33 @@ mod tests {
         crate::wait_for(|| Ok(!pings.sources().is_empty())).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert_eq!(pings.sources(), [pod_addr_v6(0)]);
+    }
+
+    fn ping(ns: &str, dst: IpAddr) -> bool {
+        command_in(ns, "ping")
+            .args(["-c1", "-W1", &dst.to_string()])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    }
+
+    /// The second uplink comes and goes on demand; the host behind it answers the node, and
+    /// not the pods, to which it has no route.
+    #[test]
+    fn second_uplink_reaches_ext2_from_the_node_only_while_connected() {
+        let topo = Topology::new(1).unwrap();
+        let behind = [IpAddr::from(EXT2_ADDR), IpAddr::from(EXT2_ADDR_V6)];
+        assert!(!ping(&topo.node, behind[0]), "not connected yet");
+        for _ in 0..2 {
+            topo.connect_second_uplink().unwrap();
+            for dst in behind {
+                assert!(ping(&topo.node, dst), "{dst} from the node");
+                assert!(!ping(&topo.pods[0], dst), "{dst} must not route back");
+            }
+            assert!(ping(&topo.node, EXT_SECOND_ADDR.into()), "still by eth0");
+            topo.disconnect_second_uplink().unwrap();
+            assert!(!ping(&topo.node, behind[0]), "disconnected");
+        }
     }
 }

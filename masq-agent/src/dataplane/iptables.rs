@@ -23,13 +23,38 @@ const XTABLES_WAIT_SECS: &str = "5";
 const PORT_MAPPED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
 
 /// Which chain body to install.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChainVariant {
     /// Upstream's chain: masquerades everything not exempted.
     Full,
-    /// The same chain, but the protocols the eBPF programs translate return first, so the chain
-    /// only handles the rest (SCTP, GRE, ...).
-    OutsideEbpf,
+    /// The same chain, but what the eBPF programs translate returns first when it leaves by a
+    /// device that carries them, so the chain handles the other protocols (SCTP, GRE, ...) and
+    /// whatever leaves by other devices.
+    OutsideEbpf {
+        /// Never empty: see `beside_programs`.
+        devices: Vec<String>,
+    },
+}
+
+impl ChainVariant {
+    /// The chain beside programs on `devices`: upstream's when there are none, as then nothing
+    /// is left to the programs.
+    pub fn beside_programs(devices: Vec<String>) -> ChainVariant {
+        if devices.is_empty() {
+            ChainVariant::Full
+        } else {
+            ChainVariant::OutsideEbpf { devices }
+        }
+    }
+}
+
+/// The protocols the eBPF programs translate, as the family's iptables names them.
+fn ebpf_protocols(family: IpFamily) -> [&'static str; 3] {
+    let icmp = match family {
+        IpFamily::Ipv4 => "icmp",
+        IpFamily::Ipv6 => "ipv6-icmp",
+    };
+    ["tcp", "udp", icmp]
 }
 
 /// What the installed iptables can do.
@@ -100,20 +125,18 @@ pub fn render(
     policy: &Policy,
     opts: &MasqueradeOptions,
     caps: Capabilities,
-    variant: ChainVariant,
+    variant: &ChainVariant,
 ) -> Option<String> {
     let exempt = exempt(family, policy)?;
     let chain = &opts.chain;
     let mut lines = vec!["*nat".to_string(), format!(":{chain} - [0:0]")];
-    if variant == ChainVariant::OutsideEbpf {
-        let icmp = match family {
-            IpFamily::Ipv4 => "icmp",
-            IpFamily::Ipv6 => "ipv6-icmp",
-        };
-        for proto in ["tcp", "udp", icmp] {
-            lines.push(format!(
-                "-A {chain} {EBPF_RETURN_COMMENT} -p {proto} -j RETURN"
-            ));
+    if let ChainVariant::OutsideEbpf { devices } = variant {
+        for device in devices {
+            for proto in ebpf_protocols(family) {
+                lines.push(format!(
+                    "-A {chain} {EBPF_RETURN_COMMENT} -o {device} -p {proto} -j RETURN"
+                ));
+            }
         }
     }
     match variant {
@@ -122,7 +145,7 @@ pub fn render(
                 lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
             }
         }
-        ChainVariant::OutsideEbpf => {
+        ChainVariant::OutsideEbpf { .. } => {
             let set = ipset::name(chain, family);
             lines.push(format!(
                 "-A {chain} {NON_MASQ_COMMENT} -m set --match-set {set} dst -j RETURN"
@@ -262,16 +285,56 @@ impl Iptables {
 
     fn chain_status(&self, chain: &str) -> anyhow::Result<ChainStatus> {
         let listing = self.list_chain(chain)?;
+        let mut status = ChainStatus::read(self.family, chain, listing.as_deref(), ipset::members)?;
+        status.jump_installed = self.jump_present(chain)?;
+        Ok(status)
+    }
+}
+
+fn push_new(list: &mut Vec<String>, item: String) {
+    if !list.contains(&item) {
+        list.push(item);
+    }
+}
+
+/// iptables' `-o` wildcard: a name ending in `+` matches every name it begins.
+const ANY_DEVICE: &str = "+";
+
+/// One family's chain, as read back from the kernel.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChainStatus {
+    pub family: IpFamily,
+    pub chain: String,
+    pub installed: bool,
+    pub jump_installed: bool,
+    /// Protocols that return early because the eBPF programs translate them.
+    pub ebpf_protocols_returned: Vec<String>,
+    /// The devices (as `-o` names them) by which those protocols return early.
+    pub ebpf_devices_returned: Vec<String>,
+    pub non_masquerade: Vec<String>,
+    pub masquerade_rules: usize,
+}
+
+impl ChainStatus {
+    /// The chain as `iptables -S` lists it (`None`: not installed), with the members of the set
+    /// it matches on from `set_members`.
+    fn read(
+        family: IpFamily,
+        chain: &str,
+        listing: Option<&str>,
+        set_members: impl Fn(&str) -> anyhow::Result<Vec<String>>,
+    ) -> anyhow::Result<ChainStatus> {
         let mut status = ChainStatus {
-            family: self.family,
+            family,
             chain: chain.to_string(),
             installed: listing.is_some(),
-            jump_installed: self.jump_present(chain)?,
+            jump_installed: false,
             ebpf_protocols_returned: Vec::new(),
+            ebpf_devices_returned: Vec::new(),
             non_masquerade: Vec::new(),
             masquerade_rules: 0,
         };
-        for line in listing.as_deref().unwrap_or_default().lines() {
+        for line in listing.unwrap_or_default().lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
             let after = |flag: &str| {
                 words
@@ -283,28 +346,34 @@ impl Iptables {
             if line.contains("-j MASQUERADE") {
                 status.masquerade_rules += 1;
             } else if let Some(set) = after("--match-set") {
-                status.non_masquerade.extend(ipset::members(&set)?);
+                status.non_masquerade.extend(set_members(&set)?);
             } else if let Some(dst) = after("-d") {
                 status.non_masquerade.push(dst);
             } else if let Some(proto) = after("-p") {
-                status.ebpf_protocols_returned.push(proto);
+                // A rule without `-o` (an agent before per-device rules) returns every device.
+                let device = after("-o").unwrap_or_else(|| ANY_DEVICE.to_string());
+                push_new(&mut status.ebpf_protocols_returned, proto);
+                push_new(&mut status.ebpf_devices_returned, device);
             }
         }
         Ok(status)
     }
-}
 
-/// One family's chain, as read back from the kernel.
-#[derive(Debug, Clone, Serialize)]
-pub struct ChainStatus {
-    pub family: IpFamily,
-    pub chain: String,
-    pub installed: bool,
-    pub jump_installed: bool,
-    /// Protocols that return early because the eBPF programs translate them.
-    pub ebpf_protocols_returned: Vec<String>,
-    pub non_masquerade: Vec<String>,
-    pub masquerade_rules: usize,
+    /// Whether the chain returns the TCP, UDP and ICMP leaving by `device` to the eBPF
+    /// programs, masquerading none of it.
+    pub fn returns_to_programs(&self, device: &str) -> bool {
+        self.ebpf_devices_returned
+            .iter()
+            .any(|pattern| match pattern.strip_suffix(ANY_DEVICE) {
+                Some(prefix) => device.starts_with(prefix),
+                None => device == pattern,
+            })
+    }
+
+    /// Whether packets leaving the node go through this chain at all.
+    pub fn in_force(&self) -> bool {
+        self.installed && self.jump_installed
+    }
 }
 
 impl std::fmt::Display for ChainStatus {
@@ -331,8 +400,9 @@ impl std::fmt::Display for ChainStatus {
         if !self.ebpf_protocols_returned.is_empty() {
             writeln!(
                 f,
-                "  left to eBPF: {}",
-                self.ebpf_protocols_returned.join(", ")
+                "  left to eBPF: {} leaving by {}",
+                self.ebpf_protocols_returned.join(", "),
+                self.ebpf_devices_returned.join(", ")
             )?;
         }
         for cidr in &self.non_masquerade {
@@ -369,7 +439,7 @@ impl IptablesDataPlane {
             opts,
             variants: [IpFamily::Ipv4, IpFamily::Ipv6]
                 .into_iter()
-                .map(|f| (f, variant))
+                .map(|f| (f, variant.clone()))
                 .collect(),
             mode,
             reason: None,
@@ -460,11 +530,11 @@ impl DataPlane for IptablesDataPlane {
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let mut outcome = ApplyOutcome::Unchanged;
         for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
-            let variant = self.variants[&family];
+            let variant = &self.variants[&family];
             let Some(rendered) = render(family, policy, &self.opts, caps, variant) else {
                 continue;
             };
-            let set = (variant == ChainVariant::OutsideEbpf)
+            let set = matches!(variant, ChainVariant::OutsideEbpf { .. })
                 .then(|| exempt(family, policy))
                 .flatten();
             match self.apply_family(family, rendered, set)? {
@@ -476,7 +546,7 @@ impl DataPlane for IptablesDataPlane {
     }
 
     fn status(&self) -> anyhow::Result<Status> {
-        let mut status = status(&self.opts.chain)?;
+        let mut status = super::read_back(&self.opts.chain, None)?;
         if status.mode.is_some() {
             status.mode = Some(self.mode);
             status.mode_reason = self.reason.clone();
@@ -499,25 +569,11 @@ fn available_families() -> Vec<IpFamily> {
 }
 
 /// Reads the chains back from the kernel, for any process (the daemon or `status`).
-pub fn status(chain: &str) -> anyhow::Result<Status> {
-    let chains = available_families()
+pub fn read_chains(chain: &str) -> anyhow::Result<Vec<ChainStatus>> {
+    available_families()
         .into_iter()
         .map(|family| Iptables { family }.chain_status(chain))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let installed = chains.iter().find(|c| c.installed);
-    let mode = installed.map(|c| {
-        if c.ebpf_protocols_returned.is_empty() {
-            Mode::Iptables
-        } else {
-            Mode::Ebpf
-        }
-    });
-    Ok(Status {
-        mode,
-        mode_reason: None,
-        chains,
-        ebpf: None,
-    })
+        .collect()
 }
 
 /// Removes the chain and its POSTROUTING jump for every family.

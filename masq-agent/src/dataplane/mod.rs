@@ -2,6 +2,7 @@
 //! `ebpf` (tc programs and LPM maps) and `iptables` (upstream's reference chain). Nothing outside
 //! this module knows which one is running.
 
+pub mod coverage;
 pub mod ebpf;
 pub mod ipset;
 pub mod iptables;
@@ -9,7 +10,7 @@ pub mod state;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::Policy;
+use crate::{netdev, policy::Policy};
 
 /// Runs `program args...` with `input` on its standard input (iptables-restore, ipset restore);
 /// fails with what the program said on stderr.
@@ -144,19 +145,35 @@ pub struct Status {
     pub mode_reason: Option<String>,
     pub chains: Vec<iptables::ChainStatus>,
     pub ebpf: Option<ebpf::EbpfStatus>,
+    /// What masquerades what leaves each device of the node, loopback aside.
+    pub devices: Vec<coverage::DeviceCoverage>,
+}
+
+/// What is installed, read back from the kernel: the chains, the eBPF objects pinned under
+/// `bpffs` if given, and what that makes of each device.
+fn read_back(chain: &str, bpffs: Option<&std::path::Path>) -> anyhow::Result<Status> {
+    let chains = iptables::read_chains(chain)?;
+    let ebpf = bpffs.map(ebpf::read_status).transpose()?.flatten();
+    let attached = ebpf.as_ref().is_some_and(|e| !e.attachments.is_empty());
+    let installed = chains.iter().find(|c| c.installed);
+    let mode = if attached || installed.is_some_and(|c| !c.ebpf_protocols_returned.is_empty()) {
+        Some(Mode::Ebpf)
+    } else {
+        installed.map(|_| Mode::Iptables)
+    };
+    let devices = coverage::of_devices(&netdev::names_and_indexes()?, &chains, ebpf.as_ref());
+    Ok(Status {
+        mode,
+        mode_reason: None,
+        chains,
+        ebpf,
+        devices,
+    })
 }
 
 /// Reads back whatever the agent installed, for `masq-agent status` in a separate process.
 pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
-    let mut status = iptables::status(chain)?;
-    status.ebpf = ebpf::read_status(bpffs)?;
-    if status
-        .ebpf
-        .as_ref()
-        .is_some_and(|e| !e.attachments.is_empty())
-    {
-        status.mode = Some(Mode::Ebpf);
-    }
+    let mut status = read_back(chain, Some(bpffs))?;
     if let Some(record) = state::read(bpffs) {
         status.mode = Some(record.mode);
         status.mode_reason = record.reason;
@@ -177,6 +194,12 @@ impl std::fmt::Display for Status {
             (Some(mode), Some(reason)) => writeln!(f, "data plane: {mode}, because {reason}")?,
             (Some(mode), None) => writeln!(f, "data plane: {mode}")?,
             (None, _) => writeln!(f, "data plane: none installed")?,
+        }
+        if !self.devices.is_empty() {
+            writeln!(f, "devices (what masquerades traffic leaving each):")?;
+            for device in &self.devices {
+                write!(f, "{device}")?;
+            }
         }
         if let Some(ebpf) = &self.ebpf {
             write!(f, "{ebpf}")?;

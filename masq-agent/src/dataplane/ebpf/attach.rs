@@ -85,7 +85,8 @@ pub fn attach(
                     hook = hook.name(),
                     "pinned link unusable, attaching anew: {err:#}"
                 );
-                std::fs::remove_file(pin)?;
+                std::fs::remove_file(pin)
+                    .with_context(|| format!("removing the unusable pin {}", pin.display()))?;
             }
         }
     }
@@ -152,9 +153,25 @@ pub fn is_attached(prog: &SchedClassifier, device: &str, hook: Hook) -> anyhow::
         // Netlink filters cannot be listed per program here; re-attachment relies on TCX.
         return Ok(true);
     }
-    let id = prog.info()?.id();
+    runs(prog.info()?.id(), device, hook)
+}
+
+/// Whether the program `id` runs at `device`'s `hook` through TCX.
+pub fn runs(id: u32, device: &str, hook: Hook) -> anyhow::Result<bool> {
     let (_, progs) = SchedClassifier::query_tcx(device, hook.attach_type())?;
     Ok(progs.iter().any(|p| p.id() == id))
+}
+
+/// Takes `program` off `device`'s `hook`: unpins its link (the agent holds no other reference
+/// to it by now) and removes a clsact filter of that name. A device already gone took its
+/// attachments with it; only the pin was left.
+pub fn detach(device: &str, hook: Hook, pin: &Path, program: &str) {
+    if let Err(err) = std::fs::remove_file(pin)
+        && err.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(pin = %pin.display(), "could not unpin a link: {err}");
+    }
+    let _ = tc::qdisc_detach_program(device, hook.attach_type(), program);
 }
 
 /// Removes every pinned link under `links_dir`, which detaches their programs, and any clsact

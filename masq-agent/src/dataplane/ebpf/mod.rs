@@ -1,9 +1,12 @@
 //! The eBPF data plane: masq-ebpf's tc programs on each selected device, the non-masquerade
 //! tries they look destinations up in, the NAT table, and beside them the reference chain
-//! reduced to the protocols the programs leave alone.
+//! reduced to what the programs leave alone: other protocols, and whatever leaves by a device
+//! without them.
 
 pub mod attach;
 pub(crate) mod batch;
+mod carry;
+pub mod devices;
 pub mod expiry;
 pub mod pins;
 pub mod testbed;
@@ -33,6 +36,8 @@ use tracing::{info, warn};
 
 use self::{
     attach::{Attachment, Hook},
+    carry::Carried,
+    devices::{Notes, Returned, Selection},
     expiry::Timeouts,
     pins::Pins,
 };
@@ -59,7 +64,7 @@ pub struct Unavailable(pub anyhow::Error);
 #[derive(Debug, Clone)]
 pub struct EbpfOptions {
     pub bpffs: PathBuf,
-    pub devices: Vec<String>,
+    pub devices: Selection,
     pub nat_capacity: u32,
     pub port_spans: Vec<PortRange>,
     pub random_fully: bool,
@@ -85,14 +90,22 @@ pub struct EbpfDataPlane {
     ebpf: Ebpf,
     pins: Pins,
     enable_ipv6: bool,
-    /// IPv6 goes to the full chain: a device has no IPv6 address for the programs.
-    ipv6_by_chain: bool,
+    selection: Selection,
+    /// The devices carrying the programs, as last looked up.
     devices: Vec<Device>,
+    /// Devices an earlier agent left programs on: taken over, or released, at the first apply.
+    inherited: Vec<String>,
+    notes: Notes,
     attachments: Vec<(String, Hook, Attachment)>,
     chain: IptablesDataPlane,
+    /// What the chain returns to the programs, as last installed.
+    returned: Returned,
     timeouts: Timeouts,
     applied: Option<Policy>,
     last_sweep: Option<std::time::Instant>,
+    /// The old NAT tables whose flows are carried into the new ones, held until the first
+    /// apply has taken the links over from the old programs.
+    carried: Carried,
 }
 
 /// How often the NAT table is swept for idle flows; upkeep runs more often than that, to catch
@@ -107,17 +120,12 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
 }
 
 fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
-    if opts.devices.is_empty() {
-        bail!("no interface to attach to (no default route, and no --interface)");
-    }
-    // Devices first: nothing is created on bpffs for a data plane that cannot run.
-    let devices = opts
-        .devices
-        .iter()
-        .map(|name| netdev::device(name))
-        .collect::<anyhow::Result<Vec<_>>>()?;
     let pins = Pins::new(&opts.bpffs);
     pins.prepare()?;
+    let carried = Carried::open(&pins, |name| match name {
+        map_names::NAT_V6 => opts.nat_v6_capacity(),
+        _ => opts.nat_capacity,
+    });
     pins.discard_incompatible(opts.nat_capacity, opts.nat_v6_capacity());
     let mut loader = EbpfLoader::new();
     loader.map_max_entries(map_names::NAT_V4, opts.nat_capacity);
@@ -136,22 +144,23 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
             .with_context(|| format!("loading program {name}"))?;
     }
     write_settings(&mut ebpf, &opts.port_spans, opts.random_fully)?;
-    write_interfaces(&mut ebpf, &devices, opts.enable_ipv6)?;
+    carried.copy_into(&mut ebpf);
     Ok(EbpfDataPlane {
         ebpf,
+        inherited: pins.linked_devices(),
         pins,
         enable_ipv6: opts.enable_ipv6,
-        ipv6_by_chain: false,
-        devices,
+        selection: opts.devices.clone(),
+        devices: Vec::new(),
+        notes: Notes::default(),
         attachments: Vec::new(),
-        chain: IptablesDataPlane::new(
-            opts.masquerade.clone(),
-            ChainVariant::OutsideEbpf,
-            Mode::Ebpf,
-        ),
+        // Until programs run somewhere, the chain leaves nothing to them.
+        chain: IptablesDataPlane::new(opts.masquerade.clone(), ChainVariant::Full, Mode::Ebpf),
+        returned: Returned::default(),
         timeouts: Timeouts::default(),
         applied: None,
         last_sweep: None,
+        carried,
     })
 }
 
@@ -369,51 +378,140 @@ fn v6_keys(nets: &[Ipv6Net]) -> BTreeSet<Prefix<16>> {
         .collect()
 }
 
+/// What following the devices changed.
+struct Followed {
+    /// A device started or stopped carrying the programs, or changed its address or index.
+    devices_changed: bool,
+    /// A program found detached was attached again.
+    reattached: bool,
+}
+
 impl EbpfDataPlane {
-    /// Re-reads each device's address (MASQUERADE semantics: new flows follow the address).
-    fn refresh_devices(&mut self) -> anyhow::Result<bool> {
-        let fresh = self
+    /// Makes the programs run on the devices the selection picks now, and the chain return to
+    /// them exactly what those devices can translate. A device's traffic leaves the chain's
+    /// early returns before its programs go, and joins them only once its programs run with
+    /// its address, so that no new flow leaves untranslated.
+    fn follow_devices(&mut self, policy: &Policy) -> anyhow::Result<Followed> {
+        let carrying = self.carrying();
+        let states = devices::states(&self.selection.followed(&carrying)?)?;
+        self.notes
+            .report(&self.selection, &states, self.enable_ipv6);
+        let fresh = devices::usable(&states);
+        let kept = self
+            .returned
+            .common(&Returned::by(&fresh, self.enable_ipv6));
+        self.return_to_programs(kept, policy)?;
+        let leaving: Vec<String> = carrying
+            .into_iter()
+            .filter(|name| !fresh.iter().any(|d| d.name == *name))
+            .collect();
+        for device in &leaving {
+            self.release(device);
+        }
+        self.inherited.clear();
+        let changed = self.take_devices(fresh)?;
+        let reattached = self.ensure_attached();
+        // A device whose programs could not be attached stays with the chain.
+        let running: Vec<Device> = self
             .devices
             .iter()
-            .map(|d| netdev::device(&d.name))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+            .filter(|d| self.runs_both_programs(&d.name))
+            .cloned()
+            .collect();
+        self.return_to_programs(Returned::by(&running, self.enable_ipv6), policy)?;
+        let reattached = reattached.map_err(Unavailable)?;
+        Ok(Followed {
+            devices_changed: changed || !leaving.is_empty(),
+            reattached,
+        })
+    }
+
+    fn runs_both_programs(&self, device: &str) -> bool {
+        Hook::BOTH.into_iter().all(|hook| {
+            self.attachments
+                .iter()
+                .any(|(d, h, _)| d == device && *h == hook)
+        })
+    }
+
+    /// The devices that carry the programs, or did under an earlier agent.
+    fn carrying(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.devices.iter().map(|d| d.name.clone()).collect();
+        devices::merge(&mut names, &self.inherited);
+        names
+    }
+
+    /// Installs the chain that returns `returned` to the programs, if it is not in force.
+    fn return_to_programs(&mut self, returned: Returned, policy: &Policy) -> anyhow::Result<()> {
+        if returned == self.returned {
+            return Ok(());
+        }
+        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+            self.chain.set_variant(family, returned.variant(family));
+        }
+        self.chain.apply(policy)?;
+        self.returned = returned;
+        Ok(())
+    }
+
+    /// Takes the programs off `device`: its flows are no longer translated.
+    fn release(&mut self, device: &str) {
+        self.attachments.retain(|(name, _, _)| name != device);
+        for hook in Hook::BOTH {
+            let pin = self.pins.link(device, hook.name());
+            attach::detach(device, hook, &pin, program_name(hook));
+        }
+        info!(device, "programs removed from the device");
+    }
+
+    /// Gives the programs `fresh`'s addresses. As MASQUERADE forgets its connections when their
+    /// address goes, the flows on an address a device no longer has are forgotten: replies to it
+    /// can no longer reach the node. Returns whether anything changed.
+    fn take_devices(&mut self, fresh: Vec<Device>) -> anyhow::Result<bool> {
         if fresh == self.devices {
             return Ok(false);
         }
         write_interfaces(&mut self.ebpf, &fresh, self.enable_ipv6)?;
-        for (old, new) in self.devices.iter().zip(&fresh) {
-            if old != new {
+        for old in std::mem::take(&mut self.devices) {
+            let new = fresh.iter().find(|d| d.name == old.name);
+            if let Some(new) = new.filter(|new| **new != old) {
                 info!(device = new.name, old = ?(old.ipv4, old.ipv6), new = ?(new.ipv4, new.ipv6), index = new.index, "device changed");
             }
-            // As MASQUERADE forgets its connections when their address goes: replies to the
-            // old address can no longer reach the node.
-            if old.ipv4 != new.ipv4 {
-                let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
-                let purged = expiry::forget_address(nat, old.ipv4.octets())?;
-                info!(device = new.name, address = %old.ipv4, flows = purged, "flows on the old address forgotten");
-            }
-            if let Some(gone) = old.ipv6.filter(|addr| new.ipv6 != Some(*addr)) {
-                let nat = map_mut(&mut self.ebpf, map_names::NAT_V6)?;
-                let purged = expiry::forget_address(nat, gone.octets())?;
-                info!(device = new.name, address = %gone, flows = purged, "flows on the old address forgotten");
-            }
+            self.forget_flows(&old, new)?;
         }
         self.devices = fresh;
         Ok(true)
     }
 
-    /// Attaches wherever a program is missing: on first apply, and after someone detached it
-    /// or the device was recreated. Returns whether anything had to be (re)attached.
+    /// Forgets the flows on the addresses `old` had and `new` (the same device now, if it still
+    /// carries the programs) does not.
+    fn forget_flows(&mut self, old: &Device, new: Option<&Device>) -> anyhow::Result<()> {
+        if new.is_none_or(|new| new.ipv4 != old.ipv4) {
+            let nat = map_mut(&mut self.ebpf, map_names::NAT_V4)?;
+            let purged = expiry::forget_address(nat, old.ipv4.octets())?;
+            info!(device = old.name, address = %old.ipv4, flows = purged, "flows on the old address forgotten");
+        }
+        if let Some(gone) = old
+            .ipv6
+            .filter(|addr| new.is_none_or(|new| new.ipv6 != Some(*addr)))
+        {
+            let nat = map_mut(&mut self.ebpf, map_names::NAT_V6)?;
+            let purged = expiry::forget_address(nat, gone.octets())?;
+            info!(device = old.name, address = %gone, flows = purged, "flows on the old address forgotten");
+        }
+        Ok(())
+    }
+
+    /// Attaches wherever a program is missing: on a device that starts carrying them, and after
+    /// someone detached one or its device was recreated. Returns whether anything had to be
+    /// attached again.
     fn ensure_attached(&mut self) -> anyhow::Result<bool> {
         let mut repaired = false;
         for device in self.devices.clone() {
+            let new = !self.attachments.iter().any(|(d, _, _)| *d == device.name);
             for hook in Hook::BOTH {
-                let name = match hook {
-                    Hook::Egress => program_names::EGRESS,
-                    Hook::Ingress => program_names::INGRESS,
-                };
                 let pin = self.pins.link(&device.name, hook.name());
-                let prog = classifier(&mut self.ebpf, name)?;
+                let prog = classifier(&mut self.ebpf, program_name(hook))?;
                 let position = self
                     .attachments
                     .iter()
@@ -429,11 +527,15 @@ impl EbpfDataPlane {
                     );
                     self.attachments.remove(i);
                     let _ = std::fs::remove_file(&pin);
+                    repaired = true;
                 }
                 let attachment = attach::attach(prog, &device.name, hook, &pin)?;
                 self.attachments
                     .push((device.name.clone(), hook, attachment));
-                repaired = true;
+            }
+            if new {
+                let ipv6 = device.ipv6.filter(|_| self.enable_ipv6);
+                info!(device = device.name, address = %device.ipv4, ?ipv6, "programs attached to the device");
             }
         }
         Ok(repaired)
@@ -449,22 +551,11 @@ impl EbpfDataPlane {
     }
 }
 
-impl EbpfDataPlane {
-    /// The programs masquerade IPv6 only where the device has a global IPv6 address; while
-    /// one lacks it, IPv6 gets upstream's full chain, so that nothing leaves a pod
-    /// unmasqueraded for want of an address to give it.
-    fn choose_ipv6_chain(&mut self) {
-        let translated = self.devices.iter().all(|d| d.ipv6.is_some());
-        if self.enable_ipv6 && !translated && !self.ipv6_by_chain {
-            warn!("a device has no global IPv6 address: IPv6 is masqueraded by ip6tables alone");
-        }
-        self.ipv6_by_chain = !translated;
-        let variant = if translated {
-            ChainVariant::OutsideEbpf
-        } else {
-            ChainVariant::Full
-        };
-        self.chain.set_variant(IpFamily::Ipv6, variant);
+/// The program that runs at `hook`.
+fn program_name(hook: Hook) -> &'static str {
+    match hook {
+        Hook::Egress => program_names::EGRESS,
+        Hook::Ingress => program_names::INGRESS,
     }
 }
 
@@ -476,16 +567,16 @@ impl DataPlane for EbpfDataPlane {
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let first = self.applied.is_none();
         let changed = self.sync_policy(policy)?;
-        let devices_changed = self.refresh_devices().map_err(Unavailable)?;
-        let reattached = self.ensure_attached().map_err(Unavailable)?;
-        self.choose_ipv6_chain();
+        let followed = self.follow_devices(policy)?;
+        // The old programs have handed over their links: what they created meanwhile too.
+        std::mem::take(&mut self.carried).copy_into(&mut self.ebpf);
         // The reduced chain goes in only once the programs run, so that no new flow is left
         // untranslated in between.
         let chain = self.chain.apply(policy)?;
         self.applied = Some(policy.clone());
-        Ok(if first || changed || devices_changed {
+        Ok(if first || changed || followed.devices_changed {
             ApplyOutcome::Applied
-        } else if (reattached && !first) || chain != ApplyOutcome::Unchanged {
+        } else if followed.reattached || chain != ApplyOutcome::Unchanged {
             ApplyOutcome::Repaired
         } else {
             ApplyOutcome::Unchanged
@@ -493,8 +584,12 @@ impl DataPlane for EbpfDataPlane {
     }
 
     fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
-        self.refresh_devices().map_err(Unavailable)?;
-        self.ensure_attached()?;
+        // Nothing is attached before the first apply has filled the non-masquerade tries.
+        if let Some(policy) = self.applied.take() {
+            let followed = self.follow_devices(&policy);
+            self.applied = Some(policy);
+            followed?;
+        }
         if self
             .last_sweep
             .is_some_and(|last| last.elapsed() < SWEEP_INTERVAL)
@@ -524,8 +619,7 @@ impl DataPlane for EbpfDataPlane {
     }
 
     fn status(&self) -> anyhow::Result<Status> {
-        let mut status = super::iptables::status(&self.chain_name())?;
-        status.ebpf = read_status(&self.pins.dir)?;
+        let mut status = super::read_back(self.chain.chain(), Some(&self.pins.dir))?;
         status.mode = Some(Mode::Ebpf);
         Ok(status)
     }
@@ -537,12 +631,6 @@ impl DataPlane for EbpfDataPlane {
     }
 }
 
-impl EbpfDataPlane {
-    fn chain_name(&self) -> String {
-        self.chain.chain().to_string()
-    }
-}
-
 /// One attachment, as read back from its pinned link.
 #[derive(Debug, Clone, Serialize)]
 pub struct AttachmentStatus {
@@ -550,6 +638,8 @@ pub struct AttachmentStatus {
     pub hook: String,
     pub link_id: u32,
     pub program_id: u32,
+    /// Whether the program runs at the device's hook: not once the device is gone.
+    pub running: bool,
 }
 
 /// The eBPF data plane as read back from bpffs.
@@ -568,6 +658,25 @@ pub struct EbpfStatus {
     pub nat_entries: usize,
     pub nat_capacity: u32,
     pub counters: BTreeMap<&'static str, u64>,
+}
+
+impl EbpfStatus {
+    /// Whether the programs translate `family` leaving by `device`: they run at both its
+    /// hooks, with its address in the `interfaces` map.
+    pub fn translates(&self, device: &str, index: u32, family: IpFamily) -> bool {
+        let runs = |hook: Hook| {
+            self.attachments
+                .iter()
+                .any(|a| a.device == device && a.hook == hook.name() && a.running)
+        };
+        // Clsact filters (kernels without TCX) leave no pins to read back: the map tells.
+        let attached = !attach::uses_tcx() || Hook::BOTH.into_iter().all(runs);
+        let addressed = match family {
+            IpFamily::Ipv4 => self.interfaces.contains_key(&index),
+            IpFamily::Ipv6 => self.interfaces_v6.contains_key(&index),
+        };
+        attached && addressed
+    }
 }
 
 fn pinned(pins: &Pins, name: &str) -> anyhow::Result<Map> {
@@ -721,19 +830,16 @@ impl std::fmt::Display for EbpfStatus {
 }
 
 fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
-    let Ok(entries) = std::fs::read_dir(pins.links_dir()) else {
-        return Vec::new();
-    };
-    let mut out: Vec<AttachmentStatus> = entries
-        .flatten()
-        .filter_map(|entry| {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let (device, hook) = name.rsplit_once('-')?;
-            let link: FdLink = PinnedLink::from_pin(entry.path()).ok()?.into();
+    let mut out: Vec<AttachmentStatus> = pins
+        .links()
+        .into_iter()
+        .filter_map(|(device, hook, path)| {
+            let link: FdLink = PinnedLink::from_pin(path).ok()?.into();
             let info = link.info().ok()?;
             Some(AttachmentStatus {
-                device: device.to_string(),
-                hook: hook.to_string(),
+                running: attach::runs(info.program_id(), &device, hook).unwrap_or(false),
+                device,
+                hook: hook.name().to_string(),
                 link_id: info.id(),
                 program_id: info.program_id(),
             })
@@ -746,19 +852,12 @@ fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
 /// Detaches the programs and removes every pin under `bpffs`.
 pub fn cleanup(bpffs: &Path) -> anyhow::Result<()> {
     let pins = Pins::new(bpffs);
-    let devices: Vec<String> = std::fs::read_dir("/sys/class/net")
-        .map(|entries| {
-            entries
-                .flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    attach::detach_all(
-        &pins.links_dir(),
-        &devices,
-        &[program_names::EGRESS, program_names::INGRESS],
-    )?;
+    // The namespace's own devices: /sys/class/net shows those of whoever mounted /sys.
+    let devices: Vec<String> = netdev::names_and_indexes()?
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    attach::detach_all(&pins.links_dir(), &devices, &Hook::BOTH.map(program_name))?;
     for name in map_names::PINNED {
         match std::fs::remove_file(pins.map(name)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

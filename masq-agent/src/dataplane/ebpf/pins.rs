@@ -15,6 +15,8 @@ use masq_ebpf::{
 };
 use tracing::{info, warn};
 
+use super::attach::Hook;
+
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// Where everything is pinned: `<bpffs>/<map name>` and `<bpffs>/links/<device>-<hook>`.
@@ -40,6 +42,30 @@ impl Pins {
 
     pub fn link(&self, device: &str, hook: &str) -> PathBuf {
         self.links_dir().join(format!("{device}-{hook}"))
+    }
+
+    /// Every pinned link: its device, hook and path.
+    pub fn links(&self) -> Vec<(String, Hook, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(self.links_dir()) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let (device, hook) = name.rsplit_once('-')?;
+                let hook = Hook::BOTH.into_iter().find(|h| h.name() == hook)?;
+                Some((device.to_string(), hook, entry.path()))
+            })
+            .collect()
+    }
+
+    /// The devices with a pinned link, once each.
+    pub fn linked_devices(&self) -> Vec<String> {
+        let mut devices: Vec<String> = self.links().into_iter().map(|(d, _, _)| d).collect();
+        devices.sort();
+        devices.dedup();
+        devices
     }
 
     /// Makes sure the directory exists on a BPF filesystem, mounting one at the parent if none

@@ -34,7 +34,7 @@ fn full(family: IpFamily, policy: &Policy, random_fully: bool) -> String {
         policy,
         &opts(random_fully, None),
         MODERN,
-        ChainVariant::Full,
+        &ChainVariant::Full,
     )
     .unwrap()
 }
@@ -153,7 +153,7 @@ fn old_iptables_gets_no_random_fully() {
         &p,
         &opts(true, None),
         old,
-        ChainVariant::Full,
+        &ChainVariant::Full,
     )
     .unwrap();
     assert_eq!(
@@ -178,7 +178,7 @@ fn ipv6_disabled_renders_nothing_for_ipv6() {
             &p,
             &opts(true, None),
             MODERN,
-            ChainVariant::Full
+            &ChainVariant::Full
         )
         .is_none()
     );
@@ -193,7 +193,7 @@ fn chain_name_follows_the_flag() {
         &policy(&[], true, true),
         &o,
         MODERN,
-        ChainVariant::Full,
+        &ChainVariant::Full,
     )
     .unwrap();
     assert_eq!(
@@ -212,7 +212,7 @@ fn port_rules(to_ports: &str, random_fully: bool) -> Vec<String> {
         &policy(&[], true, true),
         &opts(random_fully, Some(to_ports)),
         MODERN,
-        ChainVariant::Full,
+        &ChainVariant::Full,
     )
     .unwrap();
     let prefix = format!("-A IP-MASQ-AGENT {MASQ} ");
@@ -275,45 +275,45 @@ fn to_ports_single_ports() {
     assert_eq!(port_rules("1024,65535", true), want);
 }
 
-#[test]
-fn ebpf_variant_returns_translated_protocols_first_and_matches_cidrs_through_a_set() {
-    let p = policy(&["10.0.0.0/8", "fc00::/7"], false, false);
-    let v4 = render(
-        IpFamily::Ipv4,
-        &p,
+const EBPF: &str = r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
+
+fn beside_programs(family: IpFamily, policy: &Policy, devices: &[&str]) -> String {
+    let devices = devices.iter().map(|d| d.to_string()).collect();
+    render(
+        family,
+        policy,
         &opts(true, None),
         MODERN,
-        ChainVariant::OutsideEbpf,
+        &ChainVariant::beside_programs(devices),
     )
-    .unwrap();
-    let ebpf = r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
+    .unwrap()
+}
+
+#[test]
+fn ebpf_variant_returns_translated_protocols_by_the_devices_with_programs_first() {
+    let p = policy(&["10.0.0.0/8", "fc00::/7"], false, false);
     assert_eq!(
-        v4,
+        beside_programs(IpFamily::Ipv4, &p, &["eth0", "up1"]),
         format!(
             "*nat\n:IP-MASQ-AGENT - [0:0]\n\
-             -A IP-MASQ-AGENT {ebpf} -p tcp -j RETURN\n\
-             -A IP-MASQ-AGENT {ebpf} -p udp -j RETURN\n\
-             -A IP-MASQ-AGENT {ebpf} -p icmp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o eth0 -p tcp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o eth0 -p udp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o eth0 -p icmp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o up1 -p tcp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o up1 -p udp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o up1 -p icmp -j RETURN\n\
              -A IP-MASQ-AGENT {RET} -m set --match-set IP-MASQ-AGENT-v4 dst -j RETURN\n\
              -A IP-MASQ-AGENT {MASQ} -j MASQUERADE --random-fully\n\
              COMMIT\n"
         )
     );
-    let v6 = render(
-        IpFamily::Ipv6,
-        &p,
-        &opts(true, None),
-        MODERN,
-        ChainVariant::OutsideEbpf,
-    )
-    .unwrap();
     assert_eq!(
-        v6,
+        beside_programs(IpFamily::Ipv6, &p, &["eth0"]),
         format!(
             "*nat\n:IP-MASQ-AGENT - [0:0]\n\
-             -A IP-MASQ-AGENT {ebpf} -p tcp -j RETURN\n\
-             -A IP-MASQ-AGENT {ebpf} -p udp -j RETURN\n\
-             -A IP-MASQ-AGENT {ebpf} -p ipv6-icmp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o eth0 -p tcp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o eth0 -p udp -j RETURN\n\
+             -A IP-MASQ-AGENT {EBPF} -o eth0 -p ipv6-icmp -j RETURN\n\
              -A IP-MASQ-AGENT {RET} -m set --match-set IP-MASQ-AGENT-v6 dst -j RETURN\n\
              -A IP-MASQ-AGENT {MASQ} -j MASQUERADE --random-fully\n\
              COMMIT\n"
@@ -323,6 +323,97 @@ fn ebpf_variant_returns_translated_protocols_first_and_matches_cidrs_through_a_s
         exempt(IpFamily::Ipv6, &p).unwrap(),
         ["fe80::/10", "fc00::/7"]
     );
+}
+
+#[test]
+fn ebpf_variant_keeps_the_masquerade_rules_of_to_ports() {
+    let p = policy(&DEFAULTS, false, false);
+    let o = opts(true, Some("1024-29999"));
+    let variant = ChainVariant::beside_programs(vec!["eth0".into()]);
+    let reduced = render(IpFamily::Ipv4, &p, &o, MODERN, &variant).unwrap();
+    let full = render(IpFamily::Ipv4, &p, &o, MODERN, &ChainVariant::Full).unwrap();
+    let masquerades = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.contains("-j MASQUERADE"))
+            .map(String::from)
+            .collect()
+    };
+    assert_eq!(masquerades(&reduced), masquerades(&full));
+    assert_eq!(masquerades(&reduced).len(), 4);
+}
+
+#[test]
+fn without_a_device_carrying_programs_the_chain_is_upstream_s_byte_for_byte() {
+    let p = policy(&DEFAULTS, false, false);
+    for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+        assert_eq!(
+            ChainVariant::beside_programs(Vec::new()),
+            ChainVariant::Full
+        );
+        assert_eq!(beside_programs(family, &p, &[]), full(family, &p, true));
+    }
+    assert_eq!(
+        full(IpFamily::Ipv4, &p, true),
+        expected(&[&["169.254.0.0/16"][..], &DEFAULTS].concat(), true),
+        "the iptables data plane's chain is upstream's"
+    );
+}
+
+/// `iptables -S` of the chain beside programs on eth0 and up1.
+const LISTED: &str = r#"-N IP-MASQ-AGENT
+-A IP-MASQ-AGENT -o eth0 -p tcp -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -j RETURN
+-A IP-MASQ-AGENT -o eth0 -p udp -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -j RETURN
+-A IP-MASQ-AGENT -o eth0 -p icmp -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -j RETURN
+-A IP-MASQ-AGENT -o up1 -p tcp -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -j RETURN
+-A IP-MASQ-AGENT -o up1 -p udp -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -j RETURN
+-A IP-MASQ-AGENT -o up1 -p icmp -m comment --comment "ip-masq-agent: translated by the eBPF data plane" -j RETURN
+-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE" -m set --match-set IP-MASQ-AGENT-v4 dst -j RETURN
+-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j MASQUERADE --random-fully
+"#;
+
+fn read_listing(listing: &str) -> ChainStatus {
+    let members = |set: &str| -> anyhow::Result<Vec<String>> {
+        assert_eq!(set, "IP-MASQ-AGENT-v4");
+        Ok(vec!["10.0.0.0/8".into()])
+    };
+    ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(listing), members).unwrap()
+}
+
+#[test]
+fn the_devices_returned_to_the_programs_are_read_back_from_the_chain() {
+    let status = read_listing(LISTED);
+    assert_eq!(status.ebpf_protocols_returned, ["tcp", "udp", "icmp"]);
+    assert_eq!(status.ebpf_devices_returned, ["eth0", "up1"]);
+    assert_eq!(status.non_masquerade, ["10.0.0.0/8"]);
+    assert_eq!(status.masquerade_rules, 1);
+    assert!(status.returns_to_programs("eth0") && status.returns_to_programs("up1"));
+    assert!(!status.returns_to_programs("up10") && !status.returns_to_programs("eth"));
+}
+
+#[test]
+fn a_chain_without_device_rules_returns_every_device() {
+    let old = LISTED.replace(" -o eth0", "").replace(" -o up1", "");
+    let status = read_listing(&old);
+    assert_eq!(status.ebpf_devices_returned, ["+"]);
+    assert!(status.returns_to_programs("eth0") && status.returns_to_programs("anything"));
+    let wildcard = LISTED.replace(" -o up1", " -o up+");
+    let status = read_listing(&wildcard);
+    assert!(status.returns_to_programs("up1") && status.returns_to_programs("up7"));
+    assert!(!status.returns_to_programs("eth1"));
+}
+
+#[test]
+fn upstream_s_chain_returns_no_device() {
+    let text = full(IpFamily::Ipv4, &policy(&DEFAULTS, false, false), true);
+    let listed: String = text
+        .lines()
+        .filter(|l| l.starts_with("-A"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let status = read_listing(&listed);
+    assert!(status.ebpf_devices_returned.is_empty());
+    assert!(!status.returns_to_programs("eth0"));
+    assert_eq!(status.non_masquerade.len(), 4);
 }
 
 #[test]

@@ -1,0 +1,89 @@
+//! Which data plane masquerades what leaves each device, worked out from what was read back:
+//! the eBPF programs only where the chain returns the device's traffic to them and they run
+//! there with an address to give; the chain wherever it does not return it.
+
+use serde::Serialize;
+
+use super::{ebpf::EbpfStatus, iptables::ChainStatus};
+use crate::policy::IpFamily;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Coverage {
+    /// The programs translate it: the chain returns it to them, and they run on the device
+    /// with its address in the `interfaces` map.
+    Ebpf,
+    /// The chain masquerades it.
+    Iptables,
+    /// Nothing does: no chain is in force for the family, or the chain returns the traffic to
+    /// programs that do not translate it.
+    None,
+}
+
+impl std::fmt::Display for Coverage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Coverage::Ebpf => "ebpf",
+            Coverage::Iptables => "iptables",
+            Coverage::None => "none",
+        })
+    }
+}
+
+/// One device of the node, and what masquerades each family leaving by it.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceCoverage {
+    pub device: String,
+    pub index: u32,
+    pub ipv4: Coverage,
+    pub ipv6: Coverage,
+}
+
+impl std::fmt::Display for DeviceCoverage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "  {}: ipv4 {}, ipv6 {}",
+            self.device, self.ipv4, self.ipv6
+        )
+    }
+}
+
+/// What masquerades what leaves each of `devices` (name and index).
+pub fn of_devices(
+    devices: &[(String, u32)],
+    chains: &[ChainStatus],
+    ebpf: Option<&EbpfStatus>,
+) -> Vec<DeviceCoverage> {
+    devices
+        .iter()
+        .map(|(device, index)| {
+            let covered = |family| coverage(family, device, *index, chains, ebpf);
+            DeviceCoverage {
+                device: device.clone(),
+                index: *index,
+                ipv4: covered(IpFamily::Ipv4),
+                ipv6: covered(IpFamily::Ipv6),
+            }
+        })
+        .collect()
+}
+
+fn coverage(
+    family: IpFamily,
+    device: &str,
+    index: u32,
+    chains: &[ChainStatus],
+    ebpf: Option<&EbpfStatus>,
+) -> Coverage {
+    let Some(chain) = chains.iter().find(|c| c.family == family && c.in_force()) else {
+        return Coverage::None;
+    };
+    if !chain.returns_to_programs(device) {
+        Coverage::Iptables
+    } else if ebpf.is_some_and(|e| e.translates(device, index, family)) {
+        Coverage::Ebpf
+    } else {
+        Coverage::None
+    }
+}

@@ -1,0 +1,217 @@
+//! Carrying the flows of a pinned NAT table that this build cannot reuse as it is (an older
+//! agent's entry layout, or another `--nat-capacity`) into the new table, so that an upgrade or
+//! a resize breaks no connection.
+//!
+//! The old table is opened before its pin is replaced, and stays alive as long as it is held
+//! open here (and as long as the old programs, still attached, use it). Its flows are copied
+//! into the new table once the new object is loaded, and once more after the new programs took
+//! over the links: the flows the old programs created in between are carried too. Nothing is
+//! overwritten: a flow the new programs already hold keeps the new entry.
+
+use std::collections::HashMap;
+
+use aya::{
+    Ebpf, Pod,
+    maps::{HashMap as BpfHashMap, MapData},
+};
+use masq_ebpf::{Address, NatEntry, NatKey, map_names};
+use tracing::{info, warn};
+
+use super::{batch, map_mut, pins::Pins};
+
+/// A NAT table entry as agents wrote it before entries recorded TCP sequence numbers: a
+/// historical layout, read only here.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct EntryWithoutSequence<A: Address> {
+    last_seen_ns: u64,
+    addr: A,
+    port: u16,
+    kind: u8,
+    tcp_seen: u8,
+    _pad: A::EntryPad,
+}
+
+// SAFETY: #[repr(C)] plain data, every byte of it a field or declared padding.
+unsafe impl Pod for EntryWithoutSequence<[u8; 4]> {}
+// SAFETY: as above.
+unsafe impl Pod for EntryWithoutSequence<[u8; 16]> {}
+
+impl<A: Address> EntryWithoutSequence<A> {
+    /// The entry as this build keeps it. Its TCP flags carry no `tcp_seen::SEQ`, so the data
+    /// path takes the first segments' sequence numbers as they come.
+    fn current(self) -> NatEntry<A> {
+        NatEntry {
+            last_seen_ns: self.last_seen_ns,
+            addr: self.addr,
+            port: self.port,
+            kind: self.kind,
+            tcp_seen: self.tcp_seen,
+            tcp_next_seq: 0,
+            tcp_max_ack: 0,
+            _pad: A::EntryPad::default(),
+        }
+    }
+}
+
+/// How an old table's entries are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// This build's: only the capacity differs.
+    Current,
+    WithoutSequence,
+}
+
+/// One old table, held open.
+struct Old {
+    name: &'static str,
+    map: MapData,
+    layout: Layout,
+}
+
+/// The old NAT tables whose flows are being carried into the new ones.
+#[derive(Default)]
+pub struct Carried {
+    tables: Vec<Old>,
+}
+
+impl Carried {
+    /// Opens every pinned NAT table that the new tables will replace (its layout or capacity
+    /// differs from `capacity(name)`), before their pins are replaced. A table of a layout
+    /// this build does not know is left to be replaced, and said so.
+    pub fn open(pins: &Pins, capacity: impl Fn(&str) -> u32) -> Carried {
+        let mut tables = Vec::new();
+        for name in [map_names::NAT_V4, map_names::NAT_V6] {
+            let path = pins.map(name);
+            if !path.exists() {
+                continue;
+            }
+            let opened = MapData::from_pin(&path)
+                .map_err(anyhow::Error::from)
+                .and_then(|map| Ok((map.info()?, map)));
+            let (info, map) = match opened {
+                Ok(opened) => opened,
+                Err(err) => {
+                    warn!(map = name, "cannot open the pinned NAT table: {err:#}");
+                    continue;
+                }
+            };
+            let value_size = info.value_size() as usize;
+            let v6 = name == map_names::NAT_V6;
+            let layout = match (v6, value_size) {
+                (false, n) if n == size_of::<NatEntry<[u8; 4]>>() => Layout::Current,
+                (true, n) if n == size_of::<NatEntry<[u8; 16]>>() => Layout::Current,
+                (false, n) if n == size_of::<EntryWithoutSequence<[u8; 4]>>() => {
+                    Layout::WithoutSequence
+                }
+                (true, n) if n == size_of::<EntryWithoutSequence<[u8; 16]>>() => {
+                    Layout::WithoutSequence
+                }
+                _ => {
+                    warn!(
+                        map = name,
+                        value_size, "a pinned NAT table of an unknown layout: its flows are lost"
+                    );
+                    continue;
+                }
+            };
+            if layout == Layout::Current && info.max_entries() == capacity(name) {
+                continue;
+            }
+            tables.push(Old { name, map, layout });
+        }
+        Carried { tables }
+    }
+
+    /// Copies the old tables' flows into `ebpf`'s, and says how many were carried. A table
+    /// that cannot be read loses its flows, which is said too; the data plane goes on.
+    pub fn copy_into(&self, ebpf: &mut Ebpf) {
+        for old in &self.tables {
+            let copied = if old.name == map_names::NAT_V6 {
+                copy_table::<[u8; 16]>(old, ebpf)
+            } else {
+                copy_table::<[u8; 4]>(old, ebpf)
+            };
+            let outcome = match copied {
+                Ok(outcome) => outcome,
+                Err(err) => {
+                    warn!(map = old.name, "the old table's flows are lost: {err:#}");
+                    continue;
+                }
+            };
+            if outcome.carried + outcome.left_out > 0 {
+                info!(
+                    map = old.name,
+                    flows = outcome.carried,
+                    "flows carried into the new NAT table"
+                );
+            }
+            if outcome.left_out > 0 {
+                warn!(
+                    map = old.name,
+                    flows = outcome.left_out,
+                    "flows that did not fit into the new NAT table are lost"
+                );
+            }
+        }
+    }
+}
+
+/// The update flag that refuses to replace an entry (include/uapi/linux/bpf.h).
+const BPF_NOEXIST: u64 = 1;
+
+/// What one copy did.
+struct Outcome {
+    carried: usize,
+    left_out: usize,
+}
+
+fn copy_table<A>(old: &Old, ebpf: &mut Ebpf) -> anyhow::Result<Outcome>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+    EntryWithoutSequence<A>: Pod,
+{
+    let entries: HashMap<NatKey<A>, NatEntry<A>> = match old.layout {
+        Layout::Current => batch::lookup_all::<NatKey<A>, NatEntry<A>>(&old.map)?
+            .into_iter()
+            .collect(),
+        Layout::WithoutSequence => {
+            batch::lookup_all::<NatKey<A>, EntryWithoutSequence<A>>(&old.map)?
+                .into_iter()
+                .map(|(key, entry)| (key, entry.current()))
+                .collect()
+        }
+    };
+    let mut new: BpfHashMap<&mut MapData, NatKey<A>, NatEntry<A>> =
+        BpfHashMap::try_from(map_mut(ebpf, old.name)?)?;
+    let mut outcome = Outcome {
+        carried: 0,
+        left_out: 0,
+    };
+    // Flow by flow, both halves or neither: half a flow translates one way only.
+    for (key, entry) in entries
+        .iter()
+        .filter(|(k, _)| k.direction == masq_ebpf::direction::EGRESS)
+    {
+        let partner_key = key.reverse(entry);
+        let Some(partner) = entries.get(&partner_key) else {
+            continue;
+        };
+        if new.get(key, 0).is_ok() || new.get(&partner_key, 0).is_ok() {
+            continue;
+        }
+        if new.insert(key, entry, BPF_NOEXIST).is_err() {
+            outcome.left_out += 1;
+            continue;
+        }
+        if new.insert(partner_key, partner, BPF_NOEXIST).is_err() {
+            let _ = new.remove(key);
+            outcome.left_out += 1;
+            continue;
+        }
+        outcome.carried += 1;
+    }
+    Ok(outcome)
+}
