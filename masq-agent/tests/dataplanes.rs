@@ -2238,15 +2238,20 @@ fn a_blind_rst_does_not_end_an_established_connection(plane: Plane, family: Fami
     let conversation = Conversation::open(&bed, family, 9700);
     let node_side = conversation.node_side;
     assert_eq!(node_side.ip(), family.node(), "masqueraded");
-    // The node's last segment acknowledges all the host sent: the host's next sequence number.
+    // An acknowledgment the node sent: the host's sequence numbers lie near it, and a quarter
+    // of the sequence space away from it is far outside any window. The observer records on
+    // a thread of its own: wait for it.
     let port_of = |l4: &[u8], at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
-    let acked = segments
-        .packets()
-        .iter()
-        .rev()
-        .find(|p| p.src == node_side.ip() && port_of(&p.l4, 0) == node_side.port())
-        .map(|p| u32::from_be_bytes([p.l4[8], p.l4[9], p.l4[10], p.l4[11]]))
-        .expect("the host saw the node's segments");
+    let node_ack = || {
+        segments
+            .packets()
+            .iter()
+            .rev()
+            .find(|p| p.src == node_side.ip() && port_of(&p.l4, 0) == node_side.port())
+            .map(|p| u32::from_be_bytes([p.l4[8], p.l4[9], p.l4[10], p.l4[11]]))
+    };
+    wait_for(|| Ok(node_ack().is_some())).expect("the host saw the node's segments");
+    let acked = node_ack().unwrap();
     let rst = Tcp {
         sport: conversation.server.port(),
         dport: node_side.port(),
