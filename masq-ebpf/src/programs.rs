@@ -99,8 +99,8 @@ fn snat_new_flow<F: Family>(
         Ok(found) => found,
         Err(verdict) => return verdict.count(),
     };
-    let segment = Segment::read::<F>(ctx, ip, l4);
-    if let Err(verdict) = snat_needs_masquerade::<F>(ip, key, &segment) {
+    let mut segment = Segment::default();
+    if let Err(verdict) = snat_needs_masquerade::<F>(ctx, ip, l4, key, &mut segment) {
         return verdict.count();
     }
     match nat::create_snat::<F>(ctx, key, node_addr, settings, &segment) {
@@ -248,18 +248,33 @@ fn snat_unwalked<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
 }
 }
 
-step! {
-/// Egress, for a flow without an entry: should it leave with the node's address?
+/// Egress, for a flow without an entry: should it leave with the node's address? Reads the
+/// packet's `segment` once the answer may depend on it: the packets of flows to non-masquerade
+/// destinations, which have no entry, come this way each, and need none of it.
+#[inline(always)]
 fn snat_needs_masquerade<F: Family>(
+    ctx: &TcContext,
     ip: &Packet<F::Addr>,
+    l4: &L4,
     key: &NatKey<F::Addr>,
-    segment: &Segment,
+    segment: &mut Segment,
 ) -> Result<(), Verdict> {
     if F::is_non_masq_destination(ip.daddr) {
         return Err(Verdict::Keep(Counter::NotMasqNonMasqDestination));
     }
-    // A TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs,
-    // started unmasqueraded: translating it now would break it.
+    *segment = Segment::read::<F>(ctx, ip, l4);
+    snat_started_unmasqueraded::<F>(ip, key, segment)
+}
+
+step! {
+/// A TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs,
+/// started unmasqueraded: translating it now would break it. It is remembered as one to
+/// leave alone.
+fn snat_started_unmasqueraded<F: Family>(
+    ip: &Packet<F::Addr>,
+    key: &NatKey<F::Addr>,
+    segment: &Segment,
+) -> Result<(), Verdict> {
     if segment.is_tcp()
         && segment.seen & tcp_seen::SYN == 0
         && F::is_draining_destination(ip.daddr)
