@@ -218,6 +218,7 @@ impl Telemetry {
         for (kind, flows) in [
             ("masqueraded", usage.masqueraded_flows),
             ("inbound", usage.inbound_flows),
+            ("node", usage.node_flows),
         ] {
             self.nat_flows
                 .get_or_create(&KindLabel { kind })
@@ -369,6 +370,11 @@ fn series(
         Counter::IcmpErrorMasqueraded => (
             "icmp_errors_masqueraded",
             "Egress ICMP errors about masqueraded flows, translated inside and out as conntrack translates a related error",
+            None,
+        ),
+        Counter::NodePortClash => (
+            "node_port_clashes",
+            "Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a masqueraded flow held: given another port, as conntrack resolves a clash",
             None,
         ),
         Counter::TcpRstNotAcceptable => (
@@ -558,6 +564,7 @@ mod tests {
             entries: 10,
             masqueraded_flows: 4,
             inbound_flows: 1,
+            node_flows: 3,
             expired_flows: 2,
             orphans_removed: 0,
         };
@@ -581,6 +588,7 @@ mod tests {
             value(&m, "masq_agent_nat_flows{kind=\"inbound\"}"),
             Some(1.0)
         );
+        assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"node\"}"), Some(3.0));
     }
 
     #[test]

@@ -183,6 +183,11 @@ pub mod nat_kind {
     /// A connection opened from outside toward a pod: never rewrite. `(addr, port)` hold the
     /// packet's own values, so `reverse` finds the other half like for SNAT entries.
     pub const PASSTHROUGH: u8 = 2;
+    /// A flow of the node's own address that nothing here translates (a node socket's, or one
+    /// netfilter masqueraded, kube-proxy's say): never rewrite, but its tuple on the node's
+    /// address is held, so that no masqueraded flow is given the same. Identity entries, as
+    /// for `PASSTHROUGH`.
+    pub const NODE: u8 = 3;
 }
 
 /// TCP flags seen on a flow's half, for expiry.
@@ -306,6 +311,9 @@ pub enum Counter {
     /// TCP RSTs whose sequence number the receiving end would not accept: passed on, but the
     /// flow keeps its state.
     TcpRstNotAcceptable,
+    /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
+    /// masqueraded flow already held: given another port, as conntrack resolves a clash.
+    NodePortClash,
     /// Connections opened from outside toward a pod, first seen.
     InboundTracked,
     /// Port allocations that found no free port.
@@ -327,7 +335,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 18] = [
+    pub const ALL: [Counter; 19] = [
         Counter::Masqueraded,
         Counter::NotMasqNonMasqDestination,
         Counter::NotMasqNodeSource,
@@ -338,6 +346,7 @@ impl Counter {
         Counter::IcmpErrorTranslated,
         Counter::IcmpErrorMasqueraded,
         Counter::TcpRstNotAcceptable,
+        Counter::NodePortClash,
         Counter::InboundTracked,
         Counter::AllocationFailed,
         Counter::DropPortsExhausted,
@@ -361,6 +370,7 @@ impl Counter {
             Counter::IcmpErrorTranslated => "icmp_error_translated",
             Counter::IcmpErrorMasqueraded => "icmp_error_masqueraded",
             Counter::TcpRstNotAcceptable => "tcp_rst_not_acceptable",
+            Counter::NodePortClash => "node_port_clash",
             Counter::InboundTracked => "inbound_connection_tracked",
             Counter::AllocationFailed => "allocation_failed",
             Counter::DropPortsExhausted => "dropped_ports_exhausted",

@@ -331,41 +331,57 @@ fn publish_egress<F: Family>(
     }
 }
 
-/// Remembers a flow that must never be translated (`egress_key` is its pod-side tuple): a
-/// connection opened from outside toward a pod, or one that started unmasqueraded before its
-/// destination left the non-masquerade CIDRs. Both halves are identity entries; `segment`, the
-/// packet that opened it, crossed the half of direction `dir`.
+/// Why a flow could not be remembered as one to leave alone.
+pub enum IdentityError {
+    /// The other half's key (the flow's tuple as replies carry it) is another flow's: on the
+    /// node's address, a masqueraded flow holds the same port.
+    Taken,
+    /// The table is full, or another CPU remembered the same flow first.
+    NotRecorded,
+}
+
+/// Remembers a flow that must never be translated (`egress_key` is its tuple as it leaves),
+/// of `kind`: a connection opened from outside toward a pod, one that started unmasqueraded
+/// before its destination left the non-masquerade CIDRs (`PASSTHROUGH`), or a flow of the
+/// node's own address (`NODE`). Both halves are identity entries; `segment`, the packet that
+/// opened it, crossed the half of direction `dir`. The reply half goes in first: on the node's
+/// address it reserves the tuple against masqueraded flows, as their reply halves do.
 #[inline(always)]
-pub fn track_passthrough<F: Family>(
+pub fn track_identity<F: Family>(
     egress_key: &NatKey<F::Addr>,
+    kind: u8,
     dir: u8,
     segment: &Segment,
-) -> bool {
+) -> Result<(), IdentityError> {
     let now = now_ns();
-    let kind = nat_kind::PASSTHROUGH;
-    let (addr, port) = (egress_key.saddr, egress_key.sport);
-    let (mut egress, mut ingress) = (unseen(addr, port, kind, now), unseen(addr, port, kind, now));
-    let ingress_key = egress_key.reverse(&egress);
-    (ingress.addr, ingress.port) = (ingress_key.daddr, ingress_key.dport);
-    let opener = if dir == direction::EGRESS {
-        &mut egress
+    let unseen = Segment::default();
+    let (egress_segment, ingress_segment) = if dir == direction::EGRESS {
+        (segment, &unseen)
     } else {
-        &mut ingress
+        (&unseen, segment)
     };
-    *opener = half(opener.addr, opener.port, kind, segment, now);
+    let (addr, port) = (egress_key.saddr, egress_key.sport);
+    let egress = half(addr, port, kind, egress_segment, now);
+    let ingress_key = egress_key.reverse(&egress);
+    let ingress = half(
+        ingress_key.daddr,
+        ingress_key.dport,
+        kind,
+        ingress_segment,
+        now,
+    );
     let nat = F::nat();
-    // Egress half first: if the pod already has a masqueraded flow with this tuple, keep it.
+    match nat.insert(ingress_key, ingress, BPF_NOEXIST as u64) {
+        Ok(()) => {}
+        Err(EEXIST) => return Err(IdentityError::Taken),
+        Err(_) => return Err(IdentityError::NotRecorded),
+    }
+    // If another CPU gave the same flow an entry meanwhile, it keeps it.
     if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {
-        return false;
+        let _ = nat.remove(&ingress_key);
+        return Err(IdentityError::NotRecorded);
     }
-    if nat
-        .insert(ingress_key, ingress, BPF_NOEXIST as u64)
-        .is_err()
-    {
-        let _ = nat.remove(egress_key);
-        return false;
-    }
-    true
+    Ok(())
 }
 
 /// The pod-side tuple of a flow whose first packet came in as `ingress_key`.

@@ -16,7 +16,7 @@ use crate::{
     csum::{self, AddrField, L4Checksum},
     family::{Family, V4, V6},
     frag, maps,
-    nat::{self, AllocError, Segment},
+    nat::{self, AllocError, IdentityError, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     verifier,
 };
@@ -82,29 +82,62 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
             // SAFETY: map value pointer from a successful lookup.
             snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry })
         }
-        None => snat_new_flow::<F>(ctx, &ip, &l4, &key),
+        None => {
+            // Deciding and translating are steps of their own: nested, their frames would
+            // pass the verifier's 512 bytes of stack.
+            let mut segment = Segment::default();
+            match snat_new_flow::<F>(ctx, &ip, &l4, &key, &mut segment) {
+                MASQUERADE => snat_masquerade_new::<F>(ctx, &ip, &l4, &key, &segment),
+                verdict => verdict,
+            }
+        }
     }
 }
 
+/// What `snat_new_flow` says of a flow to masquerade.
+const MASQUERADE: i32 = -3;
+
 step! {
 /// Egress, a packet of no known flow: the node's own, one to leave alone, or the first of a
-/// flow to masquerade.
+/// flow to masquerade (`MASQUERADE`, with `segment` read).
 fn snat_new_flow<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     l4: &L4,
     key: &NatKey<F::Addr>,
+    segment: &mut Segment,
 ) -> i32 {
-    let (node_addr, settings) = match pod_packet_interface::<F>(ctx, ip) {
-        Ok(found) => found,
-        Err(verdict) => return verdict.count(),
+    let Some((node_addr, _)) = interface::<F>(ctx) else {
+        return Verdict::Keep(Counter::NotInspected).count();
     };
-    let mut segment = Segment::default();
-    if let Err(verdict) = snat_needs_masquerade::<F>(ctx, ip, l4, key, &mut segment) {
-        return verdict.count();
+    let node_source = ip.saddr == node_addr;
+    match snat_needs_masquerade::<F>(ctx, ip, l4, key, node_source, segment) {
+        Ok(()) => MASQUERADE,
+        Err(verdict) => verdict.count(),
     }
-    match nat::create_snat::<F>(ctx, key, node_addr, settings, &segment) {
-        Ok(entry) => snat_nat::<F>(ctx, ip, l4, &entry),
+}
+}
+
+step! {
+/// Egress, the first packet of a flow to masquerade: a port for it, and its translation. A
+/// flow of the node's own is one whose port a masqueraded flow held already.
+fn snat_masquerade_new<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    l4: &L4,
+    key: &NatKey<F::Addr>,
+    segment: &Segment,
+) -> i32 {
+    let Some((node_addr, settings)) = interface::<F>(ctx) else {
+        return Verdict::Keep(Counter::NotInspected).count();
+    };
+    match nat::create_snat::<F>(ctx, key, node_addr, settings, segment) {
+        Ok(entry) => {
+            if ip.saddr == node_addr {
+                maps::count(Counter::NodePortClash);
+            }
+            snat_nat::<F>(ctx, ip, l4, &entry)
+        }
         Err(AllocError::PortsExhausted) => Verdict::Drop(Counter::DropPortsExhausted).count(),
         Err(AllocError::TableFull) => Verdict::Drop(Counter::DropNatTableFull).count(),
     }
@@ -257,28 +290,46 @@ fn snat_needs_masquerade<F: Family>(
     ip: &Packet<F::Addr>,
     l4: &L4,
     key: &NatKey<F::Addr>,
+    node_source: bool,
     segment: &mut Segment,
 ) -> Result<(), Verdict> {
     if F::is_non_masq_destination(ip.daddr) {
-        return Err(Verdict::Keep(Counter::NotMasqNonMasqDestination));
+        return Err(Verdict::Keep(if node_source {
+            Counter::NotMasqNodeSource
+        } else {
+            Counter::NotMasqNonMasqDestination
+        }));
     }
     *segment = Segment::read::<F>(ctx, ip, l4);
-    snat_started_unmasqueraded::<F>(ip, key, segment)
+    snat_keeps_its_address::<F>(ip, key, node_source, segment)
 }
 
 step! {
-/// A TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs,
-/// started unmasqueraded: translating it now would break it. It is remembered as one to
-/// leave alone.
-fn snat_started_unmasqueraded<F: Family>(
+/// Egress, a flow that keeps its source address, and is remembered so:
+/// - the node's own (`node_source`): a node socket's, or one netfilter masqueraded already
+///   (kube-proxy's MASQUERADE). Its tuple on the node's address is held, so that no
+///   masqueraded flow is given it; if one holds it already, the node's flow is translated to
+///   another port instead, as conntrack resolves a clash, and no reply ever reaches the wrong
+///   flow;
+/// - a TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs:
+///   it started unmasqueraded, and translating it now would break it.
+fn snat_keeps_its_address<F: Family>(
     ip: &Packet<F::Addr>,
     key: &NatKey<F::Addr>,
+    node_source: bool,
     segment: &Segment,
 ) -> Result<(), Verdict> {
+    if node_source {
+        return match nat::track_identity::<F>(key, nat_kind::NODE, direction::EGRESS, segment) {
+            Err(IdentityError::Taken) => Ok(()),
+            // Remembered; or, with the table full, it goes as it would without the programs.
+            _ => Err(Verdict::Keep(Counter::NotMasqNodeSource)),
+        };
+    }
     if segment.is_tcp()
         && segment.seen & tcp_seen::SYN == 0
         && F::is_draining_destination(ip.daddr)
-        && nat::track_passthrough::<F>(key, direction::EGRESS, segment)
+        && nat::track_identity::<F>(key, nat_kind::PASSTHROUGH, direction::EGRESS, segment).is_ok()
     {
         return Err(Verdict::Keep(Counter::NotMasqInbound));
     }
@@ -311,9 +362,14 @@ fn snat_nat<F: Family>(
     l4: &L4,
     entry: &NatEntry<F::Addr>,
 ) -> i32 {
-    if entry.kind == nat_kind::PASSTHROUGH {
+    if entry.kind != nat_kind::SNAT {
         frag::remember::<F>(ip, direction::EGRESS, &ip.saddr);
-        return Verdict::Keep(Counter::NotMasqInbound).count();
+        let why = if entry.kind == nat_kind::NODE {
+            Counter::NotMasqNodeSource
+        } else {
+            Counter::NotMasqInbound
+        };
+        return Verdict::Keep(why).count();
     }
     frag::remember::<F>(ip, direction::EGRESS, &entry.addr);
     let field = if l4.proto == F::ICMP {
@@ -468,7 +524,13 @@ fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4)
         && F::is_unicast(&ip.daddr)
         && interface::<F>(ctx).is_some_and(|(node_addr, _)| ip.daddr != node_addr)
         && !F::is_non_masq_destination(ip.saddr)
-        && nat::track_passthrough::<F>(&nat::egress_key_of(key), direction::INGRESS, &segment)
+        && nat::track_identity::<F>(
+            &nat::egress_key_of(key),
+            nat_kind::PASSTHROUGH,
+            direction::INGRESS,
+            &segment,
+        )
+        .is_ok()
     {
         maps::count(Counter::InboundTracked);
     }

@@ -117,6 +117,9 @@ pub struct NatUsage {
     pub entries: usize,
     pub masqueraded_flows: usize,
     pub inbound_flows: usize,
+    /// Flows of the node's own address, held so that no masqueraded flow is given their tuple
+    /// (those translated to another port for a clash included).
+    pub node_flows: usize,
     pub expired_flows: usize,
     pub orphans_removed: usize,
 }
@@ -130,6 +133,7 @@ impl std::ops::Add for NatUsage {
             entries: self.entries + other.entries,
             masqueraded_flows: self.masqueraded_flows + other.masqueraded_flows,
             inbound_flows: self.inbound_flows + other.inbound_flows,
+            node_flows: self.node_flows + other.node_flows,
             expired_flows: self.expired_flows + other.expired_flows,
             orphans_removed: self.orphans_removed + other.orphans_removed,
         }

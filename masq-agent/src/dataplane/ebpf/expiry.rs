@@ -105,6 +105,9 @@ pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
         if key.direction == direction::EGRESS {
             match entry.kind {
                 nat_kind::PASSTHROUGH => usage.inbound_flows += 1,
+                nat_kind::NODE => usage.node_flows += 1,
+                // Translated to another port only, for a clash: the node's own.
+                _ if entry.addr == key.saddr => usage.node_flows += 1,
                 _ => usage.masqueraded_flows += 1,
             }
         }
@@ -162,7 +165,8 @@ where
     Ok(run)
 }
 
-/// Removes every masqueraded flow whose node address is `addr`, both halves; returns how many.
+/// Removes every flow on the node address `addr` (masqueraded to it, or the node's own from
+/// it), both halves; returns how many.
 pub fn forget_address<A>(nat: &Map, addr: A) -> anyhow::Result<usize>
 where
     A: Address,
@@ -173,7 +177,10 @@ where
     let doomed: Vec<NatKey<A>> = table
         .iter()
         .filter(|(key, entry)| {
-            key.direction == direction::EGRESS && entry.kind == nat_kind::SNAT && entry.addr == addr
+            // Masqueraded to the address, or the node's own flows from it.
+            key.direction == direction::EGRESS
+                && (entry.kind == nat_kind::SNAT && entry.addr == addr
+                    || entry.kind == nat_kind::NODE && key.saddr == addr)
         })
         .flat_map(|(key, entry)| [*key, key.reverse(entry)])
         .collect();

@@ -655,6 +655,8 @@ pub struct EbpfStatus {
     /// Flows in the NAT table (each takes two entries), and the table's size in entries.
     pub nat_flows: usize,
     pub nat_inbound_flows: usize,
+    /// Flows of the node's own address the table holds the tuple of.
+    pub nat_node_flows: usize,
     pub nat_entries: usize,
     pub nat_capacity: u32,
     pub counters: BTreeMap<&'static str, u64>,
@@ -747,6 +749,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .collect(),
         nat_flows: nat.masqueraded_flows,
         nat_inbound_flows: nat.inbound_flows,
+        nat_node_flows: nat.node_flows,
         nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
         counters,
@@ -819,8 +822,12 @@ impl std::fmt::Display for EbpfStatus {
         }
         writeln!(
             f,
-            "  NAT table: {} masqueraded flows, {} inbound flows, {} of {} entries",
-            self.nat_flows, self.nat_inbound_flows, self.nat_entries, self.nat_capacity
+            "  NAT table: {} masqueraded flows, {} inbound flows, {} node flows, {} of {} entries",
+            self.nat_flows,
+            self.nat_inbound_flows,
+            self.nat_node_flows,
+            self.nat_entries,
+            self.nat_capacity
         )?;
         for (name, value) in &self.counters {
             writeln!(f, "  {name}: {value}")?;

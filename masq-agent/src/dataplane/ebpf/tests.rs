@@ -519,7 +519,10 @@ fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched() {
         assert_eq!((verdict, &out), (TC_ACT_OK, &packet));
         assert_eq!(h.counter(counter), before + 1, "{counter:?}");
     }
-    assert!(h.nat().is_empty());
+    // Only the node's flow is remembered, as one of the node's own that nothing translates.
+    let nat = h.nat();
+    assert_eq!(nat.len(), 2, "{nat:?}");
+    assert!(nat.iter().all(|(_, e)| e.kind == nat_kind::NODE), "{nat:?}");
 }
 
 /// `frame` with a word of IP options (three NOPs and an end of list), its header checksum
@@ -658,6 +661,64 @@ fn exhausted_ports_drop_and_count_never_mistranslate() {
     // The first flow is unaffected.
     let (_, back) = h.ingress(&udp(REMOTE, 53, NODE, 5000));
     assert_eq!((dst(&back), word(&back, L4 + 2)), (POD, 1111));
+}
+
+/// The node's own flows share the node's address with masqueraded ones: its sockets, and the
+/// flows netfilter masquerades (kube-proxy's MASQUERADE). A port a masqueraded flow holds is
+/// never handed to the node's flow with the same tuple, and the other way round: no reply ever
+/// reaches the wrong flow.
+#[test]
+fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple() {
+    let mut h = default_harness();
+    // A pod's flow holds node port P toward REMOTE:8080.
+    let (_, out) = h.egress(&tcp(POD, 40000, REMOTE, 8080, SYN));
+    let held = word(&out, L4);
+    // A node socket bound to P connects to REMOTE:8080: as conntrack resolves a clash, its
+    // flow is given another port, and only that.
+    let node_syn = tcp(NODE, held, REMOTE, 8080, SYN);
+    let (verdict, left) = h.egress(&node_syn);
+    assert_eq!(verdict, TC_ACT_OK);
+    let other = word(&left, L4);
+    assert_ne!(other, held);
+    assert_frame(&left, &tcp(NODE, other, REMOTE, 8080, SYN), &[24, L4 + 16]);
+    assert_eq!(h.counter(Counter::NodePortClash), 1);
+    // Each reply reaches its own flow: the node socket's at P, the pod's at 40000.
+    let (_, back) = h.ingress(&tcp(REMOTE, 8080, NODE, other, SYN | ACK));
+    assert_frame(
+        &back,
+        &tcp(REMOTE, 8080, NODE, held, SYN | ACK),
+        &[24, L4 + 16],
+    );
+    let (_, back) = h.ingress(&tcp(REMOTE, 8080, NODE, held, SYN | ACK));
+    assert_frame(
+        &back,
+        &tcp(REMOTE, 8080, POD, 40000, SYN | ACK),
+        &[24, L4 + 16],
+    );
+}
+
+/// A flow netfilter masqueraded (it leaves with the node's address already) holds its port:
+/// with one port to hand out, a pod's flow to the same destination gets none rather than the
+/// netfilter flow's, whose replies pass on to netfilter untouched.
+#[test]
+fn a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow() {
+    let mut h = harness(&[(5000, 5000)], true);
+    let netfilters = udp(NODE, 5000, REMOTE, 53);
+    assert_eq!(h.egress(&netfilters), (TC_ACT_OK, netfilters.clone()));
+    let (verdict, _) = h.egress(&udp(POD, 1111, REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_SHOT, "no port left but netfilter's");
+    assert_eq!(h.counter(Counter::DropPortsExhausted), 1);
+    let reply = udp(REMOTE, 53, NODE, 5000);
+    assert_eq!(
+        h.ingress(&reply),
+        (TC_ACT_OK, reply.clone()),
+        "netfilter's reply"
+    );
+    // The same port toward another destination is free.
+    let (verdict, out) = h.egress(&udp(POD, 1111, REMOTE2, 53));
+    assert_eq!((verdict, word(&out, L4)), (TC_ACT_OK, 5000));
+    let usage = expiry::usage(&h.nat());
+    assert_eq!((usage.masqueraded_flows, usage.node_flows), (1, 1));
 }
 
 #[test]

@@ -815,7 +815,10 @@ fn v6_non_masquerade_destinations_and_the_nodes_own_traffic_pass_untouched() {
         assert_eq!(h.egress(&packet), (TC_ACT_OK, packet.clone()), "{what}");
         assert_eq!(h.counter(counter), before + 1, "{what}: {counter:?}");
     }
-    assert!(h.nat_v6().is_empty(), "{:?}", h.nat_v6());
+    // Only the node's three flows are remembered, as its own that nothing translates.
+    let nat = h.nat_v6();
+    assert_eq!(nat.len(), 6, "{nat:?}");
+    assert!(nat.iter().all(|(_, e)| e.kind == nat_kind::NODE), "{nat:?}");
     assert_eq!(h.counter(Counter::Masqueraded), 0);
 }
 
@@ -1221,6 +1224,33 @@ fn v6_exhausted_ports_and_a_full_table_drop_new_flows_and_keep_live_ones() {
 }
 
 // ---- i. IPv6 not enabled --------------------------------------------------------------------
+
+/// As for IPv4: the node's own flows and masqueraded ones never share a tuple on the node's
+/// address; a node flow that would is given another port.
+#[test]
+fn v6_the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple() {
+    let mut h = harness();
+    let (_, out) = h.egress(&udp6(POD6, 40000, REMOTE6, 8080));
+    let held = word(&out, L4_6);
+    let (verdict, left) = h.egress(&udp6(NODE6, held, REMOTE6, 8080));
+    assert_eq!(verdict, TC_ACT_OK);
+    let other = word(&left, L4_6);
+    assert_ne!(other, held);
+    assert_frame(&left, &udp6(NODE6, other, REMOTE6, 8080), &[L4_6 + 6]);
+    assert_eq!(h.counter(Counter::NodePortClash), 1);
+    let (_, back) = h.ingress(&udp6(REMOTE6, 8080, NODE6, other));
+    assert_frame(&back, &udp6(REMOTE6, 8080, NODE6, held), &[L4_6 + 6]);
+    let (_, back) = h.ingress(&udp6(REMOTE6, 8080, NODE6, held));
+    assert_frame(&back, &udp6(REMOTE6, 8080, POD6, 40000), &[L4_6 + 6]);
+    // A node flow that clashes with nothing keeps its port, and its tuple is held.
+    let free = udp6(NODE6, 33333, REMOTE6, 8080);
+    assert_eq!(h.egress(&free), (TC_ACT_OK, free.clone()));
+    assert!(
+        h.nat_v6()
+            .iter()
+            .any(|(k, e)| e.kind == nat_kind::NODE && k.sport == 33333u16.to_be())
+    );
+}
 
 #[test]
 fn v6_without_enable_ipv6_nothing_is_translated() {
