@@ -362,7 +362,7 @@ pub fn track_identity<F: Family>(
     };
     let (addr, port) = (egress_key.saddr, egress_key.sport);
     let egress = half(addr, port, kind, egress_segment, now);
-    let ingress_key = egress_key.reverse(&egress);
+    let ingress_key = &egress_key.reverse(&egress);
     let ingress = half(
         ingress_key.daddr,
         ingress_key.dport,
@@ -378,7 +378,7 @@ pub fn track_identity<F: Family>(
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it.
     if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {
-        let _ = nat.remove(&ingress_key);
+        let _ = nat.remove(ingress_key);
         return Err(IdentityError::NotRecorded);
     }
     Ok(())
