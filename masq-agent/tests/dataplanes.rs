@@ -15,7 +15,7 @@ use xtask::{
     packet::{ACK, RST, Tcp},
     probe::{
         self, BulkSink, BulkSource, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP,
-        Observer, Proto, RawObserver,
+        Observer, Proto, RawObserver, UdpEcho, UdpFlows,
     },
     topology::{self, Process, Topology},
     wait_for, wait_for_long, write_config,
@@ -2089,10 +2089,11 @@ impl Family {
         }
     }
 
-    fn pod(self) -> IpAddr {
+    /// Pod `i`'s address.
+    fn pod(self, i: usize) -> IpAddr {
         match self {
-            Family::V4 => pod_ip(0),
-            Family::V6 => pod_ip_v6(0),
+            Family::V4 => pod_ip(i),
+            Family::V6 => pod_ip_v6(i),
         }
     }
 
@@ -2182,6 +2183,8 @@ fn path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane: Plane, family:
 struct Conversation {
     pod: TcpStream,
     host: TcpStream,
+    /// The host's listening socket, for more connections to the same server.
+    listener: TcpListener,
     /// The connection's address and port as the host sees them: the node's, masqueraded.
     node_side: SocketAddr,
     server: SocketAddr,
@@ -2205,6 +2208,7 @@ impl Conversation {
         let conversation = Conversation {
             pod,
             host,
+            listener,
             node_side,
             server,
         };
@@ -2299,11 +2303,11 @@ fn a_lone_ack_opens_no_established_flow(plane: Plane, family: Family) {
         flags: ACK,
         ..Tcp::default()
     }
-    .segment(family.pod(), nowhere);
+    .segment(family.pod(0), nowhere);
     probe::raw_send_from(
         bed.pod(),
         i32::from(IPPROTO_TCP),
-        family.pod(),
+        family.pod(0),
         nowhere,
         &ack,
     )
@@ -2341,13 +2345,17 @@ fn a_lone_ack_opens_no_established_flow(plane: Plane, family: Family) {
 
 /// The nat table of the node's namespace, through the data plane's iptables backend, as
 /// kube-proxy would write it: one rule per call.
-fn kube_proxy(bed: &Bed, rules: &[&str]) {
+fn kube_proxy(bed: &Bed, family: Family, rules: &[&str]) {
     for rule in rules {
         let args: Vec<&str> = ["-w", "-t", "nat"]
             .into_iter()
             .chain(rule.split_whitespace())
             .collect();
-        bed.iptables(&args).unwrap();
+        match family {
+            Family::V4 => bed.iptables(&args),
+            Family::V6 => bed.ip6tables(&args),
+        }
+        .unwrap();
     }
 }
 
@@ -2359,6 +2367,7 @@ fn a_cluster_ip_to_an_endpoint_outside_is_masqueraded(plane: Plane) {
     let endpoint = format!("{}:{PORT}", topology::EXT_ADDR);
     kube_proxy(
         &bed,
+        Family::V4,
         &[&format!(
             "-A PREROUTING -d 10.96.0.10/32 -p tcp --dport 80 -j DNAT --to-destination {endpoint}"
         )],
@@ -2375,6 +2384,7 @@ fn kube_proxys_own_masquerade_is_not_translated_twice(plane: Plane) {
     let endpoint = format!("{}:{PORT}", topology::EXT_ADDR);
     kube_proxy(
         &bed,
+        Family::V4,
         &[
             "-A PREROUTING -d 10.96.0.11/32 -p tcp --dport 80 -j MARK --set-xmark 0x4000/0x4000",
             &format!(
@@ -2406,6 +2416,7 @@ fn a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node(plane: Plane) {
     let in_pod = Observer::start(&bed.topo.pods[1], &[endpoint], 9090).unwrap();
     kube_proxy(
         &bed,
+        Family::V4,
         &[
             &format!(
                 "-A PREROUTING -s {endpoint}/32 -d 10.96.0.12/32 -p tcp --dport 80 -j MARK --set-xmark 0x4000/0x4000"
@@ -2567,6 +2578,101 @@ fn a_new_nat_capacity_keeps_open_connections(plane: Plane) {
         .expect("the connection outlived the resize");
 }
 
+/// kube-proxy masquerades the traffic it marks itself, on the node's address, with ports from
+/// all of 1024-65535, while the programs masquerade other flows to the same destination on the
+/// same address. Thousands of flows each way, live at once, programs' flows before and after
+/// netfilter's: every one gets its own payload back, none another's.
+fn no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane: Plane, family: Family) {
+    let bed = Bed::with_pods(plane, family.config(), 2);
+    let _agent = bed.start_agent(family.agent_args());
+    let marked = family.pod(1);
+    kube_proxy(
+        &bed,
+        family,
+        &[
+            &format!("-A PREROUTING -s {marked} -j MARK --set-xmark 0x4000/0x4000"),
+            "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j MASQUERADE --random-fully",
+        ],
+    );
+    let server = SocketAddr::from((family.outside().ip(), 9900));
+    let _echo = UdpEcho::start(&bed.topo.ext, server).unwrap();
+    let pods = &bed.topo.pods;
+    let open = |pod: &str, count, tag| UdpFlows::open(pod, server, count, tag).unwrap();
+    let groups = [
+        (
+            "the programs' first flows",
+            open(&pods[0], 2000, "programs-a"),
+        ),
+        (
+            "kube-proxy's masqueraded flows",
+            open(&pods[1], 1000, "netfilter"),
+        ),
+        (
+            "the programs' later flows",
+            open(&pods[0], 2000, "programs-b"),
+        ),
+    ];
+    for round in 0..2 {
+        for (what, flows) in &groups {
+            let tally = flows.exchange(3).unwrap();
+            assert_eq!(
+                (tally.lost, tally.crossed),
+                (0, 0),
+                "{what}, round {round}: {tally:?}"
+            );
+        }
+    }
+}
+
+/// A process on the node binds the very address and port a pod's connection holds on it, and
+/// connects to the same server: as conntrack does, the node gives its connection another port,
+/// and both connections work.
+fn a_node_socket_on_a_port_the_programs_hold(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(family.agent_args());
+    let conversation = Conversation::open(&bed, family, 9740);
+    let (held, server) = (conversation.node_side, conversation.server);
+    assert_eq!(held.ip(), family.node());
+    let node = probe::tcp_connect_from(&bed.topo.node, held, server)
+        .expect("the node's connection from the held port is answered");
+    let (host, seen) = conversation.listener.accept().unwrap();
+    assert_ne!(seen, held, "the node's connection was given another port");
+    let node_conversation = Conversation {
+        pod: node,
+        host,
+        listener: conversation.listener.try_clone().unwrap(),
+        node_side: seen,
+        server,
+    };
+    for stream in [&node_conversation.pod, &node_conversation.host] {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+    }
+    node_conversation
+        .exchange("from the node")
+        .expect("the node's connection works");
+    conversation
+        .exchange("from the pod")
+        .expect("the pod's connection goes on");
+}
+
+fn no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade_v4(plane: Plane) {
+    no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane, Family::V4);
+}
+
+fn ipv6_no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane: Plane) {
+    no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane, Family::V6);
+}
+
+fn a_node_socket_on_a_port_the_programs_hold_v4(plane: Plane) {
+    a_node_socket_on_a_port_the_programs_hold(plane, Family::V4);
+}
+
+fn ipv6_a_node_socket_on_a_port_the_programs_hold(plane: Plane) {
+    a_node_socket_on_a_port_the_programs_hold(plane, Family::V6);
+}
+
 fn a_pods_icmp_error_reaches_the_outside_host_v4(plane: Plane) {
     a_pods_icmp_error_reaches_the_outside_host(plane, Family::V4);
 }
@@ -2654,6 +2760,10 @@ macro_rules! common_cases {
             a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node,
             migrating_from_upstreams_chain_keeps_an_open_connection,
             a_conntrack_flush_during_live_flows,
+            no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade_v4,
+            ipv6_no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade,
+            a_node_socket_on_a_port_the_programs_hold_v4,
+            ipv6_a_node_socket_on_a_port_the_programs_hold,
         );
     };
 }

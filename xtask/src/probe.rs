@@ -593,3 +593,130 @@ pub fn http_get(ns: &str, server: SocketAddr, path: &str) -> anyhow::Result<(u16
         Ok((status, body.to_string()))
     })
 }
+
+/// A UDP server on `addr` in `ns` that sends every datagram back to where it came from, until
+/// dropped.
+pub struct UdpEcho {
+    _workers: Workers,
+}
+
+impl UdpEcho {
+    pub fn start(ns: &str, addr: SocketAddr) -> anyhow::Result<UdpEcho> {
+        let socket = netns::within(ns, move || {
+            let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, None)?;
+            // Thousands of flows answer at once: room for their datagrams.
+            socket.set_recv_buffer_size(8 << 20)?;
+            socket.bind(&addr.into())?;
+            Ok(UdpSocket::from(socket))
+        })?;
+        socket.set_read_timeout(Some(POLL))?;
+        let mut workers = Workers::default();
+        workers.spawn(move || {
+            let mut buf = [0u8; 2048];
+            if let Ok((n, from)) = socket.recv_from(&mut buf) {
+                let _ = socket.send_to(&buf[..n], from);
+            }
+        });
+        Ok(UdpEcho { _workers: workers })
+    }
+}
+
+/// Many UDP flows from one namespace to one server, each its own socket (and so its own
+/// source port), kept open so that they are all live at once. Each sends a payload that names
+/// it, and must get that payload back: a reply that reaches another flow shows.
+pub struct UdpFlows {
+    flows: Vec<(UdpSocket, Vec<u8>)>,
+    server: SocketAddr,
+}
+
+/// What one exchange over `UdpFlows` came to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FlowTally {
+    pub answered: usize,
+    /// Flows that never got their own payload back.
+    pub lost: usize,
+    /// Replies that carried another flow's payload.
+    pub crossed: usize,
+}
+
+impl UdpFlows {
+    pub fn open(ns: &str, server: SocketAddr, count: usize, tag: &str) -> anyhow::Result<UdpFlows> {
+        let any: IpAddr = match server {
+            SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+            SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+        };
+        let sockets = netns::within(ns, move || {
+            (0..count)
+                .map(|_| UdpSocket::bind((any, 0)))
+                .collect::<std::io::Result<Vec<_>>>()
+                .context("binding the flows' sockets")
+        })?;
+        let flows = sockets
+            .into_iter()
+            .enumerate()
+            .map(|(i, socket)| {
+                socket.set_nonblocking(true)?;
+                Ok((socket, format!("{tag}-{i}").into_bytes()))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(UdpFlows { flows, server })
+    }
+
+    /// Every flow sends its payload, up to `tries` times while its own has not come back (a
+    /// datagram may be dropped on the way; a flow whose replies go elsewhere never gets it).
+    pub fn exchange(&self, tries: usize) -> anyhow::Result<FlowTally> {
+        let mut tally = FlowTally::default();
+        let mut waiting: Vec<usize> = (0..self.flows.len()).collect();
+        let mut buf = [0u8; 2048];
+        for _ in 0..tries {
+            for &i in &waiting {
+                let (socket, payload) = &self.flows[i];
+                socket.send_to(payload, self.server)?;
+                // Paced, so that the server's queue holds them.
+                if i % 64 == 63 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while !waiting.is_empty() && std::time::Instant::now() < deadline {
+                let before = waiting.len();
+                waiting.retain(|&i| {
+                    let (socket, payload) = &self.flows[i];
+                    let mut answered = false;
+                    while let Ok(n) = socket.recv(&mut buf) {
+                        if &buf[..n] == payload.as_slice() {
+                            answered = true;
+                        } else {
+                            tally.crossed += 1;
+                        }
+                    }
+                    !answered
+                });
+                if waiting.len() == before {
+                    std::thread::sleep(POLL);
+                }
+            }
+        }
+        tally.lost = waiting.len();
+        tally.answered = self.flows.len() - tally.lost;
+        Ok(tally)
+    }
+}
+
+/// A TCP connection from `ns` to `server` from the chosen local address and port (bound even
+/// where another socket's flow uses them), as a daemon with a fixed source port opens one.
+pub fn tcp_connect_from(
+    ns: &str,
+    local: SocketAddr,
+    server: SocketAddr,
+) -> anyhow::Result<TcpStream> {
+    netns::within(ns, move || {
+        let socket = Socket::new(Domain::for_address(local), Type::STREAM, None)?;
+        socket.set_reuse_address(true)?;
+        socket.bind(&local.into())?;
+        socket
+            .connect_timeout(&server.into(), Duration::from_secs(3))
+            .with_context(|| format!("connect from {local} to {server}"))?;
+        Ok(TcpStream::from(socket))
+    })
+}
