@@ -20,7 +20,11 @@ use crate::{
     config::{self, ConfigOptions, ConfigSource},
     dataplane::{
         ApplyOutcome, DataPlane, Mode,
-        ebpf::{self, EbpfOptions, devices::Selection},
+        ebpf::{
+            self, EbpfOptions,
+            devices::Selection,
+            leftovers::{Drain, Leftovers},
+        },
         iptables::{ChainVariant, IptablesDataPlane},
         state,
     },
@@ -92,6 +96,21 @@ fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
     })
 }
 
+/// What an eBPF data plane left under `bpffs`, to drain while the data plane in force (`mode`)
+/// is another.
+fn leftovers_beside(mode: Mode, bpffs: &Path) -> Option<Leftovers> {
+    let found = (mode != Mode::Ebpf)
+        .then(|| Leftovers::find(bpffs))
+        .flatten();
+    if found.is_some() {
+        info!(
+            "the eBPF data plane's programs stay until the flows they translate end; their \
+             tables are swept meanwhile"
+        );
+    }
+    found
+}
+
 fn record_mode(bpffs: &Path, dataplane: &dyn DataPlane) {
     if let Err(err) = state::record(bpffs, dataplane.mode(), dataplane.mode_reason()) {
         warn!("cannot record the data plane mode for `status`: {err}");
@@ -157,6 +176,10 @@ pub struct Agent {
     apply_problem: OnceLogger,
     upkeep_problem: OnceLogger,
     telemetry: Arc<Telemetry>,
+    /// What an eBPF data plane left running while another one is in force: drained, then
+    /// removed.
+    leftovers: Option<Leftovers>,
+    drain_problem: OnceLogger,
 }
 
 impl Agent {
@@ -180,6 +203,8 @@ impl Agent {
             apply_problem: OnceLogger::default(),
             upkeep_problem: OnceLogger::default(),
             telemetry,
+            leftovers: leftovers_beside(mode, &flags.bpffs),
+            drain_problem: OnceLogger::default(),
         }
     }
 
@@ -202,6 +227,29 @@ impl Agent {
                 self.record_check(Check::Upkeep, None);
             }
             Err(err) => self.record_check(Check::Upkeep, Some(&err)),
+        }
+        self.drain_leftovers();
+    }
+
+    /// Sweeps what an eBPF data plane left, and forgets it once it removed itself. A failure
+    /// is said and tried again at the next upkeep: the data plane in force is not affected.
+    fn drain_leftovers(&mut self) {
+        let Some(leftovers) = &mut self.leftovers else {
+            return;
+        };
+        match leftovers.maintain() {
+            Ok(Drain::Draining(usage)) => {
+                if let Some(usage) = usage {
+                    self.telemetry.nat_swept(usage);
+                }
+            }
+            Ok(Drain::Done) => self.leftovers = None,
+            Err(err) => {
+                let message = format!("{err:#}");
+                if self.drain_problem.is_new(&message) {
+                    warn!("draining the eBPF data plane's flows failed: {message}");
+                }
+            }
         }
     }
 
@@ -257,6 +305,7 @@ impl Agent {
             && let Some(opts) = self.fallback.take()
         {
             self.dataplane = fallback(opts, err);
+            self.leftovers = leftovers_beside(self.dataplane.mode(), &self.bpffs);
             record_mode(&self.bpffs, self.dataplane.as_ref());
             self.telemetry.mode(self.dataplane.mode(), true);
             applied = self.dataplane.apply(&policy);

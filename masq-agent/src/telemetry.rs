@@ -565,6 +565,7 @@ mod tests {
             masqueraded_flows: 4,
             inbound_flows: 1,
             node_flows: 3,
+            translated_flows: 4,
             expired_flows: 2,
             orphans_removed: 0,
         };

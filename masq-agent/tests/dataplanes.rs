@@ -2443,14 +2443,7 @@ fn a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node(plane: Plane) {
 /// data plane while a connection is open: the connection goes on, and new ones are masqueraded.
 fn migrating_from_upstreams_chain_keeps_an_open_connection(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let upstream_args: Vec<String> = bed
-        .plane_args()
-        .into_iter()
-        .filter(|a| !a.starts_with("--dataplane") && !a.starts_with("--interface"))
-        .filter(|a| !a.starts_with("--fallback"))
-        .chain(["--dataplane=iptables".to_string()])
-        .collect();
-    let mut upstream = bed.spawn_agent(&upstream_args, &[]);
+    let mut upstream = bed.spawn_agent(&rollback_args(&bed, Family::V4), &[]);
     let conversation = Conversation::open(&bed, Family::V4, 9710);
     assert_eq!(conversation.node_side.ip(), node_ip());
     upstream.stop(libc::SIGTERM).unwrap();
@@ -2673,6 +2666,78 @@ fn ipv6_a_node_socket_on_a_port_the_programs_hold(plane: Plane) {
     a_node_socket_on_a_port_the_programs_hold(plane, Family::V6);
 }
 
+/// The flags of this bed's agent with `--dataplane iptables` instead: upstream's chain.
+fn rollback_args(bed: &Bed, family: Family) -> Vec<String> {
+    bed.plane_args()
+        .into_iter()
+        .filter(|a| !a.starts_with("--dataplane") && !a.starts_with("--interface"))
+        .filter(|a| !a.starts_with("--fallback"))
+        .chain(["--dataplane=iptables".to_string()])
+        .chain(family.agent_args().iter().map(|a| a.to_string()))
+        .collect()
+}
+
+/// Rolling back to `--dataplane iptables` with thousands of flows the programs translate: they
+/// go on, `status` says they are draining, and the new flows the full chain masquerades on the
+/// same address lose nothing to the programs' entries.
+fn a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane: Plane, family: Family) {
+    let bed = Bed::with_pods(plane, family.config(), 2);
+    let mut agent = bed.start_agent(family.agent_args());
+    let server = SocketAddr::from((family.outside().ip(), 9910));
+    let _echo = UdpEcho::start(&bed.topo.ext, server).unwrap();
+    let pods = &bed.topo.pods;
+    let translated = UdpFlows::open(&pods[0], server, 3000, "programs").unwrap();
+    assert_eq!(translated.exchange(3).unwrap().lost, 0);
+    let conversation = Conversation::open(&bed, family, 9750);
+    agent.stop(libc::SIGTERM).unwrap();
+    let _upstream = bed.spawn_agent(&rollback_args(&bed, family), &[]);
+    let status = bed.status_json();
+    let draining = status["draining_flows"].as_u64().unwrap_or(0);
+    assert!(draining >= 3001, "draining {draining}: {status}");
+    let masqueraded = UdpFlows::open(&pods[1], server, 1000, "chain").unwrap();
+    for (what, flows) in [
+        ("the chain's", &masqueraded),
+        ("the programs'", &translated),
+    ] {
+        let tally = flows.exchange(3).unwrap();
+        assert_eq!(
+            (tally.lost, tally.crossed),
+            (0, 0),
+            "{what} flows: {tally:?}"
+        );
+    }
+    conversation
+        .exchange("after the rollback")
+        .expect("the programs' connection goes on");
+}
+
+/// Rolling back with no flow left for the programs to translate: they and their pins go.
+fn a_rollback_with_nothing_to_drain_removes_the_programs(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut agent = bed.start_agent(&[]);
+    assert!(bed.topo.bpffs.join("nat_v4").exists());
+    agent.stop(libc::SIGTERM).unwrap();
+    let upstream = bed.spawn_agent(&rollback_args(&bed, Family::V4), &[]);
+    wait_for(|| Ok(!bed.topo.bpffs.join("nat_v4").exists()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", upstream.log_text()));
+    let status = bed.status_json();
+    assert!(status["ebpf"].is_null(), "{status}");
+    assert!(
+        upstream
+            .log_text()
+            .contains("programs and pins are removed")
+    );
+    assert_masqueraded(&bed);
+}
+
+fn a_rollback_keeps_the_programs_flows_and_loses_no_new_one_v4(plane: Plane) {
+    a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane, Family::V4);
+}
+
+fn ipv6_a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane: Plane) {
+    a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane, Family::V6);
+}
+
 fn a_pods_icmp_error_reaches_the_outside_host_v4(plane: Plane) {
     a_pods_icmp_error_reaches_the_outside_host(plane, Family::V4);
 }
@@ -2790,6 +2855,9 @@ mod ebpf {
         ipv6_a_lone_ack_opens_no_established_flow,
         an_upgrade_carries_the_flows_of_an_older_nat_table,
         a_new_nat_capacity_keeps_open_connections,
+        a_rollback_keeps_the_programs_flows_and_loses_no_new_one_v4,
+        ipv6_a_rollback_keeps_the_programs_flows_and_loses_no_new_one,
+        a_rollback_with_nothing_to_drain_removes_the_programs,
     );
 }
 

@@ -120,6 +120,9 @@ pub struct NatUsage {
     /// Flows of the node's own address, held so that no masqueraded flow is given their tuple
     /// (those translated to another port for a clash included).
     pub node_flows: usize,
+    /// Flows the programs translate (masqueraded ones, and node flows given another port):
+    /// those that need the programs to go on.
+    pub translated_flows: usize,
     pub expired_flows: usize,
     pub orphans_removed: usize,
 }
@@ -134,6 +137,7 @@ impl std::ops::Add for NatUsage {
             masqueraded_flows: self.masqueraded_flows + other.masqueraded_flows,
             inbound_flows: self.inbound_flows + other.inbound_flows,
             node_flows: self.node_flows + other.node_flows,
+            translated_flows: self.translated_flows + other.translated_flows,
             expired_flows: self.expired_flows + other.expired_flows,
             orphans_removed: self.orphans_removed + other.orphans_removed,
         }
@@ -151,6 +155,9 @@ pub struct Status {
     pub ebpf: Option<ebpf::EbpfStatus>,
     /// What masquerades what leaves each device of the node, loopback aside.
     pub devices: Vec<coverage::DeviceCoverage>,
+    /// While another data plane is in force, the flows an eBPF data plane still translates:
+    /// its programs and pins go when none is left.
+    pub draining_flows: Option<usize>,
 }
 
 /// What is installed, read back from the kernel: the chains, the eBPF objects pinned under
@@ -172,6 +179,7 @@ fn read_back(chain: &str, bpffs: Option<&std::path::Path>) -> anyhow::Result<Sta
         chains,
         ebpf,
         devices,
+        draining_flows: None,
     })
 }
 
@@ -182,6 +190,11 @@ pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
         status.mode = Some(record.mode);
         status.mode_reason = record.reason;
     }
+    status.draining_flows = status
+        .ebpf
+        .as_ref()
+        .filter(|_| status.mode != Some(Mode::Ebpf))
+        .map(|ebpf| ebpf.nat_translated_flows);
     Ok(status)
 }
 
@@ -204,6 +217,12 @@ impl std::fmt::Display for Status {
             for device in &self.devices {
                 write!(f, "{device}")?;
             }
+        }
+        if let Some(flows) = self.draining_flows {
+            writeln!(
+                f,
+                "eBPF data plane draining: {flows} translated flows left; its programs and pins go when none is left"
+            )?;
         }
         if let Some(ebpf) = &self.ebpf {
             write!(f, "{ebpf}")?;

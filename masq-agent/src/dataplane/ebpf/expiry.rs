@@ -103,6 +103,9 @@ pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     };
     for (key, entry) in entries {
         if key.direction == direction::EGRESS {
+            if entry.kind == nat_kind::SNAT {
+                usage.translated_flows += 1;
+            }
             match entry.kind {
                 nat_kind::PASSTHROUGH => usage.inbound_flows += 1,
                 nat_kind::NODE => usage.node_flows += 1,

@@ -8,6 +8,7 @@ pub(crate) mod batch;
 mod carry;
 pub mod devices;
 pub mod expiry;
+pub mod leftovers;
 pub mod pins;
 pub mod testbed;
 
@@ -110,7 +111,7 @@ pub struct EbpfDataPlane {
 
 /// How often the NAT table is swept for idle flows; upkeep runs more often than that, to catch
 /// a changed address or a detached program quickly.
-const SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
 /// matches. Nothing is attached until the first `apply`, so that the programs never run with
@@ -657,6 +658,8 @@ pub struct EbpfStatus {
     pub nat_inbound_flows: usize,
     /// Flows of the node's own address the table holds the tuple of.
     pub nat_node_flows: usize,
+    /// Flows the programs translate: those that need them to go on.
+    pub nat_translated_flows: usize,
     pub nat_entries: usize,
     pub nat_capacity: u32,
     pub counters: BTreeMap<&'static str, u64>,
@@ -750,6 +753,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         nat_flows: nat.masqueraded_flows,
         nat_inbound_flows: nat.inbound_flows,
         nat_node_flows: nat.node_flows,
+        nat_translated_flows: nat.translated_flows,
         nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
         counters,
