@@ -377,6 +377,11 @@ fn series(
             "Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a masqueraded flow held: given another port, as conntrack resolves a clash",
             None,
         ),
+        Counter::NatFlowsNotCarried => (
+            "nat_flows_not_carried",
+            "Flows of a replaced NAT table (an upgrade, another --nat-capacity) that did not fit into the new one",
+            None,
+        ),
         Counter::TcpRstNotAcceptable => (
             "tcp_resets_not_acceptable",
             "TCP RSTs whose sequence number the receiving end would not accept; the flow keeps its state",

@@ -1926,7 +1926,8 @@ fn masqueraded_packets(bed: &Bed) -> u64 {
 }
 
 /// Without `--interface`, a device that gains a default route gets the programs, and keeps them
-/// when it loses the route; `status` says per device, per family, what masquerades it.
+/// while the flows through it drain when it loses the route; `status` says per device, per
+/// family, what masquerades it.
 fn follows_a_device_that_gains_a_default_route(plane: Plane) {
     let bed = Bed::new(plane, IPV6_CONFIG);
     bed.topo.connect_second_uplink().unwrap();
@@ -1987,12 +1988,20 @@ fn follows_a_device_that_gains_a_default_route(plane: Plane) {
     bed.topo
         .node_run("ip", &["route", "del", "default", "via", &ext2])
         .unwrap();
-    // A few upkeeps later, up1 still carries the programs, for the flows through it.
-    std::thread::sleep(Duration::from_millis(2500));
+    // Without its route, up1 leaves the chain's early returns, but keeps the programs while
+    // the flows they translate through it drain; new flows through it are the chain's.
+    wait_for_coverage(&bed, &agent, up1, Family::V4, "iptables");
     let status = bed.status_json();
+    let draining = status["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["device"] == up1)
+        .map(|d| d["draining_flows"].clone());
+    assert_eq!(draining, Some(2.into()), "{status}");
     assert_eq!(
-        coverage(&status, up1, Family::V4).unwrap(),
-        "ebpf",
+        attached_devices(&status),
+        ["eth0", "eth0", up1, up1],
         "{status}"
     );
     assert_second_uplink_masquerades(&bed, Family::V4);
@@ -2193,8 +2202,12 @@ struct Conversation {
 impl Conversation {
     fn open(bed: &Bed, family: Family, port: u16) -> Conversation {
         let server = SocketAddr::from((family.outside().ip(), port));
-        let listener =
-            xtask::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(server)?)).unwrap();
+        Conversation::open_to(bed, &bed.topo.ext, server)
+    }
+
+    /// With the server at `server` in namespace `host`.
+    fn open_to(bed: &Bed, host: &str, server: SocketAddr) -> Conversation {
+        let listener = xtask::netns::within(host, move || Ok(TcpListener::bind(server)?)).unwrap();
         let pod = xtask::netns::within(bed.pod(), move || {
             Ok(TcpStream::connect_timeout(&server, Duration::from_secs(3))?)
         })
@@ -2571,6 +2584,28 @@ fn a_new_nat_capacity_keeps_open_connections(plane: Plane) {
         .expect("the connection outlived the resize");
 }
 
+/// A transfer runs while the agent restarts with a smaller `--nat-capacity`: every byte arrives.
+fn a_capacity_change_during_a_transfer_loses_nothing(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut agent = bed.start_agent(&["--nat-capacity=8192"]);
+    let _sink = BulkSink::start(&bed.topo.ext, 9770).unwrap();
+    let pod = bed.pod().to_string();
+    let server = (topology::EXT_ADDR, 9770).into();
+    let transfer = std::thread::spawn(move || {
+        probe::tcp_bulk(&pod, server, 32 * 1024, 40, Duration::from_millis(50))
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    agent.stop(libc::SIGTERM).unwrap();
+    let agent = bed.start_agent(&["--nat-capacity=2048"]);
+    let sent = transfer.join().unwrap().unwrap();
+    assert_eq!(sent, 40 * 32 * 1024, "{}", agent.log_text());
+    assert!(
+        agent.log_text().contains("flows carried"),
+        "{}",
+        agent.log_text()
+    );
+}
+
 /// kube-proxy masquerades the traffic it marks itself, on the node's address, with ports from
 /// all of 1024-65535, while the programs masquerade other flows to the same destination on the
 /// same address. Thousands of flows each way, live at once, programs' flows before and after
@@ -2738,6 +2773,83 @@ fn ipv6_a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane: Plane) {
     a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane, Family::V6);
 }
 
+/// The pinned links of the programs on `device`.
+fn links_of(bed: &Bed, device: &str) -> Vec<std::path::PathBuf> {
+    ["egress", "ingress"]
+        .iter()
+        .map(|hook| {
+            bed.topo
+                .bpffs
+                .join("links")
+                .join(format!("{device}-{hook}"))
+        })
+        .filter(|pin| pin.exists())
+        .collect()
+}
+
+/// A restart with a device fewer in `--interface`: the programs stay on it while the flows
+/// they translate through it drain (and `status` says how many are left), new flows leaving
+/// by it are the chain's; a device through which none is left is released at once.
+fn a_shrinking_device_set_drains_before_it_detaches(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    bed.topo.connect_second_uplink().unwrap();
+    let up1 = format!("--interface={}", topology::SECOND_UPLINK_IF);
+    let mut agent = bed.start_agent(&[&up1]);
+    let server = SocketAddr::from((topology::EXT2_ADDR, 9760));
+    let conversation = Conversation::open_to(&bed, &bed.topo.ext2, server);
+    assert_eq!(
+        conversation.node_side.ip(),
+        IpAddr::from(topology::NODE_SECOND_UPLINK)
+    );
+    agent.stop(libc::SIGTERM).unwrap();
+    let agent = bed.start_agent(&[]);
+    let status = bed.status_json();
+    let up1_status = status["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["device"] == topology::SECOND_UPLINK_IF)
+        .cloned()
+        .unwrap();
+    assert_eq!(up1_status["ipv4"], "iptables", "{status}");
+    assert_eq!(up1_status["draining_flows"], 1, "{status}");
+    assert_eq!(links_of(&bed, topology::SECOND_UPLINK_IF).len(), 2);
+    conversation
+        .exchange("through the draining device")
+        .expect("the programs' flow through it goes on");
+    // A new flow through up1 is the chain's, masqueraded all the same.
+    let _ext2 = Observer::start(&bed.topo.ext2, &[topology::EXT2_ADDR], 9761).unwrap();
+    let seen = probe::tcp_probe(bed.pod(), (topology::EXT2_ADDR, 9761).into(), 0).unwrap();
+    assert_eq!(seen.ip(), IpAddr::from(topology::NODE_SECOND_UPLINK));
+    assert!(
+        agent
+            .log_text()
+            .contains("its programs stay while the flows"),
+        "{}",
+        agent.log_text()
+    );
+
+    // Without a flow through it, a device dropped from --interface is released at once.
+    drop(conversation);
+    let mut agent = agent;
+    agent.stop(libc::SIGTERM).unwrap();
+    let bed2 = Bed::new(plane, DEFAULT_CONFIG);
+    bed2.topo.connect_second_uplink().unwrap();
+    let mut first = bed2.start_agent(&[&up1]);
+    first.stop(libc::SIGTERM).unwrap();
+    let _agent = bed2.start_agent(&[]);
+    wait_for(|| Ok(links_of(&bed2, topology::SECOND_UPLINK_IF).is_empty())).unwrap();
+    let status = bed2.status_json();
+    assert!(
+        status["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["draining_flows"].is_null()),
+        "{status}"
+    );
+}
+
 fn a_pods_icmp_error_reaches_the_outside_host_v4(plane: Plane) {
     a_pods_icmp_error_reaches_the_outside_host(plane, Family::V4);
 }
@@ -2855,9 +2967,11 @@ mod ebpf {
         ipv6_a_lone_ack_opens_no_established_flow,
         an_upgrade_carries_the_flows_of_an_older_nat_table,
         a_new_nat_capacity_keeps_open_connections,
+        a_capacity_change_during_a_transfer_loses_nothing,
         a_rollback_keeps_the_programs_flows_and_loses_no_new_one_v4,
         ipv6_a_rollback_keeps_the_programs_flows_and_loses_no_new_one,
         a_rollback_with_nothing_to_drain_removes_the_programs,
+        a_shrinking_device_set_drains_before_it_detaches,
     );
 }
 

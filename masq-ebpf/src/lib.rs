@@ -314,6 +314,9 @@ pub enum Counter {
     /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
     /// masqueraded flow already held: given another port, as conntrack resolves a clash.
     NodePortClash,
+    /// Flows of a replaced NAT table (an upgrade, another `--nat-capacity`) that did not fit
+    /// into the new one. Counted by the agent, not the programs.
+    NatFlowsNotCarried,
     /// Connections opened from outside toward a pod, first seen.
     InboundTracked,
     /// Port allocations that found no free port.
@@ -335,7 +338,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 19] = [
+    pub const ALL: [Counter; 20] = [
         Counter::Masqueraded,
         Counter::NotMasqNonMasqDestination,
         Counter::NotMasqNodeSource,
@@ -347,6 +350,7 @@ impl Counter {
         Counter::IcmpErrorMasqueraded,
         Counter::TcpRstNotAcceptable,
         Counter::NodePortClash,
+        Counter::NatFlowsNotCarried,
         Counter::InboundTracked,
         Counter::AllocationFailed,
         Counter::DropPortsExhausted,
@@ -371,6 +375,7 @@ impl Counter {
             Counter::IcmpErrorMasqueraded => "icmp_error_masqueraded",
             Counter::TcpRstNotAcceptable => "tcp_rst_not_acceptable",
             Counter::NodePortClash => "node_port_clash",
+            Counter::NatFlowsNotCarried => "nat_flows_not_carried",
             Counter::InboundTracked => "inbound_connection_tracked",
             Counter::AllocationFailed => "allocation_failed",
             Counter::DropPortsExhausted => "dropped_ports_exhausted",

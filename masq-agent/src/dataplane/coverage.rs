@@ -37,15 +37,22 @@ pub struct DeviceCoverage {
     pub index: u32,
     pub ipv4: Coverage,
     pub ipv6: Coverage,
+    /// For a device the chain covers while the programs still run on it (no longer selected):
+    /// the flows they translate through it, which drain before they are taken off.
+    pub draining_flows: Option<usize>,
 }
 
 impl std::fmt::Display for DeviceCoverage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
+        write!(
             f,
             "  {}: ipv4 {}, ipv6 {}",
             self.device, self.ipv4, self.ipv6
-        )
+        )?;
+        match self.draining_flows {
+            Some(flows) => writeln!(f, " (programs draining: {flows} translated flows left)"),
+            None => writeln!(f),
+        }
     }
 }
 
@@ -59,11 +66,16 @@ pub fn of_devices(
         .iter()
         .map(|(device, index)| {
             let covered = |family| coverage(family, device, *index, chains, ebpf);
+            let (ipv4, ipv6) = (covered(IpFamily::Ipv4), covered(IpFamily::Ipv6));
+            let returned = ipv4 == Coverage::Ebpf || ipv6 == Coverage::Ebpf;
             DeviceCoverage {
                 device: device.clone(),
                 index: *index,
-                ipv4: covered(IpFamily::Ipv4),
-                ipv6: covered(IpFamily::Ipv6),
+                ipv4,
+                ipv6,
+                draining_flows: ebpf
+                    .filter(|_| !returned)
+                    .and_then(|e| e.flows_through(device, *index)),
             }
         })
         .collect()

@@ -12,9 +12,9 @@ use std::collections::HashMap;
 
 use aya::{
     Ebpf, Pod,
-    maps::{HashMap as BpfHashMap, MapData},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray},
 };
-use masq_ebpf::{Address, NatEntry, NatKey, map_names};
+use masq_ebpf::{Address, Counter, NatEntry, NatKey, map_names};
 use tracing::{info, warn};
 
 use super::{batch, map_mut, pins::Pins};
@@ -152,9 +152,26 @@ impl Carried {
                     flows = outcome.left_out,
                     "flows that did not fit into the new NAT table are lost"
                 );
+                if let Err(err) = count(ebpf, Counter::NatFlowsNotCarried, outcome.left_out) {
+                    warn!("cannot count the flows left out: {err:#}");
+                }
             }
         }
     }
+}
+
+/// Adds `n` to one of the programs' counters, in the first CPU's slot (they are summed).
+fn count(ebpf: &mut Ebpf, counter: Counter, n: usize) -> anyhow::Result<()> {
+    let mut counters: PerCpuArray<&mut MapData, u64> =
+        PerCpuArray::try_from(map_mut(ebpf, map_names::COUNTERS)?)?;
+    let mut values: Vec<u64> = counters.get(&(counter as u32), 0)?.to_vec();
+    values[0] += n as u64;
+    counters.set(
+        counter as u32,
+        aya::maps::PerCpuValues::try_from(values)?,
+        0,
+    )?;
+    Ok(())
 }
 
 /// The update flag that refuses to replace an entry (include/uapi/linux/bpf.h).

@@ -20,8 +20,8 @@ pub enum Selection {
     /// `--interface`: these, whenever they exist.
     Named(Vec<String>),
     /// The devices holding a default route (an IPv6 one too, with `ipv6`). A device that
-    /// carries the programs keeps them while it exists, even without its route, so that the
-    /// flows through it keep their translation.
+    /// loses its route, like one no longer named, keeps the programs while the flows they
+    /// translate through it drain.
     DefaultRoutes { ipv6: bool },
 }
 
@@ -36,14 +36,12 @@ impl Selection {
         }
     }
 
-    /// The devices to look at now, `carrying` ones included.
-    pub fn followed(&self, carrying: &[String]) -> anyhow::Result<Vec<String>> {
-        let mut names = match self {
-            Selection::Named(names) => return Ok(names.clone()),
-            Selection::DefaultRoutes { ipv6 } => netdev::default_route_devices(*ipv6)?,
-        };
-        merge(&mut names, carrying);
-        Ok(names)
+    /// The devices selected now.
+    pub fn followed(&self) -> anyhow::Result<Vec<String>> {
+        match self {
+            Selection::Named(names) => Ok(names.clone()),
+            Selection::DefaultRoutes { ipv6 } => netdev::default_route_devices(*ipv6),
+        }
     }
 
     fn why_no_device(&self) -> &'static str {
@@ -131,7 +129,7 @@ impl Returned {
 /// What the chain returns to programs on the devices `selection` picks now: what a data plane
 /// starting now would install.
 pub fn returned_now(selection: &Selection, enable_ipv6: bool) -> anyhow::Result<Returned> {
-    let states = states(&selection.followed(&[])?)?;
+    let states = states(&selection.followed()?)?;
     Ok(Returned::by(&usable(&states), enable_ipv6))
 }
 
@@ -257,7 +255,7 @@ mod tests {
     #[test]
     fn named_interfaces_are_followed_as_named() {
         let named = Selection::new(&["eth0".into(), "up1".into(), "eth0".into()], true);
-        assert_eq!(named.followed(&["eth9".into()]).unwrap(), ["eth0", "up1"]);
+        assert_eq!(named.followed().unwrap(), ["eth0", "up1"]);
         assert_eq!(
             Selection::new(&[], true),
             Selection::DefaultRoutes { ipv6: true }

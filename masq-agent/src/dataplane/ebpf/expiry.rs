@@ -118,6 +118,19 @@ pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     usage
 }
 
+/// How many flows of `entries` the programs translate to each node address.
+pub fn translated_by_address<A: Address + Ord>(
+    entries: &[(NatKey<A>, NatEntry<A>)],
+) -> std::collections::BTreeMap<A, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for (key, entry) in entries {
+        if key.direction == direction::EGRESS && entry.kind == nat_kind::SNAT {
+            *counts.entry(entry.addr).or_default() += 1;
+        }
+    }
+    counts
+}
+
 /// Removes every flow idle for longer than its timeout, both halves together, and reports
 /// what the table held before.
 pub fn expire<A>(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage>

@@ -94,6 +94,10 @@ pub struct EbpfDataPlane {
     selection: Selection,
     /// The devices carrying the programs, as last looked up.
     devices: Vec<Device>,
+    /// Devices no longer selected (no longer named, or without their default route), whose
+    /// programs stay, but out of the chain's early returns, while the flows they translate
+    /// through them drain: released once none is left, or once the device is gone.
+    draining: Vec<Device>,
     /// Devices an earlier agent left programs on: taken over, or released, at the first apply.
     inherited: Vec<String>,
     notes: Notes,
@@ -107,6 +111,8 @@ pub struct EbpfDataPlane {
     /// The old NAT tables whose flows are carried into the new ones, held until the first
     /// apply has taken the links over from the old programs.
     carried: Carried,
+    /// The programs' count of node flows given another port, as last said.
+    clashes_said: u64,
 }
 
 /// How often the NAT table is swept for idle flows; upkeep runs more often than that, to catch
@@ -153,6 +159,7 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
         enable_ipv6: opts.enable_ipv6,
         selection: opts.devices.clone(),
         devices: Vec::new(),
+        draining: Vec::new(),
         notes: Notes::default(),
         attachments: Vec::new(),
         // Until programs run somewhere, the chain leaves nothing to them.
@@ -162,6 +169,7 @@ fn load(opts: &EbpfOptions) -> anyhow::Result<EbpfDataPlane> {
         applied: None,
         last_sweep: None,
         carried,
+        clashes_said: node_port_clashes(&opts.bpffs)?,
     })
 }
 
@@ -231,6 +239,32 @@ fn write_interfaces(ebpf: &mut Ebpf, devices: &[Device], ipv6: bool) -> anyhow::
         map.remove(&index)?;
     }
     Ok(())
+}
+
+/// The programs' count of node flows given another port for a clash, as pinned under `bpffs`.
+fn node_port_clashes(bpffs: &Path) -> anyhow::Result<u64> {
+    Ok(read_kernel_counters(bpffs)?
+        .and_then(|kernel| {
+            kernel
+                .packets
+                .into_iter()
+                .find(|(counter, _)| *counter == Counter::NodePortClash)
+        })
+        .map_or(0, |(_, n)| n))
+}
+
+/// How many flows the programs translate to each node address, in one family's table.
+fn translated_by_address<A>(ebpf: &Ebpf, name: &str) -> anyhow::Result<BTreeMap<A, usize>>
+where
+    A: masq_ebpf::Address + Ord,
+    masq_ebpf::NatKey<A>: aya::Pod,
+    masq_ebpf::NatEntry<A>: aya::Pod,
+{
+    let map = ebpf
+        .map(name)
+        .with_context(|| format!("map {name} missing from the object"))?;
+    let (_, entries) = expiry::read_table::<A>(map)?;
+    Ok(expiry::translated_by_address(&entries))
 }
 
 /// An LPM trie key as plain data: prefix length in bits, then the address bytes.
@@ -394,7 +428,7 @@ impl EbpfDataPlane {
     /// its address, so that no new flow leaves untranslated.
     fn follow_devices(&mut self, policy: &Policy) -> anyhow::Result<Followed> {
         let carrying = self.carrying();
-        let states = devices::states(&self.selection.followed(&carrying)?)?;
+        let states = devices::states(&self.selection.followed()?)?;
         self.notes
             .report(&self.selection, &states, self.enable_ipv6);
         let fresh = devices::usable(&states);
@@ -407,8 +441,12 @@ impl EbpfDataPlane {
             .filter(|name| !fresh.iter().any(|d| d.name == *name))
             .collect();
         for device in &leaving {
-            self.release(device);
+            self.leave(device)?;
         }
+        // A draining device selected again carries the programs again.
+        self.draining
+            .retain(|d| !fresh.iter().any(|f| f.name == d.name));
+        self.drop_vanished_draining()?;
         self.inherited.clear();
         let changed = self.take_devices(fresh)?;
         let reattached = self.ensure_attached();
@@ -455,6 +493,96 @@ impl EbpfDataPlane {
         Ok(())
     }
 
+    /// A device that no longer carries the programs: one that still exists with the same
+    /// addresses keeps them while its flows drain; any other (gone, or without its address)
+    /// is released at once, as its flows can no longer be answered anyway.
+    fn leave(&mut self, name: &str) -> anyhow::Result<()> {
+        let before = self.devices.iter().find(|d| d.name == name);
+        let kept = match (netdev::device_state(name)?, before) {
+            (netdev::DeviceState::Usable(now), Some(before)) => (now == *before).then_some(now),
+            // An earlier agent's: its flows are on the addresses it has now.
+            (netdev::DeviceState::Usable(now), None) => Some(now),
+            _ => None,
+        };
+        match kept {
+            Some(device) => {
+                info!(
+                    device = name,
+                    "device no longer selected: its programs stay while the flows they translate through it drain"
+                );
+                self.draining.push(device);
+            }
+            _ => self.release(name),
+        }
+        Ok(())
+    }
+
+    /// Says when the programs gave flows of the node's own address other ports: their tuples
+    /// were masqueraded flows' (see architecture.md, sharing the node's address).
+    fn say_clashes(&mut self) -> anyhow::Result<()> {
+        let clashes = node_port_clashes(&self.pins.dir)?;
+        if clashes > self.clashes_said {
+            info!(
+                flows = clashes - self.clashes_said,
+                "flows of the node's own address were given other ports: masqueraded flows held their tuples"
+            );
+        }
+        self.clashes_said = clashes;
+        Ok(())
+    }
+
+    /// Releases the draining devices that vanished or changed: their flows cannot be answered.
+    fn drop_vanished_draining(&mut self) -> anyhow::Result<()> {
+        for device in self.draining.clone() {
+            if netdev::device_state(&device.name)? != netdev::DeviceState::Usable(device.clone()) {
+                self.end_draining(&device.name)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases the draining devices through which no translated flow is left.
+    fn release_drained(&mut self) -> anyhow::Result<()> {
+        if self.draining.is_empty() {
+            return Ok(());
+        }
+        let v4 = translated_by_address::<[u8; 4]>(&self.ebpf, map_names::NAT_V4)?;
+        let v6 = translated_by_address::<[u8; 16]>(&self.ebpf, map_names::NAT_V6)?;
+        for device in self.draining.clone() {
+            let left = v4.get(&device.ipv4.octets()).copied().unwrap_or(0)
+                + device
+                    .ipv6
+                    .and_then(|a| v6.get(&a.octets()).copied())
+                    .unwrap_or(0);
+            if left == 0 {
+                info!(
+                    device = device.name,
+                    "the device's last translated flow ended"
+                );
+                self.end_draining(&device.name)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a draining device's programs off, its entry out of `interfaces` and its flows out
+    /// of the tables.
+    fn end_draining(&mut self, name: &str) -> anyhow::Result<()> {
+        let Some(at) = self.draining.iter().position(|d| d.name == name) else {
+            return Ok(());
+        };
+        let device = self.draining.remove(at);
+        self.release(name);
+        self.write_interfaces()?;
+        self.forget_flows(&device, None)
+    }
+
+    /// Makes the `interfaces` map hold the devices carrying the programs and those draining.
+    fn write_interfaces(&mut self) -> anyhow::Result<()> {
+        let all: Vec<Device> = self.devices.iter().chain(&self.draining).cloned().collect();
+        write_interfaces(&mut self.ebpf, &all, self.enable_ipv6)
+    }
+
     /// Takes the programs off `device`: its flows are no longer translated.
     fn release(&mut self, device: &str) {
         self.attachments.retain(|(name, _, _)| name != device);
@@ -472,15 +600,17 @@ impl EbpfDataPlane {
         if fresh == self.devices {
             return Ok(false);
         }
-        write_interfaces(&mut self.ebpf, &fresh, self.enable_ipv6)?;
-        for old in std::mem::take(&mut self.devices) {
+        let previous = std::mem::replace(&mut self.devices, fresh.clone());
+        self.write_interfaces()?;
+        for old in previous {
             let new = fresh.iter().find(|d| d.name == old.name);
             if let Some(new) = new.filter(|new| **new != old) {
                 info!(device = new.name, old = ?(old.ipv4, old.ipv6), new = ?(new.ipv4, new.ipv6), index = new.index, "device changed");
             }
-            self.forget_flows(&old, new)?;
+            // A draining device keeps its addresses, and its flows.
+            let draining = self.draining.iter().find(|d| d.name == old.name).cloned();
+            self.forget_flows(&old, new.or(draining.as_ref()))?;
         }
-        self.devices = fresh;
         Ok(true)
     }
 
@@ -508,7 +638,9 @@ impl EbpfDataPlane {
     /// attached again.
     fn ensure_attached(&mut self) -> anyhow::Result<bool> {
         let mut repaired = false;
-        for device in self.devices.clone() {
+        // Draining devices too: their programs translate the flows that drain.
+        let devices: Vec<Device> = self.devices.iter().chain(&self.draining).cloned().collect();
+        for device in devices {
             let new = !self.attachments.iter().any(|(d, _, _)| *d == device.name);
             for hook in Hook::BOTH {
                 let pin = self.pins.link(&device.name, hook.name());
@@ -616,6 +748,8 @@ impl DataPlane for EbpfDataPlane {
         if run.expired_flows + run.orphans_removed > 0 {
             tracing::debug!(?run, "expired NAT entries");
         }
+        self.release_drained()?;
+        self.say_clashes()?;
         Ok(Some(run))
     }
 
@@ -660,6 +794,8 @@ pub struct EbpfStatus {
     pub nat_node_flows: usize,
     /// Flows the programs translate: those that need them to go on.
     pub nat_translated_flows: usize,
+    /// The same, by the node address they are translated to.
+    pub translated_by_address: BTreeMap<IpAddr, usize>,
     pub nat_entries: usize,
     pub nat_capacity: u32,
     pub counters: BTreeMap<&'static str, u64>,
@@ -682,6 +818,26 @@ impl EbpfStatus {
         };
         attached && addressed
     }
+
+    /// The flows the programs on `device` (ifindex `index`) translate, if they run there: while
+    /// the chain no longer returns the device's traffic to them, these drain.
+    pub fn flows_through(&self, device: &str, index: u32) -> Option<usize> {
+        let runs = self
+            .attachments
+            .iter()
+            .any(|a| a.device == device && a.running);
+        let addresses = [
+            self.interfaces.get(&index).map(|a| IpAddr::from(*a)),
+            self.interfaces_v6.get(&index).map(|a| IpAddr::from(*a)),
+        ];
+        runs.then(|| {
+            addresses
+                .into_iter()
+                .flatten()
+                .filter_map(|a| self.translated_by_address.get(&a))
+                .sum()
+        })
+    }
 }
 
 fn pinned(pins: &Pins, name: &str) -> anyhow::Result<Map> {
@@ -698,15 +854,22 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     }
     let v4: LpmTrie<MapData, [u8; 4], u8> = pinned(&pins, map_names::NON_MASQ_V4)?.try_into()?;
     let v6: LpmTrie<MapData, [u8; 16], u8> = pinned(&pins, map_names::NON_MASQ_V6)?.try_into()?;
-    let nat = expiry::usage(&expiry::read_table::<[u8; 4]>(&pinned(&pins, map_names::NAT_V4)?)?.1);
+    let table_v4 = expiry::read_table::<[u8; 4]>(&pinned(&pins, map_names::NAT_V4)?)?.1;
     // An agent from before IPv6 pinned no `nat_v6`.
-    let nat_v6 = match pins.map(map_names::NAT_V6).exists() {
-        true => {
-            expiry::usage(&expiry::read_table::<[u8; 16]>(&pinned(&pins, map_names::NAT_V6)?)?.1)
-        }
-        false => NatUsage::default(),
+    let table_v6 = match pins.map(map_names::NAT_V6).exists() {
+        true => expiry::read_table::<[u8; 16]>(&pinned(&pins, map_names::NAT_V6)?)?.1,
+        false => Vec::new(),
     };
-    let nat = nat + nat_v6;
+    let nat = expiry::usage(&table_v4) + expiry::usage(&table_v6);
+    let translated_by_address = expiry::translated_by_address(&table_v4)
+        .into_iter()
+        .map(|(addr, flows)| (IpAddr::from(addr), flows))
+        .chain(
+            expiry::translated_by_address(&table_v6)
+                .into_iter()
+                .map(|(addr, flows)| (IpAddr::from(addr), flows)),
+        )
+        .collect();
     let interfaces: BpfHashMap<MapData, u32, Interface> =
         pinned(&pins, map_names::INTERFACES)?.try_into()?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
@@ -754,6 +917,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         nat_inbound_flows: nat.inbound_flows,
         nat_node_flows: nat.node_flows,
         nat_translated_flows: nat.translated_flows,
+        translated_by_address,
         nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
         counters,
