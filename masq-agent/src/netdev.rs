@@ -1,7 +1,7 @@
 //! What the agent needs to know about the node's network devices, read from the kernel of the
 //! network namespace the agent runs in.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, bail};
 
@@ -117,6 +117,21 @@ pub fn names_and_indexes() -> anyhow::Result<Vec<(String, u32)>> {
         .iter()
         .map(|i| (i.name().to_string_lossy().into_owned(), i.index()))
         .filter(|(name, _)| name != LOOPBACK)
+        .collect())
+}
+
+/// Every address of the network namespace's devices, loopback's aside.
+pub fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
+    Ok(nix::ifaddrs::getifaddrs()
+        .context("getifaddrs")?
+        .filter(|a| a.interface_name != LOOPBACK)
+        .filter_map(|a| {
+            let address = a.address?;
+            address
+                .as_sockaddr_in()
+                .map(|s| IpAddr::from(s.ip()))
+                .or_else(|| address.as_sockaddr_in6().map(|s| IpAddr::from(s.ip())))
+        })
         .collect())
 }
 

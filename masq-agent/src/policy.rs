@@ -33,6 +33,14 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// Whether traffic to `addr` keeps its source address.
+    pub fn exempts(&self, addr: std::net::IpAddr) -> bool {
+        match addr {
+            std::net::IpAddr::V4(a) => self.non_masq_v4.iter().any(|n| n.contains(&a)),
+            std::net::IpAddr::V6(a) => self.non_masq_v6.iter().flatten().any(|n| n.contains(&a)),
+        }
+    }
+
     pub fn from_config(config: &Config, enable_ipv6: bool) -> Policy {
         let mut non_masq_v4 = Vec::new();
         let mut non_masq_v6 = Vec::new();

@@ -2207,8 +2207,13 @@ impl Conversation {
 
     /// With the server at `server` in namespace `host`.
     fn open_to(bed: &Bed, host: &str, server: SocketAddr) -> Conversation {
+        Conversation::between(bed.pod(), host, server)
+    }
+
+    /// From namespace `pod` to the server at `server` in namespace `host`.
+    fn between(pod: &str, host: &str, server: SocketAddr) -> Conversation {
         let listener = xtask::netns::within(host, move || Ok(TcpListener::bind(server)?)).unwrap();
-        let pod = xtask::netns::within(bed.pod(), move || {
+        let pod = xtask::netns::within(pod, move || {
             Ok(TcpStream::connect_timeout(&server, Duration::from_secs(3))?)
         })
         .unwrap();
@@ -2850,6 +2855,47 @@ fn a_shrinking_device_set_drains_before_it_detaches(plane: Plane) {
     );
 }
 
+/// A connection netfilter masqueraded before the agent started (kube-proxy's MASQUERADE),
+/// while a pod's new flow to the same server needs a port and the only one is that
+/// connection's: the port is held from conntrack's table and not handed out, so the new flow
+/// gets none, and the old connection goes on.
+fn a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane: Plane, family: Family) {
+    let bed = Bed::with_pods(plane, family.config(), 2);
+    let marked = family.pod(1);
+    kube_proxy(
+        &bed,
+        family,
+        &[
+            &format!("-A PREROUTING -s {marked} -j MARK --set-xmark 0x4000/0x4000"),
+            "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j MASQUERADE --random-fully",
+        ],
+    );
+    let server = SocketAddr::from((family.outside().ip(), 9780));
+    let old = Conversation::between(&bed.topo.pods[1], &bed.topo.ext, server);
+    assert_eq!(old.node_side.ip(), family.node());
+    let only_port = format!("--to-ports={}", old.node_side.port());
+    let mut args = vec![only_port.as_str()];
+    args.extend(family.agent_args());
+    let agent = bed.start_agent(&args);
+    let refused = xtask::netns::within(bed.pod(), move || {
+        Ok(TcpStream::connect_timeout(&server, Duration::from_secs(2))?)
+    });
+    assert!(
+        refused.is_err(),
+        "the pod's flow was given netfilter's port"
+    );
+    old.exchange("still mine")
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+}
+
+fn a_flow_netfilter_masqueraded_before_the_start_keeps_its_port_v4(plane: Plane) {
+    a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane, Family::V4);
+}
+
+fn ipv6_a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane: Plane) {
+    a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane, Family::V6);
+}
+
 fn a_pods_icmp_error_reaches_the_outside_host_v4(plane: Plane) {
     a_pods_icmp_error_reaches_the_outside_host(plane, Family::V4);
 }
@@ -2941,6 +2987,8 @@ macro_rules! common_cases {
             ipv6_no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade,
             a_node_socket_on_a_port_the_programs_hold_v4,
             ipv6_a_node_socket_on_a_port_the_programs_hold,
+            a_flow_netfilter_masqueraded_before_the_start_keeps_its_port_v4,
+            ipv6_a_flow_netfilter_masqueraded_before_the_start_keeps_its_port,
         );
     };
 }

@@ -6,6 +6,7 @@
 pub mod attach;
 pub(crate) mod batch;
 mod carry;
+mod conntrack;
 pub mod devices;
 pub mod expiry;
 pub mod leftovers;
@@ -517,6 +518,33 @@ impl EbpfDataPlane {
         Ok(())
     }
 
+    /// Holds the tuples of the node's own flows that conntrack knew of before the programs ran
+    /// (netfilter's masqueraded ones, the node's sockets'), to masqueraded destinations: one
+    /// that sends nothing for a while would meanwhile look free to the allocator. Where the
+    /// kernel does not list conntrack's table, such a flow is held at its next packet, and a
+    /// clash until then is said (`node_port_clashes`).
+    fn hold_conntracks_node_flows(&mut self, policy: &Policy) {
+        let Some(table) = conntrack::read_table() else {
+            info!(
+                "conntrack's table is not listed here: the node's own flows are held as they send"
+            );
+            return;
+        };
+        let held = netdev::local_addresses().and_then(|addresses| {
+            let flows: Vec<conntrack::NodeFlow> =
+                conntrack::node_flows(&table, |addr| addresses.contains(&addr))
+                    .into_iter()
+                    .filter(|flow| !policy.exempts(flow.remote))
+                    .collect();
+            conntrack::hold(&mut self.ebpf, &flows)
+        });
+        match held {
+            Ok(0) => {}
+            Ok(flows) => info!(flows, "the node's own flows conntrack knew of are held"),
+            Err(err) => warn!("holding the node's own flows conntrack knew of: {err:#}"),
+        }
+    }
+
     /// Says when the programs gave flows of the node's own address other ports: their tuples
     /// were masqueraded flows' (see architecture.md, sharing the node's address).
     fn say_clashes(&mut self) -> anyhow::Result<()> {
@@ -700,6 +728,9 @@ impl DataPlane for EbpfDataPlane {
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let first = self.applied.is_none();
         let changed = self.sync_policy(policy)?;
+        if first {
+            self.hold_conntracks_node_flows(policy);
+        }
         let followed = self.follow_devices(policy)?;
         // The old programs have handed over their links: what they created meanwhile too.
         std::mem::take(&mut self.carried).copy_into(&mut self.ebpf);
