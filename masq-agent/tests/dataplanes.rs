@@ -2690,22 +2690,6 @@ fn a_node_socket_on_a_port_the_programs_hold(plane: Plane, family: Family) {
         .expect("the pod's connection goes on");
 }
 
-fn no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade_v4(plane: Plane) {
-    no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane, Family::V4);
-}
-
-fn ipv6_no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane: Plane) {
-    no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane, Family::V6);
-}
-
-fn a_node_socket_on_a_port_the_programs_hold_v4(plane: Plane) {
-    a_node_socket_on_a_port_the_programs_hold(plane, Family::V4);
-}
-
-fn ipv6_a_node_socket_on_a_port_the_programs_hold(plane: Plane) {
-    a_node_socket_on_a_port_the_programs_hold(plane, Family::V6);
-}
-
 /// The flags of this bed's agent with `--dataplane iptables` instead: upstream's chain.
 fn rollback_args(bed: &Bed, family: Family) -> Vec<String> {
     bed.plane_args()
@@ -2768,14 +2752,6 @@ fn a_rollback_with_nothing_to_drain_removes_the_programs(plane: Plane) {
             .contains("programs and pins are removed")
     );
     assert_masqueraded(&bed);
-}
-
-fn a_rollback_keeps_the_programs_flows_and_loses_no_new_one_v4(plane: Plane) {
-    a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane, Family::V4);
-}
-
-fn ipv6_a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane: Plane) {
-    a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane, Family::V6);
 }
 
 /// The pinned links of the programs on `device`.
@@ -2888,55 +2864,34 @@ fn a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane: Plane, fa
         .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
 }
 
-fn a_flow_netfilter_masqueraded_before_the_start_keeps_its_port_v4(plane: Plane) {
-    a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane, Family::V4);
-}
-
-fn ipv6_a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane: Plane) {
-    a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane, Family::V6);
-}
-
-fn a_pods_icmp_error_reaches_the_outside_host_v4(plane: Plane) {
-    a_pods_icmp_error_reaches_the_outside_host(plane, Family::V4);
-}
-
-fn ipv6_a_pods_icmp_error_reaches_the_outside_host(plane: Plane) {
-    a_pods_icmp_error_reaches_the_outside_host(plane, Family::V6);
-}
-
-fn path_mtu_discovery_toward_a_pod_behind_a_narrower_route_v4(plane: Plane) {
-    path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane, Family::V4);
-}
-
-fn ipv6_path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane: Plane) {
-    path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane, Family::V6);
-}
-
-fn a_blind_rst_does_not_end_an_established_connection_v4(plane: Plane) {
-    a_blind_rst_does_not_end_an_established_connection(plane, Family::V4);
-}
-
-fn ipv6_a_blind_rst_does_not_end_an_established_connection(plane: Plane) {
-    a_blind_rst_does_not_end_an_established_connection(plane, Family::V6);
-}
-
-fn a_lone_ack_opens_no_established_flow_v4(plane: Plane) {
-    a_lone_ack_opens_no_established_flow(plane, Family::V4);
-}
-
-fn ipv6_a_lone_ack_opens_no_established_flow(plane: Plane) {
-    a_lone_ack_opens_no_established_flow(plane, Family::V6);
-}
-
 macro_rules! cases {
     ($plane:ident: $($name:ident),* $(,)?) => {
         $(#[test] fn $name() { super::$name(super::Plane::$plane) })*
     };
 }
 
+/// Cases written once over both families: each runs as `<case>::ipv4` and `<case>::ipv6`.
+macro_rules! family_cases {
+    ($plane:ident: $($name:ident),* $(,)?) => {
+        $(mod $name {
+            use super::super::{Family, Plane};
+            #[test] fn ipv4() { super::super::$name(Plane::$plane, Family::V4) }
+            #[test] fn ipv6() { super::super::$name(Plane::$plane, Family::V6) }
+        })*
+    };
+}
+
 /// What pods see must not depend on the data plane: these run against every one of them.
 macro_rules! common_cases {
     ($plane:ident) => {
+        family_cases!($plane:
+            a_pods_icmp_error_reaches_the_outside_host,
+            path_mtu_discovery_toward_a_pod_behind_a_narrower_route,
+            a_blind_rst_does_not_end_an_established_connection,
+            no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade,
+            a_node_socket_on_a_port_the_programs_hold,
+            a_flow_netfilter_masqueraded_before_the_start_keeps_its_port,
+        );
         cases!($plane:
             masquerades_outside_traffic_only,
             packets_with_ip_options_are_masqueraded,
@@ -2972,29 +2927,21 @@ macro_rules! common_cases {
             masquerades_traffic_leaving_by_a_second_uplink_added_later,
             ipv6_masquerades_traffic_leaving_by_a_second_uplink,
             ipv6_masquerades_traffic_leaving_by_a_second_uplink_added_later,
-            a_pods_icmp_error_reaches_the_outside_host_v4,
-            ipv6_a_pods_icmp_error_reaches_the_outside_host,
-            path_mtu_discovery_toward_a_pod_behind_a_narrower_route_v4,
-            ipv6_path_mtu_discovery_toward_a_pod_behind_a_narrower_route,
-            a_blind_rst_does_not_end_an_established_connection_v4,
-            ipv6_a_blind_rst_does_not_end_an_established_connection,
             a_cluster_ip_to_an_endpoint_outside_is_masqueraded,
             kube_proxys_own_masquerade_is_not_translated_twice,
             a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node,
             migrating_from_upstreams_chain_keeps_an_open_connection,
             a_conntrack_flush_during_live_flows,
-            no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade_v4,
-            ipv6_no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade,
-            a_node_socket_on_a_port_the_programs_hold_v4,
-            ipv6_a_node_socket_on_a_port_the_programs_hold,
-            a_flow_netfilter_masqueraded_before_the_start_keeps_its_port_v4,
-            ipv6_a_flow_netfilter_masqueraded_before_the_start_keeps_its_port,
         );
     };
 }
 
 mod ebpf {
     common_cases!(Ebpf);
+    family_cases!(Ebpf:
+        a_lone_ack_opens_no_established_flow,
+        a_rollback_keeps_the_programs_flows_and_loses_no_new_one,
+    );
     cases!(Ebpf:
         liveness_fails_when_the_data_plane_is_gone,
         ipv6_is_translated_by_the_programs_and_the_rest_by_the_chain,
@@ -3011,13 +2958,9 @@ mod ebpf {
         attaches_through_netlink_without_tcx,
         follows_a_device_that_gains_a_default_route,
         follows_named_interfaces_as_they_appear_and_vanish,
-        a_lone_ack_opens_no_established_flow_v4,
-        ipv6_a_lone_ack_opens_no_established_flow,
         an_upgrade_carries_the_flows_of_an_older_nat_table,
         a_new_nat_capacity_keeps_open_connections,
         a_capacity_change_during_a_transfer_loses_nothing,
-        a_rollback_keeps_the_programs_flows_and_loses_no_new_one_v4,
-        ipv6_a_rollback_keeps_the_programs_flows_and_loses_no_new_one,
         a_rollback_with_nothing_to_drain_removes_the_programs,
         a_shrinking_device_set_drains_before_it_detaches,
     );
