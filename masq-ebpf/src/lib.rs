@@ -121,6 +121,14 @@ impl Address for [u8; 16] {
     type EntryPad = [u8; 4];
 }
 
+/// The TCP header's flag bits, as on the wire.
+pub mod tcp_flags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const ACK: u8 = 0x10;
+}
+
 /// Which way a NAT table entry translates.
 pub mod direction {
     /// Keyed by the packet as the pod sent it; rewrites the source.
@@ -190,15 +198,18 @@ pub mod nat_kind {
     pub const NODE: u8 = 3;
 }
 
-/// TCP flags seen on a flow's half, for expiry.
+/// What a flow's half saw of TCP, for expiry and for judging RSTs: bits of its own, not the
+/// header's flags (those are `tcp_flags`).
 pub mod tcp_seen {
-    pub const SYN: u8 = 1 << 0;
-    /// A packet without SYN: the handshake got past its first step.
-    pub const ACK: u8 = 1 << 1;
-    pub const FIN: u8 = 1 << 2;
+    /// A segment with SYN: the handshake's first step (or its answer).
+    pub const OPENING: u8 = 1 << 0;
+    /// A segment without SYN: the handshake got past its first step.
+    pub const PAST_OPENING: u8 = 1 << 1;
+    /// A segment with FIN.
+    pub const CLOSING: u8 = 1 << 2;
     /// An acceptable RST (see `NatEntry::tcp_next_seq`): the connection is over.
-    pub const RST: u8 = 1 << 3;
-    /// A segment with the ACK flag: `NatEntry::tcp_max_ack` holds an acknowledgment number.
+    pub const RESET: u8 = 1 << 3;
+    /// A segment with ACK: `NatEntry::tcp_max_ack` holds an acknowledgment number.
     pub const ACKED: u8 = 1 << 4;
     /// `NatEntry::tcp_next_seq` holds a sequence number: every segment sets it, but a half an
     /// older agent created (before entries recorded sequence numbers) has flags without it.
@@ -284,111 +295,104 @@ pub struct Settings {
     pub _pad: u32,
 }
 
-/// Per-CPU packet counters, one slot each in the `counters` array.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Counter {
-    /// Egress packets whose source was rewritten.
-    Masqueraded = 0,
-    /// Egress packets to a destination in the non-masquerade tries.
-    NotMasqNonMasqDestination,
-    /// Egress packets from the interface's own address: the node's own traffic.
-    NotMasqNodeSource,
-    /// Egress packets of protocols left to the iptables chain.
-    NotMasqOtherProtocol,
-    /// Egress packets of connections opened from outside toward a pod, or that started
-    /// unmasqueraded before their destination was removed from the non-masquerade CIDRs.
-    NotMasqInbound,
-    /// Egress ICMP other than echo requests (replies and errors about inbound flows).
-    NotMasqIcmpOther,
-    /// Ingress packets whose destination was restored.
-    ReverseTranslated,
-    /// Ingress ICMP errors about masqueraded flows, translated inside and out.
-    IcmpErrorTranslated,
-    /// Egress ICMP errors about masqueraded flows (a pod's, or the node's own about a packet
-    /// it restored), translated inside and out, as conntrack translates a RELATED error.
-    IcmpErrorMasqueraded,
-    /// TCP RSTs whose sequence number the receiving end would not accept: passed on, but the
-    /// flow keeps its state.
-    TcpRstNotAcceptable,
-    /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
-    /// masqueraded flow already held: given another port, as conntrack resolves a clash.
-    NodePortClash,
-    /// Flows of a replaced NAT table (an upgrade, another `--nat-capacity`) that did not fit
-    /// into the new one. Counted by the agent, not the programs.
-    NatFlowsNotCarried,
-    /// Connections opened from outside toward a pod, first seen.
-    InboundTracked,
-    /// Port allocations that found no free port.
-    AllocationFailed,
-    /// Packets dropped: no free NAT port.
-    DropPortsExhausted,
-    /// Packets dropped: the NAT table is full.
-    DropNatTableFull,
-    /// Packets dropped: IP fragments that cannot be translated.
-    DropFragment,
-    /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.
-    DropRewriteFailed,
-    /// Packets dropped: IPv6 from a pod whose extension headers run on past what the programs
-    /// walk. The chain's protocol match walks any chain and would let it out untranslated.
-    DropExtensionHeaders,
-    /// Packets not inspected: neither IPv4 nor IPv6, too short or malformed, or NAT not
-    /// configured for their family.
-    NotInspected,
+/// Declares the counters once: each variant, its slot (in order), and its stable name.
+macro_rules! counters {
+    ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
+        /// Per-CPU packet counters, one slot each in the `counters` array.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Counter {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Counter {
+            pub const ALL: [Counter; [$(Counter::$variant),*].len()] = [$(Counter::$variant),*];
+
+            /// Stable, metric-friendly name.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => $name,)*
+                }
+            }
+        }
+    };
 }
 
-impl Counter {
-    pub const ALL: [Counter; 20] = [
-        Counter::Masqueraded,
-        Counter::NotMasqNonMasqDestination,
-        Counter::NotMasqNodeSource,
-        Counter::NotMasqOtherProtocol,
-        Counter::NotMasqInbound,
-        Counter::NotMasqIcmpOther,
-        Counter::ReverseTranslated,
-        Counter::IcmpErrorTranslated,
-        Counter::IcmpErrorMasqueraded,
-        Counter::TcpRstNotAcceptable,
-        Counter::NodePortClash,
-        Counter::NatFlowsNotCarried,
-        Counter::InboundTracked,
-        Counter::AllocationFailed,
-        Counter::DropPortsExhausted,
-        Counter::DropNatTableFull,
-        Counter::DropFragment,
-        Counter::DropRewriteFailed,
-        Counter::DropExtensionHeaders,
-        Counter::NotInspected,
-    ];
-
-    /// Stable, metric-friendly name.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Counter::Masqueraded => "masqueraded",
-            Counter::NotMasqNonMasqDestination => "not_masqueraded_non_masq_destination",
-            Counter::NotMasqNodeSource => "not_masqueraded_node_source",
-            Counter::NotMasqOtherProtocol => "not_masqueraded_other_protocol",
-            Counter::NotMasqInbound => "not_masqueraded_inbound_connection",
-            Counter::NotMasqIcmpOther => "not_masqueraded_icmp_other",
-            Counter::ReverseTranslated => "reverse_translated",
-            Counter::IcmpErrorTranslated => "icmp_error_translated",
-            Counter::IcmpErrorMasqueraded => "icmp_error_masqueraded",
-            Counter::TcpRstNotAcceptable => "tcp_rst_not_acceptable",
-            Counter::NodePortClash => "node_port_clash",
-            Counter::NatFlowsNotCarried => "nat_flows_not_carried",
-            Counter::InboundTracked => "inbound_connection_tracked",
-            Counter::AllocationFailed => "allocation_failed",
-            Counter::DropPortsExhausted => "dropped_ports_exhausted",
-            Counter::DropNatTableFull => "dropped_nat_table_full",
-            Counter::DropFragment => "dropped_fragment",
-            Counter::DropRewriteFailed => "dropped_rewrite_failed",
-            Counter::DropExtensionHeaders => "dropped_extension_headers",
-            Counter::NotInspected => "not_inspected",
-        }
-    }
+counters! {
+    /// Egress packets whose source was rewritten.
+    Masqueraded = "masqueraded",
+    /// Egress packets to a destination in the non-masquerade tries.
+    NotMasqNonMasqDestination = "not_masqueraded_non_masq_destination",
+    /// Egress packets from the interface's own address: the node's own traffic.
+    NotMasqNodeSource = "not_masqueraded_node_source",
+    /// Egress packets of protocols left to the iptables chain.
+    NotMasqOtherProtocol = "not_masqueraded_other_protocol",
+    /// Egress packets of connections opened from outside toward a pod, or that started
+    /// unmasqueraded before their destination was removed from the non-masquerade CIDRs.
+    NotMasqInbound = "not_masqueraded_inbound_connection",
+    /// Egress ICMP other than echo requests (replies and errors about inbound flows).
+    NotMasqIcmpOther = "not_masqueraded_icmp_other",
+    /// Ingress packets whose destination was restored.
+    ReverseTranslated = "reverse_translated",
+    /// Ingress ICMP errors about masqueraded flows, translated inside and out.
+    IcmpErrorTranslated = "icmp_error_translated",
+    /// Egress ICMP errors about masqueraded flows (a pod's, or the node's own about a packet
+    /// it restored), translated inside and out, as conntrack translates a RELATED error.
+    IcmpErrorMasqueraded = "icmp_error_masqueraded",
+    /// TCP RSTs whose sequence number the receiving end would not accept: passed on, but the
+    /// flow keeps its state.
+    TcpRstNotAcceptable = "tcp_rst_not_acceptable",
+    /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
+    /// masqueraded flow already held: given another port, as conntrack resolves a clash.
+    NodePortClash = "node_port_clash",
+    /// Flows of a replaced NAT table (an upgrade, another `--nat-capacity`) that did not fit
+    /// into the new one. Counted by the agent, not the programs.
+    NatFlowsNotCarried = "nat_flows_not_carried",
+    /// Connections opened from outside toward a pod, first seen.
+    InboundTracked = "inbound_connection_tracked",
+    /// Port allocations that found no free port.
+    AllocationFailed = "allocation_failed",
+    /// Packets dropped: no free NAT port.
+    DropPortsExhausted = "dropped_ports_exhausted",
+    /// Packets dropped: the NAT table is full.
+    DropNatTableFull = "dropped_nat_table_full",
+    /// Packets dropped: IP fragments that cannot be translated.
+    DropFragment = "dropped_fragment",
+    /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.
+    DropRewriteFailed = "dropped_rewrite_failed",
+    /// Packets dropped: IPv6 from a pod whose extension headers run on past what the programs
+    /// walk. The chain's protocol match walks any chain and would let it out untranslated.
+    DropExtensionHeaders = "dropped_extension_headers",
+    /// Packets not inspected: neither IPv4 nor IPv6, too short or malformed, or NAT not
+    /// configured for their family.
+    NotInspected = "not_inspected",
 }
 
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
+
+/// The layouts the kernel and the agent share, checked when either side builds, as Cilium's
+/// `build_bug_on` checks its own: a field added, moved or resized fails the build here rather
+/// than misreading a pinned map. An older agent's NAT entry layout is read by the agent's carry
+/// of old tables, which must change with any change of these sizes.
+mod layout {
+    use core::mem::{align_of, offset_of, size_of};
+
+    use super::*;
+
+    const _: () = assert!(size_of::<NatKeyV4>() == 16 && align_of::<NatKeyV4>() == 2);
+    const _: () = assert!(size_of::<NatKeyV6>() == 40 && align_of::<NatKeyV6>() == 2);
+    const _: () = assert!(offset_of!(NatKeyV4, sport) == 8 && offset_of!(NatKeyV4, proto) == 12);
+    const _: () = assert!(offset_of!(NatKeyV6, sport) == 32 && offset_of!(NatKeyV6, proto) == 36);
+    const _: () = assert!(size_of::<NatEntryV4>() == 24 && align_of::<NatEntryV4>() == 8);
+    const _: () = assert!(size_of::<NatEntryV6>() == 40 && align_of::<NatEntryV6>() == 8);
+    const _: () = assert!(offset_of!(NatEntryV4, tcp_next_seq) == 16);
+    const _: () = assert!(offset_of!(NatEntryV6, tcp_next_seq) == 28);
+    const _: () = assert!(size_of::<FragmentKey<[u8; 4]>>() == 16);
+    const _: () = assert!(size_of::<FragmentKey<[u8; 16]>>() == 40);
+    const _: () = assert!(size_of::<Interface>() == 20);
+    const _: () = assert!(size_of::<PortSpan>() == 8);
+    const _: () = assert!(size_of::<Settings>() == 8 * MAX_PORT_SPANS + 16);
+}
 
 #[cfg(feature = "user")]
 mod pod {

@@ -4,7 +4,9 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, programs::TcContext};
 use masq_ebpf::{
-    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind, tcp_seen,
+    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind,
+    tcp_flags::{ACK, FIN, RST, SYN},
+    tcp_seen,
 };
 
 use crate::{
@@ -61,11 +63,6 @@ pub struct Segment {
     pub ack: u32,
 }
 
-const FIN: u8 = 0x01;
-const SYN: u8 = 0x02;
-const RST: u8 = 0x04;
-const ACK: u8 = 0x10;
-
 impl Segment {
     /// What the packet `ip`, with L4 header `l4`, tells.
     #[inline(always)]
@@ -87,7 +84,7 @@ impl Segment {
     /// A TCP segment that opens a connection: SYN without ACK.
     #[inline(always)]
     pub fn opens(&self) -> bool {
-        self.seen & (tcp_seen::SYN | tcp_seen::ACKED) == tcp_seen::SYN
+        self.seen & (tcp_seen::OPENING | tcp_seen::ACKED) == tcp_seen::OPENING
     }
 }
 
@@ -102,15 +99,15 @@ fn read_tcp<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, segment: &mut Segm
     let flags = tcp.flags;
     let mut seen = tcp_seen::SEQ
         | if flags & SYN != 0 {
-            tcp_seen::SYN
+            tcp_seen::OPENING
         } else {
-            tcp_seen::ACK
+            tcp_seen::PAST_OPENING
         };
     if flags & FIN != 0 {
-        seen |= tcp_seen::FIN;
+        seen |= tcp_seen::CLOSING;
     }
     if flags & RST != 0 {
-        seen |= tcp_seen::RST;
+        seen |= tcp_seen::RESET;
     }
     if flags & ACK != 0 {
         seen |= tcp_seen::ACKED;
@@ -183,11 +180,11 @@ pub fn refresh<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, 
 fn track_tcp<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) {
     let mut seen = segment.seen;
     let acked = seen & tcp_seen::ACKED != 0;
-    if seen & tcp_seen::RST != 0
+    if seen & tcp_seen::RESET != 0
         && !rst_acceptable::<F>(key, entry, segment.seq, segment.ack, acked)
     {
         maps::count(Counter::TcpRstNotAcceptable);
-        seen &= !tcp_seen::RST;
+        seen &= !tcp_seen::RESET;
     }
     // SAFETY: as in `refresh`. Two CPUs moving one half at once may leave either's numbers,
     // both recent: at worst an RST is judged against the other of two recent segments.

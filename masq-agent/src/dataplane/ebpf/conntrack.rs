@@ -138,7 +138,7 @@ where
     };
     // Established flows go with the established timeout, others with the transitory one.
     let seen = match (flow.proto, flow.established) {
-        (IPPROTO_TCP, true) => tcp_seen::ACK,
+        (IPPROTO_TCP, true) => tcp_seen::PAST_OPENING,
         _ => 0,
     };
     let identity = |addr: A, port: u16, tcp_seen: u8| NatEntry {
@@ -153,7 +153,7 @@ where
         node,
         sport,
         if flow.proto == IPPROTO_TCP {
-            tcp_seen::ACK
+            tcp_seen::PAST_OPENING
         } else {
             0
         },

@@ -54,12 +54,12 @@ impl Timeouts {
         match key.proto {
             IPPROTO_TCP => {
                 let seen = egress.tcp_seen | ingress.tcp_seen;
-                if seen & tcp_seen::RST != 0 {
+                if seen & tcp_seen::RESET != 0 {
                     return self.tcp_reset;
                 }
-                let closing = seen & tcp_seen::FIN != 0;
+                let closing = seen & tcp_seen::CLOSING != 0;
                 let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
-                if !closing && both_ways && seen & tcp_seen::ACK != 0 {
+                if !closing && both_ways && seen & tcp_seen::PAST_OPENING != 0 {
                     self.tcp_established
                 } else {
                     self.tcp_transitory

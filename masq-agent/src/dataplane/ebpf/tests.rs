@@ -1015,7 +1015,7 @@ impl Connection {
                 (k.direction == direction::EGRESS && u16::from_be(k.sport) == self.pod_port)
                     || (k.direction == direction::INGRESS && e.port == self.pod_port.to_be())
             })
-            .any(|(_, e)| e.tcp_seen & tcp_seen::RST != 0)
+            .any(|(_, e)| e.tcp_seen & tcp_seen::RESET != 0)
     }
 }
 
