@@ -16,7 +16,7 @@ use masq_agent::{
     ports::PortRange,
 };
 use masq_ebpf::program_names;
-use xtask::packet::{self, ACK, L4, word};
+use masq_testbed::packet::{self, ACK, L4, word};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
@@ -52,7 +52,7 @@ fn options() -> anyhow::Result<Options> {
 
 /// The benchmark's policies, as the trie holds them.
 fn prefixes(count: usize) -> Vec<Ipv4Net> {
-    xtask::prefixes::random(count)
+    masq_testbed::prefixes::random(count)
         .iter()
         .map(|p| p.parse().expect("generated prefixes parse"))
         .collect()

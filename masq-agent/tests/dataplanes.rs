@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use xtask::{
+use masq_testbed::{
     packet::{ACK, RST, Tcp},
     probe::{
         self, BulkSink, BulkSource, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP,
@@ -192,7 +192,7 @@ impl Bed {
     }
 
     fn ping_output(&self, i: usize, args: &[&str]) -> Output {
-        xtask::netns::command_in(&self.topo.pods[i], "ping")
+        masq_testbed::netns::command_in(&self.topo.pods[i], "ping")
             .args(args)
             .output()
             .unwrap()
@@ -201,7 +201,7 @@ impl Bed {
     fn ethtool_tx(&self, on: bool) {
         let state = if on { "on" } else { "off" };
         let set = |ns: &str, dev: &str| {
-            xtask::netns::run_in(ns, "ethtool", &["-K", dev, "tx", state]).unwrap();
+            masq_testbed::netns::run_in(ns, "ethtool", &["-K", dev, "tx", state]).unwrap();
         };
         set(self.pod(), "eth0");
         set(&self.topo.node, "pod0");
@@ -502,8 +502,9 @@ fn assert_new_flows_take_the_new_address(
         );
         let table = if server.is_ipv6() { "nat_v6" } else { "nat_v4" };
         let pin = bed.topo.bpffs.join(table);
-        let dump = xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
-            .unwrap();
+        let dump =
+            masq_testbed::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
+                .unwrap();
         let compact: String = dump.split_whitespace().collect();
         let bytes = |addr: IpAddr| {
             let octets: Vec<String> = match addr {
@@ -613,7 +614,7 @@ fn fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
 /// fragments from the outside host; a 4 000-byte ping does the same.
 fn assert_fragments_arrive_whole(bed: &Bed, server: IpAddr) {
     let server = SocketAddr::from((server, 9500));
-    let echo = xtask::netns::within(&bed.topo.ext, move || {
+    let echo = masq_testbed::netns::within(&bed.topo.ext, move || {
         Ok(std::net::UdpSocket::bind(server)?)
     })
     .unwrap();
@@ -626,7 +627,7 @@ fn assert_fragments_arrive_whole(bed: &Bed, server: IpAddr) {
     });
     let payload: Vec<u8> = (0..4000u32).map(|i| (i % 251) as u8).collect();
     let sent = payload.clone();
-    let echoed = xtask::netns::within(bed.pod(), move || {
+    let echoed = masq_testbed::netns::within(bed.pod(), move || {
         let any: IpAddr = match server {
             SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
             SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
@@ -1088,7 +1089,8 @@ fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
     assert_success(&bed.sync_once(&[]));
     let pin = bed.topo.bpffs.join("non_masq_v4");
     let dump =
-        xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()]).unwrap();
+        masq_testbed::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
+            .unwrap();
     let compact: String = dump.split_whitespace().collect();
     for expected in [
         r#""prefix_len":8,"data":[10,0,0,0]"#,
@@ -1183,7 +1185,7 @@ fn policy_keys(text: &str) -> BTreeSet<(u32, [u8; 4])> {
 /// the new policy are never missing from the trie, and the restarted agent leaves it exactly as
 /// the file says.
 fn sigkill_mid_apply_loses_no_prefix(plane: Plane) {
-    let all = xtask::prefixes::random(60_000);
+    let all = masq_testbed::prefixes::random(60_000);
     let text = |prefixes: &[String]| {
         let list: String = prefixes.iter().map(|p| format!("  - {p}\n")).collect();
         format!("cidrLimit: 100000\nnonMasqueradeCIDRs:\n{list}")
@@ -1277,7 +1279,8 @@ fn draining_survives_an_agent_restart(plane: Plane) {
     assert_success(&bed.sync_once(&[]));
     let pin = bed.topo.bpffs.join("non_masq_draining_v4");
     let dump =
-        xtask::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()]).unwrap();
+        masq_testbed::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
+            .unwrap();
     let compact: String = dump.split_whitespace().collect();
     assert!(
         compact.contains(r#""prefix_len":8,"data":[10,0,0,0]"#),
@@ -1289,7 +1292,7 @@ fn replaces_an_incompatible_pinned_map(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     std::fs::create_dir_all(&bed.topo.bpffs).unwrap();
     let pin = bed.topo.bpffs.join("nat_v4");
-    xtask::netns::run(
+    masq_testbed::netns::run(
         "bpftool",
         &[
             "map",
@@ -2134,10 +2137,11 @@ fn a_pods_icmp_error_reaches_the_outside_host(plane: Plane, family: Family) {
     let bed = Bed::new(plane, family.config());
     let _agent = bed.start_agent(family.agent_args());
     let server = SocketAddr::from((family.outside().ip(), 9600));
-    let host = xtask::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(server)?)).unwrap();
+    let host =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(server)?)).unwrap();
     host.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
     let any = family.any();
-    xtask::netns::within(bed.pod(), move || {
+    masq_testbed::netns::within(bed.pod(), move || {
         UdpSocket::bind((any, 0))?.send_to(b"hello", server)?;
         Ok(())
     })
@@ -2212,8 +2216,9 @@ impl Conversation {
 
     /// From namespace `pod` to the server at `server` in namespace `host`.
     fn between(pod: &str, host: &str, server: SocketAddr) -> Conversation {
-        let listener = xtask::netns::within(host, move || Ok(TcpListener::bind(server)?)).unwrap();
-        let pod = xtask::netns::within(pod, move || {
+        let listener =
+            masq_testbed::netns::within(host, move || Ok(TcpListener::bind(server)?)).unwrap();
+        let pod = masq_testbed::netns::within(pod, move || {
             Ok(TcpStream::connect_timeout(&server, Duration::from_secs(3))?)
         })
         .unwrap();
@@ -2336,7 +2341,7 @@ fn a_lone_ack_opens_no_established_flow(plane: Plane, family: Family) {
     };
     let pin = bed.topo.bpffs.join(table);
     let halves = || -> Vec<(u64, u64)> {
-        let dump = xtask::netns::run(
+        let dump = masq_testbed::netns::run(
             "bpftool",
             &["-j", "map", "dump", "pinned", pin.to_str().unwrap()],
         )
@@ -2515,7 +2520,7 @@ fn an_upgrade_carries_the_flows_of_an_older_nat_table(plane: Plane) {
     std::fs::create_dir_all(&bed.topo.bpffs).unwrap();
     let pin = bed.topo.bpffs.join("nat_v4");
     let pin = pin.to_str().unwrap();
-    let run = |args: &[&str]| xtask::netns::run("bpftool", args).unwrap();
+    let run = |args: &[&str]| masq_testbed::netns::run("bpftool", args).unwrap();
     run(&[
         "map", "create", pin, "type", "hash", "key", "16", "value", "16", "entries", "4096",
         "name", "nat_v4",
@@ -2853,7 +2858,7 @@ fn a_flow_netfilter_masqueraded_before_the_start_keeps_its_port(plane: Plane, fa
     let mut args = vec![only_port.as_str()];
     args.extend(family.agent_args());
     let agent = bed.start_agent(&args);
-    let refused = xtask::netns::within(bed.pod(), move || {
+    let refused = masq_testbed::netns::within(bed.pod(), move || {
         Ok(TcpStream::connect_timeout(&server, Duration::from_secs(2))?)
     });
     assert!(

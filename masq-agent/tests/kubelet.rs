@@ -15,7 +15,7 @@ use std::{
 use common::{
     agent_args, agent_container, dashboard_queries, deploy_dir, example_config, find, series,
 };
-use xtask::{
+use masq_testbed::{
     kubelet::ConfigMapVolume,
     non_masq_v4_matches, probe,
     topology::{self, Process, Topology},
@@ -131,7 +131,7 @@ impl Node {
             .iter()
             .flat_map(|family| ["", "-save", "-restore"].map(|suffix| format!("{family}{suffix}")))
             .map(|command| {
-                let version = xtask::netns::run(as_str(&self.bin.join(&command)), &["-V"])
+                let version = masq_testbed::netns::run(as_str(&self.bin.join(&command)), &["-V"])
                     .unwrap_or_else(|e| panic!("{command}: {e:#}"));
                 let backend = version.split(['(', ')']).nth(1);
                 backend.unwrap_or_else(|| panic!("{version}")).to_string()

@@ -5,7 +5,7 @@
 //! Every output must be a drop, the input unchanged, or a translation that changed only what a
 //! translation changes, kept every checksum exactly as valid as it was, and put in the addresses
 //! and ports the NAT table holds for that flow. The checks use this file's own parsing and
-//! xtask's checksum code (over the IPv6 pseudo-header for IPv6), nothing of the programs'.
+//! the test bed's checksum code (over the IPv6 pseudo-header for IPv6), nothing of the programs'.
 //!
 //! `cargo test` runs a short slice of each family (20 000 IPv4 and 200 000 IPv6 packets, a few
 //! seconds in release). The seed fixes the frames; the NAT ports come from the kernel's random
@@ -25,7 +25,7 @@ use masq_agent::{
 use masq_ebpf::{
     NatEntryV4, NatEntryV6, NatKey, NatKeyV4, NatKeyV6, direction, nat_kind, program_names,
 };
-use xtask::packet::*;
+use masq_testbed::packet::*;
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const PODS: [Ipv4Addr; 3] = [

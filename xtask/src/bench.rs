@@ -12,14 +12,14 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use clap::ValueEnum as _;
-use serde::Serialize;
-use xtask::{
+use masq_testbed::{
     kubelet::ConfigMapVolume,
     load::{self, Servers},
     netns, non_masq_v4_matches, prefixes,
     topology::{self, Process, Topology},
     wait_for_long, workspace_root, write_config,
 };
+use serde::Serialize;
 
 use crate::{report, step};
 

@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use xtask::{
+use masq_testbed::{
     probe::{self, Observer},
     topology::{self, Topology},
     wait_for, workspace_root, write_config,
@@ -87,7 +87,7 @@ pub fn run() -> anyhow::Result<()> {
         "masqueraded to the node's address",
     )?;
     ensure!(
-        xtask::netns::command_in(pod, "ping")
+        masq_testbed::netns::command_in(pod, "ping")
             .args(["-c", "1", "-W", "2", &topology::EXT_ADDR.to_string()])
             .output()?
             .status
@@ -106,7 +106,7 @@ pub fn run() -> anyhow::Result<()> {
     )?;
     let pin = topo.bpffs.join("non_masq_v4");
     println!("    $ bpftool map dump pinned {}", pin.display());
-    let dump = xtask::netns::run(
+    let dump = masq_testbed::netns::run(
         "bpftool",
         &["map", "dump", "pinned", pin.to_str().context("path")?],
     )?;

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use xtask::{netns, workspace_root};
+use masq_testbed::{netns, workspace_root};
 
 use crate::step;
 

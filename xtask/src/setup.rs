@@ -5,7 +5,7 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
-use xtask::netns;
+use masq_testbed::netns;
 
 use crate::step;
 

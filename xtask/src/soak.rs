@@ -14,12 +14,12 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use masq_testbed::{load, netns, prefixes, topology, write_config};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpStream, UdpSocket},
     time::{sleep, timeout},
 };
-use xtask::{load, netns, prefixes, topology, write_config};
 
 use crate::{
     bench::{Bed, Mode, proc_status_kib},
@@ -91,7 +91,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         "cargo",
         &["build", "--release", "--package", "masq-agent", "--bins"],
     )?;
-    let agent_bin = xtask::workspace_root().join("target/release/masq-agent");
+    let agent_bin = masq_testbed::workspace_root().join("target/release/masq-agent");
     let bed = Bed::new(&agent_bin, PODS)?;
     write_config(&bed.config, &prefixes::config(4))?;
     let agent = bed

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use xtask::{
+use masq_testbed::{
     probe::{self, Observer},
     topology::{self, Process, Topology},
     wait_for, write_config,

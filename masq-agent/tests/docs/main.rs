@@ -23,8 +23,8 @@ use std::{
 
 use bed::{AGENT, Bed};
 use markdown::DocCommand;
+use masq_testbed::workspace_root;
 use offline::{Offline, Repo};
-use xtask::workspace_root;
 
 /// The programs that run on the test bed's node, as an operator runs them on a node.
 const NODE_PROGRAMS: [&str; 9] = [
@@ -260,7 +260,8 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 fn every_metric_is_documented_and_every_documented_metric_exists() {
     let bed = Bed::start();
     let addr = bed::METRICS_ADDR.parse().unwrap();
-    let (status, metrics) = xtask::probe::http_get(&bed.topo.node, addr, "/metrics").unwrap();
+    let (status, metrics) =
+        masq_testbed::probe::http_get(&bed.topo.node, addr, "/metrics").unwrap();
     assert_eq!(status, 200);
     // Families as `# TYPE` names them, and their series as scraped: a counter x is x_total.
     let families: Vec<(&str, &str)> = metrics

@@ -509,7 +509,7 @@ mod tests {
     use super::*;
 
     fn repo() -> Repo {
-        Repo::load(&xtask::workspace_root())
+        Repo::load(&masq_testbed::workspace_root())
     }
 
     fn check_words(line: &str) -> Result<Offline, String> {

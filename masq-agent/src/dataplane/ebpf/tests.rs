@@ -8,7 +8,7 @@ use std::{
 };
 
 use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names, tcp_seen};
-use xtask::packet::*;
+use masq_testbed::packet::*;
 
 use super::{
     testbed::{self, TC_ACT_OK, TC_ACT_SHOT, TestBed},

@@ -1,6 +1,6 @@
 //! IPv6 packet tests of the real object through BPF_PROG_TEST_RUN, in the style of `tests`:
 //! crafted frames in, and every output compared byte for byte with the frame the translation
-//! should produce, built from scratch (checksums included) by xtask's packet code, which
+//! should produce, built from scratch (checksums included) by the test bed's packet code, which
 //! shares nothing with the programs' incremental checksum updates. Each test also lists the
 //! bytes a translation may touch, and verifies the checksums it can from scratch over the IPv6
 //! pseudo-header.
@@ -12,7 +12,7 @@ use std::{
 
 use ipnet::{Ipv4Net, Ipv6Net};
 use masq_ebpf::{Counter, NatEntry, NatKey, direction, nat_kind};
-use xtask::packet::*;
+use masq_testbed::packet::*;
 
 use super::testbed::{Answered, TC_ACT_OK, TC_ACT_SHOT, TestBed};
 use crate::ports::PortRange;

@@ -1,4 +1,5 @@
-//! The test topology of design.md §4, made of network namespaces with unique names. Every link
+//! The test topology: a pod, a forwarding node and outside hosts, each a network namespace with a
+//! unique name that the run creates and deletes itself. Every link
 //! is dual-stack:
 //!
 //! ```text

@@ -23,7 +23,7 @@ use anyhow::Context as _;
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
-        .expect("xtask lives in the workspace")
+        .expect("the test bed lives in the workspace")
         .to_path_buf()
 }
 
