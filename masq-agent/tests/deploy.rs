@@ -3,19 +3,17 @@
 //! `cargo xtask validate-manifests`; the kubelet experience, and the metrics the agent really
 //! exposes, are tests/kubelet.rs.)
 
-mod common;
-
 use std::collections::BTreeSet;
 
 use clap::Parser as _;
-use common::{
-    agent_args, agent_container, dashboard, dashboard_queries, example_config, find, manifest,
-    read, series, strings,
-};
 use masq_agent::{
     agent::config_options,
     cli::{Cli, LogFormat, normalize_go_flags},
     config,
+};
+use masq_testbed::deploy::{
+    agent_args, agent_container, dashboard, dashboard_queries, example_config, find, manifest,
+    read, series, strings,
 };
 use serde_yaml::Value;
 

@@ -2,6 +2,7 @@
 //! benchmarks: a pod, a forwarding node and an outside server, each in a network namespace the
 //! run creates and deletes itself.
 
+pub mod deploy;
 pub mod kubelet;
 pub mod load;
 pub mod netns;
@@ -25,6 +26,24 @@ pub fn workspace_root() -> PathBuf {
         .parent()
         .expect("the test bed lives in the workspace")
         .to_path_buf()
+}
+
+/// The agent's binary, built beside the test that asks for it (`cargo test --workspace` builds
+/// every binary of the workspace; `cargo xtask test` runs that).
+pub fn agent_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    // target/<profile>/deps/<test>: the binary is in target/<profile>.
+    let binary = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("a test runs from target/<profile>/deps")
+        .join("masq-agent");
+    assert!(
+        binary.exists(),
+        "{} is not built: run `cargo build -p masq-agent`, or `cargo xtask test`",
+        binary.display()
+    );
+    binary
 }
 
 /// Polls `check` every 50 ms until it returns `Ok(true)`, for at most 10 seconds.

@@ -240,6 +240,8 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
             "--release",
             "--package",
             "masq-agent",
+            "--features",
+            "testbed",
             "--bins",
             "--examples",
         ],

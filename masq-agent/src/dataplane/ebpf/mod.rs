@@ -4,13 +4,14 @@
 //! without them.
 
 pub mod attach;
-pub(crate) mod batch;
+pub mod batch;
 mod carry;
 mod conntrack;
 pub mod devices;
 pub mod expiry;
 pub mod leftovers;
 pub mod pins;
+#[cfg(feature = "testbed")]
 pub mod testbed;
 
 use std::{
@@ -1082,8 +1083,3 @@ pub fn cleanup(bpffs: &Path) -> anyhow::Result<()> {
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests;
-#[cfg(test)]
-mod tests_v6;

@@ -3,8 +3,6 @@
 //! pins at the default /sys/fs/bpf/ip-masq-agent. The container is a private mount namespace
 //! inside the test bed's node namespace, so the host's /etc, bpffs and /run are never touched.
 
-mod common;
-
 use std::{
     net::Ipv4Addr,
     os::unix::fs::symlink,
@@ -12,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{
+use masq_testbed::deploy::{
     agent_args, agent_container, dashboard_queries, deploy_dir, example_config, find, series,
 };
 use masq_testbed::{
@@ -56,7 +54,7 @@ impl Node {
         let topo = Topology::new(0).expect("topology");
         let bin = topo.path("bin");
         std::fs::create_dir(&bin).unwrap();
-        symlink(env!("CARGO_BIN_EXE_masq-agent"), bin.join("masq-agent")).unwrap();
+        symlink(masq_testbed::agent_binary(), bin.join("masq-agent")).unwrap();
         Node { topo, bin }
     }
 

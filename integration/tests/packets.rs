@@ -10,9 +10,18 @@ use std::{
 use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names, tcp_seen};
 use masq_testbed::packet::*;
 
-use super::{
-    testbed::{self, TC_ACT_OK, TC_ACT_SHOT, TestBed},
-    *,
+use aya::maps::{LpmTrie, MapData};
+use ipnet::Ipv4Net;
+use masq_agent::{
+    dataplane::{
+        NatUsage,
+        ebpf::{
+            batch,
+            expiry::{self, Timeouts},
+            testbed::{self, TC_ACT_OK, TC_ACT_SHOT, TestBed},
+        },
+    },
+    ports::PortRange,
 };
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);

@@ -9,10 +9,6 @@
 //! how to exercise fails it, so that new docs cannot add unexercised commands.
 
 mod bed;
-// Shared with the deploy tests; this crate uses only some of it.
-#[allow(dead_code)]
-#[path = "../common/mod.rs"]
-mod common;
 mod markdown;
 mod offline;
 

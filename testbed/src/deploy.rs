@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use serde_yaml::Value;
 
 pub fn deploy_dir() -> PathBuf {
-    masq_testbed::workspace_root().join("deploy")
+    crate::workspace_root().join("deploy")
 }
 
 pub fn read(file: &str) -> String {

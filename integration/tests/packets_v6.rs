@@ -14,8 +14,10 @@ use ipnet::{Ipv4Net, Ipv6Net};
 use masq_ebpf::{Counter, NatEntry, NatKey, direction, nat_kind};
 use masq_testbed::packet::*;
 
-use super::testbed::{Answered, TC_ACT_OK, TC_ACT_SHOT, TestBed};
-use crate::ports::PortRange;
+use masq_agent::{
+    dataplane::ebpf::testbed::{Answered, TC_ACT_OK, TC_ACT_SHOT, TestBed},
+    ports::PortRange,
+};
 
 const NODE_V4: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);

@@ -12,7 +12,7 @@
 //! numbers, so a failure prints the frames in and out. The full run:
 //!
 //! ```text
-//! MASQ_FUZZ_SEED=1 MASQ_FUZZ_ITERATIONS=1000000 cargo test --release --test packet_fuzz -- --nocapture
+//! MASQ_FUZZ_SEED=1 MASQ_FUZZ_ITERATIONS=1000000 cargo test --release -p masq-integration --test packet_fuzz -- --nocapture
 //! ```
 
 use std::net::{Ipv4Addr, Ipv6Addr};

@@ -6,7 +6,7 @@ use std::{
     collections::BTreeSet,
     io::ErrorKind,
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::Output,
     time::Duration,
 };
@@ -109,12 +109,7 @@ impl Bed {
         let mut envs = vec![("PATH", self.path.as_str())];
         envs.extend_from_slice(env);
         self.topo
-            .spawn_in_node(
-                Path::new(env!("CARGO_BIN_EXE_masq-agent")),
-                &args,
-                &envs,
-                "agent.log",
-            )
+            .spawn_in_node(&masq_testbed::agent_binary(), &args, &envs, "agent.log")
             .expect("start agent")
     }
 
@@ -139,7 +134,7 @@ impl Bed {
     /// Runs the agent binary to completion in the node namespace.
     fn agent_cmd(&self, args: &[&str]) -> Output {
         self.topo
-            .node_command(env!("CARGO_BIN_EXE_masq-agent"))
+            .node_command(masq_testbed::agent_binary().to_str().unwrap())
             .args(args)
             .env("PATH", &self.path)
             .output()
@@ -1135,7 +1130,8 @@ fn mounts_a_missing_bpffs_or_says_why_not(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let config = format!("--config={}", bed.config.display());
     let interface = format!("--interface={}", topology::UPLINK_IF);
-    let agent = env!("CARGO_BIN_EXE_masq-agent");
+    let agent = masq_testbed::agent_binary();
+    let agent = agent.display();
     let run = |bpffs: &str| {
         let script = format!(
             "mount -t tmpfs masq-test /sys/fs/bpf && exec {agent} --once {config} {interface} \

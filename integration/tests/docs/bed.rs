@@ -4,7 +4,7 @@
 
 use std::{
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Output, Stdio},
     time::{Duration, Instant},
 };
@@ -45,7 +45,7 @@ impl Bed {
         std::fs::create_dir_all(&config_dir).unwrap();
         let config = config_dir.join("ip-masq-agent");
         // The example ConfigMap's, as an operator who installs deploy/ gets it.
-        write_config(&config, &crate::common::example_config()).unwrap();
+        write_config(&config, &masq_testbed::deploy::example_config()).unwrap();
         let args = [
             format!("--config={}", config.display()),
             format!("--bpffs={}", topo.bpffs.display()),
@@ -56,7 +56,7 @@ impl Bed {
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let agent = topo
-            .spawn_in_node(Path::new(agent_binary()), &args, &[], "agent.log")
+            .spawn_in_node(&agent_binary(), &args, &[], "agent.log")
             .expect("start the agent");
         wait_for(|| Ok(agent.log_text().contains("policy applied")))
             .unwrap_or_else(|e| panic!("the agent never synced: {e}\n{}", agent.log_text()));
@@ -110,15 +110,15 @@ impl Bed {
                     args.push(format!("{flag}={}", value.display()));
                 }
             }
-            agent_binary()
+            agent_binary().to_string_lossy().into_owned()
         } else {
-            &words[0]
+            words[0].clone()
         };
         // Files rather than pipes: a command never blocks on output nobody reads yet.
         let (stdout, stderr) = (self.topo.path("command.out"), self.topo.path("command.err"));
         let mut child = self
             .topo
-            .node_command(program)
+            .node_command(&program)
             .args(&args)
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).unwrap())
@@ -148,6 +148,6 @@ impl Bed {
     }
 }
 
-pub fn agent_binary() -> &'static str {
-    env!("CARGO_BIN_EXE_masq-agent")
+pub fn agent_binary() -> std::path::PathBuf {
+    masq_testbed::agent_binary()
 }
