@@ -18,10 +18,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use ipnet::{Ipv4Net, Ipv6Net};
-use masq_agent::{
-    dataplane::ebpf::testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
-    ports::PortRange,
-};
+use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed};
 use masq_ebpf::{
     NatEntryV4, NatEntryV6, NatKey, NatKeyV4, NatKeyV6, direction, nat_kind, program_names,
 };
@@ -77,10 +74,7 @@ enum Hook {
 }
 
 fn bed() -> TestBed {
-    let spans = [PortRange {
-        first: 1024,
-        last: 65535,
-    }];
+    let spans = [(1024, 65535)];
     let non_masq: Vec<Ipv4Net> = ["10.0.0.0/8", "169.254.0.0/16"]
         .iter()
         .map(|n| n.parse().unwrap())

@@ -12,16 +12,13 @@ use masq_testbed::packet::*;
 
 use aya::maps::{LpmTrie, MapData};
 use ipnet::Ipv4Net;
-use masq_agent::{
-    dataplane::{
-        NatUsage,
-        ebpf::{
-            batch,
-            expiry::{self, Timeouts},
-            testbed::{self, TC_ACT_OK, TC_ACT_SHOT, TestBed},
-        },
+use masq_agent::dataplane::{
+    NatUsage,
+    ebpf::{
+        batch,
+        expiry::{self, Timeouts},
+        testbed::{self, TC_ACT_OK, TC_ACT_SHOT, TestBed},
     },
-    ports::PortRange,
 };
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
@@ -55,15 +52,6 @@ fn assert_checksums(f: &[u8]) {
 
 type Harness = TestBed;
 
-fn spans(list: &[(u16, u16)]) -> Vec<PortRange> {
-    list.iter()
-        .map(|(first, last)| PortRange {
-            first: *first,
-            last: *last,
-        })
-        .collect()
-}
-
 fn nets(list: &[&str]) -> Vec<Ipv4Net> {
     list.iter().map(|s| s.parse().unwrap()).collect()
 }
@@ -71,7 +59,7 @@ fn nets(list: &[&str]) -> Vec<Ipv4Net> {
 fn harness(port_spans: &[(u16, u16)], random_fully: bool) -> Harness {
     TestBed::new(
         1024,
-        &spans(port_spans),
+        port_spans,
         random_fully,
         NODE,
         &nets(&["169.254.0.0/16", "10.0.0.0/8"]),
@@ -832,7 +820,7 @@ fn nothing_is_translated_before_the_agent_configures_ports() {
 
 #[test]
 fn a_full_nat_table_drops_new_flows_and_keeps_live_ones() {
-    let mut h = TestBed::new(4, &spans(&[(1024, 65535)]), true, NODE, &[]).unwrap();
+    let mut h = TestBed::new(4, &([(1024, 65535)]), true, NODE, &[]).unwrap();
     let (_, a) = h.egress(&udp(POD, 1001, REMOTE, 53));
     let (_, b) = h.egress(&udp(POD, 1002, REMOTE, 53));
     assert_eq!(h.nat().len(), 4, "two flows fill a four-entry table");
@@ -1215,7 +1203,7 @@ fn a_policy_change_affects_new_flows_only() {
 fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
     let mut h = TestBed::new(
         16_384,
-        &spans(&[(1024, 65535)]),
+        &([(1024, 65535)]),
         true,
         NODE,
         &nets(&["10.0.0.0/8"]),

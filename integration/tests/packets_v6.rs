@@ -14,10 +14,7 @@ use ipnet::{Ipv4Net, Ipv6Net};
 use masq_ebpf::{Counter, NatEntry, NatKey, direction, nat_kind};
 use masq_testbed::packet::*;
 
-use masq_agent::{
-    dataplane::ebpf::testbed::{Answered, TC_ACT_OK, TC_ACT_SHOT, TestBed},
-    ports::PortRange,
-};
+use masq_agent::dataplane::ebpf::testbed::{Answered, TC_ACT_OK, TC_ACT_SHOT, TestBed};
 
 const NODE_V4: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);
@@ -38,12 +35,6 @@ const ALL_MLDV2_ROUTERS: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 0x16
 
 const SPANS: [(u16, u16); 2] = [(1024, 32767), (61000, 65535)];
 
-fn spans(list: &[(u16, u16)]) -> Vec<PortRange> {
-    list.iter()
-        .map(|&(first, last)| PortRange { first, last })
-        .collect()
-}
-
 fn nets6(list: &[&str]) -> Vec<Ipv6Net> {
     list.iter().map(|s| s.parse().unwrap()).collect()
 }
@@ -61,7 +52,7 @@ fn harness() -> TestBed {
 /// The same without `enable_ipv6`: the agent runs without `--enable-ipv6`.
 fn bare_harness() -> TestBed {
     let v4: Vec<Ipv4Net> = vec!["10.0.0.0/8".parse().unwrap()];
-    TestBed::new(1024, &spans(&SPANS), true, NODE_V4, &v4).unwrap()
+    TestBed::new(1024, &SPANS, true, NODE_V4, &v4).unwrap()
 }
 
 fn in_spans(port: u16) -> bool {
@@ -1189,7 +1180,7 @@ fn v6_connections_opened_from_outside_keep_the_pods_address() {
 #[test]
 fn v6_exhausted_ports_and_a_full_table_drop_new_flows_and_keep_live_ones() {
     let v4: Vec<Ipv4Net> = vec![];
-    let mut h = TestBed::new(1024, &spans(&[(5000, 5000)]), true, NODE_V4, &v4).unwrap();
+    let mut h = TestBed::new(1024, &([(5000, 5000)]), true, NODE_V4, &v4).unwrap();
     h.enable_ipv6(NODE6, &nets6(&POLICY)).unwrap();
     let (verdict, a) = h.egress(&udp6(POD6, 1111, REMOTE6, 53));
     assert_eq!((verdict, word(&a, L4_6)), (TC_ACT_OK, 5000));
@@ -1207,7 +1198,7 @@ fn v6_exhausted_ports_and_a_full_table_drop_new_flows_and_keep_live_ones() {
     assert_frame(&back, &udp6(REMOTE6, 53, POD6, 1111), &[L4_6 + 6]);
 
     // Four entries: two flows fill the table.
-    let mut h = TestBed::new(4, &spans(&[(1024, 65535)]), true, NODE_V4, &v4).unwrap();
+    let mut h = TestBed::new(4, &([(1024, 65535)]), true, NODE_V4, &v4).unwrap();
     h.enable_ipv6(NODE6, &nets6(&POLICY)).unwrap();
     let (_, a) = h.egress(&udp6(POD6, 1001, REMOTE6, 53));
     let (_, b) = h.egress(&udp6(POD6, 1002, REMOTE6, 53));

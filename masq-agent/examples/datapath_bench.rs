@@ -11,10 +11,7 @@ use std::{net::Ipv4Addr, time::Instant};
 
 use anyhow::{Context as _, bail};
 use ipnet::Ipv4Net;
-use masq_agent::{
-    dataplane::ebpf::testbed::{TC_ACT_OK, TestBed},
-    ports::PortRange,
-};
+use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TestBed};
 use masq_ebpf::program_names;
 use masq_testbed::packet::{self, ACK, L4, word};
 
@@ -91,10 +88,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let opts = options()?;
-    let spans = [PortRange {
-        first: 1024,
-        last: 65535,
-    }];
+    let spans = [(1024, 65535)];
     let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
     let to_cluster = packet::tcp(POD, 40001, CLUSTER, 443, ACK);
     // More destinations than the per-CPU verdict cache has slots: most runs walk the trie.

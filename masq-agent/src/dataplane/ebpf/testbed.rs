@@ -64,15 +64,20 @@ impl TestBed {
     }
 
     /// Configured as the agent would: ports, the node's address, and a policy.
+    /// `spans` are the NAT ports, each `(first, last)`.
     pub fn new(
         nat_entries: u32,
-        spans: &[PortRange],
+        spans: &[(u16, u16)],
         random_fully: bool,
         node: Ipv4Addr,
         non_masq: &[Ipv4Net],
     ) -> anyhow::Result<TestBed> {
         let mut bed = TestBed::unconfigured(nat_entries)?;
-        write_settings(&mut bed.ebpf, spans, random_fully)?;
+        let spans: Vec<PortRange> = spans
+            .iter()
+            .map(|&(first, last)| PortRange { first, last })
+            .collect();
+        write_settings(&mut bed.ebpf, &spans, random_fully)?;
         let lo = Device {
             name: "lo".into(),
             index: TEST_RUN_IFINDEX,
