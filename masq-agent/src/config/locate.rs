@@ -1,0 +1,82 @@
+//! Finding the line of the file an error is about, where it can be found for sure.
+
+use super::*;
+
+/// The line of `target` (a key or string value inside `root`), or `None` when the text does not
+/// show it unambiguously. The text must hold `target` exactly as often as the tree does; then
+/// the n-th occurrence in the tree is the n-th in the text.
+pub(super) fn locate(text: &[u8], root: &Node, format: Format, target: &String) -> Option<usize> {
+    let text = std::str::from_utf8(text).ok()?;
+    // Line breaks to YAML's parser, but not to ours.
+    if text.contains(['\u{85}', '\u{2028}', '\u{2029}']) {
+        return None;
+    }
+    let mut in_tree = Vec::new();
+    collect_equal_strings(root, target, &mut in_tree);
+    let nth = in_tree.iter().position(|s| std::ptr::eq(*s, target))?;
+    let in_text = token_lines(text, target, format);
+    if in_text.len() != in_tree.len() {
+        return None;
+    }
+    in_text.get(nth).copied()
+}
+
+pub(super) fn collect_equal_strings<'a>(node: &'a Node, target: &str, found: &mut Vec<&'a String>) {
+    match node {
+        Node::Str(s) if s == target => found.push(s),
+        Node::Seq(items) => items
+            .iter()
+            .for_each(|item| collect_equal_strings(item, target, found)),
+        Node::Map(entries) => {
+            for (key, value) in entries {
+                if key == target {
+                    found.push(key);
+                }
+                collect_equal_strings(value, target, found);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// 1-based line numbers of each place `token` stands on its own (not inside a longer scalar),
+/// YAML comments left out.
+pub(super) fn token_lines(text: &str, token: &str, format: Format) -> Vec<usize> {
+    if token.is_empty() {
+        return Vec::new();
+    }
+    let is_before = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | ',' | '[' | '{');
+    let is_after = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | ',' | ']' | '}' | ':');
+    let text = text.replace("\r\n", "\n").replace('\r', "\n");
+    let mut lines = Vec::new();
+    for (index, line) in text.split('\n').enumerate() {
+        let line = match format {
+            Format::Yaml => strip_yaml_comment(line),
+            Format::Json => line,
+        };
+        for (start, _) in line.match_indices(token) {
+            let before_ok = line[..start].chars().next_back().is_none_or(is_before);
+            let after_ok = line[start + token.len()..]
+                .chars()
+                .next()
+                .is_none_or(is_after);
+            if before_ok && after_ok {
+                lines.push(index + 1);
+            }
+        }
+    }
+    lines
+}
+
+/// Drops a `#` comment. A `#` inside quotes is cut too; that only makes a count disagree, and
+/// then no line is given.
+pub(super) fn strip_yaml_comment(line: &str) -> &str {
+    let mut previous_is_space = true;
+    for (i, c) in line.char_indices() {
+        if c == '#' && previous_is_space {
+            return &line[..i];
+        }
+        previous_is_space = c.is_whitespace();
+    }
+    line
+}

@@ -1,0 +1,221 @@
+//! The agent's config file, read the way the upstream ip-masq-agent (Go) reads it, so that an
+//! existing ConfigMap keeps its meaning.
+//!
+//! Upstream turns the file into JSON (YAML 1.1 rules, go-yaml v2) and decodes that with Go's
+//! encoding/json. We don't go through JSON text: both formats are read into a small [`Node`]
+//! tree, YAML input gets the YAML 1.1 scalar rules serde_yaml (YAML 1.2) lacks, and the tree is
+//! decoded with encoding/json's rules: keys match case-insensitively, `null` leaves a field
+//! alone, unknown keys are skipped, and the first type error wins. Error texts are upstream's,
+//! with the file name and, where it can be found for sure, the line.
+
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::Duration;
+
+use ipnet::{IpNet, Ipv4Net};
+
+mod decode;
+mod go_format;
+mod locate;
+mod tree;
+mod validate;
+
+#[allow(unused_imports)]
+use self::go_format::*;
+pub use self::go_format::{format_go_duration, parse_go_duration};
+use self::{decode::*, locate::*, tree::*, validate::*};
+
+/// Command-line flags that change how the config file is read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConfigOptions {
+    /// `--nomasq-all-reserved-ranges`: the default CIDR list covers all reserved IPv4 ranges.
+    pub nomasq_all_reserved_ranges: bool,
+    /// `--enable-ipv6`: IPv6 CIDRs are allowed in the list.
+    pub enable_ipv6: bool,
+}
+
+/// The effective configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Destinations that are not masqueraded, in file order, duplicates kept.
+    pub non_masquerade_cidrs: Vec<IpNet>,
+    pub cidr_limit: i64,
+    pub masq_link_local: bool,
+    pub masq_link_local_ipv6: bool,
+    /// Always positive: a non-positive value from the file is replaced by one second.
+    pub resync_interval: Duration,
+}
+
+pub(super) const DEFAULT_CIDR_LIMIT: i64 = 64;
+pub(super) const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(60);
+/// Stands in for a non-positive resyncInterval, which makes upstream's sync loop spin.
+pub(super) const MIN_RESYNC_INTERVAL: Duration = Duration::from_secs(1);
+
+pub(super) const fn v4net(a: u8, b: u8, c: u8, d: u8, prefix: u8) -> IpNet {
+    IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(a, b, c, d), prefix))
+}
+
+/// RFC 1918: upstream's default list.
+pub(super) const PRIVATE_RANGES: [IpNet; 3] = [
+    v4net(10, 0, 0, 0, 8),
+    v4net(172, 16, 0, 0, 12),
+    v4net(192, 168, 0, 0, 16),
+];
+
+/// Added after [`PRIVATE_RANGES`] by `--nomasq-all-reserved-ranges`, in upstream's order.
+pub(super) const OTHER_RESERVED_RANGES: [IpNet; 8] = [
+    v4net(100, 64, 0, 0, 10),
+    v4net(192, 0, 0, 0, 24),
+    v4net(192, 0, 2, 0, 24),
+    v4net(192, 88, 99, 0, 24),
+    v4net(198, 18, 0, 0, 15),
+    v4net(198, 51, 100, 0, 24),
+    v4net(203, 0, 113, 0, 24),
+    v4net(240, 0, 0, 0, 4),
+];
+
+impl Config {
+    /// The configuration used when the file is missing, and for the keys it leaves out.
+    pub fn defaults(opts: &ConfigOptions) -> Config {
+        let mut cidrs = PRIVATE_RANGES.to_vec();
+        if opts.nomasq_all_reserved_ranges {
+            cidrs.extend(OTHER_RESERVED_RANGES);
+        }
+        Config {
+            non_masquerade_cidrs: cidrs,
+            cidr_limit: DEFAULT_CIDR_LIMIT,
+            masq_link_local: false,
+            masq_link_local_ipv6: false,
+            resync_interval: DEFAULT_RESYNC_INTERVAL,
+        }
+    }
+
+    /// The configuration under upstream's key names, e.g. for logging it the way upstream does.
+    pub fn to_upstream_json(&self) -> serde_json::Value {
+        let cidrs: Vec<String> = self
+            .non_masquerade_cidrs
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        serde_json::json!({
+            "nonMasqueradeCIDRs": cidrs,
+            "cidrLimit": self.cidr_limit,
+            "masqLinkLocal": self.masq_link_local,
+            "masqLinkLocalIPv6": self.masq_link_local_ipv6,
+            "resyncInterval": format_go_duration(self.resync_interval),
+        })
+    }
+}
+
+/// Where a [`Loaded`] configuration came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigSource {
+    /// Read from the file (which may have been empty).
+    File,
+    /// The file did not exist, so the defaults are in use.
+    Missing,
+}
+
+/// A configuration that was accepted, with what is worth telling the operator about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loaded {
+    pub config: Config,
+    pub warnings: Vec<String>,
+    pub source: ConfigSource,
+}
+
+/// Why a config file was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The file, as named to [`load`] or [`parse`].
+    pub origin: String,
+    /// 1-based; only set when the line is known for sure.
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub(super) fn new(origin: &str, line: Option<usize>, message: String) -> ConfigError {
+        ConfigError {
+            origin: origin.to_owned(),
+            line,
+            message,
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}: line {line}: {}", self.origin, self.message),
+            None => write!(f, "{}: {}", self.origin, self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The largest config file read. A ConfigMap holds at most 1 MiB; a file given some other way
+/// may be larger (100 000 CIDRs take about 2 MiB), but a file of this size is a mistake, and
+/// reading it whole would only cost memory.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// Reads and checks the config file. A file that does not exist means the defaults, as
+/// upstream; any other read error (permissions, a directory, ...) is an error.
+pub fn load(path: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
+    let origin = path.display().to_string();
+    match read_bounded(path) {
+        Ok(text) => parse(&text, &origin, opts),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Loaded {
+            config: Config::defaults(opts),
+            warnings: Vec::new(),
+            source: ConfigSource::Missing,
+        }),
+        Err(e) => Err(ConfigError::new(
+            &origin,
+            None,
+            format!("cannot read the config file: {e}"),
+        )),
+    }
+}
+
+/// Reads `path`, but never more than `MAX_CONFIG_BYTES`, even if the file grows meanwhile.
+pub(super) fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+
+    let file = std::fs::File::open(path)?;
+    let mut text = Vec::new();
+    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::other(format!(
+            "larger than {} MiB",
+            MAX_CONFIG_BYTES >> 20
+        )));
+    }
+    Ok(text)
+}
+
+/// Checks config file contents; `origin` names the file in messages.
+pub fn parse(text: &[u8], origin: &str, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
+    let mut warnings = Vec::new();
+    let (root, format) = read_tree(text, origin, &mut warnings)?;
+    let checked = decode(&root, format, origin, &mut warnings)
+        .and_then(|fields| build_config(&fields, opts, &mut warnings));
+    match checked {
+        Ok(config) => Ok(Loaded {
+            config,
+            warnings,
+            source: ConfigSource::File,
+        }),
+        Err(problem) => {
+            let line = problem
+                .anchor
+                .and_then(|anchor| locate(text, &root, format, anchor));
+            Err(ConfigError::new(origin, line, problem.message))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1017 @@
+//! The config file as upstream reads it: each case checked through `parse`, with upstream's
+//! messages.
+
+use super::*;
+
+const V4_ONLY: ConfigOptions = ConfigOptions {
+    nomasq_all_reserved_ranges: false,
+    enable_ipv6: false,
+};
+const WITH_V6: ConfigOptions = ConfigOptions {
+    nomasq_all_reserved_ranges: false,
+    enable_ipv6: true,
+};
+const ORIGIN: &str = "/etc/config/ip-masq-agent";
+
+fn net(s: &str) -> IpNet {
+    s.parse().expect("test CIDR")
+}
+
+fn nets(list: &[&str]) -> Vec<IpNet> {
+    list.iter().map(|s| net(s)).collect()
+}
+
+fn accept_with(text: &str, opts: &ConfigOptions) -> Loaded {
+    match parse(text.as_bytes(), ORIGIN, opts) {
+        Ok(loaded) => loaded,
+        Err(e) => panic!("rejected {text:?}: {e}"),
+    }
+}
+
+fn accept(text: &str) -> Loaded {
+    accept_with(text, &V4_ONLY)
+}
+
+fn config(text: &str) -> Config {
+    let loaded = accept(text);
+    assert_eq!(loaded.source, ConfigSource::File);
+    loaded.config
+}
+
+fn reject_with(text: &str, opts: &ConfigOptions) -> ConfigError {
+    match parse(text.as_bytes(), ORIGIN, opts) {
+        Ok(loaded) => panic!("accepted {text:?}: {loaded:?}"),
+        Err(e) => {
+            assert_eq!(e.origin, ORIGIN);
+            e
+        }
+    }
+}
+
+fn reject(text: &str) -> ConfigError {
+    reject_with(text, &V4_ONLY)
+}
+
+fn defaults() -> Config {
+    Config::defaults(&V4_ONLY)
+}
+
+// --- upstream's YAML cases ---
+
+#[test]
+fn yaml_with_all_keys() {
+    let expected = Config {
+        non_masquerade_cidrs: nets(&["172.16.0.0/12", "10.0.0.0/8"]),
+        cidr_limit: 64,
+        masq_link_local: true,
+        masq_link_local_ipv6: false,
+        resync_interval: Duration::from_secs(5),
+    };
+    let flow = "nonMasqueradeCIDRs: [172.16.0.0/12, 10.0.0.0/8]\n\
+                cidrLimit: 64\nmasqLinkLocal: true\nresyncInterval: 5s\n";
+    assert_eq!(config(flow), expected);
+    let block = "nonMasqueradeCIDRs:\n  - 172.16.0.0/12\n  - 10.0.0.0/8\n\
+                 cidrLimit: 64\nmasqLinkLocal: true\nresyncInterval: 5s\n";
+    assert_eq!(config(block), expected);
+}
+
+#[test]
+fn yaml_with_only_the_cidr_list() {
+    let expected = Config {
+        non_masquerade_cidrs: nets(&["192.168.0.0/16"]),
+        ..defaults()
+    };
+    assert_eq!(config("nonMasqueradeCIDRs: [192.168.0.0/16]"), expected);
+}
+
+#[test]
+fn yaml_with_only_masq_link_local() {
+    let expected = Config {
+        masq_link_local: true,
+        ..defaults()
+    };
+    assert_eq!(config("masqLinkLocal: true"), expected);
+}
+
+#[test]
+fn yaml_with_only_masq_link_local_ipv6() {
+    let expected = Config {
+        masq_link_local_ipv6: true,
+        ..defaults()
+    };
+    assert_eq!(config("masqLinkLocalIPv6: true"), expected);
+}
+
+#[test]
+fn yaml_with_only_resync_interval() {
+    let expected = Config {
+        resync_interval: Duration::from_secs(300),
+        ..defaults()
+    };
+    assert_eq!(config("resyncInterval: 5m"), expected);
+}
+
+#[test]
+fn invalid_yaml_is_rejected_with_its_line() {
+    let e = reject("*");
+    assert_eq!(e.line, Some(1));
+    assert!(e.message.starts_with("invalid YAML: "), "{e}");
+    assert!(e.message.contains("alias"), "{e}");
+    assert!(!e.message.contains("at line"), "position given twice: {e}");
+
+    let e = reject("cidrLimit: 3\nnonMasqueradeCIDRs: [10.0.0.0/8\nmasqLinkLocal: true\n");
+    assert!(e.line.is_some_and(|line| line >= 2), "{e}");
+    assert!(
+        e.to_string().starts_with(&format!("{ORIGIN}: line ")),
+        "{e}"
+    );
+}
+
+// --- upstream's JSON cases ---
+
+#[test]
+fn json_with_all_keys() {
+    let text = r#"{"nonMasqueradeCIDRs": ["172.16.0.0/12", "10.0.0.0/8"], "cidrLimit": 64,
+                   "masqLinkLocal": true, "masqLinkLocalIPv6": true, "resyncInterval": "5s"}"#;
+    let expected = Config {
+        non_masquerade_cidrs: nets(&["172.16.0.0/12", "10.0.0.0/8"]),
+        cidr_limit: 64,
+        masq_link_local: true,
+        masq_link_local_ipv6: true,
+        resync_interval: Duration::from_secs(5),
+    };
+    assert_eq!(config(text), expected);
+}
+
+#[test]
+fn json_with_single_keys() {
+    assert_eq!(
+        config(r#"{"nonMasqueradeCIDRs": ["192.168.0.0/16"]}"#),
+        Config {
+            non_masquerade_cidrs: nets(&["192.168.0.0/16"]),
+            ..defaults()
+        }
+    );
+    assert_eq!(
+        config(r#"{"masqLinkLocal": true}"#),
+        Config {
+            masq_link_local: true,
+            ..defaults()
+        }
+    );
+    assert_eq!(
+        config(r#"{"resyncInterval": "5m"}"#),
+        Config {
+            resync_interval: Duration::from_secs(300),
+            ..defaults()
+        }
+    );
+    assert_eq!(config("  \n {}"), defaults());
+}
+
+#[test]
+fn invalid_json_is_rejected_with_line_and_column() {
+    let e = reject("{*");
+    assert_eq!(e.line, Some(1));
+    assert_eq!(e.message, "invalid JSON: key must be a string at column 2");
+    assert_eq!(
+        e.to_string(),
+        format!("{ORIGIN}: line 1: invalid JSON: key must be a string at column 2")
+    );
+
+    let e = reject("{\n  \"cidrLimit\": 5,\n}\n");
+    assert_eq!(e.line, Some(3));
+    assert!(e.message.contains("trailing comma"), "{e}");
+}
+
+#[test]
+fn json_unicode_escapes_are_decoded() {
+    let c = config(r#"{"resyncInterval": "\u0035s"}"#);
+    assert_eq!(c.resync_interval, Duration::from_secs(5));
+    let c = config(r#"{"\u006dasqLinkLocal": true}"#);
+    assert!(c.masq_link_local);
+}
+
+// --- missing and empty files ---
+
+#[test]
+fn missing_file_means_defaults() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = ConfigOptions {
+        nomasq_all_reserved_ranges: true,
+        enable_ipv6: false,
+    };
+    let loaded = load(&dir.path().join("absent"), &opts).expect("defaults");
+    assert_eq!(loaded.source, ConfigSource::Missing);
+    assert_eq!(loaded.config, Config::defaults(&opts));
+    assert!(loaded.warnings.is_empty());
+}
+
+#[test]
+fn existing_file_is_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config");
+    std::fs::write(&path, "cidrLimit: 3\nmasqLinkLocal: yes\n").expect("write");
+    let loaded = load(&path, &V4_ONLY).expect("valid");
+    assert_eq!(loaded.source, ConfigSource::File);
+    assert_eq!(loaded.config.cidr_limit, 3);
+    assert!(loaded.config.masq_link_local);
+}
+
+#[test]
+fn errors_from_load_name_the_path() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config");
+    std::fs::write(&path, "cidrLimit: [").expect("write");
+    let e = load(&path, &V4_ONLY).expect_err("invalid");
+    assert_eq!(e.origin, path.display().to_string());
+    assert!(e.to_string().starts_with(&path.display().to_string()));
+}
+
+#[test]
+fn a_directory_is_an_error_not_defaults() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let e = load(dir.path(), &V4_ONLY).expect_err("directory");
+    assert_eq!(e.origin, dir.path().display().to_string());
+    assert_eq!(e.line, None);
+    assert!(
+        e.message.starts_with("cannot read the config file: "),
+        "{e}"
+    );
+}
+
+#[test]
+fn empty_whitespace_and_comment_only_files_mean_defaults() {
+    for text in [
+        "",
+        "   \n\t\n",
+        "# nothing here\n  # still nothing\n",
+        "---\n",
+        "~\n",
+    ] {
+        let loaded = accept(text);
+        assert_eq!(loaded.config, defaults(), "{text:?}");
+        assert_eq!(loaded.source, ConfigSource::File);
+        assert!(
+            loaded.warnings.is_empty(),
+            "{text:?}: {:?}",
+            loaded.warnings
+        );
+    }
+}
+
+#[test]
+fn a_top_level_value_that_is_not_a_mapping_is_rejected() {
+    for (text, kind) in [
+        ("- 10.0.0.0/8\n", "array"),
+        ("hello", "string"),
+        ("5", "number"),
+    ] {
+        let e = reject(text);
+        assert!(
+            e.message.starts_with(&format!(
+                "json: cannot unmarshal {kind} into Go value of type MasqConfig"
+            )),
+            "{e}"
+        );
+    }
+}
+
+// --- CIDR rules ---
+
+#[test]
+fn ipv6_cidrs_need_enable_ipv6() {
+    let text = "nonMasqueradeCIDRs: [10.0.0.0/8, fc00::/7]";
+    let loaded = accept_with(text, &WITH_V6);
+    assert_eq!(
+        loaded.config.non_masquerade_cidrs,
+        nets(&["10.0.0.0/8", "fc00::/7"])
+    );
+
+    let e = reject_with(text, &V4_ONLY);
+    assert_eq!(
+        e.message,
+        "ipv6 is not enabled, but ipv6 cidr fc00::/7 provided. \
+         Enable ipv6 using --enable-ipv6 agent flag"
+    );
+    assert_eq!(e.line, Some(1));
+}
+
+#[test]
+fn the_ipv6_message_shows_the_cidr_as_written() {
+    let e = reject(r#"{"nonMasqueradeCIDRs": ["FC00:0::/7"]}"#);
+    assert!(e.message.contains("ipv6 cidr FC00:0::/7 provided"), "{e}");
+}
+
+#[test]
+fn ipv4_mapped_cidrs_are_ipv4_as_in_go() {
+    let c = config(r#"{"nonMasqueradeCIDRs": ["::ffff:10.0.0.0/104"]}"#);
+    assert_eq!(c.non_masquerade_cidrs, nets(&["10.0.0.0/8"]));
+    let e = reject(r#"{"nonMasqueradeCIDRs": ["::ffff:10.0.0.1/104"]}"#);
+    assert_eq!(
+        e.message,
+        r#"CIDR "::ffff:10.0.0.1/104" is not aligned to a CIDR block, ip: "10.0.0.1" network: "10.0.0.0/8""#
+    );
+}
+
+#[test]
+fn unaligned_cidr_is_rejected() {
+    let e = reject("nonMasqueradeCIDRs: [10.0.0.1/8]");
+    assert_eq!(
+        e.message,
+        r#"CIDR "10.0.0.1/8" is not aligned to a CIDR block, ip: "10.0.0.1" network: "10.0.0.0/8""#
+    );
+    let e = reject_with("nonMasqueradeCIDRs: [\"fc00::1/7\"]", &WITH_V6);
+    assert_eq!(
+        e.message,
+        r#"CIDR "fc00::1/7" is not aligned to a CIDR block, ip: "fc00::1" network: "fc00::/7""#
+    );
+}
+
+#[test]
+fn unparsable_cidrs_are_rejected() {
+    let e = reject("nonMasqueradeCIDRs: [abcdefg]");
+    assert_eq!(
+        e.message,
+        r#"CIDR "abcdefg" could not be parsed, invalid CIDR address: abcdefg"#
+    );
+    for bad in [
+        "10.256.0.0/16",
+        "10.0.0.0",
+        "10.0.0.0/33",
+        "010.0.0.0/8",
+        "10.0.0.0/",
+        "10.0.0.0/+8",
+        "10.0.0.0/8/8",
+        "10.0.0/8",
+        " 10.0.0.0/8",
+        "fe80::%eth0/64",
+        "fc00::/129",
+        "",
+    ] {
+        let text = format!(r#"{{"nonMasqueradeCIDRs": [{}]}}"#, serde_json::json!(bad));
+        let e = reject_with(&text, &WITH_V6);
+        assert_eq!(
+            e.message,
+            format!(
+                "CIDR {} could not be parsed, invalid CIDR address: {bad}",
+                go_quote(bad)
+            )
+        );
+    }
+}
+
+#[test]
+fn prefix_lengths_may_have_leading_zeros_as_in_go() {
+    let c = config("nonMasqueradeCIDRs: [10.0.0.0/08, 0.0.0.0/0]");
+    assert_eq!(c.non_masquerade_cidrs, nets(&["10.0.0.0/8", "0.0.0.0/0"]));
+}
+
+#[test]
+fn a_null_list_item_is_an_empty_cidr() {
+    let e = reject(r#"{"nonMasqueradeCIDRs": ["10.0.0.0/8", null]}"#);
+    assert_eq!(
+        e.message,
+        r#"CIDR "" could not be parsed, invalid CIDR address: "#
+    );
+}
+
+#[test]
+fn cidr_limit_is_checked_before_the_cidrs() {
+    let list = |n: usize| -> String {
+        let items: Vec<String> = (0..n).map(|i| format!("\"10.{i}.0.0/16\"")).collect();
+        items.join(", ")
+    };
+    let c = config(&format!("nonMasqueradeCIDRs: [{}]", list(64)));
+    assert_eq!(c.non_masquerade_cidrs.len(), 64);
+
+    let e = reject(&format!("nonMasqueradeCIDRs: [{}, bogus]", list(64)));
+    assert_eq!(
+        e.message,
+        "the daemon can only accept up to 64 CIDRs (excluding link-local), \
+         but got 65 CIDRs (excluding link local)"
+    );
+    assert_eq!(e.line, Some(1));
+}
+
+#[test]
+fn custom_cidr_limit() {
+    let c = config("cidrLimit: 100\nnonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8]");
+    assert_eq!(c.cidr_limit, 100);
+
+    let e = reject("cidrLimit: 1\nnonMasqueradeCIDRs: [10.0.0.0/8, 192.168.0.0/16]");
+    assert_eq!(
+        e.message,
+        "the daemon can only accept up to 1 CIDRs (excluding link-local), \
+         but got 2 CIDRs (excluding link local)"
+    );
+    assert_eq!(e.line, Some(2));
+
+    // Upstream also holds the default list to a lowered limit.
+    let e = reject("# the limit alone\ncidrLimit: 2\n");
+    assert!(e.message.contains("up to 2 CIDRs") && e.message.contains("got 3"));
+    assert_eq!(e.line, Some(2));
+
+    // And a negative limit rejects even an empty list, like upstream.
+    let e = reject("cidrLimit: -1\nnonMasqueradeCIDRs: []");
+    assert!(e.message.contains("up to -1 CIDRs"), "{e}");
+}
+
+#[test]
+fn empty_cidr_list_means_masquerade_everything() {
+    for text in [
+        "nonMasqueradeCIDRs:",
+        "nonMasqueradeCIDRs:\n",
+        "nonMasqueradeCIDRs: []",
+        "nonMasqueradeCIDRs: ~",
+        r#"{"nonMasqueradeCIDRs": null}"#,
+        r#"{"nonMasqueradeCIDRs": []}"#,
+    ] {
+        let c = config(text);
+        assert!(c.non_masquerade_cidrs.is_empty(), "{text:?}");
+        assert!(!c.masq_link_local, "{text:?}");
+    }
+}
+
+#[test]
+fn all_reserved_ranges_default() {
+    let opts = ConfigOptions {
+        nomasq_all_reserved_ranges: true,
+        enable_ipv6: false,
+    };
+    let expected = nets(&[
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "192.0.0.0/24",
+        "192.0.2.0/24",
+        "192.88.99.0/24",
+        "198.18.0.0/15",
+        "198.51.100.0/24",
+        "203.0.113.0/24",
+        "240.0.0.0/4",
+    ]);
+    assert_eq!(Config::defaults(&opts).non_masquerade_cidrs, expected);
+    let loaded = accept_with("masqLinkLocal: true", &opts);
+    assert_eq!(loaded.config.non_masquerade_cidrs, expected);
+    assert_eq!(
+        defaults().non_masquerade_cidrs,
+        nets(&["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"])
+    );
+}
+
+#[test]
+fn duplicate_cidrs_are_kept() {
+    let c = config("nonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8, 192.168.0.0/16]");
+    assert_eq!(
+        c.non_masquerade_cidrs,
+        nets(&["10.0.0.0/8", "10.0.0.0/8", "192.168.0.0/16"])
+    );
+}
+
+// --- keys ---
+
+#[test]
+fn keys_match_case_insensitively() {
+    let loaded = accept(
+        "NONMASQUERADECIDRS: [10.0.0.0/8]\ncidrlimit: 5\n\
+         MasqLinkLocal: true\nmasqlinklocalipv6: true\nRESYNCINTERVAL: 2s\n",
+    );
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert_eq!(
+        loaded.config,
+        Config {
+            non_masquerade_cidrs: nets(&["10.0.0.0/8"]),
+            cidr_limit: 5,
+            masq_link_local: true,
+            masq_link_local_ipv6: true,
+            resync_interval: Duration::from_secs(2),
+        }
+    );
+    // Go folds Unicode too: the Kelvin sign is a K, the long s an S.
+    assert!(config("masqLin\u{212a}Local: true").masq_link_local);
+    assert_eq!(
+        config("nonMasqueradeCIDR\u{17f}: []").non_masquerade_cidrs,
+        vec![]
+    );
+}
+
+#[test]
+fn of_two_keys_for_one_field_the_last_wins() {
+    let loaded = accept("nonMasqueradeCIDRs: [10.0.0.0/8]\nNONMASQUERADECIDRS: [192.168.0.0/16]");
+    assert_eq!(
+        loaded.config.non_masquerade_cidrs,
+        nets(&["192.168.0.0/16"])
+    );
+    assert_eq!(
+        loaded.warnings,
+        vec![format!(
+            "nonMasqueradeCIDRs is set 2 times in {ORIGIN}: the last one is used"
+        )]
+    );
+    let c = config(r#"{"cidrLimit": 5, "cidrLimit": 7}"#);
+    assert_eq!(c.cidr_limit, 7);
+}
+
+#[test]
+fn a_yaml_key_written_twice_keeps_only_its_last_value() {
+    // go-yaml builds a map first, so the first value is never decoded.
+    let c = config("masqLinkLocal: 5\nmasqLinkLocal: true\n");
+    assert!(c.masq_link_local);
+    // Go's JSON decoder sees both, and the first one's type error counts.
+    let e = reject(r#"{"masqLinkLocal": 5, "masqLinkLocal": true}"#);
+    assert!(e.message.contains("of type bool"), "{e}");
+}
+
+#[test]
+fn unknown_keys_are_ignored_with_a_warning() {
+    let loaded = accept("nonMasqueradeCIDR: [1.2.3.0/24]\nfoo: 1\nresync-interval: 5s\n");
+    assert_eq!(loaded.config, defaults());
+    assert_eq!(
+        loaded.warnings,
+        vec![
+            format!(
+                "unknown key \"nonMasqueradeCIDR\" in {ORIGIN}: ignored; \
+                 did you mean nonMasqueradeCIDRs?"
+            ),
+            format!("unknown key \"foo\" in {ORIGIN}: ignored"),
+            format!(
+                "unknown key \"resync-interval\" in {ORIGIN}: ignored; \
+                 did you mean resyncInterval?"
+            ),
+        ]
+    );
+}
+
+#[test]
+fn suggestions_pick_the_closest_key() {
+    assert_eq!(suggest_key("masqLinkLocalV6"), Some("masqLinkLocalIPv6"));
+    assert_eq!(suggest_key("masq_link_local"), Some("masqLinkLocal"));
+    assert_eq!(suggest_key("cidrlimt"), Some("cidrLimit"));
+    assert_eq!(
+        suggest_key("nonMasqueradeCIRDs"),
+        Some("nonMasqueradeCIDRs")
+    );
+    assert_eq!(suggest_key("apiVersion"), None);
+    assert_eq!(suggest_key("x"), None);
+}
+
+// --- values ---
+
+#[test]
+fn yaml_11_booleans_are_accepted_in_yaml() {
+    for (word, value) in [
+        ("y", true),
+        ("Y", true),
+        ("yes", true),
+        ("Yes", true),
+        ("YES", true),
+        ("on", true),
+        ("On", true),
+        ("ON", true),
+        ("true", true),
+        ("True", true),
+        ("TRUE", true),
+        ("n", false),
+        ("N", false),
+        ("no", false),
+        ("No", false),
+        ("NO", false),
+        ("off", false),
+        ("Off", false),
+        ("OFF", false),
+        ("false", false),
+        ("False", false),
+        ("FALSE", false),
+    ] {
+        let c = config(&format!("masqLinkLocal: {word}\nmasqLinkLocalIPv6: {word}"));
+        assert_eq!(c.masq_link_local, value, "{word}");
+        assert_eq!(c.masq_link_local_ipv6, value, "{word}");
+    }
+}
+
+#[test]
+fn yaml_11_booleans_are_strings_in_json_and_in_quotes() {
+    let e = reject(r#"{"masqLinkLocal": "yes"}"#);
+    assert_eq!(
+        e.message,
+        "json: cannot unmarshal string into Go struct field MasqConfig.masqLinkLocal of type bool"
+    );
+    let e = reject("masqLinkLocal: \"true\"");
+    assert!(e.message.contains("cannot unmarshal string"), "{e}");
+    // A YAML 1.1 boolean where a string belongs is a type error, as upstream.
+    let e = reject("nonMasqueradeCIDRs: [10.0.0.0/8, no]");
+    assert_eq!(
+        e.message,
+        "json: cannot unmarshal bool into Go struct field MasqConfig.nonMasqueradeCIDRs of type string"
+    );
+}
+
+#[test]
+fn yaml_11_numbers() {
+    assert_eq!(config("cidrLimit: 010").cidr_limit, 8);
+    assert_eq!(config("cidrLimit: 1_000").cidr_limit, 1000);
+    assert_eq!(config("cidrLimit: 0x40").cidr_limit, 64);
+    assert_eq!(config("cidrLimit: 0b111").cidr_limit, 7);
+    // A whole float becomes an int on upstream's way through JSON ...
+    assert_eq!(config("cidrLimit: 64.0").cidr_limit, 64);
+    assert_eq!(config("cidrLimit: 1e2").cidr_limit, 100);
+    // ... but not in a JSON file.
+    let e = reject(r#"{"cidrLimit": 64.0}"#);
+    assert_eq!(
+        e.message,
+        "json: cannot unmarshal number 64.0 into Go struct field MasqConfig.cidrLimit of type int"
+    );
+}
+
+#[test]
+fn non_finite_yaml_floats_are_rejected_like_upstream() {
+    let e = reject("somethingElse: .inf\n");
+    assert_eq!(e.message, "json: unsupported value: +Inf");
+    let e = reject("cidrLimit: .nan\n");
+    assert_eq!(e.message, "json: unsupported value: NaN");
+}
+
+#[test]
+fn non_positive_resync_interval_is_replaced_by_one_second() {
+    for (text, shown) in [
+        ("resyncInterval: -5s", "-5s"),
+        ("resyncInterval: 0s", "0s"),
+        ("resyncInterval: \"0\"", "0s"),
+        (r#"{"resyncInterval": "-1m30s"}"#, "-1m30s"),
+    ] {
+        let loaded = accept(text);
+        assert_eq!(
+            loaded.config.resync_interval,
+            Duration::from_secs(1),
+            "{text}"
+        );
+        assert_eq!(
+            loaded.warnings,
+            vec![format!("resyncInterval {shown} is not positive; using 1s")]
+        );
+    }
+}
+
+#[test]
+fn wrong_types_are_rejected_with_go_messages() {
+    let field = |name: &str, what: &str, go_type: &str| {
+        format!(
+            "json: cannot unmarshal {what} into Go struct field MasqConfig.{name} of type {go_type}"
+        )
+    };
+    let cases = [
+        ("masqLinkLocal: 1", field("masqLinkLocal", "number", "bool")),
+        (
+            "masqLinkLocalIPv6: [true]",
+            field("masqLinkLocalIPv6", "array", "bool"),
+        ),
+        (
+            "nonMasqueradeCIDRs: 10.0.0.0/8",
+            field("nonMasqueradeCIDRs", "string", "[]string"),
+        ),
+        (
+            "nonMasqueradeCIDRs: {a: b}",
+            field("nonMasqueradeCIDRs", "object", "[]string"),
+        ),
+        (
+            "nonMasqueradeCIDRs: [10.0.0.0/8, 10]",
+            field("nonMasqueradeCIDRs", "number", "string"),
+        ),
+        (
+            "nonMasqueradeCIDRs: [[10.0.0.0/8]]",
+            field("nonMasqueradeCIDRs", "array", "string"),
+        ),
+        ("cidrLimit: 64.5", field("cidrLimit", "number 64.5", "int")),
+        (
+            "cidrLimit: 99999999999999999999",
+            field("cidrLimit", "number 99999999999999999999", "int"),
+        ),
+        ("cidrLimit: \"64\"", field("cidrLimit", "string", "int")),
+        ("cidrLimit: true", field("cidrLimit", "bool", "int")),
+        (
+            r#"{"cidrLimit": 9223372036854775808}"#,
+            field("cidrLimit", "number 9223372036854775808", "int"),
+        ),
+        (
+            "resyncInterval: 60",
+            r#"expected string value for unmarshal to field of type Duration, got "60""#.to_owned(),
+        ),
+        (
+            "resyncInterval: [5s]",
+            r#"expected string value for unmarshal to field of type Duration, got "[\"5s\"]""#
+                .to_owned(),
+        ),
+        (
+            "resyncInterval:",
+            r#"expected string value for unmarshal to field of type Duration, got "null""#
+                .to_owned(),
+        ),
+        (
+            r#"{"resyncInterval": null}"#,
+            r#"expected string value for unmarshal to field of type Duration, got "null""#
+                .to_owned(),
+        ),
+        (
+            "resyncInterval: abc",
+            r#"time: invalid duration "abc""#.to_owned(),
+        ),
+        (
+            "resyncInterval: \"5\"",
+            r#"time: missing unit in duration "5""#.to_owned(),
+        ),
+        (
+            "resyncInterval: 5d",
+            r#"time: unknown unit "d" in duration "5d""#.to_owned(),
+        ),
+    ];
+    for (text, message) in cases {
+        let e = reject(text);
+        assert_eq!(e.message, message, "{text}");
+        assert_eq!(e.line, Some(1), "{text}");
+    }
+}
+
+#[test]
+fn null_leaves_bool_and_int_fields_alone() {
+    let c = config("cidrLimit: null\nmasqLinkLocal:\nmasqLinkLocalIPv6: ~\n");
+    assert_eq!(c, defaults());
+    let c = config(r#"{"cidrLimit": null, "masqLinkLocal": null}"#);
+    assert_eq!(c, defaults());
+}
+
+#[test]
+fn a_duration_error_outranks_an_earlier_type_error() {
+    // Go's decoder stops at a failing custom decoder but only notes type mismatches.
+    let e = reject(r#"{"masqLinkLocal": 1, "resyncInterval": "abc"}"#);
+    assert_eq!(e.message, r#"time: invalid duration "abc""#);
+    let e = reject(r#"{"masqLinkLocal": 1, "cidrLimit": "x"}"#);
+    assert!(e.message.contains("masqLinkLocal"), "{e}");
+}
+
+// --- lines in messages ---
+
+#[test]
+fn a_bad_cidr_is_reported_with_file_and_line() {
+    let text = "nonMasqueradeCIDRs:\n  - 192.168.0.0/16\n  - 10.0.0.1/8\nmasqLinkLocal: true\n";
+    let e = reject(text);
+    assert_eq!(e.line, Some(3));
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{ORIGIN}: line 3: CIDR \"10.0.0.1/8\" is not aligned to a CIDR block, \
+             ip: \"10.0.0.1\" network: \"10.0.0.0/8\""
+        )
+    );
+}
+
+#[test]
+fn lines_are_found_past_comments_and_repeats() {
+    // The same text in a comment and under an unknown key does not mislead.
+    let text = "# 10.0.0.1/8 is wrong\nnotes: [10.0.0.1/8]\nnonMasqueradeCIDRs:\n\
+                - 10.0.0.0/8\n- 10.0.0.1/8\n";
+    assert_eq!(reject(text).line, Some(5));
+    // JSON spread over lines: the key's line for a type error.
+    let text = "{\n  \"cidrLimit\": 5,\n  \"masqLinkLocal\": \"no\"\n}";
+    assert_eq!(reject(text).line, Some(3));
+    // CRLF line ends.
+    let text = "cidrLimit: 5\r\nnonMasqueradeCIDRs:\r\n- abc\r\n";
+    assert_eq!(reject(text).line, Some(3));
+}
+
+#[test]
+fn no_line_rather_than_a_wrong_one() {
+    // The bad value also stands inside a longer string: the count disagrees.
+    let text = "note: \"see 10.0.0.1/8\"\nnonMasqueradeCIDRs: [\"10.0.0.1/8\"]\n";
+    let e = reject(text);
+    assert!(e.message.contains("not aligned"), "{e}");
+    // Written escaped in JSON, the key can't be found as text.
+    let e = reject("{\n\"\\u006dasqLinkLocal\": 3}");
+    assert!(e.message.contains("masqLinkLocal"), "{e}");
+    assert_eq!(e.line, None);
+    // An empty CIDR (from null) has no text to find.
+    let e = reject("nonMasqueradeCIDRs:\n- 10.0.0.0/8\n- null\n");
+    assert_eq!(e.line, None);
+    assert_eq!(e.to_string(), format!("{ORIGIN}: {}", e.message));
+}
+
+// --- other YAML features ---
+
+#[test]
+fn only_the_first_yaml_document_counts() {
+    let loaded = accept("cidrLimit: 5\n---\ncidrLimit: [\n");
+    assert_eq!(loaded.config.cidr_limit, 5);
+    assert_eq!(
+        loaded.warnings,
+        vec![format!(
+            "{ORIGIN} holds more than one YAML document: only the first is used"
+        )]
+    );
+    assert!(accept("cidrLimit: 5\n---\n").warnings.is_empty());
+}
+
+#[test]
+fn yaml_anchors_tags_and_merge_keys() {
+    let c = config(
+        "base: &base\n  masqLinkLocal: true\n  cidrLimit: 5\n\
+         <<: *base\ncidrLimit: 7\nnonMasqueradeCIDRs: &l [10.0.0.0/8]\n",
+    );
+    assert!(c.masq_link_local);
+    assert_eq!(c.cidr_limit, 7);
+    assert_eq!(c.non_masquerade_cidrs, nets(&["10.0.0.0/8"]));
+    assert_eq!(config("cidrLimit: !!int \"9\"").cidr_limit, 9);
+    assert!(config("masqLinkLocal: !custom true").masq_link_local);
+    let e = reject("<<: 5\n");
+    assert_eq!(e.message, MERGE_ERROR);
+}
+
+#[test]
+fn hostile_input_is_rejected_without_panicking() {
+    let deep = format!("a: {}", "[".repeat(100_000));
+    assert_eq!(
+        reject(&deep).message,
+        "invalid YAML: nested more than 1000 levels deep"
+    );
+    let deep = format!("a: {}", "[".repeat(500));
+    assert!(reject(&deep).message.contains("recursion limit"));
+    let deep = format!("{{\"a\": {}", "[".repeat(100_000));
+    assert!(reject(&deep).message.contains("recursion limit"));
+    let mut laughs = String::from("a: &a [x, x, x, x, x, x, x, x, x]\n");
+    for (name, prev) in ["b", "c", "d", "e", "f", "g", "h", "i"]
+        .iter()
+        .zip("abcdefgh".chars())
+    {
+        let refs = vec![format!("*{prev}"); 9].join(", ");
+        laughs.push_str(&format!("{name}: &{name} [{refs}]\n"));
+    }
+    assert!(parse(laughs.as_bytes(), ORIGIN, &V4_ONLY).is_err());
+    assert!(parse(b"\xff\xfe\x00{", ORIGIN, &V4_ONLY).is_err());
+    assert!(parse(b"{\"a\": \"\xff\"}", ORIGIN, &V4_ONLY).is_err());
+    let e = reject(&format!("resyncInterval: {}h", "9".repeat(5000)));
+    assert!(e.message.starts_with("time: invalid duration"), "{e}");
+    let many = format!(
+        "nonMasqueradeCIDRs: [{}]",
+        vec!["10.0.0.0/8"; 100_000].join(",")
+    );
+    assert!(reject(&many).message.contains("got 100000 CIDRs"));
+    let e = reject("? [a, b]\n: c\n");
+    assert!(e.message.contains("unsupported map key"), "{e}");
+}
+
+// --- output ---
+
+#[test]
+fn upstream_json_uses_upstream_keys() {
+    let c = Config {
+        non_masquerade_cidrs: nets(&["10.0.0.0/8", "fc00::/7"]),
+        cidr_limit: 10,
+        masq_link_local: true,
+        masq_link_local_ipv6: false,
+        resync_interval: Duration::from_secs(90),
+    };
+    assert_eq!(
+        c.to_upstream_json(),
+        serde_json::json!({
+            "nonMasqueradeCIDRs": ["10.0.0.0/8", "fc00::/7"],
+            "cidrLimit": 10,
+            "masqLinkLocal": true,
+            "masqLinkLocalIPv6": false,
+            "resyncInterval": "1m30s",
+        })
+    );
+    assert_eq!(defaults().to_upstream_json()["resyncInterval"], "1m0s");
+}
+
+// --- Go durations ---
+
+#[test]
+fn go_duration_formatting() {
+    let ms = Duration::from_millis;
+    for (d, text) in [
+        (Duration::from_secs(60), "1m0s"),
+        (Duration::from_secs(90), "1m30s"),
+        (Duration::from_secs(5), "5s"),
+        (ms(500), "500ms"),
+        (Duration::from_secs(5400), "1h30m0s"),
+        (ms(1500), "1.5s"),
+        (Duration::ZERO, "0s"),
+        (Duration::from_micros(2), "2µs"),
+        (Duration::from_nanos(1), "1ns"),
+        (Duration::from_nanos(1_500), "1.5µs"),
+        (Duration::from_nanos(3_600_000_000_001), "1h0m0.000000001s"),
+        (Duration::from_secs(100 * 3600), "100h0m0s"),
+    ] {
+        assert_eq!(format_go_duration(d), text);
+    }
+    assert_eq!(format_go_nanos(-1_500_000_000), "-1.5s");
+    assert_eq!(
+        format_go_nanos(i128::from(i64::MIN)),
+        "-2562047h47m16.854775808s"
+    );
+}
+
+#[test]
+fn go_duration_parsing() {
+    const S: i128 = 1_000_000_000;
+    for (text, nanos) in [
+        ("5s", 5 * S),
+        ("1m30s", 90 * S),
+        ("500ms", S / 2),
+        ("-1s", -S),
+        ("+1s", S),
+        ("0", 0),
+        ("-0", 0),
+        ("1.5h", 5400 * S),
+        (".5s", S / 2),
+        ("1.s", S),
+        ("1h2m3s4ms5us6ns", 3_723_004_005_006),
+        ("2µs", 2000),
+        ("2μs", 2000),
+        ("3ns", 3),
+        ("1.0000000001s", S),
+        ("9223372036854775807ns", i128::from(i64::MAX)),
+        ("-9223372036854775808ns", i128::from(i64::MIN)),
+        ("2562047h47m16.854775807s", i128::from(i64::MAX)),
+    ] {
+        assert_eq!(parse_go_duration(text), Ok(nanos), "{text}");
+    }
+    for (text, message) in [
+        ("", r#"time: invalid duration """#),
+        ("abc", r#"time: invalid duration "abc""#),
+        ("-", r#"time: invalid duration "-""#),
+        (".s", r#"time: invalid duration ".s""#),
+        ("5", r#"time: missing unit in duration "5""#),
+        ("00", r#"time: missing unit in duration "00""#),
+        ("1s5", r#"time: missing unit in duration "1s5""#),
+        ("5 s", r#"time: unknown unit " s" in duration "5 s""#),
+        ("5S", r#"time: unknown unit "S" in duration "5S""#),
+        (
+            "1é",
+            r#"time: unknown unit "\xc3\xa9" in duration "1\xc3\xa9""#,
+        ),
+        (
+            "9223372036854775808ns",
+            r#"time: invalid duration "9223372036854775808ns""#,
+        ),
+        ("2562048h", r#"time: invalid duration "2562048h""#),
+        (
+            "9223372036854775808ns9223372036854775808ns",
+            r#"time: invalid duration "9223372036854775808ns9223372036854775808ns""#,
+        ),
+        (
+            "99999999999999999999s",
+            r#"time: invalid duration "99999999999999999999s""#,
+        ),
+    ] {
+        assert_eq!(parse_go_duration(text), Err(message.to_owned()), "{text}");
+    }
+}
+
+#[test]
+fn go_duration_round_trips() {
+    for nanos in [
+        0u64,
+        1,
+        999,
+        1_000,
+        1_500,
+        999_999,
+        1_000_000,
+        500_000_000,
+        1_000_000_000,
+        1_500_000_000,
+        59_999_999_999,
+        60_000_000_000,
+        90_000_000_000,
+        3_599_999_999_999,
+        5_400_000_000_000,
+        86_400_000_000_123,
+        i64::MAX as u64,
+    ] {
+        let d = Duration::from_nanos(nanos);
+        let text = format_go_duration(d);
+        assert_eq!(parse_go_duration(&text), Ok(i128::from(nanos)), "{text}");
+    }
+    for nanos in [-1i128, -1_500, -90_000_000_000, i128::from(i64::MIN)] {
+        assert_eq!(parse_go_duration(&format_go_nanos(nanos)), Ok(nanos));
+    }
+}
+
+// --- helpers with Go behaviour of their own ---
+
+#[test]
+fn go_quoting() {
+    assert_eq!(go_quote("a\"b\\c\n\u{1}é"), r#""a\"b\\c\n\x01é""#);
+    assert_eq!(go_time_quote("a\"µ\n"), r#""a\"\xc2\xb5\x0a""#);
+}
+
+#[test]
+fn go_json_float_text() {
+    assert_eq!(go_json_float(64.5), "64.5");
+    assert_eq!(go_json_float(64.0), "64");
+    assert_eq!(go_json_float(1e20), "100000000000000000000");
+    assert_eq!(go_json_float(1e21), "1e+21");
+    assert_eq!(go_json_float(1e-7), "1e-7");
+    assert_eq!(go_json_float(-0.0), "-0");
+}

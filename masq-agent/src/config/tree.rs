@@ -1,0 +1,394 @@
+//! Reading the file into a small tree, and the YAML 1.1 rules (go-yaml v2) that serde_yaml
+//! (YAML 1.2) lacks: what upstream's YAML-to-JSON step makes of each scalar.
+
+use serde::de::{self, Deserialize, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess};
+use std::fmt;
+
+use super::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Format {
+    Json,
+    Yaml,
+}
+
+/// A parsed YAML or JSON value. Unlike serde_json's and serde_yaml's own values, a mapping
+/// keeps its keys in file order and keeps repeated keys, as Go's decoder sees them.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Node {
+    Null,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(String),
+    Seq(Vec<Node>),
+    Map(Vec<(String, Node)>),
+}
+
+impl Node {
+    /// The JSON type name Go's decoder uses in its errors.
+    pub(super) fn go_kind(&self) -> &'static str {
+        match self {
+            Node::Null => "null",
+            Node::Bool(_) => "bool",
+            Node::Int(_) | Node::Float(_) => "number",
+            Node::Str(_) => "string",
+            Node::Seq(_) => "array",
+            Node::Map(_) => "object",
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Node {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Node, D::Error> {
+        deserializer.deserialize_any(NodeVisitor)
+    }
+}
+
+pub(super) struct NodeVisitor;
+
+impl<'de> de::Visitor<'de> for NodeVisitor {
+    type Value = Node;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any YAML or JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Node, E> {
+        Ok(Node::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Node, E> {
+        Ok(Node::Int(v.into()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Node, E> {
+        Ok(Node::Int(v.into()))
+    }
+
+    fn visit_i128<E>(self, v: i128) -> Result<Node, E> {
+        Ok(Node::Int(v))
+    }
+
+    fn visit_u128<E>(self, v: u128) -> Result<Node, E> {
+        // Past i128 the exact value no longer matters: it is out of range for every field.
+        Ok(i128::try_from(v).map_or(Node::Float(v as f64), Node::Int))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Node, E> {
+        Ok(Node::Float(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Node, E> {
+        Ok(Node::Str(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Node, E> {
+        Ok(Node::Str(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Node, E> {
+        Ok(Node::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Node, E> {
+        Ok(Node::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Node, D::Error> {
+        Node::deserialize(deserializer)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Node, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Node::Seq(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node, A::Error> {
+        let mut entries = Vec::new();
+        while let Some(key) = map.next_key::<Node>()? {
+            let key = key_string(key).map_err(de::Error::custom)?;
+            entries.push((key, map.next_value()?));
+        }
+        Ok(Node::Map(entries))
+    }
+
+    /// serde_yaml hands over a YAML value with a custom tag (`!foo bar`) as an enum; like
+    /// go-yaml we look through the tag.
+    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Node, A::Error> {
+        let (_tag, value): (String, _) = data.variant()?;
+        value.newtype_variant()
+    }
+}
+
+/// Scalar YAML keys become strings, as they do in upstream's YAML-to-JSON step.
+pub(super) fn key_string(key: Node) -> Result<String, String> {
+    match key {
+        Node::Str(s) => Ok(s),
+        Node::Bool(b) => Ok(b.to_string()),
+        Node::Int(n) => Ok(n.to_string()),
+        Node::Float(f) => Ok(f.to_string()),
+        other => Err(format!("unsupported map key of type {}", other.go_kind())),
+    }
+}
+
+/// Like upstream (k8s.io/apimachinery's yaml.ToJSON), a file is JSON if it starts with `{`.
+pub(super) fn looks_like_json(text: &[u8]) -> bool {
+    String::from_utf8_lossy(text).trim_start().starts_with('{')
+}
+
+pub(super) fn read_tree(
+    text: &[u8],
+    origin: &str,
+    warnings: &mut Vec<String>,
+) -> Result<(Node, Format), ConfigError> {
+    if looks_like_json(text) {
+        let root = serde_json::from_slice(text).map_err(|e| json_syntax_error(&e, origin))?;
+        return Ok((root, Format::Json));
+    }
+    // libyaml rejects a tab where a line's indentation would be, even on a blank line; a
+    // file of nothing but blanks still means "no settings".
+    if text.iter().all(u8::is_ascii_whitespace) {
+        return Ok((Node::Null, Format::Yaml));
+    }
+    if flow_nesting_exceeds(text, MAX_FLOW_NESTING) {
+        let message = format!("invalid YAML: nested more than {MAX_FLOW_NESTING} levels deep");
+        return Err(ConfigError::new(origin, None, message));
+    }
+    let mut root = read_yaml(text, origin, warnings)?;
+    resolve_yaml11_scalars(&mut root);
+    if let Node::Map(entries) = &mut root {
+        apply_merge_keys(entries).map_err(|m| ConfigError::new(origin, None, m))?;
+    }
+    reject_non_finite(&root).map_err(|m| ConfigError::new(origin, None, m))?;
+    Ok((root, Format::Yaml))
+}
+
+pub(super) fn json_syntax_error(e: &serde_json::Error, origin: &str) -> ConfigError {
+    // serde_json ends its message with the position; we give the line our own way.
+    let message = e.to_string();
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    let message = match message.strip_suffix(&position) {
+        Some(head) => format!("invalid JSON: {head} at column {}", e.column()),
+        None => format!("invalid JSON: {message}"),
+    };
+    ConfigError::new(origin, (e.line() > 0).then_some(e.line()), message)
+}
+
+/// serde_yaml refuses more than 128 levels anyway, but only after libyaml has parsed the whole
+/// document, which takes time quadratic in the depth (minutes for a 1 MiB file of `[`).
+pub(super) const MAX_FLOW_NESTING: usize = 1000;
+
+/// Whether `[`/`{` nest deeper than `limit`. Brackets in quotes and comments count too: telling
+/// those apart is the parser's job, and a real config has nowhere near a thousand of them.
+pub(super) fn flow_nesting_exceeds(text: &[u8], limit: usize) -> bool {
+    let mut depth = 0usize;
+    for &c in text {
+        match c {
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// Reads the first YAML document only, as go-yaml's Unmarshal does.
+pub(super) fn read_yaml(
+    text: &[u8],
+    origin: &str,
+    warnings: &mut Vec<String>,
+) -> Result<Node, ConfigError> {
+    let mut documents = serde_yaml::Deserializer::from_slice(text);
+    let root = match documents.next() {
+        Some(document) => Node::deserialize(document).map_err(|e| yaml_syntax_error(&e, origin))?,
+        None => Node::Null,
+    };
+    // A stray trailing `---` is harmless; anything more is probably a mistake.
+    if let Some(document) = documents.next()
+        && !matches!(Node::deserialize(document), Ok(Node::Null))
+    {
+        warnings.push(format!(
+            "{origin} holds more than one YAML document: only the first is used"
+        ));
+    }
+    Ok(root)
+}
+
+pub(super) fn yaml_syntax_error(e: &serde_yaml::Error, origin: &str) -> ConfigError {
+    let message = e.to_string();
+    let Some(location) = e.location() else {
+        return ConfigError::new(origin, None, format!("invalid YAML: {message}"));
+    };
+    let position = format!(" at line {} column {}", location.line(), location.column());
+    let message = message.replacen(&position, &format!(" at column {}", location.column()), 1);
+    ConfigError::new(
+        origin,
+        Some(location.line()),
+        format!("invalid YAML: {message}"),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// YAML 1.1, as go-yaml v2 reads it
+
+/// Plain scalars that YAML 1.1 (upstream) reads as booleans but YAML 1.2 (serde_yaml) reads as
+/// strings. `true`/`false` and their capitalised forms are booleans to both.
+pub(super) const YAML11_TRUE: [&str; 8] = ["y", "Y", "yes", "Yes", "YES", "on", "On", "ON"];
+pub(super) const YAML11_FALSE: [&str; 8] = ["n", "N", "no", "No", "NO", "off", "Off", "OFF"];
+
+/// Gives string values the type go-yaml v2 would have given them. serde_yaml does not say
+/// whether a scalar was quoted; a string that serde_yaml would have read as a number must
+/// have been quoted and stays a string, but a quoted `"yes"` or `"010"` is taken as plain.
+pub(super) fn resolve_yaml11_scalars(node: &mut Node) {
+    match node {
+        Node::Str(s) => {
+            if let Some(resolved) = yaml11_scalar(s) {
+                *node = resolved;
+            }
+        }
+        Node::Seq(items) => items.iter_mut().for_each(resolve_yaml11_scalars),
+        Node::Map(entries) => entries
+            .iter_mut()
+            .for_each(|(_, value)| resolve_yaml11_scalars(value)),
+        _ => {}
+    }
+}
+
+pub(super) fn yaml11_scalar(s: &str) -> Option<Node> {
+    if YAML11_TRUE.contains(&s) {
+        return Some(Node::Bool(true));
+    }
+    if YAML11_FALSE.contains(&s) {
+        return Some(Node::Bool(false));
+    }
+    if !s.starts_with(|c: char| c.is_ascii_digit() || matches!(c, '+' | '-' | '.')) {
+        return None;
+    }
+    // go-yaml drops every underscore before trying the number forms.
+    let plain: String = s.chars().filter(|&c| c != '_').collect();
+    let number = match go_parse_int_base0(&plain) {
+        Some(n) => Node::Int(n),
+        None if is_yaml11_float(&plain) => Node::Float(plain.parse::<f64>().ok()?),
+        None => return None,
+    };
+    // Such a string has only digits, signs, dots and letters, so it is safe to read as YAML.
+    let plain_in_yaml12 = serde_yaml::from_str::<serde_yaml::Value>(s);
+    if matches!(plain_in_yaml12, Ok(serde_yaml::Value::Number(_))) {
+        return None;
+    }
+    match number {
+        // Go's ParseFloat fails on overflow, and go-yaml then keeps the string.
+        Node::Float(f) if !f.is_finite() => None,
+        number => Some(number),
+    }
+}
+
+/// Go's `strconv.ParseInt(s, 0, 64)`, falling back to `ParseUint(s, 0, 64)` as go-yaml does:
+/// `0x`, `0o`, `0b` prefixes, and a leading `0` meaning octal (`010` is 8).
+pub(super) fn go_parse_int_base0(s: &str) -> Option<i128> {
+    let (sign, body) = match s.as_bytes().first() {
+        Some(b'-') => (Some(true), &s[1..]),
+        Some(b'+') => (Some(false), &s[1..]),
+        _ => (None, s),
+    };
+    let (radix, digits) = match body.get(..2) {
+        Some("0x" | "0X") => (16, &body[2..]),
+        Some("0o" | "0O") => (8, &body[2..]),
+        Some("0b" | "0B") => (2, &body[2..]),
+        _ if body.len() > 1 && body.starts_with('0') => (8, &body[1..]),
+        _ => (10, body),
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    let magnitude = i128::try_from(u128::from_str_radix(digits, radix).ok()?).ok()?;
+    let value = if sign == Some(true) {
+        -magnitude
+    } else {
+        magnitude
+    };
+    let fits_int64 = i64::try_from(value).is_ok();
+    let fits_uint64 = sign.is_none() && u64::try_from(value).is_ok();
+    (fits_int64 || fits_uint64).then_some(value)
+}
+
+/// go-yaml's `^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$`.
+pub(super) fn is_yaml11_float(s: &str) -> bool {
+    let s = s.strip_prefix(['+', '-']).unwrap_or(s);
+    let (mantissa, exponent) = match s.find(['e', 'E']) {
+        Some(i) => (&s[..i], Some(&s[i + 1..])),
+        None => (s, None),
+    };
+    let all_digits = |t: &str| t.bytes().all(|b| b.is_ascii_digit());
+    let mantissa_ok = match mantissa.split_once('.') {
+        Some(("", frac)) => !frac.is_empty() && all_digits(frac),
+        Some((whole, frac)) => all_digits(whole) && all_digits(frac),
+        None => !mantissa.is_empty() && all_digits(mantissa),
+    };
+    let exponent_ok = exponent.is_none_or(|e| {
+        let digits = e.strip_prefix(['+', '-']).unwrap_or(e);
+        !digits.is_empty() && all_digits(digits)
+    });
+    mantissa_ok && exponent_ok
+}
+
+/// Applies `<<` merge keys at the top level the way go-yaml v2 does: the merged entries take
+/// the place of the `<<` key, so later keys override them and they override earlier ones.
+pub(super) fn apply_merge_keys(entries: &mut Vec<(String, Node)>) -> Result<(), String> {
+    if !entries.iter().any(|(key, _)| key == "<<") {
+        return Ok(());
+    }
+    let mut merged = Vec::with_capacity(entries.len());
+    for (key, value) in std::mem::take(entries) {
+        if key != "<<" {
+            merged.push((key, value));
+            continue;
+        }
+        match value {
+            Node::Map(mut inner) => {
+                apply_merge_keys(&mut inner)?;
+                merged.extend(inner);
+            }
+            // Earlier maps in the list take precedence, so they go in last.
+            Node::Seq(maps) => {
+                for map in maps.into_iter().rev() {
+                    let Node::Map(mut inner) = map else {
+                        return Err(MERGE_ERROR.to_owned());
+                    };
+                    apply_merge_keys(&mut inner)?;
+                    merged.extend(inner);
+                }
+            }
+            _ => return Err(MERGE_ERROR.to_owned()),
+        }
+    }
+    *entries = merged;
+    Ok(())
+}
+
+pub(super) const MERGE_ERROR: &str = "map merge requires map or sequence of maps as the value";
+
+/// Upstream's YAML-to-JSON step fails on `.inf` and `.nan`, anywhere in the file.
+pub(super) fn reject_non_finite(node: &Node) -> Result<(), String> {
+    match node {
+        Node::Float(f) if f.is_nan() => Err("json: unsupported value: NaN".to_owned()),
+        Node::Float(f) if f.is_infinite() => {
+            let sign = if *f > 0.0 { '+' } else { '-' };
+            Err(format!("json: unsupported value: {sign}Inf"))
+        }
+        Node::Seq(items) => items.iter().try_for_each(reject_non_finite),
+        Node::Map(entries) => entries
+            .iter()
+            .try_for_each(|(_, value)| reject_non_finite(value)),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,164 @@
+//! Checking the decoded values in upstream's order, with upstream's messages, and Go's way
+//! of reading and writing CIDRs.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ipnet::{IpNet, Ipv4Net};
+
+use super::*;
+
+pub(super) fn build_config<'a>(
+    fields: &FileFields<'a>,
+    opts: &ConfigOptions,
+    warnings: &mut Vec<String>,
+) -> Result<Config, Problem<'a>> {
+    let defaults = Config::defaults(opts);
+    let cidr_limit = fields
+        .cidr_limit
+        .as_ref()
+        .map_or(defaults.cidr_limit, |s| s.value);
+    check_cidr_count(fields, defaults.non_masquerade_cidrs.len(), cidr_limit)?;
+    let non_masquerade_cidrs = match &fields.cidrs {
+        Some(list) => list
+            .value
+            .iter()
+            .map(|item| check_cidr(*item, opts))
+            .collect::<Result<_, _>>()?,
+        None => defaults.non_masquerade_cidrs,
+    };
+    let resync_interval = match &fields.resync_interval {
+        None => defaults.resync_interval,
+        Some(setting) => match u64::try_from(setting.value) {
+            Ok(nanos) if nanos > 0 => Duration::from_nanos(nanos),
+            _ => {
+                warnings.push(format!(
+                    "resyncInterval {} is not positive; using {}",
+                    format_go_nanos(setting.value),
+                    format_go_duration(MIN_RESYNC_INTERVAL)
+                ));
+                MIN_RESYNC_INTERVAL
+            }
+        },
+    };
+    Ok(Config {
+        non_masquerade_cidrs,
+        cidr_limit,
+        masq_link_local: fields.masq_link_local.unwrap_or(defaults.masq_link_local),
+        masq_link_local_ipv6: fields
+            .masq_link_local_ipv6
+            .unwrap_or(defaults.masq_link_local_ipv6),
+        resync_interval,
+    })
+}
+
+/// Upstream checks the count before the CIDRs themselves, and also against the default list
+/// when the file only lowers cidrLimit.
+pub(super) fn check_cidr_count<'a>(
+    fields: &FileFields<'a>,
+    default_count: usize,
+    limit: i64,
+) -> Result<(), Problem<'a>> {
+    let count = fields
+        .cidrs
+        .as_ref()
+        .map_or(default_count, |s| s.value.len());
+    if i64::try_from(count).is_ok_and(|n| n <= limit) {
+        return Ok(());
+    }
+    let anchor = fields
+        .cidrs
+        .as_ref()
+        .map(|s| s.key)
+        .or_else(|| fields.cidr_limit.as_ref().map(|s| s.key));
+    Err(Problem::new(
+        format!(
+            "the daemon can only accept up to {limit} CIDRs (excluding link-local), \
+             but got {count} CIDRs (excluding link local)"
+        ),
+        anchor,
+    ))
+}
+
+pub(super) fn check_cidr<'a>(
+    item: Option<&'a String>,
+    opts: &ConfigOptions,
+) -> Result<IpNet, Problem<'a>> {
+    let text = item.map_or("", String::as_str);
+    let problem = |message: String| Problem::new(message, item);
+    let net = parse_go_cidr(text).ok_or_else(|| {
+        problem(format!(
+            "CIDR {} could not be parsed, invalid CIDR address: {text}",
+            go_quote(text)
+        ))
+    })?;
+    let network = net.network();
+    if net.addr() != network {
+        return Err(problem(format!(
+            "CIDR {} is not aligned to a CIDR block, ip: {} network: {}",
+            go_quote(text),
+            go_quote(&go_ip_string(net.addr())),
+            go_quote(&go_net_string(network, net.prefix_len()))
+        )));
+    }
+    let as_go_sees_it = ipv4_mapped_as_ipv4(net);
+    if as_go_sees_it.addr().is_ipv6() && !opts.enable_ipv6 {
+        return Err(problem(format!(
+            "ipv6 is not enabled, but ipv6 cidr {text} provided. \
+             Enable ipv6 using --enable-ipv6 agent flag"
+        )));
+    }
+    Ok(as_go_sees_it)
+}
+
+/// Go's `net.ParseCIDR`: the `/len` is required, the length may have leading zeros, and the
+/// address is strict (no zones, no leading zeros in IPv4 octets), as Rust's parser is too.
+pub(super) fn parse_go_cidr(s: &str) -> Option<IpNet> {
+    let (addr, len) = s.split_once('/')?;
+    let ip: IpAddr = addr.parse().ok()?;
+    if len.is_empty() || !len.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let digits = len.trim_start_matches('0');
+    let prefix = if digits.is_empty() {
+        0
+    } else {
+        digits.parse::<u8>().ok()?
+    };
+    IpNet::new(ip, prefix).ok()
+}
+
+/// Go treats an aligned IPv4-mapped CIDR such as `::ffff:10.0.0.0/104` as the IPv4 one it
+/// covers (`10.0.0.0/8`), both when checking for IPv6 and when matching addresses.
+pub(super) fn ipv4_mapped_as_ipv4(net: IpNet) -> IpNet {
+    if let IpNet::V6(v6) = net
+        && let Some(v4) = v6.addr().to_ipv4_mapped()
+        && let Some(prefix) = v6.prefix_len().checked_sub(96)
+        && let Ok(v4net) = Ipv4Net::new(v4, prefix)
+    {
+        return IpNet::V4(v4net);
+    }
+    net
+}
+
+/// An address as Go prints it: IPv4-mapped IPv6 addresses in dotted form.
+pub(super) fn go_ip_string(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => v6.to_string(),
+        },
+        IpAddr::V4(v4) => v4.to_string(),
+    }
+}
+
+/// A network as Go's `IPNet.String` prints it: an IPv4-mapped one as the IPv4 network.
+pub(super) fn go_net_string(network: IpAddr, prefix: u8) -> String {
+    if let IpAddr::V6(v6) = network
+        && let Some(v4) = v6.to_ipv4_mapped()
+        && let Some(v4_prefix) = prefix.checked_sub(96)
+    {
+        return format!("{v4}/{v4_prefix}");
+    }
+    format!("{network}/{prefix}")
+}
