@@ -396,3 +396,18 @@ pub(super) fn suggest_key(key: &str) -> Option<&'static str> {
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(name, _)| name)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_json_float_text() {
+        assert_eq!(go_json_float(64.5), "64.5");
+        assert_eq!(go_json_float(64.0), "64");
+        assert_eq!(go_json_float(1e20), "100000000000000000000");
+        assert_eq!(go_json_float(1e21), "1e+21");
+        assert_eq!(go_json_float(1e-7), "1e-7");
+        assert_eq!(go_json_float(-0.0), "-0");
+    }
+}

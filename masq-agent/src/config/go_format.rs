@@ -222,3 +222,129 @@ pub(super) fn go_time_quote(s: &str) -> String {
     out.push('"');
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn go_duration_formatting() {
+        let ms = Duration::from_millis;
+        for (d, text) in [
+            (Duration::from_secs(60), "1m0s"),
+            (Duration::from_secs(90), "1m30s"),
+            (Duration::from_secs(5), "5s"),
+            (ms(500), "500ms"),
+            (Duration::from_secs(5400), "1h30m0s"),
+            (ms(1500), "1.5s"),
+            (Duration::ZERO, "0s"),
+            (Duration::from_micros(2), "2µs"),
+            (Duration::from_nanos(1), "1ns"),
+            (Duration::from_nanos(1_500), "1.5µs"),
+            (Duration::from_nanos(3_600_000_000_001), "1h0m0.000000001s"),
+            (Duration::from_secs(100 * 3600), "100h0m0s"),
+        ] {
+            assert_eq!(format_go_duration(d), text);
+        }
+        assert_eq!(format_go_nanos(-1_500_000_000), "-1.5s");
+        assert_eq!(
+            format_go_nanos(i128::from(i64::MIN)),
+            "-2562047h47m16.854775808s"
+        );
+    }
+
+    #[test]
+    fn go_duration_parsing() {
+        const S: i128 = 1_000_000_000;
+        for (text, nanos) in [
+            ("5s", 5 * S),
+            ("1m30s", 90 * S),
+            ("500ms", S / 2),
+            ("-1s", -S),
+            ("+1s", S),
+            ("0", 0),
+            ("-0", 0),
+            ("1.5h", 5400 * S),
+            (".5s", S / 2),
+            ("1.s", S),
+            ("1h2m3s4ms5us6ns", 3_723_004_005_006),
+            ("2µs", 2000),
+            ("2μs", 2000),
+            ("3ns", 3),
+            ("1.0000000001s", S),
+            ("9223372036854775807ns", i128::from(i64::MAX)),
+            ("-9223372036854775808ns", i128::from(i64::MIN)),
+            ("2562047h47m16.854775807s", i128::from(i64::MAX)),
+        ] {
+            assert_eq!(parse_go_duration(text), Ok(nanos), "{text}");
+        }
+        for (text, message) in [
+            ("", r#"time: invalid duration """#),
+            ("abc", r#"time: invalid duration "abc""#),
+            ("-", r#"time: invalid duration "-""#),
+            (".s", r#"time: invalid duration ".s""#),
+            ("5", r#"time: missing unit in duration "5""#),
+            ("00", r#"time: missing unit in duration "00""#),
+            ("1s5", r#"time: missing unit in duration "1s5""#),
+            ("5 s", r#"time: unknown unit " s" in duration "5 s""#),
+            ("5S", r#"time: unknown unit "S" in duration "5S""#),
+            (
+                "1é",
+                r#"time: unknown unit "\xc3\xa9" in duration "1\xc3\xa9""#,
+            ),
+            (
+                "9223372036854775808ns",
+                r#"time: invalid duration "9223372036854775808ns""#,
+            ),
+            ("2562048h", r#"time: invalid duration "2562048h""#),
+            (
+                "9223372036854775808ns9223372036854775808ns",
+                r#"time: invalid duration "9223372036854775808ns9223372036854775808ns""#,
+            ),
+            (
+                "99999999999999999999s",
+                r#"time: invalid duration "99999999999999999999s""#,
+            ),
+        ] {
+            assert_eq!(parse_go_duration(text), Err(message.to_owned()), "{text}");
+        }
+    }
+
+    #[test]
+    fn go_duration_round_trips() {
+        for nanos in [
+            0u64,
+            1,
+            999,
+            1_000,
+            1_500,
+            999_999,
+            1_000_000,
+            500_000_000,
+            1_000_000_000,
+            1_500_000_000,
+            59_999_999_999,
+            60_000_000_000,
+            90_000_000_000,
+            3_599_999_999_999,
+            5_400_000_000_000,
+            86_400_000_000_123,
+            i64::MAX as u64,
+        ] {
+            let d = Duration::from_nanos(nanos);
+            let text = format_go_duration(d);
+            assert_eq!(parse_go_duration(&text), Ok(i128::from(nanos)), "{text}");
+        }
+        for nanos in [-1i128, -1_500, -90_000_000_000, i128::from(i64::MIN)] {
+            assert_eq!(parse_go_duration(&format_go_nanos(nanos)), Ok(nanos));
+        }
+    }
+
+    #[test]
+    fn go_quoting() {
+        assert_eq!(go_quote("a\"b\\c\n\u{1}é"), r#""a\"b\\c\n\x01é""#);
+        assert_eq!(go_time_quote("a\"µ\n"), r#""a\"\xc2\xb5\x0a""#);
+    }
+}
