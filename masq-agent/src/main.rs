@@ -1,3 +1,7 @@
+//! `masq-agent`: the daemon (no subcommand) and its subcommands, `check-config`,
+//! `render-iptables`, `status` and `cleanup`. Flags are read as upstream reads its own; the work
+//! is the library's.
+
 use std::{io::IsTerminal as _, process::ExitCode, sync::Arc};
 
 use clap::{ArgMatches, CommandFactory as _, FromArgMatches as _, parser::ValueSource};
