@@ -7,10 +7,10 @@ use std::{
     time::Duration,
 };
 
-use masq_ebpf::{Counter, direction, map_names, nat_kind, program_names, tcp_seen};
+use masq_ebpf::{Counter, direction, nat_kind, program_names, tcp_seen};
 use masq_testbed::packet::*;
 
-use aya::maps::{LpmTrie, MapData};
+use aya::maps::IterableMap as _;
 use ipnet::Ipv4Net;
 use masq_agent::dataplane::{
     NatUsage,
@@ -903,7 +903,7 @@ fn expiry_sweeps_the_ipv6_table_too() {
         .unwrap();
     let at = |after: Duration| newest + after.as_nanos() as u64;
     let run = expiry::expire::<[u8; 16]>(
-        h.nat_table_v6().unwrap(),
+        &h.maps.nat.v6,
         &timeouts,
         at(timeouts.udp + Duration::from_secs(1)),
     )
@@ -922,7 +922,7 @@ fn expiry_sweeps_the_ipv6_table_too() {
     );
     assert_eq!(h.nat_v6().len(), 2);
     assert_eq!(
-        expiry::forget_address::<[u8; 16]>(h.nat_table_v6().unwrap(), node.octets()).unwrap(),
+        expiry::forget_address::<[u8; 16]>(&h.maps.nat.v6, node.octets()).unwrap(),
         1,
         "the flow on the node's old address is forgotten"
     );
@@ -933,7 +933,7 @@ fn expiry_sweeps_the_ipv6_table_too() {
 fn sweep_after(h: &Harness, idle: Duration) -> NatUsage {
     let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     expiry::expire::<[u8; 4]>(
-        h.nat_table().unwrap(),
+        &h.maps.nat.v4,
         &Timeouts::default(),
         newest + idle.as_nanos() as u64,
     )
@@ -1135,10 +1135,10 @@ fn an_orphaned_reply_half_is_removed() {
         .unwrap()
         .0;
     let newest = h.nat()[0].1.last_seen_ns;
-    h.nat_mut().unwrap().remove(&egress_key).unwrap();
+    h.maps.nat.v4.remove(&egress_key).unwrap();
     let timeouts = Timeouts::default();
     let run = expiry::expire::<[u8; 4]>(
-        h.nat_table().unwrap(),
+        &h.maps.nat.v4,
         &timeouts,
         newest + (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64,
     )
@@ -1186,9 +1186,11 @@ fn a_policy_change_affects_new_flows_only() {
     // Re-adding the prefix ends the draining.
     h.set_policy(&nets(&["169.254.0.0/16", "10.0.0.0/8", "198.51.100.0/24"]))
         .unwrap();
-    let draining: LpmTrie<&MapData, [u8; 4], u32> =
-        LpmTrie::try_from(h.ebpf.map(map_names::DRAINING_V4).unwrap()).unwrap();
-    let keys: Vec<(u32, [u8; 4])> = draining
+    let keys: Vec<(u32, [u8; 4])> = h
+        .maps
+        .policy
+        .v4
+        .draining
         .keys()
         .map(|k| k.map(|k| (k.prefix_len(), k.data())).unwrap())
         .collect();
@@ -1225,17 +1227,14 @@ fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
         })
         .collect();
     {
-        let mut nat = h.nat_mut().unwrap();
+        let nat = &mut h.maps.nat.v4;
         for key in &keys {
             nat.insert(key, masq_ebpf::NatEntryV4::default(), 0)
                 .unwrap();
         }
     }
-    let table = h.nat_table().unwrap();
-    let aya::maps::Map::HashMap(data) = table else {
-        panic!("the NAT table is a hash map");
-    };
-    let read: Vec<(masq_ebpf::NatKeyV4, masq_ebpf::NatEntryV4)> = batch::lookup_all(data).unwrap();
+    let read: Vec<(masq_ebpf::NatKeyV4, masq_ebpf::NatEntryV4)> =
+        batch::lookup_all(h.maps.nat.v4.map()).unwrap();
     assert_eq!(read.len(), keys.len());
     let mut read_keys: Vec<_> = read.iter().map(|(k, _)| *k).collect();
     read_keys.sort_by_key(|k| (k.saddr, k.daddr));
@@ -1244,13 +1243,9 @@ fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
     // Half the keys, with some already gone in between: those are skipped, not fatal.
     let mut doomed: Vec<_> = keys[..5_000].to_vec();
     doomed.insert(100, keys[9_999]);
-    h.nat_mut().unwrap().remove(&keys[9_999]).unwrap();
+    h.maps.nat.v4.remove(&keys[9_999]).unwrap();
     doomed.insert(4_000, keys[9_999]);
-    let table = h.nat_table().unwrap();
-    let aya::maps::Map::HashMap(data) = table else {
-        unreachable!()
-    };
-    let deleted = batch::delete_all(data, &doomed).unwrap();
+    let deleted = batch::delete_all(h.maps.nat.v4.map(), &doomed).unwrap();
     assert_eq!(deleted, 5_000);
     assert_eq!(h.nat().len(), keys.len() - 5_001);
 }

@@ -66,17 +66,17 @@ pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {
             ChainVariant::Full,
             Mode::Iptables,
         ))),
-        DataplaneKind::Ebpf => match ebpf_options(flags).and_then(|o| Ok(ebpf::new(&o)?)) {
+        DataplaneKind::Ebpf => match ebpf_options(flags).and_then(|o| ebpf::new(&o)) {
             Ok(plane) => Ok(Box::new(plane)),
-            Err(err) if flags.fallback_to_iptables => Ok(fallback(opts, &err)),
-            Err(err) => Err(err.context("--fallback-to-iptables=false")),
+            Err(why) if flags.fallback_to_iptables => Ok(fallback(opts, &why)),
+            Err(why) => Err(anyhow::Error::from(why).context("--fallback-to-iptables=false")),
         },
     }
 }
 
-fn fallback(opts: MasqueradeOptions, why: &anyhow::Error) -> Box<dyn DataPlane> {
-    warn!("falling back to the full iptables chain: {why:#}");
-    Box::new(IptablesDataPlane::fallback(opts, format!("{why:#}")))
+fn fallback(opts: MasqueradeOptions, why: &ebpf::Unavailable) -> Box<dyn DataPlane> {
+    warn!("falling back to the full iptables chain: {why}");
+    Box::new(IptablesDataPlane::fallback(opts, why.to_string()))
 }
 
 /// The devices the eBPF programs go on: each `--interface`, or else those of the default routes.
@@ -84,12 +84,15 @@ pub fn device_selection(flags: &Flags) -> Selection {
     Selection::new(&flags.interfaces, flags.enable_ipv6)
 }
 
-fn ebpf_options(flags: &Flags) -> anyhow::Result<EbpfOptions> {
+/// The eBPF data plane's options; without the node's ephemeral port range, the programs would
+/// not know which ports are free for NAT, so the data plane cannot run.
+fn ebpf_options(flags: &Flags) -> Result<EbpfOptions, ebpf::Unavailable> {
+    let ephemeral = netdev::ephemeral_port_range().map_err(ebpf::Unavailable)?;
     Ok(EbpfOptions {
         bpffs: flags.bpffs.clone(),
         devices: device_selection(flags),
         nat_capacity: flags.nat_capacity.saturating_mul(2),
-        port_spans: ports::nat_port_spans(flags.to_ports.as_ref(), netdev::ephemeral_port_range()?),
+        port_spans: ports::nat_port_spans(flags.to_ports.as_ref(), ephemeral),
         random_fully: flags.random_fully,
         masquerade: masquerade_options(flags),
         enable_ipv6: flags.enable_ipv6,
@@ -301,10 +304,10 @@ impl Agent {
         let started = std::time::Instant::now();
         let mut applied = self.dataplane.apply(&policy);
         if let Err(err) = &applied
-            && err.downcast_ref::<ebpf::Unavailable>().is_some()
+            && let Some(why) = err.downcast_ref::<ebpf::Unavailable>()
             && let Some(opts) = self.fallback.take()
         {
-            self.dataplane = fallback(opts, err);
+            self.dataplane = fallback(opts, why);
             self.leftovers = leftovers_beside(self.dataplane.mode(), &self.bpffs);
             record_mode(&self.bpffs, self.dataplane.as_ref());
             self.telemetry.mode(self.dataplane.mode(), true);

@@ -414,7 +414,7 @@ fn series(
 
 impl Collector for KernelCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let counters = match ebpf::read_kernel_counters(&self.bpffs) {
+        let counters = match ebpf::status::read_kernel_counters(&self.bpffs) {
             Ok(Some(counters)) => counters,
             Ok(None) => return Ok(()),
             Err(err) => {

@@ -152,7 +152,7 @@ pub struct Status {
     /// Why the running agent uses this mode, when it fell back.
     pub mode_reason: Option<String>,
     pub chains: Vec<iptables::ChainStatus>,
-    pub ebpf: Option<ebpf::EbpfStatus>,
+    pub ebpf: Option<ebpf::status::EbpfStatus>,
     /// What masquerades what leaves each device of the node, loopback aside.
     pub devices: Vec<coverage::DeviceCoverage>,
     /// While another data plane is in force, the flows an eBPF data plane still translates:
@@ -164,7 +164,7 @@ pub struct Status {
 /// `bpffs` if given, and what that makes of each device.
 fn read_back(chain: &str, bpffs: Option<&std::path::Path>) -> anyhow::Result<Status> {
     let chains = iptables::read_chains(chain)?;
-    let ebpf = bpffs.map(ebpf::read_status).transpose()?.flatten();
+    let ebpf = bpffs.map(ebpf::status::read_status).transpose()?.flatten();
     let attached = ebpf.as_ref().is_some_and(|e| !e.attachments.is_empty());
     let installed = chains.iter().find(|c| c.installed);
     let mode = if attached || installed.is_some_and(|c| !c.ebpf_protocols_returned.is_empty()) {
@@ -201,7 +201,7 @@ pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
 /// Removes everything either data plane installed.
 pub fn cleanup_all(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<()> {
     state::remove(bpffs);
-    ebpf::cleanup(bpffs)?;
+    ebpf::cleanup::cleanup(bpffs)?;
     iptables::cleanup(chain)
 }
 

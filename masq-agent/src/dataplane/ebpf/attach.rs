@@ -14,6 +14,7 @@ use aya::{
     },
     util::KernelVersion,
 };
+use masq_ebpf::program_names;
 use serde::Serialize;
 
 /// Set to force netlink (clsact) attachment, to exercise the path older kernels take.
@@ -33,6 +34,14 @@ impl Hook {
         match self {
             Hook::Egress => "egress",
             Hook::Ingress => "ingress",
+        }
+    }
+
+    /// The program that runs at this hook.
+    pub fn program(self) -> &'static str {
+        match self {
+            Hook::Egress => program_names::EGRESS,
+            Hook::Ingress => program_names::INGRESS,
         }
     }
 

@@ -10,14 +10,15 @@
 
 use std::collections::HashMap;
 
-use aya::{
-    Ebpf, Pod,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray},
-};
+use aya::{Pod, maps::MapData};
 use masq_ebpf::{Address, Counter, NatEntry, NatKey, map_names};
 use tracing::{info, warn};
 
-use super::{batch, map_mut, pins::Pins};
+use super::{
+    batch,
+    maps::{Counters, Maps, NatFamily, NatTable},
+    pins::Pins,
+};
 
 /// A NAT table entry as agents wrote it before entries recorded TCP sequence numbers: a
 /// historical layout, read only here.
@@ -123,14 +124,14 @@ impl Carried {
         Carried { tables }
     }
 
-    /// Copies the old tables' flows into `ebpf`'s, and says how many were carried. A table
-    /// that cannot be read loses its flows, which is said too; the data plane goes on.
-    pub fn copy_into(&self, ebpf: &mut Ebpf) {
+    /// Copies the old tables' flows into `maps`' tables, and says how many were carried. A
+    /// table that cannot be read loses its flows, which is said too; the data plane goes on.
+    pub fn copy_into(&self, maps: &mut Maps) {
         for old in &self.tables {
             let copied = if old.name == map_names::NAT_V6 {
-                copy_table::<[u8; 16]>(old, ebpf)
+                copy_table::<[u8; 16]>(old, maps)
             } else {
-                copy_table::<[u8; 4]>(old, ebpf)
+                copy_table::<[u8; 4]>(old, maps)
             };
             let outcome = match copied {
                 Ok(outcome) => outcome,
@@ -152,7 +153,11 @@ impl Carried {
                     flows = outcome.left_out,
                     "flows that did not fit into the new NAT table are lost"
                 );
-                if let Err(err) = count(ebpf, Counter::NatFlowsNotCarried, outcome.left_out) {
+                if let Err(err) = count(
+                    &mut maps.counters,
+                    Counter::NatFlowsNotCarried,
+                    outcome.left_out,
+                ) {
                     warn!("cannot count the flows left out: {err:#}");
                 }
             }
@@ -161,9 +166,7 @@ impl Carried {
 }
 
 /// Adds `n` to one of the programs' counters, in the first CPU's slot (they are summed).
-fn count(ebpf: &mut Ebpf, counter: Counter, n: usize) -> anyhow::Result<()> {
-    let mut counters: PerCpuArray<&mut MapData, u64> =
-        PerCpuArray::try_from(map_mut(ebpf, map_names::COUNTERS)?)?;
+fn count(counters: &mut Counters, counter: Counter, n: usize) -> anyhow::Result<()> {
     let mut values: Vec<u64> = counters.get(&(counter as u32), 0)?.to_vec();
     values[0] += n as u64;
     counters.set(
@@ -183,9 +186,9 @@ struct Outcome {
     left_out: usize,
 }
 
-fn copy_table<A>(old: &Old, ebpf: &mut Ebpf) -> anyhow::Result<Outcome>
+fn copy_table<A>(old: &Old, maps: &mut Maps) -> anyhow::Result<Outcome>
 where
-    A: Address,
+    A: NatFamily,
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
     EntryWithoutSequence<A>: Pod,
@@ -201,8 +204,7 @@ where
                 .collect()
         }
     };
-    let mut new: BpfHashMap<&mut MapData, NatKey<A>, NatEntry<A>> =
-        BpfHashMap::try_from(map_mut(ebpf, old.name)?)?;
+    let new: &mut NatTable<A> = A::table_mut(&mut maps.nat);
     let mut outcome = Outcome {
         carried: 0,
         left_out: 0,

@@ -7,16 +7,17 @@
 
 use std::net::IpAddr;
 
-use aya::{
-    Ebpf,
-    maps::{HashMap as BpfHashMap, MapData},
-};
 use masq_ebpf::{
     Address, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction,
-    map_names, nat_kind, tcp_seen,
+    nat_kind, tcp_seen,
 };
+use tracing::{info, warn};
 
-use super::{expiry, map_mut};
+use super::{
+    expiry,
+    maps::{NatTable, NatTables},
+};
+use crate::{netdev, policy::Policy};
 
 /// Where the kernel lists the namespace's conntrack entries.
 const CONNTRACK_TABLE: &str = "/proc/net/nf_conntrack";
@@ -76,34 +77,46 @@ fn parse(line: &str) -> Option<NodeFlow> {
 }
 
 /// Reads conntrack's table of this namespace; `None` where the kernel does not list it.
-pub fn read_table() -> Option<String> {
+fn read_table() -> Option<String> {
     std::fs::read_to_string(CONNTRACK_TABLE).ok()
+}
+
+/// Holds the tuples of the node's own flows that conntrack knows of, to destinations `policy`
+/// masquerades, and says how it went. Where the kernel does not list conntrack's table, such a
+/// flow is held at its next packet, and a clash until then is said (`node_port_clashes`).
+pub fn hold_known_node_flows(nat: &mut NatTables, policy: &Policy) {
+    let Some(table) = read_table() else {
+        info!("conntrack's table is not listed here: the node's own flows are held as they send");
+        return;
+    };
+    let held = netdev::local_addresses().and_then(|addresses| {
+        let flows: Vec<NodeFlow> = node_flows(&table, |addr| addresses.contains(&addr))
+            .into_iter()
+            .filter(|flow| !policy.exempts(flow.remote))
+            .collect();
+        hold(nat, &flows)
+    });
+    match held {
+        Ok(0) => {}
+        Ok(flows) => info!(flows, "the node's own flows conntrack knew of are held"),
+        Err(err) => warn!("holding the node's own flows conntrack knew of: {err:#}"),
+    }
 }
 
 /// Holds the tuples of `flows` in the NAT tables, as the programs hold a node flow's: identity
 /// entries of kind `NODE`. A tuple already held (by the programs' own flow, or by the node's
 /// flow since its last packet) stays as it is. Returns how many were held.
-pub fn hold(ebpf: &mut Ebpf, flows: &[NodeFlow]) -> anyhow::Result<usize> {
+fn hold(nat: &mut NatTables, flows: &[NodeFlow]) -> anyhow::Result<usize> {
     let now = expiry::monotonic_now_ns();
     let mut held = 0;
     for flow in flows {
         held += match (flow.node, flow.remote) {
-            (IpAddr::V4(node), IpAddr::V4(remote)) => hold_one(
-                ebpf,
-                map_names::NAT_V4,
-                flow,
-                node.octets(),
-                remote.octets(),
-                now,
-            )?,
-            (IpAddr::V6(node), IpAddr::V6(remote)) => hold_one(
-                ebpf,
-                map_names::NAT_V6,
-                flow,
-                node.octets(),
-                remote.octets(),
-                now,
-            )?,
+            (IpAddr::V4(node), IpAddr::V4(remote)) => {
+                hold_one(&mut nat.v4, flow, node.octets(), remote.octets(), now)?
+            }
+            (IpAddr::V6(node), IpAddr::V6(remote)) => {
+                hold_one(&mut nat.v6, flow, node.octets(), remote.octets(), now)?
+            }
             _ => 0,
         };
     }
@@ -111,8 +124,7 @@ pub fn hold(ebpf: &mut Ebpf, flows: &[NodeFlow]) -> anyhow::Result<usize> {
 }
 
 fn hold_one<A>(
-    ebpf: &mut Ebpf,
-    table: &str,
+    nat: &mut NatTable<A>,
     flow: &NodeFlow,
     node: A,
     remote: A,
@@ -123,8 +135,6 @@ where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
-    let mut nat: BpfHashMap<&mut MapData, NatKey<A>, NatEntry<A>> =
-        BpfHashMap::try_from(map_mut(ebpf, table)?)?;
     let echo = matches!(flow.proto, IPPROTO_ICMP | IPPROTO_ICMPV6);
     let (sport, dport) = (flow.node_port.to_be(), flow.remote_port.to_be());
     let egress_key = NatKey {

@@ -2,18 +2,45 @@
 //! packet and how far a TCP connection got; here both halves of a flow are judged together and
 //! removed together.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 
 use aya::Pod;
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::maps::IterableMap as _;
 use masq_ebpf::{
     Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, tcp_seen,
 };
 
-use super::batch;
+use super::{batch, maps::NatTable};
 use crate::dataplane::NatUsage;
+
+/// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
+/// catch a changed address or a detached program quickly.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// When a sweep is due: at once, then every `SWEEP_INTERVAL`.
+#[derive(Debug, Default)]
+pub struct SweepClock {
+    last: Option<Instant>,
+}
+
+impl SweepClock {
+    /// Whether a sweep is due now; if so, the next is due `SWEEP_INTERVAL` from now.
+    pub fn due(&mut self) -> bool {
+        if self
+            .last
+            .is_some_and(|last| last.elapsed() < SWEEP_INTERVAL)
+        {
+            return false;
+        }
+        self.last = Some(Instant::now());
+        true
+    }
+}
 
 /// How long a flow may stay idle, by protocol and state.
 #[derive(Debug, Clone, Copy)]
@@ -81,18 +108,14 @@ pub fn monotonic_now_ns() -> u64 {
 /// A family's NAT table, entry by entry.
 pub type Table<A> = Vec<(NatKey<A>, NatEntry<A>)>;
 
-/// A NAT table, read whole with batch commands: its map, for pruning, and its entries.
-pub fn read_table<A>(nat: &Map) -> anyhow::Result<(&MapData, Table<A>)>
+/// A NAT table's entries, read whole with batch commands.
+pub fn read_table<A>(nat: &NatTable<A>) -> anyhow::Result<Table<A>>
 where
     A: Address,
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let Map::HashMap(data) = nat else {
-        bail!("the NAT table is not a hash map");
-    };
-    let entries = batch::lookup_all(data).context("reading the NAT table")?;
-    Ok((data, entries))
+    batch::lookup_all(nat.map()).context("reading the NAT table")
 }
 
 /// What `entries` hold: entries, and flows by kind (each flow has one egress half).
@@ -133,16 +156,15 @@ pub fn translated_by_address<A: Address + Ord>(
 
 /// Removes every flow idle for longer than its timeout, both halves together, and reports
 /// what the table held before.
-pub fn expire<A>(nat: &Map, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage>
+pub fn expire<A>(nat: &NatTable<A>, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage>
 where
     A: Address,
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let (data, entries) = read_table::<A>(nat)?;
+    let entries = read_table(nat)?;
     let mut run = usage(&entries);
     let table: HashMap<NatKey<A>, NatEntry<A>> = entries.into_iter().collect();
-    let current: BpfHashMap<&MapData, NatKey<A>, NatEntry<A>> = BpfHashMap::try_from(nat)?;
     let idle =
         |entry: &NatEntry<A>| Duration::from_nanos(now_ns.saturating_sub(entry.last_seen_ns));
     let (mut orphans, mut flows) = (Vec::new(), Vec::new());
@@ -168,7 +190,7 @@ where
             continue;
         }
         // The data path may have refreshed the flow since the snapshot: look again.
-        let fresh = |k: &NatKey<A>| current.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
+        let fresh = |k: &NatKey<A>| nat.get(k, 0).map(|e| e.last_seen_ns).unwrap_or(0);
         if Duration::from_nanos(now_ns.saturating_sub(fresh(key).max(fresh(&partner_key))))
             <= timeout
         {
@@ -176,20 +198,20 @@ where
         }
         flows.extend([*key, partner_key]);
     }
-    run.orphans_removed = batch::delete_all(data, &orphans).context("pruning the NAT table")?;
-    run.expired_flows = batch::delete_all(data, &flows).context("pruning the NAT table")? / 2;
+    run.orphans_removed = prune(nat, &orphans)?;
+    run.expired_flows = prune(nat, &flows)? / 2;
     Ok(run)
 }
 
 /// Removes every flow on the node address `addr` (masqueraded to it, or the node's own from
 /// it), both halves; returns how many.
-pub fn forget_address<A>(nat: &Map, addr: A) -> anyhow::Result<usize>
+pub fn forget_address<A>(nat: &NatTable<A>, addr: A) -> anyhow::Result<usize>
 where
     A: Address,
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let (data, table) = read_table::<A>(nat)?;
+    let table = read_table(nat)?;
     let doomed: Vec<NatKey<A>> = table
         .iter()
         .filter(|(key, entry)| {
@@ -200,5 +222,15 @@ where
         })
         .flat_map(|(key, entry)| [*key, key.reverse(entry)])
         .collect();
-    Ok(batch::delete_all(data, &doomed).context("pruning the NAT table")? / 2)
+    Ok(prune(nat, &doomed)? / 2)
+}
+
+/// Deletes `keys` from `nat`; returns how many were there.
+fn prune<A>(nat: &NatTable<A>, keys: &[NatKey<A>]) -> anyhow::Result<usize>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
+    batch::delete_all(nat.map(), keys).context("pruning the NAT table")
 }

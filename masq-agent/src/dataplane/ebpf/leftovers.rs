@@ -4,24 +4,24 @@
 //! are swept here as the eBPF data plane sweeps them, so that every flow expires on time; once
 //! no translated flow is left, the programs and their pins are removed.
 
-use std::{
-    path::{Path, PathBuf},
-    time::Instant,
-};
+use std::path::{Path, PathBuf};
 
-use anyhow::Context as _;
-use aya::maps::{Map, MapData};
 use masq_ebpf::map_names;
 use tracing::info;
 
-use super::{SWEEP_INTERVAL, expiry, pins::Pins};
+use super::{
+    cleanup::cleanup,
+    expiry::{self, SweepClock},
+    maps::NatTable,
+    pins::Pins,
+};
 use crate::dataplane::NatUsage;
 
 /// An earlier eBPF data plane's programs and tables, draining.
 pub struct Leftovers {
     bpffs: PathBuf,
     timeouts: expiry::Timeouts,
-    last_sweep: Option<Instant>,
+    sweeps: SweepClock,
 }
 
 /// Where draining stands after an upkeep run.
@@ -41,64 +41,45 @@ impl Leftovers {
             .then(|| Leftovers {
                 bpffs: bpffs.to_path_buf(),
                 timeouts: expiry::Timeouts::default(),
-                last_sweep: None,
+                sweeps: SweepClock::default(),
             })
     }
 
     /// Sweeps the tables when a sweep is due, and removes everything once no translated flow
     /// is left.
     pub fn maintain(&mut self) -> anyhow::Result<Drain> {
-        if self
-            .last_sweep
-            .is_some_and(|last| last.elapsed() < SWEEP_INTERVAL)
-        {
+        if !self.sweeps.due() {
             return Ok(Drain::Draining(None));
         }
-        self.last_sweep = Some(Instant::now());
         let pins = Pins::new(&self.bpffs);
         let now = expiry::monotonic_now_ns();
-        let mut run = NatUsage::default();
-        let mut left = NatUsage::default();
-        for name in [map_names::NAT_V4, map_names::NAT_V6] {
-            let path = pins.map(name);
-            if !path.exists() {
-                continue;
-            }
-            let map = Map::from_map_data(
-                MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?,
-            )?;
-            let (table_run, table_left) = if name == map_names::NAT_V6 {
-                sweep::<[u8; 16]>(&map, &self.timeouts, now)?
-            } else {
-                sweep::<[u8; 4]>(&map, &self.timeouts, now)?
-            };
-            run = run + table_run;
-            left = left + table_left;
+        let (run_v4, left_v4) = self.sweep::<[u8; 4]>(&pins, map_names::NAT_V4, now)?;
+        let (run_v6, left_v6) = self.sweep::<[u8; 16]>(&pins, map_names::NAT_V6, now)?;
+        if (left_v4 + left_v6).translated_flows > 0 {
+            return Ok(Drain::Draining(Some(run_v4 + run_v6)));
         }
-        if left.translated_flows > 0 {
-            return Ok(Drain::Draining(Some(run)));
-        }
-        super::cleanup(&self.bpffs)?;
+        cleanup(&self.bpffs)?;
         info!(
             bpffs = %self.bpffs.display(),
             "the eBPF data plane's last translated flow ended: its programs and pins are removed"
         );
         Ok(Drain::Done)
     }
-}
 
-/// Expires a table's idle flows; returns what the sweep found, and what is left.
-fn sweep<A>(
-    map: &Map,
-    timeouts: &expiry::Timeouts,
-    now: u64,
-) -> anyhow::Result<(NatUsage, NatUsage)>
-where
-    A: masq_ebpf::Address,
-    masq_ebpf::NatKey<A>: aya::Pod,
-    masq_ebpf::NatEntry<A>: aya::Pod,
-{
-    let run = expiry::expire::<A>(map, timeouts, now)?;
-    let (_, entries) = expiry::read_table::<A>(map)?;
-    Ok((run, expiry::usage(&entries)))
+    /// Expires the idle flows of the table pinned as `name`, if there is one; returns what
+    /// the sweep found, and what is left.
+    fn sweep<A>(&self, pins: &Pins, name: &str, now: u64) -> anyhow::Result<(NatUsage, NatUsage)>
+    where
+        A: masq_ebpf::Address,
+        masq_ebpf::NatKey<A>: aya::Pod,
+        masq_ebpf::NatEntry<A>: aya::Pod,
+    {
+        if !pins.map(name).exists() {
+            return Ok(Default::default());
+        }
+        let table: NatTable<A> = pins.open(name)?;
+        let run = expiry::expire::<A>(&table, &self.timeouts, now)?;
+        let left = expiry::usage(&expiry::read_table(&table)?);
+        Ok((run, left))
+    }
 }

@@ -8,14 +8,14 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use aya::maps::{MapData, MapType};
+use aya::maps::{Map, MapData, MapError, MapType};
 use masq_ebpf::{
     COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, Interface, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatEntryV6,
     NatKeyV4, NatKeyV6, Settings, map_names,
 };
 use tracing::{info, warn};
 
-use super::attach::Hook;
+use super::{attach::Hook, maps};
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -34,6 +34,18 @@ impl Pins {
 
     pub fn map(&self, name: &str) -> PathBuf {
         self.dir.join(name)
+    }
+
+    /// The map pinned as `name`, as it is.
+    pub fn open_map(&self, name: &str) -> anyhow::Result<Map> {
+        let data = MapData::from_pin(self.map(name))
+            .with_context(|| format!("opening pinned map {name}"))?;
+        Map::from_map_data(data).with_context(|| format!("pinned map {name}"))
+    }
+
+    /// The map pinned as `name`, typed as the agent reads it.
+    pub fn open<M: TryFrom<Map, Error = MapError>>(&self, name: &str) -> anyhow::Result<M> {
+        maps::typed(self.open_map(name)?, name)
     }
 
     pub fn links_dir(&self) -> PathBuf {

@@ -7,20 +7,18 @@ use std::{
     time::Duration,
 };
 
-use aya::Pod;
 use aya::{
-    Ebpf, EbpfLoader,
-    maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray},
+    EbpfLoader, Pod,
     programs::{TestRun, TestRunOptions},
 };
 use ipnet::{Ipv4Net, Ipv6Net};
-use masq_ebpf::{
-    Address, Counter, NatEntry, NatEntryV4, NatKey, NatKeyV4, map_names, program_names,
-};
+use masq_ebpf::{Counter, NatEntry, NatKey, map_names, program_names};
 
 use super::{
-    OBJECT, TRIES_V4, TRIES_V6, classifier, expiry::Table, map_mut, sync_non_masq, v4_keys,
-    v6_keys, write_interfaces, write_settings,
+    expiry::Table,
+    follow::write_interfaces,
+    load::{self, Programs, write_settings},
+    maps::{Maps, NatFamily, counter_total},
 };
 use crate::{netdev::Device, ports::PortRange};
 
@@ -28,7 +26,9 @@ use crate::{netdev::Device, ports::PortRange};
 pub const TEST_RUN_IFINDEX: u32 = 1;
 
 pub struct TestBed {
-    pub ebpf: Ebpf,
+    programs: Programs,
+    /// The object's maps, as the agent holds them.
+    pub maps: Maps,
 }
 
 /// The programs' verdicts, as the test runner reports them (include/uapi/linux/pkt_cls.h):
@@ -53,14 +53,12 @@ pub struct Run {
 impl TestBed {
     /// The object with both programs loaded and nothing configured.
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries(map_names::NAT_V4, nat_entries)
-            .map_max_entries(map_names::NAT_V6, nat_entries)
-            .load(OBJECT)?;
-        for name in [program_names::EGRESS, program_names::INGRESS] {
-            classifier(&mut ebpf, name)?.load()?;
-        }
-        Ok(TestBed { ebpf })
+        let (programs, maps) = load::load(
+            EbpfLoader::new()
+                .map_max_entries(map_names::NAT_V4, nat_entries)
+                .map_max_entries(map_names::NAT_V6, nat_entries),
+        )?;
+        Ok(TestBed { programs, maps })
     }
 
     /// Configured as the agent would: ports, the node's address, and a policy.
@@ -77,14 +75,14 @@ impl TestBed {
             .iter()
             .map(|&(first, last)| PortRange { first, last })
             .collect();
-        write_settings(&mut bed.ebpf, &spans, random_fully)?;
+        write_settings(&mut bed.maps.settings, &spans, random_fully)?;
         let lo = Device {
             name: "lo".into(),
             index: TEST_RUN_IFINDEX,
             ipv4: node,
             ipv6: None,
         };
-        write_interfaces(&mut bed.ebpf, &[lo], false)?;
+        write_interfaces(&mut bed.maps.interfaces, &[lo], false)?;
         bed.set_policy(non_masq)?;
         Ok(bed)
     }
@@ -97,40 +95,28 @@ impl TestBed {
             ipv4: Ipv4Addr::UNSPECIFIED,
             ipv6: Some(node),
         };
-        if let Some(current) = self.interface_v4()? {
-            lo.ipv4 = current;
+        if let Ok(current) = self.maps.interfaces.get(&TEST_RUN_IFINDEX, 0) {
+            lo.ipv4 = Ipv4Addr::from(current.ipv4);
         }
-        write_interfaces(&mut self.ebpf, &[lo], true)?;
+        write_interfaces(&mut self.maps.interfaces, &[lo], true)?;
         self.set_policy_v6(non_masq)
-    }
-
-    fn interface_v4(&mut self) -> anyhow::Result<Option<Ipv4Addr>> {
-        let map: BpfHashMap<&MapData, u32, masq_ebpf::Interface> = BpfHashMap::try_from(
-            self.ebpf
-                .map(map_names::INTERFACES)
-                .ok_or_else(|| anyhow::anyhow!("no interfaces map"))?,
-        )?;
-        Ok(map
-            .get(&TEST_RUN_IFINDEX, 0)
-            .ok()
-            .map(|i| Ipv4Addr::from(i.ipv4)))
     }
 
     /// Applies a non-masquerade policy the way the data plane does.
     pub fn set_policy(&mut self, non_masq: &[Ipv4Net]) -> anyhow::Result<()> {
-        sync_non_masq(&mut self.ebpf, &TRIES_V4, &v4_keys(non_masq))?;
+        self.maps.policy.set_v4(non_masq)?;
         Ok(())
     }
 
     /// The same for IPv6.
     pub fn set_policy_v6(&mut self, non_masq: &[Ipv6Net]) -> anyhow::Result<()> {
-        sync_non_masq(&mut self.ebpf, &TRIES_V6, &v6_keys(non_masq))?;
+        self.maps.policy.set_v6(non_masq)?;
         Ok(())
     }
 
     /// Runs `program` over `frame`, `repeat` times.
     pub fn run(&mut self, program: &str, frame: &[u8], repeat: u32) -> anyhow::Result<Run> {
-        let prog = classifier(&mut self.ebpf, program)?;
+        let prog = self.programs.named(program)?;
         let mut out = vec![0u8; frame.len() + 256];
         let result = prog.test_run(TestRunOptions {
             data_in: Some(frame),
@@ -175,70 +161,36 @@ impl TestBed {
     }
 
     pub fn counter(&self, counter: Counter) -> u64 {
-        self.ebpf
-            .map(map_names::COUNTERS)
-            .and_then(|m| PerCpuArray::<&MapData, u64>::try_from(m).ok())
-            .and_then(|m| m.get(&(counter as u32), 0).ok())
-            .map_or(0, |per_cpu| per_cpu.iter().sum())
+        counter_total(&self.maps.counters, counter)
     }
 
     /// The IPv4 NAT table's entries.
     pub fn nat(&self) -> Table<[u8; 4]> {
-        self.nat_of(map_names::NAT_V4)
+        self.nat_of()
     }
 
     /// The IPv6 NAT table's entries.
     pub fn nat_v6(&self) -> Table<[u8; 16]> {
-        self.nat_of(map_names::NAT_V6)
+        self.nat_of()
     }
 
-    fn nat_of<A: Address>(&self, name: &str) -> Table<A>
+    fn nat_of<A: NatFamily>(&self) -> Table<A>
     where
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
-        self.ebpf
-            .map(name)
-            .and_then(|m| BpfHashMap::<&MapData, NatKey<A>, NatEntry<A>>::try_from(m).ok())
-            .map(|m| m.iter().filter_map(Result::ok).collect())
-            .unwrap_or_default()
+        A::table(&self.maps.nat)
+            .iter()
+            .filter_map(Result::ok)
+            .collect()
     }
 
     /// The entry under `key`, if there is one.
-    pub fn nat_entry<A: Address>(&self, key: &NatKey<A>) -> Option<NatEntry<A>>
+    pub fn nat_entry<A: NatFamily>(&self, key: &NatKey<A>) -> Option<NatEntry<A>>
     where
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
-        let name = if A::BITS == 32 {
-            map_names::NAT_V4
-        } else {
-            map_names::NAT_V6
-        };
-        let nat = BpfHashMap::<&MapData, NatKey<A>, NatEntry<A>>::try_from(self.ebpf.map(name)?);
-        nat.ok()?.get(key, 0).ok()
-    }
-
-    /// The IPv4 NAT table itself, for the agent's sweep.
-    pub fn nat_table(&self) -> anyhow::Result<&Map> {
-        self.map(map_names::NAT_V4)
-    }
-
-    /// The IPv6 one.
-    pub fn nat_table_v6(&self) -> anyhow::Result<&Map> {
-        self.map(map_names::NAT_V6)
-    }
-
-    fn map(&self, name: &str) -> anyhow::Result<&Map> {
-        self.ebpf
-            .map(name)
-            .ok_or_else(|| anyhow::anyhow!("no map {name} in the object"))
-    }
-
-    pub fn nat_mut(&mut self) -> anyhow::Result<BpfHashMap<&mut MapData, NatKeyV4, NatEntryV4>> {
-        Ok(BpfHashMap::try_from(map_mut(
-            &mut self.ebpf,
-            map_names::NAT_V4,
-        )?)?)
+        A::table(&self.maps.nat).get(key, 0).ok()
     }
 }

@@ -1,0 +1,260 @@
+//! The eBPF data plane as read back from bpffs, for `masq-agent status` and the metrics, from
+//! another process than the agent's: so it opens the pinned maps rather than the agent's, and
+//! reads what an agent of another version left as long as the layout matches.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::{Path, PathBuf},
+};
+
+use anyhow::Context as _;
+use aya::{
+    maps::{LpmTrie, Map, MapData},
+    programs::links::{FdLink, PinnedLink},
+};
+use masq_ebpf::{COUNTER_SLOTS, Counter, map_names};
+use serde::Serialize;
+
+use super::{
+    attach::{self, Hook},
+    expiry,
+    maps::{Counters, Interfaces, counter_total},
+    pins::Pins,
+    tries::{self, Prefix},
+};
+use crate::policy::IpFamily;
+
+/// One attachment, as read back from its pinned link.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttachmentStatus {
+    pub device: String,
+    pub hook: String,
+    pub link_id: u32,
+    pub program_id: u32,
+    /// Whether the program runs at the device's hook: not once the device is gone.
+    pub running: bool,
+}
+
+/// The eBPF data plane as read back from bpffs.
+#[derive(Debug, Clone, Serialize)]
+pub struct EbpfStatus {
+    pub bpffs: PathBuf,
+    pub attachments: Vec<AttachmentStatus>,
+    pub interfaces: BTreeMap<u32, Ipv4Addr>,
+    /// The interfaces that masquerade IPv6, and their addresses.
+    pub interfaces_v6: BTreeMap<u32, Ipv6Addr>,
+    pub non_masquerade_v4: Vec<String>,
+    pub non_masquerade_v6: Vec<String>,
+    /// Flows in the NAT table (each takes two entries), and the table's size in entries.
+    pub nat_flows: usize,
+    pub nat_inbound_flows: usize,
+    /// Flows of the node's own address the table holds the tuple of.
+    pub nat_node_flows: usize,
+    /// Flows the programs translate: those that need them to go on.
+    pub nat_translated_flows: usize,
+    /// The same, by the node address they are translated to.
+    pub translated_by_address: BTreeMap<IpAddr, usize>,
+    pub nat_entries: usize,
+    pub nat_capacity: u32,
+    pub counters: BTreeMap<&'static str, u64>,
+}
+
+impl EbpfStatus {
+    /// Whether the programs translate `family` leaving by `device`: they run at both its
+    /// hooks, with its address in the `interfaces` map.
+    pub fn translates(&self, device: &str, index: u32, family: IpFamily) -> bool {
+        let runs = |hook: Hook| {
+            self.attachments
+                .iter()
+                .any(|a| a.device == device && a.hook == hook.name() && a.running)
+        };
+        // Clsact filters (kernels without TCX) leave no pins to read back: the map tells.
+        let attached = !attach::uses_tcx() || Hook::BOTH.into_iter().all(runs);
+        let addressed = match family {
+            IpFamily::Ipv4 => self.interfaces.contains_key(&index),
+            IpFamily::Ipv6 => self.interfaces_v6.contains_key(&index),
+        };
+        attached && addressed
+    }
+
+    /// The flows the programs on `device` (ifindex `index`) translate, if they run there: while
+    /// the chain no longer returns the device's traffic to them, these drain.
+    pub fn flows_through(&self, device: &str, index: u32) -> Option<usize> {
+        let runs = self
+            .attachments
+            .iter()
+            .any(|a| a.device == device && a.running);
+        let addresses = [
+            self.interfaces.get(&index).map(|a| IpAddr::from(*a)),
+            self.interfaces_v6.get(&index).map(|a| IpAddr::from(*a)),
+        ];
+        runs.then(|| {
+            addresses
+                .into_iter()
+                .flatten()
+                .filter_map(|a| self.translated_by_address.get(&a))
+                .sum()
+        })
+    }
+}
+
+/// Reads the data plane's state from `bpffs`; `None` if nothing is pinned there.
+pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
+    let pins = Pins::new(bpffs);
+    if !pins.map(map_names::NAT_V4).exists() {
+        return Ok(None);
+    }
+    let v4: LpmTrie<MapData, [u8; 4], u8> = pins.open(map_names::NON_MASQ_V4)?;
+    let v6: LpmTrie<MapData, [u8; 16], u8> = pins.open(map_names::NON_MASQ_V6)?;
+    let table_v4 = expiry::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
+    // An agent from before IPv6 pinned no `nat_v6`.
+    let table_v6 = match pins.map(map_names::NAT_V6).exists() {
+        true => expiry::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
+        false => Vec::new(),
+    };
+    let nat = expiry::usage(&table_v4) + expiry::usage(&table_v6);
+    let translated_by_address = expiry::translated_by_address(&table_v4)
+        .into_iter()
+        .map(|(addr, flows)| (IpAddr::from(addr), flows))
+        .chain(
+            expiry::translated_by_address(&table_v6)
+                .into_iter()
+                .map(|(addr, flows)| (IpAddr::from(addr), flows)),
+        )
+        .collect();
+    let interfaces: Interfaces = pins.open(map_names::INTERFACES)?;
+    let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
+    let counters = kernel
+        .packets
+        .iter()
+        .map(|(counter, total)| (counter.name(), *total))
+        .collect();
+    Ok(Some(EbpfStatus {
+        bpffs: bpffs.to_path_buf(),
+        attachments: read_attachments(&pins),
+        interfaces: interfaces
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(index, iface)| (index, Ipv4Addr::from(iface.ipv4)))
+            .collect(),
+        interfaces_v6: interfaces
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, iface)| iface.ipv6 != [0; 16])
+            .map(|(index, iface)| (index, Ipv6Addr::from(iface.ipv6)))
+            .collect(),
+        non_masquerade_v4: tries::prefixes(&v4).into_iter().map(written).collect(),
+        non_masquerade_v6: tries::prefixes(&v6).into_iter().map(written).collect(),
+        nat_flows: nat.masqueraded_flows,
+        nat_inbound_flows: nat.inbound_flows,
+        nat_node_flows: nat.node_flows,
+        nat_translated_flows: nat.translated_flows,
+        translated_by_address,
+        nat_entries: nat.entries,
+        nat_capacity: kernel.nat_capacity,
+        counters,
+    }))
+}
+
+/// The programs' packet counters (summed over CPUs) and the NAT tables' capacity.
+pub struct KernelCounters {
+    pub packets: Vec<(Counter, u64)>,
+    pub nat_capacity: u32,
+}
+
+/// Reads the counters from the maps pinned in `bpffs`; `None` if nothing is pinned there.
+/// Cheap enough for every metrics scrape: it reads no table, only the counters.
+pub fn read_kernel_counters(bpffs: &Path) -> anyhow::Result<Option<KernelCounters>> {
+    let pins = Pins::new(bpffs);
+    if !pins.map(map_names::COUNTERS).exists() {
+        return Ok(None);
+    }
+    let capacity = |name: &str| -> anyhow::Result<u32> {
+        if !pins.map(name).exists() {
+            return Ok(0);
+        }
+        Ok(match pins.open_map(name)? {
+            Map::HashMap(data) => data.info()?.max_entries(),
+            _ => 0,
+        })
+    };
+    // `nat_v6` takes a single entry while IPv6 is off: no capacity to speak of.
+    let v6 = capacity(map_names::NAT_V6)?;
+    let nat_capacity = capacity(map_names::NAT_V4)? + if v6 > 1 { v6 } else { 0 };
+    let counters: Counters = pins.open(map_names::COUNTERS)?;
+    let packets = Counter::ALL
+        .iter()
+        .filter(|c| (**c as u32) < COUNTER_SLOTS)
+        .map(|c| (*c, counter_total(&counters, *c)))
+        .collect();
+    Ok(Some(KernelCounters {
+        packets,
+        nat_capacity,
+    }))
+}
+
+impl std::fmt::Display for EbpfStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "eBPF objects pinned under {}", self.bpffs.display())?;
+        for a in &self.attachments {
+            writeln!(
+                f,
+                "  attached: {} {} (link {}, program {})",
+                a.device, a.hook, a.link_id, a.program_id
+            )?;
+        }
+        let v4 = self.interfaces.iter().map(|(i, a)| (i, IpAddr::from(*a)));
+        let v6 = self
+            .interfaces_v6
+            .iter()
+            .map(|(i, a)| (i, IpAddr::from(*a)));
+        for (index, addr) in v4.chain(v6) {
+            writeln!(f, "  masquerades to {addr} on ifindex {index}")?;
+        }
+        for prefix in self.non_masquerade_v4.iter().chain(&self.non_masquerade_v6) {
+            writeln!(f, "  not masqueraded: {prefix}")?;
+        }
+        writeln!(
+            f,
+            "  NAT table: {} masqueraded flows, {} inbound flows, {} node flows, {} of {} entries",
+            self.nat_flows,
+            self.nat_inbound_flows,
+            self.nat_node_flows,
+            self.nat_entries,
+            self.nat_capacity
+        )?;
+        for (name, value) in &self.counters {
+            writeln!(f, "  {name}: {value}")?;
+        }
+        Ok(())
+    }
+}
+
+fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
+    let mut out: Vec<AttachmentStatus> = pins
+        .links()
+        .into_iter()
+        .filter_map(|(device, hook, path)| {
+            let link: FdLink = PinnedLink::from_pin(path).ok()?.into();
+            let info = link.info().ok()?;
+            Some(AttachmentStatus {
+                running: attach::runs(info.program_id(), &device, hook).unwrap_or(false),
+                device,
+                hook: hook.name().to_string(),
+                link_id: info.id(),
+                program_id: info.program_id(),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.device, &a.hook).cmp(&(&b.device, &b.hook)));
+    out
+}
+
+/// A prefix as the config writes it.
+fn written<const N: usize>((len, data): Prefix<N>) -> String
+where
+    IpAddr: From<[u8; N]>,
+{
+    format!("{}/{len}", IpAddr::from(data))
+}
