@@ -626,6 +626,52 @@ fn yaml_11_numbers() {
 }
 
 #[test]
+fn quoted_and_block_scalars_stay_strings_as_in_go_yaml_v2() {
+    for text in [
+        "masqLinkLocal: \"yes\"",
+        "masqLinkLocal: 'on'",
+        "masqLinkLocal: |\n  yes\n",
+        "masqLinkLocal: >\n  no\n",
+        "masqLinkLocal: !!str yes",
+    ] {
+        let e = reject(text);
+        assert_eq!(
+            e.message,
+            "json: cannot unmarshal string into Go struct field MasqConfig.masqLinkLocal of type bool",
+            "{text:?}"
+        );
+    }
+    for text in [
+        "cidrLimit: '010'",
+        "cidrLimit: \"0x40\"",
+        "cidrLimit: \"1_000\"",
+    ] {
+        let e = reject(text);
+        assert_eq!(
+            e.message,
+            "json: cannot unmarshal string into Go struct field MasqConfig.cidrLimit of type int",
+            "{text:?}"
+        );
+    }
+    // The same scalar written plain is a YAML 1.1 value, however it is reached.
+    let c = config("base: &plain yes\nmasqLinkLocal: *plain\ncidrLimit: 010\n");
+    assert!(c.masq_link_local);
+    assert_eq!(c.cidr_limit, 8);
+    let e = reject("base: &quoted 'yes'\nmasqLinkLocal: *quoted\n");
+    assert!(e.message.contains("cannot unmarshal string"), "{e}");
+    // Keys before a value do not shift which scalar is read as quoted.
+    let c = config("'nonMasqueradeCIDRs': ['10.0.0.0/8']\n\"masqLinkLocal\": on\n");
+    assert!(c.masq_link_local);
+    assert_eq!(c.non_masquerade_cidrs.len(), 1);
+    // A merged mapping keeps its scalars' styles.
+    let c = config("defaults: &d {masqLinkLocal: yes, cidrLimit: '64'}\n<<: *d\ncidrLimit: 7\n");
+    assert!(c.masq_link_local);
+    assert_eq!(c.cidr_limit, 7);
+    let e = reject("defaults: &d {cidrLimit: '64'}\n<<: *d\n");
+    assert!(e.message.contains("cannot unmarshal string"), "{e}");
+}
+
+#[test]
 fn non_finite_yaml_floats_are_rejected_like_upstream() {
     let e = reject("somethingElse: .inf\n");
     assert_eq!(e.message, "json: unsupported value: +Inf");

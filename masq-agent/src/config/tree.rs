@@ -159,7 +159,13 @@ pub(super) fn read_tree(
         return Err(ConfigError::new(origin, None, message));
     }
     let mut root = read_yaml(text, origin, warnings)?;
-    resolve_yaml11_scalars(&mut root);
+    let scalars = scalar_count(&root);
+    match plain_scalars(text, scalars).filter(|plain| plain.len() == scalars) {
+        Some(plain) => resolve_yaml11_scalars(&mut root, &mut plain.into_iter()),
+        // The event parser disagrees with libyaml about this text: read every scalar as
+        // plain, which is right for all but quoted look-alikes of booleans and numbers.
+        None => resolve_yaml11_scalars(&mut root, &mut std::iter::repeat(true)),
+    }
     if let Node::Map(entries) = &mut root {
         apply_merge_keys(entries).map_err(|m| ConfigError::new(origin, None, m))?;
     }
@@ -245,21 +251,88 @@ pub(super) fn yaml_syntax_error(e: &serde_yaml::Error, origin: &str) -> ConfigEr
 pub(super) const YAML11_TRUE: [&str; 8] = ["y", "Y", "yes", "Yes", "YES", "on", "On", "ON"];
 pub(super) const YAML11_FALSE: [&str; 8] = ["n", "N", "no", "No", "NO", "off", "Off", "OFF"];
 
-/// Gives string values the type go-yaml v2 would have given them. serde_yaml does not say
-/// whether a scalar was quoted; a string that serde_yaml would have read as a number must
-/// have been quoted and stays a string, but a quoted `"yes"` or `"010"` is taken as plain.
-pub(super) fn resolve_yaml11_scalars(node: &mut Node) {
+/// Gives plain scalars the type go-yaml v2 would have given them; quoted and block scalars
+/// stay strings, as go-yaml resolves only plain ones. `plain` says, for each scalar of the tree
+/// in document order (keys included), whether it was written plain.
+pub(super) fn resolve_yaml11_scalars(node: &mut Node, plain: &mut impl Iterator<Item = bool>) {
     match node {
+        Node::Seq(items) => items
+            .iter_mut()
+            .for_each(|item| resolve_yaml11_scalars(item, plain)),
+        Node::Map(entries) => {
+            for (_, value) in entries.iter_mut() {
+                // Keys stay strings whatever their style.
+                plain.next();
+                resolve_yaml11_scalars(value, plain);
+            }
+        }
         Node::Str(s) => {
-            if let Some(resolved) = yaml11_scalar(s) {
+            if plain.next() == Some(true)
+                && let Some(resolved) = yaml11_scalar(s)
+            {
                 *node = resolved;
             }
         }
-        Node::Seq(items) => items.iter_mut().for_each(resolve_yaml11_scalars),
-        Node::Map(entries) => entries
-            .iter_mut()
-            .for_each(|(_, value)| resolve_yaml11_scalars(value)),
-        _ => {}
+        _ => {
+            plain.next();
+        }
+    }
+}
+
+/// How many scalars (keys included) the tree holds: one per scalar event serde_yaml read.
+pub(super) fn scalar_count(node: &Node) -> usize {
+    match node {
+        Node::Seq(items) => items.iter().map(scalar_count).sum(),
+        Node::Map(entries) => entries.iter().map(|(_, v)| 1 + scalar_count(v)).sum(),
+        _ => 1,
+    }
+}
+
+/// Whether each scalar of the first document was written plain and untagged, in the order
+/// serde_yaml hands scalars to `NodeVisitor`: document order, keys included, aliases expanded.
+/// serde_yaml does not tell a quoted scalar from a plain one, so a YAML event parser reads the
+/// styles. `None` when the text is not UTF-8, the parser fails, or the expansion passes `limit`
+/// (serde_yaml, which has read the text already, bounds what aliases may expand to).
+pub(super) fn plain_scalars(text: &[u8], limit: usize) -> Option<Vec<bool>> {
+    use yaml_rust2::parser::{Event, Parser};
+    use yaml_rust2::scanner::TScalarStyle;
+
+    let mut parser = Parser::new_from_str(std::str::from_utf8(text).ok()?);
+    let mut plain = Vec::new();
+    // Where each anchored node's scalars lie in `plain`, for its aliases to repeat.
+    let mut anchored = std::collections::HashMap::new();
+    // Collections still open: their anchor and where their scalars begin.
+    let mut open = Vec::new();
+    loop {
+        match parser.next_token().ok()?.0 {
+            Event::Scalar(_, style, anchor, tag) => {
+                if anchor != 0 {
+                    anchored.insert(anchor, plain.len()..plain.len() + 1);
+                }
+                plain.push(style == TScalarStyle::Plain && tag.is_none());
+            }
+            Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) => {
+                open.push((anchor, plain.len()));
+            }
+            Event::SequenceEnd | Event::MappingEnd => {
+                let (anchor, start) = open.pop()?;
+                if anchor != 0 {
+                    anchored.insert(anchor, start..plain.len());
+                }
+            }
+            Event::Alias(anchor) => {
+                let range = anchored.get(&anchor)?.clone();
+                if plain.len() + range.len() > limit {
+                    return None;
+                }
+                plain.extend_from_within(range);
+            }
+            Event::DocumentEnd | Event::StreamEnd => return Some(plain),
+            _ => {}
+        }
+        if plain.len() > limit {
+            return None;
+        }
     }
 }
 
