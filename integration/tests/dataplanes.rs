@@ -495,7 +495,11 @@ fn assert_new_flows_take_the_new_address(
                 .log_text()
                 .contains("flows on the old address forgotten")
         );
-        let table = if server.is_ipv6() { "nat_v6" } else { "nat_v4" };
+        let table = if server.is_ipv6() {
+            masq_ebpf::map_names::NAT_V6
+        } else {
+            masq_ebpf::map_names::NAT_V4
+        };
         let pin = bed.topo.bpffs.join(table);
         let dump =
             masq_testbed::netns::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])
