@@ -14,7 +14,10 @@ pub(super) fn locate(text: &[u8], root: &Node, format: Format, target: &String) 
     let mut in_tree = Vec::new();
     collect_equal_strings(root, target, &mut in_tree);
     let nth = in_tree.iter().position(|s| std::ptr::eq(*s, target))?;
-    let in_text = token_lines(text, target, format);
+    let in_text = match format {
+        Format::Yaml => scalar_lines(text, target)?,
+        Format::Json => token_lines(text, target),
+    };
     if in_text.len() != in_tree.len() {
         return None;
     }
@@ -39,21 +42,34 @@ pub(super) fn collect_equal_strings<'a>(node: &'a Node, target: &str, found: &mu
     }
 }
 
-/// 1-based line numbers of each place `token` stands on its own (not inside a longer scalar),
-/// YAML comments left out.
-pub(super) fn token_lines(text: &str, token: &str, format: Format) -> Vec<usize> {
+/// 1-based lines of each YAML scalar (key or value) whose value is `target`, as the event
+/// parser reads them: quoting, escapes, block scalars and comments need no guessing. `None` when
+/// the parser does not read the text.
+pub(super) fn scalar_lines(text: &str, target: &str) -> Option<Vec<usize>> {
+    use yaml_rust2::parser::{Event, Parser};
+
+    let mut parser = Parser::new_from_str(text);
+    let mut lines = Vec::new();
+    loop {
+        match parser.next_token().ok()? {
+            (Event::Scalar(value, ..), marker) if value == target => lines.push(marker.line()),
+            (Event::DocumentEnd | Event::StreamEnd, _) => return Some(lines),
+            _ => {}
+        }
+    }
+}
+
+/// 1-based line numbers of each place `token` stands on its own in JSON text (not inside a
+/// longer string).
+pub(super) fn token_lines(text: &str, token: &str) -> Vec<usize> {
     if token.is_empty() {
         return Vec::new();
     }
-    let is_before = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | ',' | '[' | '{');
-    let is_after = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | ',' | ']' | '}' | ':');
+    let is_before = |c: char| c.is_whitespace() || matches!(c, '"' | ',' | '[' | '{');
+    let is_after = |c: char| c.is_whitespace() || matches!(c, '"' | ',' | ']' | '}' | ':');
     let text = text.replace("\r\n", "\n").replace('\r', "\n");
     let mut lines = Vec::new();
     for (index, line) in text.split('\n').enumerate() {
-        let line = match format {
-            Format::Yaml => strip_yaml_comment(line),
-            Format::Json => line,
-        };
         for (start, _) in line.match_indices(token) {
             let before_ok = line[..start].chars().next_back().is_none_or(is_before);
             let after_ok = line[start + token.len()..]
@@ -66,17 +82,4 @@ pub(super) fn token_lines(text: &str, token: &str, format: Format) -> Vec<usize>
         }
     }
     lines
-}
-
-/// Drops a `#` comment. A `#` inside quotes is cut too; that only makes a count disagree, and
-/// then no line is given.
-pub(super) fn strip_yaml_comment(line: &str) -> &str {
-    let mut previous_is_space = true;
-    for (i, c) in line.char_indices() {
-        if c == '#' && previous_is_space {
-            return &line[..i];
-        }
-        previous_is_space = c.is_whitespace();
-    }
-    line
 }

@@ -395,6 +395,31 @@ fn cidr_limit_is_checked_before_the_cidrs() {
 }
 
 #[test]
+fn an_error_line_is_found_through_quotes_escapes_and_comments() {
+    // A `#` inside quotes, an escape the text does not show, and the value repeated in a
+    // comment: the YAML parser's own positions still point at the one line.
+    for (text, line) in [
+        (
+            "# not 10.0.0.0/33\nnote: \"a #hash\"\nnonMasqueradeCIDRs: [10.0.0.0/33]\n",
+            3,
+        ),
+        (
+            "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - \"10.0.0.0\\u002f33\"\n",
+            3,
+        ),
+        // A block scalar is found where its text starts.
+        (
+            "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - >-\n    10.0.0.0/33\n",
+            4,
+        ),
+    ] {
+        let e = reject(text);
+        assert!(e.message.contains("10.0.0.0/33"), "{e}");
+        assert_eq!(e.line, Some(line), "{text:?}");
+    }
+}
+
+#[test]
 fn custom_cidr_limit() {
     let c = config("cidrLimit: 100\nnonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8]");
     assert_eq!(c.cidr_limit, 100);
