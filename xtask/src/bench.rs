@@ -604,7 +604,7 @@ fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
     wait_for_long(Duration::from_secs(30), || {
         Ok(agent.log_text().contains("policy applied"))
     })?;
-    let map = bed.topo.bpffs.join("non_masq_v4");
+    let map = bed.topo.bpffs.join(masq_ebpf::map_names::NON_MASQ_V4);
     let mut latencies = Vec::new();
     for n in 1..=20u8 {
         let started = Instant::now();

@@ -104,7 +104,7 @@ pub fn run() -> anyhow::Result<()> {
         topology::pod_addr(0).into(),
         "in 10.0.0.0/8: keeps the pod's address",
     )?;
-    let pin = topo.bpffs.join("non_masq_v4");
+    let pin = topo.bpffs.join(masq_ebpf::map_names::NON_MASQ_V4);
     println!("    $ bpftool map dump pinned {}", pin.display());
     let dump = masq_testbed::netns::run(
         "bpftool",
