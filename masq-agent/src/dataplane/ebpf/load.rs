@@ -120,3 +120,26 @@ pub fn write_settings(
     settings.set(0, written, 0)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use masq_ebpf::map_names;
+
+    /// The programs name their maps in `#[btf_map(name = ...)]`, which takes no constant; this
+    /// holds those literals to `map_names`, without a kernel.
+    #[test]
+    fn the_object_defines_every_map_the_agent_names() {
+        let object = aya_obj::Object::parse(super::OBJECT).expect("the embedded object parses");
+        let unpinned = [
+            map_names::NON_MASQ_CACHE_V4,
+            map_names::FRAGMENTS_V4,
+            map_names::FRAGMENTS_V6,
+        ];
+        for name in map_names::PINNED.iter().chain(&unpinned) {
+            assert!(
+                object.maps.contains_key(*name),
+                "no map {name} in the object"
+            );
+        }
+    }
+}
