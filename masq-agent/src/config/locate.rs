@@ -1,6 +1,7 @@
 //! Finding the line of the file an error is about, where it can be found for sure.
 
 use super::*;
+use yaml_rust2::parser::Event;
 
 /// The line of `target` (a key or string value inside `root`), or `None` when the text does not
 /// show it unambiguously. The text must hold `target` exactly as often as the tree does; then
@@ -46,17 +47,14 @@ pub(super) fn collect_equal_strings<'a>(node: &'a Node, target: &str, found: &mu
 /// parser reads them: quoting, escapes, block scalars and comments need no guessing. `None` when
 /// the parser does not read the text.
 pub(super) fn scalar_lines(text: &str, target: &str) -> Option<Vec<usize>> {
-    use yaml_rust2::parser::{Event, Parser};
-
-    let mut parser = Parser::new_from_str(text);
-    let mut lines = Vec::new();
-    loop {
-        match parser.next_token().ok()? {
-            (Event::Scalar(value, ..), marker) if value == target => lines.push(marker.line()),
-            (Event::DocumentEnd | Event::StreamEnd, _) => return Some(lines),
-            _ => {}
-        }
-    }
+    let events = first_document_events(text.as_bytes())?;
+    let lines = events
+        .into_iter()
+        .filter_map(|(event, marker)| match event {
+            Event::Scalar(value, ..) if value == target => Some(marker.line()),
+            _ => None,
+        });
+    Some(lines.collect())
 }
 
 /// 1-based line numbers of each place `token` stands on its own in JSON text (not inside a

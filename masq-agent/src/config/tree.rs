@@ -3,6 +3,8 @@
 
 use serde::de::{self, Deserialize, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess};
 use std::fmt;
+use yaml_rust2::parser::{Event, Parser};
+use yaml_rust2::scanner::{Marker, TScalarStyle};
 
 use super::*;
 
@@ -288,23 +290,32 @@ pub(super) fn scalar_count(node: &Node) -> usize {
     }
 }
 
+/// The events of the first YAML document, as yaml-rust2 reads them (serde_yaml tells neither a
+/// scalar's style nor its position); `None` when the text is not UTF-8 or the parser fails.
+pub(super) fn first_document_events(text: &[u8]) -> Option<Vec<(Event, Marker)>> {
+    let mut parser = Parser::new_from_str(std::str::from_utf8(text).ok()?);
+    let mut events = Vec::new();
+    loop {
+        let (event, marker) = parser.next_token().ok()?;
+        if matches!(event, Event::DocumentEnd | Event::StreamEnd) {
+            return Some(events);
+        }
+        events.push((event, marker));
+    }
+}
+
 /// Whether each scalar of the first document was written plain and untagged, in the order
 /// serde_yaml hands scalars to `NodeVisitor`: document order, keys included, aliases expanded.
-/// serde_yaml does not tell a quoted scalar from a plain one, so a YAML event parser reads the
-/// styles. `None` when the text is not UTF-8, the parser fails, or the expansion passes `limit`
-/// (serde_yaml, which has read the text already, bounds what aliases may expand to).
+/// `None` when the events cannot be read or the expansion passes `limit` (serde_yaml, which has
+/// read the text already, bounds what aliases may expand to).
 pub(super) fn plain_scalars(text: &[u8], limit: usize) -> Option<Vec<bool>> {
-    use yaml_rust2::parser::{Event, Parser};
-    use yaml_rust2::scanner::TScalarStyle;
-
-    let mut parser = Parser::new_from_str(std::str::from_utf8(text).ok()?);
     let mut plain = Vec::new();
     // Where each anchored node's scalars lie in `plain`, for its aliases to repeat.
     let mut anchored = std::collections::HashMap::new();
     // Collections still open: their anchor and where their scalars begin.
     let mut open = Vec::new();
-    loop {
-        match parser.next_token().ok()?.0 {
+    for (event, _) in first_document_events(text)? {
+        match event {
             Event::Scalar(_, style, anchor, tag) => {
                 if anchor != 0 {
                     anchored.insert(anchor, plain.len()..plain.len() + 1);
@@ -327,13 +338,13 @@ pub(super) fn plain_scalars(text: &[u8], limit: usize) -> Option<Vec<bool>> {
                 }
                 plain.extend_from_within(range);
             }
-            Event::DocumentEnd | Event::StreamEnd => return Some(plain),
             _ => {}
         }
         if plain.len() > limit {
             return None;
         }
     }
+    Some(plain)
 }
 
 pub(super) fn yaml11_scalar(s: &str) -> Option<Node> {
