@@ -2287,7 +2287,7 @@ fn a_blind_rst_does_not_end_an_established_connection(plane: Plane, family: Fami
         ack: 0,
         payload: &[],
     }
-    .segment(conversation.server.ip(), node_side.ip());
+    .segment_between(conversation.server.ip(), node_side.ip());
     probe::raw_send_from(
         &bed.topo.ext,
         i32::from(IPPROTO_TCP),
@@ -2326,7 +2326,7 @@ fn a_lone_ack_opens_no_established_flow(plane: Plane, family: Family) {
         flags: ACK,
         ..Tcp::default()
     }
-    .segment(family.pod(0), nowhere);
+    .segment_between(family.pod(0), nowhere);
     probe::raw_send_from(
         bed.pod(),
         i32::from(IPPROTO_TCP),

@@ -112,7 +112,7 @@ fn corpus(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
             tcp(pod, sport, remote, dport, SYN),
             tcp(pod, sport, remote, dport, ACK),
             udp(pod, sport, remote, dport),
-            frame(pod, remote, ICMP, &echo(8, sport)),
+            ping(pod, remote, 8, sport),
             frame(pod, remote, GRE, &[0u8; 8]),
             tcp(NODE, sport, remote, dport, SYN),
         ];
@@ -127,7 +127,7 @@ fn corpus(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
             let reply = match left[23] {
                 TCP => tcp(remote, their_port, NODE, node_port, SYN | ACK),
                 UDP => udp(remote, their_port, NODE, node_port),
-                _ => frame(remote, NODE, ICMP, &echo(0, word(&left, L4 + 4))),
+                _ => ping(remote, NODE, 0, word(&left, L4 + 4)),
             };
             frames.push((Hook::Ingress, reply.clone()));
             // The reply as the pod got it, and errors about it leaving: the pod's own, or the
@@ -137,8 +137,9 @@ fn corpus(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
                 for from in [pod, NODE, rng.pick(&PODS)] {
                     let (kind, code, rest) = rng.pick(&ERRORS);
                     let quote_len = rng.pick(&[28usize, restored.len() - 14]);
-                    let error = icmp_message(kind, code, rest, &restored[14..14 + quote_len]);
-                    frames.push((Hook::Egress, frame(from, remote, ICMP, &error)));
+                    let quote = &restored[IP..IP + quote_len];
+                    let error = icmp_frame(from, remote, kind, code, rest, quote);
+                    frames.push((Hook::Egress, error));
                 }
             }
             for (kind, code) in [(3, 4), (11, 0)] {
@@ -149,8 +150,8 @@ fn corpus(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
                 } else {
                     [0; 4]
                 };
-                let error = icmp_message(kind, code, rest, body);
-                frames.push((Hook::Ingress, frame(ROUTER, NODE, ICMP, &error)));
+                let error = icmp_frame(ROUTER, NODE, kind, code, rest, body);
+                frames.push((Hook::Ingress, error));
             }
         }
     }
@@ -771,7 +772,7 @@ fn udp6_datagram(
     d.extend((len as u16).to_be_bytes());
     d.extend([0, 0]);
     d.extend((8..len).map(|_| rng.byte()));
-    fill_checksum6(src, dst, UDP, &mut d);
+    fill_checksum(src, dst, UDP, &mut d);
     d
 }
 
@@ -784,10 +785,10 @@ fn error6(rng: &mut Rng, (from, to): (Ipv6Addr, Ipv6Addr), left: &[u8]) -> Vec<u
         (ICMPV6_TIME_EXCEEDED, 0, [0; 4]),
         (ICMPV6_PARAMETER_PROBLEM, 0, [0, 0, 0, 6]),
     ]);
-    let whole = left.len() - IP6;
+    let whole = left.len() - IP;
     let part = 40 + rng.below(whole - 39);
     let quote_len = rng.pick(&[whole, whole, 48.min(whole), part]);
-    icmp6_frame(from, to, kind, code, rest, &left[IP6..IP6 + quote_len])
+    icmp_frame(from, to, kind, code, rest, &left[IP..IP + quote_len])
 }
 
 /// Neighbour discovery and MLD, which the programs must leave alone.
@@ -795,7 +796,7 @@ fn nd_and_mld6(rng: &mut Rng) -> Vec<u8> {
     let target = rng.pick(&REMOTES6).octets().to_vec();
     match rng.below(4) {
         0 => with_hop_limit6(
-            &icmp6_frame(
+            &icmp_frame(
                 LINK_LOCAL6,
                 ALL_NODES6,
                 ND_NEIGHBOR_SOLICIT,
@@ -806,7 +807,7 @@ fn nd_and_mld6(rng: &mut Rng) -> Vec<u8> {
             255,
         ),
         1 => with_hop_limit6(
-            &icmp6_frame(
+            &icmp_frame(
                 NODE6,
                 ALL_NODES6,
                 ND_NEIGHBOR_ADVERT,
@@ -817,7 +818,7 @@ fn nd_and_mld6(rng: &mut Rng) -> Vec<u8> {
             255,
         ),
         2 => with_hop_limit6(
-            &icmp6_frame(
+            &icmp_frame(
                 LINK_LOCAL6,
                 ALL_NODES6,
                 ND_ROUTER_ADVERT,
@@ -828,7 +829,7 @@ fn nd_and_mld6(rng: &mut Rng) -> Vec<u8> {
             255,
         ),
         _ => {
-            let report = icmp6_frame(LINK_LOCAL6, ALL_NODES6, MLD_REPORT, 0, [0; 4], &target);
+            let report = icmp_frame(LINK_LOCAL6, ALL_NODES6, MLD_REPORT, 0, [0; 4], &target);
             with_hop_limit6(&insert_ext6(&report, &[ExtHeader::router_alert()]), 1)
         }
     }
@@ -846,19 +847,19 @@ fn corpus6(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
         let len = 8 + 8 * rng.below(40);
         let datagram = udp6_datagram(rng, pod, sport ^ 1, remote, dport, len);
         let mut out = vec![
-            tcp6(pod, sport, remote, dport, SYN),
-            tcp6(pod, sport, remote, dport, ACK),
-            insert_ext6(&tcp6(pod, sport ^ 2, remote, dport, SYN), &chain),
-            udp6(pod, sport, remote, dport),
-            insert_ext6(&udp6(pod, sport ^ 3, remote, dport), &chain),
-            ping6(pod, remote, ICMPV6_ECHO_REQUEST, sport),
-            insert_ext6(&ping6(pod, remote, ICMPV6_ECHO_REQUEST, sport ^ 4), &chain),
-            frame6(pod, remote, 47, &[0u8; 8]),
-            tcp6(NODE6, sport, remote, dport, SYN),
+            tcp(pod, sport, remote, dport, SYN),
+            tcp(pod, sport, remote, dport, ACK),
+            insert_ext6(&tcp(pod, sport ^ 2, remote, dport, SYN), &chain),
+            udp(pod, sport, remote, dport),
+            insert_ext6(&udp(pod, sport ^ 3, remote, dport), &chain),
+            ping(pod, remote, ICMPV6_ECHO_REQUEST, sport),
+            insert_ext6(&ping(pod, remote, ICMPV6_ECHO_REQUEST, sport ^ 4), &chain),
+            frame(pod, remote, 47, &[0u8; 8]),
+            tcp(NODE6, sport, remote, dport, SYN),
             nd_and_mld6(rng),
         ];
         // A fragmented datagram, first fragment first.
-        out.extend(fragments6(pod, remote, UDP, &datagram, id, 48));
+        out.extend(fragments(pod, remote, UDP, &datagram, id, 48));
         for packet in out {
             frames.push((Hook::Egress, packet.clone()));
             let (verdict, left) = run(bed, Hook::Egress, &packet);
@@ -877,19 +878,19 @@ fn corpus6(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
                 (0..rng.below(3)).map(|_| random_ext(rng, false)).collect();
             let reply = match h.proto {
                 TCP => insert_ext6(
-                    &tcp6(remote, their_port, NODE6, node_port, SYN | ACK),
+                    &tcp(remote, their_port, NODE6, node_port, SYN | ACK),
                     &back_chain,
                 ),
                 UDP if h.fragment.is_some() => {
                     let reply =
                         udp6_datagram(rng, remote, their_port, NODE6, node_port, datagram.len());
-                    for f in fragments6(remote, NODE6, UDP, &reply, rng.next() as u32, 48) {
+                    for f in fragments(remote, NODE6, UDP, &reply, rng.next() as u32, 48) {
                         frames.push((Hook::Ingress, f));
                     }
                     continue;
                 }
-                UDP => insert_ext6(&udp6(remote, their_port, NODE6, node_port), &back_chain),
-                _ => ping6(remote, NODE6, ICMPV6_ECHO_REPLY, word(&left, h.l4 + 4)),
+                UDP => insert_ext6(&udp(remote, their_port, NODE6, node_port), &back_chain),
+                _ => ping(remote, NODE6, ICMPV6_ECHO_REPLY, word(&left, h.l4 + 4)),
             };
             frames.push((Hook::Ingress, reply.clone()));
             // The reply as the pod got it, and errors about it leaving: the pod's own, or the
@@ -902,10 +903,10 @@ fn corpus6(bed: &mut TestBed, rng: &mut Rng) -> Vec<(Hook, Vec<u8>)> {
             }
         }
         // A connection opened from outside toward a pod, and the pod's answer.
-        let inbound = tcp6(remote, dport, pod, sport ^ 5, SYN);
+        let inbound = tcp(remote, dport, pod, sport ^ 5, SYN);
         run(bed, Hook::Ingress, &inbound);
         frames.push((Hook::Ingress, inbound));
-        frames.push((Hook::Egress, tcp6(pod, sport ^ 5, remote, dport, SYN | ACK)));
+        frames.push((Hook::Egress, tcp(pod, sport ^ 5, remote, dport, SYN | ACK)));
         frames.push((Hook::Ingress, nd_and_mld6(rng)));
     }
     frames
@@ -923,26 +924,26 @@ fn mutate6(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
             }
             1 => f.truncate(14 + rng.below(f.len() - 13)),
             // A bogus payload length.
-            2 if f.len() >= IP6 + 6 => {
+            2 if f.len() >= IP + 6 => {
                 let len = match rng.below(3) {
                     0 => 0,
                     1 => f.len().saturating_sub(L4_6) as u16 ^ (1 << rng.below(12)),
                     _ => rng.next() as u16,
                 };
-                f[IP6 + 4..IP6 + 6].copy_from_slice(&len.to_be_bytes());
+                f[IP + 4..IP + 6].copy_from_slice(&len.to_be_bytes());
             }
             // A bogus or changed first next header.
-            3 if f.len() > IP6 + 6 => {
+            3 if f.len() > IP + 6 => {
                 let any = rng.byte();
                 let known = rng.pick(&NEXT_HEADERS);
-                f[IP6 + 6] = rng.pick(&[known, any]);
+                f[IP + 6] = rng.pick(&[known, any]);
             }
             // A random chain behind the fixed header: up to eight headers, some malformed.
             4 if f.len() >= L4_6 => {
                 let chain = random_chain(rng, 8);
                 f = insert_ext6(&f, &chain);
             }
-            5 if f.len() > IP6 => f[IP6] = (rng.byte() & 0xf0) | (f[IP6] & 0x0f),
+            5 if f.len() > IP => f[IP] = (rng.byte() & 0xf0) | (f[IP] & 0x0f),
             // Fragment fields: a fragment header's offset, M flag and id, or a new one.
             6 => match parsed.as_ref().and_then(|h| h.fragment) {
                 Some(frag) => {
@@ -1001,9 +1002,8 @@ fn mutate6(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
                     let inner = h.l4 + 8;
                     if f.len() >= inner + IPV6_HLEN {
                         let chain = random_chain(rng, 4);
-                        let quoted =
-                            insert_ext6(&[&f[..inner - IP6], &f[inner..]].concat(), &chain);
-                        f = [&f[..inner], &quoted[inner - IP6..]].concat();
+                        let quoted = insert_ext6(&[&f[..inner - IP], &f[inner..]].concat(), &chain);
+                        f = [&f[..inner], &quoted[inner - IP..]].concat();
                     }
                 }
             }
@@ -1065,7 +1065,7 @@ fn check_translation6(
 /// The checksum residual of the upper layer at `l4` (to the end of the frame) under the
 /// pseudo-header of the IPv6 header at `ip`: a correct translation leaves it as it was.
 fn residual6_at(f: &[u8], ip: usize, l4: usize, proto: u8) -> u16 {
-    residual6(addr6_at(f, ip + 8), addr6_at(f, ip + 24), proto, &f[l4..])
+    masq_testbed::packet::residual(addr6_at(f, ip + 8), addr6_at(f, ip + 24), proto, &f[l4..])
 }
 
 /// The bytes a TCP, UDP or echo translation may change, its NAT key, and where the rewritten
@@ -1100,7 +1100,7 @@ fn check_flow6(
         if word(out, csum) != 0 {
             return Err("a UDP datagram without checksum got one".into());
         }
-    } else if residual6_at(out, IP6, l4, proto) != residual6_at(input, IP6, l4, proto) {
+    } else if residual6_at(out, IP, l4, proto) != residual6_at(input, IP, l4, proto) {
         return Err("L4 checksum broken".into());
     }
     let dir = match hook {
@@ -1162,7 +1162,7 @@ fn check_icmp_error6(
         ICMPV6 if input[inner.l4] == side.echo => inner.l4 + 4,
         _ => return Err(format!("translated an error quoting protocol {proto}")),
     };
-    if residual6_at(out, IP6, h.l4, ICMPV6) != residual6_at(input, IP6, h.l4, ICMPV6) {
+    if residual6_at(out, IP, h.l4, ICMPV6) != residual6_at(input, IP, h.l4, ICMPV6) {
         return Err("ICMPv6 checksum broken".into());
     }
     // The quoted L4 checksum, when the quote holds it, stays exactly as valid as it was.

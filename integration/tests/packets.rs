@@ -162,7 +162,7 @@ fn udp_with_and_without_checksum() {
 #[test]
 fn icmp_echo_gets_an_identifier_and_its_reply_is_restored() {
     let mut h = default_harness();
-    let request = frame(POD, REMOTE, ICMP, &echo(8, 0x4242));
+    let request = ping(POD, REMOTE, 8, 0x4242);
     let (verdict, out) = h.egress(&request);
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(src(&out), NODE);
@@ -175,7 +175,7 @@ fn icmp_echo_gets_an_identifier_and_its_reply_is_restored() {
         );
     }
 
-    let reply = frame(REMOTE, NODE, ICMP, &echo(0, id));
+    let reply = ping(REMOTE, NODE, 0, id);
     let (_, back) = h.ingress(&reply);
     assert_eq!(dst(&back), POD);
     assert_eq!(word(&back, L4 + 4), 0x4242);
@@ -190,7 +190,7 @@ fn icmp_error(kind: u8, code: u8, quoted: &[u8], quote_len: usize) -> Vec<u8> {
     } else {
         [0; 4]
     };
-    frame(ROUTER, NODE, ICMP, &icmp_message(kind, code, rest, body))
+    icmp_frame(ROUTER, NODE, kind, code, rest, body)
 }
 
 /// Checks a translated ICMP error: outer destination, quoted source address and port restored,
@@ -262,7 +262,7 @@ fn icmp_errors_about_tcp_and_udp_flows_are_translated_inside_and_out() {
 #[test]
 fn icmp_error_about_a_ping_is_translated() {
     let mut h = default_harness();
-    let (_, out) = h.egress(&frame(POD, REMOTE, ICMP, &echo(8, 7)));
+    let (_, out) = h.egress(&ping(POD, REMOTE, 8, 7));
     let quoted_len = out.len() - 14;
     let (_, back) = h.ingress(&icmp_error(11, 0, &out, quoted_len));
     assert_eq!(dst(&back), POD);
@@ -296,7 +296,7 @@ fn icmp_error_from(
     quote_len: usize,
 ) -> Vec<u8> {
     let body = &quoted[14..14 + quote_len];
-    frame(from, to, ICMP, &icmp_message(kind, code, rest, body))
+    icmp_frame(from, to, kind, code, rest, body)
 }
 
 /// The same, to where the quoted packet came from, as errors go.
@@ -369,8 +369,8 @@ fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does()
         reply[L4 + 6..L4 + 8].copy_from_slice(&[0, 0]);
         reply
     });
-    let echo_flow = h.answered(&frame(POD, REMOTE, ICMP, &echo(8, 0x4242)), |left| {
-        frame(REMOTE, NODE, ICMP, &echo(0, word(left, L4 + 4)))
+    let echo_flow = h.answered(&ping(POD, REMOTE, 8, 0x4242), |left| {
+        ping(REMOTE, NODE, 0, word(left, L4 + 4))
     });
     let whole = |f: &testbed::Answered| f.restored.len() - 14;
     let cases = [
@@ -470,12 +470,7 @@ fn egress_icmp_errors_about_no_masqueraded_flow_pass_untouched() {
         ("quoting less than 8 bytes of UDP", short_quote),
         (
             "quoting an echo request, which no masqueraded echo flow received",
-            icmp_error_about(
-                POD,
-                PARAMETER_PROBLEM,
-                &frame(REMOTE, POD, ICMP, &echo(8, 40010)),
-                28,
-            ),
+            icmp_error_about(POD, PARAMETER_PROBLEM, &ping(REMOTE, POD, 8, 40010), 28),
         ),
     ] {
         assert_checksums(&error);
@@ -506,10 +501,7 @@ fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched() {
             frame(POD, REMOTE, 47, b"GRE payload, left to the chain"),
             Counter::NotMasqOtherProtocol,
         ),
-        (
-            frame(POD, REMOTE, ICMP, &echo(0, 9)),
-            Counter::NotMasqIcmpOther,
-        ),
+        (ping(POD, REMOTE, 0, 9), Counter::NotMasqIcmpOther),
     ] {
         let before = h.counter(counter);
         let (verdict, out) = h.egress(&packet);
@@ -886,11 +878,11 @@ fn expiry_sweeps_the_ipv6_table_too() {
     let node: Ipv6Addr = "2001:db8:1::1".parse().unwrap();
     let mut h = default_harness();
     h.enable_ipv6(node, &["fd00::/8".parse().unwrap()]).unwrap();
-    h.egress(&udp6(pod, 2001, remote, 53));
-    let (_, syn) = h.egress(&tcp6(pod, 2002, remote, 443, SYN));
+    h.egress(&udp(pod, 2001, remote, 53));
+    let (_, syn) = h.egress(&tcp(pod, 2002, remote, 443, SYN));
     let nat_port = word(&syn, L4_6);
-    h.ingress(&tcp6(remote, 443, node, nat_port, SYN | ACK));
-    h.egress(&tcp6(pod, 2002, remote, 443, ACK));
+    h.ingress(&tcp(remote, 443, node, nat_port, SYN | ACK));
+    h.egress(&tcp(pod, 2002, remote, 443, ACK));
     assert_eq!(h.nat_v6().len(), 4);
     assert!(h.nat().is_empty(), "the IPv4 table holds no IPv6 flow");
 
@@ -958,7 +950,7 @@ impl Connection {
             payload: &[],
             ..Tcp::default()
         };
-        let (verdict, out) = h.egress(&syn.frame(POD.into(), REMOTE.into()));
+        let (verdict, out) = h.egress(&syn.frame(POD, REMOTE));
         assert_eq!((verdict, src(&out)), (TC_ACT_OK, NODE));
         Connection {
             pod_port,
@@ -976,7 +968,7 @@ impl Connection {
             ack,
             payload,
         };
-        let (verdict, out) = h.egress(&segment.frame(POD.into(), REMOTE.into()));
+        let (verdict, out) = h.egress(&segment.frame(POD, REMOTE));
         assert_eq!((verdict, src(&out)), (TC_ACT_OK, NODE));
         out
     }
@@ -998,7 +990,7 @@ impl Connection {
             ack,
             payload,
         };
-        let (verdict, back) = h.ingress(&segment.frame(REMOTE.into(), NODE.into()));
+        let (verdict, back) = h.ingress(&segment.frame(REMOTE, NODE));
         assert_eq!(verdict, TC_ACT_OK);
         assert_eq!((dst(&back), word(&back, L4 + 2)), (POD, self.pod_port));
         back

@@ -108,35 +108,35 @@ fn ingress_fields(l4: usize, proto: u8) -> [Range<usize>; 3] {
 #[test]
 fn v6_tcp_syn_egress_then_syn_ack_ingress() {
     let mut h = harness();
-    let syn = tcp6(POD6, 40000, REMOTE6, 80, SYN);
-    assert!(checksum6_ok(&syn));
+    let syn = tcp(POD6, 40000, REMOTE6, 80, SYN);
+    assert!(checksums_ok::<Ipv6Addr>(&syn));
     let (verdict, out) = h.egress(&syn);
     assert_eq!(verdict, TC_ACT_OK);
     let port = word(&out, L4_6);
     assert!(in_spans(port), "NAT port {port} outside the spans");
     assert_changed_within(&syn, &out, &egress_fields(L4_6, TCP));
-    assert_frame(&out, &tcp6(NODE6, port, REMOTE6, 80, SYN), &[L4_6 + 16]);
+    assert_frame(&out, &tcp(NODE6, port, REMOTE6, 80, SYN), &[L4_6 + 16]);
     assert!(
-        checksum6_ok(&out),
+        checksums_ok::<Ipv6Addr>(&out),
         "TCP checksum over the new pseudo-header"
     );
 
     // Later packets of the flow keep the translation.
-    let ack = tcp6(POD6, 40000, REMOTE6, 80, ACK);
+    let ack = tcp(POD6, 40000, REMOTE6, 80, ACK);
     let (verdict, out) = h.egress(&ack);
     assert_eq!(verdict, TC_ACT_OK);
-    assert_frame(&out, &tcp6(NODE6, port, REMOTE6, 80, ACK), &[L4_6 + 16]);
+    assert_frame(&out, &tcp(NODE6, port, REMOTE6, 80, ACK), &[L4_6 + 16]);
 
-    let reply = tcp6(REMOTE6, 80, NODE6, port, SYN | ACK);
+    let reply = tcp(REMOTE6, 80, NODE6, port, SYN | ACK);
     let (verdict, back) = h.ingress(&reply);
     assert_eq!(verdict, TC_ACT_OK);
     assert_changed_within(&reply, &back, &ingress_fields(L4_6, TCP));
     assert_frame(
         &back,
-        &tcp6(REMOTE6, 80, POD6, 40000, SYN | ACK),
+        &tcp(REMOTE6, 80, POD6, 40000, SYN | ACK),
         &[L4_6 + 16],
     );
-    assert!(checksum6_ok(&back));
+    assert!(checksums_ok::<Ipv6Addr>(&back));
 
     assert_eq!(h.counter(Counter::Masqueraded), 2);
     assert_eq!(h.counter(Counter::ReverseTranslated), 1);
@@ -158,26 +158,26 @@ fn v6_udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports() {
     let mut h = harness();
     let mut ports = Vec::new();
     for pod in [POD6, POD6_2] {
-        let dgram = udp6(pod, 5353, REMOTE6, 53);
+        let dgram = udp(pod, 5353, REMOTE6, 53);
         let (verdict, out) = h.egress(&dgram);
         assert_eq!(verdict, TC_ACT_OK);
         let port = word(&out, L4_6);
         assert!(in_spans(port), "{port}");
         assert_changed_within(&dgram, &out, &egress_fields(L4_6, UDP));
-        assert_frame(&out, &udp6(NODE6, port, REMOTE6, 53), &[L4_6 + 6]);
-        assert!(checksum6_ok(&out));
+        assert_frame(&out, &udp(NODE6, port, REMOTE6, 53), &[L4_6 + 6]);
+        assert!(checksums_ok::<Ipv6Addr>(&out));
         ports.push(port);
     }
     assert_ne!(ports[0], ports[1], "one NAT port for two flows");
 
     // The second pod's reply first, then the first's: each goes back to its own pod.
     for (pod, port) in [(POD6_2, ports[1]), (POD6, ports[0])] {
-        let reply = udp6(REMOTE6, 53, NODE6, port);
+        let reply = udp(REMOTE6, 53, NODE6, port);
         let (verdict, back) = h.ingress(&reply);
         assert_eq!(verdict, TC_ACT_OK);
         assert_changed_within(&reply, &back, &ingress_fields(L4_6, UDP));
-        assert_frame(&back, &udp6(REMOTE6, 53, pod, 5353), &[L4_6 + 6]);
-        assert!(checksum6_ok(&back));
+        assert_frame(&back, &udp(REMOTE6, 53, pod, 5353), &[L4_6 + 6]);
+        assert!(checksums_ok::<Ipv6Addr>(&back));
         let key = key6(REMOTE6, NODE6, UDP, 53, port, direction::INGRESS);
         assert_snat_entry(&h, &key, pod, 5353);
     }
@@ -191,8 +191,8 @@ fn v6_udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports() {
 #[test]
 fn v6_echo_request_gets_an_identifier_and_its_reply_is_restored() {
     let mut h = harness();
-    let request = ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242);
-    assert!(checksum6_ok(&request));
+    let request = ping(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242);
+    assert!(checksums_ok::<Ipv6Addr>(&request));
     let (verdict, out) = h.egress(&request);
     assert_eq!(verdict, TC_ACT_OK);
     let id = word(&out, L4_6 + 4);
@@ -202,25 +202,25 @@ fn v6_echo_request_gets_an_identifier_and_its_reply_is_restored() {
     // The checksum covers the pseudo-header: a from-scratch ICMPv6 checksum over the new source.
     assert_frame(
         &out,
-        &ping6(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, id),
+        &ping(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, id),
         &[L4_6 + 2],
     );
-    assert!(checksum6_ok(&out));
+    assert!(checksums_ok::<Ipv6Addr>(&out));
     let egress_key = key6(POD6, REMOTE6, ICMPV6, 0x4242, 0, direction::EGRESS);
     assert_snat_entry(&h, &egress_key, NODE6, id);
     let ingress_key = key6(REMOTE6, NODE6, ICMPV6, 0, id, direction::INGRESS);
     assert_snat_entry(&h, &ingress_key, POD6, 0x4242);
 
-    let reply = ping6(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, id);
+    let reply = ping(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, id);
     let (verdict, back) = h.ingress(&reply);
     assert_eq!(verdict, TC_ACT_OK);
     assert_changed_within(&reply, &back, &[range(DST6, 16), range(L4_6 + 2, 4)]);
     assert_frame(
         &back,
-        &ping6(REMOTE6, POD6, ICMPV6_ECHO_REPLY, 0x4242),
+        &ping(REMOTE6, POD6, ICMPV6_ECHO_REPLY, 0x4242),
         &[L4_6 + 2],
     );
-    assert!(checksum6_ok(&back));
+    assert!(checksums_ok::<Ipv6Addr>(&back));
     assert_eq!(h.counter(Counter::ReverseTranslated), 1);
 }
 
@@ -236,7 +236,7 @@ fn icmp6_error(
     quoted: &[u8],
     quote_len: usize,
 ) -> Vec<u8> {
-    icmp6_frame(ROUTER6, to, kind, code, rest, &quoted[IP6..IP6 + quote_len])
+    icmp_frame(ROUTER6, to, kind, code, rest, &quoted[IP..IP + quote_len])
 }
 
 const MTU_1280: [u8; 4] = [0, 0, 0x05, 0x00];
@@ -264,16 +264,16 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
         assert_eq!(src6(&left), NODE6);
         (sent, left)
     };
-    let (tcp_sent, tcp_left) = flow(tcp6(POD6, 40001, REMOTE6, 443, SYN));
-    let (udp_sent, udp_left) = flow(udp6(POD6, 40002, REMOTE6_2, 53));
-    let (ping_sent, ping_left) = flow(ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 7));
+    let (tcp_sent, tcp_left) = flow(tcp(POD6, 40001, REMOTE6, 443, SYN));
+    let (udp_sent, udp_left) = flow(udp(POD6, 40002, REMOTE6_2, 53));
+    let (ping_sent, ping_left) = flow(ping(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 7));
     // A big segment, of which a packet-too-big quotes only what fits in 1280 bytes.
     let big_payload = vec![0x5a; 1400];
     let big_segment = |src: Ipv6Addr, port: u16| {
-        let mut seg = l4_segment6(src, REMOTE6, TCP, port, 443, ACK)[..20].to_vec();
+        let mut seg = l4_segment(src, REMOTE6, TCP, port, 443, ACK)[..20].to_vec();
         seg.extend(&big_payload);
-        fill_checksum6(src, REMOTE6, TCP, &mut seg);
-        frame6(src, REMOTE6, TCP, &seg)
+        fill_checksum(src, REMOTE6, TCP, &mut seg);
+        frame(src, REMOTE6, TCP, &seg)
     };
     let (big_sent, big_left) = flow(big_segment(POD6, 40003));
     assert_frame(
@@ -283,10 +283,10 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
     );
     // A segment behind a destination options header: the quote's chain is walked too.
     let with_opts = |f: Vec<u8>| insert_ext6(&f, &[ExtHeader::destination_options(1)]);
-    let (opts_sent, opts_left) = flow(with_opts(tcp6(POD6, 40004, REMOTE6, 443, SYN)));
+    let (opts_sent, opts_left) = flow(with_opts(tcp(POD6, 40004, REMOTE6, 443, SYN)));
     assert_eq!(l4_offset6(&opts_left), Some(L4_6 + 16));
 
-    let whole = |f: &[u8]| f.len() - IP6;
+    let whole = |f: &[u8]| f.len() - IP;
     let cases = [
         ErrorCase {
             what: "packet too big, quoting the whole TCP SYN",
@@ -379,7 +379,10 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
             &case.left,
             case.quote_len,
         );
-        assert!(checksum6_ok(&error), "{what}: the error as built");
+        assert!(
+            checksums_ok::<Ipv6Addr>(&error),
+            "{what}: the error as built"
+        );
         let (verdict, back) = h.ingress(&error);
         assert_eq!(verdict, TC_ACT_OK, "{what}");
         assert_eq!(
@@ -423,7 +426,10 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
         assert_frame(&back, &expected, &csums);
         assert_eq!(dst6(&back), POD6, "{what}: outer destination");
         assert_eq!(quote.src, POD6, "{what}: quoted source");
-        assert!(checksum6_ok(&back), "{what}: outer ICMPv6 checksum");
+        assert!(
+            checksums_ok::<Ipv6Addr>(&back),
+            "{what}: outer ICMPv6 checksum"
+        );
         assert_eq!(
             &back[L4_6 + 4..L4_6 + 8],
             case.rest,
@@ -431,14 +437,14 @@ fn v6_icmp_errors_about_masqueraded_flows_are_translated_inside_and_out() {
         );
         if case.whole {
             assert!(
-                segment_checksum6_ok(&back, &quote),
+                segment_checksum_ok(&back, &quote.packet()),
                 "{what}: quoted L4 checksum"
             );
         }
     }
 
     // An error about a flow the node never translated passes untouched.
-    let stray = tcp6(NODE6, 33333, REMOTE6, 443, SYN);
+    let stray = tcp(NODE6, 33333, REMOTE6, 443, SYN);
     let error = icmp6_error(ICMPV6_DEST_UNREACH, 4, [0; 4], NODE6, &stray, 48);
     assert_eq!(h.ingress(&error), (TC_ACT_OK, error));
     // So does one about a translated flow's packet that is not addressed to the quoted source.
@@ -462,7 +468,7 @@ fn icmp6_error_from(
     quoted: &[u8],
     quote_len: usize,
 ) -> Vec<u8> {
-    icmp6_frame(from, to, kind, code, rest, &quoted[IP6..IP6 + quote_len])
+    icmp_frame(from, to, kind, code, rest, &quoted[IP..IP + quote_len])
 }
 
 /// A pods' gateway on the node: a source a node's error may take.
@@ -476,16 +482,16 @@ const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 1)
 #[test]
 fn v6_egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does() {
     let mut h = harness();
-    let tcp_flow = h.answered(&tcp6(POD6, 40001, REMOTE6, 443, SYN), |left| {
-        tcp6(REMOTE6, 443, NODE6, word(left, L4_6), SYN | ACK)
+    let tcp_flow = h.answered(&tcp(POD6, 40001, REMOTE6, 443, SYN), |left| {
+        tcp(REMOTE6, 443, NODE6, word(left, L4_6), SYN | ACK)
     });
-    let udp_flow = h.answered(&udp6(POD6, 40002, REMOTE6_2, 53), |left| {
-        udp6(REMOTE6_2, 53, NODE6, word(left, L4_6))
+    let udp_flow = h.answered(&udp(POD6, 40002, REMOTE6_2, 53), |left| {
+        udp(REMOTE6_2, 53, NODE6, word(left, L4_6))
     });
-    let echo_flow = h.answered(&ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242), |left| {
-        ping6(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, word(left, L4_6 + 4))
+    let echo_flow = h.answered(&ping(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x4242), |left| {
+        ping(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, word(left, L4_6 + 4))
     });
-    let whole = |f: &Answered| f.restored.len() - IP6;
+    let whole = |f: &Answered| f.restored.len() - IP;
     let cases = [
         (
             "the node's packet too big about a TCP reply, quoted whole",
@@ -518,7 +524,10 @@ fn v6_egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_doe
     ];
     for (n, (what, from, kind, flow, quote_len)) in cases.into_iter().enumerate() {
         let error = icmp6_error_from((from, src6(&flow.arrived)), kind, &flow.restored, quote_len);
-        assert!(checksum6_ok(&error), "{what}: the error as built");
+        assert!(
+            checksums_ok::<Ipv6Addr>(&error),
+            "{what}: the error as built"
+        );
         let (verdict, out) = h.egress(&error);
         assert_eq!(verdict, TC_ACT_OK, "{what}");
         let expected =
@@ -530,11 +539,14 @@ fn v6_egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_doe
             .filter(|&c| c + 2 <= out.len())
             .collect();
         assert_frame(&out, &expected, &csums);
-        assert!(checksum6_ok(&out), "{what}: ICMPv6 checksum from scratch");
+        assert!(
+            checksums_ok::<Ipv6Addr>(&out),
+            "{what}: ICMPv6 checksum from scratch"
+        );
         assert_eq!(quote.dst, NODE6, "{what}: quoted destination");
         if quote_len == whole(flow) {
             assert!(
-                segment_checksum6_ok(&out, &quote),
+                segment_checksum_ok(&out, &quote.packet()),
                 "{what}: quoted checksum"
             );
         }
@@ -546,7 +558,7 @@ fn v6_egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_doe
     }
 
     // Errors about no masqueraded flow, or to another host than the quoted source, pass.
-    let never_seen = udp6(REMOTE6, 53, POD6, 40011);
+    let never_seen = udp(REMOTE6, 53, POD6, 40011);
     let unknown = icmp6_error_from(
         (POD6, REMOTE6),
         (ICMPV6_DEST_UNREACH, 4, [0; 4]),
@@ -586,7 +598,7 @@ fn solicited_node(addr: Ipv6Addr) -> Ipv6Addr {
 fn nd_and_mld() -> Vec<(&'static str, Vec<u8>)> {
     let mac = [0x02, 0, 0, 0, 0, 2];
     let nd = |src, dst, kind, rest, body: Vec<u8>| {
-        with_hop_limit6(&icmp6_frame(src, dst, kind, 0, rest, &body), 255)
+        with_hop_limit6(&icmp_frame(src, dst, kind, 0, rest, &body), 255)
     };
     let target = |addr: Ipv6Addr, option: Vec<u8>| [addr.octets().to_vec(), option].concat();
     let mut prefix_info = vec![3, 4, 64, 0xc0];
@@ -596,7 +608,7 @@ fn nd_and_mld() -> Vec<(&'static str, Vec<u8>)> {
     prefix_info.extend(Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0).octets());
     let ra_body = [vec![0; 8], lla_option(1, mac), prefix_info].concat();
     let mld = |src, dst, kind, rest, body: Vec<u8>| {
-        let f = icmp6_frame(src, dst, kind, 0, rest, &body);
+        let f = icmp_frame(src, dst, kind, 0, rest, &body);
         with_hop_limit6(&insert_ext6(&f, &[ExtHeader::router_alert()]), 1)
     };
     let group = solicited_node(NODE6);
@@ -724,10 +736,10 @@ fn nd_and_mld() -> Vec<(&'static str, Vec<u8>)> {
 fn v6_neighbour_discovery_and_mld_pass_untouched_both_ways() {
     let mut h = harness();
     // A live flow, so that the programs have NAT state to (not) apply.
-    h.egress(&tcp6(POD6, 40000, REMOTE6, 80, SYN));
+    h.egress(&tcp(POD6, 40000, REMOTE6, 80, SYN));
     let messages = nd_and_mld();
     for (what, packet) in &messages {
-        assert!(checksum6_ok(packet), "{what}: as built");
+        assert!(checksums_ok::<Ipv6Addr>(packet), "{what}: as built");
         let before = h.counter(Counter::NotMasqIcmpOther);
         assert_eq!(
             h.egress(packet),
@@ -760,47 +772,47 @@ fn v6_non_masquerade_destinations_and_the_nodes_own_traffic_pass_untouched() {
     for (what, packet, counter) in [
         (
             "TCP to a service in fd00::/8",
-            tcp6(POD6, 1000, SERVICE6, 443, SYN),
+            tcp(POD6, 1000, SERVICE6, 443, SYN),
             Counter::NotMasqNonMasqDestination,
         ),
         (
             "UDP to a pod in fd00::/8",
-            udp6(POD6, 1000, POD6_2, 53),
+            udp(POD6, 1000, POD6_2, 53),
             Counter::NotMasqNonMasqDestination,
         ),
         (
             "ping to a pod in fd00::/8",
-            ping6(POD6, POD6_2, ICMPV6_ECHO_REQUEST, 5),
+            ping(POD6, POD6_2, ICMPV6_ECHO_REQUEST, 5),
             Counter::NotMasqNonMasqDestination,
         ),
         (
             "UDP to a link-local address",
-            udp6(POD6, 1000, link_local, 53),
+            udp(POD6, 1000, link_local, 53),
             Counter::NotMasqNonMasqDestination,
         ),
         (
             "TCP from the node",
-            tcp6(NODE6, 1000, REMOTE6, 443, SYN),
+            tcp(NODE6, 1000, REMOTE6, 443, SYN),
             Counter::NotMasqNodeSource,
         ),
         (
             "UDP from the node",
-            udp6(NODE6, 1000, REMOTE6, 53),
+            udp(NODE6, 1000, REMOTE6, 53),
             Counter::NotMasqNodeSource,
         ),
         (
             "ping from the node",
-            ping6(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, 5),
+            ping(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, 5),
             Counter::NotMasqNodeSource,
         ),
         (
             "GRE, left to the chain",
-            frame6(POD6, REMOTE6, 47, b"GRE payload, left to the chain"),
+            frame(POD6, REMOTE6, 47, b"GRE payload, left to the chain"),
             Counter::NotMasqOtherProtocol,
         ),
         (
             "an echo reply",
-            ping6(POD6, REMOTE6, ICMPV6_ECHO_REPLY, 5),
+            ping(POD6, REMOTE6, ICMPV6_ECHO_REPLY, 5),
             Counter::NotMasqIcmpOther,
         ),
     ] {
@@ -819,29 +831,29 @@ fn v6_non_masquerade_destinations_and_the_nodes_own_traffic_pass_untouched() {
 fn v6_a_policy_change_affects_new_flows_only() {
     let mut h = harness();
     // A masqueraded connection, then its destination becomes non-masquerade.
-    let (_, before) = h.egress(&tcp6(POD6, 4001, REMOTE6, 443, SYN));
+    let (_, before) = h.egress(&tcp(POD6, 4001, REMOTE6, 443, SYN));
     let port = word(&before, L4_6);
     assert_eq!(src6(&before), NODE6);
     h.set_policy_v6(&nets6(&["fd00::/8", "fe80::/10", "2001:db8:1::/64"]))
         .unwrap();
-    let ack = tcp6(POD6, 4001, REMOTE6, 443, ACK);
+    let ack = tcp(POD6, 4001, REMOTE6, 443, ACK);
     let (verdict, after) = h.egress(&ack);
     assert_eq!(verdict, TC_ACT_OK);
-    assert_frame(&after, &tcp6(NODE6, port, REMOTE6, 443, ACK), &[L4_6 + 16]);
-    let reply = tcp6(REMOTE6, 443, NODE6, port, ACK);
+    assert_frame(&after, &tcp(NODE6, port, REMOTE6, 443, ACK), &[L4_6 + 16]);
+    let reply = tcp(REMOTE6, 443, NODE6, port, ACK);
     let (_, back) = h.ingress(&reply);
-    assert_frame(&back, &tcp6(REMOTE6, 443, POD6, 4001, ACK), &[L4_6 + 16]);
-    let fresh = tcp6(POD6, 4002, REMOTE6, 443, SYN);
+    assert_frame(&back, &tcp(REMOTE6, 443, POD6, 4001, ACK), &[L4_6 + 16]);
+    let fresh = tcp(POD6, 4002, REMOTE6, 443, SYN);
     assert_eq!(
         h.egress(&fresh),
         (TC_ACT_OK, fresh),
         "a new connection is not masqueraded"
     );
-    let fresh_udp = udp6(POD6, 4002, REMOTE6, 53);
+    let fresh_udp = udp(POD6, 4002, REMOTE6, 53);
     assert_eq!(h.egress(&fresh_udp), (TC_ACT_OK, fresh_udp));
 
     // An unmasqueraded connection, then its destination leaves the non-masquerade prefixes.
-    let established = tcp6(POD6, 4003, REMOTE6_2, 443, ACK);
+    let established = tcp(POD6, 4003, REMOTE6_2, 443, ACK);
     h.set_policy_v6(&nets6(&["fd00::/8", "fe80::/10", "2001:db8:2::/64"]))
         .unwrap();
     assert_eq!(h.egress(&established), (TC_ACT_OK, established.clone()));
@@ -853,14 +865,14 @@ fn v6_a_policy_change_affects_new_flows_only() {
         "stays unmasqueraded while its prefix drains"
     );
     assert_eq!(h.counter(Counter::NotMasqInbound), inbound + 1);
-    let fin = tcp6(POD6, 4003, REMOTE6_2, 443, ACK | 0x01);
+    let fin = tcp(POD6, 4003, REMOTE6_2, 443, ACK | 0x01);
     assert_eq!(h.egress(&fin), (TC_ACT_OK, fin), "through to its FIN");
-    let (verdict, new) = h.egress(&tcp6(POD6, 4004, REMOTE6_2, 443, SYN));
+    let (verdict, new) = h.egress(&tcp(POD6, 4004, REMOTE6_2, 443, SYN));
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(src6(&new), NODE6, "a new connection is masqueraded");
-    assert!(checksum6_ok(&new));
+    assert!(checksums_ok::<Ipv6Addr>(&new));
     // And so are the flows to the prefix that was never exempt.
-    let (_, other) = h.egress(&udp6(POD6, 4005, REMOTE6_2, 53));
+    let (_, other) = h.egress(&udp(POD6, 4005, REMOTE6_2, 53));
     assert_eq!(src6(&other), NODE6);
 }
 
@@ -870,50 +882,50 @@ fn v6_a_policy_change_affects_new_flows_only() {
 fn v6_tcp_behind_extension_headers_is_translated_at_the_right_offsets() {
     let mut h = harness();
     let exts = [ExtHeader::hop_by_hop(0), ExtHeader::destination_options(1)];
-    let syn = insert_ext6(&tcp6(POD6, 40010, REMOTE6, 80, SYN), &exts);
+    let syn = insert_ext6(&tcp(POD6, 40010, REMOTE6, 80, SYN), &exts);
     let l4 = l4_offset6(&syn).unwrap();
     assert_eq!(l4, L4_6 + 8 + 16);
-    assert!(checksum6_ok(&syn));
+    assert!(checksums_ok::<Ipv6Addr>(&syn));
     let (verdict, out) = h.egress(&syn);
     assert_eq!(verdict, TC_ACT_OK);
     let port = word(&out, l4);
     assert!(in_spans(port));
     assert_changed_within(&syn, &out, &egress_fields(l4, TCP));
-    let expected = insert_ext6(&tcp6(NODE6, port, REMOTE6, 80, SYN), &exts);
+    let expected = insert_ext6(&tcp(NODE6, port, REMOTE6, 80, SYN), &exts);
     assert_frame(&out, &expected, &[l4 + 16]);
-    assert!(checksum6_ok(&out));
+    assert!(checksums_ok::<Ipv6Addr>(&out));
 
     // The reply behind a routing header and destination options: another chain, another offset.
     let back_exts = [ExtHeader::routing(2), ExtHeader::destination_options(0)];
-    let reply = insert_ext6(&tcp6(REMOTE6, 80, NODE6, port, SYN | ACK), &back_exts);
+    let reply = insert_ext6(&tcp(REMOTE6, 80, NODE6, port, SYN | ACK), &back_exts);
     let l4 = l4_offset6(&reply).unwrap();
     assert_eq!(l4, L4_6 + 24 + 8);
     let (verdict, back) = h.ingress(&reply);
     assert_eq!(verdict, TC_ACT_OK);
     assert_changed_within(&reply, &back, &ingress_fields(l4, TCP));
-    let expected = insert_ext6(&tcp6(REMOTE6, 80, POD6, 40010, SYN | ACK), &back_exts);
+    let expected = insert_ext6(&tcp(REMOTE6, 80, POD6, 40010, SYN | ACK), &back_exts);
     assert_frame(&back, &expected, &[l4 + 16]);
-    assert!(checksum6_ok(&back));
+    assert!(checksums_ok::<Ipv6Addr>(&back));
 
     // An echo request behind hop-by-hop options, and an atomic fragment (offset 0, no more
     // fragments, RFC 6946) of a UDP datagram: whole packets, translated as such.
     let hbh = [ExtHeader::hop_by_hop(2)];
-    let request = insert_ext6(&ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 99), &hbh);
+    let request = insert_ext6(&ping(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 99), &hbh);
     let l4 = L4_6 + 24;
     let (_, out) = h.egress(&request);
     let id = word(&out, l4 + 4);
     assert_changed_within(&request, &out, &[range(SRC6, 16), range(l4 + 2, 4)]);
-    let expected = insert_ext6(&ping6(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, id), &hbh);
+    let expected = insert_ext6(&ping(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, id), &hbh);
     assert_frame(&out, &expected, &[l4 + 2]);
     let atomic = [ExtHeader::fragment(0, false, 0x0a0b_0c0d)];
-    let dgram = insert_ext6(&udp6(POD6, 6000, REMOTE6, 53), &atomic);
+    let dgram = insert_ext6(&udp(POD6, 6000, REMOTE6, 53), &atomic);
     let l4 = L4_6 + 8;
     let (_, out) = h.egress(&dgram);
     let port = word(&out, l4);
     assert_changed_within(&dgram, &out, &egress_fields(l4, UDP));
-    let expected = insert_ext6(&udp6(NODE6, port, REMOTE6, 53), &atomic);
+    let expected = insert_ext6(&udp(NODE6, port, REMOTE6, 53), &atomic);
     assert_frame(&out, &expected, &[l4 + 6]);
-    assert!(checksum6_ok(&out));
+    assert!(checksums_ok::<Ipv6Addr>(&out));
 }
 
 /// A chain of `n` extension headers of every kind but the fragment header.
@@ -932,7 +944,7 @@ fn v6_six_extension_headers_are_walked_and_seven_are_dropped_toward_the_outside(
     let mut h = harness();
     // Six: still translated.
     let six = long_chain(6);
-    let syn = insert_ext6(&tcp6(POD6, 40020, REMOTE6, 80, SYN), &six);
+    let syn = insert_ext6(&tcp(POD6, 40020, REMOTE6, 80, SYN), &six);
     let l4 = l4_offset6(&syn).unwrap();
     let (verdict, out) = h.egress(&syn);
     assert_eq!(verdict, TC_ACT_OK);
@@ -940,7 +952,7 @@ fn v6_six_extension_headers_are_walked_and_seven_are_dropped_toward_the_outside(
     assert_changed_within(&syn, &out, &egress_fields(l4, TCP));
     assert_frame(
         &out,
-        &insert_ext6(&tcp6(NODE6, port, REMOTE6, 80, SYN), &six),
+        &insert_ext6(&tcp(NODE6, port, REMOTE6, 80, SYN), &six),
         &[l4 + 16],
     );
 
@@ -950,23 +962,23 @@ fn v6_six_extension_headers_are_walked_and_seven_are_dropped_toward_the_outside(
     let seven = long_chain(7);
     let dropped = h.counter(Counter::DropExtensionHeaders);
     for packet in [
-        insert_ext6(&tcp6(POD6, 40020, REMOTE6, 80, ACK), &seven),
-        insert_ext6(&tcp6(POD6, 40021, REMOTE6, 80, SYN), &seven),
-        insert_ext6(&udp6(POD6, 40022, REMOTE6, 53), &seven),
-        insert_ext6(&ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 3), &seven),
+        insert_ext6(&tcp(POD6, 40020, REMOTE6, 80, ACK), &seven),
+        insert_ext6(&tcp(POD6, 40021, REMOTE6, 80, SYN), &seven),
+        insert_ext6(&udp(POD6, 40022, REMOTE6, 53), &seven),
+        insert_ext6(&ping(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 3), &seven),
     ] {
-        assert!(checksum6_ok(&packet));
+        assert!(checksums_ok::<Ipv6Addr>(&packet));
         assert_eq!(h.egress(&packet).0, TC_ACT_SHOT);
     }
     assert_eq!(h.counter(Counter::DropExtensionHeaders), dropped + 4);
     let cluster = "fd00:200::10".parse().unwrap();
     for packet in [
-        insert_ext6(&tcp6(POD6, 40023, cluster, 80, SYN), &seven),
-        insert_ext6(&tcp6(NODE6, 40024, REMOTE6, 80, SYN), &seven),
+        insert_ext6(&tcp(POD6, 40023, cluster, 80, SYN), &seven),
+        insert_ext6(&tcp(NODE6, 40024, REMOTE6, 80, SYN), &seven),
     ] {
         assert_eq!(h.egress(&packet), (TC_ACT_OK, packet.clone()));
     }
-    let reply = insert_ext6(&tcp6(REMOTE6, 80, NODE6, port, ACK), &seven);
+    let reply = insert_ext6(&tcp(REMOTE6, 80, NODE6, port, ACK), &seven);
     assert_eq!(h.ingress(&reply), (TC_ACT_OK, reply.clone()));
     assert_eq!(h.nat_v6().len(), 2, "only the six-header flow");
 }
@@ -981,7 +993,7 @@ fn long_udp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16) -> Vec<u8> {
     d.extend(96u16.to_be_bytes());
     d.extend([0, 0]);
     d.extend((0..88).map(|i| i as u8 ^ 0xa5));
-    fill_checksum6(src, dst, UDP, &mut d);
+    fill_checksum(src, dst, UDP, &mut d);
     d
 }
 
@@ -1012,7 +1024,7 @@ fn assert_first_fragment_checksum(
     );
     let datagram = [&out[l4..], rest].concat();
     assert_eq!(
-        residual6(src6(out), dst6(out), UDP, &datagram),
+        residual(src6(out), dst6(out), UDP, &datagram),
         0,
         "the reassembled datagram's checksum"
     );
@@ -1023,7 +1035,7 @@ fn v6_later_fragments_follow_their_first_both_ways() {
     let mut h = harness();
     let id = 0xdead_beef;
     let datagram = long_udp(POD6, 3000, REMOTE6, 53);
-    let frags = fragments6(POD6, REMOTE6, UDP, &datagram, id, 48);
+    let frags = fragments(POD6, REMOTE6, UDP, &datagram, id, 48);
     assert_eq!(frags.len(), 2);
     let (first, later) = (&frags[0], &frags[1]);
     let l4 = L4_6 + 8;
@@ -1044,7 +1056,7 @@ fn v6_later_fragments_follow_their_first_both_ways() {
         &datagram[48..],
     );
     let translated = long_udp(NODE6, port, REMOTE6, 53);
-    let expected = fragments6(NODE6, REMOTE6, UDP, &translated, id, 48);
+    let expected = fragments(NODE6, REMOTE6, UDP, &translated, id, 48);
     assert_frame(&out, &expected[0], &[l4 + 6]);
 
     let (verdict, out) = h.egress(later);
@@ -1055,19 +1067,19 @@ fn v6_later_fragments_follow_their_first_both_ways() {
 
     // A later fragment of a datagram whose first fragment never went through: dropped, not
     // sent with the pod's address.
-    let stray = fragments6(POD6, REMOTE6, UDP, &datagram, id ^ 1, 48);
+    let stray = fragments(POD6, REMOTE6, UDP, &datagram, id ^ 1, 48);
     assert_eq!(h.egress(&stray[1]).0, TC_ACT_SHOT);
     assert_eq!(h.counter(Counter::DropFragment), 1);
     // The same id from another pod, or to another server, is another datagram.
-    let other_pod = fragments6(POD6_2, REMOTE6, UDP, &datagram, id, 48);
+    let other_pod = fragments(POD6_2, REMOTE6, UDP, &datagram, id, 48);
     assert_eq!(h.egress(&other_pod[1]).0, TC_ACT_SHOT);
-    let other_server = fragments6(POD6, REMOTE6_2, UDP, &datagram, id, 48);
+    let other_server = fragments(POD6, REMOTE6_2, UDP, &datagram, id, 48);
     assert_eq!(h.egress(&other_server[1]).0, TC_ACT_SHOT);
     assert_eq!(h.counter(Counter::DropFragment), 3);
     // The node's own fragments, and fragments to exempt destinations, pass.
-    let own = fragments6(NODE6, REMOTE6, UDP, &datagram, id ^ 2, 48);
+    let own = fragments(NODE6, REMOTE6, UDP, &datagram, id ^ 2, 48);
     assert_eq!(h.egress(&own[1]), (TC_ACT_OK, own[1].clone()));
-    let exempt = fragments6(POD6, SERVICE6, UDP, &datagram, id ^ 3, 48);
+    let exempt = fragments(POD6, SERVICE6, UDP, &datagram, id ^ 3, 48);
     assert_eq!(h.egress(&exempt[1]), (TC_ACT_OK, exempt[1].clone()));
     assert_eq!(h.counter(Counter::DropFragment), 3);
 
@@ -1075,7 +1087,7 @@ fn v6_later_fragments_follow_their_first_both_ways() {
     // and the later ones take the same destination.
     let reply_id = 0x0102_0304;
     let reply = long_udp(REMOTE6, 53, NODE6, port);
-    let back_frags = fragments6(REMOTE6, NODE6, UDP, &reply, reply_id, 48);
+    let back_frags = fragments(REMOTE6, NODE6, UDP, &reply, reply_id, 48);
     let (verdict, back) = h.ingress(&back_frags[0]);
     assert_eq!(verdict, TC_ACT_OK);
     assert_changed_within(&back_frags[0], &back, &ingress_fields(l4, UDP));
@@ -1087,7 +1099,7 @@ fn v6_later_fragments_follow_their_first_both_ways() {
         &reply[48..],
     );
     let restored = long_udp(REMOTE6, 53, POD6, 3000);
-    let expected = fragments6(REMOTE6, POD6, UDP, &restored, reply_id, 48);
+    let expected = fragments(REMOTE6, POD6, UDP, &restored, reply_id, 48);
     assert_frame(&back, &expected[0], &[l4 + 6]);
     let (verdict, back) = h.ingress(&back_frags[1]);
     assert_eq!(verdict, TC_ACT_OK);
@@ -1096,7 +1108,7 @@ fn v6_later_fragments_follow_their_first_both_ways() {
     assert_eq!(h.counter(Counter::ReverseTranslated), 2);
 
     // On ingress a later fragment of no known datagram passes untouched: it may be the node's.
-    let unknown = fragments6(REMOTE6, NODE6, UDP, &reply, reply_id ^ 1, 48);
+    let unknown = fragments(REMOTE6, NODE6, UDP, &reply, reply_id ^ 1, 48);
     assert_eq!(h.ingress(&unknown[1]), (TC_ACT_OK, unknown[1].clone()));
 }
 
@@ -1110,10 +1122,10 @@ fn v6_a_fragmented_ping_is_translated_and_its_fragmented_reply_restored() {
     let id = 0x0bad_cafe;
     let message = |src, dst, kind, ident: u16| {
         let [a, b] = ident.to_be_bytes();
-        icmp6_message(src, dst, kind, 0, [a, b, 0, 9], &body)
+        icmp_message(src, dst, kind, 0, [a, b, 0, 9], &body)
     };
     let request = message(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 0x7777);
-    let frags = fragments6(POD6, REMOTE6, ICMPV6, &request, id, 104);
+    let frags = fragments(POD6, REMOTE6, ICMPV6, &request, id, 104);
     assert_eq!(frags.len(), 2);
     let l4 = L4_6 + 8;
     let (verdict, first) = h.egress(&frags[0]);
@@ -1122,17 +1134,17 @@ fn v6_a_fragmented_ping_is_translated_and_its_fragmented_reply_restored() {
     assert!(in_spans(ident));
     assert_changed_within(&frags[0], &first, &[range(SRC6, 16), range(l4 + 2, 4)]);
     let sent = message(NODE6, REMOTE6, ICMPV6_ECHO_REQUEST, ident);
-    let expected = fragments6(NODE6, REMOTE6, ICMPV6, &sent, id, 104);
+    let expected = fragments(NODE6, REMOTE6, ICMPV6, &sent, id, 104);
     assert_frame(&first, &expected[0], &[l4 + 2]);
     let whole = [&first[l4..], &request[104..]].concat();
-    assert_eq!(residual6(NODE6, REMOTE6, ICMPV6, &whole), 0, "reassembled");
+    assert_eq!(residual(NODE6, REMOTE6, ICMPV6, &whole), 0, "reassembled");
     let (verdict, later) = h.egress(&frags[1]);
     assert_eq!((verdict, &later), (TC_ACT_OK, &expected[1]));
 
     let reply = message(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, ident);
-    let back_frags = fragments6(REMOTE6, NODE6, ICMPV6, &reply, id, 104);
+    let back_frags = fragments(REMOTE6, NODE6, ICMPV6, &reply, id, 104);
     let restored = message(REMOTE6, POD6, ICMPV6_ECHO_REPLY, 0x7777);
-    let expected = fragments6(REMOTE6, POD6, ICMPV6, &restored, id, 104);
+    let expected = fragments(REMOTE6, POD6, ICMPV6, &restored, id, 104);
     let (verdict, back) = h.ingress(&back_frags[0]);
     assert_eq!(verdict, TC_ACT_OK);
     assert_changed_within(&back_frags[0], &back, &[range(DST6, 16), range(l4 + 2, 4)]);
@@ -1150,18 +1162,18 @@ fn v6_connections_opened_from_outside_keep_the_pods_address() {
     let mut h = harness();
     // Stray segments open nothing: only a SYN starts a connection.
     for stray in [ACK, SYN | ACK, 0x04] {
-        h.ingress(&tcp6(REMOTE6, 5555, POD6, 8080, stray));
+        h.ingress(&tcp(REMOTE6, 5555, POD6, 8080, stray));
     }
     // Nor does anything sent to multicast or link-local addresses.
-    h.ingress(&udp6(REMOTE6, 5555, ALL_NODES, 8080));
-    h.ingress(&udp6(REMOTE6, 5555, HOST_LL, 8080));
+    h.ingress(&udp(REMOTE6, 5555, ALL_NODES, 8080));
+    h.ingress(&udp(REMOTE6, 5555, HOST_LL, 8080));
     assert_eq!(h.counter(Counter::InboundTracked), 0);
     assert!(h.nat_v6().is_empty(), "{:?}", h.nat_v6());
 
-    let syn = tcp6(REMOTE6, 5555, POD6, 8080, SYN);
+    let syn = tcp(REMOTE6, 5555, POD6, 8080, SYN);
     assert_eq!(h.ingress(&syn), (TC_ACT_OK, syn));
     assert_eq!(h.counter(Counter::InboundTracked), 1);
-    let syn_ack = tcp6(POD6, 8080, REMOTE6, 5555, SYN | ACK);
+    let syn_ack = tcp(POD6, 8080, REMOTE6, 5555, SYN | ACK);
     assert_eq!(
         h.egress(&syn_ack),
         (TC_ACT_OK, syn_ack),
@@ -1172,9 +1184,9 @@ fn v6_connections_opened_from_outside_keep_the_pods_address() {
     assert_eq!(nat.len(), 2);
     assert!(nat.iter().all(|(_, e)| e.kind == nat_kind::PASSTHROUGH));
     // The pod's own new connection to the same server is still masqueraded.
-    let (_, out) = h.egress(&tcp6(POD6, 40000, REMOTE6, 5555, SYN));
+    let (_, out) = h.egress(&tcp(POD6, 40000, REMOTE6, 5555, SYN));
     assert_eq!(src6(&out), NODE6);
-    assert!(checksum6_ok(&out));
+    assert!(checksums_ok::<Ipv6Addr>(&out));
 }
 
 #[test]
@@ -1182,37 +1194,37 @@ fn v6_exhausted_ports_and_a_full_table_drop_new_flows_and_keep_live_ones() {
     let v4: Vec<Ipv4Net> = vec![];
     let mut h = TestBed::new(1024, &([(5000, 5000)]), true, NODE_V4, &v4).unwrap();
     h.enable_ipv6(NODE6, &nets6(&POLICY)).unwrap();
-    let (verdict, a) = h.egress(&udp6(POD6, 1111, REMOTE6, 53));
+    let (verdict, a) = h.egress(&udp(POD6, 1111, REMOTE6, 53));
     assert_eq!((verdict, word(&a, L4_6)), (TC_ACT_OK, 5000));
-    let (verdict, _) = h.egress(&udp6(POD6_2, 2222, REMOTE6, 53));
+    let (verdict, _) = h.egress(&udp(POD6_2, 2222, REMOTE6, 53));
     assert_eq!(
         verdict, TC_ACT_SHOT,
         "the only port is taken for this server"
     );
     assert_eq!(h.counter(Counter::DropPortsExhausted), 1);
     assert_eq!(h.counter(Counter::AllocationFailed), 1);
-    let (verdict, c) = h.egress(&udp6(POD6_2, 2222, REMOTE6_2, 53));
+    let (verdict, c) = h.egress(&udp(POD6_2, 2222, REMOTE6_2, 53));
     assert_eq!((verdict, word(&c, L4_6)), (TC_ACT_OK, 5000));
     assert_eq!(h.nat_v6().len(), 4, "no half-created flow left behind");
-    let (_, back) = h.ingress(&udp6(REMOTE6, 53, NODE6, 5000));
-    assert_frame(&back, &udp6(REMOTE6, 53, POD6, 1111), &[L4_6 + 6]);
+    let (_, back) = h.ingress(&udp(REMOTE6, 53, NODE6, 5000));
+    assert_frame(&back, &udp(REMOTE6, 53, POD6, 1111), &[L4_6 + 6]);
 
     // Four entries: two flows fill the table.
     let mut h = TestBed::new(4, &([(1024, 65535)]), true, NODE_V4, &v4).unwrap();
     h.enable_ipv6(NODE6, &nets6(&POLICY)).unwrap();
-    let (_, a) = h.egress(&udp6(POD6, 1001, REMOTE6, 53));
-    let (_, b) = h.egress(&udp6(POD6, 1002, REMOTE6, 53));
+    let (_, a) = h.egress(&udp(POD6, 1001, REMOTE6, 53));
+    let (_, b) = h.egress(&udp(POD6, 1002, REMOTE6, 53));
     assert_eq!(h.nat_v6().len(), 4);
-    let (verdict, _) = h.egress(&udp6(POD6, 1003, REMOTE6, 53));
+    let (verdict, _) = h.egress(&udp(POD6, 1003, REMOTE6, 53));
     assert_eq!(verdict, TC_ACT_SHOT);
     assert_eq!(h.counter(Counter::DropNatTableFull), 1);
     assert_eq!(h.nat_v6().len(), 4, "and leaves nothing behind");
     for (out, pod_port) in [(a, 1001), (b, 1002)] {
         let port = word(&out, L4_6);
-        let (verdict, again) = h.egress(&udp6(POD6, pod_port, REMOTE6, 53));
+        let (verdict, again) = h.egress(&udp(POD6, pod_port, REMOTE6, 53));
         assert_eq!((verdict, word(&again, L4_6)), (TC_ACT_OK, port));
-        let (_, back) = h.ingress(&udp6(REMOTE6, 53, NODE6, port));
-        assert_frame(&back, &udp6(REMOTE6, 53, POD6, pod_port), &[L4_6 + 6]);
+        let (_, back) = h.ingress(&udp(REMOTE6, 53, NODE6, port));
+        assert_frame(&back, &udp(REMOTE6, 53, POD6, pod_port), &[L4_6 + 6]);
     }
 }
 
@@ -1223,20 +1235,20 @@ fn v6_exhausted_ports_and_a_full_table_drop_new_flows_and_keep_live_ones() {
 #[test]
 fn v6_the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple() {
     let mut h = harness();
-    let (_, out) = h.egress(&udp6(POD6, 40000, REMOTE6, 8080));
+    let (_, out) = h.egress(&udp(POD6, 40000, REMOTE6, 8080));
     let held = word(&out, L4_6);
-    let (verdict, left) = h.egress(&udp6(NODE6, held, REMOTE6, 8080));
+    let (verdict, left) = h.egress(&udp(NODE6, held, REMOTE6, 8080));
     assert_eq!(verdict, TC_ACT_OK);
     let other = word(&left, L4_6);
     assert_ne!(other, held);
-    assert_frame(&left, &udp6(NODE6, other, REMOTE6, 8080), &[L4_6 + 6]);
+    assert_frame(&left, &udp(NODE6, other, REMOTE6, 8080), &[L4_6 + 6]);
     assert_eq!(h.counter(Counter::NodePortClash), 1);
-    let (_, back) = h.ingress(&udp6(REMOTE6, 8080, NODE6, other));
-    assert_frame(&back, &udp6(REMOTE6, 8080, NODE6, held), &[L4_6 + 6]);
-    let (_, back) = h.ingress(&udp6(REMOTE6, 8080, NODE6, held));
-    assert_frame(&back, &udp6(REMOTE6, 8080, POD6, 40000), &[L4_6 + 6]);
+    let (_, back) = h.ingress(&udp(REMOTE6, 8080, NODE6, other));
+    assert_frame(&back, &udp(REMOTE6, 8080, NODE6, held), &[L4_6 + 6]);
+    let (_, back) = h.ingress(&udp(REMOTE6, 8080, NODE6, held));
+    assert_frame(&back, &udp(REMOTE6, 8080, POD6, 40000), &[L4_6 + 6]);
     // A node flow that clashes with nothing keeps its port, and its tuple is held.
-    let free = udp6(NODE6, 33333, REMOTE6, 8080);
+    let free = udp(NODE6, 33333, REMOTE6, 8080);
     assert_eq!(h.egress(&free), (TC_ACT_OK, free.clone()));
     assert!(
         h.nat_v6()
@@ -1249,11 +1261,11 @@ fn v6_the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple() {
 fn v6_without_enable_ipv6_nothing_is_translated() {
     let mut h = bare_harness();
     let datagram = long_udp(POD6, 3000, REMOTE6, 53);
-    let frags = fragments6(POD6, REMOTE6, UDP, &datagram, 7, 48);
+    let frags = fragments(POD6, REMOTE6, UDP, &datagram, 7, 48);
     let egress = [
-        tcp6(POD6, 40000, REMOTE6, 80, SYN),
-        udp6(POD6, 40000, REMOTE6, 53),
-        ping6(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 1),
+        tcp(POD6, 40000, REMOTE6, 80, SYN),
+        udp(POD6, 40000, REMOTE6, 53),
+        ping(POD6, REMOTE6, ICMPV6_ECHO_REQUEST, 1),
         frags[0].clone(),
         frags[1].clone(),
     ];
@@ -1262,17 +1274,17 @@ fn v6_without_enable_ipv6_nothing_is_translated() {
         assert_eq!(h.counter(Counter::NotInspected), n as u64 + 1, "egress {n}");
     }
     let ingress = [
-        tcp6(REMOTE6, 80, NODE6, 40000, SYN | ACK),
+        tcp(REMOTE6, 80, NODE6, 40000, SYN | ACK),
         // A connection opened from outside toward a pod opens no flow either.
-        tcp6(REMOTE6, 5555, POD6, 8080, SYN),
-        udp6(REMOTE6, 53, POD6, 40000),
-        ping6(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, 1),
+        tcp(REMOTE6, 5555, POD6, 8080, SYN),
+        udp(REMOTE6, 53, POD6, 40000),
+        ping(REMOTE6, NODE6, ICMPV6_ECHO_REPLY, 1),
         icmp6_error(
             ICMPV6_PACKET_TOO_BIG,
             0,
             MTU_1280,
             NODE6,
-            &tcp6(NODE6, 40000, REMOTE6, 80, SYN),
+            &tcp(NODE6, 40000, REMOTE6, 80, SYN),
             60,
         ),
     ];

@@ -4,6 +4,7 @@
 //! a translation with this code checks it independently.
 
 use std::{
+    fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     ops::Range,
 };
@@ -12,7 +13,7 @@ pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 pub const ICMP: u8 = 1;
 /// Where the L4 header starts in the frames built here (Ethernet, option-less IPv4).
-pub const L4: usize = 34;
+pub const L4: usize = <Ipv4Addr as IpFamily>::L4;
 
 fn ones_sum(data: &[u8]) -> u32 {
     data.chunks(2)
@@ -55,23 +56,6 @@ pub fn ipv4_header(
     let c = checksum(&h);
     h[10..12].copy_from_slice(&c.to_be_bytes());
     h
-}
-
-/// A TCP or UDP segment (8-byte UDP header, 20-byte TCP header) with a payload and a correct
-/// checksum over the pseudo-header.
-pub fn l4_segment(
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
-    proto: u8,
-    sport: u16,
-    dport: u16,
-    flags: u8,
-) -> Vec<u8> {
-    let mut s = segment_without_checksum(proto, sport, dport, flags);
-    let c = checksum(&[pseudo_header(src, dst, proto, s.len()), s.clone()].concat());
-    let off = if proto == TCP { 16 } else { 6 };
-    s[off..off + 2].copy_from_slice(&c.to_be_bytes());
-    s
 }
 
 /// The payload of the segments and datagrams built here, unless a test gives one.
@@ -135,50 +119,29 @@ impl Tcp<'_> {
         s
     }
 
-    /// The segment from `src` to `dst`, of either family, its checksum computed over their
-    /// pseudo-header.
-    pub fn segment(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    /// The segment from `src` to `dst`, its checksum computed over their pseudo-header.
+    pub fn segment<A: IpFamily>(&self, src: A, dst: A) -> Vec<u8> {
         let mut seg = self.without_checksum();
-        match (src, dst) {
-            (IpAddr::V4(src), IpAddr::V4(dst)) => {
-                let c = checksum(&[pseudo_header(src, dst, TCP, seg.len()), seg.clone()].concat());
-                seg[16..18].copy_from_slice(&c.to_be_bytes());
-            }
-            (IpAddr::V6(src), IpAddr::V6(dst)) => fill_checksum6(src, dst, TCP, &mut seg),
-            _ => panic!("{src} and {dst} are of two families"),
-        }
+        fill_checksum(src, dst, TCP, &mut seg);
         seg
     }
 
     /// The segment in a frame from `src` to `dst`, checksums computed.
-    pub fn frame(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
-        let seg = self.segment(src, dst);
+    pub fn frame<A: IpFamily>(&self, src: A, dst: A) -> Vec<u8> {
+        frame(src, dst, TCP, &self.segment(src, dst))
+    }
+
+    /// The segment alone, for addresses whose family is known only when the test runs.
+    pub fn segment_between(&self, src: IpAddr, dst: IpAddr) -> Vec<u8> {
         match (src, dst) {
-            (IpAddr::V4(src), IpAddr::V4(dst)) => frame(src, dst, TCP, &seg),
-            (IpAddr::V6(src), IpAddr::V6(dst)) => frame6(src, dst, TCP, &seg),
-            _ => unreachable!("segment() refuses two families"),
+            (IpAddr::V4(src), IpAddr::V4(dst)) => self.segment(src, dst),
+            (IpAddr::V6(src), IpAddr::V6(dst)) => self.segment(src, dst),
+            _ => panic!("{src} and {dst} are of two families"),
         }
     }
 }
 
-pub fn icmp_message(kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
-    let mut m = vec![kind, code, 0, 0];
-    m.extend(rest);
-    m.extend(body);
-    let c = checksum(&m);
-    m[2..4].copy_from_slice(&c.to_be_bytes());
-    m
-}
-
-pub fn echo(kind: u8, id: u16) -> Vec<u8> {
-    let [a, b] = id.to_be_bytes();
-    icmp_message(kind, 0, [a, b, 0, 1], b"ping payload")
-}
-
-pub fn frame(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
-    frame_with_frag(src, dst, proto, l4, 0)
-}
-
+/// An Ethernet + option-less IPv4 frame whose flags and fragment offset field is `frag`.
 pub fn frame_with_frag(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8], frag: u16) -> Vec<u8> {
     let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
     f.extend(ipv4_header(src, dst, proto, l4.len(), frag));
@@ -186,30 +149,19 @@ pub fn frame_with_frag(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8], frag:
     f
 }
 
-pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u8> {
-    frame(
-        src,
-        dst,
-        TCP,
-        &l4_segment(src, dst, TCP, sport, dport, flags),
-    )
-}
-
-pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Vec<u8> {
-    frame(src, dst, UDP, &l4_segment(src, dst, UDP, sport, dport, 0))
-}
-
 pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
 pub const RST: u8 = 0x04;
 pub const ACK: u8 = 0x10;
 
+/// The source address of an option-less IPv4 frame.
 pub fn src(f: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(f[26], f[27], f[28], f[29])
+    Ipv4Addr::at(f, Ipv4Addr::SRC)
 }
 
+/// Its destination.
 pub fn dst(f: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::new(f[30], f[31], f[32], f[33])
+    Ipv4Addr::at(f, Ipv4Addr::DST)
 }
 
 pub fn word(f: &[u8], off: usize) -> u16 {
@@ -220,15 +172,13 @@ pub fn word(f: &[u8], off: usize) -> u16 {
 
 pub const ICMPV6: u8 = 58;
 pub const ETHERTYPE_IPV6: u16 = 0x86dd;
-/// Where the IPv6 header starts in the frames built here.
-pub const IP6: usize = 14;
 /// The fixed IPv6 header's length.
 pub const IPV6_HLEN: usize = 40;
 /// Where the source and destination addresses sit in the frames built here.
-pub const SRC6: usize = IP6 + 8;
-pub const DST6: usize = IP6 + 24;
+pub const SRC6: usize = IP + 8;
+pub const DST6: usize = IP + 24;
 /// Where the L4 header starts in an IPv6 frame without extension headers.
-pub const L4_6: usize = IP6 + IPV6_HLEN;
+pub const L4_6: usize = <Ipv6Addr as IpFamily>::L4;
 
 /// Next-header values of the extension headers (RFC 8200 §4, RFC 4302).
 pub const NH_HOP_BY_HOP: u8 = 0;
@@ -415,10 +365,6 @@ pub fn frame6_ext(
     f
 }
 
-pub fn frame6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
-    frame6_ext(src, dst, &[], proto, l4)
-}
-
 /// `frame` (Ethernet + IPv6) with `exts` inserted right behind its fixed header, ahead of
 /// whatever followed it: the chain is relinked and the payload length grown. The upper layer
 /// is untouched, and so is its checksum, which extension headers do not enter.
@@ -427,10 +373,10 @@ pub fn insert_ext6(frame: &[u8], exts: &[ExtHeader]) -> Vec<u8> {
         return frame.to_vec();
     }
     let mut f = frame.to_vec();
-    let chain = ext_chain(exts, f[IP6 + 6]);
-    f[IP6 + 6] = exts[0].kind;
-    let payload_len = usize::from(word(&f, IP6 + 4)) + chain.len();
-    f[IP6 + 4..IP6 + 6].copy_from_slice(&(payload_len as u16).to_be_bytes());
+    let chain = ext_chain(exts, f[IP + 6]);
+    f[IP + 6] = exts[0].kind;
+    let payload_len = usize::from(word(&f, IP + 4)) + chain.len();
+    f[IP + 4..IP + 6].copy_from_slice(&(payload_len as u16).to_be_bytes());
     f.splice(L4_6..L4_6, chain);
     f
 }
@@ -438,7 +384,7 @@ pub fn insert_ext6(frame: &[u8], exts: &[ExtHeader]) -> Vec<u8> {
 /// `frame` with its hop limit set to `hops` (255 for neighbour discovery, 1 for MLD).
 pub fn with_hop_limit6(frame: &[u8], hops: u8) -> Vec<u8> {
     let mut f = frame.to_vec();
-    f[IP6 + 7] = hops;
+    f[IP + 7] = hops;
     f
 }
 
@@ -449,116 +395,6 @@ pub fn l4_checksum_offset(proto: u8) -> usize {
         UDP => 6,
         _ => 2,
     }
-}
-
-/// Computes the checksum of the upper-layer bytes `seg` (TCP, UDP or ICMPv6) over the IPv6
-/// pseudo-header and stores it in place. UDP's 0 is sent as 0xffff (RFC 8200 §8.1).
-pub fn fill_checksum6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, seg: &mut [u8]) {
-    let off = l4_checksum_offset(proto);
-    seg[off..off + 2].copy_from_slice(&[0, 0]);
-    let mut c = checksum(&[pseudo_header6(src, dst, proto, seg.len()), seg.to_vec()].concat());
-    if proto == UDP && c == 0 {
-        c = 0xffff;
-    }
-    seg[off..off + 2].copy_from_slice(&c.to_be_bytes());
-}
-
-/// A TCP or UDP segment laid out as `l4_segment`'s, with its checksum over the IPv6
-/// pseudo-header.
-pub fn l4_segment6(
-    src: Ipv6Addr,
-    dst: Ipv6Addr,
-    proto: u8,
-    sport: u16,
-    dport: u16,
-    flags: u8,
-) -> Vec<u8> {
-    let mut s = segment_without_checksum(proto, sport, dport, flags);
-    fill_checksum6(src, dst, proto, &mut s);
-    s
-}
-
-/// An ICMPv6 message, its checksum over the pseudo-header (unlike ICMPv4's).
-pub fn icmp6_message(
-    src: Ipv6Addr,
-    dst: Ipv6Addr,
-    kind: u8,
-    code: u8,
-    rest: [u8; 4],
-    body: &[u8],
-) -> Vec<u8> {
-    let mut m = vec![kind, code, 0, 0];
-    m.extend(rest);
-    m.extend(body);
-    fill_checksum6(src, dst, ICMPV6, &mut m);
-    m
-}
-
-/// An echo request (128) or reply (129) with identifier `id`, sequence 1.
-pub fn echo6(src: Ipv6Addr, dst: Ipv6Addr, kind: u8, id: u16) -> Vec<u8> {
-    let [a, b] = id.to_be_bytes();
-    icmp6_message(src, dst, kind, 0, [a, b, 0, 1], b"ping6 payload")
-}
-
-pub fn tcp6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Vec<u8> {
-    frame6(
-        src,
-        dst,
-        TCP,
-        &l4_segment6(src, dst, TCP, sport, dport, flags),
-    )
-}
-
-pub fn udp6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16) -> Vec<u8> {
-    frame6(src, dst, UDP, &l4_segment6(src, dst, UDP, sport, dport, 0))
-}
-
-/// An echo request or reply frame.
-pub fn ping6(src: Ipv6Addr, dst: Ipv6Addr, kind: u8, id: u16) -> Vec<u8> {
-    frame6(src, dst, ICMPV6, &echo6(src, dst, kind, id))
-}
-
-/// An ICMPv6 message in a frame.
-pub fn icmp6_frame(
-    src: Ipv6Addr,
-    dst: Ipv6Addr,
-    kind: u8,
-    code: u8,
-    rest: [u8; 4],
-    body: &[u8],
-) -> Vec<u8> {
-    frame6(
-        src,
-        dst,
-        ICMPV6,
-        &icmp6_message(src, dst, kind, code, rest, body),
-    )
-}
-
-/// The upper-layer `datagram` of protocol `proto` cut into fragments of `size` bytes (a
-/// multiple of 8; the last one takes the rest), each in a frame of its own behind a fragment
-/// header with identification `id`, first fragment first.
-pub fn fragments6(
-    src: Ipv6Addr,
-    dst: Ipv6Addr,
-    proto: u8,
-    datagram: &[u8],
-    id: u32,
-    size: usize,
-) -> Vec<Vec<u8>> {
-    assert!(
-        size > 0 && size.is_multiple_of(8),
-        "fragments are multiples of 8 bytes"
-    );
-    let count = datagram.len().div_ceil(size);
-    datagram
-        .chunks(size)
-        .enumerate()
-        .map(|(i, chunk)| {
-            let header = ExtHeader::fragment((i * size / 8) as u16, i + 1 < count, id);
-            frame6_ext(src, dst, &[header], proto, chunk)
-        })
-        .collect()
 }
 
 /// The IPv6 address at `off` in `f`.
@@ -617,6 +453,17 @@ impl Headers6 {
         self.fragment.is_some_and(|f| !f.is_atomic())
     }
 
+    /// What every family's packet has.
+    pub fn packet(&self) -> IpPacket<Ipv6Addr> {
+        IpPacket {
+            src: self.src,
+            dst: self.dst,
+            proto: self.proto,
+            l4: self.l4,
+            partial: self.is_partial(),
+        }
+    }
+
     /// A fragment other than the first: its bytes are payload, with no L4 header.
     pub fn is_later_fragment(&self) -> bool {
         self.fragment.is_some_and(|f| f.offset != 0)
@@ -672,10 +519,10 @@ pub fn headers6_at(f: &[u8], ip: usize) -> Option<Headers6> {
 
 /// `headers6_at` for the frame's own IPv6 header; `None` if the frame is not IPv6.
 pub fn headers6(f: &[u8]) -> Option<Headers6> {
-    if f.len() < IP6 || word(f, 12) != ETHERTYPE_IPV6 {
+    if f.len() < IP || word(f, 12) != ETHERTYPE_IPV6 {
         return None;
     }
-    headers6_at(f, IP6)
+    headers6_at(f, IP)
 }
 
 /// Where the upper layer starts in an IPv6 frame, past its extension headers.
@@ -691,39 +538,6 @@ pub fn quote6(f: &[u8]) -> Option<Headers6> {
         return None;
     }
     headers6_at(f, outer.l4 + 8)
-}
-
-/// The upper-layer checksum residual of `seg` under the pseudo-header of (`src`, `dst`,
-/// `proto`, `seg.len()`): 0 when the checksum is valid.
-pub fn residual6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, seg: &[u8]) -> u16 {
-    checksum(&[pseudo_header6(src, dst, proto, seg.len()), seg.to_vec()].concat())
-}
-
-/// Whether the upper layer found by `h` in `f` (running to the end of `f`) carries a valid
-/// TCP, UDP or ICMPv6 checksum. False for anything that cannot be checked on its own: a partial
-/// fragment, a header too short to hold its checksum, another protocol, or a UDP checksum of 0,
-/// which IPv6 forbids.
-pub fn segment_checksum6_ok(f: &[u8], h: &Headers6) -> bool {
-    if h.is_partial() || h.l4 > f.len() {
-        return false;
-    }
-    let seg = &f[h.l4..];
-    let min = match h.proto {
-        TCP => 20,
-        UDP => 8,
-        ICMPV6 => 4,
-        _ => return false,
-    };
-    if seg.len() < min || (h.proto == UDP && word(seg, 6) == 0) {
-        return false;
-    }
-    residual6(h.src, h.dst, h.proto, seg) == 0
-}
-
-/// Whether an Ethernet + IPv6 frame's upper-layer checksum verifies, computed from scratch
-/// after walking the header chain.
-pub fn checksum6_ok(f: &[u8]) -> bool {
-    headers6(f).is_some_and(|h| segment_checksum6_ok(f, &h))
 }
 
 /// RFC 1624 eqn. 3, from scratch: the checksum `check` after the covered bytes `old` became
@@ -742,6 +556,356 @@ pub fn checksum_adjusted(check: u16, old: &[u8], new: &[u8]) -> u16 {
 /// stand for zero.
 pub fn same_checksum(a: u16, b: u16) -> bool {
     a == b || (a | b == 0xffff && a & b == 0 && (a == 0 || b == 0))
+}
+
+// ---- either family --------------------------------------------------------------------------
+
+/// An address family as the frames built here lay it out, implemented by the family's address
+/// type: a builder's family follows from the addresses it is given, and a test written once
+/// over `A: IpFamily` runs over both, as the programs are written once over their `Family`.
+pub trait IpFamily: Copy + Eq + fmt::Debug + fmt::Display + Into<IpAddr> + 'static {
+    /// The family's ICMP: its protocol number, and its echo request and reply types.
+    const ICMP: u8;
+    const ECHO_REQUEST: u8;
+    const ECHO_REPLY: u8;
+    /// The length of an address, and of the IP header of the frames built here (no options,
+    /// no extension headers), which starts right behind the Ethernet header.
+    const ADDR_LEN: usize;
+    const IP_HLEN: usize;
+    /// Where the source and destination addresses sit in the frames built here.
+    const SRC: usize;
+    const DST: usize;
+    /// Where the upper layer starts in the frames built here.
+    const L4: usize = IP + Self::IP_HLEN;
+    /// Where the IP header's own checksum sits, in the family that has one.
+    const IP_CHECKSUM: Option<usize>;
+    /// Whether a UDP checksum of 0 means "none" (IPv4) rather than an invalid one (IPv6).
+    const UDP_CHECKSUM_OPTIONAL: bool;
+
+    /// The address at `off` in `f`.
+    fn at(f: &[u8], off: usize) -> Self;
+    fn to_bytes(self) -> Vec<u8>;
+    fn pseudo_header(src: Self, dst: Self, proto: u8, len: usize) -> Vec<u8>;
+    /// An Ethernet frame carrying the upper layer `l4` of protocol `proto`.
+    fn frame(src: Self, dst: Self, proto: u8, l4: &[u8]) -> Vec<u8>;
+    /// The upper-layer `datagram` cut into fragments of `size` bytes (a multiple of 8; the
+    /// last one takes the rest) with identification `id`, each in a frame of its own, first
+    /// fragment first.
+    fn fragments(
+        src: Self,
+        dst: Self,
+        proto: u8,
+        datagram: &[u8],
+        id: u32,
+        size: usize,
+    ) -> Vec<Vec<u8>>;
+    /// The IP packet whose header starts at `ip` in `f`, or `None` if it is not of this family
+    /// or cut short.
+    fn packet_at(f: &[u8], ip: usize) -> Option<IpPacket<Self>>;
+    /// Whether the IP header at `ip` carries a valid checksum of its own (IPv6 has none).
+    fn header_checksum_ok(f: &[u8], ip: usize) -> bool;
+}
+
+/// Where the IP header starts in the frames built here, behind the Ethernet header.
+pub const IP: usize = 14;
+
+/// An IP packet's header, as `IpFamily::packet_at` read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpPacket<A> {
+    pub src: A,
+    pub dst: A,
+    /// The upper-layer protocol, past any extension headers.
+    pub proto: u8,
+    /// Where the upper layer (in a later fragment: its slice of the datagram) starts.
+    pub l4: usize,
+    /// A fragment that holds only part of its datagram.
+    pub partial: bool,
+}
+
+impl IpFamily for Ipv4Addr {
+    const ICMP: u8 = ICMP;
+    const ECHO_REQUEST: u8 = 8;
+    const ECHO_REPLY: u8 = 0;
+    const ADDR_LEN: usize = 4;
+    const IP_HLEN: usize = 20;
+    const SRC: usize = IP + 12;
+    const DST: usize = IP + 16;
+    const IP_CHECKSUM: Option<usize> = Some(IP + 10);
+    const UDP_CHECKSUM_OPTIONAL: bool = true;
+
+    fn at(f: &[u8], off: usize) -> Self {
+        Ipv4Addr::new(f[off], f[off + 1], f[off + 2], f[off + 3])
+    }
+
+    fn to_bytes(self) -> Vec<u8> {
+        self.octets().to_vec()
+    }
+
+    fn pseudo_header(src: Self, dst: Self, proto: u8, len: usize) -> Vec<u8> {
+        pseudo_header(src, dst, proto, len)
+    }
+
+    fn frame(src: Self, dst: Self, proto: u8, l4: &[u8]) -> Vec<u8> {
+        frame_with_frag(src, dst, proto, l4, 0)
+    }
+
+    fn fragments(
+        src: Self,
+        dst: Self,
+        proto: u8,
+        datagram: &[u8],
+        id: u32,
+        size: usize,
+    ) -> Vec<Vec<u8>> {
+        fragment_offsets(datagram, size)
+            .map(|(offset, more, chunk)| {
+                let frag = offset | if more { IPV4_MORE_FRAGMENTS } else { 0 };
+                let mut f = frame_with_frag(src, dst, proto, chunk, frag);
+                // The identification is the header's only 16-bit field that tells datagrams
+                // apart; the header checksum is made right again.
+                f[IP + 4..IP + 6].copy_from_slice(&(id as u16).to_be_bytes());
+                f[IP + 10..IP + 12].copy_from_slice(&[0, 0]);
+                let c = checksum(&f[IP..IP + 20]);
+                f[IP + 10..IP + 12].copy_from_slice(&c.to_be_bytes());
+                f
+            })
+            .collect()
+    }
+
+    fn packet_at(f: &[u8], ip: usize) -> Option<IpPacket<Self>> {
+        let first = *f.get(ip)?;
+        let hlen = usize::from(first & 0x0f) * 4;
+        if first >> 4 != 4 || hlen < 20 || f.len() < ip + hlen {
+            return None;
+        }
+        let frag = word(f, ip + 6);
+        Some(IpPacket {
+            src: Self::at(f, ip + 12),
+            dst: Self::at(f, ip + 16),
+            proto: f[ip + 9],
+            l4: ip + hlen,
+            partial: frag & (IPV4_MORE_FRAGMENTS | IPV4_OFFSET_MASK) != 0,
+        })
+    }
+
+    fn header_checksum_ok(f: &[u8], ip: usize) -> bool {
+        let hlen = usize::from(f[ip] & 0x0f) * 4;
+        checksum(&f[ip..ip + hlen]) == 0
+    }
+}
+
+impl IpFamily for Ipv6Addr {
+    const ICMP: u8 = ICMPV6;
+    const ECHO_REQUEST: u8 = ICMPV6_ECHO_REQUEST;
+    const ECHO_REPLY: u8 = ICMPV6_ECHO_REPLY;
+    const ADDR_LEN: usize = 16;
+    const IP_HLEN: usize = IPV6_HLEN;
+    const SRC: usize = SRC6;
+    const DST: usize = DST6;
+    const IP_CHECKSUM: Option<usize> = None;
+    const UDP_CHECKSUM_OPTIONAL: bool = false;
+
+    fn at(f: &[u8], off: usize) -> Self {
+        addr6_at(f, off)
+    }
+
+    fn to_bytes(self) -> Vec<u8> {
+        self.octets().to_vec()
+    }
+
+    fn pseudo_header(src: Self, dst: Self, proto: u8, len: usize) -> Vec<u8> {
+        pseudo_header6(src, dst, proto, len)
+    }
+
+    fn frame(src: Self, dst: Self, proto: u8, l4: &[u8]) -> Vec<u8> {
+        frame6_ext(src, dst, &[], proto, l4)
+    }
+
+    fn fragments(
+        src: Self,
+        dst: Self,
+        proto: u8,
+        datagram: &[u8],
+        id: u32,
+        size: usize,
+    ) -> Vec<Vec<u8>> {
+        fragment_offsets(datagram, size)
+            .map(|(offset, more, chunk)| {
+                frame6_ext(
+                    src,
+                    dst,
+                    &[ExtHeader::fragment(offset, more, id)],
+                    proto,
+                    chunk,
+                )
+            })
+            .collect()
+    }
+
+    fn packet_at(f: &[u8], ip: usize) -> Option<IpPacket<Self>> {
+        headers6_at(f, ip).map(|h| h.packet())
+    }
+
+    fn header_checksum_ok(_: &[u8], _: usize) -> bool {
+        true
+    }
+}
+
+/// IPv4's flags-and-offset field: more fragments, and the offset in eight-byte units.
+pub const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
+pub const IPV4_OFFSET_MASK: u16 = 0x1fff;
+
+/// `datagram` in slices of `size` bytes: each one's offset in eight-byte units, whether more
+/// follow, and its bytes.
+fn fragment_offsets(datagram: &[u8], size: usize) -> impl Iterator<Item = (u16, bool, &[u8])> {
+    assert!(
+        size > 0 && size.is_multiple_of(8),
+        "fragments are multiples of 8 bytes"
+    );
+    let count = datagram.len().div_ceil(size);
+    datagram
+        .chunks(size)
+        .enumerate()
+        .map(move |(i, chunk)| ((i * size / 8) as u16, i + 1 < count, chunk))
+}
+
+/// The upper-layer checksum residual of `seg` from `src` to `dst`: 0 when the checksum is
+/// valid. Every upper layer sums the pseudo-header but ICMPv4's.
+pub fn residual<A: IpFamily>(src: A, dst: A, proto: u8, seg: &[u8]) -> u16 {
+    if proto == ICMP {
+        return checksum(seg);
+    }
+    checksum(&[A::pseudo_header(src, dst, proto, seg.len()), seg.to_vec()].concat())
+}
+
+/// Computes the checksum of the upper layer `seg` (TCP, UDP or the family's ICMP) and stores
+/// it in place. A UDP sum of 0 is sent as 0xffff (RFC 768, RFC 8200 §8.1).
+pub fn fill_checksum<A: IpFamily>(src: A, dst: A, proto: u8, seg: &mut [u8]) {
+    let off = l4_checksum_offset(proto);
+    seg[off..off + 2].copy_from_slice(&[0, 0]);
+    let mut c = residual(src, dst, proto, seg);
+    if proto == UDP && c == 0 {
+        c = 0xffff;
+    }
+    seg[off..off + 2].copy_from_slice(&c.to_be_bytes());
+}
+
+/// A TCP segment (20-byte header) or UDP datagram with a payload and its checksum.
+pub fn l4_segment<A: IpFamily>(
+    src: A,
+    dst: A,
+    proto: u8,
+    sport: u16,
+    dport: u16,
+    flags: u8,
+) -> Vec<u8> {
+    let mut s = segment_without_checksum(proto, sport, dport, flags);
+    fill_checksum(src, dst, proto, &mut s);
+    s
+}
+
+/// An Ethernet frame carrying the upper layer `l4` of protocol `proto` from `src` to `dst`.
+pub fn frame<A: IpFamily>(src: A, dst: A, proto: u8, l4: &[u8]) -> Vec<u8> {
+    A::frame(src, dst, proto, l4)
+}
+
+pub fn tcp<A: IpFamily>(src: A, sport: u16, dst: A, dport: u16, flags: u8) -> Vec<u8> {
+    frame(
+        src,
+        dst,
+        TCP,
+        &l4_segment(src, dst, TCP, sport, dport, flags),
+    )
+}
+
+pub fn udp<A: IpFamily>(src: A, sport: u16, dst: A, dport: u16) -> Vec<u8> {
+    frame(src, dst, UDP, &l4_segment(src, dst, UDP, sport, dport, 0))
+}
+
+/// An ICMP or ICMPv6 message: type, code, the four bytes of "rest of header", the body, and
+/// its checksum.
+pub fn icmp_message<A: IpFamily>(
+    src: A,
+    dst: A,
+    kind: u8,
+    code: u8,
+    rest: [u8; 4],
+    body: &[u8],
+) -> Vec<u8> {
+    let mut m = [vec![kind, code, 0, 0], rest.to_vec(), body.to_vec()].concat();
+    fill_checksum(src, dst, A::ICMP, &mut m);
+    m
+}
+
+/// The same in a frame.
+pub fn icmp_frame<A: IpFamily>(
+    src: A,
+    dst: A,
+    kind: u8,
+    code: u8,
+    rest: [u8; 4],
+    body: &[u8],
+) -> Vec<u8> {
+    frame(
+        src,
+        dst,
+        A::ICMP,
+        &icmp_message(src, dst, kind, code, rest, body),
+    )
+}
+
+/// An echo request or reply message with identifier `id`, sequence 1.
+pub fn echo_message<A: IpFamily>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
+    let [a, b] = id.to_be_bytes();
+    icmp_message(src, dst, kind, 0, [a, b, 0, 1], b"ping payload")
+}
+
+/// The same in a frame.
+pub fn ping<A: IpFamily>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
+    frame(src, dst, A::ICMP, &echo_message(src, dst, kind, id))
+}
+
+/// `A::fragments`, with the family following from the addresses.
+pub fn fragments<A: IpFamily>(
+    src: A,
+    dst: A,
+    proto: u8,
+    datagram: &[u8],
+    id: u32,
+    size: usize,
+) -> Vec<Vec<u8>> {
+    A::fragments(src, dst, proto, datagram, id, size)
+}
+
+/// Whether the upper layer of `p` in `f` (running to the end of `f`) carries a valid TCP, UDP
+/// or ICMP checksum, computed from scratch. False for what cannot be checked on its own: a
+/// partial fragment, a header too short to hold its checksum, another protocol, or a UDP
+/// checksum of 0 where the family forbids it; a UDP checksum of 0 where it means "none" is
+/// true.
+pub fn segment_checksum_ok<A: IpFamily>(f: &[u8], p: &IpPacket<A>) -> bool {
+    if p.partial || p.l4 > f.len() {
+        return false;
+    }
+    let seg = &f[p.l4..];
+    let min = match p.proto {
+        TCP => 20,
+        UDP => 8,
+        proto if proto == A::ICMP => 4,
+        _ => return false,
+    };
+    if seg.len() < min {
+        return false;
+    }
+    if p.proto == UDP && word(seg, 6) == 0 {
+        return A::UDP_CHECKSUM_OPTIONAL;
+    }
+    residual(p.src, p.dst, p.proto, seg) == 0
+}
+
+/// Whether every checksum of the frame's own packet verifies from scratch: the IP header's
+/// (IPv4) and the upper layer's.
+pub fn checksums_ok<A: IpFamily>(f: &[u8]) -> bool {
+    A::packet_at(f, IP).is_some_and(|p| A::header_checksum_ok(f, IP) && segment_checksum_ok(f, &p))
 }
 
 // ---- checking what came out ----------------------------------------------------------------
@@ -800,23 +964,77 @@ mod tests {
     #[test]
     fn ipv6_checksums_match_known_answers() {
         // Both checked with `tcpdump -vv`, which verifies them with code of its own.
-        assert_eq!(word(&tcp6(A, 40000, B, 80, SYN), L4_6 + 16), 0x46ec);
-        let f = tcp6(A, 40000, B, 80, SYN);
-        assert!(checksum6_ok(&f));
+        assert_eq!(word(&tcp(A, 40000, B, 80, SYN), L4_6 + 16), 0x46ec);
+        let f = tcp(A, 40000, B, 80, SYN);
+        assert!(checksums_ok::<Ipv6Addr>(&f));
         for i in L4_6..f.len() {
             let mut broken = f.clone();
             broken[i] ^= 0x01;
             assert!(
-                !checksum6_ok(&broken),
+                !checksums_ok::<Ipv6Addr>(&broken),
                 "a flipped bit at {i} goes unnoticed"
             );
         }
         // The pseudo-header counts: another address breaks the checksum.
         let mut moved = f.clone();
         moved[SRC6 + 15] ^= 1;
-        assert!(!checksum6_ok(&moved));
-        assert!(checksum6_ok(&udp6(A, 1, B, 2)));
-        assert!(checksum6_ok(&ping6(A, B, ICMPV6_ECHO_REQUEST, 7)));
+        assert!(!checksums_ok::<Ipv6Addr>(&moved));
+        assert!(checksums_ok::<Ipv6Addr>(&udp(A, 1, B, 2)));
+        assert!(checksums_ok::<Ipv6Addr>(&ping(
+            A,
+            B,
+            ICMPV6_ECHO_REQUEST,
+            7
+        )));
+    }
+
+    #[test]
+    fn ipv4_checksums_are_checked_from_scratch() {
+        let (a, b) = (Ipv4Addr::new(10, 244, 1, 2), Ipv4Addr::new(203, 0, 113, 10));
+        for f in [
+            tcp(a, 40000, b, 80, SYN),
+            udp(a, 1, b, 2),
+            ping(a, b, Ipv4Addr::ECHO_REQUEST, 7),
+        ] {
+            assert!(checksums_ok::<Ipv4Addr>(&f));
+            for i in IP..f.len() {
+                let mut broken = f.clone();
+                broken[i] ^= 0x01;
+                assert!(
+                    !checksums_ok::<Ipv4Addr>(&broken),
+                    "a flipped bit at {i} goes unnoticed"
+                );
+            }
+        }
+        let mut no_checksum = udp(a, 1, b, 2);
+        no_checksum[L4 + 6..L4 + 8].copy_from_slice(&[0, 0]);
+        assert!(checksums_ok::<Ipv4Addr>(&no_checksum), "UDP's 0 is none");
+    }
+
+    #[test]
+    fn ipv4_fragments_carry_offsets_flags_and_id() {
+        let (a, b) = (Ipv4Addr::new(10, 244, 1, 2), Ipv4Addr::new(203, 0, 113, 10));
+        let datagram: Vec<u8> = (0..100u8).collect();
+        let frags = fragments(a, b, UDP, &datagram, 0x0102_0304, 48);
+        let fields: Vec<(u16, u16, bool)> = frags
+            .iter()
+            .map(|f| {
+                let p = Ipv4Addr::packet_at(f, IP).unwrap();
+                assert!(Ipv4Addr::header_checksum_ok(f, IP));
+                assert_eq!((p.src, p.dst, p.proto, p.l4), (a, b, UDP, L4));
+                (word(f, IP + 4), word(f, IP + 6), p.partial)
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                (0x0304, 0x2000, true),
+                (0x0304, 0x2006, true),
+                (0x0304, 12, true)
+            ]
+        );
+        let whole: Vec<u8> = frags.iter().flat_map(|f| f[L4..].to_vec()).collect();
+        assert_eq!(whole, datagram);
     }
 
     #[test]
@@ -831,8 +1049,8 @@ mod tests {
             exts.iter().map(ExtHeader::len).collect::<Vec<_>>(),
             [8, 24, 16, 24]
         );
-        let f = insert_ext6(&tcp6(A, 1, B, 2, SYN), &exts);
-        assert_eq!(word(&f, IP6 + 4) as usize, f.len() - L4_6, "payload length");
+        let f = insert_ext6(&tcp(A, 1, B, 2, SYN), &exts);
+        assert_eq!(word(&f, IP + 4) as usize, f.len() - L4_6, "payload length");
         let h = headers6(&f).unwrap();
         assert_eq!((h.proto, h.l4), (TCP, L4_6 + 72));
         assert_eq!(
@@ -845,7 +1063,7 @@ mod tests {
             ]
         );
         assert!(
-            checksum6_ok(&f),
+            checksums_ok::<Ipv6Addr>(&f),
             "extension headers are outside the checksum"
         );
         assert_eq!(f, frame6_ext(A, B, &exts, TCP, &f[h.l4..]));
@@ -856,7 +1074,7 @@ mod tests {
     #[test]
     fn fragments_carry_offsets_flags_and_id() {
         let datagram: Vec<u8> = (0..100u8).collect();
-        let frags = fragments6(A, B, UDP, &datagram, 0x0102_0304, 48);
+        let frags = fragments(A, B, UDP, &datagram, 0x0102_0304, 48);
         assert_eq!(frags.len(), 3);
         let fields: Vec<Frag6> = frags
             .iter()
@@ -878,15 +1096,15 @@ mod tests {
         assert!(later.is_later_fragment() && later.is_partial());
         assert_eq!((later.proto, later.l4), (UDP, L4_6 + 8));
         assert!(
-            !checksum6_ok(&frags[0]),
+            !checksums_ok::<Ipv6Addr>(&frags[0]),
             "a fragment cannot be checked alone"
         );
     }
 
     #[test]
     fn checksum_adjustment_matches_a_recomputation() {
-        let f = udp6(A, 1000, B, 53);
-        let mut g = udp6(B, 2000, B, 53);
+        let f = udp(A, 1000, B, 53);
+        let mut g = udp(B, 2000, B, 53);
         g[SRC6..SRC6 + 16].copy_from_slice(&B.octets());
         let old: Vec<u8> = [&f[SRC6..SRC6 + 16], &f[L4_6..L4_6 + 2]].concat();
         let new: Vec<u8> = [&g[SRC6..SRC6 + 16], &g[L4_6..L4_6 + 2]].concat();
