@@ -97,9 +97,12 @@ impl Family for V4 {
         Some(iface.ipv4)
     }
 
+    /// Not multicast (224.0.0.0/4), the limited broadcast, nor link-local (169.254.0.0/16),
+    /// which no pod is reached at from outside: on a shared segment, a neighbour's mDNS or
+    /// DHCP would otherwise leave a flow behind for every port it sends from.
     #[inline(always)]
-    fn is_unicast(_addr: &[u8; 4]) -> bool {
-        true
+    fn is_unicast(addr: &[u8; 4]) -> bool {
+        addr[0] & 0xf0 != 0xe0 && *addr != [255; 4] && !(addr[0] == 169 && addr[1] == 254)
     }
 
     #[inline(always)]

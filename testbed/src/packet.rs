@@ -152,6 +152,7 @@ pub fn frame_with_frag(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8], frag:
 pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
 pub const RST: u8 = 0x04;
+pub const PSH: u8 = 0x08;
 pub const ACK: u8 = 0x10;
 
 /// The source address of an option-less IPv4 frame.

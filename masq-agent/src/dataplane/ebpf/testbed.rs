@@ -166,15 +166,16 @@ impl TestBed {
 
     /// The IPv4 NAT table's entries.
     pub fn nat(&self) -> Table<[u8; 4]> {
-        self.nat_of()
+        self.nat_table()
     }
 
     /// The IPv6 NAT table's entries.
     pub fn nat_v6(&self) -> Table<[u8; 16]> {
-        self.nat_of()
+        self.nat_table()
     }
 
-    fn nat_of<A: NatFamily>(&self) -> Table<A>
+    /// A family's NAT table's entries, for tests written once over both families.
+    pub fn nat_table<A: NatFamily>(&self) -> Table<A>
     where
         NatKey<A>: Pod,
         NatEntry<A>: Pod,

@@ -1,0 +1,376 @@
+//! What a case needs of its address family beyond the frames' layout (`IpFamily`): the test
+//! bed's addresses and policy, the family's NAT table, and its ICMP errors. With it each case is
+//! written once and runs in both families, as `<case>::ipv4` and `<case>::ipv6`.
+
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    ops::Range,
+};
+
+use ipnet::{Ipv4Net, Ipv6Net};
+use masq_agent::dataplane::{
+    NatUsage,
+    ebpf::{
+        expiry::{self, Table, Timeouts},
+        maps::NatFamily,
+        testbed::TestBed,
+    },
+};
+use masq_ebpf::{Address, NatEntry, NatKey, nat_kind};
+use masq_testbed::packet::*;
+
+/// The NAT ports of the default test bed, each `(first, last)`.
+pub const SPANS: [(u16, u16); 2] = [(1024, 32767), (61000, 65535)];
+
+/// A prefix as the tries hold it: its length, and its network address.
+pub type Prefix<A> = (u32, A);
+
+/// An ICMP error as the family writes it: type, code, and the four bytes after the checksum.
+pub type ErrorKind = (u8, u8, [u8; 4]);
+
+pub trait Family: IpFamily {
+    /// How the NAT table holds the family's addresses.
+    type Octets: Address;
+    /// The family's prefixes, as the agent's policy holds them.
+    type Net: Copy + std::str::FromStr<Err = ipnet::AddrParseError>;
+
+    const NODE: Self;
+    /// Two pods, in different pod prefixes, and the pods' gateway on the node.
+    const POD: Self;
+    const POD2: Self;
+    const POD_GATEWAY: Self;
+    /// Two outside hosts, in different prefixes, and the router in front of the first.
+    const REMOTE: Self;
+    const REMOTE2: Self;
+    const ROUTER: Self;
+    /// A service address, inside the non-masquerade prefixes.
+    const SERVICE: Self;
+    /// A link-local host and a multicast group: addresses no connection is opened to.
+    const LINK_LOCAL: Self;
+    const ALL_NODES: Self;
+    /// The non-masquerade prefixes of the test bed, and the prefixes of `REMOTE` and
+    /// `REMOTE2`, which policy changes add.
+    const POLICY: &'static [&'static str];
+    const REMOTE_NET: Prefix<Self>;
+    const REMOTE2_NET: Prefix<Self>;
+
+    /// Too big for the next hop (IPv4's fragmentation needed, IPv6's packet too big), with
+    /// the MTU the router reports.
+    const TOO_BIG: ErrorKind;
+    const PORT_UNREACHABLE: ErrorKind;
+    const TIME_EXCEEDED: ErrorKind;
+    /// A parameter problem, pointing into the quoted packet's IP header.
+    const PARAMETER_PROBLEM: ErrorKind;
+    /// How much of a packet an error may quote (RFC 1812 §4.3.2.3: 576 bytes of error for
+    /// IPv4; RFC 4443 §2.4: 1280 for IPv6), less the error's own headers.
+    const QUOTE_LIMIT: usize;
+
+    fn octets(self) -> Self::Octets;
+    fn from_octets(octets: Self::Octets) -> Self;
+    /// The real object with fresh maps, configured as the agent would: the NAT ports, the
+    /// node's address and `POLICY`, in this family (and, for IPv6, in IPv4 too).
+    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed;
+    /// Applies the non-masquerade `prefixes` the way the data plane does.
+    fn set_policy(bed: &mut TestBed, prefixes: &[Self::Net]);
+    /// The prefixes draining out of the policy.
+    fn draining(bed: &TestBed) -> Vec<Prefix<Self>>;
+    /// The flows in the other family's NAT table.
+    fn other_family_entries(bed: &TestBed) -> usize;
+    /// `frame` with its upper layer moved behind optional IP headers (one word of IPv4
+    /// options, an IPv6 destination options header), checksums right again.
+    fn with_header_options(frame: &[u8]) -> Vec<u8>;
+
+    // The family's NAT table. (Each family implements these with `nat_table_of!`: a bound on
+    // `NatKey<Self::Octets>` written on the trait would not reach the callers.)
+    fn nat(bed: &TestBed) -> Table<Self::Octets>;
+    fn nat_entry(bed: &TestBed, key: &NatKey<Self::Octets>) -> Option<NatEntry<Self::Octets>>;
+    fn remove(bed: &mut TestBed, key: &NatKey<Self::Octets>);
+    /// The agent's sweep at `now_ns`.
+    fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage;
+    /// The agent forgetting the flows on a node address it no longer has.
+    fn forget_address(bed: &TestBed, addr: Self) -> usize;
+}
+
+/// `Family`'s NAT table methods for the family whose table holds `$octets`.
+macro_rules! nat_table_of {
+    ($octets:ty) => {
+        fn nat(bed: &TestBed) -> Table<$octets> {
+            bed.nat_table()
+        }
+        fn nat_entry(bed: &TestBed, key: &NatKey<$octets>) -> Option<NatEntry<$octets>> {
+            bed.nat_entry(key)
+        }
+        fn remove(bed: &mut TestBed, key: &NatKey<$octets>) {
+            <$octets as NatFamily>::table_mut(&mut bed.maps.nat)
+                .remove(key)
+                .unwrap();
+        }
+        fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {
+            let table = <$octets as NatFamily>::table(&bed.maps.nat);
+            expiry::expire(table, timeouts, now_ns).unwrap()
+        }
+        fn forget_address(bed: &TestBed, addr: Self) -> usize {
+            let table = <$octets as NatFamily>::table(&bed.maps.nat);
+            expiry::forget_address(table, addr.octets()).unwrap()
+        }
+    };
+}
+
+impl Family for Ipv4Addr {
+    type Octets = [u8; 4];
+    type Net = Ipv4Net;
+    nat_table_of!([u8; 4]);
+
+    const NODE: Self = Ipv4Addr::new(203, 0, 113, 1);
+    const POD: Self = Ipv4Addr::new(10, 244, 1, 2);
+    const POD2: Self = Ipv4Addr::new(10, 244, 2, 2);
+    const POD_GATEWAY: Self = Ipv4Addr::new(10, 244, 1, 1);
+    const REMOTE: Self = Ipv4Addr::new(203, 0, 113, 10);
+    const REMOTE2: Self = Ipv4Addr::new(198, 51, 100, 10);
+    const ROUTER: Self = Ipv4Addr::new(203, 0, 113, 254);
+    const SERVICE: Self = Ipv4Addr::new(10, 96, 0, 1);
+    const LINK_LOCAL: Self = Ipv4Addr::new(169, 254, 169, 254);
+    const ALL_NODES: Self = Ipv4Addr::new(224, 0, 0, 1);
+    const POLICY: &'static [&'static str] = &["169.254.0.0/16", "10.0.0.0/8"];
+    const REMOTE_NET: Prefix<Self> = (24, Ipv4Addr::new(203, 0, 113, 0));
+    const REMOTE2_NET: Prefix<Self> = (24, Ipv4Addr::new(198, 51, 100, 0));
+
+    const TOO_BIG: ErrorKind = (3, 4, [0, 0, 0x05, 0x78]);
+    const PORT_UNREACHABLE: ErrorKind = (3, 3, [0; 4]);
+    const TIME_EXCEEDED: ErrorKind = (11, 0, [0; 4]);
+    const PARAMETER_PROBLEM: ErrorKind = (12, 0, [20, 0, 0, 0]);
+    const QUOTE_LIMIT: usize = 576 - 28;
+
+    fn octets(self) -> [u8; 4] {
+        Ipv4Addr::octets(&self)
+    }
+
+    fn from_octets(octets: [u8; 4]) -> Self {
+        Ipv4Addr::from(octets)
+    }
+
+    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
+        TestBed::new(
+            nat_entries,
+            spans,
+            random_fully,
+            Self::NODE,
+            &nets::<Self>(Self::POLICY),
+        )
+        .unwrap()
+    }
+
+    fn set_policy(bed: &mut TestBed, prefixes: &[Ipv4Net]) {
+        bed.set_policy(prefixes).unwrap();
+    }
+
+    fn draining(bed: &TestBed) -> Vec<Prefix<Self>> {
+        let keys = bed.maps.policy.v4.draining.keys();
+        keys.map(|k| k.map(|k| (k.prefix_len(), k.data().into())).unwrap())
+            .collect()
+    }
+
+    fn other_family_entries(bed: &TestBed) -> usize {
+        bed.nat_v6().len()
+    }
+
+    fn with_header_options(frame: &[u8]) -> Vec<u8> {
+        let mut f = frame[..L4].to_vec();
+        f[IP] = 0x46;
+        let total = word(&f, IP + 2) + 4;
+        f[IP + 2..IP + 4].copy_from_slice(&total.to_be_bytes());
+        // Three no-operations and an end of list.
+        f.extend([1, 1, 1, 0]);
+        f[IP + 10..IP + 12].copy_from_slice(&[0, 0]);
+        let c = checksum(&f[IP..L4 + 4]);
+        f[IP + 10..IP + 12].copy_from_slice(&c.to_be_bytes());
+        f.extend(&frame[L4..]);
+        f
+    }
+}
+
+impl Family for Ipv6Addr {
+    type Octets = [u8; 16];
+    type Net = Ipv6Net;
+    nat_table_of!([u8; 16]);
+
+    const NODE: Self = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);
+    const POD: Self = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 2);
+    const POD2: Self = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 2);
+    const POD_GATEWAY: Self = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 1);
+    const REMOTE: Self = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x10);
+    const REMOTE2: Self = Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x10);
+    const ROUTER: Self = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0xfe);
+    const SERVICE: Self = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 1);
+    const LINK_LOCAL: Self = Ipv6Addr::new(0xfe80, 0, 0, 0, 0x200, 0xff, 0xfe00, 2);
+    const ALL_NODES: Self = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+    const POLICY: &'static [&'static str] = &["fd00::/8", "fe80::/10"];
+    const REMOTE_NET: Prefix<Self> = (64, Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0));
+    const REMOTE2_NET: Prefix<Self> = (64, Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 0));
+
+    const TOO_BIG: ErrorKind = (ICMPV6_PACKET_TOO_BIG, 0, [0, 0, 0x05, 0x00]);
+    const PORT_UNREACHABLE: ErrorKind = (ICMPV6_DEST_UNREACH, 4, [0; 4]);
+    const TIME_EXCEEDED: ErrorKind = (ICMPV6_TIME_EXCEEDED, 0, [0; 4]);
+    const PARAMETER_PROBLEM: ErrorKind = (ICMPV6_PARAMETER_PROBLEM, 0, [0, 0, 0, 6]);
+    const QUOTE_LIMIT: usize = 1280 - 48;
+
+    fn octets(self) -> [u8; 16] {
+        Ipv6Addr::octets(&self)
+    }
+
+    fn from_octets(octets: [u8; 16]) -> Self {
+        Ipv6Addr::from(octets)
+    }
+
+    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
+        let node_v4 = <Ipv4Addr as Family>::NODE;
+        let mut bed = TestBed::new(
+            nat_entries,
+            spans,
+            random_fully,
+            node_v4,
+            &nets::<Ipv4Addr>(<Ipv4Addr as Family>::POLICY),
+        )
+        .unwrap();
+        bed.enable_ipv6(Self::NODE, &nets::<Self>(Self::POLICY))
+            .unwrap();
+        bed
+    }
+
+    fn set_policy(bed: &mut TestBed, prefixes: &[Ipv6Net]) {
+        bed.set_policy_v6(prefixes).unwrap();
+    }
+
+    fn draining(bed: &TestBed) -> Vec<Prefix<Self>> {
+        let keys = bed.maps.policy.v6.draining.keys();
+        keys.map(|k| k.map(|k| (k.prefix_len(), k.data().into())).unwrap())
+            .collect()
+    }
+
+    fn other_family_entries(bed: &TestBed) -> usize {
+        bed.nat().len()
+    }
+
+    fn with_header_options(frame: &[u8]) -> Vec<u8> {
+        insert_ext6(frame, &[ExtHeader::destination_options(1)])
+    }
+}
+
+/// The family's prefixes in `list`.
+pub fn nets<F: Family>(list: &[&str]) -> Vec<F::Net> {
+    list.iter().map(|s| s.parse().unwrap()).collect()
+}
+
+/// The test bed's policy with the prefix `(len, network)` added.
+pub fn policy_with<F: Family>((len, network): Prefix<F>) -> Vec<F::Net> {
+    let mut policy = nets::<F>(F::POLICY);
+    policy.push(format!("{network}/{len}").parse().unwrap());
+    policy
+}
+
+/// The default test bed: `SPANS`, fully random ports, room for 1024 entries.
+pub fn harness<F: Family>() -> TestBed {
+    F::bed(1024, &SPANS, true)
+}
+
+pub fn in_spans(port: u16) -> bool {
+    SPANS.iter().any(|&(a, b)| (a..=b).contains(&port))
+}
+
+pub fn key<F: Family>(
+    (saddr, sport): (F, u16),
+    (daddr, dport): (F, u16),
+    proto: u8,
+    direction: u8,
+) -> NatKey<F::Octets> {
+    NatKey {
+        saddr: saddr.octets(),
+        daddr: daddr.octets(),
+        sport: sport.to_be(),
+        dport: dport.to_be(),
+        proto,
+        direction,
+        _pad: [0; 2],
+    }
+}
+
+/// The entry under `key`: an SNAT entry to (`addr`, `port`), with its last packet's time.
+pub fn assert_snat_entry<F: Family>(h: &TestBed, key: &NatKey<F::Octets>, addr: F, port: u16) {
+    let entry = F::nat_entry(h, key).unwrap_or_else(|| panic!("no NAT entry for {key:?}"));
+    assert_eq!(F::from_octets(entry.addr), addr, "{key:?}");
+    assert_eq!(u16::from_be(entry.port), port, "{key:?}");
+    assert_eq!(entry.kind, nat_kind::SNAT, "{key:?}");
+    assert!(entry.last_seen_ns > 0, "{key:?}");
+}
+
+/// The address at `at` and, in IPv4, the header checksum that covers it: what rewriting an
+/// address may change in the IP header.
+pub fn address_fields<F: Family>(at: usize) -> Vec<Range<usize>> {
+    let mut fields = vec![range(at, F::ADDR_LEN)];
+    fields.extend(F::IP_CHECKSUM.map(|c| range(c, 2)));
+    fields
+}
+
+/// The source address, source port and TCP or UDP checksum of a frame whose upper layer starts
+/// at `l4`: what an egress translation may change.
+pub fn egress_fields<F: Family>(l4: usize, proto: u8) -> Vec<Range<usize>> {
+    let mut fields = address_fields::<F>(F::SRC);
+    fields.extend([range(l4, 2), range(l4 + l4_checksum_offset(proto), 2)]);
+    fields
+}
+
+/// The destination address, destination port and checksum: what an ingress translation may
+/// change.
+pub fn ingress_fields<F: Family>(l4: usize, proto: u8) -> Vec<Range<usize>> {
+    let mut fields = address_fields::<F>(F::DST);
+    fields.extend([range(l4 + 2, 2), range(l4 + l4_checksum_offset(proto), 2)]);
+    fields
+}
+
+/// The checksum fields `assert_frame` compares as numbers: the upper layer's at `l4_checksum`,
+/// and the IP header's where the family has one.
+pub fn checksums<F: Family>(l4_checksum: usize) -> Vec<usize> {
+    F::IP_CHECKSUM.into_iter().chain([l4_checksum]).collect()
+}
+
+/// An ICMP error from `from` to `to`, quoting the first `quote_len` bytes of the IP packet in
+/// the frame `quoted`.
+pub fn icmp_error<F: Family>(
+    (from, to): (F, F),
+    (kind, code, rest): ErrorKind,
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    icmp_frame(from, to, kind, code, rest, &quoted[IP..IP + quote_len])
+}
+
+/// Where the checksums of an ICMP error sit: the outer IP header's (IPv4), the ICMP message's,
+/// the quoted IP header's (IPv4), and the quoted upper layer's when the quote holds it.
+pub fn error_checksums<F: Family>(error: &[u8]) -> Vec<usize> {
+    let outer = F::packet_at(error, IP).expect("the error parses");
+    let inner = outer.l4 + 8;
+    let quote = F::packet_at(error, inner).expect("the quote parses");
+    let mut at = F::IP_CHECKSUM.into_iter().collect::<Vec<_>>();
+    at.push(outer.l4 + 2);
+    at.extend(F::IP_CHECKSUM.map(|c| c - IP + inner));
+    at.push(quote.l4 + l4_checksum_offset(quote.proto));
+    at.retain(|&c| c + 2 <= error.len());
+    at
+}
+
+/// Cases written once over both families: each runs as `<case>::ipv4` and `<case>::ipv6`.
+macro_rules! in_both_families {
+    ($($case:ident),* $(,)?) => {
+        $(mod $case {
+            #[test]
+            fn ipv4() {
+                super::$case::<std::net::Ipv4Addr>()
+            }
+            #[test]
+            fn ipv6() {
+                super::$case::<std::net::Ipv6Addr>()
+            }
+        })*
+    };
+}
+pub(crate) use in_both_families;

@@ -1,0 +1,259 @@
+//! What a flow's entries remember, and when the agent's sweep removes them, in both families:
+//! TCP's progress (which RST ends a flow, when a flow is established) and the timeouts.
+
+use std::time::Duration;
+
+use masq_agent::dataplane::{
+    NatUsage,
+    ebpf::{
+        expiry::Timeouts,
+        testbed::{TC_ACT_OK, TestBed},
+    },
+};
+use masq_ebpf::{Counter, direction, tcp_seen};
+use masq_testbed::packet::*;
+
+use crate::family::*;
+
+in_both_families!(
+    expiry_removes_both_halves_of_idle_flows_only,
+    only_an_acceptable_rst_ends_a_flow,
+    a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout,
+    a_flow_no_reply_crossed_is_not_established,
+    an_orphaned_reply_half_is_removed,
+);
+
+/// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
+fn sweep_after<F: Family>(h: &TestBed, idle: Duration) -> NatUsage {
+    let newest = F::nat(h).iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    F::expire(h, &Timeouts::default(), newest + idle.as_nanos() as u64)
+}
+
+/// The pods' ports of the flows in the table, sorted.
+fn pod_ports<F: Family>(h: &TestBed) -> Vec<u16> {
+    let mut ports: Vec<u16> = F::nat(h)
+        .iter()
+        .filter(|(k, _)| k.direction == direction::EGRESS)
+        .map(|(k, _)| u16::from_be(k.sport))
+        .collect();
+    ports.sort();
+    ports
+}
+
+fn expiry_removes_both_halves_of_idle_flows_only<F: Family>() {
+    let mut h = harness::<F>();
+    h.egress(&udp(F::POD, 2001, F::REMOTE, 53));
+    let (_, tcp_out) = h.egress(&tcp(F::POD, 2002, F::REMOTE, 443, SYN));
+    // The TCP flow completes its handshake both ways: established.
+    let node_port = word(&tcp_out, F::L4);
+    h.ingress(&tcp(F::REMOTE, 443, F::NODE, node_port, SYN | ACK));
+    h.egress(&tcp(F::POD, 2002, F::REMOTE, 443, ACK));
+    h.ingress(&tcp(F::REMOTE, 443, F::NODE, node_port, ACK));
+    // A half-open TCP flow: SYN only.
+    h.egress(&tcp(F::POD, 2003, F::REMOTE, 443, SYN));
+    assert_eq!(F::nat(&h).len(), 6);
+    assert_eq!(F::other_family_entries(&h), 0, "the other table holds none");
+
+    let timeouts = Timeouts::default();
+    let second = Duration::from_secs(1);
+    assert_eq!(sweep_after::<F>(&h, 30 * second).expired_flows, 0);
+    assert_eq!(pod_ports::<F>(&h), [2001, 2002, 2003]);
+    // Past the transitory timeout: the half-open flow goes, both halves.
+    sweep_after::<F>(&h, timeouts.tcp_transitory + second);
+    assert_eq!(pod_ports::<F>(&h), [2001, 2002]);
+    // Past UDP's: the UDP flow goes; the established TCP flow stays for hours.
+    let run = sweep_after::<F>(&h, timeouts.udp + second);
+    assert_eq!((run.masqueraded_flows, run.expired_flows), (2, 1));
+    assert_eq!(pod_ports::<F>(&h), [2002]);
+    assert_eq!(F::nat(&h).len(), 2, "no half of an expired flow is left");
+    sweep_after::<F>(&h, timeouts.tcp_established + second);
+    assert!(F::nat(&h).is_empty());
+
+    // A flow on an address the node no longer has is forgotten at once.
+    h.egress(&udp(F::POD, 2004, F::REMOTE, 53));
+    assert_eq!(F::forget_address(&h, F::NODE), 1);
+    assert!(F::nat(&h).is_empty());
+}
+
+/// One TCP connection from `POD` to `REMOTE:443` through the harness, segment by segment, with
+/// sequence numbers chosen by the test.
+struct Connection<F> {
+    pod_port: u16,
+    node_port: u16,
+    family: std::marker::PhantomData<F>,
+}
+
+impl<F: Family> Connection<F> {
+    /// Opens it with the pod's SYN (sequence `isn`, so its next is `isn + 1`).
+    fn open(h: &mut TestBed, pod_port: u16, isn: u32) -> Self {
+        let syn = Tcp {
+            sport: pod_port,
+            dport: 443,
+            flags: SYN,
+            seq: isn,
+            payload: &[],
+            ..Tcp::default()
+        };
+        let (verdict, out) = h.egress(&syn.frame(F::POD, F::REMOTE));
+        assert_eq!((verdict, F::at(&out, F::SRC)), (TC_ACT_OK, F::NODE));
+        Connection {
+            pod_port,
+            node_port: word(&out, F::L4),
+            family: std::marker::PhantomData,
+        }
+    }
+
+    /// A segment from the pod, as it left the node.
+    fn pod_sends(&self, h: &mut TestBed, flags: u8, seq: u32, ack: u32, payload: &[u8]) {
+        let segment = Tcp {
+            sport: self.pod_port,
+            dport: 443,
+            flags,
+            seq,
+            ack,
+            payload,
+        };
+        let (verdict, out) = h.egress(&segment.frame(F::POD, F::REMOTE));
+        assert_eq!((verdict, F::at(&out, F::SRC)), (TC_ACT_OK, F::NODE));
+    }
+
+    /// A segment from the outside host, which must reach the pod.
+    fn remote_sends(&self, h: &mut TestBed, flags: u8, seq: u32, ack: u32, payload: &[u8]) {
+        let segment = Tcp {
+            sport: 443,
+            dport: self.node_port,
+            flags,
+            seq,
+            ack,
+            payload,
+        };
+        let (verdict, back) = h.ingress(&segment.frame(F::REMOTE, F::NODE));
+        assert_eq!(verdict, TC_ACT_OK);
+        let delivered = (F::at(&back, F::DST), word(&back, F::L4 + 2));
+        assert_eq!(delivered, (F::POD, self.pod_port));
+    }
+
+    /// Whether either half of the flow took an RST.
+    fn reset(&self, h: &TestBed) -> bool {
+        F::nat(h)
+            .iter()
+            .filter(|(k, e)| {
+                (k.direction == direction::EGRESS && u16::from_be(k.sport) == self.pod_port)
+                    || (k.direction == direction::INGRESS && e.port == self.pod_port.to_be())
+            })
+            .any(|(_, e)| e.tcp_seen & tcp_seen::RESET != 0)
+    }
+}
+
+/// An RST ends a flow only when the end it is sent to would accept it (RFC 5961 §3, as
+/// conntrack judges): its sequence number is the receiver's next expected one. A blind RST, out
+/// of the window or in it but not exact, passes on (the pod's kernel answers or ignores it)
+/// and leaves the flow's state as it was; an exact one, or one right behind the sender's own
+/// data, ends it.
+fn only_an_acceptable_rst_ends_a_flow<F: Family>() {
+    let mut h = harness::<F>();
+    let c = Connection::<F>::open(&mut h, 40100, 1000);
+    c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
+    c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
+    c.remote_sends(&mut h, ACK, 5001, 1001, &[0x61; 100]);
+    c.pod_sends(&mut h, ACK, 1001, 5101, &[]);
+    let blind = [
+        5101 + 1_000_000,
+        5100,
+        5101 + 10,
+        5101u32.wrapping_sub(1 << 31),
+    ];
+    for (n, seq) in blind.into_iter().enumerate() {
+        c.remote_sends(&mut h, RST, seq, 0, &[]);
+        assert!(
+            !c.reset(&h),
+            "an RST at {seq}, expected 5101, ended the flow"
+        );
+        assert_eq!(h.counter(Counter::TcpRstNotAcceptable), n as u64 + 1);
+    }
+    c.remote_sends(&mut h, RST | ACK, 5101, 1001, &[]);
+    assert!(c.reset(&h), "the exact RST ends the flow");
+
+    // An RST right behind data the pod has not acknowledged yet follows the sender's own
+    // segment: the pod takes the data, then the RST.
+    let c = Connection::<F>::open(&mut h, 40101, 2000);
+    c.remote_sends(&mut h, SYN | ACK, 7000, 2001, &[]);
+    c.pod_sends(&mut h, ACK, 2001, 7001, &[]);
+    c.remote_sends(&mut h, ACK | PSH, 7001, 2001, &[0x62; 50]);
+    c.remote_sends(&mut h, RST, 7051, 0, &[]);
+    assert!(
+        c.reset(&h),
+        "an RST right behind the sender's data ends the flow"
+    );
+
+    // Before the pod's SYN is answered, an RST must acknowledge it.
+    let c = Connection::<F>::open(&mut h, 40102, 3000);
+    c.remote_sends(&mut h, RST | ACK, 0, 9999, &[]);
+    assert!(!c.reset(&h), "an RST acknowledging another SYN");
+    c.remote_sends(&mut h, RST | ACK, 0, 3001, &[]);
+    assert!(c.reset(&h), "the refusal of the pod's SYN ends the flow");
+
+    // The pod's own RST, at its next sequence number, ends its flow too.
+    let c = Connection::<F>::open(&mut h, 40103, 4000);
+    c.remote_sends(&mut h, SYN | ACK, 8000, 4001, &[]);
+    c.pod_sends(&mut h, ACK, 4001, 8001, &[0x63; 10]);
+    c.pod_sends(&mut h, RST, 4011, 0, &[]);
+    assert!(c.reset(&h), "the pod's RST ends its flow");
+    assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 5);
+}
+
+/// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
+fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: Family>() {
+    let mut h = harness::<F>();
+    let c = Connection::<F>::open(&mut h, 40200, 1000);
+    c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
+    c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
+    c.remote_sends(&mut h, RST, 5001 + 1_000_000, 0, &[]);
+    let idle = Timeouts::default().tcp_transitory + Duration::from_secs(1);
+    let run = sweep_after::<F>(&h, idle);
+    assert_eq!(run.expired_flows, 0, "established: kept for hours");
+    assert_eq!(F::nat(&h).len(), 2);
+}
+
+/// Established means both directions seen: a pod's lone ACK to a host that never answers, or
+/// a SYN, holds its port only for the transitory timeout.
+fn a_flow_no_reply_crossed_is_not_established<F: Family>() {
+    let mut h = harness::<F>();
+    h.egress(&tcp(F::POD, 40300, F::REMOTE, 443, ACK));
+    h.egress(&tcp(F::POD, 40301, F::REMOTE, 443, SYN));
+    let (_, answered) = h.egress(&tcp(F::POD, 40302, F::REMOTE, 443, SYN));
+    let node_port = word(&answered, F::L4);
+    h.ingress(&tcp(F::REMOTE, 443, F::NODE, node_port, SYN | ACK));
+    h.egress(&tcp(F::POD, 40302, F::REMOTE, 443, ACK));
+    let unseen: Vec<u8> = F::nat(&h)
+        .iter()
+        .filter(|(k, _)| k.direction == direction::INGRESS && k.sport == 443u16.to_be())
+        .map(|(_, e)| e.tcp_seen)
+        .collect();
+    assert_eq!(unseen.iter().filter(|&&s| s == 0).count(), 2, "{unseen:?}");
+
+    let idle = Timeouts::default().tcp_transitory + Duration::from_secs(1);
+    let run = sweep_after::<F>(&h, idle);
+    assert_eq!(run.expired_flows, 2, "the lone ACK's flow and the SYN's");
+    assert_eq!(
+        pod_ports::<F>(&h),
+        [40302],
+        "the flow a reply crossed stays"
+    );
+}
+
+fn an_orphaned_reply_half_is_removed<F: Family>() {
+    let mut h = harness::<F>();
+    h.egress(&udp(F::POD, 3001, F::REMOTE, 53));
+    let nat = F::nat(&h);
+    let (egress_key, egress) = nat
+        .iter()
+        .find(|(k, _)| k.direction == direction::EGRESS)
+        .unwrap();
+    F::remove(&mut h, egress_key);
+    let timeouts = Timeouts::default();
+    let later = (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64;
+    let run = F::expire(&h, &timeouts, egress.last_seen_ns + later);
+    assert_eq!(run.orphans_removed, 1);
+    assert!(F::nat(&h).is_empty());
+}

@@ -1,0 +1,439 @@
+//! Flows out and their replies back: TCP, UDP and echo, ports, what is left alone, and policy
+//! changes, in both families.
+
+use masq_agent::dataplane::ebpf::{
+    expiry,
+    testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
+};
+use masq_ebpf::{Counter, direction, nat_kind};
+use masq_testbed::packet::*;
+
+use crate::family::*;
+
+in_both_families!(
+    tcp_egress_then_reply_ingress,
+    udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports,
+    echo_request_gets_an_identifier_and_its_reply_is_restored,
+    two_pods_with_one_source_port_get_different_nat_ports,
+    without_random_fully_the_pods_port_is_kept_when_free,
+    exhausted_ports_drop_and_count_never_mistranslate,
+    a_full_nat_table_drops_new_flows_and_keeps_live_ones,
+    the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
+    a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow,
+    exempt_destinations_and_the_nodes_own_traffic_pass_untouched,
+    connections_opened_from_outside_keep_the_pods_address,
+    a_packet_behind_optional_ip_headers_is_translated_past_them,
+    a_policy_change_affects_new_flows_only,
+    nothing_is_translated_before_the_agent_configures_ports,
+);
+
+fn tcp_egress_then_reply_ingress<F: Family>() {
+    let mut h = harness::<F>();
+    let syn = tcp(F::POD, 40000, F::REMOTE, 80, SYN);
+    assert!(checksums_ok::<F>(&syn));
+    let (verdict, out) = h.egress(&syn);
+    assert_eq!(verdict, TC_ACT_OK);
+    let port = word(&out, F::L4);
+    assert!(in_spans(port), "NAT port {port} outside the spans");
+    assert_changed_within(&syn, &out, &egress_fields::<F>(F::L4, TCP));
+    let tcp_checksums = checksums::<F>(F::L4 + 16);
+    assert_frame(
+        &out,
+        &tcp(F::NODE, port, F::REMOTE, 80, SYN),
+        &tcp_checksums,
+    );
+    assert!(checksums_ok::<F>(&out), "checksums over the new addresses");
+
+    // Later packets of the flow keep the translation.
+    let (verdict, out) = h.egress(&tcp(F::POD, 40000, F::REMOTE, 80, ACK));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_frame(
+        &out,
+        &tcp(F::NODE, port, F::REMOTE, 80, ACK),
+        &tcp_checksums,
+    );
+
+    let reply = tcp(F::REMOTE, 80, F::NODE, port, SYN | ACK);
+    let (verdict, back) = h.ingress(&reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_changed_within(&reply, &back, &ingress_fields::<F>(F::L4, TCP));
+    let restored = tcp(F::REMOTE, 80, F::POD, 40000, SYN | ACK);
+    assert_frame(&back, &restored, &tcp_checksums);
+    assert!(checksums_ok::<F>(&back));
+
+    assert_eq!(h.counter(Counter::Masqueraded), 2);
+    assert_eq!(h.counter(Counter::ReverseTranslated), 1);
+    let nat = F::nat(&h);
+    assert_eq!(nat.len(), 2, "one entry per direction: {nat:?}");
+    let egress_key = key((F::POD, 40000), (F::REMOTE, 80), TCP, direction::EGRESS);
+    assert_snat_entry(&h, &egress_key, F::NODE, port);
+    let ingress_key = key((F::REMOTE, 80), (F::NODE, port), TCP, direction::INGRESS);
+    assert_snat_entry(&h, &ingress_key, F::POD, 40000);
+    let egress = F::nat_entry(&h, &egress_key).unwrap();
+    assert_ne!(egress.tcp_seen, 0, "TCP progress recorded");
+    assert_eq!(F::other_family_entries(&h), 0, "nothing in the other table");
+}
+
+fn udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports<F: Family>() {
+    let mut h = harness::<F>();
+    let udp_checksums = checksums::<F>(F::L4 + 6);
+    let mut ports = Vec::new();
+    for pod in [F::POD, F::POD2] {
+        let dgram = udp(pod, 5353, F::REMOTE, 53);
+        let (verdict, out) = h.egress(&dgram);
+        assert_eq!(verdict, TC_ACT_OK);
+        let port = word(&out, F::L4);
+        assert!(in_spans(port), "{port}");
+        assert_changed_within(&dgram, &out, &egress_fields::<F>(F::L4, UDP));
+        assert_frame(&out, &udp(F::NODE, port, F::REMOTE, 53), &udp_checksums);
+        assert!(checksums_ok::<F>(&out));
+        ports.push(port);
+    }
+    assert_ne!(ports[0], ports[1], "one NAT port for two flows");
+
+    // The second pod's reply first, then the first's: each goes back to its own pod.
+    for (pod, port) in [(F::POD2, ports[1]), (F::POD, ports[0])] {
+        let reply = udp(F::REMOTE, 53, F::NODE, port);
+        let (verdict, back) = h.ingress(&reply);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_changed_within(&reply, &back, &ingress_fields::<F>(F::L4, UDP));
+        assert_frame(&back, &udp(F::REMOTE, 53, pod, 5353), &udp_checksums);
+        assert!(checksums_ok::<F>(&back));
+        let key = key((F::REMOTE, 53), (F::NODE, port), UDP, direction::INGRESS);
+        assert_snat_entry(&h, &key, pod, 5353);
+    }
+    assert_eq!(F::nat(&h).len(), 4);
+    assert_eq!(h.counter(Counter::Masqueraded), 2);
+    assert_eq!(h.counter(Counter::ReverseTranslated), 2);
+}
+
+fn echo_request_gets_an_identifier_and_its_reply_is_restored<F: Family>() {
+    let mut h = harness::<F>();
+    let request = ping(F::POD, F::REMOTE, F::ECHO_REQUEST, 0x4242);
+    let (verdict, out) = h.egress(&request);
+    assert_eq!(verdict, TC_ACT_OK);
+    let id = word(&out, F::L4 + 4);
+    assert!(in_spans(id), "identifier {id}");
+    // The source, the checksums and the identifier; type, code and sequence stay.
+    let mut fields = address_fields::<F>(F::SRC);
+    fields.push(range(F::L4 + 2, 4));
+    assert_changed_within(&request, &out, &fields);
+    let echo_checksums = checksums::<F>(F::L4 + 2);
+    let expected = ping(F::NODE, F::REMOTE, F::ECHO_REQUEST, id);
+    assert_frame(&out, &expected, &echo_checksums);
+    assert!(checksums_ok::<F>(&out));
+    let egress_key = key((F::POD, 0x4242), (F::REMOTE, 0), F::ICMP, direction::EGRESS);
+    assert_snat_entry(&h, &egress_key, F::NODE, id);
+    let ingress_key = key((F::REMOTE, 0), (F::NODE, id), F::ICMP, direction::INGRESS);
+    assert_snat_entry(&h, &ingress_key, F::POD, 0x4242);
+
+    let reply = ping(F::REMOTE, F::NODE, F::ECHO_REPLY, id);
+    let (verdict, back) = h.ingress(&reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    let mut fields = address_fields::<F>(F::DST);
+    fields.push(range(F::L4 + 2, 4));
+    assert_changed_within(&reply, &back, &fields);
+    let restored = ping(F::REMOTE, F::POD, F::ECHO_REPLY, 0x4242);
+    assert_frame(&back, &restored, &echo_checksums);
+    assert!(checksums_ok::<F>(&back));
+    assert_eq!(h.counter(Counter::ReverseTranslated), 1);
+}
+
+fn two_pods_with_one_source_port_get_different_nat_ports<F: Family>() {
+    let mut h = harness::<F>();
+    let (_, a) = h.egress(&tcp(F::POD, 50000, F::REMOTE, 80, SYN));
+    let (_, b) = h.egress(&tcp(F::POD2, 50000, F::REMOTE, 80, SYN));
+    assert_eq!((F::at(&a, F::SRC), F::at(&b, F::SRC)), (F::NODE, F::NODE));
+    assert_ne!(word(&a, F::L4), word(&b, F::L4));
+    let reply = tcp(F::REMOTE, 80, F::NODE, word(&b, F::L4), SYN | ACK);
+    let (_, back) = h.ingress(&reply);
+    assert_eq!(F::at(&back, F::DST), F::POD2);
+}
+
+fn without_random_fully_the_pods_port_is_kept_when_free<F: Family>() {
+    let mut h = F::bed(1024, &[(1024, 65535)], false);
+    let (_, a) = h.egress(&tcp(F::POD, 45000, F::REMOTE, 80, SYN));
+    assert_eq!(word(&a, F::L4), 45000);
+    // Same port from another pod to the same server: taken, so the next one is used.
+    let (_, b) = h.egress(&tcp(F::POD2, 45000, F::REMOTE, 80, SYN));
+    assert_eq!(word(&b, F::L4), 45001);
+}
+
+fn exhausted_ports_drop_and_count_never_mistranslate<F: Family>() {
+    let mut h = F::bed(1024, &[(5000, 5000)], true);
+    let (verdict, a) = h.egress(&udp(F::POD, 1111, F::REMOTE, 53));
+    assert_eq!((verdict, word(&a, F::L4)), (TC_ACT_OK, 5000));
+    let (verdict, _) = h.egress(&udp(F::POD2, 2222, F::REMOTE, 53));
+    assert_eq!(
+        verdict, TC_ACT_SHOT,
+        "the only port is taken for this server"
+    );
+    assert_eq!(h.counter(Counter::DropPortsExhausted), 1);
+    assert_eq!(h.counter(Counter::AllocationFailed), 1);
+    // Another server can still use the same port.
+    let (verdict, c) = h.egress(&udp(F::POD2, 2222, F::REMOTE2, 53));
+    assert_eq!((verdict, word(&c, F::L4)), (TC_ACT_OK, 5000));
+    assert_eq!(F::nat(&h).len(), 4, "no half-created flow was left behind");
+    // The first flow is unaffected.
+    let (_, back) = h.ingress(&udp(F::REMOTE, 53, F::NODE, 5000));
+    let restored = udp(F::REMOTE, 53, F::POD, 1111);
+    assert_frame(&back, &restored, &checksums::<F>(F::L4 + 6));
+}
+
+fn a_full_nat_table_drops_new_flows_and_keeps_live_ones<F: Family>() {
+    let mut h = F::bed(4, &[(1024, 65535)], true);
+    let (_, a) = h.egress(&udp(F::POD, 1001, F::REMOTE, 53));
+    let (_, b) = h.egress(&udp(F::POD, 1002, F::REMOTE, 53));
+    assert_eq!(F::nat(&h).len(), 4, "two flows fill a four-entry table");
+    let (verdict, _) = h.egress(&udp(F::POD, 1003, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_SHOT, "a third flow is dropped");
+    assert_eq!(h.counter(Counter::DropNatTableFull), 1);
+    assert_eq!(F::nat(&h).len(), 4, "and leaves nothing behind");
+    for (out, pod_port) in [(a, 1001), (b, 1002)] {
+        let port = word(&out, F::L4);
+        let (verdict, again) = h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+        assert_eq!(
+            (verdict, word(&again, F::L4)),
+            (TC_ACT_OK, port),
+            "live flows keep their port"
+        );
+        let (_, back) = h.ingress(&udp(F::REMOTE, 53, F::NODE, port));
+        let restored = udp(F::REMOTE, 53, F::POD, pod_port);
+        assert_frame(&back, &restored, &checksums::<F>(F::L4 + 6));
+    }
+}
+
+/// The node's own flows share the node's address with masqueraded ones: its sockets, and the
+/// flows netfilter masquerades (kube-proxy's MASQUERADE). A port a masqueraded flow holds is
+/// never handed to the node's flow with the same tuple, and the other way round: no reply ever
+/// reaches the wrong flow.
+fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple<F: Family>() {
+    let mut h = harness::<F>();
+    for (n, proto) in [TCP, UDP].into_iter().enumerate() {
+        let (open, answer) = if proto == TCP {
+            (SYN, SYN | ACK)
+        } else {
+            (0, 0)
+        };
+        let packet = |src, sport, dst, dport, flags| {
+            frame(
+                src,
+                dst,
+                proto,
+                &l4_segment(src, dst, proto, sport, dport, flags),
+            )
+        };
+        let sums = checksums::<F>(F::L4 + l4_checksum_offset(proto));
+        // A pod's flow holds node port P toward REMOTE:8080.
+        let (_, out) = h.egress(&packet(F::POD, 40000, F::REMOTE, 8080, open));
+        let held = word(&out, F::L4);
+        // A node socket bound to P sends to REMOTE:8080: as conntrack resolves a clash, its
+        // flow is given another port, and only that.
+        let (verdict, left) = h.egress(&packet(F::NODE, held, F::REMOTE, 8080, open));
+        assert_eq!(verdict, TC_ACT_OK);
+        let other = word(&left, F::L4);
+        assert_ne!(other, held);
+        assert_frame(&left, &packet(F::NODE, other, F::REMOTE, 8080, open), &sums);
+        assert_eq!(h.counter(Counter::NodePortClash), n as u64 + 1);
+        // Each reply reaches its own flow: the node socket's at P, the pod's at 40000.
+        let (_, back) = h.ingress(&packet(F::REMOTE, 8080, F::NODE, other, answer));
+        assert_frame(
+            &back,
+            &packet(F::REMOTE, 8080, F::NODE, held, answer),
+            &sums,
+        );
+        let (_, back) = h.ingress(&packet(F::REMOTE, 8080, F::NODE, held, answer));
+        assert_frame(
+            &back,
+            &packet(F::REMOTE, 8080, F::POD, 40000, answer),
+            &sums,
+        );
+        // A node flow that clashes with nothing keeps its port, and its tuple is held.
+        let free = packet(F::NODE, 33333, F::REMOTE, 8080, open);
+        assert_eq!(h.egress(&free), (TC_ACT_OK, free.clone()));
+        assert!(F::nat(&h).iter().any(|(k, e)| e.kind == nat_kind::NODE
+            && k.proto == proto
+            && k.sport == 33333u16.to_be()));
+    }
+}
+
+/// A flow netfilter masqueraded (it leaves with the node's address already) holds its port:
+/// with one port to hand out, a pod's flow to the same destination gets none rather than the
+/// netfilter flow's, whose replies pass on to netfilter untouched.
+fn a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow<F: Family>() {
+    let mut h = F::bed(1024, &[(5000, 5000)], true);
+    let netfilters = udp(F::NODE, 5000, F::REMOTE, 53);
+    assert_eq!(h.egress(&netfilters), (TC_ACT_OK, netfilters.clone()));
+    let (verdict, _) = h.egress(&udp(F::POD, 1111, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_SHOT, "no port left but netfilter's");
+    assert_eq!(h.counter(Counter::DropPortsExhausted), 1);
+    let reply = udp(F::REMOTE, 53, F::NODE, 5000);
+    assert_eq!(
+        h.ingress(&reply),
+        (TC_ACT_OK, reply.clone()),
+        "netfilter's reply"
+    );
+    // The same port toward another destination is free.
+    let (verdict, out) = h.egress(&udp(F::POD, 1111, F::REMOTE2, 53));
+    assert_eq!((verdict, word(&out, F::L4)), (TC_ACT_OK, 5000));
+    let usage = expiry::usage(&F::nat(&h));
+    assert_eq!((usage.masqueraded_flows, usage.node_flows), (1, 1));
+}
+
+fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched<F: Family>() {
+    let mut h = harness::<F>();
+    // Every protocol the programs translate, from `src` to `dst`.
+    let each_protocol = |src, dst| {
+        [
+            tcp(src, 1000, dst, 443, SYN),
+            udp(src, 1000, dst, 53),
+            ping(src, dst, F::ECHO_REQUEST, 5),
+        ]
+    };
+    let mut cases = Vec::new();
+    for dst in [F::SERVICE, F::POD2, F::LINK_LOCAL] {
+        let exempt = Counter::NotMasqNonMasqDestination;
+        cases.extend(each_protocol(F::POD, dst).map(|p| (format!("to {dst}"), p, exempt)));
+    }
+    let from_node = each_protocol(F::NODE, F::REMOTE);
+    cases.extend(from_node.map(|p| ("from the node".into(), p, Counter::NotMasqNodeSource)));
+    cases.push((
+        "GRE, left to the chain".into(),
+        frame(F::POD, F::REMOTE, 47, b"GRE payload, left to the chain"),
+        Counter::NotMasqOtherProtocol,
+    ));
+    cases.push((
+        "an echo reply".into(),
+        ping(F::POD, F::REMOTE, F::ECHO_REPLY, 5),
+        Counter::NotMasqIcmpOther,
+    ));
+    for (what, packet, counter) in cases {
+        let before = h.counter(counter);
+        assert_eq!(h.egress(&packet), (TC_ACT_OK, packet.clone()), "{what}");
+        assert_eq!(h.counter(counter), before + 1, "{what}: {counter:?}");
+    }
+    // Only the node's three flows are remembered, as its own that nothing translates.
+    let nat = F::nat(&h);
+    assert_eq!(nat.len(), 6, "{nat:?}");
+    assert!(nat.iter().all(|(_, e)| e.kind == nat_kind::NODE), "{nat:?}");
+    assert_eq!(h.counter(Counter::Masqueraded), 0);
+}
+
+fn connections_opened_from_outside_keep_the_pods_address<F: Family>() {
+    let mut h = harness::<F>();
+    // Stray segments open nothing: only a SYN starts a connection.
+    for stray in [ACK, SYN | ACK, RST] {
+        h.ingress(&tcp(F::REMOTE, 5555, F::POD, 8080, stray));
+    }
+    // Nor does anything sent to multicast or link-local addresses.
+    h.ingress(&udp(F::REMOTE, 5555, F::ALL_NODES, 8080));
+    h.ingress(&udp(F::REMOTE, 5555, F::LINK_LOCAL, 8080));
+    assert_eq!(h.counter(Counter::InboundTracked), 0);
+    assert!(F::nat(&h).is_empty(), "{:?}", F::nat(&h));
+
+    let syn = tcp(F::REMOTE, 5555, F::POD, 8080, SYN);
+    assert_eq!(h.ingress(&syn), (TC_ACT_OK, syn));
+    assert_eq!(h.counter(Counter::InboundTracked), 1);
+    let syn_ack = tcp(F::POD, 8080, F::REMOTE, 5555, SYN | ACK);
+    assert_eq!(
+        h.egress(&syn_ack),
+        (TC_ACT_OK, syn_ack),
+        "the pod's reply keeps its address"
+    );
+    assert_eq!(h.counter(Counter::NotMasqInbound), 1);
+    let nat = F::nat(&h);
+    assert_eq!(nat.len(), 2);
+    assert!(nat.iter().all(|(_, e)| e.kind == nat_kind::PASSTHROUGH));
+    // The pod's own new connection to the same server is still masqueraded.
+    let (_, out) = h.egress(&tcp(F::POD, 40000, F::REMOTE, 5555, SYN));
+    assert_eq!(F::at(&out, F::SRC), F::NODE);
+    assert!(checksums_ok::<F>(&out));
+}
+
+/// IPv4 options and IPv6 extension headers are stepped over, as the chain's protocol match
+/// steps over them: left alone, the packet would leave with the pod's address.
+fn a_packet_behind_optional_ip_headers_is_translated_past_them<F: Family>() {
+    let mut h = harness::<F>();
+    let syn = F::with_header_options(&tcp(F::POD, 1000, F::REMOTE, 443, SYN));
+    let l4 = F::packet_at(&syn, IP).unwrap().l4;
+    assert!(l4 > F::L4 && checksums_ok::<F>(&syn));
+    let (verdict, out) = h.egress(&syn);
+    assert_eq!(verdict, TC_ACT_OK);
+    let port = word(&out, l4);
+    assert_changed_within(&syn, &out, &egress_fields::<F>(l4, TCP));
+    let expected = F::with_header_options(&tcp(F::NODE, port, F::REMOTE, 443, SYN));
+    assert_frame(&out, &expected, &checksums::<F>(l4 + 16));
+    assert!(checksums_ok::<F>(&out), "checksums, options included");
+
+    let reply = F::with_header_options(&tcp(F::REMOTE, 443, F::NODE, port, SYN | ACK));
+    let (verdict, back) = h.ingress(&reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_changed_within(&reply, &back, &ingress_fields::<F>(l4, TCP));
+    let restored = F::with_header_options(&tcp(F::REMOTE, 443, F::POD, 1000, SYN | ACK));
+    assert_frame(&back, &restored, &checksums::<F>(l4 + 16));
+    assert!(checksums_ok::<F>(&back), "the reply's checksums");
+}
+
+fn a_policy_change_affects_new_flows_only<F: Family>() {
+    let mut h = harness::<F>();
+    let tcp_checksums = checksums::<F>(F::L4 + 16);
+    // A masqueraded connection, then its destination becomes non-masquerade.
+    let (_, before) = h.egress(&tcp(F::POD, 4001, F::REMOTE, 443, SYN));
+    let port = word(&before, F::L4);
+    assert_eq!(F::at(&before, F::SRC), F::NODE);
+    F::set_policy(&mut h, &policy_with(F::REMOTE_NET));
+    let (verdict, after) = h.egress(&tcp(F::POD, 4001, F::REMOTE, 443, ACK));
+    assert_eq!(verdict, TC_ACT_OK);
+    let kept = tcp(F::NODE, port, F::REMOTE, 443, ACK);
+    assert_frame(&after, &kept, &tcp_checksums);
+    let (_, back) = h.ingress(&tcp(F::REMOTE, 443, F::NODE, port, ACK));
+    let restored = tcp(F::REMOTE, 443, F::POD, 4001, ACK);
+    assert_frame(&back, &restored, &tcp_checksums);
+    let fresh = tcp(F::POD, 4002, F::REMOTE, 443, SYN);
+    assert_eq!(
+        h.egress(&fresh),
+        (TC_ACT_OK, fresh),
+        "a new connection is not masqueraded"
+    );
+    let fresh_udp = udp(F::POD, 4002, F::REMOTE, 53);
+    assert_eq!(h.egress(&fresh_udp), (TC_ACT_OK, fresh_udp));
+
+    // An unmasqueraded connection, then its destination leaves the non-masquerade prefixes.
+    let established = tcp(F::POD, 4003, F::REMOTE2, 443, ACK);
+    F::set_policy(&mut h, &policy_with(F::REMOTE2_NET));
+    assert_eq!(h.egress(&established), (TC_ACT_OK, established.clone()));
+    F::set_policy(&mut h, &nets::<F>(F::POLICY));
+    let inbound = h.counter(Counter::NotMasqInbound);
+    assert_eq!(
+        h.egress(&established),
+        (TC_ACT_OK, established.clone()),
+        "stays unmasqueraded while its prefix drains"
+    );
+    assert_eq!(h.counter(Counter::NotMasqInbound), inbound + 1);
+    let fin = tcp(F::POD, 4003, F::REMOTE2, 443, ACK | FIN);
+    assert_eq!(h.egress(&fin), (TC_ACT_OK, fin), "through to its FIN");
+    let (verdict, new) = h.egress(&tcp(F::POD, 4004, F::REMOTE2, 443, SYN));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        F::at(&new, F::SRC),
+        F::NODE,
+        "a new connection is masqueraded"
+    );
+    assert!(checksums_ok::<F>(&new));
+
+    // Re-adding the prefix ends its draining; the other one still drains.
+    F::set_policy(&mut h, &policy_with(F::REMOTE2_NET));
+    assert_eq!(
+        F::draining(&h),
+        [F::REMOTE_NET],
+        "only the prefix still out of the policy drains"
+    );
+}
+
+fn nothing_is_translated_before_the_agent_configures_ports<F: Family>() {
+    let mut h = TestBed::unconfigured(16).unwrap();
+    let packet = tcp(F::POD, 1000, F::REMOTE, 443, SYN);
+    let (verdict, out) = h.egress(&packet);
+    assert_eq!((verdict, out), (TC_ACT_OK, packet));
+    assert_eq!(h.counter(Counter::NotInspected), 1);
+}

@@ -1,0 +1,142 @@
+//! What only IPv4 has: UDP without a checksum, and headers that lie about their length.
+
+use std::net::Ipv4Addr;
+
+use aya::maps::IterableMap as _;
+use masq_agent::dataplane::ebpf::{batch, testbed::TC_ACT_OK};
+use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, program_names};
+use masq_testbed::packet::*;
+
+use crate::family::*;
+
+const NODE: Ipv4Addr = <Ipv4Addr as Family>::NODE;
+const POD: Ipv4Addr = <Ipv4Addr as Family>::POD;
+const REMOTE: Ipv4Addr = <Ipv4Addr as Family>::REMOTE;
+
+/// `f` with its UDP checksum made 0: "none", which IPv4 allows.
+fn without_udp_checksum(mut f: Vec<u8>) -> Vec<u8> {
+    f[L4 + 6..L4 + 8].copy_from_slice(&[0, 0]);
+    f
+}
+
+#[test]
+fn a_udp_datagram_without_a_checksum_keeps_none() {
+    let mut h = harness::<Ipv4Addr>();
+    let dgram = without_udp_checksum(udp(POD, 5354, REMOTE, 53));
+    let (verdict, out) = h.egress(&dgram);
+    assert_eq!(verdict, TC_ACT_OK);
+    let port = word(&out, L4);
+    assert_changed_within(&dgram, &out, &egress_fields::<Ipv4Addr>(L4, UDP));
+    let expected = without_udp_checksum(udp(NODE, port, REMOTE, 53));
+    assert_eq!(out, expected, "a zero UDP checksum stays zero");
+
+    let reply = without_udp_checksum(udp(REMOTE, 53, NODE, port));
+    let (_, back) = h.ingress(&reply);
+    let restored = without_udp_checksum(udp(REMOTE, 53, POD, 5354));
+    assert_eq!(back, restored);
+}
+
+/// An error about a UDP reply that came without a checksum leaves quoting it as it arrived:
+/// still without one.
+#[test]
+fn an_egress_icmp_error_about_a_udp_reply_without_a_checksum_keeps_none() {
+    let mut h = harness::<Ipv4Addr>();
+    let flow = h.answered(&udp(POD, 40003, REMOTE, 53), |left| {
+        without_udp_checksum(udp(REMOTE, 53, NODE, word(left, L4)))
+    });
+    let unreachable = <Ipv4Addr as Family>::PORT_UNREACHABLE;
+    let quote_len = flow.restored.len() - IP;
+    let error = icmp_error((POD, REMOTE), unreachable, &flow.restored, quote_len);
+    let (verdict, out) = h.egress(&error);
+    assert_eq!(verdict, TC_ACT_OK);
+    let expected = icmp_error((NODE, REMOTE), unreachable, &flow.arrived, quote_len);
+    assert_frame(&out, &expected, &error_checksums::<Ipv4Addr>(&out));
+    assert!(checksums_ok::<Ipv4Addr>(&out));
+    let quoted_udp_checksum = L4 + 8 + 20 + 6;
+    assert_eq!(
+        word(&out, quoted_udp_checksum),
+        0,
+        "no UDP checksum stays none"
+    );
+    assert_eq!(h.counter(Counter::IcmpErrorMasqueraded), 1);
+}
+
+#[test]
+fn odd_and_truncated_packets_pass_unmodified() {
+    let mut h = harness::<Ipv4Addr>();
+    let good = tcp(POD, 1000, REMOTE, 443, SYN);
+    // An IHL below the minimum, a TCP header cut short, a UDP header cut short, an ARP frame,
+    // an IPv6 frame. (The kernel's test runner refuses IP frames shorter than an IP header.)
+    let mut bad_ihl = good.clone();
+    bad_ihl[IP] = 0x44;
+    let short_tcp = good[..40].to_vec();
+    let short_udp = udp(POD, 1000, REMOTE, 53)[..38].to_vec();
+    let mut arp = good.clone();
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    let mut ipv6 = good.clone();
+    ipv6[12..14].copy_from_slice(&ETHERTYPE_IPV6.to_be_bytes());
+    for packet in [bad_ihl, short_tcp, short_udp, arp, ipv6] {
+        for program in [program_names::EGRESS, program_names::INGRESS] {
+            let run = h.run(program, &packet, 1).unwrap();
+            assert_eq!(
+                (run.verdict, &run.frame),
+                (TC_ACT_OK, &packet),
+                "{program} {packet:02x?}"
+            );
+        }
+    }
+    assert!(h.nat().is_empty());
+}
+
+/// The agent reads and prunes the table with batch commands; the table is family-blind, so one
+/// family shows it.
+#[test]
+fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
+    let mut h = <Ipv4Addr as Family>::bed(16_384, &[(1024, 65535)], true);
+    // More entries than one batch call carries, so the kernel's cursor is followed.
+    let keys: Vec<NatKeyV4> = (0..10_000u32)
+        .map(|i| {
+            let [a, b, c, d] = i.to_be_bytes();
+            NatKeyV4 {
+                saddr: [10, a, b, c],
+                daddr: [203, 0, 113, d],
+                sport: 1000,
+                dport: 80,
+                proto: TCP,
+                direction: direction::INGRESS,
+                _pad: [0; 2],
+            }
+        })
+        .collect();
+    for key in &keys {
+        h.maps.nat.v4.insert(key, NatEntryV4::default(), 0).unwrap();
+    }
+    let read: Vec<(NatKeyV4, NatEntryV4)> = batch::lookup_all(h.maps.nat.v4.map()).unwrap();
+    assert_eq!(read.len(), keys.len());
+    let mut read_keys: Vec<_> = read.iter().map(|(k, _)| *k).collect();
+    read_keys.sort_by_key(|k| (k.saddr, k.daddr));
+    assert!(read_keys == keys, "every key read back, once");
+
+    // Half the keys, with some already gone in between: those are skipped, not fatal.
+    let mut doomed: Vec<_> = keys[..5_000].to_vec();
+    doomed.insert(100, keys[9_999]);
+    h.maps.nat.v4.remove(&keys[9_999]).unwrap();
+    doomed.insert(4_000, keys[9_999]);
+    let deleted = batch::delete_all(h.maps.nat.v4.map(), &doomed).unwrap();
+    assert_eq!(deleted, 5_000);
+    assert_eq!(h.nat().len(), keys.len() - 5_001);
+}
+
+/// A datagram from outside to the limited broadcast reaches no pod: it opens no flow, as
+/// multicast and link-local destinations open none in either family.
+#[test]
+fn a_datagram_to_the_limited_broadcast_opens_no_flow() {
+    let mut h = harness::<Ipv4Addr>();
+    let broadcast = udp(REMOTE, 68, Ipv4Addr::BROADCAST, 67);
+    assert_eq!(h.ingress(&broadcast), (TC_ACT_OK, broadcast.clone()));
+    assert_eq!(h.counter(Counter::InboundTracked), 0);
+    assert!(h.nat().is_empty());
+    // A unicast datagram to a pod opens one, which is what the above would have done.
+    h.ingress(&udp(REMOTE, 68, POD, 67));
+    assert_eq!(h.counter(Counter::InboundTracked), 1);
+}
