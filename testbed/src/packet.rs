@@ -589,17 +589,8 @@ pub trait IpFamily: Copy + Eq + fmt::Debug + fmt::Display + Into<IpAddr> + 'stat
     fn pseudo_header(src: Self, dst: Self, proto: u8, len: usize) -> Vec<u8>;
     /// An Ethernet frame carrying the upper layer `l4` of protocol `proto`.
     fn frame(src: Self, dst: Self, proto: u8, l4: &[u8]) -> Vec<u8>;
-    /// The upper-layer `datagram` cut into fragments of `size` bytes (a multiple of 8; the
-    /// last one takes the rest) with identification `id`, each in a frame of its own, first
-    /// fragment first.
-    fn fragments(
-        src: Self,
-        dst: Self,
-        proto: u8,
-        datagram: &[u8],
-        id: u32,
-        size: usize,
-    ) -> Vec<Vec<u8>>;
+    /// A frame carrying `chunk`, the slice of an upper-layer datagram that `at` places.
+    fn fragment(src: Self, dst: Self, proto: u8, chunk: &[u8], at: FragmentAt) -> Vec<u8>;
     /// The IP packet whose header starts at `ip` in `f`, or `None` if it is not of this family
     /// or cut short.
     fn packet_at(f: &[u8], ip: usize) -> Option<IpPacket<Self>>;
@@ -650,27 +641,15 @@ impl IpFamily for Ipv4Addr {
         frame_with_frag(src, dst, proto, l4, 0)
     }
 
-    fn fragments(
-        src: Self,
-        dst: Self,
-        proto: u8,
-        datagram: &[u8],
-        id: u32,
-        size: usize,
-    ) -> Vec<Vec<u8>> {
-        fragment_offsets(datagram, size)
-            .map(|(offset, more, chunk)| {
-                let frag = offset | if more { IPV4_MORE_FRAGMENTS } else { 0 };
-                let mut f = frame_with_frag(src, dst, proto, chunk, frag);
-                // The identification is the header's only 16-bit field that tells datagrams
-                // apart; the header checksum is made right again.
-                f[IP + 4..IP + 6].copy_from_slice(&(id as u16).to_be_bytes());
-                f[IP + 10..IP + 12].copy_from_slice(&[0, 0]);
-                let c = checksum(&f[IP..IP + 20]);
-                f[IP + 10..IP + 12].copy_from_slice(&c.to_be_bytes());
-                f
-            })
-            .collect()
+    fn fragment(src: Self, dst: Self, proto: u8, chunk: &[u8], at: FragmentAt) -> Vec<u8> {
+        let frag = at.offset | if at.more { IPV4_MORE_FRAGMENTS } else { 0 };
+        let mut f = frame_with_frag(src, dst, proto, chunk, frag);
+        // The identification tells datagrams apart; the header checksum is made right again.
+        f[IP + 4..IP + 6].copy_from_slice(&(at.id as u16).to_be_bytes());
+        f[IP + 10..IP + 12].copy_from_slice(&[0, 0]);
+        let c = checksum(&f[IP..IP + 20]);
+        f[IP + 10..IP + 12].copy_from_slice(&c.to_be_bytes());
+        f
     }
 
     fn packet_at(f: &[u8], ip: usize) -> Option<IpPacket<Self>> {
@@ -722,25 +701,9 @@ impl IpFamily for Ipv6Addr {
         frame6_ext(src, dst, &[], proto, l4)
     }
 
-    fn fragments(
-        src: Self,
-        dst: Self,
-        proto: u8,
-        datagram: &[u8],
-        id: u32,
-        size: usize,
-    ) -> Vec<Vec<u8>> {
-        fragment_offsets(datagram, size)
-            .map(|(offset, more, chunk)| {
-                frame6_ext(
-                    src,
-                    dst,
-                    &[ExtHeader::fragment(offset, more, id)],
-                    proto,
-                    chunk,
-                )
-            })
-            .collect()
+    fn fragment(src: Self, dst: Self, proto: u8, chunk: &[u8], at: FragmentAt) -> Vec<u8> {
+        let header = ExtHeader::fragment(at.offset, at.more, at.id);
+        frame6_ext(src, dst, &[header], proto, chunk)
     }
 
     fn packet_at(f: &[u8], ip: usize) -> Option<IpPacket<Self>> {
@@ -756,18 +719,14 @@ impl IpFamily for Ipv6Addr {
 pub const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
 pub const IPV4_OFFSET_MASK: u16 = 0x1fff;
 
-/// `datagram` in slices of `size` bytes: each one's offset in eight-byte units, whether more
-/// follow, and its bytes.
-fn fragment_offsets(datagram: &[u8], size: usize) -> impl Iterator<Item = (u16, bool, &[u8])> {
-    assert!(
-        size > 0 && size.is_multiple_of(8),
-        "fragments are multiples of 8 bytes"
-    );
-    let count = datagram.len().div_ceil(size);
-    datagram
-        .chunks(size)
-        .enumerate()
-        .map(move |(i, chunk)| ((i * size / 8) as u16, i + 1 < count, chunk))
+/// Where a fragment's slice sits in its datagram.
+#[derive(Clone, Copy, Debug)]
+pub struct FragmentAt {
+    /// In eight-byte units.
+    pub offset: u16,
+    /// More of the datagram follows.
+    pub more: bool,
+    pub id: u32,
 }
 
 /// The upper-layer checksum residual of `seg` from `src` to `dst`: 0 when the checksum is
@@ -866,7 +825,8 @@ pub fn ping<A: IpFamily>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
     frame(src, dst, A::ICMP, &echo_message(src, dst, kind, id))
 }
 
-/// `A::fragments`, with the family following from the addresses.
+/// The upper-layer `datagram` cut into fragments of `size` bytes (a multiple of 8; the last one
+/// takes the rest) with identification `id`, each in a frame of its own, first fragment first.
 pub fn fragments<A: IpFamily>(
     src: A,
     dst: A,
@@ -875,7 +835,21 @@ pub fn fragments<A: IpFamily>(
     id: u32,
     size: usize,
 ) -> Vec<Vec<u8>> {
-    A::fragments(src, dst, proto, datagram, id, size)
+    assert!(
+        size > 0 && size.is_multiple_of(8),
+        "fragments are multiples of 8 bytes"
+    );
+    let count = datagram.len().div_ceil(size);
+    let at = |i: usize| FragmentAt {
+        offset: (i * size / 8) as u16,
+        more: i + 1 < count,
+        id,
+    };
+    datagram
+        .chunks(size)
+        .enumerate()
+        .map(|(i, chunk)| A::fragment(src, dst, proto, chunk, at(i)))
+        .collect()
 }
 
 /// Whether the upper layer of `p` in `f` (running to the end of `f`) carries a valid TCP, UDP
