@@ -103,6 +103,22 @@ impl Bed {
         self.spawn_agent(&args, &[])
     }
 
+    /// The bed of a case written once for both families, its agent running. Bound as
+    /// `let (bed, _agent)`, the agent stops before its topology goes.
+    fn with_agent(plane: Plane, family: Family) -> (Bed, Process) {
+        let bed = Bed::new(plane, family.config());
+        let agent = bed.start_agent(family.agent_args());
+        (bed, agent)
+    }
+
+    /// The programs' counter `name` reads `expected`; the chain counts nothing of its own.
+    fn assert_ebpf_counter(&self, name: &str, expected: u64, why: &str) {
+        if self.plane == Plane::Ebpf {
+            let counters = &self.status_json()["ebpf"]["counters"];
+            assert_eq!(counters[name], expected, "{why}: {counters}");
+        }
+    }
+
     /// Starts the agent in the node namespace, without waiting for it to sync.
     fn launch_agent(&self, args: &[String], env: &[(&str, &str)]) -> Process {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -530,8 +546,7 @@ fn survives_the_uplink_going_down_and_up(plane: Plane) {
 /// The uplink goes down for a few upkeep ticks and comes back, with its routes (which a down
 /// link takes with it) and, for IPv6, its address (which the kernel drops with the link).
 fn uplink_goes_down_and_up(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let agent = bed.start_agent(family.agent_args());
+    let (bed, agent) = Bed::with_agent(plane, family);
     family.assert_masqueraded(&bed);
     let uplink = topology::UPLINK_IF;
     bed.topo
@@ -575,8 +590,7 @@ fn survives_the_uplink_being_deleted_and_recreated(plane: Plane) {
 }
 
 fn uplink_is_deleted_and_recreated(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let agent = bed.start_agent(family.agent_args());
+    let (bed, agent) = Bed::with_agent(plane, family);
     family.assert_masqueraded(&bed);
     bed.topo
         .node_run("ip", &["link", "del", topology::UPLINK_IF])
@@ -597,16 +611,16 @@ fn uplink_is_deleted_and_recreated(plane: Plane, family: Family) {
     }
 }
 
+fn fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
+    fragments_arrive_whole_both_ways(plane, Family::V4);
+}
+
 /// Datagrams larger than the links' MTU travel as fragments: a 4 000-byte UDP datagram goes out
 /// and comes back whole, and so does a 4 000-byte ping.
-fn fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let _agent = bed.start_agent(&[]);
-    assert_fragments_arrive_whole(&bed, topology::EXT_ADDR.into());
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert_eq!(counters["dropped_fragment"], 0, "{counters}");
-    }
+fn fragments_arrive_whole_both_ways(plane: Plane, family: Family) {
+    let (bed, _agent) = Bed::with_agent(plane, family);
+    assert_fragments_arrive_whole(&bed, family.outside().ip());
+    bed.assert_ebpf_counter("dropped_fragment", 0, "no fragment was dropped");
 }
 
 /// A 4 000-byte UDP datagram goes out to `server` in fragments, and its echo comes back in
@@ -705,8 +719,7 @@ fn a_killed_agent_does_not_break_a_transfer(plane: Plane) {
 }
 
 fn killed_agent_does_not_break_a_transfer(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let mut agent = bed.start_agent(family.agent_args());
+    let (bed, mut agent) = Bed::with_agent(plane, family);
     let _sink = BulkSink::start(&bed.topo.ext, 9001).unwrap();
     let pod = bed.pod().to_string();
     let server = (family.outside().ip(), 9001).into();
@@ -1772,13 +1785,7 @@ fn ipv6_new_flows_take_the_uplink_s_new_address(plane: Plane) {
 }
 
 fn ipv6_fragmented_datagrams_arrive_whole_both_ways(plane: Plane) {
-    let bed = Bed::new(plane, IPV6_CONFIG);
-    let _agent = bed.start_agent(&["--enable-ipv6"]);
-    assert_fragments_arrive_whole(&bed, topology::EXT_ADDR_V6.into());
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert_eq!(counters["dropped_fragment"], 0, "{counters}");
-    }
+    fragments_arrive_whole_both_ways(plane, Family::V6);
 }
 
 // ---- every device: a second uplink beside eth0 ------------------------------------------
@@ -2134,8 +2141,7 @@ impl Family {
 /// host's own socket takes it (ECONNREFUSED). Untranslated, it carries the pod's address and
 /// quotes a packet the host never sent.
 fn a_pods_icmp_error_reaches_the_outside_host(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let _agent = bed.start_agent(family.agent_args());
+    let (bed, _agent) = Bed::with_agent(plane, family);
     let server = SocketAddr::from((family.outside().ip(), 9600));
     let host =
         masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(server)?)).unwrap();
@@ -2169,18 +2175,18 @@ fn a_pods_icmp_error_reaches_the_outside_host(plane: Plane, family: Family) {
         sources.iter().all(|&src| src == family.node()),
         "the error left with the node's address: {sources:?}"
     );
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert_eq!(counters["icmp_error_masqueraded"], 1, "{counters}");
-    }
+    bed.assert_ebpf_counter(
+        "icmp_error_masqueraded",
+        1,
+        "the programs translated the error",
+    );
 }
 
 /// Pods behind a smaller MTU than the uplink (an overlay's): the node answers a reply too big
 /// for the pod's route with fragmentation needed (packet too big), which must reach the
 /// outside sender as about the segment it sent, or path-MTU discovery black-holes the download.
 fn path_mtu_discovery_toward_a_pod_behind_a_narrower_route(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let _agent = bed.start_agent(family.agent_args());
+    let (bed, _agent) = Bed::with_agent(plane, family);
     bed.topo.narrow_pod_route(0, 1400).unwrap();
     const DOWNLOAD: usize = 20 << 20;
     let _source = BulkSource::start(&bed.topo.ext, 9800, DOWNLOAD).unwrap();
@@ -2259,8 +2265,7 @@ impl Conversation {
 /// number far outside the window. The pod's kernel ignores it, and so must the NAT: well past
 /// the reset timeout and a sweep of the NAT table, the connection still carries data both ways.
 fn a_blind_rst_does_not_end_an_established_connection(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let _agent = bed.start_agent(family.agent_args());
+    let (bed, _agent) = Bed::with_agent(plane, family);
     let segments = family.observe(&bed.topo.ext, IPPROTO_TCP);
     let conversation = Conversation::open(&bed, family, 9700);
     let node_side = conversation.node_side;
@@ -2301,18 +2306,18 @@ fn a_blind_rst_does_not_end_an_established_connection(plane: Plane, family: Fami
     conversation
         .exchange("still there")
         .expect("the connection outlived a blind RST");
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert_eq!(counters["tcp_rst_not_acceptable"], 1, "{counters}");
-    }
+    bed.assert_ebpf_counter(
+        "tcp_rst_not_acceptable",
+        1,
+        "the programs judged the RST blind",
+    );
 }
 
 /// Established means both directions seen: a pod's lone ACK toward a host that never answers
 /// leaves the flow's reply half unseen, so it goes with the transitory timeout (60 s), not the
 /// established one (2 h).
 fn a_lone_ack_opens_no_established_flow(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let _agent = bed.start_agent(family.agent_args());
+    let (bed, _agent) = Bed::with_agent(plane, family);
     // Beyond the outside host, on its narrow link, where no host answers: the node sends it
     // on through the uplink (an address on the uplink's own subnet would wait for a neighbour
     // that never answers, and never leave).
@@ -2420,13 +2425,11 @@ fn kube_proxys_own_masquerade_is_not_translated_twice(plane: Plane) {
         let seen = probe::tcp_probe(bed.pod(), "10.96.0.11:80".parse().unwrap(), 0).unwrap();
         assert_eq!(seen.ip(), node_ip());
     }
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert_eq!(
-            counters["masqueraded"], 0,
-            "kube-proxy's translation is not translated again: {counters}"
-        );
-    }
+    bed.assert_ebpf_counter(
+        "masqueraded",
+        0,
+        "kube-proxy's translation is not translated again",
+    );
     assert_masqueraded(&bed);
 }
 
@@ -2666,8 +2669,7 @@ fn no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane: Plane, f
 /// connects to the same server: as conntrack does, the node gives its connection another port,
 /// and both connections work.
 fn a_node_socket_on_a_port_the_programs_hold(plane: Plane, family: Family) {
-    let bed = Bed::new(plane, family.config());
-    let _agent = bed.start_agent(family.agent_args());
+    let (bed, _agent) = Bed::with_agent(plane, family);
     let conversation = Conversation::open(&bed, family, 9740);
     let (held, server) = (conversation.node_side, conversation.server);
     assert_eq!(held.ip(), family.node());
