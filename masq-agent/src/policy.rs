@@ -1,6 +1,8 @@
 //! The policy: what the kernel must do, derived from the config and the flags. Both data planes
 //! enforce exactly this and nothing else.
 
+use std::net::IpAddr;
+
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::{config::Config, ports::PortRanges};
@@ -23,31 +25,97 @@ pub enum IpFamily {
     Ipv6,
 }
 
+/// What happens to traffic to a destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    /// The pod's address is kept.
+    NonMasquerade,
+    Masquerade,
+}
+
+/// The entries that decide a family's destinations, each with its action.
+pub type Rules = Vec<(IpNet, Action)>;
+
 /// Destinations that keep the pod's source address, per family, in upstream's rule order:
-/// link-local first (unless masqueraded), then the configured CIDRs in file order.
+/// link-local first (unless masqueraded), then the configured CIDRs in file order; and the
+/// exceptions to them. Every destination is decided by the longest prefix that holds it; a
+/// destination no prefix holds is masqueraded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     pub non_masq_v4: Vec<Ipv4Net>,
     /// `None` when IPv6 is not enabled: the agent then leaves IPv6 alone entirely.
     pub non_masq_v6: Option<Vec<Ipv6Net>>,
+    /// Destinations masqueraded although a shorter prefix above keeps the pod's address.
+    pub masq_v4: Vec<Ipv4Net>,
+    /// The same for IPv6; empty when IPv6 is not enabled.
+    pub masq_v6: Vec<Ipv6Net>,
 }
 
 impl Policy {
     /// Whether traffic to `addr` keeps its source address.
-    pub fn exempts(&self, addr: std::net::IpAddr) -> bool {
-        match addr {
-            std::net::IpAddr::V4(a) => self.non_masq_v4.iter().any(|n| n.contains(&a)),
-            std::net::IpAddr::V6(a) => self.non_masq_v6.iter().flatten().any(|n| n.contains(&a)),
-        }
+    pub fn exempts(&self, addr: IpAddr) -> bool {
+        self.decide(addr).0 == Action::NonMasquerade
+    }
+
+    /// What happens to traffic to `addr`, and the entry that decides it (`None`: no entry
+    /// holds it, and it is masqueraded). An address of a family the policy leaves alone is
+    /// decided by no entry.
+    pub fn decide(&self, addr: IpAddr) -> (Action, Option<IpNet>) {
+        let family = match addr {
+            IpAddr::V4(_) => IpFamily::Ipv4,
+            IpAddr::V6(_) => IpFamily::Ipv6,
+        };
+        self.rules(family)
+            .into_iter()
+            .flatten()
+            .filter(|(net, _)| net.contains(&addr))
+            .max_by_key(|(net, _)| net.prefix_len())
+            .map_or((Action::Masquerade, None), |(net, action)| {
+                (action, Some(net))
+            })
+    }
+
+    /// A family's entries: the non-masquerade ones in rule order, then the exceptions; `None`
+    /// when the policy leaves the family alone.
+    pub fn rules(&self, family: IpFamily) -> Option<Rules> {
+        let with = |nets: Vec<IpNet>, action| nets.into_iter().map(move |n| (n, action));
+        let (non_masq, masq): (Vec<IpNet>, Vec<IpNet>) = match family {
+            IpFamily::Ipv4 => (
+                self.non_masq_v4.iter().map(|&n| n.into()).collect(),
+                self.masq_v4.iter().map(|&n| n.into()).collect(),
+            ),
+            IpFamily::Ipv6 => (
+                self.non_masq_v6
+                    .as_ref()?
+                    .iter()
+                    .map(|&n| n.into())
+                    .collect(),
+                self.masq_v6.iter().map(|&n| n.into()).collect(),
+            ),
+        };
+        Some(
+            with(non_masq, Action::NonMasquerade)
+                .chain(with(masq, Action::Masquerade))
+                .collect(),
+        )
     }
 
     pub fn from_config(config: &Config, enable_ipv6: bool) -> Policy {
-        let mut non_masq_v4 = Vec::new();
-        let mut non_masq_v6 = Vec::new();
-        if !config.masq_link_local {
+        let (mut non_masq_v4, mut non_masq_v6) = (Vec::new(), Vec::new());
+        let (mut masq_v4, mut masq_v6) = (Vec::new(), Vec::new());
+        for cidr in &config.masquerade_cidrs {
+            match cidr {
+                IpNet::V4(net) => masq_v4.push(*net),
+                IpNet::V6(net) => masq_v6.push(*net),
+            }
+        }
+        // Link-local is an entry like any other, but implicit: an exception for exactly it
+        // is the same as masqLinkLocal.
+        if !config.masq_link_local && !masq_v4.contains(&LINK_LOCAL_V4) {
             non_masq_v4.push(LINK_LOCAL_V4);
         }
-        if !config.masq_link_local_ipv6 {
+        if !config.masq_link_local_ipv6 && !masq_v6.contains(&LINK_LOCAL_V6) {
             non_masq_v6.push(LINK_LOCAL_V6);
         }
         for cidr in &config.non_masquerade_cidrs {
@@ -56,9 +124,14 @@ impl Policy {
                 IpNet::V6(net) => non_masq_v6.push(*net),
             }
         }
+        if !enable_ipv6 {
+            masq_v6.clear();
+        }
         Policy {
             non_masq_v4,
             non_masq_v6: enable_ipv6.then_some(non_masq_v6),
+            masq_v4,
+            masq_v6,
         }
     }
 }
@@ -79,6 +152,7 @@ mod tests {
     fn config(cidrs: &[&str], masq_ll: bool, masq_ll6: bool) -> Config {
         Config {
             non_masquerade_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            masquerade_cidrs: vec![],
             masq_link_local: masq_ll,
             masq_link_local_ipv6: masq_ll6,
             ..Config::defaults(&ConfigOptions {
@@ -120,5 +194,81 @@ mod tests {
     fn duplicates_are_kept_as_upstream_does() {
         let p = Policy::from_config(&config(&["10.0.0.0/8", "10.0.0.0/8"], true, true), false);
         assert_eq!(p.non_masq_v4.len(), 2);
+    }
+
+    fn with_exceptions(cidrs: &[&str], exceptions: &[&str], masq_ll: bool) -> Policy {
+        let config = Config {
+            masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
+            ..config(cidrs, masq_ll, masq_ll)
+        };
+        Policy::from_config(&config, true)
+    }
+
+    fn decided(p: &Policy, addr: &str) -> (Action, Option<String>) {
+        let (action, entry) = p.decide(addr.parse().unwrap());
+        (action, entry.map(|n| n.to_string()))
+    }
+
+    #[test]
+    fn the_longest_prefix_decides() {
+        let p = with_exceptions(
+            &["10.0.0.0/8", "fd00::/8"],
+            &["10.100.10.0/24", "fd00:1::/64"],
+            false,
+        );
+        let keep = Action::NonMasquerade;
+        let masq = Action::Masquerade;
+        assert_eq!(decided(&p, "10.1.2.3"), (keep, Some("10.0.0.0/8".into())));
+        assert_eq!(
+            decided(&p, "10.100.10.7"),
+            (masq, Some("10.100.10.0/24".into()))
+        );
+        assert_eq!(
+            decided(&p, "10.100.11.7"),
+            (keep, Some("10.0.0.0/8".into()))
+        );
+        assert_eq!(decided(&p, "fd00:1::5"), (masq, Some("fd00:1::/64".into())));
+        assert_eq!(decided(&p, "fd00:2::5"), (keep, Some("fd00::/8".into())));
+        assert_eq!(
+            decided(&p, "203.0.113.9"),
+            (masq, None),
+            "no entry: the default"
+        );
+        assert!(p.exempts("10.1.2.3".parse().unwrap()));
+        assert!(!p.exempts("10.100.10.7".parse().unwrap()));
+    }
+
+    #[test]
+    fn an_allow_list_is_everything_exempt_but_its_exceptions() {
+        let p = with_exceptions(&["0.0.0.0/0"], &["203.0.113.0/24"], false);
+        assert_eq!(decided(&p, "198.51.100.1").0, Action::NonMasquerade);
+        assert_eq!(decided(&p, "203.0.113.9").0, Action::Masquerade);
+    }
+
+    #[test]
+    fn an_exception_inside_link_local_and_one_for_all_of_it() {
+        let p = with_exceptions(&["10.0.0.0/8"], &["169.254.169.254/32"], false);
+        assert_eq!(decided(&p, "169.254.169.254").0, Action::Masquerade);
+        assert_eq!(
+            decided(&p, "169.254.1.1"),
+            (Action::NonMasquerade, Some("169.254.0.0/16".into()))
+        );
+        // An exception for exactly link-local takes the implicit entry's place.
+        let p = with_exceptions(&["10.0.0.0/8"], &["169.254.0.0/16", "fe80::/10"], false);
+        assert_eq!(p.non_masq_v4, ["10.0.0.0/8".parse::<Ipv4Net>().unwrap()]);
+        assert_eq!(p.non_masq_v6, Some(vec![]));
+        assert_eq!(decided(&p, "169.254.1.1").0, Action::Masquerade);
+        assert_eq!(decided(&p, "fe80::1").0, Action::Masquerade);
+    }
+
+    #[test]
+    fn ipv6_exceptions_wait_for_ipv6() {
+        let config = Config {
+            masquerade_cidrs: vec!["fd00:1::/64".parse().unwrap()],
+            ..config(&["fd00::/8"], false, false)
+        };
+        let p = Policy::from_config(&config, false);
+        assert_eq!(p.rules(IpFamily::Ipv6), None);
+        assert!(p.masq_v6.is_empty());
     }
 }

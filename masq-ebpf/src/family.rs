@@ -186,7 +186,7 @@ impl Family for V6 {
 
     #[inline(always)]
     fn is_non_masq_destination(addr: [u8; 16]) -> bool {
-        policy::in_trie(&maps::NON_MASQ_V6, addr)
+        policy::keeps_address(&maps::NON_MASQ_V6, addr)
     }
 
     #[inline(always)]

@@ -58,8 +58,17 @@ pub const NAT_DEFAULT_ENTRIES: u32 = 2 * 262_144;
 /// Interfaces the programs may be attached to at once.
 pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 
-/// Value stored for each prefix in the non-masquerade tries; only presence matters.
-pub type NonMasqValue = u8;
+/// The value of each prefix in the policy tries (`non_masq_v4`, `non_masq_v6`): what happens to
+/// traffic to the destinations it is the longest prefix of.
+pub type PrefixAction = u8;
+
+pub mod prefix_action {
+    use super::PrefixAction;
+    /// The pod's address is kept.
+    pub const NON_MASQUERADE: PrefixAction = 1;
+    /// Masqueraded: an exception inside a shorter non-masquerade prefix (`masqueradeCIDRs`).
+    pub const MASQUERADE: PrefixAction = 2;
+}
 
 /// Slots of the per-CPU verdict cache in front of `non_masq_v4`: direct-mapped by a hash of the
 /// destination.
@@ -92,7 +101,6 @@ pub mod verdict_slot {
         }
     }
 }
-pub const NON_MASQ_PRESENT: NonMasqValue = 1;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;

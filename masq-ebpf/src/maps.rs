@@ -7,7 +7,7 @@ use aya_ebpf::{
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
     NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
-    NonMasqValue, Settings,
+    PrefixAction, Settings,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -21,11 +21,11 @@ pub type FragmentTable<A> = LruHashMap<FragmentKey<A>, A, { FRAGMENTS_MAX_ENTRIE
 pub type DrainingTrie<A> = LpmTrie<A, u32, { NON_MASQ_MAX_ENTRIES as usize }>;
 
 #[btf_map(name = "non_masq_v4")]
-pub static NON_MASQ_V4: LpmTrie<[u8; 4], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
+pub static NON_MASQ_V4: LpmTrie<[u8; 4], PrefixAction, { NON_MASQ_MAX_ENTRIES as usize }> =
     LpmTrie::new();
 
 #[btf_map(name = "non_masq_v6")]
-pub static NON_MASQ_V6: LpmTrie<[u8; 16], NonMasqValue, { NON_MASQ_MAX_ENTRIES as usize }> =
+pub static NON_MASQ_V6: LpmTrie<[u8; 16], PrefixAction, { NON_MASQ_MAX_ENTRIES as usize }> =
     LpmTrie::new();
 
 #[btf_map(name = "policy_generation")]

@@ -8,6 +8,7 @@ use super::*;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Field {
     Cidrs,
+    MasqCidrs,
     CidrLimit,
     MasqLinkLocal,
     MasqLinkLocalIpv6,
@@ -15,8 +16,9 @@ pub(super) enum Field {
 }
 
 impl Field {
-    pub(super) const ALL: [Field; 5] = [
+    pub(super) const ALL: [Field; 6] = [
         Field::Cidrs,
+        Field::MasqCidrs,
         Field::CidrLimit,
         Field::MasqLinkLocal,
         Field::MasqLinkLocalIpv6,
@@ -27,6 +29,7 @@ impl Field {
     pub(super) fn name(self) -> &'static str {
         match self {
             Field::Cidrs => "nonMasqueradeCIDRs",
+            Field::MasqCidrs => "masqueradeCIDRs",
             Field::CidrLimit => "cidrLimit",
             Field::MasqLinkLocal => "masqLinkLocal",
             Field::MasqLinkLocalIpv6 => "masqLinkLocalIPv6",
@@ -37,7 +40,7 @@ impl Field {
     /// The Go type of upstream's struct field, for error messages.
     pub(super) fn go_type(self) -> &'static str {
         match self {
-            Field::Cidrs => "[]string",
+            Field::Cidrs | Field::MasqCidrs => "[]string",
             Field::CidrLimit => "int",
             Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 => "bool",
             Field::ResyncInterval => "Duration",
@@ -73,11 +76,18 @@ pub(super) fn go_fold(s: &str) -> String {
 pub(super) struct Problem<'a> {
     pub(super) message: String,
     pub(super) anchor: Option<&'a String>,
+    /// Another place the error is about, named in the message with its line: what the value
+    /// at `anchor` clashes with.
+    pub(super) also: Option<(&'static str, &'a String)>,
 }
 
 impl<'a> Problem<'a> {
     pub(super) fn new(message: String, anchor: Option<&'a String>) -> Problem<'a> {
-        Problem { message, anchor }
+        Problem {
+            message,
+            anchor,
+            also: None,
+        }
     }
 }
 
@@ -88,11 +98,15 @@ pub(super) struct Setting<'a, T> {
     pub(super) key: &'a String,
 }
 
+/// A CIDR list as written: each item's text, `None` for a `null` item.
+pub(super) type CidrList<'a> = Vec<Option<&'a String>>;
+
 /// What the file sets; `None` keeps the default.
 #[derive(Debug, Default)]
 pub(super) struct FileFields<'a> {
     /// A `null` list item decodes to "" in Go; it is `None` here.
-    pub(super) cidrs: Option<Setting<'a, Vec<Option<&'a String>>>>,
+    pub(super) cidrs: Option<Setting<'a, CidrList<'a>>>,
+    pub(super) masq_cidrs: Option<Setting<'a, CidrList<'a>>>,
     pub(super) cidr_limit: Option<Setting<'a, i64>>,
     pub(super) masq_link_local: Option<bool>,
     pub(super) masq_link_local_ipv6: Option<bool>,
@@ -190,9 +204,14 @@ impl<'a> FileFields<'a> {
             ))
         };
         match field {
-            Field::Cidrs => {
-                if let Some(list) = decode_cidr_list(key, value)? {
-                    self.cidrs = Some(Setting { value: list, key });
+            Field::Cidrs | Field::MasqCidrs => {
+                if let Some(list) = decode_cidr_list(field, key, value)? {
+                    let slot = if field == Field::Cidrs {
+                        &mut self.cidrs
+                    } else {
+                        &mut self.masq_cidrs
+                    };
+                    *slot = Some(Setting { value: list, key });
                 }
             }
             Field::CidrLimit => {
@@ -224,14 +243,15 @@ impl<'a> FileFields<'a> {
 
 /// `None` leaves the list alone; `null` and `[]` both mean an empty list.
 pub(super) fn decode_cidr_list<'a>(
+    field: Field,
     key: &'a String,
     value: &'a Node,
-) -> Result<Option<Vec<Option<&'a String>>>, DecodeError<'a>> {
+) -> Result<Option<CidrList<'a>>, DecodeError<'a>> {
     let type_error = |what: &str, go_type: &str| {
         DecodeError::Type(Problem::new(
             format!(
                 "json: cannot unmarshal {what} into Go struct field MasqConfig.{} of type {go_type}",
-                Field::Cidrs.name()
+                field.name()
             ),
             Some(key),
         ))

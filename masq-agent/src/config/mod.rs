@@ -40,6 +40,9 @@ pub struct ConfigOptions {
 pub struct Config {
     /// Destinations that are not masqueraded, in file order, duplicates kept.
     pub non_masquerade_cidrs: Vec<IpNet>,
+    /// Destinations that are masqueraded although a shorter prefix of `non_masquerade_cidrs`
+    /// (or link-local) holds them: every destination is decided by its longest prefix.
+    pub masquerade_cidrs: Vec<IpNet>,
     pub cidr_limit: i64,
     pub masq_link_local: bool,
     pub masq_link_local_ipv6: bool,
@@ -84,6 +87,7 @@ impl Config {
         }
         Config {
             non_masquerade_cidrs: cidrs,
+            masquerade_cidrs: Vec::new(),
             cidr_limit: DEFAULT_CIDR_LIMIT,
             masq_link_local: false,
             masq_link_local_ipv6: false,
@@ -92,19 +96,21 @@ impl Config {
     }
 
     /// The configuration under upstream's key names, e.g. for logging it the way upstream does.
+    /// The keys upstream does not have appear only when they are set.
     pub fn to_upstream_json(&self) -> serde_json::Value {
-        let cidrs: Vec<String> = self
-            .non_masquerade_cidrs
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        serde_json::json!({
-            "nonMasqueradeCIDRs": cidrs,
+        let strings =
+            |cidrs: &[IpNet]| -> Vec<String> { cidrs.iter().map(ToString::to_string).collect() };
+        let mut json = serde_json::json!({
+            "nonMasqueradeCIDRs": strings(&self.non_masquerade_cidrs),
             "cidrLimit": self.cidr_limit,
             "masqLinkLocal": self.masq_link_local,
             "masqLinkLocalIPv6": self.masq_link_local_ipv6,
             "resyncInterval": format_go_duration(self.resync_interval),
-        })
+        });
+        if !self.masquerade_cidrs.is_empty() {
+            json["masqueradeCIDRs"] = strings(&self.masquerade_cidrs).into();
+        }
+        json
     }
 }
 
@@ -209,10 +215,16 @@ pub fn parse(text: &[u8], origin: &str, opts: &ConfigOptions) -> Result<Loaded, 
             source: ConfigSource::File,
         }),
         Err(problem) => {
-            let line = problem
-                .anchor
-                .and_then(|anchor| locate(text, &root, format, anchor));
-            Err(ConfigError::new(origin, line, problem.message))
+            let line_of = |anchor| locate(text, &root, format, anchor);
+            let line = problem.anchor.and_then(line_of);
+            let mut message = problem.message;
+            if let Some((what, also)) = problem.also {
+                match line_of(also) {
+                    Some(n) => message.push_str(&format!("; {what} has it at line {n}")),
+                    None => message.push_str(&format!("; {what} has it too")),
+                }
+            }
+            Err(ConfigError::new(origin, line, message))
         }
     }
 }

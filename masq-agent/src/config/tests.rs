@@ -62,6 +62,7 @@ fn defaults() -> Config {
 fn yaml_with_all_keys() {
     let expected = Config {
         non_masquerade_cidrs: nets(&["172.16.0.0/12", "10.0.0.0/8"]),
+        masquerade_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: true,
         masq_link_local_ipv6: false,
@@ -135,6 +136,7 @@ fn json_with_all_keys() {
                    "masqLinkLocal": true, "masqLinkLocalIPv6": true, "resyncInterval": "5s"}"#;
     let expected = Config {
         non_masquerade_cidrs: nets(&["172.16.0.0/12", "10.0.0.0/8"]),
+        masquerade_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: true,
         masq_link_local_ipv6: true,
@@ -508,6 +510,7 @@ fn keys_match_case_insensitively() {
         loaded.config,
         Config {
             non_masquerade_cidrs: nets(&["10.0.0.0/8"]),
+            masquerade_cidrs: vec![],
             cidr_limit: 5,
             masq_link_local: true,
             masq_link_local_ipv6: true,
@@ -936,6 +939,7 @@ fn hostile_input_is_rejected_without_panicking() {
 fn upstream_json_uses_upstream_keys() {
     let c = Config {
         non_masquerade_cidrs: nets(&["10.0.0.0/8", "fc00::/7"]),
+        masquerade_cidrs: vec![],
         cidr_limit: 10,
         masq_link_local: true,
         masq_link_local_ipv6: false,
@@ -952,4 +956,117 @@ fn upstream_json_uses_upstream_keys() {
         })
     );
     assert_eq!(defaults().to_upstream_json()["resyncInterval"], "1m0s");
+}
+
+// --- masqueradeCIDRs: exceptions decided by the longest prefix ---
+
+#[test]
+fn masquerade_cidrs_are_read_beside_the_non_masquerade_ones() {
+    let c = config(
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\nmasqueradeCIDRs:\n  - 10.100.10.0/24\n  - 10.200.0.0/16\n",
+    );
+    assert_eq!(c.non_masquerade_cidrs, nets(&["10.0.0.0/8"]));
+    assert_eq!(
+        c.masquerade_cidrs,
+        nets(&["10.100.10.0/24", "10.200.0.0/16"])
+    );
+    // Without the list of non-masquerade CIDRs, the exceptions sit inside the defaults.
+    let c = config("masqueradeCIDRs: [192.168.5.0/24]");
+    assert_eq!(c.non_masquerade_cidrs, defaults().non_masquerade_cidrs);
+    assert_eq!(c.masquerade_cidrs, nets(&["192.168.5.0/24"]));
+    // `null` and `[]` mean none; the key matches as encoding/json matches keys.
+    assert!(config("masqueradeCIDRs: null").masquerade_cidrs.is_empty());
+    assert!(
+        config(r#"{"MASQUERADECIDRS": []}"#)
+            .masquerade_cidrs
+            .is_empty()
+    );
+    assert_eq!(
+        config(r#"{"masqueradecidrs": ["169.254.169.254/32"]}"#).masquerade_cidrs,
+        nets(&["169.254.169.254/32"])
+    );
+}
+
+#[test]
+fn masquerade_cidrs_follow_the_rules_of_the_other_list() {
+    let e = reject("masqueradeCIDRs:\n  - 10.100.10.1/24\n");
+    assert_eq!(e.line, Some(2));
+    assert!(e.message.contains("is not aligned to a CIDR block"), "{e}");
+    let e = reject("masqueradeCIDRs: [nonsense]");
+    assert!(e.message.contains("could not be parsed"), "{e}");
+    let e = reject("masqueradeCIDRs: [fd00:1::/64]");
+    assert!(e.message.contains("Enable ipv6 using --enable-ipv6"), "{e}");
+    let c = accept_with("masqueradeCIDRs: [fd00:1::/64]", &WITH_V6).config;
+    assert_eq!(c.masquerade_cidrs, nets(&["fd00:1::/64"]));
+    let e = reject("masqueradeCIDRs: 10.0.0.0/8");
+    assert_eq!(
+        e.message,
+        "json: cannot unmarshal string into Go struct field MasqConfig.masqueradeCIDRs of type []string"
+    );
+}
+
+#[test]
+fn a_prefix_in_both_lists_is_an_error_naming_both_places() {
+    let e = reject(
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 10.100.0.0/16\nmasqueradeCIDRs:\n  - 10.100.0.0/16\n",
+    );
+    assert_eq!(e.line, Some(5), "{e}");
+    assert_eq!(
+        e.message,
+        "CIDR \"10.100.0.0/16\" is in both masqueradeCIDRs and nonMasqueradeCIDRs: \
+         a destination is either masqueraded or not; nonMasqueradeCIDRs has it at line 3"
+    );
+    // The same prefix written another way is the same prefix.
+    let e = reject(
+        r#"{"nonMasqueradeCIDRs": ["10.0.0.0/8"], "masqueradeCIDRs": ["::ffff:10.0.0.0/104"]}"#,
+    );
+    assert!(e.message.contains("in both"), "{e}");
+    // One of the defaults.
+    let e = reject("masqueradeCIDRs: [172.16.0.0/12]");
+    assert_eq!(
+        e.message,
+        "CIDR \"172.16.0.0/12\" is in masqueradeCIDRs and in the default nonMasqueradeCIDRs: \
+         a destination is either masqueraded or not"
+    );
+    // A longer prefix inside is what the key is for.
+    config("masqueradeCIDRs: [172.16.0.0/13]");
+}
+
+#[test]
+fn cidr_limit_counts_both_lists() {
+    let list = |n: u8| {
+        (0..n)
+            .map(|i| format!("  - 10.{i}.0.0/16\n"))
+            .collect::<String>()
+    };
+    let text = format!(
+        "cidrLimit: 4\nnonMasqueradeCIDRs:\n  - 10.0.0.0/8\nmasqueradeCIDRs:\n{}",
+        list(3)
+    );
+    config(&text);
+    let text = format!(
+        "cidrLimit: 4\nnonMasqueradeCIDRs:\n  - 10.0.0.0/8\nmasqueradeCIDRs:\n{}",
+        list(4)
+    );
+    let e = reject(&text);
+    assert_eq!(
+        e.message,
+        "the daemon can only accept up to 4 CIDRs (excluding link-local), \
+         but got 5 CIDRs (excluding link local)"
+    );
+    assert_eq!(e.line, Some(4), "the key of the list that went over");
+    // The defaults count too.
+    let e = reject("cidrLimit: 3\nmasqueradeCIDRs: [10.1.0.0/16]\n");
+    assert!(e.message.contains("but got 4 CIDRs"), "{e}");
+}
+
+#[test]
+fn masquerade_cidrs_appear_in_the_printed_config_only_when_set() {
+    let json = defaults().to_upstream_json();
+    assert!(json.get("masqueradeCIDRs").is_none(), "{json}");
+    let json = config("masqueradeCIDRs: [10.100.10.0/24]").to_upstream_json();
+    assert_eq!(
+        json["masqueradeCIDRs"],
+        serde_json::json!(["10.100.10.0/24"])
+    );
 }

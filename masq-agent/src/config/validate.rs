@@ -19,14 +19,21 @@ pub(super) fn build_config<'a>(
         .as_ref()
         .map_or(defaults.cidr_limit, |s| s.value);
     check_cidr_count(fields, defaults.non_masquerade_cidrs.len(), cidr_limit)?;
-    let non_masquerade_cidrs = match &fields.cidrs {
-        Some(list) => list
-            .value
+    let non_masq = match &fields.cidrs {
+        Some(list) => check_cidrs(&list.value, opts)?,
+        None => defaults
+            .non_masquerade_cidrs
             .iter()
-            .map(|item| check_cidr(*item, opts))
-            .collect::<Result<_, _>>()?,
-        None => defaults.non_masquerade_cidrs,
+            .map(|net| (*net, None))
+            .collect(),
     };
+    let masq = match &fields.masq_cidrs {
+        Some(list) => check_cidrs(&list.value, opts)?,
+        None => Vec::new(),
+    };
+    check_no_prefix_in_both(&non_masq, &masq)?;
+    let nets = |list: Vec<(IpNet, _)>| list.into_iter().map(|(net, _)| net).collect();
+    let (non_masquerade_cidrs, masquerade_cidrs) = (nets(non_masq), nets(masq));
     let resync_interval = match &fields.resync_interval {
         None => defaults.resync_interval,
         Some(setting) => match u64::try_from(setting.value) {
@@ -43,6 +50,7 @@ pub(super) fn build_config<'a>(
     };
     Ok(Config {
         non_masquerade_cidrs,
+        masquerade_cidrs,
         cidr_limit,
         masq_link_local: fields.masq_link_local.unwrap_or(defaults.masq_link_local),
         masq_link_local_ipv6: fields
@@ -53,24 +61,29 @@ pub(super) fn build_config<'a>(
 }
 
 /// Upstream checks the count before the CIDRs themselves, and also against the default list
-/// when the file only lowers cidrLimit.
+/// when the file only lowers cidrLimit. The limit holds for both lists together.
 pub(super) fn check_cidr_count<'a>(
     fields: &FileFields<'a>,
     default_count: usize,
     limit: i64,
 ) -> Result<(), Problem<'a>> {
-    let count = fields
+    let within = |count: usize| i64::try_from(count).is_ok_and(|n| n <= limit);
+    let non_masq = fields
         .cidrs
         .as_ref()
         .map_or(default_count, |s| s.value.len());
-    if i64::try_from(count).is_ok_and(|n| n <= limit) {
+    let masq = fields.masq_cidrs.as_ref().map_or(0, |s| s.value.len());
+    let count = non_masq + masq;
+    if within(count) {
         return Ok(());
     }
-    let anchor = fields
-        .cidrs
-        .as_ref()
-        .map(|s| s.key)
-        .or_else(|| fields.cidr_limit.as_ref().map(|s| s.key));
+    let key = |setting: &Option<Setting<'a, CidrList<'a>>>| setting.as_ref().map(|s| s.key);
+    let anchor = if within(non_masq) {
+        key(&fields.masq_cidrs)
+    } else {
+        key(&fields.cidrs)
+    }
+    .or_else(|| fields.cidr_limit.as_ref().map(|s| s.key));
     Err(Problem::new(
         format!(
             "the daemon can only accept up to {limit} CIDRs (excluding link-local), \
@@ -78,6 +91,48 @@ pub(super) fn check_cidr_count<'a>(
         ),
         anchor,
     ))
+}
+
+/// Each item of a list, checked, with the text it came from.
+fn check_cidrs<'a>(
+    list: &CidrList<'a>,
+    opts: &ConfigOptions,
+) -> Result<Vec<(IpNet, Option<&'a String>)>, Problem<'a>> {
+    list.iter()
+        .map(|item| Ok((check_cidr(*item, opts)?, *item)))
+        .collect()
+}
+
+/// A destination is either masqueraded or not: a prefix in both lists decides nothing.
+fn check_no_prefix_in_both<'a>(
+    non_masq: &[(IpNet, Option<&'a String>)],
+    masq: &[(IpNet, Option<&'a String>)],
+) -> Result<(), Problem<'a>> {
+    for (net, item) in masq {
+        let Some((_, other)) = non_masq.iter().find(|(n, _)| n == net) else {
+            continue;
+        };
+        let text = go_quote(item.map_or("", String::as_str));
+        let mut problem = match other {
+            Some(_) => Problem::new(
+                format!(
+                    "CIDR {text} is in both masqueradeCIDRs and nonMasqueradeCIDRs: \
+                     a destination is either masqueraded or not"
+                ),
+                *item,
+            ),
+            None => Problem::new(
+                format!(
+                    "CIDR {text} is in masqueradeCIDRs and in the default nonMasqueradeCIDRs: \
+                     a destination is either masqueraded or not"
+                ),
+                *item,
+            ),
+        };
+        problem.also = other.map(|other| ("nonMasqueradeCIDRs", other));
+        return Err(problem);
+    }
+    Ok(())
 }
 
 pub(super) fn check_cidr<'a>(

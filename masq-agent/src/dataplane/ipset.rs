@@ -8,6 +8,10 @@ use anyhow::{Context as _, bail};
 
 use crate::policy::IpFamily;
 
+/// What marks an entry whose prefix is not to match: a longer prefix inside a shorter one that
+/// does.
+pub const NOMATCH: &str = "nomatch";
+
 /// `<chain>-v4` or `<chain>-v6`: within ipset's 31 characters, as chain names have at most 28.
 pub fn name(chain: &str, family: IpFamily) -> String {
     match family {

@@ -10,11 +10,12 @@ use anyhow::{Context as _, bail};
 use serde::Serialize;
 
 use super::{ApplyOutcome, DataPlane, Mode, Status, ipset, run_with_input};
-use crate::policy::{IpFamily, MasqueradeOptions, Policy};
+use crate::policy::{Action, IpFamily, MasqueradeOptions, Policy, Rules};
 
 const NON_MASQ_COMMENT: &str =
     r#"-m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE""#;
 const MASQ_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)""#;
+const MASQ_EXCEPTION_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic to a masqueradeCIDRs entry is subject to MASQUERADE""#;
 const EBPF_RETURN_COMMENT: &str =
     r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
 /// Seconds to wait for the xtables lock, as upstream does.
@@ -104,18 +105,38 @@ fn restore_binary(family: IpFamily) -> &'static str {
     }
 }
 
-/// The destinations that keep the pod's address, in rule order; `None` when the policy leaves
-/// the family alone.
-fn exempt(family: IpFamily, policy: &Policy) -> Option<Vec<String>> {
-    Some(match family {
-        IpFamily::Ipv4 => policy.non_masq_v4.iter().map(|n| n.to_string()).collect(),
-        IpFamily::Ipv6 => policy
-            .non_masq_v6
-            .as_ref()?
-            .iter()
-            .map(|n| n.to_string())
-            .collect(),
-    })
+/// A family's entries in rule order, so that the first rule a destination matches is the one
+/// that decides it; `None` when the policy leaves the family alone. Without exceptions that is
+/// upstream's order; with them, longest prefix first.
+fn rules_in_chain_order(family: IpFamily, policy: &Policy) -> Option<Rules> {
+    let mut rules = policy.rules(family)?;
+    if rules
+        .iter()
+        .any(|(_, action)| *action == Action::Masquerade)
+    {
+        rules.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
+    }
+    Some(rules)
+}
+
+/// The members of the set that stands for a family's entries beside the programs: `hash:net`
+/// matches the longest prefix it holds, and an exception is a `nomatch` entry, so the set gives
+/// the same answer as the trie. The set holds no /0, which two /1 halves stand for.
+pub fn set_members(rules: &Rules) -> Vec<String> {
+    rules
+        .iter()
+        .flat_map(|(net, action)| {
+            let halves = if net.prefix_len() == 0 {
+                net.subnets(1).expect("a /0 splits in two").collect()
+            } else {
+                vec![*net]
+            };
+            halves.into_iter().map(move |half| match action {
+                Action::NonMasquerade => half.to_string(),
+                Action::Masquerade => format!("{half} {}", ipset::NOMATCH),
+            })
+        })
+        .collect()
 }
 
 /// The iptables-restore input for one family, or `None` when the policy leaves that family
@@ -127,7 +148,7 @@ pub fn render(
     caps: Capabilities,
     variant: &ChainVariant,
 ) -> Option<String> {
-    let exempt = exempt(family, policy)?;
+    let rules = rules_in_chain_order(family, policy)?;
     let chain = &opts.chain;
     let mut lines = vec!["*nat".to_string(), format!(":{chain} - [0:0]")];
     if let ChainVariant::OutsideEbpf { devices } = variant {
@@ -139,10 +160,42 @@ pub fn render(
             }
         }
     }
+    let masquerade = if opts.random_fully && caps.random_fully {
+        "-j MASQUERADE --random-fully"
+    } else {
+        "-j MASQUERADE"
+    };
+    // The rules that masquerade what reaches them: to `dst` only, or (last) everything.
+    let masquerade_rules = |dst: Option<&str>| {
+        let (comment, dst) = match dst {
+            Some(cidr) => (MASQ_EXCEPTION_COMMENT, format!(" -d {cidr}")),
+            None => (MASQ_COMMENT, String::new()),
+        };
+        let mut rules = Vec::new();
+        if let Some(ports) = &opts.to_ports {
+            for proto in PORT_MAPPED_PROTOCOLS {
+                for (range, probability) in ports.sequential_probabilities() {
+                    let statistic = probability
+                        .map(|p| format!(" -m statistic --mode random --probability {p}"))
+                        .unwrap_or_default();
+                    rules.push(format!(
+                        "-A {chain} {comment}{dst} {masquerade} -p {proto}{statistic} --to-ports {range}"
+                    ));
+                }
+            }
+        }
+        rules.push(format!("-A {chain} {comment}{dst} {masquerade}"));
+        rules
+    };
     match variant {
         ChainVariant::Full => {
-            for cidr in exempt {
-                lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
+            for (cidr, action) in rules {
+                match action {
+                    Action::NonMasquerade => {
+                        lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
+                    }
+                    Action::Masquerade => lines.extend(masquerade_rules(Some(&cidr.to_string()))),
+                }
             }
         }
         ChainVariant::OutsideEbpf { .. } => {
@@ -152,24 +205,7 @@ pub fn render(
             ));
         }
     }
-    let masquerade = if opts.random_fully && caps.random_fully {
-        "-j MASQUERADE --random-fully"
-    } else {
-        "-j MASQUERADE"
-    };
-    if let Some(ports) = &opts.to_ports {
-        for proto in PORT_MAPPED_PROTOCOLS {
-            for (range, probability) in ports.sequential_probabilities() {
-                let statistic = probability
-                    .map(|p| format!(" -m statistic --mode random --probability {p}"))
-                    .unwrap_or_default();
-                lines.push(format!(
-                    "-A {chain} {MASQ_COMMENT} {masquerade} -p {proto}{statistic} --to-ports {range}"
-                ));
-            }
-        }
-    }
-    lines.push(format!("-A {chain} {MASQ_COMMENT} {masquerade}"));
+    lines.extend(masquerade_rules(None));
     lines.push("COMMIT".to_string());
     let mut text = lines.join("\n");
     text.push('\n');
@@ -312,6 +348,9 @@ pub struct ChainStatus {
     /// The devices (as `-o` names them) by which those protocols return early.
     pub ebpf_devices_returned: Vec<String>,
     pub non_masquerade: Vec<String>,
+    /// The masqueradeCIDRs entries, where there are any.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub masquerade_exceptions: Vec<String>,
     pub masquerade_rules: usize,
 }
 
@@ -332,6 +371,7 @@ impl ChainStatus {
             ebpf_protocols_returned: Vec::new(),
             ebpf_devices_returned: Vec::new(),
             non_masquerade: Vec::new(),
+            masquerade_exceptions: Vec::new(),
             masquerade_rules: 0,
         };
         for line in listing.unwrap_or_default().lines() {
@@ -345,8 +385,16 @@ impl ChainStatus {
             };
             if line.contains("-j MASQUERADE") {
                 status.masquerade_rules += 1;
+                if let Some(dst) = after("-d") {
+                    push_new(&mut status.masquerade_exceptions, dst);
+                }
             } else if let Some(set) = after("--match-set") {
-                status.non_masquerade.extend(set_members(&set)?);
+                for member in set_members(&set)? {
+                    match member.strip_suffix(&format!(" {}", ipset::NOMATCH)) {
+                        Some(exception) => status.masquerade_exceptions.push(exception.into()),
+                        None => status.non_masquerade.push(member),
+                    }
+                }
             } else if let Some(dst) = after("-d") {
                 status.non_masquerade.push(dst);
             } else if let Some(proto) = after("-p") {
@@ -535,7 +583,7 @@ impl DataPlane for IptablesDataPlane {
                 continue;
             };
             let set = matches!(variant, ChainVariant::OutsideEbpf { .. })
-                .then(|| exempt(family, policy))
+                .then(|| policy.rules(family).as_ref().map(set_members))
                 .flatten();
             match self.apply_family(family, rendered, set)? {
                 ApplyOutcome::Unchanged => {}

@@ -10,10 +10,10 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{
-    maps::{LpmTrie, Map, MapData},
+    maps::Map,
     programs::links::{FdLink, PinnedLink},
 };
-use masq_ebpf::{COUNTER_SLOTS, Counter, map_names};
+use masq_ebpf::{COUNTER_SLOTS, Counter, PrefixAction, map_names};
 use serde::Serialize;
 
 use super::{
@@ -23,7 +23,7 @@ use super::{
     pins::Pins,
     tries::{self, Prefix},
 };
-use crate::policy::IpFamily;
+use crate::policy::{Action, IpFamily};
 
 /// One attachment, as read back from its pinned link.
 #[derive(Debug, Clone, Serialize)]
@@ -46,6 +46,11 @@ pub struct EbpfStatus {
     pub interfaces_v6: BTreeMap<u32, Ipv6Addr>,
     pub non_masquerade_v4: Vec<String>,
     pub non_masquerade_v6: Vec<String>,
+    /// The exceptions (`masqueradeCIDRs`), where there are any.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub masquerade_v4: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub masquerade_v6: Vec<String>,
     /// Flows in the NAT table (each takes two entries), and the table's size in entries.
     pub nat_flows: usize,
     pub nat_inbound_flows: usize,
@@ -105,8 +110,8 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     if !pins.map(map_names::NAT_V4).exists() {
         return Ok(None);
     }
-    let v4: LpmTrie<MapData, [u8; 4], u8> = pins.open(map_names::NON_MASQ_V4)?;
-    let v6: LpmTrie<MapData, [u8; 16], u8> = pins.open(map_names::NON_MASQ_V6)?;
+    let v4 = tries::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
+    let v6 = tries::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
     let table_v4 = expiry::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
     // An agent from before IPv6 pinned no `nat_v6`.
     let table_v6 = match pins.map(map_names::NAT_V6).exists() {
@@ -144,8 +149,10 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .filter(|(_, iface)| iface.ipv6 != [0; 16])
             .map(|(index, iface)| (index, Ipv6Addr::from(iface.ipv6)))
             .collect(),
-        non_masquerade_v4: tries::prefixes(&v4).into_iter().map(written).collect(),
-        non_masquerade_v6: tries::prefixes(&v6).into_iter().map(written).collect(),
+        non_masquerade_v4: with_action(&v4, Action::NonMasquerade),
+        non_masquerade_v6: with_action(&v6, Action::NonMasquerade),
+        masquerade_v4: with_action(&v4, Action::Masquerade),
+        masquerade_v6: with_action(&v6, Action::Masquerade),
         nat_flows: nat.masqueraded_flows,
         nat_inbound_flows: nat.inbound_flows,
         nat_node_flows: nat.node_flows,
@@ -215,6 +222,9 @@ impl std::fmt::Display for EbpfStatus {
         for prefix in self.non_masquerade_v4.iter().chain(&self.non_masquerade_v6) {
             writeln!(f, "  not masqueraded: {prefix}")?;
         }
+        for prefix in self.masquerade_v4.iter().chain(&self.masquerade_v6) {
+            writeln!(f, "  masqueraded although inside the above: {prefix}")?;
+        }
         writeln!(
             f,
             "  NAT table: {} masqueraded flows, {} inbound flows, {} node flows, {} of {} entries",
@@ -252,6 +262,23 @@ fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
 }
 
 /// A prefix as the config writes it.
+/// The prefixes of a policy trie's `entries` whose action is `action`, as the config writes
+/// them.
+fn with_action<const N: usize>(
+    entries: &BTreeMap<Prefix<N>, PrefixAction>,
+    action: Action,
+) -> Vec<String>
+where
+    IpAddr: From<[u8; N]>,
+{
+    let value = tries::action_value(action);
+    entries
+        .iter()
+        .filter(|(_, a)| **a == value)
+        .map(|(prefix, _)| written(*prefix))
+        .collect()
+}
+
 fn written<const N: usize>((len, data): Prefix<N>) -> String
 where
     IpAddr: From<[u8; N]>,

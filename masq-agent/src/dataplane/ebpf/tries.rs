@@ -1,28 +1,52 @@
-//! The policy as the programs read it: per family, the non-masquerade trie they look
-//! destinations up in, and the trie of prefixes removed lately, toward which TCP connections
+//! The policy as the programs read it: per family, the policy trie they look destinations up
+//! in (each prefix with its action: the longest prefix of a destination decides it), and the
+//! trie of prefixes that stopped keeping the pod's address lately, toward which TCP connections
 //! that started unmasqueraded stay so until they may have gone idle; and the generation that
 //! invalidates the programs' cached verdicts whenever a trie changes, so that no new flow is
 //! judged by a policy no longer in force.
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
 use anyhow::Context as _;
 use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
 use ipnet::{Ipv4Net, Ipv6Net};
-use masq_ebpf::NON_MASQ_PRESENT;
+use masq_ebpf::{PrefixAction, prefix_action};
 
 use super::expiry;
-use crate::policy::Policy;
+use crate::policy::{Action, IpFamily, Policy, Rules};
 
 /// An LPM trie key as plain data: prefix length in bits, then the address bytes.
 pub type Prefix<const N: usize> = (u32, [u8; N]);
 
 /// One family's tries.
 pub struct FamilyTries<const N: usize> {
-    /// The non-masquerade prefixes.
-    pub non_masq: LpmTrie<MapData, [u8; N], u8>,
-    /// The prefixes removed from `non_masq`, with when (seconds of CLOCK_MONOTONIC).
+    /// The policy's prefixes, each with its action.
+    pub non_masq: LpmTrie<MapData, [u8; N], PrefixAction>,
+    /// The prefixes that stopped keeping the pod's address, with when (seconds of
+    /// CLOCK_MONOTONIC).
     pub draining: LpmTrie<MapData, [u8; N], u32>,
+}
+
+/// The trie's value for an action.
+pub fn action_value(action: Action) -> PrefixAction {
+    match action {
+        Action::NonMasquerade => prefix_action::NON_MASQUERADE,
+        Action::Masquerade => prefix_action::MASQUERADE,
+    }
+}
+
+/// A family's rules as trie entries; the rules of the other family are left out.
+fn trie_entries<const N: usize>(rules: &Rules) -> BTreeMap<Prefix<N>, PrefixAction> {
+    rules
+        .iter()
+        .filter_map(|(net, action)| {
+            let octets: [u8; N] = match net.network() {
+                IpAddr::V4(addr) => addr.octets().as_slice().try_into().ok()?,
+                IpAddr::V6(addr) => addr.octets().as_slice().try_into().ok()?,
+            };
+            Some(((u32::from(net.prefix_len()), octets), action_value(*action)))
+        })
+        .collect()
 }
 
 /// The maps that hold the policy.
@@ -36,23 +60,30 @@ pub struct PolicyMaps {
 impl PolicyMaps {
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
     pub fn sync(&mut self, policy: &Policy) -> anyhow::Result<bool> {
-        let mut changed = self.set_v4(&policy.non_masq_v4)?;
-        if let Some(v6) = &policy.non_masq_v6 {
-            changed |= self.set_v6(v6)?;
+        let v4 = policy.rules(IpFamily::Ipv4).unwrap_or_default();
+        let mut changed = self.v4.sync(trie_entries(&v4), &mut self.generation)?;
+        if let Some(v6) = policy.rules(IpFamily::Ipv6) {
+            changed |= self.v6.sync(trie_entries(&v6), &mut self.generation)?;
         }
         Ok(changed)
     }
 
-    /// Makes the IPv4 trie hold `nets`. Returns whether it changed.
+    /// Makes the IPv4 trie hold `nets`, all non-masquerade. Returns whether it changed.
     pub fn set_v4(&mut self, nets: &[Ipv4Net]) -> anyhow::Result<bool> {
-        let desired = nets.iter().map(|n| (n.prefix_len(), n.network().octets()));
-        self.v4.sync(desired, &mut self.generation)
+        let rules = nets
+            .iter()
+            .map(|&n| (n.into(), Action::NonMasquerade))
+            .collect();
+        self.v4.sync(trie_entries(&rules), &mut self.generation)
     }
 
-    /// Makes the IPv6 trie hold `nets`. Returns whether it changed.
+    /// The same for IPv6.
     pub fn set_v6(&mut self, nets: &[Ipv6Net]) -> anyhow::Result<bool> {
-        let desired = nets.iter().map(|n| (n.prefix_len(), n.network().octets()));
-        self.v6.sync(desired, &mut self.generation)
+        let rules = nets
+            .iter()
+            .map(|&n| (n.into(), Action::NonMasquerade))
+            .collect();
+        self.v6.sync(trie_entries(&rules), &mut self.generation)
     }
 
     /// Ends the draining of prefixes removed longer ago than `drain`.
@@ -63,65 +94,94 @@ impl PolicyMaps {
 }
 
 impl<const N: usize> FamilyTries<N> {
-    /// Makes the non-masquerade trie hold `desired` (prefix lengths and network addresses),
-    /// starts the removed prefixes draining, and moves the policy generation on, so that the
-    /// programs' cached verdicts go stale. Returns whether the trie changed.
+    /// Makes the policy trie hold `desired` (prefix lengths and network addresses, with their
+    /// actions), starts draining the prefixes that stopped keeping the pod's address, and moves
+    /// the policy generation on, so that the programs' cached verdicts go stale. Returns whether
+    /// the trie changed.
     fn sync(
         &mut self,
-        desired: impl Iterator<Item = (u8, [u8; N])>,
+        desired: BTreeMap<Prefix<N>, PrefixAction>,
         generation: &mut Array<MapData, u32>,
     ) -> anyhow::Result<bool> {
-        let desired: BTreeSet<Prefix<N>> =
-            desired.map(|(len, addr)| (u32::from(len), addr)).collect();
-        let synced = self.sync_non_masq(&desired);
+        let synced = self.sync_policy(&desired);
         // Even a sync that failed half-way may have changed the trie: no cached verdict survives it.
         if !matches!(synced, Ok((false, _))) {
             next_generation(generation)?;
         }
-        let (changed, removed) = synced?;
-        self.sync_draining(&removed, &desired, expiry::monotonic_now_ns())?;
+        let (changed, stopped_keeping) = synced?;
+        self.sync_draining(&stopped_keeping, &desired, expiry::monotonic_now_ns())?;
         Ok(changed)
     }
 
-    /// Makes the non-masquerade trie hold exactly `desired`, adding before removing so that a
-    /// prefix that stays is never missing, not even for a moment. A failed insert rolls back
-    /// what this call added, so the previous policy stays whole. Returns whether anything
-    /// changed, and what was removed.
-    fn sync_non_masq(
+    /// Makes the policy trie hold exactly `desired`, adding and updating before removing, so
+    /// that a prefix that stays is never missing, not even for a moment. A failed write rolls
+    /// back what this call wrote, so the previous policy stays whole. Returns whether anything
+    /// changed, and the prefixes that kept the pod's address before and no longer do (removed,
+    /// or made exceptions), with the exceptions that are new: destinations under them may have
+    /// kept their address under a shorter prefix.
+    fn sync_policy(
         &mut self,
-        desired: &BTreeSet<Prefix<N>>,
+        desired: &BTreeMap<Prefix<N>, PrefixAction>,
     ) -> anyhow::Result<(bool, Vec<Prefix<N>>)> {
         let trie = &mut self.non_masq;
-        let current = prefixes(trie);
-        let mut added = Vec::new();
-        for (len, data) in desired.difference(&current) {
-            let key = Key::new(*len, *data);
-            if let Err(err) = trie.insert(&key, NON_MASQ_PRESENT, 0) {
-                for key in &added {
-                    let _ = trie.remove(key);
-                }
-                return Err(err).context("adding a prefix to the non-masquerade trie");
+        let current = entries(trie);
+        let mut written: Vec<(Prefix<N>, Option<PrefixAction>)> = Vec::new();
+        for (prefix, action) in desired {
+            let before = current.get(prefix).copied();
+            if before == Some(*action) {
+                continue;
             }
-            added.push(key);
+            let (len, data) = *prefix;
+            if let Err(err) = trie.insert(&Key::new(len, data), action, 0) {
+                for ((len, data), before) in &written {
+                    let key = Key::new(*len, *data);
+                    let _ = match before {
+                        Some(value) => trie.insert(&key, value, 0),
+                        None => trie.remove(&key),
+                    };
+                }
+                return Err(err).context("writing a prefix to the policy trie");
+            }
+            written.push((*prefix, before));
         }
-        let removed: Vec<Prefix<N>> = current.difference(desired).copied().collect();
-        for (len, data) in &removed {
+        let removed: Vec<(Prefix<N>, PrefixAction)> = current
+            .iter()
+            .filter(|(prefix, _)| !desired.contains_key(prefix))
+            .map(|(prefix, action)| (*prefix, *action))
+            .collect();
+        for ((len, data), _) in &removed {
             trie.remove(&Key::new(*len, *data))
-                .context("removing a prefix from the non-masquerade trie")?;
+                .context("removing a prefix from the policy trie")?;
         }
-        Ok((!added.is_empty() || !removed.is_empty(), removed))
+        let kept_address = |action: Option<PrefixAction>| {
+            action.is_none_or(|a| a == prefix_action::NON_MASQUERADE)
+        };
+        let stopped_keeping = removed
+            .iter()
+            .filter(|(_, action)| *action == prefix_action::NON_MASQUERADE)
+            .map(|(prefix, _)| *prefix)
+            .chain(
+                written
+                    .iter()
+                    .filter(|(prefix, before)| {
+                        desired[prefix] == prefix_action::MASQUERADE && kept_address(*before)
+                    })
+                    .map(|(prefix, _)| *prefix),
+            )
+            .collect();
+        Ok((!written.is_empty() || !removed.is_empty(), stopped_keeping))
     }
 
-    /// Keeps prefixes that left the non-masquerade CIDRs in the draining trie for as long as a
-    /// TCP connection may stay idle, so that connections that started unmasqueraded keep their
-    /// addresses; a prefix that comes back stops draining.
+    /// Keeps prefixes that stopped keeping the pod's address in the draining trie for as long
+    /// as a TCP connection may stay idle, so that connections that started unmasqueraded keep
+    /// their addresses; a prefix that keeps the address again stops draining.
     fn sync_draining(
         &mut self,
-        removed: &[Prefix<N>],
-        policy: &BTreeSet<Prefix<N>>,
+        stopped_keeping: &[Prefix<N>],
+        policy: &BTreeMap<Prefix<N>, PrefixAction>,
         now_ns: u64,
     ) -> anyhow::Result<()> {
-        for (len, data) in removed {
+        for (len, data) in stopped_keeping {
             self.draining
                 .insert(&Key::new(*len, *data), seconds(now_ns), 0)?;
         }
@@ -129,7 +189,9 @@ impl<const N: usize> FamilyTries<N> {
             .draining
             .keys()
             .filter_map(Result::ok)
-            .filter(|k| policy.contains(&(k.prefix_len(), k.data())))
+            .filter(|k| {
+                policy.get(&(k.prefix_len(), k.data())) == Some(&prefix_action::NON_MASQUERADE)
+            })
             .collect();
         for key in back {
             self.draining.remove(&key)?;
@@ -160,13 +222,13 @@ fn next_generation(generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The prefixes `trie` holds, in order.
-pub fn prefixes<const N: usize, V: aya::Pod>(
-    trie: &LpmTrie<MapData, [u8; N], V>,
-) -> BTreeSet<Prefix<N>> {
-    trie.keys()
+/// The prefixes the policy trie holds, with their actions.
+pub fn entries<const N: usize>(
+    trie: &LpmTrie<MapData, [u8; N], PrefixAction>,
+) -> BTreeMap<Prefix<N>, PrefixAction> {
+    trie.iter()
         .filter_map(Result::ok)
-        .map(|k| (k.prefix_len(), k.data()))
+        .map(|(k, action)| ((k.prefix_len(), k.data()), action))
         .collect()
 }
 

@@ -18,6 +18,7 @@ fn opts(random_fully: bool, to_ports: Option<&str>) -> MasqueradeOptions {
 fn policy(cidrs: &[&str], masq_ll: bool, masq_ll6: bool) -> Policy {
     let config = Config {
         non_masquerade_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+        masquerade_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: masq_ll,
         masq_link_local_ipv6: masq_ll6,
@@ -166,6 +167,7 @@ fn old_iptables_gets_no_random_fully() {
 fn ipv6_disabled_renders_nothing_for_ipv6() {
     let config = Config {
         non_masquerade_cidrs: vec![],
+        masquerade_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: false,
         masq_link_local_ipv6: false,
@@ -320,7 +322,7 @@ fn ebpf_variant_returns_translated_protocols_by_the_devices_with_programs_first(
         )
     );
     assert_eq!(
-        exempt(IpFamily::Ipv6, &p).unwrap(),
+        set_members(&p.rules(IpFamily::Ipv6).unwrap()),
         ["fe80::/10", "fc00::/7"]
     );
 }
@@ -425,4 +427,113 @@ fn version_parsing() {
     assert_eq!(parse_version("iptables v1.6.1"), Some((1, 6, 1)));
     assert_eq!(parse_version("iptables v1.8"), Some((1, 8, 0)));
     assert_eq!(parse_version("garbage"), None);
+}
+
+// ---- masqueradeCIDRs: the first rule a destination matches is its longest prefix ----------
+
+const EXCEPTION: &str = r#"-m comment --comment "ip-masq-agent: traffic to a masqueradeCIDRs entry is subject to MASQUERADE""#;
+
+fn with_exceptions(cidrs: &[&str], exceptions: &[&str]) -> Policy {
+    let config = Config {
+        non_masquerade_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+        masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
+        cidr_limit: 64,
+        masq_link_local: false,
+        masq_link_local_ipv6: false,
+        resync_interval: std::time::Duration::from_secs(60),
+    };
+    Policy::from_config(&config, true)
+}
+
+#[test]
+fn exceptions_put_the_rules_in_longest_prefix_order() {
+    let p = with_exceptions(
+        &["10.0.0.0/8", "10.100.0.0/16", "0.0.0.0/0"],
+        &["10.100.10.0/24", "169.254.169.254/32"],
+    );
+    assert_eq!(
+        full(IpFamily::Ipv4, &p, true),
+        format!(
+            "*nat\n:IP-MASQ-AGENT - [0:0]\n\
+             -A IP-MASQ-AGENT {EXCEPTION} -d 169.254.169.254/32 -j MASQUERADE --random-fully\n\
+             -A IP-MASQ-AGENT {EXCEPTION} -d 10.100.10.0/24 -j MASQUERADE --random-fully\n\
+             -A IP-MASQ-AGENT {RET} -d 169.254.0.0/16 -j RETURN\n\
+             -A IP-MASQ-AGENT {RET} -d 10.100.0.0/16 -j RETURN\n\
+             -A IP-MASQ-AGENT {RET} -d 10.0.0.0/8 -j RETURN\n\
+             -A IP-MASQ-AGENT {RET} -d 0.0.0.0/0 -j RETURN\n\
+             -A IP-MASQ-AGENT {MASQ} -j MASQUERADE --random-fully\n\
+             COMMIT\n"
+        )
+    );
+    // Exceptions of one family leave the other's chain as upstream's.
+    let v6 = full(IpFamily::Ipv6, &p, true);
+    assert_eq!(v6, full(IpFamily::Ipv6, &policy(&[], false, false), true));
+}
+
+#[test]
+fn an_exception_masquerades_as_the_last_rule_does_ports_and_all() {
+    let p = with_exceptions(&["10.0.0.0/8"], &["10.100.10.0/24"]);
+    let text = render(
+        IpFamily::Ipv4,
+        &p,
+        &opts(false, Some("1024-29999")),
+        MODERN,
+        &ChainVariant::Full,
+    )
+    .unwrap();
+    let masquerades = |comment: &str, dst: &str| -> Vec<String> {
+        let prefix = format!("-A IP-MASQ-AGENT {comment}{dst} ");
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&prefix).map(String::from))
+            .collect()
+    };
+    let exception = masquerades(EXCEPTION, " -d 10.100.10.0/24");
+    assert_eq!(exception.len(), 4, "{text}");
+    assert_eq!(exception, masquerades(MASQ, ""));
+}
+
+#[test]
+fn the_set_beside_the_programs_gives_the_longest_prefix_too() {
+    let p = with_exceptions(
+        &["10.0.0.0/8", "0.0.0.0/0", "::/0"],
+        &["10.100.10.0/24", "fd00:1::/64"],
+    );
+    assert_eq!(
+        set_members(&p.rules(IpFamily::Ipv4).unwrap()),
+        [
+            "169.254.0.0/16",
+            "10.0.0.0/8",
+            "0.0.0.0/1",
+            "128.0.0.0/1",
+            "10.100.10.0/24 nomatch"
+        ]
+    );
+    assert_eq!(
+        set_members(&p.rules(IpFamily::Ipv6).unwrap()),
+        ["fe80::/10", "::/1", "8000::/1", "fd00:1::/64 nomatch"]
+    );
+    // The chain beside the programs is the same one rule on the set.
+    assert_eq!(
+        beside_programs(IpFamily::Ipv4, &p, &["eth0"]),
+        beside_programs(IpFamily::Ipv4, &policy(&DEFAULTS, false, false), &["eth0"])
+    );
+}
+
+#[test]
+fn exceptions_are_read_back_from_the_chain_and_the_set() {
+    let p = with_exceptions(&["10.0.0.0/8"], &["10.100.10.0/24"]);
+    let listed: String = full(IpFamily::Ipv4, &p, true)
+        .lines()
+        .filter(|l| l.starts_with("-A"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let status = read_listing(&listed);
+    assert_eq!(status.masquerade_exceptions, ["10.100.10.0/24"]);
+    assert_eq!(status.non_masquerade, ["169.254.0.0/16", "10.0.0.0/8"]);
+    let members = |_: &str| -> anyhow::Result<Vec<String>> {
+        Ok(vec!["10.0.0.0/8".into(), "10.100.10.0/24 nomatch".into()])
+    };
+    let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(LISTED), members).unwrap();
+    assert_eq!(status.non_masquerade, ["10.0.0.0/8"]);
+    assert_eq!(status.masquerade_exceptions, ["10.100.10.0/24"]);
 }
