@@ -15,7 +15,7 @@ use masq_testbed::deploy::{
 };
 use masq_testbed::{
     kubelet::ConfigMapVolume,
-    non_masq_v4_matches, probe,
+    keeps_address_v4, probe,
     topology::{self, Process, Topology},
     wait_for, wait_for_long,
 };
@@ -149,7 +149,7 @@ fn as_str(path: &Path) -> &str {
 
 /// Whether the agent's pinned `non_masq_v4` exempts `addr` now.
 fn exempt(node: &Node, addr: Ipv4Addr) -> anyhow::Result<bool> {
-    non_masq_v4_matches(&node.topo.bpffs.join("non_masq_v4"), addr)
+    keeps_address_v4(&node.topo.bpffs.join("non_masq_v4"), addr)
 }
 
 /// A node running the DaemonSet's pod with the example ConfigMap.

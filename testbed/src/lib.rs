@@ -80,9 +80,10 @@ pub fn write_config(path: &Path, text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether a packet to `addr` would be exempt under the pinned `non_masq_v4` map at `pin`: an
-/// LPM-trie lookup of the full address finds the longest prefix that covers it, if any.
-pub fn non_masq_v4_matches(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
+/// Whether a packet to `addr` keeps the pod's address under the pinned `non_masq_v4` map at
+/// `pin`: an LPM-trie lookup of the full address finds the longest prefix that holds it, if
+/// any, and its value says what happens.
+pub fn keeps_address_v4(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
     let pin = pin.to_str().context("pin path")?;
     // The key is `{prefix_len: u32, data: [u8; 4]}` in the machine's byte order.
     let key: Vec<String> = 32u32
@@ -91,19 +92,22 @@ pub fn non_masq_v4_matches(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
         .chain(addr.octets())
         .map(|b| b.to_string())
         .collect();
-    let mut args = vec!["map", "lookup", "pinned", pin, "key"];
+    let mut args = vec!["--json", "map", "lookup", "pinned", pin, "key"];
     args.extend(key.iter().map(String::as_str));
     let out = std::process::Command::new("bpftool").args(&args).output()?;
-    // bpftool fails both for "no entry" and for a missing map; only the first is an answer.
-    if out.status.success() {
-        Ok(true)
-    } else if String::from_utf8_lossy(&out.stdout).contains("Not found") {
-        Ok(false)
-    } else {
-        anyhow::bail!(
-            "bpftool {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
+    // bpftool fails both for "no entry" (for which `--json` prints `null`) and for a missing
+    // map; only the first is an answer.
+    if !out.status.success() {
+        if out.stdout.trim_ascii() == b"null" {
+            return Ok(false);
+        }
+        let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        anyhow::bail!("bpftool {}: {}", args.join(" "), said.trim());
     }
+    let entry: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let value = entry["value"][0]
+        .as_str()
+        .and_then(|hex| u8::from_str_radix(hex.trim_start_matches("0x"), 16).ok())
+        .with_context(|| format!("no value in {entry}"))?;
+    Ok(value == masq_ebpf::prefix_action::NON_MASQUERADE)
 }

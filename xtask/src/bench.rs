@@ -15,7 +15,7 @@ use clap::ValueEnum as _;
 use masq_testbed::{
     kubelet::ConfigMapVolume,
     load::{self, Servers},
-    netns, non_masq_v4_matches, prefixes,
+    netns, keeps_address_v4, prefixes,
     topology::{self, Process, Topology},
     wait_for_long, workspace_root, write_config,
 };
@@ -610,7 +610,7 @@ fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
         let started = Instant::now();
         volume.update(&format!("{base}  - 198.18.{n}.0/24\n"))?;
         wait_for_long(Duration::from_secs(10), || {
-            non_masq_v4_matches(&map, Ipv4Addr::new(198, 18, n, 0))
+            keeps_address_v4(&map, Ipv4Addr::new(198, 18, n, 0))
         })
         .with_context(|| format!("change {n} never reached the map"))?;
         latencies.push(started.elapsed().as_secs_f64() * 1e3);

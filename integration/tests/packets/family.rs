@@ -7,14 +7,17 @@ use std::{
     ops::Range,
 };
 
-use ipnet::{Ipv4Net, Ipv6Net};
-use masq_agent::dataplane::{
-    NatUsage,
-    ebpf::{
-        expiry::{self, Table, Timeouts},
-        maps::NatFamily,
-        testbed::TestBed,
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use masq_agent::{
+    dataplane::{
+        NatUsage,
+        ebpf::{
+            expiry::{self, Table, Timeouts},
+            maps::NatFamily,
+            testbed::TestBed,
+        },
     },
+    policy::{Action, IpFamily as PolicyFamily, Rules},
 };
 use masq_ebpf::{Address, NatEntry, NatKey, nat_kind};
 use masq_testbed::packet::*;
@@ -32,7 +35,7 @@ pub trait Family: IpFamily {
     /// How the NAT table holds the family's addresses.
     type Octets: Address;
     /// The family's prefixes, as the agent's policy holds them.
-    type Net: Copy + std::str::FromStr<Err = ipnet::AddrParseError>;
+    type Net: Copy + Into<IpNet> + std::str::FromStr<Err = ipnet::AddrParseError>;
 
     const NODE: Self;
     /// Two pods, in different pod prefixes, and the pods' gateway on the node.
@@ -70,8 +73,8 @@ pub trait Family: IpFamily {
     /// The real object with fresh maps, configured as the agent would: the NAT ports, the
     /// node's address and `POLICY`, in this family (and, for IPv6, in IPv4 too).
     fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed;
-    /// Applies the non-masquerade `prefixes` the way the data plane does.
-    fn set_policy(bed: &mut TestBed, prefixes: &[Self::Net]);
+    /// The family, as the agent's policy names it.
+    const POLICY_FAMILY: PolicyFamily;
     /// The prefixes draining out of the policy.
     fn draining(bed: &TestBed) -> Vec<Prefix<Self>>;
     /// The flows in the other family's NAT table.
@@ -119,6 +122,7 @@ macro_rules! nat_table_of {
 impl Family for Ipv4Addr {
     type Octets = [u8; 4];
     type Net = Ipv4Net;
+    const POLICY_FAMILY: PolicyFamily = PolicyFamily::Ipv4;
     nat_table_of!([u8; 4]);
 
     const NODE: Self = Ipv4Addr::new(203, 0, 113, 1);
@@ -160,10 +164,6 @@ impl Family for Ipv4Addr {
         .unwrap()
     }
 
-    fn set_policy(bed: &mut TestBed, prefixes: &[Ipv4Net]) {
-        bed.set_policy(prefixes).unwrap();
-    }
-
     fn draining(bed: &TestBed) -> Vec<Prefix<Self>> {
         let keys = bed.maps.policy.v4.draining.keys();
         keys.map(|k| k.map(|k| (k.prefix_len(), k.data().into())).unwrap())
@@ -192,6 +192,7 @@ impl Family for Ipv4Addr {
 impl Family for Ipv6Addr {
     type Octets = [u8; 16];
     type Net = Ipv6Net;
+    const POLICY_FAMILY: PolicyFamily = PolicyFamily::Ipv6;
     nat_table_of!([u8; 16]);
 
     const NODE: Self = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);
@@ -237,10 +238,6 @@ impl Family for Ipv6Addr {
         bed
     }
 
-    fn set_policy(bed: &mut TestBed, prefixes: &[Ipv6Net]) {
-        bed.set_policy_v6(prefixes).unwrap();
-    }
-
     fn draining(bed: &TestBed) -> Vec<Prefix<Self>> {
         let keys = bed.maps.policy.v6.draining.keys();
         keys.map(|k| k.map(|k| (k.prefix_len(), k.data().into())).unwrap())
@@ -254,6 +251,16 @@ impl Family for Ipv6Addr {
     fn with_header_options(frame: &[u8]) -> Vec<u8> {
         insert_ext6(frame, &[ExtHeader::destination_options(1)])
     }
+}
+
+/// Applies the family's non-masquerade prefixes and exceptions (`masqueradeCIDRs`) the way the
+/// data plane does.
+pub fn set_policy<F: Family>(bed: &mut TestBed, non_masq: &[F::Net], exceptions: &[F::Net]) {
+    let with = |action| move |n: &F::Net| ((*n).into(), action);
+    let rules: Rules = (non_masq.iter().map(with(Action::NonMasquerade)))
+        .chain(exceptions.iter().map(with(Action::Masquerade)))
+        .collect();
+    bed.maps.policy.set_rules(F::POLICY_FAMILY, &rules).unwrap();
 }
 
 /// The family's prefixes in `list`.

@@ -24,6 +24,7 @@ in_both_families!(
     connections_opened_from_outside_keep_the_pods_address,
     a_packet_behind_optional_ip_headers_is_translated_past_them,
     a_policy_change_affects_new_flows_only,
+    an_exception_inside_a_non_masquerade_prefix_is_masqueraded,
     nothing_is_translated_before_the_agent_configures_ports,
 );
 
@@ -381,7 +382,7 @@ fn a_policy_change_affects_new_flows_only<F: Family>() {
     let (_, before) = h.egress(&tcp(F::POD, 4001, F::REMOTE, 443, SYN));
     let port = word(&before, F::L4);
     assert_eq!(F::at(&before, F::SRC), F::NODE);
-    F::set_policy(&mut h, &policy_with(F::REMOTE_NET));
+    set_policy::<F>(&mut h, &policy_with(F::REMOTE_NET), &[]);
     let (verdict, after) = h.egress(&tcp(F::POD, 4001, F::REMOTE, 443, ACK));
     assert_eq!(verdict, TC_ACT_OK);
     let kept = tcp(F::NODE, port, F::REMOTE, 443, ACK);
@@ -400,9 +401,9 @@ fn a_policy_change_affects_new_flows_only<F: Family>() {
 
     // An unmasqueraded connection, then its destination leaves the non-masquerade prefixes.
     let established = tcp(F::POD, 4003, F::REMOTE2, 443, ACK);
-    F::set_policy(&mut h, &policy_with(F::REMOTE2_NET));
+    set_policy::<F>(&mut h, &policy_with(F::REMOTE2_NET), &[]);
     assert_eq!(h.egress(&established), (TC_ACT_OK, established.clone()));
-    F::set_policy(&mut h, &nets::<F>(F::POLICY));
+    set_policy::<F>(&mut h, &nets::<F>(F::POLICY), &[]);
     let inbound = h.counter(Counter::NotMasqInbound);
     assert_eq!(
         h.egress(&established),
@@ -422,12 +423,55 @@ fn a_policy_change_affects_new_flows_only<F: Family>() {
     assert!(checksums_ok::<F>(&new));
 
     // Re-adding the prefix ends its draining; the other one still drains.
-    F::set_policy(&mut h, &policy_with(F::REMOTE2_NET));
+    set_policy::<F>(&mut h, &policy_with(F::REMOTE2_NET), &[]);
     assert_eq!(
         F::draining(&h),
         [F::REMOTE_NET],
         "only the prefix still out of the policy drains"
     );
+}
+
+/// An exception (`masqueradeCIDRs`) inside a non-masquerade prefix: the longest prefix
+/// decides, so traffic to the exception is masqueraded and the rest of the prefix keeps the
+/// pod's address. A connection that started unmasqueraded toward what became an exception
+/// keeps its address while the exception drains; with the exception gone, the prefix keeps
+/// addresses again.
+fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: Family>() {
+    let mut h = harness::<F>();
+    let prefix = policy_with(F::REMOTE_NET);
+    let host: F::Net = format!("{}/{}", F::REMOTE, F::ADDR_LEN * 8).parse().unwrap();
+    set_policy::<F>(&mut h, &prefix, &[]);
+    let established = tcp(F::POD, 4100, F::REMOTE, 443, ACK);
+    assert_eq!(h.egress(&established), (TC_ACT_OK, established.clone()));
+
+    set_policy::<F>(&mut h, &prefix, &[host]);
+    assert_eq!(
+        h.egress(&established),
+        (TC_ACT_OK, established.clone()),
+        "a connection that started unmasqueraded keeps its address"
+    );
+    assert_eq!(F::draining(&h), [(F::ADDR_LEN as u32 * 8, F::REMOTE)]);
+    for new in [
+        tcp(F::POD, 4101, F::REMOTE, 443, SYN),
+        udp(F::POD, 4101, F::REMOTE, 53),
+        ping(F::POD, F::REMOTE, F::ECHO_REQUEST, 4101),
+    ] {
+        let (verdict, out) = h.egress(&new);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(F::at(&out, F::SRC), F::NODE, "to the exception: masqueraded");
+        assert!(checksums_ok::<F>(&out));
+    }
+    let elsewhere = udp(F::POD, 4102, F::ROUTER, 53);
+    assert_eq!(
+        h.egress(&elsewhere),
+        (TC_ACT_OK, elsewhere.clone()),
+        "the rest of the prefix keeps the pod's address"
+    );
+
+    set_policy::<F>(&mut h, &prefix, &[]);
+    let fresh = tcp(F::POD, 4103, F::REMOTE, 443, SYN);
+    assert_eq!(h.egress(&fresh), (TC_ACT_OK, fresh), "the exception is gone");
+    assert!(F::draining(&h).is_empty(), "and drains no more");
 }
 
 fn nothing_is_translated_before_the_agent_configures_ports<F: Family>() {

@@ -27,6 +27,16 @@ pub struct FamilyTries<const N: usize> {
     pub draining: LpmTrie<MapData, [u8; N], u32>,
 }
 
+/// What a policy change does to the draining trie.
+struct DrainingChange<const N: usize> {
+    /// Prefixes that kept the pod's address and no longer do: removed, or made exceptions;
+    /// and new exceptions, under which destinations may have kept their address by a shorter
+    /// prefix.
+    start: Vec<Prefix<N>>,
+    /// Exceptions that are gone: their destinations are decided as before they came.
+    end: Vec<Prefix<N>>,
+}
+
 /// The trie's value for an action.
 pub fn action_value(action: Action) -> PrefixAction {
     match action {
@@ -61,29 +71,37 @@ impl PolicyMaps {
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
     pub fn sync(&mut self, policy: &Policy) -> anyhow::Result<bool> {
         let v4 = policy.rules(IpFamily::Ipv4).unwrap_or_default();
-        let mut changed = self.v4.sync(trie_entries(&v4), &mut self.generation)?;
+        let mut changed = self.set_rules(IpFamily::Ipv4, &v4)?;
         if let Some(v6) = policy.rules(IpFamily::Ipv6) {
-            changed |= self.v6.sync(trie_entries(&v6), &mut self.generation)?;
+            changed |= self.set_rules(IpFamily::Ipv6, &v6)?;
         }
         Ok(changed)
     }
 
+    /// Makes one family's trie hold `rules`. Returns whether it changed.
+    pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
+        match family {
+            IpFamily::Ipv4 => self.v4.sync(trie_entries(rules), &mut self.generation),
+            IpFamily::Ipv6 => self.v6.sync(trie_entries(rules), &mut self.generation),
+        }
+    }
+
     /// Makes the IPv4 trie hold `nets`, all non-masquerade. Returns whether it changed.
     pub fn set_v4(&mut self, nets: &[Ipv4Net]) -> anyhow::Result<bool> {
-        let rules = nets
+        let rules: Rules = nets
             .iter()
             .map(|&n| (n.into(), Action::NonMasquerade))
             .collect();
-        self.v4.sync(trie_entries(&rules), &mut self.generation)
+        self.set_rules(IpFamily::Ipv4, &rules)
     }
 
     /// The same for IPv6.
     pub fn set_v6(&mut self, nets: &[Ipv6Net]) -> anyhow::Result<bool> {
-        let rules = nets
+        let rules: Rules = nets
             .iter()
             .map(|&n| (n.into(), Action::NonMasquerade))
             .collect();
-        self.v6.sync(trie_entries(&rules), &mut self.generation)
+        self.set_rules(IpFamily::Ipv6, &rules)
     }
 
     /// Ends the draining of prefixes removed longer ago than `drain`.
@@ -108,21 +126,19 @@ impl<const N: usize> FamilyTries<N> {
         if !matches!(synced, Ok((false, _))) {
             next_generation(generation)?;
         }
-        let (changed, stopped_keeping) = synced?;
-        self.sync_draining(&stopped_keeping, &desired, expiry::monotonic_now_ns())?;
+        let (changed, draining) = synced?;
+        self.sync_draining(&draining, &desired, expiry::monotonic_now_ns())?;
         Ok(changed)
     }
 
     /// Makes the policy trie hold exactly `desired`, adding and updating before removing, so
     /// that a prefix that stays is never missing, not even for a moment. A failed write rolls
     /// back what this call wrote, so the previous policy stays whole. Returns whether anything
-    /// changed, and the prefixes that kept the pod's address before and no longer do (removed,
-    /// or made exceptions), with the exceptions that are new: destinations under them may have
-    /// kept their address under a shorter prefix.
+    /// changed, and what changes for the draining trie.
     fn sync_policy(
         &mut self,
         desired: &BTreeMap<Prefix<N>, PrefixAction>,
-    ) -> anyhow::Result<(bool, Vec<Prefix<N>>)> {
+    ) -> anyhow::Result<(bool, DrainingChange<N>)> {
         let trie = &mut self.non_masq;
         let current = entries(trie);
         let mut written: Vec<(Prefix<N>, Option<PrefixAction>)> = Vec::new();
@@ -156,10 +172,13 @@ impl<const N: usize> FamilyTries<N> {
         let kept_address = |action: Option<PrefixAction>| {
             action.is_none_or(|a| a == prefix_action::NON_MASQUERADE)
         };
-        let stopped_keeping = removed
-            .iter()
-            .filter(|(_, action)| *action == prefix_action::NON_MASQUERADE)
-            .map(|(prefix, _)| *prefix)
+        let removed_with = |value| {
+            removed
+                .iter()
+                .filter(move |(_, action)| *action == value)
+                .map(|(prefix, _)| *prefix)
+        };
+        let start = removed_with(prefix_action::NON_MASQUERADE)
             .chain(
                 written
                     .iter()
@@ -169,19 +188,22 @@ impl<const N: usize> FamilyTries<N> {
                     .map(|(prefix, _)| *prefix),
             )
             .collect();
-        Ok((!written.is_empty() || !removed.is_empty(), stopped_keeping))
+        let end = removed_with(prefix_action::MASQUERADE).collect();
+        let changed = !written.is_empty() || !removed.is_empty();
+        Ok((changed, DrainingChange { start, end }))
     }
 
     /// Keeps prefixes that stopped keeping the pod's address in the draining trie for as long
     /// as a TCP connection may stay idle, so that connections that started unmasqueraded keep
-    /// their addresses; a prefix that keeps the address again stops draining.
+    /// their addresses; a prefix that keeps the address again, or an exception that is gone,
+    /// stops draining.
     fn sync_draining(
         &mut self,
-        stopped_keeping: &[Prefix<N>],
+        change: &DrainingChange<N>,
         policy: &BTreeMap<Prefix<N>, PrefixAction>,
         now_ns: u64,
     ) -> anyhow::Result<()> {
-        for (len, data) in stopped_keeping {
+        for (len, data) in &change.start {
             self.draining
                 .insert(&Key::new(*len, *data), seconds(now_ns), 0)?;
         }
@@ -190,7 +212,9 @@ impl<const N: usize> FamilyTries<N> {
             .keys()
             .filter_map(Result::ok)
             .filter(|k| {
-                policy.get(&(k.prefix_len(), k.data())) == Some(&prefix_action::NON_MASQUERADE)
+                let prefix = (k.prefix_len(), k.data());
+                policy.get(&prefix) == Some(&prefix_action::NON_MASQUERADE)
+                    || change.end.contains(&prefix)
             })
             .collect();
         for key in back {
