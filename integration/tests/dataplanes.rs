@@ -1595,6 +1595,104 @@ fn ipv6_chain_follows_enable_ipv6(plane: Plane) {
     );
 }
 
+// ---- masqueradeCIDRs: exceptions decided by the longest prefix ------------------------------
+
+impl Family {
+    /// The config of `family.config()`'s pods and services, with `non_masq` more
+    /// non-masquerade prefixes and the exceptions `masq`.
+    fn config_with(self, non_masq: &[&str], masq: &[&str]) -> String {
+        let base: &[&str] = match self {
+            Family::V4 => &["10.0.0.0/8"],
+            Family::V6 => &["10.0.0.0/8", "fd00:10:244::/48", "fd00:200::/64"],
+        };
+        let list =
+            |cidrs: &[&str]| -> String { cidrs.iter().map(|c| format!("  - {c}\n")).collect() };
+        format!(
+            "nonMasqueradeCIDRs:\n{}{}masqueradeCIDRs:\n{}resyncInterval: 1s\n",
+            list(base),
+            list(non_masq),
+            list(masq)
+        )
+    }
+
+    /// The outside host's prefix on the first uplink, and the outside host itself as a prefix
+    /// of one address.
+    fn outside_prefixes(self) -> (&'static str, &'static str) {
+        match self {
+            Family::V4 => ("203.0.113.0/24", "203.0.113.10/32"),
+            Family::V6 => ("2001:db8:1::/64", "2001:db8:1::10/128"),
+        }
+    }
+
+    /// Another address of the outside host in that prefix, with a route back to the pods.
+    fn routable_client(self) -> SocketAddr {
+        match self {
+            Family::V4 => (topology::ROUTABLE_CLIENT_ADDR, PORT).into(),
+            Family::V6 => (topology::ROUTABLE_CLIENT_ADDR_V6, PORT).into(),
+        }
+    }
+
+    fn second_outside(self) -> SocketAddr {
+        match self {
+            Family::V4 => second_outside(),
+            Family::V6 => (topology::EXT_SECOND_ADDR_V6, PORT).into(),
+        }
+    }
+}
+
+/// An exception inside a non-masquerade range is masqueraded and the rest of the range keeps
+/// the pod's address, as the outside host sees them, for what the programs translate and for
+/// what the chain beside them does (GRE); taking the exception out lets the range keep
+/// addresses again.
+fn an_exception_inside_a_non_masquerade_range_is_masqueraded(plane: Plane, family: Family) {
+    let (range, outside_host) = family.outside_prefixes();
+    let bed = Bed::new(plane, &family.config_with(&[range], &[outside_host]));
+    let gre = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let _agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
+    wait_for_udp_source(&bed, family.outside(), family.node());
+    assert_gre_leaves_with(&bed, &gre, family.outside().ip(), family.node());
+    let seen = probe::tcp_probe(bed.pod(), family.routable_client(), 0).unwrap();
+    assert_eq!(
+        seen.ip(),
+        family.pod(0),
+        "the rest of the range keeps the pod's address"
+    );
+
+    write_config(&bed.config, &family.config_with(&[range], &[])).unwrap();
+    wait_for_udp_source(&bed, family.outside(), family.pod(0));
+}
+
+/// `nonMasqueradeCIDRs: [0.0.0.0/0]` with exceptions is an allow-list: only the exceptions are
+/// masqueraded, by the programs and by the chain beside them.
+fn an_allow_list_masquerades_only_its_exceptions(plane: Plane, family: Family) {
+    let (_, outside_host) = family.outside_prefixes();
+    let everything = match family {
+        Family::V4 => "0.0.0.0/0",
+        Family::V6 => "::/0",
+    };
+    let bed = Bed::new(plane, &family.config_with(&[everything], &[outside_host]));
+    let gre = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let _agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
+    assert_gre_leaves_with(&bed, &gre, family.outside().ip(), family.node());
+    wait_for_udp_source(&bed, family.second_outside(), family.pod(0));
+    let gre_elsewhere = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let elsewhere = family.second_outside().ip();
+    assert_gre_leaves_with(&bed, &gre_elsewhere, elsewhere, family.pod(0));
+}
+
+/// An exception inside link-local masquerades that one address (a metadata server, say) and
+/// leaves the rest of link-local alone.
+fn an_exception_inside_link_local_is_masqueraded(plane: Plane) {
+    let bed = Bed::new(plane, &Family::V4.config_with(&[], &["169.254.169.254/32"]));
+    let _agent = bed.start_agent(&[]);
+    let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
+    wait_for_udp_source(&bed, link_local, node_ip());
+    write_config(&bed.config, DEFAULT_CONFIG).unwrap();
+    wait_for_udp_source(&bed, link_local, pod_ip(0));
+}
+
 // ---- IPv6 (--enable-ipv6), on every data plane --------------------------------------------
 
 /// The pods' own prefix is exempt, as 10.0.0.0/8 holds the IPv4 pods: without it, the chain
@@ -2898,6 +2996,8 @@ macro_rules! common_cases {
             no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade,
             a_node_socket_on_a_port_the_programs_hold,
             a_flow_netfilter_masqueraded_before_the_start_keeps_its_port,
+            an_exception_inside_a_non_masquerade_range_is_masqueraded,
+            an_allow_list_masquerades_only_its_exceptions,
         );
         cases!($plane:
             masquerades_outside_traffic_only,
@@ -2939,6 +3039,7 @@ macro_rules! common_cases {
             a_hairpin_cluster_ip_reaches_a_pod_on_the_same_node,
             migrating_from_upstreams_chain_keeps_an_open_connection,
             a_conntrack_flush_during_live_flows,
+            an_exception_inside_link_local_is_masqueraded,
         );
     };
 }
@@ -2979,6 +3080,7 @@ mod iptables_nft {
         restores_a_flushed_chain,
         to_ports_rules_load_into_real_iptables,
         ipv6_chain_follows_enable_ipv6,
+        an_exception_inside_link_local_is_masqueraded,
     );
 }
 

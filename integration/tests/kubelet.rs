@@ -14,8 +14,9 @@ use masq_testbed::deploy::{
     agent_args, agent_container, dashboard_queries, deploy_dir, example_config, find, series,
 };
 use masq_testbed::{
+    keeps_address_v4,
     kubelet::ConfigMapVolume,
-    keeps_address_v4, probe,
+    probe,
     topology::{self, Process, Topology},
     wait_for, wait_for_long,
 };

@@ -13,9 +13,10 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::ValueEnum as _;
 use masq_testbed::{
+    keeps_address_v4,
     kubelet::ConfigMapVolume,
     load::{self, Servers},
-    netns, keeps_address_v4, prefixes,
+    netns, prefixes,
     topology::{self, Process, Topology},
     wait_for_long, workspace_root, write_config,
 };

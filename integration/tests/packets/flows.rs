@@ -439,7 +439,9 @@ fn a_policy_change_affects_new_flows_only<F: Family>() {
 fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: Family>() {
     let mut h = harness::<F>();
     let prefix = policy_with(F::REMOTE_NET);
-    let host: F::Net = format!("{}/{}", F::REMOTE, F::ADDR_LEN * 8).parse().unwrap();
+    let host: F::Net = format!("{}/{}", F::REMOTE, F::ADDR_LEN * 8)
+        .parse()
+        .unwrap();
     set_policy::<F>(&mut h, &prefix, &[]);
     let established = tcp(F::POD, 4100, F::REMOTE, 443, ACK);
     assert_eq!(h.egress(&established), (TC_ACT_OK, established.clone()));
@@ -458,7 +460,11 @@ fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: Family>() {
     ] {
         let (verdict, out) = h.egress(&new);
         assert_eq!(verdict, TC_ACT_OK);
-        assert_eq!(F::at(&out, F::SRC), F::NODE, "to the exception: masqueraded");
+        assert_eq!(
+            F::at(&out, F::SRC),
+            F::NODE,
+            "to the exception: masqueraded"
+        );
         assert!(checksums_ok::<F>(&out));
     }
     let elsewhere = udp(F::POD, 4102, F::ROUTER, 53);
@@ -470,7 +476,11 @@ fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: Family>() {
 
     set_policy::<F>(&mut h, &prefix, &[]);
     let fresh = tcp(F::POD, 4103, F::REMOTE, 443, SYN);
-    assert_eq!(h.egress(&fresh), (TC_ACT_OK, fresh), "the exception is gone");
+    assert_eq!(
+        h.egress(&fresh),
+        (TC_ACT_OK, fresh),
+        "the exception is gone"
+    );
     assert!(F::draining(&h).is_empty(), "and drains no more");
 }
 
