@@ -103,6 +103,19 @@ impl Bed {
         self.spawn_agent(&args, &[])
     }
 
+    /// The agent, reading every `ip-masq*` file of the config's directory (`--config=DIR`).
+    fn start_agent_on_config_dir(&self, extra: &[&str]) -> Process {
+        let file = format!("--config={}", self.config.display());
+        let dir = format!("--config={}", self.config.parent().unwrap().display());
+        let mut args: Vec<String> = self
+            .plane_args()
+            .into_iter()
+            .map(|arg| if arg == file { dir.clone() } else { arg })
+            .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.spawn_agent(&args, &[])
+    }
+
     /// The bed of a case written once for both families, its agent running. Bound as
     /// `let (bed, _agent)`, the agent stops before its topology goes.
     fn with_agent(plane: Plane, family: Family) -> (Bed, Process) {
@@ -1693,6 +1706,35 @@ fn an_exception_inside_link_local_is_masqueraded(plane: Plane) {
     wait_for_udp_source(&bed, link_local, pod_ip(0));
 }
 
+/// A directory of config files, as kubelet projects a cloud provider's ConfigMap beside the
+/// user's: merged; one of them made invalid keeps the last good merged policy in force, with
+/// an error that names the file; the file gone, its prefixes go.
+fn several_config_files_are_merged_and_an_invalid_one_changes_nothing(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let cloud = bed.config.with_file_name("ip-masq-cloud");
+    write_config(
+        &cloud,
+        "nonMasqueradeCIDRs: [198.51.100.0/24]\nresyncInterval: 1s\n",
+    )
+    .unwrap();
+    let agent = bed.start_agent_on_config_dir(&[]);
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    Family::V4.assert_masqueraded(&bed);
+
+    write_config(&cloud, "nonMasqueradeCIDRs: [abcdefg]\n").unwrap();
+    wait_for(|| {
+        let log = agent.log_text();
+        Ok(log.contains("ip-masq-cloud") && log.contains("abcdefg"))
+    })
+    .expect("the error names the file");
+    std::thread::sleep(Duration::from_millis(2500));
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    Family::V4.assert_masqueraded(&bed);
+
+    std::fs::remove_file(&cloud).unwrap();
+    wait_for_udp_source(&bed, second_outside(), node_ip());
+}
+
 // ---- IPv6 (--enable-ipv6), on every data plane --------------------------------------------
 
 /// The pods' own prefix is exempt, as 10.0.0.0/8 holds the IPv4 pods: without it, the chain
@@ -3040,6 +3082,7 @@ macro_rules! common_cases {
             migrating_from_upstreams_chain_keeps_an_open_connection,
             a_conntrack_flush_during_live_flows,
             an_exception_inside_link_local_is_masqueraded,
+            several_config_files_are_merged_and_an_invalid_one_changes_nothing,
         );
     };
 }
@@ -3080,7 +3123,6 @@ mod iptables_nft {
         restores_a_flushed_chain,
         to_ports_rules_load_into_real_iptables,
         ipv6_chain_follows_enable_ipv6,
-        an_exception_inside_link_local_is_masqueraded,
     );
 }
 
@@ -3098,5 +3140,6 @@ mod iptables_legacy {
         restores_a_flushed_chain,
         to_ports_rules_load_into_real_iptables,
         ipv6_chain_follows_enable_ipv6,
+        an_exception_inside_link_local_is_masqueraded,
     );
 }

@@ -378,13 +378,15 @@ impl Agent {
     }
 }
 
-/// Watches the directory holding the config file. Kubelet updates a ConfigMap volume by
-/// swapping a symlink in that directory, so watching the file itself would miss updates.
+/// Watches the directory holding the config file, or the config directory itself. Kubelet
+/// updates a ConfigMap volume by swapping a symlink in that directory, so watching the file
+/// itself would miss updates.
 fn watch_config_dir(
     config_path: &Path,
     changed: mpsc::UnboundedSender<()>,
 ) -> notify::Result<notify::RecommendedWatcher> {
     let dir = match config_path.parent() {
+        _ if config_path.is_dir() => config_path.to_path_buf(),
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };

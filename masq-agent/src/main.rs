@@ -8,7 +8,7 @@ use clap::{ArgMatches, CommandFactory as _, FromArgMatches as _, parser::ValueSo
 use masq_agent::{
     agent::{self, Agent},
     cli::{Cli, Command, DataplaneKind, Flags, LogFormat, normalize_go_flags},
-    config,
+    config::{self, ConfigSource},
     dataplane::{
         self,
         ebpf::devices,
@@ -102,6 +102,14 @@ fn check_config(flags: &Flags) -> anyhow::Result<ExitCode> {
         Ok(loaded) => {
             for warning in &loaded.warnings {
                 eprintln!("warning: {warning}");
+            }
+            if loaded.source == ConfigSource::Directory {
+                let files: Vec<String> = loaded
+                    .files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect();
+                eprintln!("merged {} files: {}", files.len(), files.join(", "));
             }
             println!(
                 "{}",

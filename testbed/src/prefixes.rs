@@ -54,3 +54,27 @@ pub fn config(count: usize) -> String {
     }
     text
 }
+
+/// The same with a quarter of the prefixes (each one once) as exceptions (`masqueradeCIDRs`)
+/// instead: a large policy of both actions.
+pub fn config_with_exceptions(count: usize) -> String {
+    let limit = count.max(64) + 16;
+    let mut seen = std::collections::HashSet::new();
+    let unique: Vec<String> = random(count)
+        .into_iter()
+        .filter(|p| seen.insert(p.clone()))
+        .collect();
+    // The first two stay non-masquerade: cluster destinations hit them.
+    let (mut non_masq, mut masq) = (String::new(), String::new());
+    for (i, prefix) in unique.iter().enumerate() {
+        let list = if i >= 2 && i % 4 == 0 {
+            &mut masq
+        } else {
+            &mut non_masq
+        };
+        list.push_str(&format!("  - {prefix}\n"));
+    }
+    format!(
+        "cidrLimit: {limit}\nresyncInterval: 60s\nnonMasqueradeCIDRs:\n{non_masq}masqueradeCIDRs:\n{masq}"
+    )
+}

@@ -99,14 +99,14 @@ pub(super) struct Setting<'a, T> {
 }
 
 /// A CIDR list as written: each item's text, `None` for a `null` item.
-pub(super) type CidrList<'a> = Vec<Option<&'a String>>;
+pub(super) type CidrItems<'a> = Vec<Option<&'a String>>;
 
 /// What the file sets; `None` keeps the default.
 #[derive(Debug, Default)]
 pub(super) struct FileFields<'a> {
     /// A `null` list item decodes to "" in Go; it is `None` here.
-    pub(super) cidrs: Option<Setting<'a, CidrList<'a>>>,
-    pub(super) masq_cidrs: Option<Setting<'a, CidrList<'a>>>,
+    pub(super) cidrs: Option<Setting<'a, CidrItems<'a>>>,
+    pub(super) masq_cidrs: Option<Setting<'a, CidrItems<'a>>>,
     pub(super) cidr_limit: Option<Setting<'a, i64>>,
     pub(super) masq_link_local: Option<bool>,
     pub(super) masq_link_local_ipv6: Option<bool>,
@@ -246,7 +246,7 @@ pub(super) fn decode_cidr_list<'a>(
     field: Field,
     key: &'a String,
     value: &'a Node,
-) -> Result<Option<CidrList<'a>>, DecodeError<'a>> {
+) -> Result<Option<CidrItems<'a>>, DecodeError<'a>> {
     let type_error = |what: &str, go_type: &str| {
         DecodeError::Type(Problem::new(
             format!(

@@ -16,11 +16,13 @@ use std::time::Duration;
 use ipnet::{IpNet, Ipv4Net};
 
 mod decode;
+mod directory;
 mod go_format;
 mod locate;
 mod tree;
 mod validate;
 
+pub use self::directory::FILE_PREFIX;
 #[allow(unused_imports)]
 use self::go_format::*;
 pub use self::go_format::{format_go_duration, parse_go_duration};
@@ -119,8 +121,11 @@ impl Config {
 pub enum ConfigSource {
     /// Read from the file (which may have been empty).
     File,
-    /// The file did not exist, so the defaults are in use.
+    /// The file did not exist (or the directory held no config file), so the defaults are in
+    /// use.
     Missing,
+    /// Merged from the files of a directory, which `Loaded::files` names.
+    Directory,
 }
 
 /// A configuration that was accepted, with what is worth telling the operator about it.
@@ -129,6 +134,15 @@ pub struct Loaded {
     pub config: Config,
     pub warnings: Vec<String>,
     pub source: ConfigSource,
+    /// The files read, in the order they were merged.
+    pub files: Vec<std::path::PathBuf>,
+}
+
+/// The keys a file sets whose defaults matter when files are merged.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Explicit {
+    pub(super) non_masquerade_cidrs: bool,
+    pub(super) resync_interval: bool,
 }
 
 /// Why a config file was rejected.
@@ -168,22 +182,30 @@ impl std::error::Error for ConfigError {}
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// Reads and checks the config file. A file that does not exist means the defaults, as
-/// upstream; any other read error (permissions, a directory, ...) is an error.
+/// upstream; any other read error (permissions, ...) is an error. A directory is read as
+/// several files, merged: see [`directory`].
 pub fn load(path: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
+    if path.is_dir() {
+        return directory::load(path, opts);
+    }
     let origin = path.display().to_string();
     match read_bounded(path) {
-        Ok(text) => parse(&text, &origin, opts),
+        Ok(text) => parse(&text, &origin, opts).map(|loaded| Loaded {
+            files: vec![path.to_path_buf()],
+            ..loaded
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Loaded {
             config: Config::defaults(opts),
             warnings: Vec::new(),
             source: ConfigSource::Missing,
+            files: Vec::new(),
         }),
-        Err(e) => Err(ConfigError::new(
-            &origin,
-            None,
-            format!("cannot read the config file: {e}"),
-        )),
+        Err(e) => Err(unreadable(&origin, e)),
     }
+}
+
+fn unreadable(origin: &str, e: std::io::Error) -> ConfigError {
+    ConfigError::new(origin, None, format!("cannot read the config file: {e}"))
 }
 
 /// Reads `path`, but never more than `MAX_CONFIG_BYTES`, even if the file grows meanwhile.
@@ -204,16 +226,35 @@ pub(super) fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
 
 /// Checks config file contents; `origin` names the file in messages.
 pub fn parse(text: &[u8], origin: &str, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
+    parse_with_keys(text, origin, opts).map(|(loaded, _)| loaded)
+}
+
+/// `parse`, and which keys the file sets.
+pub(super) fn parse_with_keys(
+    text: &[u8],
+    origin: &str,
+    opts: &ConfigOptions,
+) -> Result<(Loaded, Explicit), ConfigError> {
     let mut warnings = Vec::new();
     let (root, format) = read_tree(text, origin, &mut warnings)?;
-    let checked = decode(&root, format, origin, &mut warnings)
-        .and_then(|fields| build_config(&fields, opts, &mut warnings));
+    let mut explicit = Explicit::default();
+    let checked = decode(&root, format, origin, &mut warnings).and_then(|fields| {
+        explicit = Explicit {
+            non_masquerade_cidrs: fields.cidrs.is_some(),
+            resync_interval: fields.resync_interval.is_some(),
+        };
+        build_config(&fields, opts, &mut warnings)
+    });
     match checked {
-        Ok(config) => Ok(Loaded {
-            config,
-            warnings,
-            source: ConfigSource::File,
-        }),
+        Ok(config) => Ok((
+            Loaded {
+                config,
+                warnings,
+                source: ConfigSource::File,
+                files: Vec::new(),
+            },
+            explicit,
+        )),
         Err(problem) => {
             let line_of = |anchor| locate(text, &root, format, anchor);
             let line = problem.anchor.and_then(line_of);
@@ -227,6 +268,41 @@ pub fn parse(text: &[u8], origin: &str, opts: &ConfigOptions) -> Result<Loaded, 
             Err(ConfigError::new(origin, line, message))
         }
     }
+}
+
+/// Which list of the config an entry is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CidrList {
+    NonMasquerade,
+    Masquerade,
+}
+
+impl CidrList {
+    /// The key, as the file writes it.
+    pub fn key(self) -> &'static str {
+        match self {
+            CidrList::NonMasquerade => "nonMasqueradeCIDRs",
+            CidrList::Masquerade => "masqueradeCIDRs",
+        }
+    }
+}
+
+/// The line of the valid config `text` on which `list` holds `net` (as written in any form Go
+/// reads as that prefix), where it can be found for sure. Looked for only when asked: an error
+/// about two files, or `explain`.
+pub fn cidr_line(text: &[u8], opts: &ConfigOptions, list: CidrList, net: IpNet) -> Option<usize> {
+    let (root, format) = read_tree(text, "", &mut Vec::new()).ok()?;
+    let fields = decode(&root, format, "", &mut Vec::new()).ok()?;
+    let items = match list {
+        CidrList::NonMasquerade => fields.cidrs?,
+        CidrList::Masquerade => fields.masq_cidrs?,
+    };
+    let item = items
+        .value
+        .into_iter()
+        .flatten()
+        .find(|item| check_cidr(Some(item), opts).is_ok_and(|n| n == net))?;
+    locate(text, &root, format, item)
 }
 
 #[cfg(test)]

@@ -231,14 +231,19 @@ fn errors_from_load_name_the_path() {
 }
 
 #[test]
-fn a_directory_is_an_error_not_defaults() {
+fn a_directory_without_config_files_means_the_defaults() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let e = load(dir.path(), &V4_ONLY).expect_err("directory");
-    assert_eq!(e.origin, dir.path().display().to_string());
-    assert_eq!(e.line, None);
-    assert!(
-        e.message.starts_with("cannot read the config file: "),
-        "{e}"
+    std::fs::write(dir.path().join("other.yaml"), "cidrLimit: 1\n").unwrap();
+    let loaded = load(dir.path(), &V4_ONLY).expect("defaults");
+    assert_eq!(loaded.source, ConfigSource::Missing);
+    assert_eq!(loaded.config, defaults());
+    assert!(loaded.files.is_empty());
+    assert_eq!(
+        loaded.warnings,
+        [format!(
+            "no file named ip-masq* in the directory {}: the defaults apply",
+            dir.path().display()
+        )]
     );
 }
 
@@ -1069,4 +1074,147 @@ fn masquerade_cidrs_appear_in_the_printed_config_only_when_set() {
         json["masqueradeCIDRs"],
         serde_json::json!(["10.100.10.0/24"])
     );
+}
+
+// --- a directory of config files, merged ---
+
+/// A directory laid out as kubelet projects ConfigMaps: each key a symlink into `..data`, itself
+/// a symlink to a timestamped directory.
+fn projected(files: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("..2026_11_30_00_00_00.1");
+    std::fs::create_dir(&data).unwrap();
+    for (name, text) in files {
+        std::fs::write(data.join(name), text).unwrap();
+        std::os::unix::fs::symlink(format!("..data/{name}"), dir.path().join(name)).unwrap();
+    }
+    std::os::unix::fs::symlink(data.file_name().unwrap(), dir.path().join("..data")).unwrap();
+    dir
+}
+
+#[test]
+fn a_directory_of_files_is_merged() {
+    let dir = projected(&[
+        (
+            "ip-masq-agent",
+            "nonMasqueradeCIDRs: [10.0.0.0/8, 192.168.0.0/16]\nresyncInterval: 30s\n",
+        ),
+        (
+            "ip-masq-cloud",
+            "nonMasqueradeCIDRs: [100.64.0.0/10, 10.0.0.0/8]\nmasqueradeCIDRs: [10.9.0.0/16]\nmasqLinkLocal: true\nresyncInterval: 10s\ncidrLimit: 3\n",
+        ),
+        ("other-settings", "cidrLimit: abc\n"),
+    ]);
+    let loaded = load(dir.path(), &V4_ONLY).expect("merged");
+    assert_eq!(loaded.source, ConfigSource::Directory);
+    let names: Vec<_> = loaded
+        .files
+        .iter()
+        .map(|f| f.file_name().unwrap())
+        .collect();
+    assert_eq!(names, ["ip-masq-agent", "ip-masq-cloud"]);
+    let c = loaded.config;
+    assert_eq!(
+        c.non_masquerade_cidrs,
+        nets(&["10.0.0.0/8", "192.168.0.0/16", "100.64.0.0/10"]),
+        "joined, each once"
+    );
+    assert_eq!(c.masquerade_cidrs, nets(&["10.9.0.0/16"]));
+    assert!(c.masq_link_local && !c.masq_link_local_ipv6, "ORed");
+    assert_eq!(
+        c.resync_interval,
+        std::time::Duration::from_secs(10),
+        "the smallest"
+    );
+    assert_eq!(c.cidr_limit, 64, "each file had its own");
+}
+
+#[test]
+fn a_directory_of_one_file_reads_as_that_file() {
+    for text in [
+        "nonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8]\nresyncInterval: 5s\n",
+        "masqLinkLocal: true\n",
+        "",
+    ] {
+        let dir = projected(&[("ip-masq-agent", text)]);
+        let alone = load(&dir.path().join("ip-masq-agent"), &V4_ONLY).unwrap();
+        let merged = load(dir.path(), &V4_ONLY).unwrap();
+        assert_eq!(merged.config, alone.config, "{text:?}");
+    }
+    // Defaults for the lists only when no file sets one: a file that sets another key only
+    // adds no prefix.
+    let dir = projected(&[
+        ("ip-masq-a", "nonMasqueradeCIDRs: [10.0.0.0/8]\n"),
+        ("ip-masq-b", "masqLinkLocal: true\n"),
+    ]);
+    assert_eq!(
+        load(dir.path(), &V4_ONLY)
+            .unwrap()
+            .config
+            .non_masquerade_cidrs,
+        nets(&["10.0.0.0/8"])
+    );
+}
+
+#[test]
+fn an_invalid_file_rejects_the_directory_naming_the_file() {
+    let dir = projected(&[
+        ("ip-masq-agent", "nonMasqueradeCIDRs: [10.0.0.0/8]\n"),
+        (
+            "ip-masq-user",
+            "resyncInterval: 1s\nnonMasqueradeCIDRs: [abcdefg]\n",
+        ),
+    ]);
+    let e = load(dir.path(), &V4_ONLY).expect_err("invalid");
+    assert_eq!(
+        e.origin,
+        dir.path().join("ip-masq-user").display().to_string()
+    );
+    assert_eq!(e.line, Some(2));
+    assert!(e.message.contains("abcdefg"), "{e}");
+    // Each file's own cidrLimit.
+    let dir = projected(&[
+        (
+            "ip-masq-agent",
+            "nonMasqueradeCIDRs: [10.0.0.0/8, 172.16.0.0/12]\n",
+        ),
+        (
+            "ip-masq-user",
+            "cidrLimit: 1\nnonMasqueradeCIDRs: [192.168.0.0/16]\n",
+        ),
+    ]);
+    load(dir.path(), &V4_ONLY).expect("each file within its own limit");
+}
+
+#[test]
+fn a_prefix_two_files_disagree_on_is_an_error_naming_both() {
+    let dir = projected(&[
+        (
+            "ip-masq-agent",
+            "resyncInterval: 1s\nnonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 10.9.0.0/16\n",
+        ),
+        ("ip-masq-user", "masqueradeCIDRs:\n  - 10.9.0.0/16\n"),
+    ]);
+    let e = load(dir.path(), &V4_ONLY).expect_err("conflict");
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    assert_eq!(e.origin, path("ip-masq-user"));
+    assert_eq!(e.line, Some(2));
+    assert_eq!(
+        e.message,
+        format!(
+            "CIDR \"10.9.0.0/16\" is in masqueradeCIDRs here and in nonMasqueradeCIDRs in {} at line 4: \
+             a destination is either masqueraded or not",
+            path("ip-masq-agent")
+        )
+    );
+}
+
+#[test]
+fn the_line_of_an_entry_is_found_in_any_form_go_reads() {
+    let text = b"nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - ::ffff:172.16.0.0/108\nmasqueradeCIDRs: [10.9.0.0/16]\n";
+    let line = |list, net: &str| cidr_line(text, &V4_ONLY, list, net.parse().unwrap());
+    assert_eq!(line(CidrList::NonMasquerade, "10.0.0.0/8"), Some(2));
+    assert_eq!(line(CidrList::NonMasquerade, "172.16.0.0/12"), Some(3));
+    assert_eq!(line(CidrList::Masquerade, "10.9.0.0/16"), Some(4));
+    assert_eq!(line(CidrList::Masquerade, "10.0.0.0/8"), None);
 }

@@ -77,7 +77,7 @@ pub(super) fn check_cidr_count<'a>(
     if within(count) {
         return Ok(());
     }
-    let key = |setting: &Option<Setting<'a, CidrList<'a>>>| setting.as_ref().map(|s| s.key);
+    let key = |setting: &Option<Setting<'a, CidrItems<'a>>>| setting.as_ref().map(|s| s.key);
     let anchor = if within(non_masq) {
         key(&fields.masq_cidrs)
     } else {
@@ -95,7 +95,7 @@ pub(super) fn check_cidr_count<'a>(
 
 /// Each item of a list, checked, with the text it came from.
 fn check_cidrs<'a>(
-    list: &CidrList<'a>,
+    list: &CidrItems<'a>,
     opts: &ConfigOptions,
 ) -> Result<Vec<(IpNet, Option<&'a String>)>, Problem<'a>> {
     list.iter()

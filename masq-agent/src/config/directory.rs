@@ -1,0 +1,171 @@
+//! Several config files in one directory, merged: a cloud provider's ConfigMap and the user's,
+//! projected by kubelet into one volume, as Azure's ip-masq-agent-v2 reads them.
+//!
+//! Each file is checked on its own, its own `cidrLimit` included, then the files are merged:
+//! the CIDR lists joined (an entry a file before already listed is dropped), the booleans ORed,
+//! the smallest `resyncInterval`. A directory of one file reads exactly as that file. A prefix
+//! that one file exempts and another masquerades is an error naming both files and lines. An
+//! error in any file rejects the whole directory, so the last good merged policy stays in force.
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+};
+
+use super::*;
+
+/// Only the files whose names start with this are read: kubelet's `..data` and its timestamped
+/// directories, and anything else in the volume, are not config.
+pub const FILE_PREFIX: &str = "ip-masq";
+
+/// One file of the directory, read and checked.
+struct Part {
+    path: PathBuf,
+    text: Vec<u8>,
+    loaded: Loaded,
+    explicit: Explicit,
+}
+
+pub(super) fn load(dir: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
+    let origin = dir.display().to_string();
+    let files = config_files(dir).map_err(|e| unreadable(&origin, e))?;
+    if files.is_empty() {
+        return Ok(Loaded {
+            config: Config::defaults(opts),
+            warnings: vec![format!(
+                "no file named {FILE_PREFIX}* in the directory {origin}: the defaults apply"
+            )],
+            source: ConfigSource::Missing,
+            files,
+        });
+    }
+    let parts = files
+        .into_iter()
+        .map(|path| {
+            let origin = path.display().to_string();
+            let text = read_bounded(&path).map_err(|e| unreadable(&origin, e))?;
+            let (loaded, explicit) = parse_with_keys(&text, &origin, opts)?;
+            Ok(Part {
+                path,
+                text,
+                loaded,
+                explicit,
+            })
+        })
+        .collect::<Result<Vec<_>, ConfigError>>()?;
+    merge(&parts, opts)
+}
+
+/// The directory's config files (symlinks followed, as kubelet's are symlinks), by name.
+fn config_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let named = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(FILE_PREFIX));
+        if named && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// An entry of a list, with the file it came from (`None`: the defaults).
+type Entry = (IpNet, Option<usize>);
+
+fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
+    let defaults = Config::defaults(opts);
+    let joined = |list: fn(&Config) -> &Vec<IpNet>, explicit: fn(&Part) -> bool| {
+        let mut seen = HashSet::new();
+        let mut entries: Vec<Entry> = Vec::new();
+        for (i, part) in parts.iter().enumerate().filter(|(_, p)| explicit(p)) {
+            let fresh: Vec<IpNet> = list(&part.loaded.config)
+                .iter()
+                .filter(|net| !seen.contains(*net))
+                .copied()
+                .collect();
+            seen.extend(fresh.iter().copied());
+            entries.extend(fresh.into_iter().map(|net| (net, Some(i))));
+        }
+        entries
+    };
+    let mut non_masq = joined(
+        |c| &c.non_masquerade_cidrs,
+        |p| p.explicit.non_masquerade_cidrs,
+    );
+    if non_masq.is_empty() && !parts.iter().any(|p| p.explicit.non_masquerade_cidrs) {
+        non_masq = defaults
+            .non_masquerade_cidrs
+            .iter()
+            .map(|net| (*net, None))
+            .collect();
+    }
+    let masq = joined(|c| &c.masquerade_cidrs, |_| true);
+    check_no_prefix_in_two_lists(parts, &non_masq, &masq, opts)?;
+
+    let configs = || parts.iter().map(|p| &p.loaded.config);
+    let config = Config {
+        non_masquerade_cidrs: non_masq.into_iter().map(|(net, _)| net).collect(),
+        masquerade_cidrs: masq.into_iter().map(|(net, _)| net).collect(),
+        cidr_limit: configs()
+            .map(|c| c.cidr_limit)
+            .max()
+            .unwrap_or(defaults.cidr_limit),
+        masq_link_local: configs().any(|c| c.masq_link_local),
+        masq_link_local_ipv6: configs().any(|c| c.masq_link_local_ipv6),
+        resync_interval: parts
+            .iter()
+            .filter(|p| p.explicit.resync_interval)
+            .map(|p| p.loaded.config.resync_interval)
+            .min()
+            .unwrap_or(defaults.resync_interval),
+    };
+    Ok(Loaded {
+        config,
+        warnings: parts
+            .iter()
+            .flat_map(|p| p.loaded.warnings.iter().cloned())
+            .collect(),
+        source: ConfigSource::Directory,
+        files: parts.iter().map(|p| p.path.clone()).collect(),
+    })
+}
+
+/// A prefix one file exempts and another masquerades decides nothing: an error on the
+/// exception's line, naming where the other file has it.
+fn check_no_prefix_in_two_lists(
+    parts: &[Part],
+    non_masq: &[Entry],
+    masq: &[Entry],
+    opts: &ConfigOptions,
+) -> Result<(), ConfigError> {
+    for (net, in_part) in masq {
+        let Some((_, other_part)) = non_masq.iter().find(|(n, _)| n == net) else {
+            continue;
+        };
+        let place = |part: Option<usize>, list: CidrList| -> (String, Option<usize>) {
+            match part.map(|i| &parts[i]) {
+                Some(p) => (
+                    p.path.display().to_string(),
+                    cidr_line(&p.text, opts, list, *net),
+                ),
+                None => ("the defaults".into(), None),
+            }
+        };
+        let (origin, line) = place(*in_part, CidrList::Masquerade);
+        let (other, other_line) = place(*other_part, CidrList::NonMasquerade);
+        let at = other_line.map_or(String::new(), |n| format!(" at line {n}"));
+        return Err(ConfigError::new(
+            &origin,
+            line,
+            format!(
+                "CIDR \"{net}\" is in masqueradeCIDRs here and in nonMasqueradeCIDRs in {other}{at}: \
+                 a destination is either masqueraded or not"
+            ),
+        ));
+    }
+    Ok(())
+}
