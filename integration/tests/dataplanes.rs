@@ -1735,6 +1735,102 @@ fn several_config_files_are_merged_and_an_invalid_one_changes_nothing(plane: Pla
     wait_for_udp_source(&bed, second_outside(), node_ip());
 }
 
+impl Bed {
+    /// `masq-agent explain DST --json` with the agent's own flags: its exit status, and what it
+    /// printed.
+    fn explain(&self, dst: IpAddr, family: Family) -> (bool, serde_json::Value) {
+        let dst = dst.to_string();
+        let mut args = vec!["explain".to_string(), dst, "--json".to_string()];
+        args.extend(self.plane_args());
+        args.extend(family.agent_args().iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = self.agent_cmd(&args);
+        let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!("{e}: {}", String::from_utf8_lossy(&out.stderr));
+        });
+        (out.status.success(), json)
+    }
+}
+
+/// `explain` says what the outside host sees, with the entry that decides it, and the data
+/// plane installed agrees; with the data plane tampered with (the agent stopped, so that it
+/// does not repair it first), it disagrees and exits 1.
+fn explain_says_what_the_outside_host_sees(plane: Plane, family: Family) {
+    let (range, outside_host) = family.outside_prefixes();
+    let config = family.config_with(&[range], &[outside_host]);
+    let bed = Bed::new(plane, &config);
+    let mut agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
+    let (agrees, said) = bed.explain(family.outside().ip(), family);
+    assert!(agrees, "{said:#}");
+    assert_eq!(said["decision"], "masquerade", "{said:#}");
+    assert_eq!(
+        said["masqueraded_to"],
+        family.node().to_string(),
+        "{said:#}"
+    );
+    assert_eq!(said["entry"]["prefix"], outside_host, "{said:#}");
+    assert_eq!(said["entry"]["list"], "masqueradeCIDRs", "{said:#}");
+    let line = config
+        .lines()
+        .position(|l| l.contains(outside_host))
+        .unwrap()
+        + 1;
+    assert_eq!(said["entry"]["line"], line, "{said:#}");
+    assert_eq!(said["entry"]["file"], bed.config.display().to_string());
+    let installed = said["installed"].as_array().unwrap();
+    assert_eq!(installed.len(), 1, "{said:#}");
+
+    let client = family.routable_client();
+    let seen = probe::tcp_probe(bed.pod(), client, 0).unwrap();
+    assert_eq!(seen.ip(), family.pod(0));
+    let (agrees, said) = bed.explain(client.ip(), family);
+    assert!(agrees, "{said:#}");
+    assert_eq!(said["decision"], "keeps-address", "{said:#}");
+    assert_eq!(said["entry"]["prefix"], range, "{said:#}");
+
+    agent.stop(libc::SIGTERM).unwrap();
+    match plane {
+        // The exception out of the trie: the programs would keep the pod's address.
+        Plane::Ebpf => {
+            let host = family.outside().ip();
+            let (bits, octets) = match host {
+                IpAddr::V4(a) => (32u32, a.octets().to_vec()),
+                IpAddr::V6(a) => (128u32, a.octets().to_vec()),
+            };
+            let map = match family {
+                Family::V4 => "non_masq_v4",
+                Family::V6 => "non_masq_v6",
+            };
+            let pin = bed.topo.bpffs.join(map).display().to_string();
+            let key: Vec<String> = bits
+                .to_ne_bytes()
+                .into_iter()
+                .chain(octets)
+                .map(|b| b.to_string())
+                .collect();
+            let mut args = vec!["map", "delete", "pinned", &pin, "key"];
+            args.extend(key.iter().map(String::as_str));
+            bed.topo.node_run("bpftool", &args).unwrap();
+        }
+        // The chain flushed down to one rule that returns everything.
+        _ => {
+            let table = |args: &[&str]| match family {
+                Family::V4 => bed.iptables(args),
+                Family::V6 => bed.ip6tables(args),
+            };
+            table(&["-t", "nat", "-F", CHAIN]).unwrap();
+            table(&["-t", "nat", "-A", CHAIN, "-j", "RETURN"]).unwrap();
+        }
+    }
+    let (agrees, said) = bed.explain(family.outside().ip(), family);
+    assert!(!agrees, "a tampered data plane must disagree: {said:#}");
+    assert_eq!(
+        said["installed"][0]["decision"], "keeps-address",
+        "{said:#}"
+    );
+}
+
 // ---- IPv6 (--enable-ipv6), on every data plane --------------------------------------------
 
 /// The pods' own prefix is exempt, as 10.0.0.0/8 holds the IPv4 pods: without it, the chain
@@ -3040,6 +3136,7 @@ macro_rules! common_cases {
             a_flow_netfilter_masqueraded_before_the_start_keeps_its_port,
             an_exception_inside_a_non_masquerade_range_is_masqueraded,
             an_allow_list_masquerades_only_its_exceptions,
+            explain_says_what_the_outside_host_sees,
         );
         cases!($plane:
             masquerades_outside_traffic_only,

@@ -37,6 +37,29 @@ pub enum Command {
     },
     /// Remove everything the agent installed.
     Cleanup,
+    /// Explain what happens to a packet from a pod to DESTINATION, and why; where a data plane
+    /// is installed, check that it does the same (exit 1 if it does not).
+    Explain {
+        /// The packet's destination address.
+        destination: std::net::IpAddr,
+        /// The packet's source: a pod's address (the node's own are never masqueraded).
+        #[arg(long)]
+        src: Option<std::net::IpAddr>,
+        /// The protocol: tcp, udp, icmp, or a protocol number.
+        #[arg(long, default_value = "tcp", value_parser = parse_protocol)]
+        proto: u8,
+        /// The destination port (it does not change the decision).
+        #[arg(long)]
+        port: Option<u16>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A protocol by name or number, as `--proto` takes it.
+fn parse_protocol(s: &str) -> Result<u8, String> {
+    crate::protocols::number(s)
+        .ok_or_else(|| format!("{s:?} is not tcp, udp, icmp or a protocol number"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

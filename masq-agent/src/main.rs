@@ -14,6 +14,7 @@ use masq_agent::{
         ebpf::devices,
         iptables::{self, Capabilities, ChainVariant},
     },
+    explain,
     policy::{IpFamily, Policy},
     telemetry::{self, Telemetry},
 };
@@ -49,6 +50,21 @@ fn main() -> ExitCode {
                 .and_then(|variant| render_iptables(&cli.flags, family, &variant))
         }
         Some(Command::Status { json }) => status(&cli.flags, json),
+        Some(Command::Explain {
+            destination,
+            src,
+            proto,
+            port,
+            json,
+        }) => {
+            let packet = explain::Packet {
+                destination,
+                source: src,
+                protocol: proto,
+                port,
+            };
+            explain(&cli.flags, packet, json)
+        }
         Some(Command::Cleanup) => cleanup(&cli.flags),
     };
     match result {
@@ -178,6 +194,35 @@ fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
         print!("{status}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn explain(flags: &Flags, packet: explain::Packet, json: bool) -> anyhow::Result<ExitCode> {
+    let opts = agent::config_options(flags);
+    let loaded = match config::load(&flags.config, &opts) {
+        Ok(loaded) => loaded,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let explanation = explain::explain(packet, &loaded, &opts, &flags.masq_chain, &flags.bpffs)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&explanation)?);
+    } else {
+        print!("{explanation}");
+    }
+    let disagreements = explanation.disagreements();
+    for answer in &disagreements {
+        eprintln!(
+            "error: {} disagree with the config: {}",
+            answer.source, answer.detail
+        );
+    }
+    Ok(if disagreements.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 fn cleanup(flags: &Flags) -> anyhow::Result<ExitCode> {

@@ -125,14 +125,36 @@ pub fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
     Ok(nix::ifaddrs::getifaddrs()
         .context("getifaddrs")?
         .filter(|a| a.interface_name != LOOPBACK)
-        .filter_map(|a| {
-            let address = a.address?;
-            address
-                .as_sockaddr_in()
-                .map(|s| IpAddr::from(s.ip()))
-                .or_else(|| address.as_sockaddr_in6().map(|s| IpAddr::from(s.ip())))
-        })
+        .filter_map(|a| ip_of(&a.address?))
         .collect())
+}
+
+/// The IP address of a socket address of either family.
+fn ip_of(address: &nix::sys::socket::SockaddrStorage) -> Option<IpAddr> {
+    address
+        .as_sockaddr_in()
+        .map(|s| IpAddr::from(s.ip()))
+        .or_else(|| address.as_sockaddr_in6().map(|s| IpAddr::from(s.ip())))
+}
+
+/// The device the node routes `dst` out of, and the source address the route gives, as the
+/// kernel picks them for a socket of its own: a UDP socket connected to `dst` sends nothing.
+/// `None` when there is no route.
+pub fn route_to(dst: IpAddr) -> anyhow::Result<Option<(String, IpAddr)>> {
+    let any: IpAddr = match dst {
+        IpAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        IpAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let socket = std::net::UdpSocket::bind((any, 0)).context("a socket to ask the routes")?;
+    if socket.connect((dst, 9)).is_err() {
+        return Ok(None);
+    }
+    let source = socket.local_addr()?.ip();
+    let device = nix::ifaddrs::getifaddrs()
+        .context("getifaddrs")?
+        .find(|a| a.address.as_ref().and_then(ip_of) == Some(source))
+        .map(|a| a.interface_name);
+    Ok(device.map(|device| (device, source)))
 }
 
 /// An address other hosts can reply to from beyond the link: not link-local, loopback,

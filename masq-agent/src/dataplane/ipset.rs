@@ -59,6 +59,23 @@ pub fn len(name: &str) -> anyhow::Result<Option<usize>> {
         .and_then(|n| n.trim().parse().ok()))
 }
 
+/// Whether `addr` matches the set as the kernel matches it: by the longest prefix that holds
+/// it, a `nomatch` entry not matching.
+pub fn contains(name: &str, addr: std::net::IpAddr) -> anyhow::Result<bool> {
+    let out = Command::new("ipset")
+        .args(["test", name, &addr.to_string()])
+        .output()
+        .context("running ipset")?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        return Ok(true);
+    }
+    if said.contains("is NOT in set") {
+        return Ok(false);
+    }
+    bail!("ipset test {name} {addr}: {}", said.trim())
+}
+
 /// The set's members, sorted.
 pub fn members(name: &str) -> anyhow::Result<Vec<String>> {
     let out = Command::new("ipset")

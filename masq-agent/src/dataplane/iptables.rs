@@ -608,6 +608,85 @@ impl DataPlane for IptablesDataPlane {
     }
 }
 
+/// What the installed chain does with a packet, found rule by rule as the kernel would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ChainVerdict {
+    /// A rule returns it unmasqueraded (or the chain ends).
+    KeepsAddress,
+    Masquerades,
+    /// It returns at once, for the eBPF programs on its device to translate.
+    LeftToPrograms,
+}
+
+/// What chain `chain` of `family` does with a packet of `protocol` (IANA number) to `dst`
+/// leaving by `device`; `None` if the chain is not installed.
+pub fn chain_verdict(
+    family: IpFamily,
+    chain: &str,
+    dst: std::net::IpAddr,
+    protocol: u8,
+    device: &str,
+) -> anyhow::Result<Option<ChainVerdict>> {
+    let Some(listing) = (Iptables { family }).list_chain(chain)? else {
+        return Ok(None);
+    };
+    let packet = Packet {
+        dst,
+        protocol,
+        device,
+    };
+    evaluate(&listing, &packet, |set| ipset::contains(set, dst)).map(Some)
+}
+
+/// A packet as the chain's matches see it.
+struct Packet<'a> {
+    dst: std::net::IpAddr,
+    protocol: u8,
+    device: &'a str,
+}
+
+/// The verdict of the first rule of `listing` (as `iptables -S` prints the chain) that
+/// `packet` matches; `in_set` answers `--match-set`.
+fn evaluate(
+    listing: &str,
+    packet: &Packet,
+    in_set: impl Fn(&str) -> anyhow::Result<bool>,
+) -> anyhow::Result<ChainVerdict> {
+    for line in listing.lines().filter(|l| l.starts_with("-A ")) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let after = |flag: &str| {
+            let at = words.iter().position(|w| *w == flag)?;
+            words.get(at + 1).copied()
+        };
+        let device_matches = after("-o").is_none_or(|o| match o.strip_suffix(ANY_DEVICE) {
+            Some(prefix) => packet.device.starts_with(prefix),
+            None => packet.device == o,
+        });
+        let protocol_matches =
+            after("-p").is_none_or(|p| crate::protocols::number(p) == Some(packet.protocol));
+        let dst_matches = after("-d").is_none_or(|d| {
+            d.parse::<ipnet::IpNet>()
+                .or_else(|_| d.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .is_ok_and(|net| net.contains(&packet.dst))
+        });
+        if !(device_matches && protocol_matches && dst_matches) {
+            continue;
+        }
+        if let Some(set) = after("--match-set")
+            && !in_set(set)?
+        {
+            continue;
+        }
+        return Ok(match after("-j") {
+            Some("MASQUERADE") => ChainVerdict::Masquerades,
+            _ if after("-o").is_some() => ChainVerdict::LeftToPrograms,
+            _ => ChainVerdict::KeepsAddress,
+        });
+    }
+    Ok(ChainVerdict::KeepsAddress)
+}
+
 /// Families whose iptables is installed on this node.
 fn available_families() -> Vec<IpFamily> {
     [IpFamily::Ipv4, IpFamily::Ipv6]

@@ -537,3 +537,55 @@ fn exceptions_are_read_back_from_the_chain_and_the_set() {
     assert_eq!(status.non_masquerade, ["10.0.0.0/8"]);
     assert_eq!(status.masquerade_exceptions, ["10.100.10.0/24"]);
 }
+
+// ---- asking the chain what it does with a packet ------------------------------------------
+
+fn verdict(text: &str, dst: &str, protocol: u8, device: &str, set_holds: bool) -> ChainVerdict {
+    let packet = Packet {
+        dst: dst.parse().unwrap(),
+        protocol,
+        device,
+    };
+    evaluate(text, &packet, |set| {
+        assert_eq!(set, "IP-MASQ-AGENT-v4");
+        Ok(set_holds)
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_chain_is_asked_rule_by_rule_as_the_kernel_would() {
+    let p = with_exceptions(&["10.0.0.0/8"], &["10.100.10.0/24"]);
+    let full = full(IpFamily::Ipv4, &p, true);
+    use ChainVerdict::*;
+    assert_eq!(verdict(&full, "10.100.10.7", 6, "eth0", false), Masquerades);
+    assert_eq!(verdict(&full, "10.1.2.3", 17, "eth0", false), KeepsAddress);
+    assert_eq!(
+        verdict(&full, "169.254.1.1", 6, "eth0", false),
+        KeepsAddress
+    );
+    assert_eq!(
+        verdict(&full, "203.0.113.9", 47, "eth0", false),
+        Masquerades
+    );
+
+    let beside = beside_programs(IpFamily::Ipv4, &p, &["eth0", "up+"]);
+    assert_eq!(
+        verdict(&beside, "203.0.113.9", 6, "eth0", false),
+        LeftToPrograms
+    );
+    assert_eq!(
+        verdict(&beside, "203.0.113.9", 1, "up7", false),
+        LeftToPrograms
+    );
+    assert_eq!(
+        verdict(&beside, "203.0.113.9", 6, "eth1", false),
+        Masquerades
+    );
+    assert_eq!(verdict(&beside, "10.1.2.3", 6, "eth1", true), KeepsAddress);
+    assert_eq!(verdict(&beside, "10.1.2.3", 47, "eth0", true), KeepsAddress);
+    assert_eq!(
+        verdict(&beside, "10.100.10.7", 47, "eth0", false),
+        Masquerades
+    );
+}

@@ -1,0 +1,331 @@
+//! `masq-agent explain`: what happens to a packet from a pod to a destination, and why. The
+//! config's answer comes with the entry that decides it (prefix, list, file and line); where a
+//! data plane is installed on this node, the live maps and chain are asked about the same
+//! packet, and every answer must be the config's.
+
+use std::{fmt, net::IpAddr, path::Path};
+
+use aya::maps::{LpmTrie, MapData, lpm_trie::Key};
+use ipnet::IpNet;
+use masq_ebpf::{PrefixAction, map_names};
+use serde::Serialize;
+
+use crate::{
+    config::{self, CidrList, ConfigOptions, Loaded},
+    dataplane::{
+        ebpf::{pins::Pins, tries},
+        iptables::{self, ChainVerdict},
+    },
+    netdev,
+    policy::{Action, IpFamily, LINK_LOCAL_V4, LINK_LOCAL_V6, Policy},
+};
+
+/// The list name of the implicit link-local entry.
+const LINK_LOCAL: &str = "link-local";
+
+/// The packet asked about.
+#[derive(Debug, Clone, Serialize)]
+pub struct Packet {
+    pub destination: IpAddr,
+    /// A pod's address; the node's own addresses are never masqueraded.
+    pub source: Option<IpAddr>,
+    /// IANA protocol number.
+    pub protocol: u8,
+    pub port: Option<u16>,
+}
+
+/// What happens to the packet, by the config, and what the node's data planes say.
+#[derive(Debug, Clone, Serialize)]
+pub struct Explanation {
+    pub packet: Packet,
+    pub decision: Decision,
+    /// Why: the deciding entry, or `None` when no entry holds the destination.
+    pub entry: Option<DecidingEntry>,
+    /// The device the packet leaves by, and the address it is masqueraded to there.
+    pub leaves_by: Option<String>,
+    pub masqueraded_to: Option<IpAddr>,
+    /// What each installed data plane says for the same packet.
+    pub installed: Vec<LiveAnswer>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Decision {
+    Masquerade,
+    KeepsAddress,
+    /// A family the agent does not handle (IPv6 without `--enable-ipv6`).
+    LeftAlone,
+    /// The source is the node's own address.
+    NodeSource,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DecidingEntry {
+    pub prefix: IpNet,
+    /// `nonMasqueradeCIDRs`, `masqueradeCIDRs`, or `link-local` (the implicit entry).
+    pub list: &'static str,
+    /// The file that lists it (`None`: the defaults, or the implicit link-local entry).
+    pub file: Option<String>,
+    pub line: Option<usize>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LiveAnswer {
+    /// What was asked: `the eBPF maps` or `the iptables chain`.
+    pub source: &'static str,
+    pub decision: Decision,
+    /// How it got there, in a few words.
+    pub detail: String,
+}
+
+impl Explanation {
+    /// The answers that disagree with the config's.
+    pub fn disagreements(&self) -> Vec<&LiveAnswer> {
+        self.installed
+            .iter()
+            .filter(|a| a.decision != self.decision)
+            .collect()
+    }
+}
+
+/// Explains `packet` under the config at `config_path`, asking the data planes installed with
+/// chain `chain` and pins under `bpffs`.
+pub fn explain(
+    packet: Packet,
+    loaded: &Loaded,
+    opts: &ConfigOptions,
+    chain: &str,
+    bpffs: &Path,
+) -> anyhow::Result<Explanation> {
+    let policy = Policy::from_config(&loaded.config, opts.enable_ipv6);
+    let dst = packet.destination;
+    let family = match dst {
+        IpAddr::V4(_) => IpFamily::Ipv4,
+        IpAddr::V6(_) => IpFamily::Ipv6,
+    };
+    let node_source = match packet.source {
+        Some(src) => netdev::local_addresses()?.contains(&src),
+        None => false,
+    };
+    let (action, prefix) = policy.decide(dst);
+    let decision = if policy.rules(family).is_none() {
+        Decision::LeftAlone
+    } else if node_source {
+        Decision::NodeSource
+    } else {
+        match action {
+            Action::Masquerade => Decision::Masquerade,
+            Action::NonMasquerade => Decision::KeepsAddress,
+        }
+    };
+    let entry = prefix.map(|prefix| deciding_entry(loaded, opts, prefix, action));
+    let route = netdev::route_to(dst)?;
+    let leaves_by = route.as_ref().map(|(device, _)| device.clone());
+    let masqueraded_to = match (&route, decision) {
+        (Some((device, source)), Decision::Masquerade) => {
+            Some(node_address(device, family)?.unwrap_or(*source))
+        }
+        _ => None,
+    };
+    let mut installed = Vec::new();
+    if !node_source && decision != Decision::LeftAlone {
+        let device = leaves_by.as_deref().unwrap_or_default();
+        match ask_chain(family, chain, &packet, device)? {
+            // What the chain leaves to the programs, the programs decide, if they are there.
+            Some((answer, true)) => installed.push(ask_programs(bpffs, dst)?.unwrap_or(answer)),
+            Some((answer, false)) => installed.push(answer),
+            None => installed.extend(ask_programs(bpffs, dst)?),
+        }
+    }
+    Ok(Explanation {
+        packet,
+        decision,
+        entry,
+        leaves_by,
+        masqueraded_to,
+        installed,
+    })
+}
+
+/// Where the deciding entry comes from.
+fn deciding_entry(
+    loaded: &Loaded,
+    opts: &ConfigOptions,
+    prefix: IpNet,
+    action: Action,
+) -> DecidingEntry {
+    let list = match action {
+        Action::Masquerade => CidrList::Masquerade,
+        Action::NonMasquerade => CidrList::NonMasquerade,
+    };
+    let listed = match list {
+        CidrList::Masquerade => &loaded.config.masquerade_cidrs,
+        CidrList::NonMasquerade => &loaded.config.non_masquerade_cidrs,
+    };
+    let implicit_link_local = !listed.contains(&prefix)
+        && (prefix == LINK_LOCAL_V4.into() || prefix == LINK_LOCAL_V6.into());
+    let place = loaded.files.iter().find_map(|file| {
+        let text = std::fs::read(file).ok()?;
+        let line = config::cidr_line(&text, opts, list, prefix)?;
+        Some((file.display().to_string(), line))
+    });
+    DecidingEntry {
+        prefix,
+        list: if implicit_link_local {
+            "link-local"
+        } else {
+            list.key()
+        },
+        file: place.as_ref().map(|(file, _)| file.clone()),
+        line: place.map(|(_, line)| line),
+    }
+}
+
+/// The address the data plane gives masqueraded packets on `device`.
+fn node_address(device: &str, family: IpFamily) -> anyhow::Result<Option<IpAddr>> {
+    Ok(match netdev::device_state(device)? {
+        netdev::DeviceState::Usable(d) => match family {
+            IpFamily::Ipv4 => Some(d.ipv4.into()),
+            IpFamily::Ipv6 => d.ipv6.map(IpAddr::from),
+        },
+        _ => None,
+    })
+}
+
+/// What the installed chain does with the packet, and whether it leaves it to the eBPF
+/// programs; `None` if no chain is installed.
+fn ask_chain(
+    family: IpFamily,
+    chain: &str,
+    packet: &Packet,
+    device: &str,
+) -> anyhow::Result<Option<(LiveAnswer, bool)>> {
+    let verdict =
+        iptables::chain_verdict(family, chain, packet.destination, packet.protocol, device)?;
+    Ok(verdict.map(|verdict| {
+        let (decision, detail) = match verdict {
+            ChainVerdict::Masquerades => (Decision::Masquerade, "masquerades it"),
+            ChainVerdict::KeepsAddress => (Decision::KeepsAddress, "returns it"),
+            ChainVerdict::LeftToPrograms => {
+                (Decision::KeepsAddress, "returns it for the eBPF programs")
+            }
+        };
+        let answer = LiveAnswer {
+            source: "the iptables chain",
+            decision,
+            detail: format!("chain {chain} {detail}"),
+        };
+        (answer, verdict == ChainVerdict::LeftToPrograms)
+    }))
+}
+
+/// What the pinned policy trie says for `dst`, if the eBPF data plane is installed.
+fn ask_programs(bpffs: &Path, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>> {
+    let pins = Pins::new(bpffs);
+    let (name, bits) = match dst {
+        IpAddr::V4(_) => (map_names::NON_MASQ_V4, 32),
+        IpAddr::V6(_) => (map_names::NON_MASQ_V6, 128),
+    };
+    if !pins.map(name).exists() {
+        return Ok(None);
+    }
+    let value = match dst {
+        IpAddr::V4(addr) => longest(
+            &pins.open::<LpmTrie<MapData, [u8; 4], PrefixAction>>(name)?,
+            bits,
+            addr.octets(),
+        ),
+        IpAddr::V6(addr) => longest(
+            &pins.open::<LpmTrie<MapData, [u8; 16], PrefixAction>>(name)?,
+            bits,
+            addr.octets(),
+        ),
+    };
+    let decision = match value {
+        Some(v) if v == tries::action_value(Action::NonMasquerade) => Decision::KeepsAddress,
+        _ => Decision::Masquerade,
+    };
+    let detail = match value {
+        None => format!("no prefix of {dst} in {name}"),
+        Some(v) => format!("the longest prefix of {dst} in {name} holds action {v}"),
+    };
+    Ok(Some(LiveAnswer {
+        source: "the eBPF maps",
+        decision,
+        detail,
+    }))
+}
+
+/// The value of the longest prefix of `addr` in `trie`.
+fn longest<const N: usize>(
+    trie: &LpmTrie<MapData, [u8; N], PrefixAction>,
+    bits: u32,
+    addr: [u8; N],
+) -> Option<PrefixAction> {
+    trie.get(&Key::new(bits, addr), 0).ok()
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Decision::Masquerade => "masqueraded",
+            Decision::KeepsAddress => "not masqueraded: it keeps the pod's address",
+            Decision::LeftAlone => "left alone: the agent handles IPv6 only with --enable-ipv6",
+            Decision::NodeSource => "not masqueraded: the source is the node's own address",
+        })
+    }
+}
+
+impl fmt::Display for DecidingEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.list, &self.file, self.line) {
+            (LINK_LOCAL, ..) => write!(
+                f,
+                "{}: link-local, which keeps the pod's address unless masqLinkLocal (IPv6: \
+                 masqLinkLocalIPv6) says otherwise",
+                self.prefix
+            ),
+            (list, Some(file), Some(line)) => {
+                write!(f, "{} in {list} ({file}, line {line})", self.prefix)
+            }
+            (list, Some(file), None) => write!(f, "{} in {list} ({file})", self.prefix),
+            (list, None, _) => write!(f, "{} in the default {list}", self.prefix),
+        }
+    }
+}
+
+impl fmt::Display for Explanation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.packet;
+        let from = p.source.map_or("a pod".to_string(), |s| s.to_string());
+        let port = p.port.map_or(String::new(), |port| format!(" port {port}"));
+        let protocol = crate::protocols::name(p.protocol);
+        writeln!(f, "{from} -> {}{port}, {protocol}", p.destination)?;
+        match (self.decision, &self.masqueraded_to, &self.leaves_by) {
+            (Decision::Masquerade, Some(addr), Some(dev)) => {
+                writeln!(f, "  masqueraded to {addr}, leaving by {dev}")?
+            }
+            (decision, _, _) => writeln!(f, "  {decision}")?,
+        }
+        match (&self.entry, self.decision) {
+            (_, Decision::LeftAlone | Decision::NodeSource) => {}
+            (Some(entry), _) => writeln!(f, "  because: {entry}")?,
+            (None, _) => writeln!(
+                f,
+                "  because: no entry holds it, and what none holds is masqueraded"
+            )?,
+        }
+        for answer in &self.installed {
+            let agrees = if answer.decision == self.decision {
+                "agrees"
+            } else {
+                "DISAGREES"
+            };
+            writeln!(f, "  {}: {agrees}: {}", answer.source, answer.detail)?;
+        }
+        if self.installed.is_empty() && self.decision != Decision::LeftAlone {
+            writeln!(f, "  no data plane is installed on this node")?;
+        }
+        Ok(())
+    }
+}
