@@ -413,11 +413,15 @@ fn keeps_the_policy_while_the_config_file_cannot_be_read(plane: Plane) {
     );
     let agent = bed.start_agent(&[]);
     wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    // A directory at the path is read as config files: one of them a looping link.
     std::fs::remove_file(&bed.config).unwrap();
     std::fs::create_dir(&bed.config).unwrap();
-    wait_for(|| Ok(agent.log_text().contains("Is a directory"))).unwrap();
+    let inner = bed.config.join("ip-masq-agent");
+    std::os::unix::fs::symlink(&inner, &inner).unwrap();
+    wait_for(|| Ok(agent.log_text().contains(&*inner.to_string_lossy()))).unwrap();
     wait_for_udp_source(&bed, second_outside(), pod_ip(0));
 
+    std::fs::remove_file(&inner).unwrap();
     std::fs::remove_dir(&bed.config).unwrap();
     std::os::unix::fs::symlink(&bed.config, &bed.config).unwrap();
     wait_for(|| Ok(agent.log_text().contains("symbolic links"))).unwrap();

@@ -56,7 +56,9 @@ pub(super) fn load(dir: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigErr
     merge(&parts, opts)
 }
 
-/// The directory's config files (symlinks followed, as kubelet's are symlinks), by name.
+/// The directory's config files, by name. Symlinks are followed, as kubelet's are symlinks; a
+/// subdirectory is not a file, but one that cannot be looked at (a broken link) is kept, so
+/// that reading it fails loudly rather than its policy vanishing.
 fn config_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir)? {
@@ -65,7 +67,7 @@ fn config_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
             .file_name()
             .and_then(|n| n.to_str())
             .is_some_and(|n| n.starts_with(FILE_PREFIX));
-        if named && path.is_file() {
+        if named && !path.is_dir() {
             files.push(path);
         }
     }

@@ -1130,6 +1130,17 @@ fn a_directory_of_files_is_merged() {
 }
 
 #[test]
+fn a_config_file_that_cannot_be_read_rejects_the_directory() {
+    let dir = projected(&[("ip-masq-agent", "nonMasqueradeCIDRs: [10.0.0.0/8]\n")]);
+    let broken = dir.path().join("ip-masq-broken");
+    std::os::unix::fs::symlink(&broken, &broken).unwrap();
+    std::fs::create_dir(dir.path().join("ip-masq-subdirectory")).unwrap();
+    let e = load(dir.path(), &V4_ONLY).expect_err("a looping link");
+    assert_eq!(e.origin, broken.display().to_string());
+    assert!(e.message.starts_with("cannot read the config file: "), "{e}");
+}
+
+#[test]
 fn a_directory_of_one_file_reads_as_that_file() {
     for text in [
         "nonMasqueradeCIDRs: [10.0.0.0/8, 10.0.0.0/8]\nresyncInterval: 5s\n",
