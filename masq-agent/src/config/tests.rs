@@ -1137,7 +1137,10 @@ fn a_config_file_that_cannot_be_read_rejects_the_directory() {
     std::fs::create_dir(dir.path().join("ip-masq-subdirectory")).unwrap();
     let e = load(dir.path(), &V4_ONLY).expect_err("a looping link");
     assert_eq!(e.origin, broken.display().to_string());
-    assert!(e.message.starts_with("cannot read the config file: "), "{e}");
+    assert!(
+        e.message.starts_with("cannot read the config file: "),
+        "{e}"
+    );
 }
 
 #[test]
