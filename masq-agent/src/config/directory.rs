@@ -1,7 +1,8 @@
 //! Several config files in one directory, merged: a cloud provider's ConfigMap and the user's,
 //! projected by kubelet into one volume, as Azure's ip-masq-agent-v2 reads them.
 //!
-//! Each file is checked on its own, its own `cidrLimit` included, then the files are merged:
+//! Each file is checked on its own, its own `cidrLimit` included (the default list, which
+//! applies only when no file sets one, counts toward none), then the files are merged:
 //! the CIDR lists joined (an entry a file before already listed is dropped), the booleans ORed,
 //! the smallest `resyncInterval`. A directory of one file reads exactly as that file. A prefix
 //! that one file exempts and another masquerades is an error naming both files and lines. An
@@ -44,7 +45,7 @@ pub(super) fn load(dir: &Path, opts: &ConfigOptions) -> Result<Loaded, ConfigErr
         .map(|path| {
             let origin = path.display().to_string();
             let text = read_bounded(&path).map_err(|e| unreadable(&origin, e))?;
-            let (loaded, explicit) = parse_with_keys(&text, &origin, opts)?;
+            let (loaded, explicit) = parse_with_keys(&text, &origin, opts, Standing::InDirectory)?;
             Ok(Part {
                 path,
                 text,

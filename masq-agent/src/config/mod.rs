@@ -138,6 +138,13 @@ pub struct Loaded {
     pub files: Vec<std::path::PathBuf>,
 }
 
+/// Whether a file is read on its own or as one of a directory's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Standing {
+    Alone,
+    InDirectory,
+}
+
 /// The keys a file sets whose defaults matter when files are merged.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Explicit {
@@ -226,7 +233,7 @@ pub(super) fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
 
 /// Checks config file contents; `origin` names the file in messages.
 pub fn parse(text: &[u8], origin: &str, opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
-    parse_with_keys(text, origin, opts).map(|(loaded, _)| loaded)
+    parse_with_keys(text, origin, opts, Standing::Alone).map(|(loaded, _)| loaded)
 }
 
 /// `parse`, and which keys the file sets.
@@ -234,6 +241,7 @@ pub(super) fn parse_with_keys(
     text: &[u8],
     origin: &str,
     opts: &ConfigOptions,
+    standing: Standing,
 ) -> Result<(Loaded, Explicit), ConfigError> {
     let mut warnings = Vec::new();
     let (root, format) = read_tree(text, origin, &mut warnings)?;
@@ -243,7 +251,7 @@ pub(super) fn parse_with_keys(
             non_masquerade_cidrs: fields.cidrs.is_some(),
             resync_interval: fields.resync_interval.is_some(),
         };
-        build_config(&fields, opts, &mut warnings)
+        build_config(&fields, opts, standing, &mut warnings)
     });
     match checked {
         Ok(config) => Ok((

@@ -1201,6 +1201,28 @@ fn an_invalid_file_rejects_the_directory_naming_the_file() {
 }
 
 #[test]
+fn a_file_of_exceptions_is_checked_against_the_merged_lists_not_the_defaults() {
+    let dir = projected(&[
+        ("ip-masq-agent", "nonMasqueradeCIDRs: [172.16.0.0/12]\n"),
+        (
+            "ip-masq-user",
+            "masqueradeCIDRs: [10.0.0.0/8]\ncidrLimit: 1\n",
+        ),
+    ]);
+    let c = load(dir.path(), &V4_ONLY).expect("merged").config;
+    assert_eq!(c.non_masquerade_cidrs, nets(&["172.16.0.0/12"]));
+    assert_eq!(c.masquerade_cidrs, nets(&["10.0.0.0/8"]));
+    // With no file setting the list, the defaults hold, and an exception equal to one of them
+    // is the clash it is in a file alone.
+    let dir = projected(&[("ip-masq-user", "masqueradeCIDRs: [10.0.0.0/8]\n")]);
+    let e = load(dir.path(), &V4_ONLY).expect_err("clash with the defaults");
+    assert!(
+        e.message.contains("nonMasqueradeCIDRs in the defaults"),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_prefix_two_files_disagree_on_is_an_error_naming_both() {
     let dir = projected(&[
         (

@@ -8,12 +8,19 @@ use ipnet::{IpNet, Ipv4Net};
 
 use super::*;
 
+/// The config `fields` set, every other key at its default. `Standing::InDirectory`: the file is
+/// one of several, whose lists are merged afterwards, so a list it leaves out is empty here
+/// (the merge applies the default list when no file sets one).
 pub(super) fn build_config<'a>(
     fields: &FileFields<'a>,
     opts: &ConfigOptions,
+    standing: Standing,
     warnings: &mut Vec<String>,
 ) -> Result<Config, Problem<'a>> {
-    let defaults = Config::defaults(opts);
+    let mut defaults = Config::defaults(opts);
+    if standing == Standing::InDirectory {
+        defaults.non_masquerade_cidrs.clear();
+    }
     let cidr_limit = fields
         .cidr_limit
         .as_ref()

@@ -121,20 +121,31 @@ fn rules_in_chain_order(family: IpFamily, policy: &Policy) -> Option<Rules> {
 
 /// The members of the set that stands for a family's entries beside the programs: `hash:net`
 /// matches the longest prefix it holds, and an exception is a `nomatch` entry, so the set gives
-/// the same answer as the trie. The set holds no /0, which two /1 halves stand for.
+/// the same answer as the trie. The set holds no /0, which two /1 halves stand for; an entry
+/// for one of those /1s is the longer prefix, and takes its half's place.
 pub fn set_members(rules: &Rules) -> Vec<String> {
-    rules
-        .iter()
-        .flat_map(|(net, action)| {
-            let halves = if net.prefix_len() == 0 {
-                net.subnets(1).expect("a /0 splits in two").collect()
-            } else {
-                vec![*net]
-            };
-            halves.into_iter().map(move |half| match action {
-                Action::NonMasquerade => half.to_string(),
-                Action::Masquerade => format!("{half} {}", ipset::NOMATCH),
-            })
+    let mut members: Vec<(ipnet::IpNet, Action)> = Vec::new();
+    let mut put = |net: ipnet::IpNet, action: Action, overrides: bool| match members
+        .iter_mut()
+        .find(|(n, _)| *n == net)
+    {
+        Some(slot) if overrides => slot.1 = action,
+        Some(_) => {}
+        None => members.push((net, action)),
+    };
+    for (net, action) in rules.iter().filter(|(net, _)| net.prefix_len() == 0) {
+        for half in net.subnets(1).expect("a /0 splits in two") {
+            put(half, *action, false);
+        }
+    }
+    for (net, action) in rules.iter().filter(|(net, _)| net.prefix_len() != 0) {
+        put(*net, *action, true);
+    }
+    members
+        .into_iter()
+        .map(|(net, action)| match action {
+            Action::NonMasquerade => net.to_string(),
+            Action::Masquerade => format!("{net} {}", ipset::NOMATCH),
         })
         .collect()
 }

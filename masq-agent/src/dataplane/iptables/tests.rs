@@ -501,16 +501,28 @@ fn the_set_beside_the_programs_gives_the_longest_prefix_too() {
     assert_eq!(
         set_members(&p.rules(IpFamily::Ipv4).unwrap()),
         [
-            "169.254.0.0/16",
-            "10.0.0.0/8",
             "0.0.0.0/1",
             "128.0.0.0/1",
+            "169.254.0.0/16",
+            "10.0.0.0/8",
             "10.100.10.0/24 nomatch"
         ]
     );
+    // A /1 entry is longer than the /0 its half stands for: its action holds, whichever list
+    // each is in, and the set holds each net once.
+    let one_half = with_exceptions(&["0.0.0.0/1"], &["0.0.0.0/0"]);
+    assert_eq!(
+        set_members(&one_half.rules(IpFamily::Ipv4).unwrap()),
+        ["0.0.0.0/1", "128.0.0.0/1 nomatch", "169.254.0.0/16"]
+    );
+    let other_half = with_exceptions(&["0.0.0.0/0"], &["0.0.0.0/1"]);
+    assert_eq!(
+        set_members(&other_half.rules(IpFamily::Ipv4).unwrap()),
+        ["0.0.0.0/1 nomatch", "128.0.0.0/1", "169.254.0.0/16"]
+    );
     assert_eq!(
         set_members(&p.rules(IpFamily::Ipv6).unwrap()),
-        ["fe80::/10", "::/1", "8000::/1", "fd00:1::/64 nomatch"]
+        ["::/1", "8000::/1", "fe80::/10", "fd00:1::/64 nomatch"]
     );
     // The chain beside the programs is the same one rule on the set.
     assert_eq!(
