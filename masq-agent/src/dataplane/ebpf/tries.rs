@@ -29,12 +29,55 @@ pub struct FamilyTries<const N: usize> {
 
 /// What a policy change does to the draining trie.
 struct DrainingChange<const N: usize> {
-    /// Prefixes that kept the pod's address and no longer do: removed, or made exceptions;
-    /// and new exceptions, under which destinations may have kept their address by a shorter
-    /// prefix.
+    /// Prefixes whose destinations kept the pod's address and no longer do: non-masquerade
+    /// prefixes removed, and exceptions that cut into a prefix that kept it.
     start: Vec<Prefix<N>>,
     /// Exceptions that are gone: their destinations are decided as before they came.
     end: Vec<Prefix<N>>,
+}
+
+impl<const N: usize> DrainingChange<N> {
+    fn between(
+        current: &BTreeMap<Prefix<N>, PrefixAction>,
+        desired: &BTreeMap<Prefix<N>, PrefixAction>,
+    ) -> DrainingChange<N> {
+        let removed_with = |value| {
+            current
+                .iter()
+                .filter(move |(prefix, action)| **action == value && !desired.contains_key(*prefix))
+                .map(|(prefix, _)| *prefix)
+        };
+        let new_exceptions = desired
+            .iter()
+            .filter(|(prefix, action)| {
+                **action == prefix_action::MASQUERADE
+                    && current.get(*prefix) != Some(&prefix_action::MASQUERADE)
+                    && longest_match(current, **prefix) == Some(prefix_action::NON_MASQUERADE)
+            })
+            .map(|(prefix, _)| *prefix);
+        DrainingChange {
+            start: removed_with(prefix_action::NON_MASQUERADE)
+                .chain(new_exceptions)
+                .collect(),
+            end: removed_with(prefix_action::MASQUERADE).collect(),
+        }
+    }
+}
+
+/// The action of the longest prefix in `entries` that holds all of `prefix` (itself included),
+/// as the trie would answer for its addresses.
+fn longest_match<const N: usize>(
+    entries: &BTreeMap<Prefix<N>, PrefixAction>,
+    (len, data): Prefix<N>,
+) -> Option<PrefixAction> {
+    (0..=len).rev().find_map(|shorter| {
+        let mut network = data;
+        for (i, byte) in network.iter_mut().enumerate() {
+            let kept = shorter.saturating_sub(8 * i as u32).min(8);
+            *byte &= !(0xffu8.checked_shr(kept).unwrap_or(0));
+        }
+        entries.get(&(shorter, network)).copied()
+    })
 }
 
 /// The trie's value for an action.
@@ -113,40 +156,52 @@ impl PolicyMaps {
 
 impl<const N: usize> FamilyTries<N> {
     /// Makes the policy trie hold `desired` (prefix lengths and network addresses, with their
-    /// actions), starts draining the prefixes that stopped keeping the pod's address, and moves
-    /// the policy generation on, so that the programs' cached verdicts go stale. Returns whether
-    /// the trie changed.
+    /// actions), draining the prefixes that stop keeping the pod's address, and moves the policy
+    /// generation on, so that the programs' cached verdicts go stale. Returns whether the trie
+    /// changed.
+    ///
+    /// A prefix starts draining before the trie changes, so that no packet of a connection
+    /// that started unmasqueraded ever meets the new policy undrained; it stops draining only
+    /// after the trie changed.
     fn sync(
         &mut self,
         desired: BTreeMap<Prefix<N>, PrefixAction>,
         generation: &mut Array<MapData, u32>,
     ) -> anyhow::Result<bool> {
-        let synced = self.sync_policy(&desired);
+        let current = entries(&self.non_masq);
+        let change = DrainingChange::between(&current, &desired);
+        let now = seconds(expiry::monotonic_now_ns());
+        for (len, data) in &change.start {
+            self.draining.insert(&Key::new(*len, *data), now, 0)?;
+        }
+        let synced = self.write_policy(&current, &desired);
         // Even a sync that failed half-way may have changed the trie: no cached verdict survives it.
-        if !matches!(synced, Ok((false, _))) {
+        if !matches!(synced, Ok(false)) {
             next_generation(generation)?;
         }
-        let (changed, draining) = synced?;
-        self.sync_draining(&draining, &desired, expiry::monotonic_now_ns())?;
+        let changed = synced?;
+        self.end_draining(&change, &desired)?;
         Ok(changed)
     }
 
-    /// Makes the policy trie hold exactly `desired`, adding and updating before removing, so
-    /// that a prefix that stays is never missing, not even for a moment. A failed write rolls
-    /// back what this call wrote, so the previous policy stays whole. Returns whether anything
-    /// changed, and what changes for the draining trie.
-    fn sync_policy(
+    /// Makes the policy trie, which holds `current`, hold exactly `desired`: longer prefixes
+    /// before shorter ones, so that an exception is in place before the prefix it cuts into, and
+    /// every write before any removal, so that a prefix that stays is never missing, not even
+    /// for a moment. A failed write rolls back what this call wrote. Returns whether anything
+    /// changed.
+    fn write_policy(
         &mut self,
+        current: &BTreeMap<Prefix<N>, PrefixAction>,
         desired: &BTreeMap<Prefix<N>, PrefixAction>,
-    ) -> anyhow::Result<(bool, DrainingChange<N>)> {
+    ) -> anyhow::Result<bool> {
         let trie = &mut self.non_masq;
-        let current = entries(trie);
+        let mut writes: Vec<(&Prefix<N>, &PrefixAction)> = desired
+            .iter()
+            .filter(|(prefix, action)| current.get(prefix) != Some(action))
+            .collect();
+        writes.sort_by_key(|((len, _), _)| std::cmp::Reverse(*len));
         let mut written: Vec<(Prefix<N>, Option<PrefixAction>)> = Vec::new();
-        for (prefix, action) in desired {
-            let before = current.get(prefix).copied();
-            if before == Some(*action) {
-                continue;
-            }
+        for (prefix, action) in writes {
             let (len, data) = *prefix;
             if let Err(err) = trie.insert(&Key::new(len, data), action, 0) {
                 for ((len, data), before) in &written {
@@ -158,55 +213,26 @@ impl<const N: usize> FamilyTries<N> {
                 }
                 return Err(err).context("writing a prefix to the policy trie");
             }
-            written.push((*prefix, before));
+            written.push((*prefix, current.get(prefix).copied()));
         }
-        let removed: Vec<(Prefix<N>, PrefixAction)> = current
-            .iter()
-            .filter(|(prefix, _)| !desired.contains_key(prefix))
-            .map(|(prefix, action)| (*prefix, *action))
+        let removed: Vec<&Prefix<N>> = current
+            .keys()
+            .filter(|prefix| !desired.contains_key(prefix))
             .collect();
-        for ((len, data), _) in &removed {
+        for (len, data) in &removed {
             trie.remove(&Key::new(*len, *data))
                 .context("removing a prefix from the policy trie")?;
         }
-        let kept_address = |action: Option<PrefixAction>| {
-            action.is_none_or(|a| a == prefix_action::NON_MASQUERADE)
-        };
-        let removed_with = |value| {
-            removed
-                .iter()
-                .filter(move |(_, action)| *action == value)
-                .map(|(prefix, _)| *prefix)
-        };
-        let start = removed_with(prefix_action::NON_MASQUERADE)
-            .chain(
-                written
-                    .iter()
-                    .filter(|(prefix, before)| {
-                        desired[prefix] == prefix_action::MASQUERADE && kept_address(*before)
-                    })
-                    .map(|(prefix, _)| *prefix),
-            )
-            .collect();
-        let end = removed_with(prefix_action::MASQUERADE).collect();
-        let changed = !written.is_empty() || !removed.is_empty();
-        Ok((changed, DrainingChange { start, end }))
+        Ok(!written.is_empty() || !removed.is_empty())
     }
 
-    /// Keeps prefixes that stopped keeping the pod's address in the draining trie for as long
-    /// as a TCP connection may stay idle, so that connections that started unmasqueraded keep
-    /// their addresses; a prefix that keeps the address again, or an exception that is gone,
-    /// stops draining.
-    fn sync_draining(
+    /// Ends the draining of the prefixes that keep the pod's address again, and of the
+    /// exceptions that are gone: their destinations are decided as before they came.
+    fn end_draining(
         &mut self,
         change: &DrainingChange<N>,
         policy: &BTreeMap<Prefix<N>, PrefixAction>,
-        now_ns: u64,
     ) -> anyhow::Result<()> {
-        for (len, data) in &change.start {
-            self.draining
-                .insert(&Key::new(*len, *data), seconds(now_ns), 0)?;
-        }
         let back: Vec<Key<[u8; N]>> = self
             .draining
             .keys()
@@ -258,4 +284,58 @@ pub fn entries<const N: usize>(
 
 fn seconds(ns: u64) -> u32 {
     (ns / 1_000_000_000) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(list: &[(&str, Action)]) -> BTreeMap<Prefix<4>, PrefixAction> {
+        let rules: Rules = list.iter().map(|(n, a)| (n.parse().unwrap(), *a)).collect();
+        trie_entries(&rules)
+    }
+
+    fn prefix(net: &str) -> Prefix<4> {
+        let net: ipnet::Ipv4Net = net.parse().unwrap();
+        (u32::from(net.prefix_len()), net.network().octets())
+    }
+
+    const KEEP: Action = Action::NonMasquerade;
+    const MASQ: Action = Action::Masquerade;
+
+    #[test]
+    fn the_longest_match_of_a_prefix_is_the_trie_s_answer() {
+        let e = entries(&[("10.0.0.0/8", KEEP), ("10.100.0.0/16", MASQ)]);
+        let at = |net| longest_match(&e, prefix(net));
+        assert_eq!(at("10.100.10.0/24"), Some(prefix_action::MASQUERADE));
+        assert_eq!(at("10.1.0.0/24"), Some(prefix_action::NON_MASQUERADE));
+        assert_eq!(at("10.0.0.0/8"), Some(prefix_action::NON_MASQUERADE));
+        assert_eq!(at("11.0.0.0/24"), None);
+        assert_eq!(at("10.100.0.0/15"), Some(prefix_action::NON_MASQUERADE));
+    }
+
+    #[test]
+    fn only_destinations_that_kept_their_address_drain() {
+        let current = entries(&[
+            ("10.0.0.0/8", KEEP),
+            ("192.168.0.0/16", KEEP),
+            ("10.9.0.0/16", MASQ),
+        ]);
+        let desired = entries(&[
+            ("10.0.0.0/8", KEEP),
+            // An exception inside a prefix that kept addresses: drains.
+            ("10.100.10.0/24", MASQ),
+            // One where nothing kept them: does not.
+            ("203.0.113.0/24", MASQ),
+        ]);
+        let change = DrainingChange::between(&current, &desired);
+        assert_eq!(
+            change.start,
+            [prefix("192.168.0.0/16"), prefix("10.100.10.0/24")]
+        );
+        assert_eq!(change.end, [prefix("10.9.0.0/16")]);
+        // A prefix and its exception added together: nothing kept the exception's addresses.
+        let change = DrainingChange::between(&BTreeMap::new(), &desired);
+        assert!(change.start.is_empty() && change.end.is_empty());
+    }
 }
