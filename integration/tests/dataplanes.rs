@@ -1785,6 +1785,14 @@ fn explain_says_what_the_outside_host_sees(plane: Plane, family: Family) {
     let installed = said["installed"].as_array().unwrap();
     assert_eq!(installed.len(), 1, "{said:#}");
 
+    // Run as `kubectl exec` runs it, without the daemon's flags: the running agent's are used.
+    let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
+    let dst = family.outside().ip().to_string();
+    let bare = bed.agent_cmd(&["explain", &dst, "--json", &bpffs]);
+    let said: serde_json::Value = serde_json::from_slice(&bare.stdout).unwrap();
+    assert!(bare.status.success(), "{said:#}");
+    assert_eq!(said["entry"]["list"], "masqueradeCIDRs", "{said:#}");
+
     let client = family.routable_client();
     let seen = probe::tcp_probe(bed.pod(), client, 0).unwrap();
     assert_eq!(seen.ip(), family.pod(0));

@@ -49,6 +49,16 @@ pub fn masquerade_options(flags: &Flags) -> MasqueradeOptions {
     }
 }
 
+/// The flags that shape the policy, as the running agent records them.
+pub fn policy_flags(flags: &Flags) -> state::PolicyFlags {
+    state::PolicyFlags {
+        config: flags.config.clone(),
+        masq_chain: flags.masq_chain.clone(),
+        nomasq_all_reserved_ranges: flags.nomasq_all_reserved_ranges,
+        enable_ipv6: flags.enable_ipv6,
+    }
+}
+
 pub fn config_options(flags: &Flags) -> ConfigOptions {
     ConfigOptions {
         nomasq_all_reserved_ranges: flags.nomasq_all_reserved_ranges,
@@ -114,10 +124,21 @@ fn leftovers_beside(mode: Mode, bpffs: &Path) -> Option<Leftovers> {
     found
 }
 
-fn record_mode(bpffs: &Path, dataplane: &dyn DataPlane) {
-    if let Err(err) = state::record(bpffs, dataplane.mode(), dataplane.mode_reason()) {
+fn record_mode(bpffs: &Path, dataplane: &dyn DataPlane, flags: &state::PolicyFlags) {
+    if let Err(err) = state::record(
+        bpffs,
+        dataplane.mode(),
+        dataplane.mode_reason(),
+        flags.clone(),
+    ) {
         warn!("cannot record the data plane mode for `status`: {err}");
     }
+}
+
+/// The exceptions (`masqueradeCIDRs`) of both families.
+fn exceptions(policy: &Policy) -> Vec<ipnet::IpNet> {
+    let v4 = policy.masq_v4.iter().map(|&n| ipnet::IpNet::from(n));
+    v4.chain(policy.masq_v6.iter().map(|&n| n.into())).collect()
 }
 
 /// A prefix list for a log line: in full when short, counted when long.
@@ -166,6 +187,8 @@ pub enum SyncResult {
 
 pub struct Agent {
     bpffs: PathBuf,
+    /// What `explain` in another process needs to know of this agent.
+    policy_flags: state::PolicyFlags,
     /// Where to fall back to when the eBPF data plane stops working; `None` when not allowed.
     fallback: Option<MasqueradeOptions>,
     config_path: PathBuf,
@@ -187,11 +210,13 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>, telemetry: Arc<Telemetry>) -> Agent {
-        record_mode(&flags.bpffs, dataplane.as_ref());
+        let policy_flags = policy_flags(flags);
+        record_mode(&flags.bpffs, dataplane.as_ref(), &policy_flags);
         let mode = dataplane.mode();
         telemetry.mode(mode, mode == Mode::IptablesFallback);
         Agent {
             bpffs: flags.bpffs.clone(),
+            policy_flags,
             fallback: flags
                 .fallback_to_iptables
                 .then(|| masquerade_options(flags)),
@@ -309,7 +334,7 @@ impl Agent {
         {
             self.dataplane = fallback(opts, why);
             self.leftovers = leftovers_beside(self.dataplane.mode(), &self.bpffs);
-            record_mode(&self.bpffs, self.dataplane.as_ref());
+            record_mode(&self.bpffs, self.dataplane.as_ref(), &self.policy_flags);
             self.telemetry.mode(self.dataplane.mode(), true);
             applied = self.dataplane.apply(&policy);
         }
@@ -322,6 +347,7 @@ impl Agent {
                         apply_ms = started.elapsed().as_secs_f64() * 1e3,
                         non_masq_v4 = %summarize(&policy.non_masq_v4),
                         non_masq_v6 = %policy.non_masq_v6.as_deref().map_or("disabled".into(), summarize),
+                        masquerade_exceptions = %summarize(&exceptions(&policy)),
                         "policy applied"
                     ),
                     ApplyOutcome::Repaired => {

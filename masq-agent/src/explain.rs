@@ -7,7 +7,7 @@ use std::{fmt, net::IpAddr, path::Path};
 
 use aya::maps::{LpmTrie, MapData, lpm_trie::Key};
 use ipnet::IpNet;
-use masq_ebpf::{PrefixAction, map_names};
+use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, PrefixAction, map_names};
 use serde::Serialize;
 
 use crate::{
@@ -57,6 +57,8 @@ pub enum Decision {
     LeftAlone,
     /// The source is the node's own address.
     NodeSource,
+    /// The destination is the node itself: the packet never leaves.
+    Local,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -91,7 +93,7 @@ impl Explanation {
 /// Explains `packet` under the config at `config_path`, asking the data planes installed with
 /// chain `chain` and pins under `bpffs`.
 pub fn explain(
-    packet: Packet,
+    mut packet: Packet,
     loaded: &Loaded,
     opts: &ConfigOptions,
     chain: &str,
@@ -99,17 +101,22 @@ pub fn explain(
 ) -> anyhow::Result<Explanation> {
     let policy = Policy::from_config(&loaded.config, opts.enable_ipv6);
     let dst = packet.destination;
+    // `--proto icmp` toward an IPv6 address means ICMPv6.
+    if dst.is_ipv6() && packet.protocol == IPPROTO_ICMP {
+        packet.protocol = IPPROTO_ICMPV6;
+    }
     let family = match dst {
         IpAddr::V4(_) => IpFamily::Ipv4,
         IpAddr::V6(_) => IpFamily::Ipv6,
     };
-    let node_source = match packet.source {
-        Some(src) => netdev::local_addresses()?.contains(&src),
-        None => false,
-    };
+    let local = netdev::local_addresses()?;
+    let node_source = packet.source.is_some_and(|src| local.contains(&src));
+    let to_the_node = dst.is_loopback() || local.contains(&dst);
     let (action, prefix) = policy.decide(dst);
     let decision = if policy.rules(family).is_none() {
         Decision::LeftAlone
+    } else if to_the_node {
+        Decision::Local
     } else if node_source {
         Decision::NodeSource
     } else {
@@ -128,7 +135,7 @@ pub fn explain(
         _ => None,
     };
     let mut installed = Vec::new();
-    if !node_source && decision != Decision::LeftAlone {
+    if matches!(decision, Decision::Masquerade | Decision::KeepsAddress) {
         let device = leaves_by.as_deref().unwrap_or_default();
         match ask_chain(family, chain, &packet, device)? {
             // What the chain leaves to the programs, the programs decide, if they are there.
@@ -209,6 +216,10 @@ fn ask_chain(
             ChainVerdict::LeftToPrograms => {
                 (Decision::KeepsAddress, "returns it for the eBPF programs")
             }
+            ChainVerdict::NotJumpedTo => (
+                Decision::KeepsAddress,
+                "is not jumped to from POSTROUTING: nothing in it applies",
+            ),
         };
         let answer = LiveAnswer {
             source: "the iptables chain",
@@ -272,6 +283,7 @@ impl fmt::Display for Decision {
             Decision::KeepsAddress => "not masqueraded: it keeps the pod's address",
             Decision::LeftAlone => "left alone: the agent handles IPv6 only with --enable-ipv6",
             Decision::NodeSource => "not masqueraded: the source is the node's own address",
+            Decision::Local => "not masqueraded: the destination is the node itself",
         })
     }
 }
@@ -308,7 +320,7 @@ impl fmt::Display for Explanation {
             (decision, _, _) => writeln!(f, "  {decision}")?,
         }
         match (&self.entry, self.decision) {
-            (_, Decision::LeftAlone | Decision::NodeSource) => {}
+            (_, Decision::LeftAlone | Decision::NodeSource | Decision::Local) => {}
             (Some(entry), _) => writeln!(f, "  because: {entry}")?,
             (None, _) => writeln!(
                 f,
@@ -323,7 +335,8 @@ impl fmt::Display for Explanation {
             };
             writeln!(f, "  {}: {agrees}: {}", answer.source, answer.detail)?;
         }
-        if self.installed.is_empty() && self.decision != Decision::LeftAlone {
+        let asked = matches!(self.decision, Decision::Masquerade | Decision::KeepsAddress);
+        if self.installed.is_empty() && asked {
             writeln!(f, "  no data plane is installed on this node")?;
         }
         Ok(())

@@ -63,7 +63,7 @@ fn main() -> ExitCode {
                 protocol: proto,
                 port,
             };
-            explain(&cli.flags, packet, json)
+            explain(&as_the_running_agent(&cli.flags, &matches), packet, json)
         }
         Some(Command::Cleanup) => cleanup(&cli.flags),
     };
@@ -194,6 +194,30 @@ fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
         print!("{status}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `flags`, with the running agent's config, chain and policy flags where the command line does
+/// not give them: `explain` answers for the agent running here, as `kubectl exec` runs it
+/// without the daemon's arguments.
+fn as_the_running_agent(flags: &Flags, matches: &ArgMatches) -> Flags {
+    let mut flags = flags.clone();
+    let Some(agent) = dataplane::state::read(&flags.bpffs).and_then(|r| r.flags) else {
+        return flags;
+    };
+    let given = |id: &str| given_on_command_line(matches, id);
+    if !given("config") {
+        flags.config = agent.config;
+    }
+    if !given("masq_chain") {
+        flags.masq_chain = agent.masq_chain;
+    }
+    if !given("nomasq_all_reserved_ranges") {
+        flags.nomasq_all_reserved_ranges = agent.nomasq_all_reserved_ranges;
+    }
+    if !given("enable_ipv6") {
+        flags.enable_ipv6 = agent.enable_ipv6;
+    }
+    flags
 }
 
 fn explain(flags: &Flags, packet: explain::Packet, json: bool) -> anyhow::Result<ExitCode> {

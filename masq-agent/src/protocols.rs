@@ -1,12 +1,14 @@
 //! IP protocols by name, as iptables and people write them, and by number.
 
+use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP};
+
 /// Names and numbers (IANA); the first name of a number is the one printed.
 const NAMES: [(&str, u8); 6] = [
-    ("tcp", 6),
-    ("udp", 17),
-    ("icmp", 1),
-    ("icmpv6", 58),
-    ("ipv6-icmp", 58),
+    ("tcp", IPPROTO_TCP),
+    ("udp", IPPROTO_UDP),
+    ("icmp", IPPROTO_ICMP),
+    ("icmpv6", IPPROTO_ICMPV6),
+    ("ipv6-icmp", IPPROTO_ICMPV6),
     ("sctp", 132),
 ];
 

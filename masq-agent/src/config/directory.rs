@@ -67,13 +67,28 @@ fn config_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
         let named = path
             .file_name()
             .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with(FILE_PREFIX));
+            .is_some_and(|n| n.starts_with(FILE_PREFIX) && !is_leftover(n));
         if named && !path.is_dir() {
             files.push(path);
         }
     }
     files.sort();
     Ok(files)
+}
+
+/// Copies editors and package managers leave beside a file: an old version is not config.
+fn is_leftover(name: &str) -> bool {
+    const SUFFIXES: [&str; 8] = [
+        "~",
+        ".bak",
+        ".orig",
+        ".swp",
+        ".tmp",
+        ".dpkg-old",
+        ".dpkg-new",
+        ".dpkg-dist",
+    ];
+    SUFFIXES.iter().any(|suffix| name.ends_with(suffix))
 }
 
 /// An entry of a list, with the file it came from (`None`: the defaults).

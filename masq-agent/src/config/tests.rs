@@ -1104,6 +1104,8 @@ fn a_directory_of_files_is_merged() {
             "nonMasqueradeCIDRs: [100.64.0.0/10, 10.0.0.0/8]\nmasqueradeCIDRs: [10.9.0.0/16]\nmasqLinkLocal: true\nresyncInterval: 10s\ncidrLimit: 3\n",
         ),
         ("other-settings", "cidrLimit: abc\n"),
+        ("ip-masq-agent.bak", "cidrLimit: abc\n"),
+        ("ip-masq-cloud~", "cidrLimit: abc\n"),
     ]);
     let loaded = load(dir.path(), &V4_ONLY).expect("merged");
     assert_eq!(loaded.source, ConfigSource::Directory);

@@ -268,17 +268,25 @@ impl Iptables {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// `true` when the command succeeds, `false` when iptables says no; used for `-C`.
+    /// `true` when the command succeeds, `false` when iptables says no; used for `-C`. A
+    /// resource problem (iptables' exit code 4: not root, no nat table) is an error, not a no.
     fn check(&self, args: &[&str]) -> anyhow::Result<bool> {
+        const RESOURCE_PROBLEM: i32 = 4;
         let bin = binary(self.family);
-        let status = Command::new(bin)
+        let out = Command::new(bin)
             .args(["-w", XTABLES_WAIT_SECS])
             .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
+            .stdin(Stdio::null())
+            .output()
             .with_context(|| format!("running {bin}"))?;
-        Ok(status.success())
+        if out.status.code() == Some(RESOURCE_PROBLEM) {
+            bail!(
+                "{bin} {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(out.status.success())
     }
 
     fn restore(&self, input: &str) -> anyhow::Result<()> {
@@ -464,6 +472,9 @@ impl std::fmt::Display for ChainStatus {
                 self.ebpf_devices_returned.join(", ")
             )?;
         }
+        for cidr in &self.masquerade_exceptions {
+            writeln!(f, "  masqueraded although inside what is not: {cidr}")?;
+        }
         for cidr in &self.non_masquerade {
             writeln!(f, "  not masqueraded: {cidr}")?;
         }
@@ -628,6 +639,8 @@ pub enum ChainVerdict {
     Masquerades,
     /// It returns at once, for the eBPF programs on its device to translate.
     LeftToPrograms,
+    /// No POSTROUTING rule jumps to the chain: nothing in it applies.
+    NotJumpedTo,
 }
 
 /// What chain `chain` of `family` does with a packet of `protocol` (IANA number) to `dst`
@@ -639,9 +652,13 @@ pub fn chain_verdict(
     protocol: u8,
     device: &str,
 ) -> anyhow::Result<Option<ChainVerdict>> {
-    let Some(listing) = (Iptables { family }).list_chain(chain)? else {
+    let iptables = Iptables { family };
+    let Some(listing) = iptables.list_chain(chain)? else {
         return Ok(None);
     };
+    if !iptables.jump_present(chain)? {
+        return Ok(Some(ChainVerdict::NotJumpedTo));
+    }
     let packet = Packet {
         dst,
         protocol,
@@ -657,6 +674,20 @@ struct Packet<'a> {
     device: &'a str,
 }
 
+/// Whether a rule uses only what the agent's own chains use, which `evaluate` follows: no
+/// negation, no source match, and no match module but comment, set and statistic (which picks
+/// among masquerade rules, all of which masquerade).
+fn understood(words: &[&str]) -> bool {
+    let mut modules = words
+        .windows(2)
+        .filter(|pair| pair[0] == "-m")
+        .map(|pair| pair[1]);
+    !words
+        .iter()
+        .any(|w| matches!(*w, "!" | "-s" | "--source" | "-i" | "-g" | "--goto"))
+        && modules.all(|m| matches!(m, "comment" | "set" | "statistic"))
+}
+
 /// The verdict of the first rule of `listing` (as `iptables -S` prints the chain) that
 /// `packet` matches; `in_set` answers `--match-set`.
 fn evaluate(
@@ -666,6 +697,9 @@ fn evaluate(
 ) -> anyhow::Result<ChainVerdict> {
     for line in listing.lines().filter(|l| l.starts_with("-A ")) {
         let words: Vec<&str> = line.split_whitespace().collect();
+        if !understood(&words) {
+            bail!("the chain holds a rule this reading cannot follow: {line}");
+        }
         let after = |flag: &str| {
             let at = words.iter().position(|w| *w == flag)?;
             words.get(at + 1).copied()

@@ -15,6 +15,19 @@ pub struct ModeRecord {
     /// Why the agent fell back to iptables, when it did.
     pub reason: Option<String>,
     pub pid: u32,
+    /// The flags that shape its policy, for `explain` in another process (absent in the
+    /// record of an agent from before `explain`).
+    #[serde(default)]
+    pub flags: Option<PolicyFlags>,
+}
+
+/// The flags that decide what the running agent's policy is and where it is installed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyFlags {
+    pub config: PathBuf,
+    pub masq_chain: String,
+    pub nomasq_all_reserved_ranges: bool,
+    pub enable_ipv6: bool,
 }
 
 fn path(bpffs: &Path) -> PathBuf {
@@ -33,11 +46,17 @@ fn path(bpffs: &Path) -> PathBuf {
 }
 
 /// Records the mode of the agent running now (replacing the file atomically).
-pub fn record(bpffs: &Path, mode: Mode, reason: Option<String>) -> std::io::Result<()> {
+pub fn record(
+    bpffs: &Path,
+    mode: Mode,
+    reason: Option<String>,
+    flags: PolicyFlags,
+) -> std::io::Result<()> {
     let record = ModeRecord {
         mode,
         reason,
         pid: std::process::id(),
+        flags: Some(flags),
     };
     std::fs::create_dir_all(STATE_DIR)?;
     let target = path(bpffs);

@@ -223,7 +223,7 @@ impl std::fmt::Display for EbpfStatus {
             writeln!(f, "  not masqueraded: {prefix}")?;
         }
         for prefix in self.masquerade_v4.iter().chain(&self.masquerade_v6) {
-            writeln!(f, "  masqueraded although inside the above: {prefix}")?;
+            writeln!(f, "  masqueraded although inside what is not: {prefix}")?;
         }
         writeln!(
             f,

@@ -601,3 +601,20 @@ fn the_chain_is_asked_rule_by_rule_as_the_kernel_would() {
         Masquerades
     );
 }
+
+#[test]
+fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
+    let packet = Packet {
+        dst: "203.0.113.9".parse().unwrap(),
+        protocol: 6,
+        device: "eth0",
+    };
+    for rule in [
+        "-A IP-MASQ-AGENT ! -d 10.0.0.0/8 -j MASQUERADE",
+        "-A IP-MASQ-AGENT -s 10.244.0.0/16 -j RETURN",
+        "-A IP-MASQ-AGENT -m mark --mark 0x4000 -j RETURN",
+    ] {
+        let err = evaluate(rule, &packet, |_| Ok(false)).unwrap_err();
+        assert!(err.to_string().contains("cannot follow"), "{rule}: {err}");
+    }
+}
