@@ -66,10 +66,40 @@ impl Policy {
             IpAddr::V4(_) => IpFamily::Ipv4,
             IpAddr::V6(_) => IpFamily::Ipv6,
         };
-        self.rules(family)
+        // Walked in place, not through `rules`: this runs for every flow conntrack knows at
+        // start, and a copy of 100 000 entries each time would cost more than the walk.
+        let holding = |nets: &mut dyn Iterator<Item = IpNet>, action| {
+            nets.filter(|net| net.contains(&addr))
+                .max_by_key(IpNet::prefix_len)
+                .map(|net| (net, action))
+        };
+        let (non_masq, masq) = match (family, &self.non_masq_v6) {
+            (IpFamily::Ipv4, _) => (
+                holding(
+                    &mut self.non_masq_v4.iter().map(|&n| n.into()),
+                    Action::NonMasquerade,
+                ),
+                holding(
+                    &mut self.masq_v4.iter().map(|&n| n.into()),
+                    Action::Masquerade,
+                ),
+            ),
+            (IpFamily::Ipv6, Some(non_masq_v6)) => (
+                holding(
+                    &mut non_masq_v6.iter().map(|&n| n.into()),
+                    Action::NonMasquerade,
+                ),
+                holding(
+                    &mut self.masq_v6.iter().map(|&n| n.into()),
+                    Action::Masquerade,
+                ),
+            ),
+            (IpFamily::Ipv6, None) => (None, None),
+        };
+        // No prefix is in both lists (the config refuses it): a longer one decides.
+        [non_masq, masq]
             .into_iter()
             .flatten()
-            .filter(|(net, _)| net.contains(&addr))
             .max_by_key(|(net, _)| net.prefix_len())
             .map_or((Action::Masquerade, None), |(net, action)| {
                 (action, Some(net))

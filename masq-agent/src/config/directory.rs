@@ -160,8 +160,10 @@ fn check_no_prefix_in_two_lists(
     masq: &[Entry],
     opts: &ConfigOptions,
 ) -> Result<(), ConfigError> {
+    let non_masq: std::collections::HashMap<&IpNet, &Option<usize>> =
+        non_masq.iter().map(|(net, part)| (net, part)).collect();
     for (net, in_part) in masq {
-        let Some((_, other_part)) = non_masq.iter().find(|(n, _)| n == net) else {
+        let Some(other_part) = non_masq.get(net) else {
             continue;
         };
         let place = |part: Option<usize>, list: CidrList| -> (String, Option<usize>) {
@@ -174,7 +176,7 @@ fn check_no_prefix_in_two_lists(
             }
         };
         let (origin, line) = place(*in_part, CidrList::Masquerade);
-        let (other, other_line) = place(*other_part, CidrList::NonMasquerade);
+        let (other, other_line) = place(**other_part, CidrList::NonMasquerade);
         let at = other_line.map_or(String::new(), |n| format!(" at line {n}"));
         return Err(ConfigError::new(
             &origin,

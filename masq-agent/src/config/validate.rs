@@ -115,8 +115,10 @@ fn check_no_prefix_in_both<'a>(
     non_masq: &[(IpNet, Option<&'a String>)],
     masq: &[(IpNet, Option<&'a String>)],
 ) -> Result<(), Problem<'a>> {
+    let non_masq: std::collections::HashMap<&IpNet, &Option<&String>> =
+        non_masq.iter().map(|(net, item)| (net, item)).collect();
     for (net, item) in masq {
-        let Some((_, other)) = non_masq.iter().find(|(n, _)| n == net) else {
+        let Some(other) = non_masq.get(net) else {
             continue;
         };
         let text = go_quote(item.map_or("", String::as_str));

@@ -125,13 +125,14 @@ fn rules_in_chain_order(family: IpFamily, policy: &Policy) -> Option<Rules> {
 /// for one of those /1s is the longer prefix, and takes its half's place.
 pub fn set_members(rules: &Rules) -> Vec<String> {
     let mut members: Vec<(ipnet::IpNet, Action)> = Vec::new();
-    let mut put = |net: ipnet::IpNet, action: Action, overrides: bool| match members
-        .iter_mut()
-        .find(|(n, _)| *n == net)
-    {
-        Some(slot) if overrides => slot.1 = action,
+    let mut at: HashMap<ipnet::IpNet, usize> = HashMap::new();
+    let mut put = |net: ipnet::IpNet, action: Action, overrides: bool| match at.get(&net) {
+        Some(&i) if overrides => members[i].1 = action,
         Some(_) => {}
-        None => members.push((net, action)),
+        None => {
+            at.insert(net, members.len());
+            members.push((net, action));
+        }
     };
     for (net, action) in rules.iter().filter(|(net, _)| net.prefix_len() == 0) {
         for half in net.subnets(1).expect("a /0 splits in two") {
