@@ -12,7 +12,7 @@ use crate::bench::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample};
 const README_START: &str = "<!-- bench:start -->";
 const README_END: &str = "<!-- bench:end -->";
 
-fn median(mut values: Vec<f64>) -> Option<f64> {
+pub fn median(mut values: Vec<f64>) -> Option<f64> {
     if values.is_empty() {
         return None;
     }
