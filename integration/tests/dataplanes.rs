@@ -1843,6 +1843,51 @@ fn explain_says_what_the_outside_host_sees(plane: Plane, family: Family) {
     );
 }
 
+/// `enableIPv6` in the file switches IPv6 masquerading live, over the flag: on (on the eBPF
+/// plane, loaded without IPv6, by the chain beside the programs), then off again (the chain
+/// goes, and new IPv6 flows keep the pod's address).
+fn enable_ipv6_in_the_file_switches_ipv6_live(plane: Plane) {
+    let off = format!("{DEFAULT_CONFIG}enableIPv6: false\n");
+    let bed = Bed::new(plane, &off);
+    let agent = bed.start_agent(&[]);
+    wait_for_udp_source(&bed, outside_v6(), pod_ip_v6(0));
+
+    write_config(&bed.config, &format!("{IPV6_CONFIG}enableIPv6: true\n")).unwrap();
+    wait_for_udp_source(&bed, outside_v6(), node_ip_v6());
+    Family::V6.assert_masqueraded(&bed);
+    if plane == Plane::Ebpf {
+        wait_for(|| {
+            Ok(agent
+                .log_text()
+                .contains("ip6tables chain masquerades IPv6"))
+        })
+        .expect("the switch is said");
+    }
+
+    write_config(&bed.config, &off).unwrap();
+    wait_for_udp_source(&bed, outside_v6(), pod_ip_v6(0));
+    let chain = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
+    assert!(
+        !chain.contains("MASQUERADE"),
+        "the ip6tables chain masquerades nothing: {chain}"
+    );
+}
+
+/// `enableIPv6: false` in the file, over `--enable-ipv6`, live: a connection already
+/// masqueraded goes on, and new IPv6 flows keep the pod's address.
+fn enable_ipv6_off_in_the_file_keeps_what_is_open(plane: Plane) {
+    let bed = Bed::new(plane, IPV6_CONFIG);
+    let _agent = bed.start_agent(&["--enable-ipv6"]);
+    let conversation = Conversation::open(&bed, Family::V6, 9750);
+    assert_eq!(conversation.node_side.ip(), node_ip_v6(), "masqueraded");
+
+    write_config(&bed.config, &format!("{DEFAULT_CONFIG}enableIPv6: false\n")).unwrap();
+    wait_for_udp_source(&bed, outside_v6(), pod_ip_v6(0));
+    conversation
+        .exchange("still there")
+        .expect("the connection masqueraded before goes on");
+}
+
 // ---- IPv6 (--enable-ipv6), on every data plane --------------------------------------------
 
 /// The pods' own prefix is exempt, as 10.0.0.0/8 holds the IPv4 pods: without it, the chain
@@ -3192,6 +3237,8 @@ macro_rules! common_cases {
             a_conntrack_flush_during_live_flows,
             an_exception_inside_link_local_is_masqueraded,
             several_config_files_are_merged_and_an_invalid_one_changes_nothing,
+            enable_ipv6_in_the_file_switches_ipv6_live,
+            enable_ipv6_off_in_the_file_keeps_what_is_open,
         );
     };
 }

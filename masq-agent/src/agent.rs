@@ -66,6 +66,17 @@ pub fn config_options(flags: &Flags) -> ConfigOptions {
     }
 }
 
+/// `flags` with `--enable-ipv6` as the config file's `enableIPv6` says, when it says: the eBPF
+/// data plane sizes its IPv6 NAT table when it loads. A file that cannot be read leaves the
+/// flag as it is.
+pub fn with_the_file_s_ipv6(flags: &Flags) -> Flags {
+    let mut flags = flags.clone();
+    if let Ok(loaded) = config::load(&flags.config, &config_options(&flags)) {
+        flags.enable_ipv6 = loaded.config.ipv6_enabled(flags.enable_ipv6);
+    }
+    flags
+}
+
 /// Builds the data plane the flags ask for, falling back to the full iptables chain when the
 /// eBPF one cannot run and the flags allow it.
 pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {

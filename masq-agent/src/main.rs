@@ -99,7 +99,8 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
     if let Some(addr) = flags.metrics_addr {
         telemetry::serve(addr, telemetry.clone())?;
     }
-    let mut agent = Agent::new(flags, agent::build_dataplane(flags)?, telemetry);
+    let dataplane = agent::build_dataplane(&agent::with_the_file_s_ipv6(flags))?;
+    let mut agent = Agent::new(flags, dataplane, telemetry);
     if flags.once {
         return Ok(match agent.sync() {
             agent::SyncResult::Synced(_) => ExitCode::SUCCESS,
@@ -118,6 +119,12 @@ fn check_config(flags: &Flags) -> anyhow::Result<ExitCode> {
         Ok(loaded) => {
             for warning in &loaded.warnings {
                 eprintln!("warning: {warning}");
+            }
+            if let Some(enable) = loaded.config.enable_ipv6 {
+                eprintln!(
+                    "enableIPv6: {enable}, from the config file (over --enable-ipv6={})",
+                    flags.enable_ipv6
+                );
             }
             if loaded.source == ConfigSource::Directory {
                 let files: Vec<String> = loaded

@@ -50,6 +50,9 @@ pub struct Policy {
     pub masq_v4: Vec<Ipv4Net>,
     /// The same for IPv6; empty when IPv6 is not enabled.
     pub masq_v6: Vec<Ipv6Net>,
+    /// The file says `enableIPv6: false`: IPv6 is not merely left alone, it must not be
+    /// masqueraded by what this agent installed.
+    pub ipv6_switched_off: bool,
 }
 
 impl Policy {
@@ -131,7 +134,10 @@ impl Policy {
         )
     }
 
+    /// The policy `config` asks for, with IPv6 masqueraded if the file's `enableIPv6` (or, when
+    /// the file does not say, the flag `enable_ipv6`) says so.
     pub fn from_config(config: &Config, enable_ipv6: bool) -> Policy {
+        let enable_ipv6 = config.ipv6_enabled(enable_ipv6);
         let (mut non_masq_v4, mut non_masq_v6) = (Vec::new(), Vec::new());
         let (mut masq_v4, mut masq_v6) = (Vec::new(), Vec::new());
         for cidr in &config.masquerade_cidrs {
@@ -162,6 +168,7 @@ impl Policy {
             non_masq_v6: enable_ipv6.then_some(non_masq_v6),
             masq_v4,
             masq_v6,
+            ipv6_switched_off: config.enable_ipv6 == Some(false),
         }
     }
 }

@@ -13,16 +13,18 @@ pub(super) enum Field {
     MasqLinkLocal,
     MasqLinkLocalIpv6,
     ResyncInterval,
+    EnableIpv6,
 }
 
 impl Field {
-    pub(super) const ALL: [Field; 6] = [
+    pub(super) const ALL: [Field; 7] = [
         Field::Cidrs,
         Field::MasqCidrs,
         Field::CidrLimit,
         Field::MasqLinkLocal,
         Field::MasqLinkLocalIpv6,
         Field::ResyncInterval,
+        Field::EnableIpv6,
     ];
 
     /// The key, as upstream's struct tags spell it.
@@ -34,6 +36,7 @@ impl Field {
             Field::MasqLinkLocal => "masqLinkLocal",
             Field::MasqLinkLocalIpv6 => "masqLinkLocalIPv6",
             Field::ResyncInterval => "resyncInterval",
+            Field::EnableIpv6 => "enableIPv6",
         }
     }
 
@@ -42,7 +45,7 @@ impl Field {
         match self {
             Field::Cidrs | Field::MasqCidrs => "[]string",
             Field::CidrLimit => "int",
-            Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 => "bool",
+            Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 | Field::EnableIpv6 => "bool",
             Field::ResyncInterval => "Duration",
         }
     }
@@ -110,6 +113,7 @@ pub(super) struct FileFields<'a> {
     pub(super) cidr_limit: Option<Setting<'a, i64>>,
     pub(super) masq_link_local: Option<bool>,
     pub(super) masq_link_local_ipv6: Option<bool>,
+    pub(super) enable_ipv6: Option<bool>,
     /// Nanoseconds.
     pub(super) resync_interval: Option<Setting<'a, i128>>,
 }
@@ -219,11 +223,11 @@ impl<'a> FileFields<'a> {
                     self.cidr_limit = Some(Setting { value: limit, key });
                 }
             }
-            Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 => {
-                let slot = if field == Field::MasqLinkLocal {
-                    &mut self.masq_link_local
-                } else {
-                    &mut self.masq_link_local_ipv6
+            Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 | Field::EnableIpv6 => {
+                let slot = match field {
+                    Field::MasqLinkLocal => &mut self.masq_link_local,
+                    Field::MasqLinkLocalIpv6 => &mut self.masq_link_local_ipv6,
+                    _ => &mut self.enable_ipv6,
                 };
                 match value {
                     Node::Null => {}

@@ -140,6 +140,10 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
             .map(|p| p.loaded.config.resync_interval)
             .min()
             .unwrap_or(defaults.resync_interval),
+        // ORed, as the other booleans, among the files that set it.
+        enable_ipv6: configs()
+            .filter_map(|c| c.enable_ipv6)
+            .reduce(|a, b| a || b),
     };
     Ok(Loaded {
         config,

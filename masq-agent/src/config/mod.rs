@@ -50,6 +50,15 @@ pub struct Config {
     pub masq_link_local_ipv6: bool,
     /// Always positive: a non-positive value from the file is replaced by one second.
     pub resync_interval: Duration,
+    /// `enableIPv6`, when the file sets it: it overrides `--enable-ipv6`.
+    pub enable_ipv6: Option<bool>,
+}
+
+impl Config {
+    /// Whether IPv6 is masqueraded: the file's `enableIPv6`, or else the flag.
+    pub fn ipv6_enabled(&self, flag: bool) -> bool {
+        self.enable_ipv6.unwrap_or(flag)
+    }
 }
 
 pub(super) const DEFAULT_CIDR_LIMIT: i64 = 64;
@@ -94,6 +103,7 @@ impl Config {
             masq_link_local: false,
             masq_link_local_ipv6: false,
             resync_interval: DEFAULT_RESYNC_INTERVAL,
+            enable_ipv6: None,
         }
     }
 
@@ -111,6 +121,9 @@ impl Config {
         });
         if !self.masquerade_cidrs.is_empty() {
             json["masqueradeCIDRs"] = strings(&self.masquerade_cidrs).into();
+        }
+        if let Some(enable) = self.enable_ipv6 {
+            json["enableIPv6"] = enable.into();
         }
         json
     }

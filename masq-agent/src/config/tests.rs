@@ -67,6 +67,7 @@ fn yaml_with_all_keys() {
         masq_link_local: true,
         masq_link_local_ipv6: false,
         resync_interval: Duration::from_secs(5),
+        enable_ipv6: None,
     };
     let flow = "nonMasqueradeCIDRs: [172.16.0.0/12, 10.0.0.0/8]\n\
                 cidrLimit: 64\nmasqLinkLocal: true\nresyncInterval: 5s\n";
@@ -141,6 +142,7 @@ fn json_with_all_keys() {
         masq_link_local: true,
         masq_link_local_ipv6: true,
         resync_interval: Duration::from_secs(5),
+        enable_ipv6: None,
     };
     assert_eq!(config(text), expected);
 }
@@ -520,6 +522,7 @@ fn keys_match_case_insensitively() {
             masq_link_local: true,
             masq_link_local_ipv6: true,
             resync_interval: Duration::from_secs(2),
+            enable_ipv6: None,
         }
     );
     // Go folds Unicode too: the Kelvin sign is a K, the long s an S.
@@ -949,6 +952,7 @@ fn upstream_json_uses_upstream_keys() {
         masq_link_local: true,
         masq_link_local_ipv6: false,
         resync_interval: Duration::from_secs(90),
+        enable_ipv6: None,
     };
     assert_eq!(
         c.to_upstream_json(),
@@ -1255,4 +1259,49 @@ fn the_line_of_an_entry_is_found_in_any_form_go_reads() {
     assert_eq!(line(CidrList::NonMasquerade, "172.16.0.0/12"), Some(3));
     assert_eq!(line(CidrList::Masquerade, "10.9.0.0/16"), Some(4));
     assert_eq!(line(CidrList::Masquerade, "10.0.0.0/8"), None);
+}
+
+// --- enableIPv6 in the file ---
+
+#[test]
+fn enable_ipv6_in_the_file_overrides_the_flag() {
+    // The file turns IPv6 on: its IPv6 CIDRs are allowed without the flag.
+    let c = config("enableIPv6: true\nnonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\n");
+    assert_eq!(c.enable_ipv6, Some(true));
+    assert!(c.ipv6_enabled(false));
+    // And off, over the flag: then they are not.
+    let e = reject_with(
+        "nonMasqueradeCIDRs: [fd00::/8]\nenableIPv6: false\n",
+        &WITH_V6,
+    );
+    assert!(e.message.contains("ipv6 is not enabled"), "{e}");
+    let c = accept_with("enableIPv6: false\n", &WITH_V6).config;
+    assert!(!c.ipv6_enabled(true));
+    // Absent, the flag decides, and the printed config has no such key.
+    assert_eq!(defaults().enable_ipv6, None);
+    assert!(defaults().ipv6_enabled(true) && !defaults().ipv6_enabled(false));
+    assert!(defaults().to_upstream_json().get("enableIPv6").is_none());
+    assert_eq!(c.to_upstream_json()["enableIPv6"], false);
+    let e = reject("enableIPv6: 1");
+    assert!(
+        e.message.contains("MasqConfig.enableIPv6 of type bool"),
+        "{e}"
+    );
+}
+
+#[test]
+fn enable_ipv6_is_ored_across_the_files_that_set_it() {
+    let merged = |files: &[(&str, &str)]| load(projected(files).path(), &V4_ONLY).unwrap();
+    let c = merged(&[
+        ("ip-masq-a", "enableIPv6: false\n"),
+        ("ip-masq-b", "enableIPv6: true\n"),
+    ]);
+    assert_eq!(c.config.enable_ipv6, Some(true));
+    let c = merged(&[
+        ("ip-masq-a", "enableIPv6: false\n"),
+        ("ip-masq-b", "cidrLimit: 9\n"),
+    ]);
+    assert_eq!(c.config.enable_ipv6, Some(false));
+    let c = merged(&[("ip-masq-a", "cidrLimit: 9\n")]);
+    assert_eq!(c.config.enable_ipv6, None);
 }

@@ -21,6 +21,11 @@ pub(super) fn build_config<'a>(
     if standing == Standing::InDirectory {
         defaults.non_masquerade_cidrs.clear();
     }
+    // The file's `enableIPv6` decides whether its IPv6 CIDRs are allowed.
+    let opts = &ConfigOptions {
+        enable_ipv6: fields.enable_ipv6.unwrap_or(opts.enable_ipv6),
+        ..*opts
+    };
     let cidr_limit = fields
         .cidr_limit
         .as_ref()
@@ -64,6 +69,7 @@ pub(super) fn build_config<'a>(
             .masq_link_local_ipv6
             .unwrap_or(defaults.masq_link_local_ipv6),
         resync_interval,
+        enable_ipv6: fields.enable_ipv6,
     })
 }
 

@@ -16,6 +16,7 @@ const NON_MASQ_COMMENT: &str =
     r#"-m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE""#;
 const MASQ_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)""#;
 const MASQ_EXCEPTION_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic to a masqueradeCIDRs entry is subject to MASQUERADE""#;
+const SWITCHED_OFF_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: IPv6 switched off by the config; what is open stays translated""#;
 const EBPF_RETURN_COMMENT: &str =
     r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
 /// Seconds to wait for the xtables lock, as upstream does.
@@ -540,6 +541,26 @@ impl IptablesDataPlane {
         &self.opts.chain
     }
 
+    /// For IPv6 switched off by the file (`enableIPv6: false`), a chain that masquerades
+    /// nothing. Its one rule matches on conntrack's state: on a node where nothing else
+    /// uses IPv6 connection tracking, the last MASQUERADE rule gone would take conntrack's
+    /// IPv6 hooks with it, and the connections already translated would stop being
+    /// translated back. `None` when the family is merely left alone, as upstream leaves it.
+    fn switched_off(&self, family: IpFamily, policy: &Policy) -> Option<String> {
+        let off = family == IpFamily::Ipv6 && policy.ipv6_switched_off;
+        let chain = &self.opts.chain;
+        let ours = self.installed.contains_key(&family)
+            || (Iptables { family })
+                .list_chain(chain)
+                .ok()??
+                .contains("-A ");
+        (off && ours).then(|| {
+            format!(
+                "*nat\n:{chain} - [0:0]\n-A {chain} {SWITCHED_OFF_COMMENT} -m conntrack --ctstate SNAT -j RETURN\nCOMMIT\n"
+            )
+        })
+    }
+
     fn apply_family(
         &mut self,
         family: IpFamily,
@@ -602,7 +623,9 @@ impl DataPlane for IptablesDataPlane {
         let mut outcome = ApplyOutcome::Unchanged;
         for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
             let variant = &self.variants[&family];
-            let Some(rendered) = render(family, policy, &self.opts, caps, variant) else {
+            let rendered = render(family, policy, &self.opts, caps, variant)
+                .or_else(|| self.switched_off(family, policy));
+            let Some(rendered) = rendered else {
                 continue;
             };
             let set = matches!(variant, ChainVariant::OutsideEbpf { .. })

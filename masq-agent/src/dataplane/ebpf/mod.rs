@@ -107,6 +107,8 @@ pub struct EbpfDataPlane {
     /// apply has taken the links over from the old programs.
     carried: Carried,
     clashes: Clashes,
+    /// IPv6 was turned on by the config after the programs were loaded without it.
+    ipv6_by_the_chain: bool,
 }
 
 /// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
@@ -138,7 +140,37 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         applied: None,
         sweeps: SweepClock::default(),
         carried,
+        ipv6_by_the_chain: false,
     })
+}
+
+impl EbpfDataPlane {
+    /// What the programs enforce of `policy`. IPv6 is the programs' only when they were loaded
+    /// for it (the NAT table is sized then). Turned on by the config since, the chain beside
+    /// the programs masquerades it, in full, until the agent restarts. Turned off since, no
+    /// new IPv6 flow is masqueraded (one prefix, ::/0, keeps every address), while the flows
+    /// already translated go on until they end.
+    fn for_the_programs<'a>(&mut self, policy: &'a Policy) -> std::borrow::Cow<'a, Policy> {
+        match (self.enable_ipv6, policy.non_masq_v6.is_some()) {
+            (true, false) => std::borrow::Cow::Owned(Policy {
+                non_masq_v6: Some(vec![ipnet::Ipv6Net::default()]),
+                masq_v6: Vec::new(),
+                ..policy.clone()
+            }),
+            (false, true) => {
+                if !self.ipv6_by_the_chain {
+                    tracing::warn!(
+                        "IPv6 is enabled by the config file, but the programs were loaded \
+                         without it: the ip6tables chain masquerades IPv6 until the agent \
+                         restarts"
+                    );
+                    self.ipv6_by_the_chain = true;
+                }
+                std::borrow::Cow::Borrowed(policy)
+            }
+            _ => std::borrow::Cow::Borrowed(policy),
+        }
+    }
 }
 
 impl DataPlane for EbpfDataPlane {
@@ -148,7 +180,8 @@ impl DataPlane for EbpfDataPlane {
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let first = self.applied.is_none();
-        let changed = self.maps.policy.sync(policy)?;
+        let for_the_programs = self.for_the_programs(policy);
+        let changed = self.maps.policy.sync(&for_the_programs)?;
         if first {
             conntrack::hold_known_node_flows(&mut self.maps.nat, policy);
         }

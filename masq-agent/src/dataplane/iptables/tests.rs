@@ -23,6 +23,7 @@ fn policy(cidrs: &[&str], masq_ll: bool, masq_ll6: bool) -> Policy {
         masq_link_local: masq_ll,
         masq_link_local_ipv6: masq_ll6,
         resync_interval: std::time::Duration::from_secs(60),
+        enable_ipv6: None,
     };
     Policy::from_config(&config, true)
 }
@@ -172,6 +173,7 @@ fn ipv6_disabled_renders_nothing_for_ipv6() {
         masq_link_local: false,
         masq_link_local_ipv6: false,
         resync_interval: std::time::Duration::from_secs(60),
+        enable_ipv6: None,
     };
     let p = Policy::from_config(&config, false);
     assert!(
@@ -441,6 +443,7 @@ fn with_exceptions(cidrs: &[&str], exceptions: &[&str]) -> Policy {
         masq_link_local: false,
         masq_link_local_ipv6: false,
         resync_interval: std::time::Duration::from_secs(60),
+        enable_ipv6: None,
     };
     Policy::from_config(&config, true)
 }
