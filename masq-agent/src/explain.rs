@@ -258,7 +258,10 @@ fn ask_programs(bpffs: &Path, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>>
     };
     let detail = match value {
         None => format!("no prefix of {dst} in {name}"),
-        Some(v) => format!("the longest prefix of {dst} in {name} holds action {v}"),
+        Some(_) if decision == Decision::KeepsAddress => {
+            format!("the longest prefix of {dst} in {name} keeps the pod's address")
+        }
+        Some(_) => format!("the longest prefix of {dst} in {name} masquerades"),
     };
     Ok(Some(LiveAnswer {
         source: "the eBPF maps",

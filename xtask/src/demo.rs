@@ -140,14 +140,50 @@ pub fn run() -> anyhow::Result<()> {
         changed.elapsed().as_millis()
     );
 
-    say("5", "masq-agent status");
+    say(
+        "5",
+        "an exception inside it: masqueradeCIDRs [198.51.100.10/32], and explain says why",
+    );
+    write_config(
+        &config,
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nmasqueradeCIDRs:\n  - 198.51.100.10/32\nresyncInterval: 60s\n",
+    )?;
+    server
+        .wait_for_udp_from(pod, second, topology::NODE_UPLINK.into())
+        .context("the exception did not take effect")?;
+    println!(
+        "    UDP to 198.51.100.10: server saw {} again: the longest prefix decides",
+        topology::NODE_UPLINK
+    );
+    let target = topology::EXT_SECOND_ADDR.to_string();
+    println!("    $ masq-agent explain {target}");
+    let explained = topo
+        .node_command(agent_bin.to_str().context("path")?)
+        .args(["explain", &target, &config_arg, &bpffs_arg])
+        .output()?;
+    let said = String::from_utf8_lossy(&explained.stdout);
+    for line in said.lines() {
+        println!("      {line}");
+    }
+    ensure!(
+        explained.status.success(),
+        "the data plane disagrees with the config: {}",
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    ensure!(
+        said.contains(&format!("masqueraded to {}", topology::NODE_UPLINK))
+            && said.contains("198.51.100.10/32 in masqueradeCIDRs"),
+        "explain must say what the server saw, and why"
+    );
+
+    say("6", "masq-agent status");
     let status = topo.node_run(agent_bin.to_str().context("path")?, &["status", &bpffs_arg])?;
     for line in status.lines() {
         println!("    {line}");
     }
 
     say(
-        "6",
+        "7",
         "stopping the agent: SIGTERM leaves the data plane in place, traffic keeps flowing",
     );
     agent.stop(libc::SIGTERM)?;
@@ -159,7 +195,7 @@ pub fn run() -> anyhow::Result<()> {
         "still masqueraded",
     )?;
 
-    say("7", "cleanup removes everything");
+    say("8", "cleanup removes everything");
     topo.node_run(
         agent_bin.to_str().context("path")?,
         &["cleanup", &bpffs_arg],
