@@ -547,14 +547,18 @@ impl IptablesDataPlane {
     /// IPv6 hooks with it, and the connections already translated would stop being
     /// translated back. `None` when the family is merely left alone, as upstream leaves it.
     fn switched_off(&self, family: IpFamily, policy: &Policy) -> Option<String> {
-        let off = family == IpFamily::Ipv6 && policy.ipv6_switched_off;
+        // Asked on every apply while IPv6 is off, which is most nodes: only a switch the file
+        // makes is worth a look at the kernel's chain.
+        if family != IpFamily::Ipv6 || !policy.ipv6_switched_off {
+            return None;
+        }
         let chain = &self.opts.chain;
         let ours = self.installed.contains_key(&family)
             || (Iptables { family })
                 .list_chain(chain)
                 .ok()??
                 .contains("-A ");
-        (off && ours).then(|| {
+        ours.then(|| {
             format!(
                 "*nat\n:{chain} - [0:0]\n-A {chain} {SWITCHED_OFF_COMMENT} -m conntrack --ctstate SNAT -j RETURN\nCOMMIT\n"
             )
