@@ -357,6 +357,20 @@ fn push_new(list: &mut Vec<String>, item: String) {
 /// iptables' `-o` wildcard: a name ending in `+` matches every name it begins.
 const ANY_DEVICE: &str = "+";
 
+/// Whether `-o pattern` matches `device`.
+fn device_matches(pattern: &str, device: &str) -> bool {
+    match pattern.strip_suffix(ANY_DEVICE) {
+        Some(prefix) => device.starts_with(prefix),
+        None => device == pattern,
+    }
+}
+
+/// The word after `flag` among a rule's `words`, as `iptables -S` lists it.
+fn flag_value<'a>(words: &[&'a str], flag: &str) -> Option<&'a str> {
+    let at = words.iter().position(|w| *w == flag)?;
+    words.get(at + 1).copied()
+}
+
 /// One family's chain, as read back from the kernel.
 #[derive(Debug, Clone, Serialize)]
 pub struct ChainStatus {
@@ -397,13 +411,7 @@ impl ChainStatus {
         };
         for line in listing.unwrap_or_default().lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
-            let after = |flag: &str| {
-                words
-                    .iter()
-                    .position(|w| *w == flag)
-                    .and_then(|i| words.get(i + 1))
-                    .map(|w| w.to_string())
-            };
+            let after = |flag: &str| flag_value(&words, flag).map(String::from);
             if line.contains("-j MASQUERADE") {
                 status.masquerade_rules += 1;
                 if let Some(dst) = after("-d") {
@@ -433,10 +441,7 @@ impl ChainStatus {
     pub fn returns_to_programs(&self, device: &str) -> bool {
         self.ebpf_devices_returned
             .iter()
-            .any(|pattern| match pattern.strip_suffix(ANY_DEVICE) {
-                Some(prefix) => device.starts_with(prefix),
-                None => device == pattern,
-            })
+            .any(|pattern| device_matches(pattern, device))
     }
 
     /// Whether packets leaving the node go through this chain at all.
@@ -728,14 +733,8 @@ fn evaluate(
         if !understood(&words) {
             bail!("the chain holds a rule this reading cannot follow: {line}");
         }
-        let after = |flag: &str| {
-            let at = words.iter().position(|w| *w == flag)?;
-            words.get(at + 1).copied()
-        };
-        let device_matches = after("-o").is_none_or(|o| match o.strip_suffix(ANY_DEVICE) {
-            Some(prefix) => packet.device.starts_with(prefix),
-            None => packet.device == o,
-        });
+        let after = |flag: &str| flag_value(&words, flag);
+        let on_device = after("-o").is_none_or(|o| device_matches(o, packet.device));
         let protocol_matches =
             after("-p").is_none_or(|p| crate::protocols::number(p) == Some(packet.protocol));
         let dst_matches = after("-d").is_none_or(|d| {
@@ -743,7 +742,7 @@ fn evaluate(
                 .or_else(|_| d.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
                 .is_ok_and(|net| net.contains(&packet.dst))
         });
-        if !(device_matches && protocol_matches && dst_matches) {
+        if !(on_device && protocol_matches && dst_matches) {
             continue;
         }
         if let Some(set) = after("--match-set")
