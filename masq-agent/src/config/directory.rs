@@ -164,32 +164,27 @@ fn check_no_prefix_in_two_lists(
     masq: &[Entry],
     opts: &ConfigOptions,
 ) -> Result<(), ConfigError> {
-    let non_masq: std::collections::HashMap<&IpNet, &Option<usize>> =
-        non_masq.iter().map(|(net, part)| (net, part)).collect();
-    for (net, in_part) in masq {
-        let Some(other_part) = non_masq.get(net) else {
-            continue;
-        };
-        let place = |part: Option<usize>, list: CidrList| -> (String, Option<usize>) {
-            match part.map(|i| &parts[i]) {
-                Some(p) => (
-                    p.path.display().to_string(),
-                    cidr_line(&p.text, opts, list, *net),
-                ),
-                None => ("the defaults".into(), None),
-            }
-        };
-        let (origin, line) = place(*in_part, CidrList::Masquerade);
-        let (other, other_line) = place(**other_part, CidrList::NonMasquerade);
-        let at = other_line.map_or(String::new(), |n| format!(" at line {n}"));
-        return Err(ConfigError::new(
-            &origin,
-            line,
-            format!(
-                "CIDR \"{net}\" is in masqueradeCIDRs here and in nonMasqueradeCIDRs in {other}{at}: \
-                 a destination is either masqueraded or not"
+    let Some((net, in_part, other_part)) = first_in_both(non_masq, masq) else {
+        return Ok(());
+    };
+    let place = |part: Option<usize>, list: CidrList| -> (String, Option<usize>) {
+        match part.map(|i| &parts[i]) {
+            Some(p) => (
+                p.path.display().to_string(),
+                cidr_line(&p.text, opts, list, *net),
             ),
-        ));
-    }
-    Ok(())
+            None => ("the defaults".into(), None),
+        }
+    };
+    let (origin, line) = place(*in_part, CidrList::Masquerade);
+    let (other, other_line) = place(*other_part, CidrList::NonMasquerade);
+    let at = other_line.map_or(String::new(), |n| format!(" at line {n}"));
+    Err(ConfigError::new(
+        &origin,
+        line,
+        format!(
+            "CIDR \"{net}\" is in masqueradeCIDRs here and in nonMasqueradeCIDRs in {other}{at}: \
+             a destination is either masqueraded or not"
+        ),
+    ))
 }

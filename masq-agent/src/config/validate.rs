@@ -121,33 +121,40 @@ fn check_no_prefix_in_both<'a>(
     non_masq: &[(IpNet, Option<&'a String>)],
     masq: &[(IpNet, Option<&'a String>)],
 ) -> Result<(), Problem<'a>> {
-    let non_masq: std::collections::HashMap<&IpNet, &Option<&String>> =
-        non_masq.iter().map(|(net, item)| (net, item)).collect();
-    for (net, item) in masq {
-        let Some(other) = non_masq.get(net) else {
-            continue;
-        };
-        let text = go_quote(item.map_or("", String::as_str));
-        let mut problem = match other {
-            Some(_) => Problem::new(
-                format!(
-                    "CIDR {text} is in both masqueradeCIDRs and nonMasqueradeCIDRs: \
-                     a destination is either masqueraded or not"
-                ),
-                *item,
+    let Some((_, item, other)) = first_in_both(non_masq, masq) else {
+        return Ok(());
+    };
+    let text = go_quote(item.map_or("", String::as_str));
+    let mut problem = match other {
+        Some(_) => Problem::new(
+            format!(
+                "CIDR {text} is in both masqueradeCIDRs and nonMasqueradeCIDRs: \
+                 a destination is either masqueraded or not"
             ),
-            None => Problem::new(
-                format!(
-                    "CIDR {text} is in masqueradeCIDRs and in the default nonMasqueradeCIDRs: \
-                     a destination is either masqueraded or not"
-                ),
-                *item,
+            *item,
+        ),
+        None => Problem::new(
+            format!(
+                "CIDR {text} is in masqueradeCIDRs and in the default nonMasqueradeCIDRs: \
+                 a destination is either masqueraded or not"
             ),
-        };
-        problem.also = other.map(|other| ("nonMasqueradeCIDRs", other));
-        return Err(problem);
-    }
-    Ok(())
+            *item,
+        ),
+    };
+    problem.also = other.map(|other| ("nonMasqueradeCIDRs", other));
+    Err(problem)
+}
+
+/// The first exception whose prefix the non-masquerade list holds too, with where each entry
+/// came from. Prefixes are hashed: lists of 100 000 are compared in linear time.
+pub(super) fn first_in_both<'l, T>(
+    non_masq: &'l [(IpNet, T)],
+    masq: &'l [(IpNet, T)],
+) -> Option<(&'l IpNet, &'l T, &'l T)> {
+    let non_masq: std::collections::HashMap<&IpNet, &T> =
+        non_masq.iter().map(|(net, from)| (net, from)).collect();
+    masq.iter()
+        .find_map(|(net, from)| Some((net, from, *non_masq.get(net)?)))
 }
 
 pub(super) fn check_cidr<'a>(
