@@ -20,7 +20,7 @@ use super::{
     load::{self, Programs, write_settings},
     maps::{Maps, NatFamily, counter_total},
 };
-use crate::{netdev::Device, ports::PortRange};
+use crate::{netdev::Device, policy::IpFamily, ports::PortRange};
 
 /// The ifindex BPF_PROG_TEST_RUN gives tc programs: loopback.
 pub const TEST_RUN_IFINDEX: u32 = 1;
@@ -83,7 +83,7 @@ impl TestBed {
             ipv6: None,
         };
         write_interfaces(&mut bed.maps.interfaces, &[lo], false)?;
-        bed.set_policy(non_masq)?;
+        bed.maps.policy.set_non_masq(IpFamily::Ipv4, non_masq)?;
         Ok(bed)
     }
 
@@ -99,18 +99,7 @@ impl TestBed {
             lo.ipv4 = Ipv4Addr::from(current.ipv4);
         }
         write_interfaces(&mut self.maps.interfaces, &[lo], true)?;
-        self.set_policy_v6(non_masq)
-    }
-
-    /// Applies a non-masquerade policy the way the data plane does.
-    pub fn set_policy(&mut self, non_masq: &[Ipv4Net]) -> anyhow::Result<()> {
-        self.maps.policy.set_v4(non_masq)?;
-        Ok(())
-    }
-
-    /// The same for IPv6.
-    pub fn set_policy_v6(&mut self, non_masq: &[Ipv6Net]) -> anyhow::Result<()> {
-        self.maps.policy.set_v6(non_masq)?;
+        self.maps.policy.set_non_masq(IpFamily::Ipv6, non_masq)?;
         Ok(())
     }
 

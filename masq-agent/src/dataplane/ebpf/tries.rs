@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
 use anyhow::Context as _;
 use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
-use ipnet::{Ipv4Net, Ipv6Net};
+use ipnet::IpNet;
 use masq_ebpf::{PrefixAction, prefix_action};
 
 use super::expiry;
@@ -129,22 +129,17 @@ impl PolicyMaps {
         }
     }
 
-    /// Makes the IPv4 trie hold `nets`, all non-masquerade. Returns whether it changed.
-    pub fn set_v4(&mut self, nets: &[Ipv4Net]) -> anyhow::Result<bool> {
+    /// Makes one family's trie hold `nets`, all non-masquerade. Returns whether it changed.
+    pub fn set_non_masq<N: Into<IpNet> + Copy>(
+        &mut self,
+        family: IpFamily,
+        nets: &[N],
+    ) -> anyhow::Result<bool> {
         let rules: Rules = nets
             .iter()
             .map(|&n| (n.into(), Action::NonMasquerade))
             .collect();
-        self.set_rules(IpFamily::Ipv4, &rules)
-    }
-
-    /// The same for IPv6.
-    pub fn set_v6(&mut self, nets: &[Ipv6Net]) -> anyhow::Result<bool> {
-        let rules: Rules = nets
-            .iter()
-            .map(|&n| (n.into(), Action::NonMasquerade))
-            .collect();
-        self.set_rules(IpFamily::Ipv6, &rules)
+        self.set_rules(family, &rules)
     }
 
     /// Ends the draining of prefixes removed longer ago than `drain`.
