@@ -29,7 +29,7 @@ use crate::{
         state,
     },
     netdev,
-    policy::{MasqueradeOptions, Policy},
+    policy::{IpFamily, MasqueradeOptions, Policy},
     ports,
     telemetry::{Check, ReloadResult, Telemetry},
 };
@@ -66,20 +66,39 @@ pub fn config_options(flags: &Flags) -> ConfigOptions {
     }
 }
 
-/// `flags` with `--enable-ipv6` as the config file's `enableIPv6` says, when it says: the eBPF
-/// data plane sizes its IPv6 NAT table when it loads. A file that cannot be read leaves the
-/// flag as it is.
-pub fn with_the_file_s_ipv6(flags: &Flags) -> Flags {
-    let mut flags = flags.clone();
-    if let Ok(loaded) = config::load(&flags.config, &config_options(&flags)) {
-        flags.enable_ipv6 = loaded.config.ipv6_enabled(flags.enable_ipv6);
+/// What the agent starts from: the flags, with `--enable-ipv6` as the config file's
+/// `enableIPv6` says when it says (the eBPF data plane sizes its IPv6 NAT table when it loads),
+/// and the number of policy entries the file asks for (it sizes the decision counters). A
+/// file that cannot be read leaves the flag as it is, and counts no entry.
+pub struct Start {
+    pub flags: Flags,
+    pub policy_entries: usize,
+}
+
+impl Start {
+    pub fn from_the_file(flags: &Flags) -> Start {
+        let mut flags = flags.clone();
+        let mut policy_entries = 0;
+        if let Ok(loaded) = config::load(&flags.config, &config_options(&flags)) {
+            flags.enable_ipv6 = loaded.config.ipv6_enabled(flags.enable_ipv6);
+            let policy = Policy::from_config(&loaded.config, flags.enable_ipv6);
+            policy_entries = [IpFamily::Ipv4, IpFamily::Ipv6]
+                .into_iter()
+                .filter_map(|family| policy.rules(family))
+                .map(|rules| rules.len())
+                .sum();
+        }
+        Start {
+            flags,
+            policy_entries,
+        }
     }
-    flags
 }
 
 /// Builds the data plane the flags ask for, falling back to the full iptables chain when the
 /// eBPF one cannot run and the flags allow it.
-pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {
+pub fn build_dataplane(start: &Start) -> anyhow::Result<Box<dyn DataPlane>> {
+    let flags = &start.flags;
     let opts = masquerade_options(flags);
     match flags.dataplane {
         DataplaneKind::Iptables => Ok(Box::new(IptablesDataPlane::new(
@@ -87,7 +106,7 @@ pub fn build_dataplane(flags: &Flags) -> anyhow::Result<Box<dyn DataPlane>> {
             ChainVariant::Full,
             Mode::Iptables,
         ))),
-        DataplaneKind::Ebpf => match ebpf_options(flags).and_then(|o| ebpf::new(&o)) {
+        DataplaneKind::Ebpf => match ebpf_options(start).and_then(|o| ebpf::new(&o)) {
             Ok(plane) => Ok(Box::new(plane)),
             Err(why) if flags.fallback_to_iptables => Ok(fallback(opts, &why)),
             Err(why) => Err(anyhow::Error::from(why).context("--fallback-to-iptables=false")),
@@ -107,7 +126,8 @@ pub fn device_selection(flags: &Flags) -> Selection {
 
 /// The eBPF data plane's options; without the node's ephemeral port range, the programs would
 /// not know which ports are free for NAT, so the data plane cannot run.
-fn ebpf_options(flags: &Flags) -> Result<EbpfOptions, ebpf::Unavailable> {
+fn ebpf_options(start: &Start) -> Result<EbpfOptions, ebpf::Unavailable> {
+    let flags = &start.flags;
     let ephemeral = netdev::ephemeral_port_range().map_err(ebpf::Unavailable)?;
     Ok(EbpfOptions {
         bpffs: flags.bpffs.clone(),
@@ -117,6 +137,7 @@ fn ebpf_options(flags: &Flags) -> Result<EbpfOptions, ebpf::Unavailable> {
         random_fully: flags.random_fully,
         masquerade: masquerade_options(flags),
         enable_ipv6: flags.enable_ipv6,
+        policy_entries: start.policy_entries,
     })
 }
 

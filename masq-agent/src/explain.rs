@@ -5,15 +5,15 @@
 
 use std::{fmt, net::IpAddr, path::Path};
 
-use aya::maps::{LpmTrie, MapData, lpm_trie::Key};
+use aya::maps::lpm_trie::Key;
 use ipnet::IpNet;
-use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, PrefixAction, map_names};
+use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, PolicyEntry, map_names};
 use serde::Serialize;
 
 use crate::{
     config::{self, CidrList, ConfigOptions, Loaded},
     dataplane::{
-        ebpf::{pins::Pins, tries},
+        ebpf::{decisions, pins::Pins, tries},
         iptables::{self, ChainVerdict},
     },
     netdev,
@@ -78,6 +78,10 @@ pub struct LiveAnswer {
     pub decision: Decision,
     /// How it got there, in a few words.
     pub detail: String,
+    /// The eBPF maps: the packets of no known flow that the deciding entry (or, with none, the
+    /// default) decided, where the counters have a slot for it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<u64>,
 }
 
 impl Explanation {
@@ -225,58 +229,54 @@ fn ask_chain(
             source: "the iptables chain",
             decision,
             detail: format!("chain {chain} {detail}"),
+            decisions: None,
         };
         (answer, verdict == ChainVerdict::LeftToPrograms)
     }))
 }
 
-/// What the pinned policy trie says for `dst`, if the eBPF data plane is installed.
+/// What the pinned policy trie says for `dst`, if the eBPF data plane is installed, with the
+/// decisions its counters hold for the deciding entry (or for the default).
 fn ask_programs(bpffs: &Path, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>> {
     let pins = Pins::new(bpffs);
-    let (name, bits) = match dst {
-        IpAddr::V4(_) => (map_names::NON_MASQ_V4, 32),
-        IpAddr::V6(_) => (map_names::NON_MASQ_V6, 128),
+    let name = match dst {
+        IpAddr::V4(_) => map_names::NON_MASQ_V4,
+        IpAddr::V6(_) => map_names::NON_MASQ_V6,
     };
     if !pins.map(name).exists() {
         return Ok(None);
     }
-    let value = match dst {
-        IpAddr::V4(addr) => longest(
-            &pins.open::<LpmTrie<MapData, [u8; 4], PrefixAction>>(name)?,
-            bits,
-            addr.octets(),
-        ),
-        IpAddr::V6(addr) => longest(
-            &pins.open::<LpmTrie<MapData, [u8; 16], PrefixAction>>(name)?,
-            bits,
-            addr.octets(),
-        ),
+    let entry = match dst {
+        IpAddr::V4(addr) => longest::<4>(&pins.open(name)?, addr.octets()),
+        IpAddr::V6(addr) => longest::<16>(&pins.open(name)?, addr.octets()),
     };
-    let decision = match value {
-        Some(v) if v == tries::action_value(Action::NonMasquerade) => Decision::KeepsAddress,
-        _ => Decision::Masquerade,
+    let live = masq_ebpf::Decision::of(entry.as_ref());
+    let decision = match live.keeps_address {
+        true => Decision::KeepsAddress,
+        false => Decision::Masquerade,
     };
-    let detail = match value {
+    let detail = match entry {
         None => format!("no prefix of {dst} in {name}"),
-        Some(_) if decision == Decision::KeepsAddress => {
+        Some(_) if live.keeps_address => {
             format!("the longest prefix of {dst} in {name} keeps the pod's address")
         }
         Some(_) => format!("the longest prefix of {dst} in {name} masquerades"),
+    };
+    let decisions = match decisions::open_pinned(&pins)? {
+        Some(counters) => decisions::count(&counters, live.counted_in)?,
+        None => None,
     };
     Ok(Some(LiveAnswer {
         source: "the eBPF maps",
         decision,
         detail,
+        decisions,
     }))
 }
 
-/// The value of the longest prefix of `addr` in `trie`.
-fn longest<const N: usize>(
-    trie: &LpmTrie<MapData, [u8; N], PrefixAction>,
-    bits: u32,
-    addr: [u8; N],
-) -> Option<PrefixAction> {
-    trie.get(&Key::new(bits, addr), 0).ok()
+/// The entry of the longest prefix of `addr` in `trie`.
+fn longest<const N: usize>(trie: &tries::PolicyTrie<N>, addr: [u8; N]) -> Option<PolicyEntry> {
+    trie.get(&Key::new(8 * N as u32, addr), 0).ok()
 }
 
 impl fmt::Display for Decision {
@@ -337,6 +337,9 @@ impl fmt::Display for Explanation {
                 "DISAGREES"
             };
             writeln!(f, "  {}: {agrees}: {}", answer.source, answer.detail)?;
+            if let Some(n) = answer.decisions {
+                writeln!(f, "    which decided {n} packets of no known flow so far")?;
+            }
         }
         let asked = matches!(self.decision, Decision::Masquerade | Decision::KeepsAddress);
         if self.installed.is_empty() && asked {

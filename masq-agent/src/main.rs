@@ -99,7 +99,7 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
     if let Some(addr) = flags.metrics_addr {
         telemetry::serve(addr, telemetry.clone())?;
     }
-    let dataplane = agent::build_dataplane(&agent::with_the_file_s_ipv6(flags))?;
+    let dataplane = agent::build_dataplane(&agent::Start::from_the_file(flags))?;
     let mut agent = Agent::new(flags, dataplane, telemetry);
     if flags.once {
         return Ok(match agent.sync() {

@@ -16,7 +16,7 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use masq_ebpf::Counter;
+use masq_ebpf::{Counter, prefix_action};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _},
@@ -158,7 +158,10 @@ impl Telemetry {
             })
             .set(1);
         registry.register("build_info", "The agent's version", build_info);
-        registry.register_collector(Box::new(KernelCounters { bpffs }));
+        registry.register_collector(Box::new(KernelCounters {
+            bpffs,
+            slot_actions: Mutex::default(),
+        }));
         Telemetry {
             registry,
             reloads,
@@ -318,6 +321,7 @@ impl Health {
 #[derive(Debug)]
 struct KernelCounters {
     bpffs: PathBuf,
+    slot_actions: Mutex<ebpf::decisions::SlotActions>,
 }
 
 /// Where each kernel counter is reported: metric name, help, and its label, if any.
@@ -462,6 +466,41 @@ impl Collector for KernelCounters {
             None,
             capacity.metric_type(),
         )?)?;
+        self.encode_decisions(&mut encoder)
+    }
+}
+
+impl KernelCounters {
+    /// The policy's decisions per action: per prefix, 100 000 prefixes would be as many
+    /// series; `masq-agent status` names the busiest.
+    fn encode_decisions(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let pins = ebpf::pins::Pins::new(&self.bpffs);
+        let totals = match self.slot_actions.lock() {
+            Ok(mut actions) => actions.totals(&pins),
+            Err(_) => return Ok(()),
+        };
+        let totals = match totals {
+            Ok(Some(totals)) => totals,
+            Ok(None) => return Ok(()),
+            Err(err) => {
+                tracing::debug!("reading the decision counters: {err:#}");
+                return Ok(());
+            }
+        };
+        let metric = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "policy_decisions",
+            "Packets of no known flow the policy decided, by action: a masqueraded flow once, a flow that keeps its address at every packet",
+            None,
+            metric.metric_type(),
+        )?;
+        let name = ebpf::decisions::action_name;
+        for (action, total) in [
+            (name(prefix_action::MASQUERADE), totals.masquerade),
+            (name(prefix_action::NON_MASQUERADE), totals.non_masquerade),
+        ] {
+            ConstCounter::new(total).encode(family.encode_family(&[("action", action)])?)?;
+        }
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 //! the NAT state, ports, fragments) is written once over `Family`.
 
 use aya_ebpf::programs::TcContext;
-use masq_ebpf::{Address, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
+use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
@@ -41,7 +41,12 @@ pub trait Family {
     fn is_unicast(addr: &Self::Addr) -> bool;
     fn nat() -> &'static NatTable<Self::Addr>;
     fn fragments() -> &'static FragmentTable<Self::Addr>;
-    fn is_non_masq_destination(addr: Self::Addr) -> bool;
+    /// What the policy decides for traffic to `addr`.
+    fn decide(addr: Self::Addr) -> Decision;
+    #[inline(always)]
+    fn is_non_masq_destination(addr: Self::Addr) -> bool {
+        Self::decide(addr).keeps_address
+    }
     fn is_draining_destination(addr: Self::Addr) -> bool;
     /// Where `field` sits in the IP header.
     #[inline(always)]
@@ -116,8 +121,8 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn is_non_masq_destination(addr: [u8; 4]) -> bool {
-        policy::is_non_masq_destination_v4(addr)
+    fn decide(addr: [u8; 4]) -> Decision {
+        policy::decide_v4(addr)
     }
 
     #[inline(always)]
@@ -185,8 +190,8 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn is_non_masq_destination(addr: [u8; 16]) -> bool {
-        policy::keeps_address(&maps::NON_MASQ_V6, addr)
+    fn decide(addr: [u8; 16]) -> Decision {
+        policy::decide(&maps::NON_MASQ_V6, addr)
     }
 
     #[inline(always)]

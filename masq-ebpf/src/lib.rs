@@ -21,6 +21,10 @@ pub mod map_names {
     /// caches hold only verdicts of the current generation. Pinned, so that a restarted
     /// agent's programs and the ones they replace see the same generation.
     pub const POLICY_GENERATION: &str = "policy_generation";
+    /// Per CPU, the decisions each entry of the policy tries took, by the entry's
+    /// `PolicyEntry::counted_in`: how often it was asked about a packet of no known flow.
+    /// Sized by the agent when it loads the object.
+    pub const DECISIONS: &str = "policy_decisions";
     /// Each program object's per-CPU cache of `non_masq_v4` verdicts; not pinned.
     pub const NON_MASQ_CACHE_V4: &str = "non_masq_cache_v4";
     /// The translation of each fragmented datagram in flight, taken from its first fragment
@@ -30,7 +34,7 @@ pub mod map_names {
     pub const FRAGMENTS_V6: &str = "nat_fragments_v6";
 
     /// Every map the agent pins.
-    pub const PINNED: [&str; 10] = [
+    pub const PINNED: [&str; 11] = [
         NON_MASQ_V4,
         NON_MASQ_V6,
         DRAINING_V4,
@@ -41,6 +45,7 @@ pub mod map_names {
         SETTINGS,
         COUNTERS,
         POLICY_GENERATION,
+        DECISIONS,
     ];
 }
 
@@ -58,8 +63,8 @@ pub const NAT_DEFAULT_ENTRIES: u32 = 2 * 262_144;
 /// Interfaces the programs may be attached to at once.
 pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 
-/// The value of each prefix in the policy tries (`non_masq_v4`, `non_masq_v6`): what happens to
-/// traffic to the destinations it is the longest prefix of.
+/// What a prefix of the policy tries does to traffic to the destinations it is the longest
+/// prefix of.
 pub type PrefixAction = u8;
 
 pub mod prefix_action {
@@ -70,18 +75,75 @@ pub mod prefix_action {
     pub const MASQUERADE: PrefixAction = 2;
 }
 
+/// The value of each prefix in the policy tries (`non_masq_v4`, `non_masq_v6`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyEntry {
+    /// The slot of `policy_decisions` that counts this prefix's decisions.
+    pub counted_in: u32,
+    pub action: PrefixAction,
+    pub _pad: [u8; 3],
+}
+
+/// Slots of the `policy_decisions` array.
+pub mod decision_slot {
+    /// Counts the decisions no prefix took: destinations masqueraded by default.
+    pub const BY_DEFAULT: u32 = 0;
+    /// An entry's value when the array had no slot left for it: its decisions go uncounted.
+    /// Never a slot: the array is never this large.
+    pub const UNCOUNTED: u32 = u32::MAX;
+    /// The fewest slots the agent gives the array: a few kilobytes per CPU, room for any policy
+    /// of upstream's default `cidrLimit` to grow in.
+    pub const AT_LEAST: u32 = 1024;
+}
+
+/// What the policy tries say of a destination: whether it keeps the pod's address, and which
+/// slot of `policy_decisions` counts the entry that said so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub keeps_address: bool,
+    pub counted_in: u32,
+}
+
+impl Decision {
+    /// What an entry of the trie decides; `None`, no entry, means masquerade.
+    #[inline(always)]
+    pub fn of(entry: Option<&PolicyEntry>) -> Decision {
+        match entry {
+            Some(entry) => Decision {
+                keeps_address: entry.action == prefix_action::NON_MASQUERADE,
+                counted_in: entry.counted_in,
+            },
+            None => Decision {
+                keeps_address: false,
+                counted_in: decision_slot::BY_DEFAULT,
+            },
+        }
+    }
+}
+
 /// Slots of the per-CPU verdict cache in front of `non_masq_v4`: direct-mapped by a hash of the
 /// destination.
 pub const NON_MASQ_CACHE_SLOTS: u32 = 4096;
 
-/// A verdict cache slot, packed into one word so that it is read and written whole: the
-/// destination in the high 32 bits, the policy generation (31 bits) above the lowest bit, and
-/// the verdict (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so
-/// that an empty slot never matches.
+/// A verdict cache slot: `tag`, one word read and written whole, holds the destination in its
+/// high 32 bits, the policy generation (31 bits) above the lowest bit, and the verdict
+/// (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so that an empty
+/// slot never matches. `counted_in` is the deciding entry's slot of `policy_decisions`: read
+/// apart from the tag, so that a program preempted between the two writes can at worst count
+/// one decision in the wrong slot, and never take a wrong verdict.
 pub mod verdict_slot {
     pub const GENERATION_MASK: u32 = 0x7fff_ffff;
 
-    /// The slot's value without its verdict bit, for `addr` under `generation`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct Slot {
+        pub tag: u64,
+        pub counted_in: u32,
+        pub _pad: u32,
+    }
+
+    /// The slot's tag without its verdict bit, for `addr` under `generation`.
     #[inline(always)]
     pub const fn tag(addr: [u8; 4], generation: u32) -> u64 {
         ((u32::from_be_bytes(addr) as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
@@ -400,6 +462,8 @@ mod layout {
     const _: () = assert!(size_of::<Interface>() == 20);
     const _: () = assert!(size_of::<PortSpan>() == 8);
     const _: () = assert!(size_of::<Settings>() == 8 * MAX_PORT_SPANS + 16);
+    const _: () = assert!(size_of::<PolicyEntry>() == 8 && offset_of!(PolicyEntry, action) == 4);
+    const _: () = assert!(size_of::<verdict_slot::Slot>() == 16);
 }
 
 #[cfg(feature = "user")]
@@ -411,4 +475,5 @@ mod pod {
     unsafe impl aya::Pod for super::NatEntryV6 {}
     unsafe impl aya::Pod for super::Interface {}
     unsafe impl aya::Pod for super::Settings {}
+    unsafe impl aya::Pod for super::PolicyEntry {}
 }

@@ -6,8 +6,8 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
-    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
-    PrefixAction, Settings,
+    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
+    Settings, decision_slot, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -19,20 +19,24 @@ pub type NatTable<A> = HashMap<NatKey<A>, NatEntry<A>, { NAT_DEFAULT_ENTRIES as 
 pub type FragmentTable<A> = LruHashMap<FragmentKey<A>, A, { FRAGMENTS_MAX_ENTRIES as usize }>;
 /// Prefixes recently removed from a non-masquerade trie, with the time of their removal.
 pub type DrainingTrie<A> = LpmTrie<A, u32, { NON_MASQ_MAX_ENTRIES as usize }>;
+/// A family's policy: each prefix with its action and the slot that counts its decisions.
+pub type PolicyTrie<A> = LpmTrie<A, PolicyEntry, { NON_MASQ_MAX_ENTRIES as usize }>;
 
 #[btf_map(name = "non_masq_v4")]
-pub static NON_MASQ_V4: LpmTrie<[u8; 4], PrefixAction, { NON_MASQ_MAX_ENTRIES as usize }> =
-    LpmTrie::new();
+pub static NON_MASQ_V4: PolicyTrie<[u8; 4]> = LpmTrie::new();
 
 #[btf_map(name = "non_masq_v6")]
-pub static NON_MASQ_V6: LpmTrie<[u8; 16], PrefixAction, { NON_MASQ_MAX_ENTRIES as usize }> =
-    LpmTrie::new();
+pub static NON_MASQ_V6: PolicyTrie<[u8; 16]> = LpmTrie::new();
+
+/// The size here is the least the agent gives it; it sets the size when it loads the object.
+#[btf_map(name = "policy_decisions")]
+pub static DECISIONS: PerCpuArray<u64, { decision_slot::AT_LEAST as usize }> = PerCpuArray::new();
 
 #[btf_map(name = "policy_generation")]
 pub static POLICY_GENERATION: Array<u32, 1> = Array::new();
 
 #[btf_map(name = "non_masq_cache_v4")]
-pub static NON_MASQ_CACHE_V4: PerCpuArray<u64, { NON_MASQ_CACHE_SLOTS as usize }> =
+pub static NON_MASQ_CACHE_V4: PerCpuArray<verdict_slot::Slot, { NON_MASQ_CACHE_SLOTS as usize }> =
     PerCpuArray::new();
 
 #[btf_map(name = "non_masq_draining_v4")]

@@ -18,7 +18,7 @@ use crate::{
     frag, maps,
     nat::{self, AllocError, IdentityError, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
-    verifier,
+    policy, verifier,
 };
 
 #[classifier]
@@ -283,7 +283,10 @@ fn snat_unwalked<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
 
 /// Egress, for a flow without an entry: should it leave with the node's address? Reads the
 /// packet's `segment` once the answer may depend on it: the packets of flows to non-masquerade
-/// destinations, which have no entry, come this way each, and need none of it.
+/// destinations, which have no entry, come this way each, and need none of it. A pod's packet
+/// is counted for the policy entry that decided it: a masqueraded flow once, as its entry
+/// carries the rest; a flow that keeps its address at every packet, as nothing here holds it.
+/// The node's own packets are not the policy's to decide.
 #[inline(always)]
 fn snat_needs_masquerade<F: Family>(
     ctx: &TcContext,
@@ -293,7 +296,11 @@ fn snat_needs_masquerade<F: Family>(
     node_source: bool,
     segment: &mut Segment,
 ) -> Result<(), Verdict> {
-    if F::is_non_masq_destination(ip.daddr) {
+    let decision = F::decide(ip.daddr);
+    if !node_source {
+        policy::count(decision);
+    }
+    if decision.keeps_address {
         return Err(Verdict::Keep(if node_source {
             Counter::NotMasqNodeSource
         } else {

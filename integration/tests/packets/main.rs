@@ -8,6 +8,7 @@
 //! `<case>::ipv4` and `<case>::ipv6`, as the programs are written once over theirs; `ipv4` and
 //! `ipv6` hold what one family alone has.
 
+mod decisions;
 mod family;
 mod flow_state;
 mod flows;

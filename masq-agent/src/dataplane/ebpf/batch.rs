@@ -1,7 +1,8 @@
 //! Whole-table reads and deletes with the kernel's batch commands (`BPF_MAP_LOOKUP_BATCH`,
 //! `BPF_MAP_DELETE_BATCH`): a few system calls per table, where key-by-key iteration takes two
 //! per entry. A full NAT table holds half a million entries, and the sweep reads it every ten
-//! seconds. aya has no binding for these commands, so this is the one raw `bpf(2)` call here.
+//! seconds; the decision counters hold a slot per policy entry, and every metrics scrape reads
+//! them. aya has no binding for these commands, so this is the one raw `bpf(2)` call here.
 
 use std::{
     io,
@@ -57,14 +58,48 @@ fn fd(map: &MapData) -> u32 {
 /// Every entry of the hash map `map`, whose key and value types are `K` and `V`.
 pub fn lookup_all<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
     let mut entries = Vec::new();
+    lookup_each::<K>(map, size_of::<V>(), |key, value| {
+        // SAFETY: the kernel wrote `size_of::<V>()` bytes of a `V` there, possibly unaligned.
+        entries.push((key, unsafe { value.as_ptr().cast::<V>().read_unaligned() }));
+    })?;
+    Ok(entries)
+}
+
+/// Every slot of the per-CPU array `map` of `u64`s, summed over the CPUs.
+pub fn per_cpu_totals(map: &MapData) -> io::Result<Vec<u64>> {
+    let cpus = aya::util::nr_cpus().map_err(|(_, err)| err)?;
+    let mut totals = Vec::new();
+    // The kernel lays a per-CPU value out as one eight-byte-aligned copy per possible CPU.
+    lookup_each::<u32>(map, cpus * size_of::<u64>(), |slot, values| {
+        let total = values
+            .chunks_exact(size_of::<u64>())
+            .map(|bytes| u64::from_ne_bytes(bytes.try_into().expect("eight bytes")))
+            .fold(0u64, u64::wrapping_add);
+        let slot = slot as usize;
+        if totals.len() <= slot {
+            totals.resize(slot + 1, 0);
+        }
+        totals[slot] = total;
+    })?;
+    Ok(totals)
+}
+
+/// Hands each entry of `map` to `each`: its key, of type `K`, and its value's `value_size`
+/// bytes.
+fn lookup_each<K: Pod>(
+    map: &MapData,
+    value_size: usize,
+    mut each: impl FnMut(K, &[u8]),
+) -> io::Result<()> {
     let mut chunk = CHUNK;
     let mut keys: Vec<MaybeUninit<K>> = Vec::new();
-    let mut values: Vec<MaybeUninit<V>> = Vec::new();
-    // The kernel's cursor: where the last call stopped. Hash maps use four bytes of it.
+    let mut values: Vec<u8> = Vec::new();
+    // The kernel's cursor: where the last call stopped. Hash maps and arrays use four bytes
+    // of it.
     let (mut cursor, mut started) = (0u64, false);
     loop {
         keys.resize(chunk, MaybeUninit::uninit());
-        values.resize(chunk, MaybeUninit::uninit());
+        values.resize(chunk * value_size, 0);
         let mut next = 0u64;
         let mut attr = BatchAttr {
             in_batch: if started {
@@ -81,9 +116,9 @@ pub fn lookup_all<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
         };
         let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
         let filled = (attr.count as usize).min(chunk);
-        for i in 0..filled {
-            // SAFETY: the kernel filled the first `count` slots of both arrays.
-            entries.push(unsafe { (keys[i].assume_init(), values[i].assume_init()) });
+        for (i, value) in values.chunks_exact(value_size).take(filled).enumerate() {
+            // SAFETY: the kernel filled the first `count` keys.
+            each(unsafe { keys[i].assume_init() }, value);
         }
         match result {
             Ok(()) => {
@@ -91,7 +126,7 @@ pub fn lookup_all<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
                 started = true;
             }
             // The end of the table; the last call may still have returned entries.
-            Err(err) if err.raw_os_error() == Some(libc::ENOENT) => return Ok(entries),
+            Err(err) if err.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
             Err(err) if err.raw_os_error() == Some(libc::ENOSPC) && filled == 0 => chunk *= 2,
             Err(err) => return Err(err),
         }

@@ -42,14 +42,15 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
 }
 
 /// Loads the object as `loader` sets it up, and both programs into the kernel.
-pub fn load(loader: &mut EbpfLoader) -> anyhow::Result<(Programs, Maps)> {
+/// `reused_decisions`: the loader reuses an earlier agent's decision counters.
+pub fn load(loader: &mut EbpfLoader, reused_decisions: bool) -> anyhow::Result<(Programs, Maps)> {
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
     for name in [program_names::EGRESS, program_names::INGRESS] {
         classifier(&mut ebpf, name)?
             .load()
             .with_context(|| format!("loading program {name}"))?;
     }
-    let maps = Maps::take_from(&mut ebpf)?;
+    let maps = Maps::take_from(&mut ebpf, reused_decisions)?;
     Ok((Programs(ebpf), maps))
 }
 
@@ -69,10 +70,11 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
         map_names::NAT_V6 => opts.nat_v6_capacity(),
         _ => opts.nat_capacity,
     });
-    pins.discard_incompatible(opts.nat_capacity, opts.nat_v6_capacity());
+    pins.discard_incompatible(opts);
     let mut loader = EbpfLoader::new();
     loader.map_max_entries(map_names::NAT_V4, opts.nat_capacity);
     loader.map_max_entries(map_names::NAT_V6, opts.nat_v6_capacity());
+    loader.map_max_entries(map_names::DECISIONS, opts.decision_slots());
     let paths: Vec<(&str, PathBuf)> = map_names::PINNED
         .iter()
         .map(|name| (*name, pins.map(name)))
@@ -80,7 +82,8 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     for (name, path) in &paths {
         loader.map_pin_path(name, path.as_path());
     }
-    let (programs, mut maps) = load(&mut loader)?;
+    let reused_decisions = pins.map(map_names::DECISIONS).exists();
+    let (programs, mut maps) = load(&mut loader, reused_decisions)?;
     write_settings(&mut maps.settings, &opts.port_spans, opts.random_fully)?;
     carried.copy_into(&mut maps);
     Ok(Loaded {

@@ -62,19 +62,22 @@ pub struct Maps {
 impl Maps {
     /// Takes the maps out of `ebpf`. Its programs must be loaded already: the kernel resolves
     /// their references to the maps through the descriptors the loader opened.
-    pub fn take_from(ebpf: &mut Ebpf) -> anyhow::Result<Maps> {
+    /// `reused_decisions`: the decision counters are an earlier agent's.
+    pub fn take_from(ebpf: &mut Ebpf, reused_decisions: bool) -> anyhow::Result<Maps> {
         Ok(Maps {
-            policy: PolicyMaps {
-                v4: FamilyTries {
+            policy: PolicyMaps::new(
+                FamilyTries {
                     non_masq: take(ebpf, map_names::NON_MASQ_V4)?,
                     draining: take(ebpf, map_names::DRAINING_V4)?,
                 },
-                v6: FamilyTries {
+                FamilyTries {
                     non_masq: take(ebpf, map_names::NON_MASQ_V6)?,
                     draining: take(ebpf, map_names::DRAINING_V6)?,
                 },
-                generation: take(ebpf, map_names::POLICY_GENERATION)?,
-            },
+                take(ebpf, map_names::POLICY_GENERATION)?,
+                take(ebpf, map_names::DECISIONS)?,
+                reused_decisions,
+            )?,
             nat: NatTables {
                 v4: take(ebpf, map_names::NAT_V4)?,
                 v6: take(ebpf, map_names::NAT_V6)?,

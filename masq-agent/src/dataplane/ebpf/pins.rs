@@ -11,11 +11,11 @@ use anyhow::{Context as _, bail};
 use aya::maps::{Map, MapData, MapError, MapType};
 use masq_ebpf::{
     COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, Interface, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatEntryV6,
-    NatKeyV4, NatKeyV6, Settings, map_names,
+    NatKeyV4, NatKeyV6, PolicyEntry, Settings, map_names,
 };
 use tracing::{info, warn};
 
-use super::{attach::Hook, maps};
+use super::{EbpfOptions, attach::Hook, maps};
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -119,13 +119,9 @@ impl Pins {
 
     /// Removes pinned maps whose type or layout differs from what this build expects, so that
     /// the loader creates fresh ones. Returns the names it replaced.
-    pub fn discard_incompatible(
-        &self,
-        nat_capacity: u32,
-        nat_v6_capacity: u32,
-    ) -> Vec<&'static str> {
+    pub fn discard_incompatible(&self, opts: &EbpfOptions) -> Vec<&'static str> {
         let mut replaced = Vec::new();
-        for spec in expected_maps(nat_capacity, nat_v6_capacity) {
+        for spec in expected_maps(opts) {
             let path = self.map(spec.name);
             if !path.exists() {
                 continue;
@@ -176,7 +172,7 @@ struct MapSpec {
 }
 
 /// The maps this build creates, as the kernel reports them.
-fn expected_maps(nat_capacity: u32, nat_v6_capacity: u32) -> [MapSpec; map_names::PINNED.len()] {
+fn expected_maps(opts: &EbpfOptions) -> [MapSpec; map_names::PINNED.len()] {
     const LPM_KEY_PREFIX: u32 = size_of::<u32>() as u32;
     let size = |n: usize| n as u32;
     [
@@ -184,14 +180,14 @@ fn expected_maps(nat_capacity: u32, nat_v6_capacity: u32) -> [MapSpec; map_names
             name: map_names::NON_MASQ_V4,
             kind: MapType::LpmTrie,
             key_size: LPM_KEY_PREFIX + 4,
-            value_size: 1,
+            value_size: size(size_of::<PolicyEntry>()),
             max_entries: NON_MASQ_MAX_ENTRIES,
         },
         MapSpec {
             name: map_names::NON_MASQ_V6,
             kind: MapType::LpmTrie,
             key_size: LPM_KEY_PREFIX + 16,
-            value_size: 1,
+            value_size: size(size_of::<PolicyEntry>()),
             max_entries: NON_MASQ_MAX_ENTRIES,
         },
         MapSpec {
@@ -213,14 +209,14 @@ fn expected_maps(nat_capacity: u32, nat_v6_capacity: u32) -> [MapSpec; map_names
             kind: MapType::Hash,
             key_size: size(size_of::<NatKeyV4>()),
             value_size: size(size_of::<NatEntryV4>()),
-            max_entries: nat_capacity,
+            max_entries: opts.nat_capacity,
         },
         MapSpec {
             name: map_names::NAT_V6,
             kind: MapType::Hash,
             key_size: size(size_of::<NatKeyV6>()),
             value_size: size(size_of::<NatEntryV6>()),
-            max_entries: nat_v6_capacity,
+            max_entries: opts.nat_v6_capacity(),
         },
         MapSpec {
             name: map_names::INTERFACES,
@@ -249,6 +245,13 @@ fn expected_maps(nat_capacity: u32, nat_v6_capacity: u32) -> [MapSpec; map_names
             key_size: 4,
             value_size: 4,
             max_entries: 1,
+        },
+        MapSpec {
+            name: map_names::DECISIONS,
+            kind: MapType::PerCpuArray,
+            key_size: 4,
+            value_size: 8,
+            max_entries: opts.decision_slots(),
         },
     ]
 }

@@ -13,11 +13,12 @@ use aya::{
     maps::Map,
     programs::links::{FdLink, PinnedLink},
 };
-use masq_ebpf::{COUNTER_SLOTS, Counter, PrefixAction, map_names};
+use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names};
 use serde::Serialize;
 
 use super::{
     attach::{self, Hook},
+    decisions::{self, PolicyDecisions},
     expiry,
     maps::{Counters, Interfaces, counter_total},
     pins::Pins,
@@ -63,6 +64,9 @@ pub struct EbpfStatus {
     pub nat_entries: usize,
     pub nat_capacity: u32,
     pub counters: BTreeMap<&'static str, u64>,
+    /// What each policy entry decided; absent where an older agent pinned no counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<PolicyDecisions>,
 }
 
 impl EbpfStatus {
@@ -128,6 +132,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
                 .map(|(addr, flows)| (IpAddr::from(addr), flows)),
         )
         .collect();
+    let decisions = decisions::read(&pins, &v4, &v6)?;
     let interfaces: Interfaces = pins.open(map_names::INTERFACES)?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
     let counters = kernel
@@ -161,6 +166,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
         counters,
+        decisions,
     }))
 }
 
@@ -237,6 +243,9 @@ impl std::fmt::Display for EbpfStatus {
         for (name, value) in &self.counters {
             writeln!(f, "  {name}: {value}")?;
         }
+        if let Some(decisions) = &self.decisions {
+            write!(f, "{decisions}")?;
+        }
         Ok(())
     }
 }
@@ -261,11 +270,10 @@ fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
     out
 }
 
-/// A prefix as the config writes it.
 /// The prefixes of a policy trie's `entries` whose action is `action`, as the config writes
 /// them.
 fn with_action<const N: usize>(
-    entries: &BTreeMap<Prefix<N>, PrefixAction>,
+    entries: &BTreeMap<Prefix<N>, PolicyEntry>,
     action: Action,
 ) -> Vec<String>
 where
@@ -274,14 +282,7 @@ where
     let value = tries::action_value(action);
     entries
         .iter()
-        .filter(|(_, a)| **a == value)
-        .map(|(prefix, _)| written(*prefix))
+        .filter(|(_, entry)| entry.action == value)
+        .map(|(prefix, _)| tries::written(*prefix))
         .collect()
-}
-
-fn written<const N: usize>((len, data): Prefix<N>) -> String
-where
-    IpAddr: From<[u8; N]>,
-{
-    format!("{}/{len}", IpAddr::from(data))
 }

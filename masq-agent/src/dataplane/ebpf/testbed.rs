@@ -11,14 +11,16 @@ use aya::{
     EbpfLoader, Pod,
     programs::{TestRun, TestRunOptions},
 };
-use ipnet::{Ipv4Net, Ipv6Net};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use masq_ebpf::{Counter, NatEntry, NatKey, map_names, program_names};
 
 use super::{
+    decisions,
     expiry::Table,
     follow::write_interfaces,
     load::{self, Programs, write_settings},
     maps::{Maps, NatFamily, counter_total},
+    tries,
 };
 use crate::{netdev::Device, policy::IpFamily, ports::PortRange};
 
@@ -57,6 +59,7 @@ impl TestBed {
             EbpfLoader::new()
                 .map_max_entries(map_names::NAT_V4, nat_entries)
                 .map_max_entries(map_names::NAT_V6, nat_entries),
+            false,
         )?;
         Ok(TestBed { programs, maps })
     }
@@ -151,6 +154,28 @@ impl TestBed {
 
     pub fn counter(&self, counter: Counter) -> u64 {
         counter_total(&self.maps.counters, counter)
+    }
+
+    /// What the policy entry for exactly `net` decided, as its counter says: `Some(None)` for
+    /// an entry without a slot, `None` for no such entry.
+    pub fn decisions_of(&self, net: IpNet) -> Option<Option<u64>> {
+        let entry = match net {
+            IpNet::V4(net) => tries::entries(&self.maps.policy.v4.non_masq)
+                .get(&(u32::from(net.prefix_len()), net.network().octets()))
+                .copied(),
+            IpNet::V6(net) => tries::entries(&self.maps.policy.v6.non_masq)
+                .get(&(u32::from(net.prefix_len()), net.network().octets()))
+                .copied(),
+        }?;
+        Some(decisions::count(&self.maps.policy.decisions, entry.counted_in).unwrap())
+    }
+
+    /// The decisions no entry took.
+    pub fn decided_by_default(&self) -> u64 {
+        let slot = masq_ebpf::decision_slot::BY_DEFAULT;
+        decisions::count(&self.maps.policy.decisions, slot)
+            .unwrap()
+            .unwrap_or(0)
     }
 
     /// The IPv4 NAT table's entries.

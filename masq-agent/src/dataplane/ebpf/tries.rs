@@ -3,25 +3,32 @@
 //! trie of prefixes that stopped keeping the pod's address lately, toward which TCP connections
 //! that started unmasqueraded stay so until they may have gone idle; and the generation that
 //! invalidates the programs' cached verdicts whenever a trie changes, so that no new flow is
-//! judged by a policy no longer in force.
+//! judged by a policy no longer in force. Each entry also names the slot that counts its
+//! decisions (see `decisions`).
 
 use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
 use anyhow::Context as _;
 use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
 use ipnet::IpNet;
-use masq_ebpf::{PrefixAction, prefix_action};
+use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, prefix_action};
 
-use super::expiry;
+use super::{
+    decisions::{DecisionCounters, DecisionSlots},
+    expiry,
+};
 use crate::policy::{Action, IpFamily, Policy, Rules};
 
 /// An LPM trie key as plain data: prefix length in bits, then the address bytes.
 pub type Prefix<const N: usize> = (u32, [u8; N]);
 
+/// A family's policy trie.
+pub type PolicyTrie<const N: usize> = LpmTrie<MapData, [u8; N], PolicyEntry>;
+
 /// One family's tries.
 pub struct FamilyTries<const N: usize> {
-    /// The policy's prefixes, each with its action.
-    pub non_masq: LpmTrie<MapData, [u8; N], PrefixAction>,
+    /// The policy's prefixes, each with its action and the slot counting its decisions.
+    pub non_masq: PolicyTrie<N>,
     /// The prefixes that stopped keeping the pod's address, with when (seconds of
     /// CLOCK_MONOTONIC).
     pub draining: LpmTrie<MapData, [u8; N], u32>,
@@ -38,21 +45,24 @@ struct DrainingChange<const N: usize> {
 
 impl<const N: usize> DrainingChange<N> {
     fn between(
-        current: &BTreeMap<Prefix<N>, PrefixAction>,
+        current: &BTreeMap<Prefix<N>, PolicyEntry>,
         desired: &BTreeMap<Prefix<N>, PrefixAction>,
     ) -> DrainingChange<N> {
         let removed_with = |value| {
             current
                 .iter()
-                .filter(move |(prefix, action)| **action == value && !desired.contains_key(*prefix))
+                .filter(move |(prefix, entry)| {
+                    entry.action == value && !desired.contains_key(*prefix)
+                })
                 .map(|(prefix, _)| *prefix)
         };
         let new_exceptions = desired
             .iter()
             .filter(|(prefix, action)| {
                 **action == prefix_action::MASQUERADE
-                    && current.get(*prefix) != Some(&prefix_action::MASQUERADE)
-                    && longest_match(current, **prefix) == Some(prefix_action::NON_MASQUERADE)
+                    && current.get(*prefix).map(|e| e.action) != Some(prefix_action::MASQUERADE)
+                    && longest_match(current, **prefix).map(|e| e.action)
+                        == Some(prefix_action::NON_MASQUERADE)
             })
             .map(|(prefix, _)| *prefix);
         DrainingChange {
@@ -64,12 +74,12 @@ impl<const N: usize> DrainingChange<N> {
     }
 }
 
-/// The action of the longest prefix in `entries` that holds all of `prefix` (itself included),
+/// The value of the longest prefix in `entries` that holds all of `prefix` (itself included),
 /// as the trie would answer for its addresses.
-fn longest_match<const N: usize>(
-    entries: &BTreeMap<Prefix<N>, PrefixAction>,
+fn longest_match<const N: usize, V: Copy>(
+    entries: &BTreeMap<Prefix<N>, V>,
     (len, data): Prefix<N>,
-) -> Option<PrefixAction> {
+) -> Option<V> {
     (0..=len).rev().find_map(|shorter| {
         let mut network = data;
         for (i, byte) in network.iter_mut().enumerate() {
@@ -108,9 +118,36 @@ pub struct PolicyMaps {
     pub v6: FamilyTries<16>,
     /// What the programs tag their cached verdicts with.
     pub generation: Array<MapData, u32>,
+    /// Per CPU, the decisions each entry took, in its slot.
+    pub decisions: DecisionCounters,
+    slots: DecisionSlots,
 }
 
 impl PolicyMaps {
+    /// The policy maps, their entries' slots as the tries hold them; `reused_decisions` says
+    /// whether `decisions` is an earlier agent's, whose free slots may hold counts.
+    pub fn new(
+        v4: FamilyTries<4>,
+        v6: FamilyTries<16>,
+        generation: Array<MapData, u32>,
+        decisions: DecisionCounters,
+        reused_decisions: bool,
+    ) -> anyhow::Result<PolicyMaps> {
+        let capacity = decisions.len();
+        let held = entries(&v4.non_masq)
+            .into_values()
+            .chain(entries(&v6.non_masq).into_values())
+            .map(|entry| entry.counted_in);
+        let slots = DecisionSlots::free_besides(capacity, held, reused_decisions);
+        Ok(PolicyMaps {
+            v4,
+            v6,
+            generation,
+            decisions,
+            slots,
+        })
+    }
+
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
     pub fn sync(&mut self, policy: &Policy) -> anyhow::Result<bool> {
         let v4 = policy.rules(IpFamily::Ipv4).unwrap_or_default();
@@ -123,9 +160,19 @@ impl PolicyMaps {
 
     /// Makes one family's trie hold `rules`. Returns whether it changed.
     pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
+        let mut counting = Counting {
+            slots: &mut self.slots,
+            counters: &mut self.decisions,
+        };
         match family {
-            IpFamily::Ipv4 => self.v4.sync(trie_entries(rules), &mut self.generation),
-            IpFamily::Ipv6 => self.v6.sync(trie_entries(rules), &mut self.generation),
+            IpFamily::Ipv4 => {
+                self.v4
+                    .sync(trie_entries(rules), &mut self.generation, &mut counting)
+            }
+            IpFamily::Ipv6 => {
+                self.v6
+                    .sync(trie_entries(rules), &mut self.generation, &mut counting)
+            }
         }
     }
 
@@ -149,6 +196,20 @@ impl PolicyMaps {
     }
 }
 
+/// The decision counters and their free slots, as a sync hands slots out and takes them back.
+struct Counting<'a> {
+    slots: &'a mut DecisionSlots,
+    counters: &'a mut DecisionCounters,
+}
+
+impl Counting<'_> {
+    /// Whether `entry` keeps its slot: one of the array's, or none while none is free.
+    fn keeps_slot(&self, entry: &PolicyEntry) -> bool {
+        self.slots.is_an_entry_s(entry.counted_in)
+            || (entry.counted_in == decision_slot::UNCOUNTED && !self.slots.any_free())
+    }
+}
+
 impl<const N: usize> FamilyTries<N> {
     /// Makes the policy trie hold `desired` (prefix lengths and network addresses, with their
     /// actions), draining the prefixes that stop keeping the pod's address, and moves the policy
@@ -162,6 +223,7 @@ impl<const N: usize> FamilyTries<N> {
         &mut self,
         desired: BTreeMap<Prefix<N>, PrefixAction>,
         generation: &mut Array<MapData, u32>,
+        counting: &mut Counting,
     ) -> anyhow::Result<bool> {
         let current = entries(&self.non_masq);
         let change = DrainingChange::between(&current, &desired);
@@ -169,7 +231,7 @@ impl<const N: usize> FamilyTries<N> {
         for (len, data) in &change.start {
             self.draining.insert(&Key::new(*len, *data), now, 0)?;
         }
-        let synced = self.write_policy(&current, &desired);
+        let synced = self.write_policy(&current, &desired, counting);
         // Even a sync that failed half-way may have changed the trie: no cached verdict survives it.
         if !matches!(synced, Ok(false)) {
             next_generation(generation)?;
@@ -182,41 +244,83 @@ impl<const N: usize> FamilyTries<N> {
     /// Makes the policy trie, which holds `current`, hold exactly `desired`: longer prefixes
     /// before shorter ones, so that an exception is in place before the prefix it cuts into, and
     /// every write before any removal, so that a prefix that stays is never missing, not even
-    /// for a moment. A failed write rolls back what this call wrote. Returns whether anything
-    /// changed.
+    /// for a moment. A prefix that keeps its action keeps its slot; a new one, or one whose
+    /// action changed, is counted from zero. A failed write rolls back what this call wrote.
+    /// Returns whether anything changed.
     fn write_policy(
         &mut self,
-        current: &BTreeMap<Prefix<N>, PrefixAction>,
+        current: &BTreeMap<Prefix<N>, PolicyEntry>,
         desired: &BTreeMap<Prefix<N>, PrefixAction>,
+        counting: &mut Counting,
     ) -> anyhow::Result<bool> {
         let trie = &mut self.non_masq;
-        let mut writes: Vec<(&Prefix<N>, &PrefixAction)> = desired
+        let mut writes: Vec<(Prefix<N>, PrefixAction)> = desired
             .iter()
-            .filter(|(prefix, action)| current.get(prefix) != Some(action))
+            .filter(|(prefix, action)| {
+                !current
+                    .get(prefix)
+                    .is_some_and(|entry| entry.action == **action && counting.keeps_slot(entry))
+            })
+            .map(|(prefix, action)| (*prefix, *action))
             .collect();
         writes.sort_by_key(|((len, _), _)| std::cmp::Reverse(*len));
-        let mut written: Vec<(Prefix<N>, Option<PrefixAction>)> = Vec::new();
-        for (prefix, action) in writes {
-            let (len, data) = *prefix;
-            if let Err(err) = trie.insert(&Key::new(len, data), action, 0) {
-                for ((len, data), before) in &written {
-                    let key = Key::new(*len, *data);
-                    let _ = match before {
-                        Some(value) => trie.insert(&key, value, 0),
-                        None => trie.remove(&key),
+        let mut written: Vec<(Prefix<N>, PolicyEntry)> = Vec::new();
+        let mut uncounted = 0;
+        for (prefix @ (len, data), action) in writes {
+            let written_now = counting
+                .slots
+                .take(counting.counters)
+                .and_then(|counted_in| {
+                    let entry = PolicyEntry {
+                        counted_in,
+                        action,
+                        ..PolicyEntry::default()
                     };
+                    // Still no slot for an entry that had none: nothing to write.
+                    if current.get(&prefix) == Some(&entry) {
+                        return Ok(None);
+                    }
+                    match trie.insert(&Key::new(len, data), entry, 0) {
+                        Ok(()) => Ok(Some(entry)),
+                        Err(err) => {
+                            counting.slots.give_back(counted_in);
+                            Err(err).context("writing a prefix to the policy trie")
+                        }
+                    }
+                });
+            match written_now {
+                Ok(Some(entry)) => {
+                    uncounted += usize::from(entry.counted_in == decision_slot::UNCOUNTED);
+                    written.push((prefix, entry));
                 }
-                return Err(err).context("writing a prefix to the policy trie");
+                Ok(None) => {}
+                Err(err) => {
+                    roll_back(trie, current, &written, counting.slots);
+                    return Err(err);
+                }
             }
-            written.push((*prefix, current.get(prefix).copied()));
         }
-        let removed: Vec<&Prefix<N>> = current
-            .keys()
-            .filter(|prefix| !desired.contains_key(prefix))
+        for (prefix, _) in &written {
+            if let Some(before) = current.get(prefix) {
+                counting.slots.give_back(before.counted_in);
+            }
+        }
+        let removed: Vec<(&Prefix<N>, &PolicyEntry)> = current
+            .iter()
+            .filter(|(prefix, _)| !desired.contains_key(prefix))
             .collect();
-        for (len, data) in &removed {
+        for ((len, data), entry) in &removed {
             trie.remove(&Key::new(*len, *data))
                 .context("removing a prefix from the policy trie")?;
+            counting.slots.give_back(entry.counted_in);
+        }
+        if uncounted > 0 {
+            tracing::warn!(
+                uncounted,
+                slots = counting.counters.len(),
+                "policy entries whose decisions go uncounted: the counters were sized for the \
+                 policy the agent started with; a restart sizes them for this one"
+            );
         }
         Ok(!written.is_empty() || !removed.is_empty())
     }
@@ -261,20 +365,43 @@ impl<const N: usize> FamilyTries<N> {
     }
 }
 
+/// Puts back what a failed sync `written` over `current`, and gives back the slots it took.
+fn roll_back<const N: usize>(
+    trie: &mut PolicyTrie<N>,
+    current: &BTreeMap<Prefix<N>, PolicyEntry>,
+    written: &[(Prefix<N>, PolicyEntry)],
+    slots: &mut DecisionSlots,
+) {
+    for (prefix @ (len, data), entry) in written {
+        let key = Key::new(*len, *data);
+        let _ = match current.get(prefix) {
+            Some(before) => trie.insert(&key, before, 0),
+            None => trie.remove(&key),
+        };
+        slots.give_back(entry.counted_in);
+    }
+}
+
 fn next_generation(generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {
     let current = generation.get(&0, 0)?;
     generation.set(0, masq_ebpf::verdict_slot::next(current), 0)?;
     Ok(())
 }
 
-/// The prefixes the policy trie holds, with their actions.
-pub fn entries<const N: usize>(
-    trie: &LpmTrie<MapData, [u8; N], PrefixAction>,
-) -> BTreeMap<Prefix<N>, PrefixAction> {
+/// The prefixes the policy trie holds, with their entries.
+pub fn entries<const N: usize>(trie: &PolicyTrie<N>) -> BTreeMap<Prefix<N>, PolicyEntry> {
     trie.iter()
         .filter_map(Result::ok)
-        .map(|(k, action)| ((k.prefix_len(), k.data()), action))
+        .map(|(k, entry)| ((k.prefix_len(), k.data()), entry))
         .collect()
+}
+
+/// A prefix as the config writes it.
+pub fn written<const N: usize>((len, data): Prefix<N>) -> String
+where
+    IpAddr: From<[u8; N]>,
+{
+    format!("{}/{len}", IpAddr::from(data))
 }
 
 fn seconds(ns: u64) -> u32 {
@@ -311,11 +438,22 @@ mod tests {
 
     #[test]
     fn only_destinations_that_kept_their_address_drain() {
-        let current = entries(&[
+        let current: BTreeMap<Prefix<4>, PolicyEntry> = entries(&[
             ("10.0.0.0/8", KEEP),
             ("192.168.0.0/16", KEEP),
             ("10.9.0.0/16", MASQ),
-        ]);
+        ])
+        .into_iter()
+        .enumerate()
+        .map(|(slot, (prefix, action))| {
+            let entry = PolicyEntry {
+                counted_in: slot as u32 + 1,
+                action,
+                ..PolicyEntry::default()
+            };
+            (prefix, entry)
+        })
+        .collect();
         let desired = entries(&[
             ("10.0.0.0/8", KEEP),
             // An exception inside a prefix that kept addresses: drains.

@@ -1,0 +1,359 @@
+//! Which slot of `policy_decisions` counts which policy entry. Each prefix of the policy tries
+//! keeps its slot as long as it keeps its action, so that its count grows across policy
+//! changes; a slot given back is zeroed before it counts for another entry.
+//!
+//! A slot given back may still be counted in for a moment: a program that looked the removed
+//! entry up (or found it in its verdict cache, until the generation moves) counts after the
+//! trie changed. So slots are zeroed when given again, not when given back, and slots never
+//! used since the array was made, which are zero, go first.
+
+use std::collections::BTreeMap;
+
+use aya::maps::{Array, IterableMap as _, MapData, PerCpuArray, PerCpuValues};
+use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_action};
+use serde::Serialize;
+
+use super::{
+    batch,
+    pins::Pins,
+    tries::{self, Prefix},
+};
+
+/// The per-CPU decision counters, a slot per policy entry.
+pub type DecisionCounters = PerCpuArray<MapData, u64>;
+
+/// The slots no entry holds.
+#[derive(Debug)]
+pub struct DecisionSlots {
+    capacity: u32,
+    /// Slots known to be zero: never counted in since the array was made. Taken from the end,
+    /// lowest first.
+    clean: Vec<u32>,
+    /// Slots that may hold counts: given back in this run, or left free by an earlier agent.
+    used: Vec<u32>,
+}
+
+impl DecisionSlots {
+    /// The slots of an array of `capacity` that `held` (the slots the tries' entries hold) do
+    /// not; zero unless `reused` (pinned by an earlier agent).
+    pub fn free_besides(capacity: u32, held: impl IntoIterator<Item = u32>, reused: bool) -> Self {
+        let mut taken = vec![false; capacity as usize];
+        for slot in held {
+            if let Some(t) = taken.get_mut(slot as usize) {
+                *t = true;
+            }
+        }
+        // The default's slot is never an entry's.
+        taken[decision_slot::BY_DEFAULT as usize] = true;
+        let free: Vec<u32> = (0..capacity)
+            .rev()
+            .filter(|s| !taken[*s as usize])
+            .collect();
+        let (clean, used) = if reused {
+            (Vec::new(), free)
+        } else {
+            (free, Vec::new())
+        };
+        DecisionSlots {
+            capacity,
+            clean,
+            used,
+        }
+    }
+
+    /// Whether `slot` is one an entry may hold: neither the default's nor past the array.
+    pub fn is_an_entry_s(&self, slot: u32) -> bool {
+        slot != decision_slot::BY_DEFAULT && slot < self.capacity
+    }
+
+    pub fn any_free(&self) -> bool {
+        !self.clean.is_empty() || !self.used.is_empty()
+    }
+
+    /// A slot for a new entry, at zero; `decision_slot::UNCOUNTED` when none is left.
+    pub fn take(&mut self, counters: &mut DecisionCounters) -> anyhow::Result<u32> {
+        if let Some(slot) = self.clean.pop() {
+            return Ok(slot);
+        }
+        let Some(slot) = self.used.pop() else {
+            return Ok(decision_slot::UNCOUNTED);
+        };
+        if let Err(err) = zero(counters, slot) {
+            self.used.push(slot);
+            return Err(err);
+        }
+        Ok(slot)
+    }
+
+    /// `slot` is no longer an entry's.
+    pub fn give_back(&mut self, slot: u32) {
+        if self.is_an_entry_s(slot) {
+            self.used.push(slot);
+        }
+    }
+}
+
+/// The counters pinned under `pins`; `None` if none are (an agent from before they were).
+pub fn open_pinned(pins: &Pins) -> anyhow::Result<Option<DecisionCounters>> {
+    if !pins.map(map_names::DECISIONS).exists() {
+        return Ok(None);
+    }
+    pins.open(map_names::DECISIONS).map(Some)
+}
+
+/// The decisions counted in `slot`, summed over the CPUs; `None` for an entry without a slot.
+pub fn count(counters: &DecisionCounters, slot: u32) -> anyhow::Result<Option<u64>> {
+    if slot >= counters.len() {
+        return Ok(None);
+    }
+    let per_cpu = counters.get(&slot, 0)?;
+    Ok(Some(
+        per_cpu.iter().fold(0u64, |sum, n| sum.wrapping_add(*n)),
+    ))
+}
+
+/// Every slot's decisions, summed over the CPUs, by slot.
+pub fn counts(counters: &DecisionCounters) -> anyhow::Result<Vec<u64>> {
+    Ok(batch::per_cpu_totals(counters.map())?)
+}
+
+/// One policy entry and the decisions it took.
+#[derive(Debug, Clone, Serialize)]
+pub struct EntryDecisions {
+    pub prefix: String,
+    /// `masquerade` or `non-masquerade`.
+    pub action: &'static str,
+    /// `None` when the counters had no slot for it.
+    pub decisions: Option<u64>,
+}
+
+/// The decisions taken, by action; masquerade counts those no entry took.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DecisionTotals {
+    pub masquerade: u64,
+    pub non_masquerade: u64,
+}
+
+impl DecisionTotals {
+    /// The totals of `counts` (by slot) for `entries`, each a slot and its entry's action.
+    pub fn of(counts: &[u64], entries: impl Iterator<Item = (u32, PrefixAction)>) -> Self {
+        let at = |slot: u32| counts.get(slot as usize).copied().unwrap_or(0);
+        let mut totals = DecisionTotals {
+            masquerade: at(decision_slot::BY_DEFAULT),
+            non_masquerade: 0,
+        };
+        for (slot, action) in entries {
+            let total = match action {
+                prefix_action::NON_MASQUERADE => &mut totals.non_masquerade,
+                _ => &mut totals.masquerade,
+            };
+            *total += at(slot);
+        }
+        totals
+    }
+}
+
+/// What each counted slot's entry does, as of one policy generation: the metrics turn the
+/// counts into totals per action with it, and read the tries again only once the generation
+/// moves, which it does at every change to them.
+#[derive(Debug, Default)]
+pub struct SlotActions {
+    generation: Option<u32>,
+    actions: Vec<(u32, PrefixAction)>,
+}
+
+impl SlotActions {
+    /// The totals per action of the counters pinned under `pins`; `None` if none are.
+    pub fn totals(&mut self, pins: &Pins) -> anyhow::Result<Option<DecisionTotals>> {
+        let Some(counters) = open_pinned(pins)? else {
+            return Ok(None);
+        };
+        let generation: Array<MapData, u32> = pins.open(map_names::POLICY_GENERATION)?;
+        let generation = generation.get(&0, 0)?;
+        if self.generation != Some(generation) {
+            let v4 = tries::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
+            let v6 = tries::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
+            self.actions = slot_actions(&v4, &v6).collect();
+            self.generation = Some(generation);
+        }
+        let counts = counts(&counters)?;
+        Ok(Some(DecisionTotals::of(
+            &counts,
+            self.actions.iter().copied(),
+        )))
+    }
+}
+
+/// Each entry's slot and action.
+fn slot_actions<'a>(
+    v4: &'a BTreeMap<Prefix<4>, PolicyEntry>,
+    v6: &'a BTreeMap<Prefix<16>, PolicyEntry>,
+) -> impl Iterator<Item = (u32, PrefixAction)> + 'a {
+    let entries = v4.values().chain(v6.values());
+    entries.map(|entry| (entry.counted_in, entry.action))
+}
+
+/// What each entry of the policy tries decided, as the counters say.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyDecisions {
+    /// The counters' slots: entries past them go uncounted.
+    pub slots: u32,
+    /// Decisions no entry took: masqueraded by default.
+    pub by_default: u64,
+    pub totals: DecisionTotals,
+    /// Every entry, busiest first.
+    pub entries: Vec<EntryDecisions>,
+}
+
+impl PolicyDecisions {
+    /// The decisions of both tries' `v4` and `v6` entries, from `counts` (by slot).
+    pub fn of(
+        slots: u32,
+        counts: &[u64],
+        v4: &BTreeMap<Prefix<4>, PolicyEntry>,
+        v6: &BTreeMap<Prefix<16>, PolicyEntry>,
+    ) -> PolicyDecisions {
+        let decisions = |entry: &PolicyEntry| {
+            let slot = entry.counted_in as usize;
+            (entry.counted_in < slots).then(|| counts.get(slot).copied().unwrap_or(0))
+        };
+        let v4_entries = v4.iter().map(|(p, e)| (tries::written(*p), e));
+        let v6_entries = v6.iter().map(|(p, e)| (tries::written(*p), e));
+        let mut entries: Vec<EntryDecisions> = v4_entries
+            .chain(v6_entries)
+            .map(|(prefix, entry)| EntryDecisions {
+                prefix,
+                action: action_name(entry.action),
+                decisions: decisions(entry),
+            })
+            .collect();
+        entries.sort_by_key(|e| std::cmp::Reverse(e.decisions));
+        PolicyDecisions {
+            slots,
+            by_default: counts
+                .get(decision_slot::BY_DEFAULT as usize)
+                .copied()
+                .unwrap_or(0),
+            totals: DecisionTotals::of(counts, slot_actions(v4, v6)),
+            entries,
+        }
+    }
+
+    /// The entries that never decided anything since they were counted.
+    pub fn never_matched(&self) -> impl Iterator<Item = &EntryDecisions> {
+        self.entries.iter().filter(|e| e.decisions == Some(0))
+    }
+
+    pub fn uncounted(&self) -> impl Iterator<Item = &EntryDecisions> {
+        self.entries.iter().filter(|e| e.decisions.is_none())
+    }
+}
+
+/// How many entries `status` names in each of its lists.
+const LISTED: usize = 5;
+
+impl std::fmt::Display for PolicyDecisions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "  policy decisions about packets of no known flow: {} masquerade ({} by no \
+             entry), {} non-masquerade",
+            self.totals.masquerade, self.by_default, self.totals.non_masquerade
+        )?;
+        let busiest: Vec<_> = self
+            .entries
+            .iter()
+            .filter(|e| e.decisions.is_some_and(|n| n > 0))
+            .take(LISTED)
+            .collect();
+        for e in busiest {
+            let n = e.decisions.unwrap_or(0);
+            writeln!(f, "  busiest: {} ({}): {n}", e.prefix, e.action)?;
+        }
+        list(f, "never matched", self.never_matched())?;
+        let uncounted = list(f, "uncounted", self.uncounted())?;
+        if uncounted > 0 {
+            writeln!(
+                f,
+                "  ({uncounted} entries past the {} counter slots sized at the agent's start: \
+                 a restart counts them)",
+                self.slots
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes the first of `entries` on one line headed `what`; returns how many there are.
+fn list<'a>(
+    f: &mut std::fmt::Formatter<'_>,
+    what: &str,
+    entries: impl Iterator<Item = &'a EntryDecisions>,
+) -> Result<usize, std::fmt::Error> {
+    let all: Vec<&str> = entries.map(|e| e.prefix.as_str()).collect();
+    if all.is_empty() {
+        return Ok(0);
+    }
+    let shown = all[..all.len().min(LISTED)].join(", ");
+    let more = match all.len().saturating_sub(LISTED) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    writeln!(f, "  {what}: {shown}{more}")?;
+    Ok(all.len())
+}
+
+pub fn action_name(action: masq_ebpf::PrefixAction) -> &'static str {
+    if action == prefix_action::NON_MASQUERADE {
+        "non-masquerade"
+    } else {
+        "masquerade"
+    }
+}
+
+/// Reads what each entry of the tries pinned under `pins` decided; `None` if no counters are
+/// pinned.
+pub fn read(
+    pins: &Pins,
+    v4: &BTreeMap<Prefix<4>, PolicyEntry>,
+    v6: &BTreeMap<Prefix<16>, PolicyEntry>,
+) -> anyhow::Result<Option<PolicyDecisions>> {
+    let Some(counters) = open_pinned(pins)? else {
+        return Ok(None);
+    };
+    let counts = counts(&counters)?;
+    Ok(Some(PolicyDecisions::of(counters.len(), &counts, v4, v6)))
+}
+
+fn zero(counters: &mut DecisionCounters, slot: u32) -> anyhow::Result<()> {
+    let cpus = aya::util::nr_cpus().map_err(|(_, err)| err)?;
+    let zeros = PerCpuValues::try_from(vec![0u64; cpus])?;
+    counters.set(slot, zeros, 0)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_slots_are_those_no_entry_holds_nor_the_default_lowest_first() {
+        let mut slots = DecisionSlots::free_besides(6, [2, 4, 99], false);
+        assert_eq!(slots.clean, [5, 3, 1]);
+        assert!(slots.used.is_empty());
+        assert!(!slots.is_an_entry_s(decision_slot::BY_DEFAULT));
+        assert!(!slots.is_an_entry_s(6));
+        assert!(slots.is_an_entry_s(5));
+        slots.give_back(4);
+        slots.give_back(decision_slot::UNCOUNTED);
+        slots.give_back(99);
+        assert_eq!(slots.used, [4]);
+    }
+
+    #[test]
+    fn an_earlier_agent_s_free_slots_may_hold_counts() {
+        let slots = DecisionSlots::free_besides(4, [1], true);
+        assert!(slots.clean.is_empty());
+        assert_eq!(slots.used, [3, 2]);
+    }
+}
