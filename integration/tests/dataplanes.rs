@@ -1245,12 +1245,12 @@ fn sigkill_mid_apply_loses_no_prefix(plane: Plane) {
     let kept = sample(old_keys.intersection(&new_keys).copied().collect(), 25);
     let arriving = sample(new_keys.difference(&old_keys).copied().collect(), 250);
     let pin = bed.topo.bpffs.join("non_masq_v4");
-    let trie: aya::maps::LpmTrie<aya::maps::MapData, [u8; 4], u8> =
+    let trie: aya::maps::LpmTrie<aya::maps::MapData, [u8; 4], masq_ebpf::PolicyEntry> =
         aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(&pin).unwrap())
             .unwrap()
             .try_into()
             .unwrap();
-    let missing = |trie: &aya::maps::LpmTrie<_, [u8; 4], u8>| {
+    let missing = |trie: &aya::maps::LpmTrie<_, [u8; 4], masq_ebpf::PolicyEntry>| {
         kept.iter()
             .filter(|(len, data)| {
                 trie.get(&aya::maps::lpm_trie::Key::new(*len, *data), 0)
@@ -1841,6 +1841,98 @@ fn explain_says_what_the_outside_host_sees(plane: Plane, family: Family) {
         said["installed"][0]["decision"], "keeps-address",
         "{said:#}"
     );
+}
+
+/// The decisions `status` reports for the entry `prefix` (`None`: no such entry, or no slot),
+/// and the totals per action.
+fn decisions_of(status: &serde_json::Value, prefix: &str) -> Option<u64> {
+    let entries = status["ebpf"]["decisions"]["entries"].as_array()?;
+    let entry = entries.iter().find(|e| e["prefix"] == prefix)?;
+    entry["decisions"].as_u64()
+}
+
+/// Each entry counts what it decides, as `status`, `explain` and the metrics read it: a new
+/// flow to an exception once, every packet of a flow that keeps its address, and an entry no
+/// traffic reaches never; the counts survive an agent restart.
+fn the_entries_that_decide_traffic_are_counted(plane: Plane, family: Family) {
+    let (range, outside_host) = family.outside_prefixes();
+    let unused = match family {
+        Family::V4 => "198.18.0.0/15",
+        Family::V6 => "2001:db8:ffff::/48",
+    };
+    let config = family.config_with(&[range, unused], &[outside_host]);
+    let bed = Bed::new(plane, &config);
+    let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
+    let mut args = vec![metrics_addr.as_str()];
+    args.extend(family.agent_args());
+    let mut agent = bed.start_agent(&args);
+    let before = bed.status_json();
+    let exception_before = decisions_of(&before, outside_host).expect("the exception's count");
+    let range_before = decisions_of(&before, range).expect("the range's count");
+
+    const NEW_FLOWS: u64 = 3;
+    for _ in 0..NEW_FLOWS {
+        family.assert_masqueraded(&bed);
+    }
+    let seen = probe::tcp_probe(bed.pod(), family.routable_client(), 0).unwrap();
+    assert_eq!(seen.ip(), family.pod(0));
+
+    let status = bed.status_json();
+    assert_eq!(
+        decisions_of(&status, outside_host),
+        Some(exception_before + NEW_FLOWS),
+        "one decision per new masqueraded flow: {status:#}"
+    );
+    let range_now = decisions_of(&status, range).unwrap();
+    assert!(
+        range_now >= range_before + 3,
+        "a connection that keeps its address is decided at each of its packets: {status:#}"
+    );
+    assert_eq!(decisions_of(&status, unused), Some(0));
+    let text = bed.agent_cmd(&["status", &format!("--bpffs={}", bed.topo.bpffs.display())]);
+    let text = String::from_utf8_lossy(&text.stdout).into_owned();
+    let never = text
+        .lines()
+        .find(|l| l.contains("never matched:"))
+        .unwrap_or("");
+    assert!(never.contains(unused), "{text}");
+    let busiest = text.lines().find(|l| l.contains("busiest:")).unwrap_or("");
+    assert!(
+        busiest.contains(range) || busiest.contains(outside_host),
+        "{text}"
+    );
+
+    let (agrees, said) = bed.explain(family.outside().ip(), family);
+    assert!(agrees, "{said:#}");
+    assert_eq!(
+        said["installed"][0]["decisions"].as_u64(),
+        decisions_of(&status, outside_host),
+        "{said:#}"
+    );
+
+    let (_, metrics) = http_get(&bed, "/metrics");
+    let total = |action: &str| {
+        let series = format!("masq_agent_policy_decisions_total{{action=\"{action}\"}}");
+        metric(&metrics, &series).unwrap_or_else(|| panic!("{series} in:\n{metrics}")) as u64
+    };
+    let totals = &status["ebpf"]["decisions"]["totals"];
+    assert!(total("masquerade") >= totals["masquerade"].as_u64().unwrap());
+    assert!(total("masquerade") >= exception_before + NEW_FLOWS);
+    assert!(total("non-masquerade") >= totals["non_masquerade"].as_u64().unwrap());
+    assert!(
+        !metrics.contains(&format!("prefix=\"{range}\"")),
+        "no series per prefix"
+    );
+
+    agent.stop(libc::SIGTERM).unwrap();
+    let _agent = bed.start_agent(&args);
+    let after = bed.status_json();
+    assert_eq!(
+        decisions_of(&after, outside_host),
+        decisions_of(&status, outside_host),
+        "a restart keeps the counts: {after:#}"
+    );
+    assert!(decisions_of(&after, range) >= Some(range_now));
 }
 
 /// `enableIPv6` in the file switches IPv6 masquerading live, over the flag: on (on the eBPF
@@ -3247,6 +3339,7 @@ mod ebpf {
     common_cases!(Ebpf);
     family_cases!(Ebpf:
         a_lone_ack_opens_no_established_flow,
+        the_entries_that_decide_traffic_are_counted,
         a_rollback_keeps_the_programs_flows_and_loses_no_new_one,
     );
     cases!(Ebpf:
