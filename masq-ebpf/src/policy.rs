@@ -45,7 +45,7 @@ pub fn decide_v4(addr: [u8; 4]) -> Decision {
         };
     }
     let decision = decide(&maps::NON_MASQ_V4, addr);
-    // SAFETY: as above. The slot is written before the tag that makes it valid.
+    // SAFETY: as above.
     unsafe {
         (*slot).counted_in = decision.counted_in;
         (*slot).tag = tag | u64::from(decision.keeps_address);

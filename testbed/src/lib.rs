@@ -105,7 +105,9 @@ pub fn keeps_address_v4(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
         anyhow::bail!("bpftool {}: {}", args.join(" "), said.trim());
     }
     let entry: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let value = entry["value"][0]
+    // The value's bytes, as hex strings: the entry's action is one of them.
+    let action = std::mem::offset_of!(masq_ebpf::PolicyEntry, action);
+    let value = entry["value"][action]
         .as_str()
         .and_then(|hex| u8::from_str_radix(hex.trim_start_matches("0x"), 16).ok())
         .with_context(|| format!("no value in {entry}"))?;
