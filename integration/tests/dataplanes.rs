@@ -1318,37 +1318,48 @@ fn draining_survives_an_agent_restart(plane: Plane) {
     );
 }
 
+/// Maps an older agent pinned with other layouts: a NAT table of another entry size, a policy
+/// trie whose value was the action alone, and decision counters of another size. Each is
+/// replaced, not misread.
 fn replaces_an_incompatible_pinned_map(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     std::fs::create_dir_all(&bed.topo.bpffs).unwrap();
-    let pin = bed.topo.bpffs.join("nat_v4");
-    masq_testbed::netns::run(
-        "bpftool",
-        &[
-            "map",
-            "create",
-            pin.to_str().unwrap(),
-            "type",
-            "hash",
-            "key",
-            "8",
-            "value",
-            "8",
-            "entries",
-            "16",
-            "name",
-            "nat_v4",
-        ],
-    )
-    .unwrap();
+    let create = |name: &str, spec: &[&str]| {
+        let pin = bed.topo.bpffs.join(name);
+        let mut args = vec!["map", "create", pin.to_str().unwrap()];
+        args.extend_from_slice(spec);
+        args.extend(["name", name]);
+        masq_testbed::netns::run("bpftool", &args).unwrap();
+    };
+    let nat = ["type", "hash", "key", "8", "value", "8", "entries", "16"];
+    create("nat_v4", &nat);
+    let trie = [
+        "type", "lpm_trie", "key", "8", "value", "1", "entries", "16", "flags", "1",
+    ];
+    create("non_masq_v4", &trie);
+    let counters = [
+        "type",
+        "percpu_array",
+        "key",
+        "4",
+        "value",
+        "8",
+        "entries",
+        "4",
+    ];
+    create("policy_decisions", &counters);
     let agent = bed.start_agent(&[]);
-    assert!(
-        agent
-            .log_text()
-            .contains("replacing a pinned map with an incompatible layout")
-    );
+    let replaced = agent
+        .log_text()
+        .matches("replacing a pinned map with an incompatible layout")
+        .count();
+    assert_eq!(replaced, 3, "{}", agent.log_text());
     assert_masqueraded(&bed);
-    assert_eq!(bed.status_json()["ebpf"]["nat_capacity"], 2 * 262_144);
+    let status = bed.status_json();
+    assert_eq!(status["ebpf"]["nat_capacity"], 2 * 262_144);
+    assert_eq!(status["ebpf"]["decisions"]["slots"], 1024, "{status:#}");
+    assert!(decisions_of(&status, "10.0.0.0/8").is_some(), "{status:#}");
+    assert!(status["ebpf"]["decisions"]["totals"]["masquerade"].as_u64() >= Some(1));
 }
 
 fn attaches_through_netlink_without_tcx(plane: Plane) {
