@@ -1,7 +1,8 @@
 //! The agent as kubelet runs it from deploy/: the image's entrypoint with the DaemonSet's exact
 //! args, the ConfigMap projected at /etc/config the way kubelet projects and updates it, and the
-//! pins at the default /sys/fs/bpf/ip-masq-agent. The container is a private mount namespace
-//! inside the test bed's node namespace, so the host's /etc, bpffs and /run are never touched.
+//! pins at the default /sys/fs/bpf/ip-masq-agent, the container's capabilities and nothing more.
+//! The container is a private mount namespace inside the test bed's node namespace, so the
+//! host's /etc, bpffs and /run are never touched.
 
 use std::{
     net::Ipv4Addr,
@@ -11,7 +12,8 @@ use std::{
 };
 
 use masq_testbed::deploy::{
-    agent_args, agent_container, dashboard_queries, deploy_dir, example_config, find, series,
+    agent_args, agent_capabilities, agent_container, dashboard_queries, deploy_dir, example_config,
+    find, init_command, series, with_only,
 };
 use masq_testbed::{
     keeps_address_v4,
@@ -79,8 +81,12 @@ impl Node {
         let entrypoint = deploy_dir().join("entrypoint.sh");
         let mut argv: Vec<&str> = vec!["--mount", "--propagation", "private"];
         argv.extend(["sh", "-c", CONTAINER_MOUNTS, "sh"]);
-        let paths: [&Path; 4] = [&stage, volume.dir(), &self.topo.bpffs, &entrypoint];
+        let paths: [&Path; 3] = [&stage, volume.dir(), &self.topo.bpffs];
         argv.extend(paths.map(as_str));
+        // The runtime's mounts are made; the container runs with its capabilities only.
+        let unprivileged = with_only(&agent_capabilities());
+        argv.extend(unprivileged.iter().map(String::as_str));
+        argv.push(as_str(&entrypoint));
         argv.extend(args.iter().map(String::as_str));
         let envs = self.envs();
         let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -256,4 +262,34 @@ fn the_entrypoint_picks_the_iptables_backend_the_node_uses() {
         "legacy",
         "kubelet's hint outweighs the rule count"
     );
+}
+
+/// The init container mounts a BPF filesystem where the node has none, and leaves one that is
+/// there alone. Run in a private mount namespace whose /sys/fs/bpf is unmounted: a node where
+/// nothing has mounted it.
+#[test]
+fn the_init_container_mounts_a_bpffs_only_where_the_node_has_none() {
+    const NODE_WITHOUT_BPFFS: &str = r#"set -eu
+while grep -q ' /sys/fs/bpf ' /proc/self/mounts; do umount -l /sys/fs/bpf; done
+before=$(stat -f -c %T /sys/fs/bpf)
+"$@"
+"$@"
+after=$(grep -c ' /sys/fs/bpf ' /proc/self/mounts)
+echo "$(stat -f -c %T /sys/fs/bpf) $before $after"
+"#;
+    let command = init_command("mount-bpffs");
+    let mut argv = vec!["--mount", "--propagation", "private"];
+    argv.extend(["sh", "-c", NODE_WITHOUT_BPFFS, "sh"]);
+    argv.extend(command.iter().map(String::as_str));
+    let out = std::process::Command::new("unshare")
+        .args(&argv)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(said.trim(), "bpf_fs sysfs 1", "mounted once, then left alone");
 }

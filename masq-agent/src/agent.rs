@@ -31,6 +31,7 @@ use crate::{
     netdev,
     policy::{IpFamily, MasqueradeOptions, Policy},
     ports,
+    privileges::{self, Effective},
     telemetry::{Check, ReloadResult, Telemetry},
 };
 
@@ -100,6 +101,17 @@ impl Start {
 pub fn build_dataplane(start: &Start) -> anyhow::Result<Box<dyn DataPlane>> {
     let flags = &start.flags;
     let opts = masquerade_options(flags);
+    let capabilities = Effective::of_this_process().ok();
+    if let Some(missing) = capabilities.map(|c| c.missing(&privileges::FOR_THE_CHAIN))
+        && !missing.is_empty()
+    {
+        anyhow::bail!(
+            "the process lacks {}, which iptables, ip6tables and ipset need: add {} to the \
+             container's capabilities (deploy/daemonset.yaml lists what the agent needs)",
+            privileges::listed(&missing),
+            if missing.len() == 1 { "it" } else { "them" }
+        );
+    }
     match flags.dataplane {
         DataplaneKind::Iptables => Ok(Box::new(IptablesDataPlane::new(
             opts,
@@ -128,6 +140,17 @@ pub fn device_selection(flags: &Flags) -> Selection {
 /// not know which ports are free for NAT, so the data plane cannot run.
 fn ebpf_options(start: &Start) -> Result<EbpfOptions, ebpf::Unavailable> {
     let flags = &start.flags;
+    if let Some(missing) = Effective::of_this_process()
+        .ok()
+        .map(Effective::missing_for_the_programs)
+        && !missing.is_empty()
+    {
+        return Err(ebpf::Unavailable(anyhow::anyhow!(
+            "the process lacks {}, which loading the programs and their maps needs (or \
+             CAP_SYS_ADMIN, on kernels before 5.8)",
+            privileges::listed(&missing)
+        )));
+    }
     let ephemeral = netdev::ephemeral_port_range().map_err(ebpf::Unavailable)?;
     Ok(EbpfOptions {
         bpffs: flags.bpffs.clone(),

@@ -23,6 +23,36 @@ pub fn agent_container() -> Value {
     manifest("daemonset.yaml")["spec"]["template"]["spec"]["containers"][0].clone()
 }
 
+/// The capabilities the agent's container is given; its securityContext drops every other one.
+pub fn agent_capabilities() -> Vec<String> {
+    let capabilities = &agent_container()["securityContext"]["capabilities"];
+    assert_eq!(strings(&capabilities["drop"]), ["ALL"], "{capabilities:?}");
+    strings(&capabilities["add"])
+}
+
+/// The command of the DaemonSet's init container `name`.
+pub fn init_command(name: &str) -> Vec<String> {
+    let pod = &manifest("daemonset.yaml")["spec"]["template"]["spec"];
+    strings(&find(&pod["initContainers"], name)["command"])
+}
+
+/// `setpriv` and its arguments, for running a command as root with only `capabilities` (as a
+/// container runtime names them: `NET_ADMIN`) in its bounding, permitted and effective sets,
+/// and none inheritable or ambient: as a container runtime starts an unprivileged container.
+pub fn with_only(capabilities: &[String]) -> Vec<String> {
+    let kept: String = capabilities
+        .iter()
+        .map(|c| format!(",+{}", c.to_lowercase()))
+        .collect();
+    vec![
+        "setpriv".into(),
+        format!("--bounding-set=-all{kept}"),
+        "--inh-caps=-all".into(),
+        "--ambient-caps=-all".into(),
+        "--".into(),
+    ]
+}
+
 /// The container's args, exactly as kubelet passes them.
 pub fn agent_args() -> Vec<String> {
     strings(&agent_container()["args"])

@@ -167,8 +167,52 @@ pub fn is_attached(prog: &SchedClassifier, device: &str, hook: Hook) -> anyhow::
 
 /// Whether the program `id` runs at `device`'s `hook` through TCX.
 pub fn runs(id: u32, device: &str, hook: Hook) -> anyhow::Result<bool> {
-    let (_, progs) = SchedClassifier::query_tcx(device, hook.attach_type())?;
-    Ok(progs.iter().any(|p| p.id() == id))
+    Ok(tcx_program_ids(device, hook)?.contains(&id))
+}
+
+/// The ids of the programs TCX runs at `device`'s `hook`. The query needs CAP_NET_ADMIN only;
+/// aya's `query_tcx` also opens each program by id, which needs CAP_SYS_ADMIN.
+fn tcx_program_ids(device: &str, hook: Hook) -> anyhow::Result<Vec<u32>> {
+    /// The `query` member of `union bpf_attr`, as of kernel 6.6.
+    #[repr(C)]
+    #[derive(Default)]
+    struct QueryAttr {
+        target_ifindex: u32,
+        attach_type: u32,
+        query_flags: u32,
+        attach_flags: u32,
+        prog_ids: u64,
+        count: u32,
+        _pad: u32,
+        prog_attach_flags: u64,
+        link_ids: u64,
+        link_attach_flags: u64,
+        revision: u64,
+    }
+    /// `enum bpf_attach_type`.
+    const BPF_TCX_INGRESS: u32 = 46;
+    const BPF_TCX_EGRESS: u32 = 47;
+    /// More programs than any device carries; the kernel says ENOSPC if not.
+    const ROOM: usize = 64;
+
+    let ifindex =
+        nix::net::if_::if_nametoindex(device).with_context(|| format!("no device {device}"))?;
+    let mut ids = vec![0u32; ROOM];
+    let mut attr = QueryAttr {
+        target_ifindex: ifindex,
+        attach_type: match hook {
+            Hook::Egress => BPF_TCX_EGRESS,
+            Hook::Ingress => BPF_TCX_INGRESS,
+        },
+        prog_ids: ids.as_mut_ptr() as u64,
+        count: ROOM as u32,
+        ..QueryAttr::default()
+    };
+    // SAFETY: `attr` is the `query` member, and `prog_ids` has room for `count` ids.
+    unsafe { super::syscall::bpf(super::syscall::cmd::BPF_PROG_QUERY, &mut attr) }
+        .with_context(|| format!("querying the programs at {device} {}", hook.name()))?;
+    ids.truncate(attr.count as usize);
+    Ok(ids)
 }
 
 /// Takes `program` off `device`'s `hook`: unpins its link (the agent holds no other reference

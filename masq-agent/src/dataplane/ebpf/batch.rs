@@ -2,7 +2,7 @@
 //! `BPF_MAP_DELETE_BATCH`): a few system calls per table, where key-by-key iteration takes two
 //! per entry. A full NAT table holds half a million entries, and the sweep reads it every ten
 //! seconds; the decision counters hold a slot per policy entry, and every metrics scrape reads
-//! them. aya has no binding for these commands, so this is the one raw `bpf(2)` call here.
+//! them. aya has no binding for these commands (see `syscall`).
 
 use std::{
     io,
@@ -12,9 +12,7 @@ use std::{
 
 use aya::{Pod, maps::MapData};
 
-/// Numbers from the kernel's `enum bpf_cmd` (include/uapi/linux/bpf.h).
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+use super::syscall::cmd::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH};
 /// Entries per call. A hash bucket must fit in one call; the kernel says ENOSPC if not, and
 /// the call is retried with more room.
 const CHUNK: usize = 4096;
@@ -36,19 +34,7 @@ struct BatchAttr {
 fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
     // SAFETY: `attr` is a valid `batch` attribute whose pointers the caller keeps alive and
     // sized for `count` entries.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            attr as *mut BatchAttr,
-            size_of::<BatchAttr>(),
-        )
-    };
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    unsafe { super::syscall::bpf(cmd, attr) }
 }
 
 fn fd(map: &MapData) -> u32 {

@@ -19,6 +19,7 @@ mod load;
 pub mod maps;
 pub mod pins;
 pub mod status;
+mod syscall;
 #[cfg(feature = "testbed")]
 pub mod testbed;
 pub mod tries;
