@@ -1061,6 +1061,13 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
         Some(1.0)
     );
     assert_eq!(series("masq_agent_fallback_events_total"), Some(0.0));
+    assert!(series("masq_agent_apply_duration_seconds_count") >= Some(1.0));
+    assert!(series("process_open_fds") >= Some(3.0));
+    assert!(series("process_resident_memory_bytes") > Some(1e6));
+    assert_eq!(
+        series("masq_agent_ebpf_counter_read_errors_total"),
+        Some(0.0)
+    );
     if plane == Plane::Ebpf {
         assert!(series("masq_agent_packets_masqueraded_total") >= Some(1.0));
         assert!(series("masq_agent_packets_reverse_translated_total{kind=\"reply\"}") >= Some(1.0));
@@ -1071,6 +1078,24 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
         assert_eq!(
             series("masq_agent_nat_capacity_entries"),
             Some(2.0 * 262_144.0)
+        );
+        // Counters that cannot be read raise the error metric and a warning, rather than
+        // leaving the alerts on them without data.
+        let pin = bed.topo.bpffs.join("counters");
+        let pin = pin.to_str().unwrap();
+        let shown = masq_testbed::netns::run("bpftool", &["-j", "map", "show", "pinned", pin]);
+        let shown: serde_json::Value = serde_json::from_str(&shown.unwrap()).unwrap();
+        let id = shown["id"].to_string();
+        std::fs::remove_file(pin).unwrap();
+        let (_, metrics) = http_get(&bed, "/metrics");
+        masq_testbed::netns::run("bpftool", &["map", "pin", "id", &id, pin]).unwrap();
+        let errors = metric(&metrics, "masq_agent_ebpf_counter_read_errors_total");
+        assert!(errors >= Some(1.0), "{metrics}");
+        assert!(metric(&metrics, "masq_agent_packets_masqueraded_total").is_none());
+        let warned = agent.log_text();
+        assert!(
+            warned.contains("WARN") && warned.contains("reading the eBPF counters"),
+            "{warned}"
         );
     } else {
         assert_eq!(

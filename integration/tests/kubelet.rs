@@ -291,5 +291,9 @@ echo "$(stat -f -c %T /sys/fs/bpf) $before $after"
         "{said}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(said.trim(), "bpf_fs sysfs 1", "mounted once, then left alone");
+    assert_eq!(
+        said.trim(),
+        "bpf_fs sysfs 1",
+        "mounted once, then left alone"
+    );
 }

@@ -393,6 +393,7 @@ impl Agent {
             self.telemetry.mode(self.dataplane.mode(), true);
             applied = self.dataplane.apply(&policy);
         }
+        self.telemetry.applied(started.elapsed());
         match applied {
             Ok(outcome) => {
                 self.record_check(Check::Apply, None);

@@ -244,10 +244,10 @@ fn config_messages_in_the_docs_are_the_agents() {
     }
 }
 
-/// Every `masq_agent_...` series name in `text`.
+/// Every `masq_agent_...` and `process_...` series name in `text`.
 fn metric_names(text: &str) -> BTreeSet<String> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .filter(|word| word.starts_with("masq_agent_"))
+        .filter(|word| word.starts_with("masq_agent_") || word.starts_with("process_"))
         .map(String::from)
         .collect()
 }

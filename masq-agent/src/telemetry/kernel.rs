@@ -1,0 +1,270 @@
+//! The eBPF data plane's own counters, read from the pinned maps at each scrape: the packet
+//! counters, the NAT table's capacity, and the policy's decisions per action. A read that fails,
+//! or finds nothing pinned while the eBPF data plane is in force, is counted and logged: an
+//! alert on these series must fire, not go quiet.
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+};
+
+use masq_ebpf::{Counter, prefix_action};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _},
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
+};
+
+use crate::dataplane::ebpf;
+
+/// The eBPF programs' per-CPU packet counters, summed, the NAT table's capacity and the
+/// decisions per action, read from the pinned maps at each scrape. Absent while another data
+/// plane is in force.
+#[derive(Debug)]
+pub struct KernelCounters {
+    bpffs: PathBuf,
+    /// Whether the eBPF data plane is in force: then its counters must be there.
+    ebpf_in_force: Arc<AtomicBool>,
+    slot_actions: Mutex<ebpf::decisions::SlotActions>,
+    read_errors: AtomicU64,
+    /// The last failure logged: each is logged once when it starts, not at every scrape.
+    last_error: Mutex<Option<String>>,
+}
+
+impl KernelCounters {
+    pub fn new(bpffs: PathBuf, ebpf_in_force: Arc<AtomicBool>) -> KernelCounters {
+        KernelCounters {
+            bpffs,
+            ebpf_in_force,
+            slot_actions: Mutex::default(),
+            read_errors: AtomicU64::new(0),
+            last_error: Mutex::default(),
+        }
+    }
+
+    /// What reading `what` gave: the value, or, having counted and logged why not, `None`.
+    fn read<T>(&self, what: &str, read: anyhow::Result<Option<T>>) -> Option<T> {
+        let failure = match read {
+            Ok(Some(value)) => return Some(value),
+            Ok(None) if !self.ebpf_in_force.load(Ordering::Relaxed) => return None,
+            Ok(None) => format!(
+                "reading {what}: the eBPF data plane is in force, but nothing is pinned under {}",
+                self.bpffs.display()
+            ),
+            Err(err) => format!("reading {what}: {err:#}"),
+        };
+        self.read_errors.fetch_add(1, Ordering::Relaxed);
+        let mut last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
+        if last.as_deref() != Some(failure.as_str()) {
+            tracing::warn!("{failure}; masq_agent_ebpf_counter_read_errors_total counts each");
+            *last = Some(failure);
+        }
+        None
+    }
+}
+
+/// Where each kernel counter is reported: metric name, help, and its label, if any.
+fn series(
+    counter: Counter,
+) -> (
+    &'static str,
+    &'static str,
+    Option<(&'static str, &'static str)>,
+) {
+    const NOT_MASQUERADED: &str = "packets_not_masqueraded";
+    const NOT_MASQUERADED_HELP: &str = "Egress packets left with their source address, by reason";
+    const DROPPED: &str = "packets_dropped";
+    const DROPPED_HELP: &str = "Packets the data plane dropped, by reason";
+    const REVERSED: &str = "packets_reverse_translated";
+    const REVERSED_HELP: &str = "Ingress packets given back the pod's address, by kind";
+    match counter {
+        Counter::Masqueraded => (
+            "packets_masqueraded",
+            "Egress packets whose source became the node's address",
+            None,
+        ),
+        Counter::NotMasqNonMasqDestination => (
+            NOT_MASQUERADED,
+            NOT_MASQUERADED_HELP,
+            Some(("reason", "non_masq_destination")),
+        ),
+        Counter::NotMasqNodeSource => (
+            NOT_MASQUERADED,
+            NOT_MASQUERADED_HELP,
+            Some(("reason", "node_source")),
+        ),
+        Counter::NotMasqOtherProtocol => (
+            NOT_MASQUERADED,
+            NOT_MASQUERADED_HELP,
+            Some(("reason", "other_protocol")),
+        ),
+        Counter::NotMasqInbound => (
+            NOT_MASQUERADED,
+            NOT_MASQUERADED_HELP,
+            Some(("reason", "inbound_connection")),
+        ),
+        Counter::NotMasqIcmpOther => (
+            NOT_MASQUERADED,
+            NOT_MASQUERADED_HELP,
+            Some(("reason", "icmp_other")),
+        ),
+        Counter::ReverseTranslated => (REVERSED, REVERSED_HELP, Some(("kind", "reply"))),
+        Counter::IcmpErrorTranslated => (REVERSED, REVERSED_HELP, Some(("kind", "icmp_error"))),
+        Counter::IcmpErrorMasqueraded => (
+            "icmp_errors_masqueraded",
+            "Egress ICMP errors about masqueraded flows, translated inside and out as conntrack translates a related error",
+            None,
+        ),
+        Counter::NodePortClash => (
+            "node_port_clashes",
+            "Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a masqueraded flow held: given another port, as conntrack resolves a clash",
+            None,
+        ),
+        Counter::NatFlowsNotCarried => (
+            "nat_flows_not_carried",
+            "Flows of a replaced NAT table (an upgrade, another --nat-capacity) that did not fit into the new one",
+            None,
+        ),
+        Counter::TcpRstNotAcceptable => (
+            "tcp_resets_not_acceptable",
+            "TCP RSTs whose sequence number the receiving end would not accept; the flow keeps its state",
+            None,
+        ),
+        Counter::InboundTracked => (
+            "inbound_connections_tracked",
+            "Connections opened from outside toward a pod, first seen",
+            None,
+        ),
+        Counter::AllocationFailed => (
+            "nat_allocation_failures",
+            "New flows for which no free NAT port was found",
+            None,
+        ),
+        Counter::DropPortsExhausted => (DROPPED, DROPPED_HELP, Some(("reason", "ports_exhausted"))),
+        Counter::DropNatTableFull => (DROPPED, DROPPED_HELP, Some(("reason", "nat_table_full"))),
+        Counter::DropFragment => (DROPPED, DROPPED_HELP, Some(("reason", "fragment"))),
+        Counter::DropRewriteFailed => (DROPPED, DROPPED_HELP, Some(("reason", "rewrite_failed"))),
+        Counter::DropExtensionHeaders => {
+            (DROPPED, DROPPED_HELP, Some(("reason", "extension_headers")))
+        }
+        Counter::NotInspected => (
+            "packets_not_inspected",
+            "Packets the programs passed without a look: not IP, malformed, or before the agent configured them",
+            None,
+        ),
+    }
+}
+
+impl Collector for KernelCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let counters = ebpf::status::read_kernel_counters(&self.bpffs);
+        if let Some(counters) = self.read("the eBPF counters", counters) {
+            encode_packets(&counters, &mut encoder)?;
+        }
+        let pins = ebpf::pins::Pins::new(&self.bpffs);
+        let totals = match self.slot_actions.lock() {
+            Ok(mut actions) => actions.totals(&pins),
+            Err(_) => Ok(None),
+        };
+        if let Some(totals) = self.read("the decision counters", totals) {
+            encode_decisions(totals, &mut encoder)?;
+        }
+        let errors = ConstCounter::new(self.read_errors.load(Ordering::Relaxed));
+        errors.encode(encoder.encode_descriptor(
+            "ebpf_counter_read_errors",
+            "Scrapes that could not read the eBPF data plane's pinned counters while it was in force, or found them unreadable (the agent logs why)",
+            None,
+            errors.metric_type(),
+        )?)
+    }
+}
+
+/// The packet counters, and the NAT table's capacity.
+fn encode_packets(
+    counters: &ebpf::status::KernelCounters,
+    encoder: &mut DescriptorEncoder,
+) -> Result<(), std::fmt::Error> {
+    // One descriptor per metric, then each of its series.
+    let mut names: Vec<&'static str> = Vec::new();
+    for (counter, _) in &counters.packets {
+        let (name, _, _) = series(*counter);
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    for name in names {
+        let members: Vec<_> = counters
+            .packets
+            .iter()
+            .filter(|(c, _)| series(*c).0 == name)
+            .collect();
+        let Some((first, _)) = members.first() else {
+            continue;
+        };
+        let help = series(*first).1;
+        let metric = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+        for (counter, total) in members {
+            match series(*counter).2 {
+                Some(label) => {
+                    ConstCounter::new(*total).encode(family.encode_family(&[label])?)?;
+                }
+                // A metric without labels has this one series.
+                None => {
+                    ConstCounter::new(*total).encode(family)?;
+                    break;
+                }
+            }
+        }
+    }
+    let capacity = ConstGauge::new(i64::from(counters.nat_capacity));
+    capacity.encode(encoder.encode_descriptor(
+        "nat_capacity_entries",
+        "Entries the NAT table holds (two per flow)",
+        None,
+        capacity.metric_type(),
+    )?)
+}
+
+/// The policy's decisions per action: per prefix, 100 000 prefixes would be as many series;
+/// `masq-agent status` names the busiest.
+fn encode_decisions(
+    totals: ebpf::decisions::DecisionTotals,
+    encoder: &mut DescriptorEncoder,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstCounter::new(0u64);
+    let mut family = encoder.encode_descriptor(
+        "policy_decisions",
+        "Packets of no known flow the policy decided, by action: a masqueraded flow once, a flow that keeps its address at every packet",
+        None,
+        metric.metric_type(),
+    )?;
+    let name = ebpf::decisions::action_name;
+    for (action, total) in [
+        (name(prefix_action::MASQUERADE), totals.masquerade),
+        (name(prefix_action::NON_MASQUERADE), totals.non_masquerade),
+    ] {
+        ConstCounter::new(total).encode(family.encode_family(&[("action", action)])?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_counter_has_a_series_of_its_own() {
+        let mut seen = std::collections::HashSet::new();
+        for counter in Counter::ALL {
+            let (name, _, label) = series(counter);
+            assert!(
+                seen.insert((name, label)),
+                "{counter:?} shares {name} {label:?}"
+            );
+        }
+    }
+}
