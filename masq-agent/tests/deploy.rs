@@ -120,48 +120,63 @@ fn the_config_map_is_mounted_where_the_agent_reads_it_and_is_optional() {
 }
 
 #[test]
-fn bpffs_comes_from_the_host_with_the_propagation_pinning_needs() {
+fn bpffs_comes_from_the_host_mounted_by_the_init_container() {
     let ds = manifest("daemonset.yaml");
-    let volume = find(&pod_spec(&ds)["volumes"], "bpffs");
+    let pod = pod_spec(&ds);
+    let volume = find(&pod["volumes"], "bpffs");
     assert_eq!(volume["hostPath"]["path"], "/sys/fs/bpf");
     let container = agent_container();
     let mount = find(&container["volumeMounts"], "bpffs");
     assert_eq!(mount["mountPath"], "/sys/fs/bpf");
-    assert_eq!(mount["mountPropagation"], "Bidirectional");
-    // The agent pins under --bpffs, and mounts bpffs on its parent where none is mounted.
+    // The agent sees what the init container (or the node) mounted there.
+    assert_eq!(mount["mountPropagation"], "HostToContainer");
     assert_eq!(
         agent_flags().bpffs.parent().and_then(|p| p.to_str()),
         mount["mountPath"].as_str()
     );
-    // Kubernetes accepts Bidirectional propagation from privileged containers only.
-    assert_eq!(container["securityContext"]["privileged"], true);
+    // The init container's mount must reach the node, so that the pins outlive the pod:
+    // Bidirectional, which Kubernetes accepts from privileged containers only.
+    let init = find(&pod["initContainers"], "mount-bpffs");
+    let init_mount = find(&init["volumeMounts"], "bpffs");
+    assert_eq!(init_mount["mountPath"], "/sys/fs/bpf");
+    assert_eq!(init_mount["mountPropagation"], "Bidirectional");
+    assert_eq!(init["securityContext"]["privileged"], true);
+    assert_eq!(init["image"], container["image"], "one image to pull");
 }
 
-#[test]
-fn the_privileged_mode_is_explained() {
-    let text = read("daemonset.yaml");
+/// The lines of `text` right above the first line that trims to `line`: its comment.
+fn comment_above(text: &str, line: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     let at = lines
         .iter()
-        .position(|l| l.trim() == "privileged: true")
-        .expect("privileged");
-    // The comment block right above it.
-    let comment: Vec<&str> = lines[..at]
+        .position(|l| l.trim() == line)
+        .unwrap_or_else(|| panic!("no line {line:?}"));
+    let mut comment: Vec<&str> = lines[..at]
         .iter()
         .rev()
         .take_while(|l| l.trim_start().starts_with('#'))
         .copied()
         .collect();
-    let comment = comment.join("\n");
-    for reason in [
-        "Bidirectional",
-        "bpf()",
-        "CAP_BPF",
-        "CAP_NET_ADMIN",
-        "CAP_SYS_ADMIN",
-    ] {
-        assert!(comment.contains(reason), "{reason} in: {comment}");
+    comment.reverse();
+    comment.join("\n")
+}
+
+#[test]
+fn every_privilege_is_explained() {
+    let context = &agent_container()["securityContext"];
+    assert_eq!(context["privileged"], false);
+    assert_eq!(strings(&context["capabilities"]["drop"]), ["ALL"]);
+    let text = read("daemonset.yaml");
+    for capability in strings(&context["capabilities"]["add"]) {
+        let why = comment_above(&text, &format!("- {capability}"));
+        assert!(!why.is_empty(), "no comment says why {capability}");
     }
+    let init = comment_above(&text, "initContainers:");
+    for reason in ["CAP_SYS_ADMIN", "Bidirectional", "privileged"] {
+        assert!(init.contains(reason), "{reason} in: {init}");
+    }
+    let seccomp = comment_above(&text, "seccompProfile:");
+    assert!(seccomp.contains("bpf()"), "{seccomp}");
 }
 
 #[test]
