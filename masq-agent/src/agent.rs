@@ -16,7 +16,7 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    cli::{DataplaneKind, Flags},
+    cli::{ChainFlags, ConfigFlags, DataplaneKind, Flags, MasqueradeFlags},
     config::{self, ConfigOptions, ConfigSource},
     dataplane::{
         ApplyOutcome, DataPlane, Mode,
@@ -42,28 +42,28 @@ const DEBOUNCE: Duration = Duration::from_millis(50);
 /// within this; the data plane sweeps its NAT table less often.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(1);
 
-pub fn masquerade_options(flags: &Flags) -> MasqueradeOptions {
+pub fn masquerade_options(chain: &ChainFlags, masquerade: &MasqueradeFlags) -> MasqueradeOptions {
     MasqueradeOptions {
-        chain: flags.masq_chain.clone(),
-        random_fully: flags.random_fully,
-        to_ports: flags.to_ports.clone(),
+        chain: chain.masq_chain.clone(),
+        random_fully: masquerade.random_fully,
+        to_ports: masquerade.to_ports.clone(),
     }
 }
 
 /// The flags that shape the policy, as the running agent records them.
 pub fn policy_flags(flags: &Flags) -> state::PolicyFlags {
     state::PolicyFlags {
-        config: flags.config.clone(),
-        masq_chain: flags.masq_chain.clone(),
-        nomasq_all_reserved_ranges: flags.nomasq_all_reserved_ranges,
-        enable_ipv6: flags.enable_ipv6,
+        config: flags.config.path.clone(),
+        masq_chain: flags.chain.masq_chain.clone(),
+        nomasq_all_reserved_ranges: flags.config.nomasq_all_reserved_ranges,
+        enable_ipv6: flags.config.enable_ipv6,
     }
 }
 
-pub fn config_options(flags: &Flags) -> ConfigOptions {
+pub fn config_options(config: &ConfigFlags) -> ConfigOptions {
     ConfigOptions {
-        nomasq_all_reserved_ranges: flags.nomasq_all_reserved_ranges,
-        enable_ipv6: flags.enable_ipv6,
+        nomasq_all_reserved_ranges: config.nomasq_all_reserved_ranges,
+        enable_ipv6: config.enable_ipv6,
     }
 }
 
@@ -80,9 +80,10 @@ impl Start {
     pub fn from_the_file(flags: &Flags) -> Start {
         let mut flags = flags.clone();
         let mut policy_entries = 0;
-        if let Ok(loaded) = config::load(&flags.config, &config_options(&flags)) {
-            flags.enable_ipv6 = loaded.config.ipv6_enabled(flags.enable_ipv6);
-            let policy = Policy::from_config(&loaded.config, flags.enable_ipv6);
+        let config = &mut flags.config;
+        if let Ok(loaded) = config::load(&config.path, &config_options(config)) {
+            config.enable_ipv6 = loaded.config.ipv6_enabled(config.enable_ipv6);
+            let policy = Policy::from_config(&loaded.config, config.enable_ipv6);
             policy_entries = [IpFamily::Ipv4, IpFamily::Ipv6]
                 .into_iter()
                 .filter_map(|family| policy.rules(family))
@@ -100,7 +101,7 @@ impl Start {
 /// eBPF one cannot run and the flags allow it.
 pub fn build_dataplane(start: &Start) -> anyhow::Result<Box<dyn DataPlane>> {
     let flags = &start.flags;
-    let opts = masquerade_options(flags);
+    let opts = masquerade_options(&flags.chain, &flags.masquerade);
     let capabilities = Effective::of_this_process().ok();
     if let Some(missing) = capabilities.map(|c| c.missing(&privileges::FOR_THE_CHAIN))
         && !missing.is_empty()
@@ -112,7 +113,7 @@ pub fn build_dataplane(start: &Start) -> anyhow::Result<Box<dyn DataPlane>> {
             if missing.len() == 1 { "it" } else { "them" }
         );
     }
-    match flags.dataplane {
+    match flags.masquerade.dataplane {
         DataplaneKind::Iptables => Ok(Box::new(IptablesDataPlane::new(
             opts,
             ChainVariant::Full,
@@ -120,7 +121,7 @@ pub fn build_dataplane(start: &Start) -> anyhow::Result<Box<dyn DataPlane>> {
         ))),
         DataplaneKind::Ebpf => match ebpf_options(start).and_then(|o| ebpf::new(&o)) {
             Ok(plane) => Ok(Box::new(plane)),
-            Err(why) if flags.fallback_to_iptables => Ok(fallback(opts, &why)),
+            Err(why) if flags.daemon.fallback_to_iptables => Ok(fallback(opts, &why)),
             Err(why) => Err(anyhow::Error::from(why).context("--fallback-to-iptables=false")),
         },
     }
@@ -132,8 +133,8 @@ fn fallback(opts: MasqueradeOptions, why: &ebpf::Unavailable) -> Box<dyn DataPla
 }
 
 /// The devices the eBPF programs go on: each `--interface`, or else those of the default routes.
-pub fn device_selection(flags: &Flags) -> Selection {
-    Selection::new(&flags.interfaces, flags.enable_ipv6)
+pub fn device_selection(masquerade: &MasqueradeFlags, enable_ipv6: bool) -> Selection {
+    Selection::new(&masquerade.interfaces, enable_ipv6)
 }
 
 /// The eBPF data plane's options; without the node's ephemeral port range, the programs would
@@ -153,13 +154,13 @@ fn ebpf_options(start: &Start) -> Result<EbpfOptions, ebpf::Unavailable> {
     }
     let ephemeral = netdev::ephemeral_port_range().map_err(ebpf::Unavailable)?;
     Ok(EbpfOptions {
-        bpffs: flags.bpffs.clone(),
-        devices: device_selection(flags),
-        nat_capacity: flags.nat_capacity.saturating_mul(2),
-        port_spans: ports::nat_port_spans(flags.to_ports.as_ref(), ephemeral),
-        random_fully: flags.random_fully,
-        masquerade: masquerade_options(flags),
-        enable_ipv6: flags.enable_ipv6,
+        bpffs: flags.pins.bpffs.clone(),
+        devices: device_selection(&flags.masquerade, flags.config.enable_ipv6),
+        nat_capacity: flags.daemon.nat_capacity.saturating_mul(2),
+        port_spans: ports::nat_port_spans(flags.masquerade.to_ports.as_ref(), ephemeral),
+        random_fully: flags.masquerade.random_fully,
+        masquerade: masquerade_options(&flags.chain, &flags.masquerade),
+        enable_ipv6: flags.config.enable_ipv6,
         policy_entries: start.policy_entries,
     })
 }
@@ -266,18 +267,19 @@ pub struct Agent {
 impl Agent {
     pub fn new(flags: &Flags, dataplane: Box<dyn DataPlane>, telemetry: Arc<Telemetry>) -> Agent {
         let policy_flags = policy_flags(flags);
-        record_mode(&flags.bpffs, dataplane.as_ref(), &policy_flags);
+        record_mode(&flags.pins.bpffs, dataplane.as_ref(), &policy_flags);
         let mode = dataplane.mode();
         telemetry.mode(mode, mode == Mode::IptablesFallback);
         Agent {
-            bpffs: flags.bpffs.clone(),
+            bpffs: flags.pins.bpffs.clone(),
             policy_flags,
             fallback: flags
+                .daemon
                 .fallback_to_iptables
-                .then(|| masquerade_options(flags)),
-            config_path: flags.config.clone(),
-            config_opts: config_options(flags),
-            enable_ipv6: flags.enable_ipv6,
+                .then(|| masquerade_options(&flags.chain, &flags.masquerade)),
+            config_path: flags.config.path.clone(),
+            config_opts: config_options(&flags.config),
+            enable_ipv6: flags.config.enable_ipv6,
             dataplane,
             last_good: None,
             resync_interval: Duration::from_secs(60),
@@ -286,7 +288,7 @@ impl Agent {
             apply_problem: OnceLogger::default(),
             upkeep_problem: OnceLogger::default(),
             telemetry,
-            leftovers: leftovers_beside(mode, &flags.bpffs),
+            leftovers: leftovers_beside(mode, &flags.pins.bpffs),
             drain_problem: OnceLogger::default(),
         }
     }

@@ -4,10 +4,13 @@
 
 use std::{io::IsTerminal as _, process::ExitCode, sync::Arc};
 
-use clap::{ArgMatches, CommandFactory as _, FromArgMatches as _, parser::ValueSource};
+use clap::{ArgMatches, parser::ValueSource};
 use masq_agent::{
     agent::{self, Agent},
-    cli::{Cli, Command, DataplaneKind, Flags, LogFormat, normalize_go_flags},
+    cli::{
+        ChainFlags, Cli, Command, ConfigFlags, DataplaneKind, Flags, LogFlags, LogFormat,
+        MasqueradeFlags, PinFlags, klog,
+    },
     config::{self, ConfigSource},
     dataplane::{
         self,
@@ -18,44 +21,50 @@ use masq_agent::{
     policy::{IpFamily, Policy},
     telemetry::{self, Telemetry},
 };
-use tracing::error;
+use tracing::{error, warn};
 
 fn main() -> ExitCode {
-    let parsed = Cli::command()
-        .try_get_matches_from(normalize_go_flags(std::env::args()))
-        .and_then(|matches| Ok((Cli::from_arg_matches(&matches)?, matches)));
-    let (cli, matches) = match parsed {
-        Ok(parsed) => parsed,
-        Err(err) => {
-            let _ = err.print();
-            // Help and version are not errors; anything else, including an invalid
-            // --to-ports, is a configuration error and exits 1.
-            return if err.use_stderr() {
-                ExitCode::from(1)
-            } else {
-                ExitCode::SUCCESS
-            };
-        }
-    };
-    init_logging(cli.flags.log_format);
+    // A usage error exits 2, as clap's and Go's flag package's do; help and version exit 0.
+    let (cli, matches) = Cli::parse_args(std::env::args()).unwrap_or_else(|err| err.exit());
+    init_logging(&cli.flags.logging);
+    let ignored = klog::ignored_given(&matches);
+    if !ignored.is_empty() {
+        warn!(
+            "klog flags ignored: {} (masq-agent logs to stderr only, at the verbosity -v or \
+             RUST_LOG sets)",
+            ignored.join(", ")
+        );
+    }
     let result = match cli.command {
         None => run_daemon(&cli.flags),
-        Some(Command::CheckConfig) => check_config(&cli.flags),
-        Some(Command::RenderIptables { family }) => {
+        Some(Command::CheckConfig { config }) => check_config(&config),
+        Some(Command::RenderIptables {
+            family,
+            config,
+            chain,
+            masquerade,
+        }) => {
             // The chain the eBPF data plane installs is shown only on request, so that plain
             // `render-iptables` prints upstream's chain, as upstream would apply it.
             let beside_programs = given_on_command_line(&matches, "dataplane")
-                && cli.flags.dataplane == DataplaneKind::Ebpf;
-            chain_variant(&cli.flags, family, beside_programs)
-                .and_then(|variant| render_iptables(&cli.flags, family, &variant))
+                && masquerade.dataplane == DataplaneKind::Ebpf;
+            chain_variant(&config, &masquerade, family, beside_programs)
+                .and_then(|variant| render_iptables(&config, &chain, &masquerade, family, &variant))
         }
-        Some(Command::Status { json }) => status(&cli.flags, json),
+        Some(Command::Status {
+            report,
+            chain,
+            pins,
+        }) => status(&chain, &pins, report.json),
         Some(Command::Explain {
             destination,
             src,
             proto,
             port,
-            json,
+            report,
+            config,
+            chain,
+            pins,
         }) => {
             let packet = explain::Packet {
                 destination,
@@ -63,9 +72,10 @@ fn main() -> ExitCode {
                 protocol: proto,
                 port,
             };
-            explain(&as_the_running_agent(&cli.flags, &matches), packet, json)
+            let (config, chain) = as_the_running_agent(config, chain, &pins, &matches);
+            explain(&config, &chain, &pins, packet, report.json)
         }
-        Some(Command::Cleanup) => cleanup(&cli.flags),
+        Some(Command::Cleanup { chain, pins }) => cleanup(&chain, &pins),
     };
     match result {
         Ok(code) => code,
@@ -76,14 +86,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
+/// Logs to stderr at the level `-v` asks for, unless RUST_LOG says otherwise.
+fn init_logging(logging: &LogFlags) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(logging.level().as_str()));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
-    match format {
+    match logging.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
@@ -95,13 +106,13 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
         ?flags,
         "masq-agent starting"
     );
-    let telemetry = Arc::new(Telemetry::new(flags.bpffs.clone()));
-    if let Some(addr) = flags.metrics_addr {
+    let telemetry = Arc::new(Telemetry::new(flags.pins.bpffs.clone()));
+    if let Some(addr) = flags.daemon.metrics_addr {
         telemetry::serve(addr, telemetry.clone())?;
     }
     let dataplane = agent::build_dataplane(&agent::Start::from_the_file(flags))?;
     let mut agent = Agent::new(flags, dataplane, telemetry);
-    if flags.once {
+    if flags.daemon.once {
         return Ok(match agent.sync() {
             agent::SyncResult::Synced(_) => ExitCode::SUCCESS,
             _ => ExitCode::from(1),
@@ -110,20 +121,24 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(agent::run(agent, flags.config.clone()))?;
+    runtime.block_on(agent::run(agent, flags.config.path.clone()))?;
     Ok(ExitCode::SUCCESS)
 }
 
-fn check_config(flags: &Flags) -> anyhow::Result<ExitCode> {
-    match config::load(&flags.config, &agent::config_options(flags)) {
+fn check_config(config: &ConfigFlags) -> anyhow::Result<ExitCode> {
+    match config::load(&config.path, &agent::config_options(config)) {
         Ok(loaded) => {
+            // Upstream runs on its defaults without a file; a mistyped path is worth a word.
+            if loaded.source == ConfigSource::Missing && !config.path.is_dir() {
+                eprintln!("no file at {}: the defaults apply", config.path.display());
+            }
             for warning in &loaded.warnings {
                 eprintln!("warning: {warning}");
             }
             if let Some(enable) = loaded.config.enable_ipv6 {
                 eprintln!(
                     "enableIPv6: {enable}, from the config file (over --enable-ipv6={})",
-                    flags.enable_ipv6
+                    config.enable_ipv6
                 );
             }
             if loaded.source == ConfigSource::Directory {
@@ -155,34 +170,38 @@ fn given_on_command_line(matches: &ArgMatches, id: &str) -> bool {
 
 /// Upstream's chain, or the eBPF data plane's for the devices it would put its programs on now.
 fn chain_variant(
-    flags: &Flags,
+    config: &ConfigFlags,
+    masquerade: &MasqueradeFlags,
     family: IpFamily,
     beside_programs: bool,
 ) -> anyhow::Result<ChainVariant> {
     if !beside_programs {
         return Ok(ChainVariant::Full);
     }
-    let returned = devices::returned_now(&agent::device_selection(flags), flags.enable_ipv6)?;
+    let selection = agent::device_selection(masquerade, config.enable_ipv6);
+    let returned = devices::returned_now(&selection, config.enable_ipv6)?;
     Ok(returned.variant(family))
 }
 
 fn render_iptables(
-    flags: &Flags,
+    config: &ConfigFlags,
+    chain: &ChainFlags,
+    masquerade: &MasqueradeFlags,
     family: IpFamily,
     variant: &ChainVariant,
 ) -> anyhow::Result<ExitCode> {
-    let loaded = match config::load(&flags.config, &agent::config_options(flags)) {
+    let loaded = match config::load(&config.path, &agent::config_options(config)) {
         Ok(loaded) => loaded,
         Err(err) => {
             eprintln!("error: {err}");
             return Ok(ExitCode::from(1));
         }
     };
-    let policy = Policy::from_config(&loaded.config, flags.enable_ipv6);
+    let policy = Policy::from_config(&loaded.config, config.enable_ipv6);
     let Some(text) = iptables::render(
         family,
         &policy,
-        &agent::masquerade_options(flags),
+        &agent::masquerade_options(chain, masquerade),
         Capabilities::detect(family),
         variant,
     ) else {
@@ -193,8 +212,8 @@ fn render_iptables(
     Ok(ExitCode::SUCCESS)
 }
 
-fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
-    let status = dataplane::inspect(&flags.masq_chain, &flags.bpffs)?;
+fn status(chain: &ChainFlags, pins: &PinFlags, json: bool) -> anyhow::Result<ExitCode> {
+    let status = dataplane::inspect(&chain.masq_chain, &pins.bpffs)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
@@ -203,40 +222,50 @@ fn status(flags: &Flags, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `flags`, with the running agent's config, chain and policy flags where the command line does
-/// not give them: `explain` answers for the agent running here, as `kubectl exec` runs it
-/// without the daemon's arguments.
-fn as_the_running_agent(flags: &Flags, matches: &ArgMatches) -> Flags {
-    let mut flags = flags.clone();
-    let Some(agent) = dataplane::state::read(&flags.bpffs).and_then(|r| r.flags) else {
-        return flags;
+/// The config and chain flags, with the running agent's where the command line does not give
+/// them: `explain` answers for the agent running here, as `kubectl exec` runs it without the
+/// daemon's arguments.
+fn as_the_running_agent(
+    mut config: ConfigFlags,
+    mut chain: ChainFlags,
+    pins: &PinFlags,
+    matches: &ArgMatches,
+) -> (ConfigFlags, ChainFlags) {
+    let Some(agent) = dataplane::state::read(&pins.bpffs).and_then(|r| r.flags) else {
+        return (config, chain);
     };
     let given = |id: &str| given_on_command_line(matches, id);
     if !given("config") {
-        flags.config = agent.config;
+        config.path = agent.config;
     }
     if !given("masq_chain") {
-        flags.masq_chain = agent.masq_chain;
+        chain.masq_chain = agent.masq_chain;
     }
     if !given("nomasq_all_reserved_ranges") {
-        flags.nomasq_all_reserved_ranges = agent.nomasq_all_reserved_ranges;
+        config.nomasq_all_reserved_ranges = agent.nomasq_all_reserved_ranges;
     }
     if !given("enable_ipv6") {
-        flags.enable_ipv6 = agent.enable_ipv6;
+        config.enable_ipv6 = agent.enable_ipv6;
     }
-    flags
+    (config, chain)
 }
 
-fn explain(flags: &Flags, packet: explain::Packet, json: bool) -> anyhow::Result<ExitCode> {
-    let opts = agent::config_options(flags);
-    let loaded = match config::load(&flags.config, &opts) {
+fn explain(
+    config: &ConfigFlags,
+    chain: &ChainFlags,
+    pins: &PinFlags,
+    packet: explain::Packet,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let opts = agent::config_options(config);
+    let loaded = match config::load(&config.path, &opts) {
         Ok(loaded) => loaded,
         Err(err) => {
             eprintln!("error: {err}");
             return Ok(ExitCode::from(1));
         }
     };
-    let explanation = explain::explain(packet, &loaded, &opts, &flags.masq_chain, &flags.bpffs)?;
+    let explanation = explain::explain(packet, &loaded, &opts, &chain.masq_chain, &pins.bpffs)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&explanation)?);
     } else {
@@ -256,12 +285,12 @@ fn explain(flags: &Flags, packet: explain::Packet, json: bool) -> anyhow::Result
     })
 }
 
-fn cleanup(flags: &Flags) -> anyhow::Result<ExitCode> {
-    dataplane::cleanup_all(&flags.masq_chain, &flags.bpffs)?;
+fn cleanup(chain: &ChainFlags, pins: &PinFlags) -> anyhow::Result<ExitCode> {
+    dataplane::cleanup_all(&chain.masq_chain, &pins.bpffs)?;
     eprintln!(
         "removed the eBPF programs and pins under {}, and chain {} with its POSTROUTING jump",
-        flags.bpffs.display(),
-        flags.masq_chain
+        pins.bpffs.display(),
+        chain.masq_chain
     );
     Ok(ExitCode::SUCCESS)
 }

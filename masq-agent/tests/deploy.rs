@@ -5,10 +5,9 @@
 
 use std::collections::BTreeSet;
 
-use clap::Parser as _;
 use masq_agent::{
     agent::config_options,
-    cli::{Cli, LogFormat, normalize_go_flags},
+    cli::{Cli, LogFormat},
     config,
 };
 use masq_testbed::deploy::{
@@ -24,8 +23,9 @@ fn pod_spec(daemonset: &Value) -> &Value {
 /// The agent's flags as it parses the DaemonSet's args.
 fn agent_flags() -> masq_agent::cli::Flags {
     let argv = std::iter::once("masq-agent".to_string()).chain(agent_args());
-    Cli::try_parse_from(normalize_go_flags(argv))
+    Cli::parse_args(argv)
         .expect("the agent accepts the DaemonSet's args")
+        .0
         .flags
 }
 
@@ -78,10 +78,10 @@ fn the_container_args_are_the_contract_and_the_agent_accepts_them() {
         ]
     );
     let flags = agent_flags();
-    assert_eq!(flags.masq_chain, "IP-MASQ-AGENT");
-    assert_eq!(flags.log_format, LogFormat::Json);
+    assert_eq!(flags.chain.masq_chain, "IP-MASQ-AGENT");
+    assert_eq!(flags.logging.log_format, LogFormat::Json);
     assert_eq!(
-        flags.metrics_addr.map(|a| a.to_string()).as_deref(),
+        flags.daemon.metrics_addr.map(|a| a.to_string()).as_deref(),
         Some("0.0.0.0:9830")
     );
 }
@@ -90,7 +90,7 @@ fn the_container_args_are_the_contract_and_the_agent_accepts_them() {
 fn probes_and_the_metrics_port_match_the_metrics_address() {
     let container = agent_container();
     let port = find(&container["ports"], "metrics");
-    let addr = agent_flags().metrics_addr.expect("--metrics-addr");
+    let addr = agent_flags().daemon.metrics_addr.expect("--metrics-addr");
     assert_eq!(port["containerPort"].as_u64(), Some(u64::from(addr.port())));
     for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
         let get = &container[probe]["httpGet"];
@@ -111,7 +111,7 @@ fn the_config_map_is_mounted_where_the_agent_reads_it_and_is_optional() {
     let mount = find(&container["volumeMounts"], "config");
     let mount_path = mount["mountPath"].as_str().unwrap();
     let file = format!("{mount_path}/{}", item["path"].as_str().unwrap());
-    assert_eq!(agent_flags().config.to_str(), Some(file.as_str()));
+    assert_eq!(agent_flags().config.path.to_str(), Some(file.as_str()));
     assert_eq!(
         manifest("configmap.yaml")["metadata"]["name"],
         volume["configMap"]["name"],
@@ -131,7 +131,7 @@ fn bpffs_comes_from_the_host_mounted_by_the_init_container() {
     // The agent sees what the init container (or the node) mounted there.
     assert_eq!(mount["mountPropagation"], "HostToContainer");
     assert_eq!(
-        agent_flags().bpffs.parent().and_then(|p| p.to_str()),
+        agent_flags().pins.bpffs.parent().and_then(|p| p.to_str()),
         mount["mountPath"].as_str()
     );
     // The init container's mount must reach the node, so that the pins outlive the pod:
@@ -200,7 +200,7 @@ fn the_example_config_is_valid_under_the_daemonset_flags() {
     let loaded = config::parse(
         example_config().as_bytes(),
         "configmap.yaml",
-        &config_options(&agent_flags()),
+        &config_options(&agent_flags().config),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);

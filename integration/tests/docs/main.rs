@@ -135,9 +135,9 @@ fn agent(args: &[&str]) -> Output {
         .expect("run masq-agent")
 }
 
-/// Every `--long-flag` in `text`.
+/// Every `--long-flag` in `text`, klog's `--log_dir` spelling too.
 fn long_flags(text: &str) -> BTreeSet<String> {
-    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
         .filter(|word| {
             word.strip_prefix("--")
                 .is_some_and(|name| name.starts_with(|c: char| c.is_ascii_alphanumeric()))

@@ -1,6 +1,10 @@
 //! The HTTP endpoint: `/metrics`, `/healthz` and `/readyz`.
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc};
+use std::{
+    convert::Infallible,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::Arc,
+};
 
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode, body::Bytes, server::conn::http1, service::service_fn};
@@ -15,8 +19,7 @@ const TEXT: &str = "text/plain; charset=utf-8";
 /// Binds `addr` now, so that a taken port fails the start with a clear error, and serves the
 /// endpoints from a thread of its own until the process exits.
 pub fn serve(addr: SocketAddr, telemetry: Arc<Telemetry>) -> anyhow::Result<()> {
-    let listener = std::net::TcpListener::bind(addr)
-        .map_err(|err| anyhow::anyhow!("--metrics-addr {addr}: {err}"))?;
+    let listener = bind(addr).map_err(|err| anyhow::anyhow!("--metrics-addr {addr}: {err}"))?;
     listener.set_nonblocking(true)?;
     std::thread::Builder::new()
         .name("telemetry".into())
@@ -35,6 +38,20 @@ pub fn serve(addr: SocketAddr, telemetry: Arc<Telemetry>) -> anyhow::Result<()> 
         })?;
     tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
     Ok(())
+}
+
+/// Binds `addr`. On `[::]`, which `:PORT` means, Linux takes IPv4 connections too; a kernel
+/// without IPv6 gets every IPv4 address instead, as Go's listeners do.
+fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    match std::net::TcpListener::bind(addr) {
+        Err(err)
+            if addr.ip() == Ipv6Addr::UNSPECIFIED
+                && err.raw_os_error() == Some(libc::EAFNOSUPPORT) =>
+        {
+            std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, addr.port()))
+        }
+        bound => bound,
+    }
 }
 
 async fn accept_each(listener: std::net::TcpListener, telemetry: Arc<Telemetry>) {
