@@ -317,3 +317,44 @@ fn dashboard_panels_have_unique_ids() {
     let unique: BTreeSet<&u64> = ids.iter().collect();
     assert_eq!(unique.len(), ids.len(), "{ids:?}");
 }
+
+#[test]
+fn the_image_is_labelled_with_the_workspace_s_source_version_and_licence() {
+    let dockerfile = read("Dockerfile");
+    let runtime = &dockerfile[dockerfile.rfind("\nFROM ").unwrap()..];
+    let arg = runtime
+        .lines()
+        .find_map(|l| l.strip_prefix("ARG VERSION="))
+        .expect("ARG VERSION= in the runtime stage");
+    assert_eq!(arg, env!("CARGO_PKG_VERSION"), "the workspace's version");
+    let label = |key: &str| -> String {
+        let at = runtime
+            .find(&format!("org.opencontainers.image.{key}="))
+            .unwrap_or_else(|| panic!("org.opencontainers.image.{key}"));
+        let value = &runtime[at..].split_once("=\"").unwrap().1;
+        value.split_once('"').unwrap().0.to_string()
+    };
+    assert_eq!(label("version"), "${VERSION}");
+    // The workspace's `repository`, which this package does not inherit.
+    let workspace = read("../Cargo.toml");
+    let repository = workspace
+        .lines()
+        .find_map(|l| l.strip_prefix("repository = \""))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .expect("the workspace's repository");
+    assert_eq!(label("source"), repository);
+    assert_eq!(label("licenses"), env!("CARGO_PKG_LICENSE"));
+    assert_eq!(label("title"), "masq-agent");
+    assert!(!label("description").is_empty());
+    // The manifests run the image of this version.
+    for file in ["daemonset.yaml", "uninstall.yaml"] {
+        assert!(
+            read(file).contains(&format!("image: masq-agent:{arg}")),
+            "{file} runs masq-agent:{arg}"
+        );
+    }
+    // And the licence the labels name is the one in the repository.
+    let licence = read("../LICENSE");
+    assert_eq!(env!("CARGO_PKG_LICENSE"), "Apache-2.0");
+    assert!(licence.contains("Apache License") && licence.contains("Version 2.0, January 2004"));
+}
