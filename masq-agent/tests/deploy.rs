@@ -12,8 +12,8 @@ use masq_agent::{
     config,
 };
 use masq_testbed::deploy::{
-    agent_args, agent_container, dashboard, dashboard_queries, example_config, find, manifest,
-    read, series, strings,
+    agent_args, agent_container, component, components, dashboard, dashboard_queries,
+    default_objects, example_config, find, manifest, read, series, strings,
 };
 use serde_yaml::Value;
 
@@ -48,22 +48,123 @@ fn node_daemonset_pod(ds: &Value) -> &Value {
     pod
 }
 
+/// The DaemonSet of the default install, `kubectl apply -k deploy/`.
+fn default_daemonset() -> Value {
+    let daemonsets: Vec<Value> = default_objects()
+        .into_iter()
+        .filter(|o| o["kind"] == "DaemonSet")
+        .collect();
+    assert_eq!(daemonsets.len(), 1, "one DaemonSet: {daemonsets:?}");
+    daemonsets.into_iter().next().unwrap()
+}
+
+fn yaml(text: &str) -> Value {
+    serde_yaml::from_str(text).unwrap()
+}
+
 #[test]
-fn the_daemonset_runs_on_every_labelled_node_before_other_pods() {
-    let ds = manifest("daemonset.yaml");
+fn the_default_daemonset_replaces_upstream_s_in_place_on_every_linux_node() {
+    let ds = default_daemonset();
     let pod = node_daemonset_pod(&ds);
+    // What applying over upstream's DaemonSet must keep (kubernetes-sigs/ip-masq-agent,
+    // ip-masq-agent.yaml): the object's name and namespace, the selector, which Kubernetes does
+    // not let change, and the ConfigMap volume, so that the same file reaches the agent.
+    assert_eq!(ds["metadata"]["name"], "ip-masq-agent");
+    assert_eq!(ds["metadata"]["namespace"], "kube-system");
     assert_eq!(
-        pod["nodeSelector"]["node.kubernetes.io/masq-agent-ds-ready"],
-        "true"
+        ds["spec"]["selector"],
+        yaml("matchLabels: {k8s-app: ip-masq-agent}")
     );
-    // Upstream's older docs labelled nodes with the beta key: the README says what becomes of
-    // them.
-    let readme = read("../README.md");
-    assert!(
-        readme.contains("`node.kubernetes.io/masq-agent-ds-ready=true`")
-            && readme.contains("`beta.kubernetes.io/masq-agent-ds-ready=true`"),
-        "the README explains both node labels"
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["labels"]["k8s-app"],
+        "ip-masq-agent"
     );
+    assert_eq!(
+        find(&pod["volumes"], "config"),
+        &yaml(
+            "{name: config, configMap: {name: ip-masq-agent, optional: true, \
+              items: [{key: config, path: ip-masq-agent}]}}"
+        )
+    );
+    assert_eq!(
+        find(&agent_container()["volumeMounts"], "config")["mountPath"],
+        "/etc/config"
+    );
+    // Upstream's manifest selects no nodes: anything beyond the OS would take the agent off
+    // nodes it runs on today.
+    assert_eq!(pod["nodeSelector"], yaml("kubernetes.io/os: linux"));
+    assert!(pod["affinity"].is_null(), "{:?}", pod["affinity"]);
+}
+
+#[test]
+fn the_default_install_creates_and_changes_no_config_map() {
+    let kustomization = manifest("kustomization.yaml");
+    assert_eq!(kustomization["kind"], "Kustomization");
+    // Resources only: no generators, no components, nothing that could make a ConfigMap.
+    let keys: Vec<&str> = kustomization
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(keys, ["apiVersion", "kind", "resources"]);
+    let kinds: Vec<String> = default_objects()
+        .iter()
+        .map(|o| o["kind"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(kinds, ["DaemonSet"]);
+    // Nor do the components: the example ConfigMap is created by hand, where there is none.
+    for component in components() {
+        assert!(
+            component.resources.iter().all(|o| o["kind"] != "ConfigMap"),
+            "components/{}",
+            component.name
+        );
+    }
+    assert!(read("configmap.yaml").contains("kubectl create -f deploy/configmap.yaml"));
+}
+
+#[test]
+fn the_node_label_component_adds_the_addon_label_to_the_default_selector() {
+    let base = default_objects();
+    let with = component("node-label").apply(&base);
+    assert_eq!(with.len(), base.len());
+    let mut ds = with.into_iter().find(|o| o["kind"] == "DaemonSet").unwrap();
+    assert_eq!(
+        ds["spec"]["template"]["spec"]["nodeSelector"],
+        yaml("{kubernetes.io/os: linux, node.kubernetes.io/masq-agent-ds-ready: \"true\"}")
+    );
+    // And nothing else.
+    ds["spec"]["template"]["spec"]["nodeSelector"] = yaml("kubernetes.io/os: linux");
+    assert_eq!(ds, default_daemonset());
+}
+
+#[test]
+fn one_node_first_only_stops_the_rolling_update() {
+    let mut ds = component("one-node-first")
+        .apply(&default_objects())
+        .into_iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .unwrap();
+    assert_eq!(ds["spec"]["updateStrategy"], yaml("type: OnDelete"));
+    // The pod template is the default's, so that applying deploy/ after it does not replace the
+    // pod tried first.
+    ds["spec"]["updateStrategy"] = default_daemonset()["spec"]["updateStrategy"].clone();
+    assert_eq!(ds, default_daemonset());
+}
+
+#[test]
+fn every_component_is_explained_where_the_layout_is() {
+    let layout = read("kustomization.yaml");
+    let install = read("../docs/install.md");
+    for component in components() {
+        let path = format!("components/{}", component.name);
+        assert!(layout.contains(&path), "kustomization.yaml explains {path}");
+        assert!(install.contains(&path), "docs/install.md explains {path}");
+    }
+    // Upstream's older README labelled nodes with the beta key; the install guide says what
+    // becomes of them.
+    assert!(install.contains("beta.kubernetes.io/masq-agent-ds-ready"));
 }
 
 #[test]
@@ -195,14 +296,6 @@ fn the_example_config_is_valid_under_the_daemonset_flags() {
         serde_json::json!(["10.0.0.0/8"])
     );
     assert_eq!(loaded.config.resync_interval.as_secs(), 60);
-}
-
-#[test]
-fn the_kustomization_holds_the_agent_and_its_config_but_not_the_uninstaller() {
-    let kustomization = manifest("kustomization.yaml");
-    assert_eq!(kustomization["kind"], "Kustomization");
-    let resources = strings(&kustomization["resources"]);
-    assert_eq!(resources, ["configmap.yaml", "daemonset.yaml"]);
 }
 
 #[test]
