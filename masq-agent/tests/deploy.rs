@@ -398,6 +398,157 @@ fn every_dashboard_query_follows_the_node_variable() {
     }
 }
 
+/// The label names in the first `{...}` of `text`, a selector or an exposed series:
+/// `metric{node=~"$node", mode="ebpf"}` -> node, mode.
+fn matcher_labels(text: &str) -> Vec<String> {
+    let Some((_, rest)) = text.split_once('{') else {
+        return Vec::new();
+    };
+    let inside = rest.split_once('}').map_or(rest, |(inside, _)| inside);
+    inside
+        .split(',')
+        .map(|matcher| matcher.split(['=', '!', '~']).next().unwrap().trim())
+        .filter(|name| !name.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Every label the dashboard selects series on: its queries' matchers and its variables'
+/// `label_values(metric, label)`.
+fn labels_the_dashboard_selects_on() -> BTreeSet<String> {
+    let mut labels = BTreeSet::new();
+    for query in dashboard_queries() {
+        for (_, selector) in series(&query) {
+            labels.extend(matcher_labels(selector));
+        }
+    }
+    for variable in dashboard()["templating"]["list"].as_array().unwrap() {
+        let Some(query) = variable["query"]["query"].as_str() else {
+            continue;
+        };
+        let Some(args) = query
+            .strip_prefix("label_values(")
+            .and_then(|q| q.strip_suffix(')'))
+        else {
+            continue;
+        };
+        let (metric, label) = args.split_once(',').expect("label_values(metric, label)");
+        labels.extend(matcher_labels(metric));
+        labels.insert(label.trim().to_string());
+    }
+    labels
+}
+
+/// The labels the agent itself puts on its series, as it exposes them after a sync.
+fn agent_labels() -> BTreeSet<String> {
+    use masq_agent::{dataplane::Mode, telemetry};
+    let bpffs = tempfile::tempdir().unwrap();
+    let metrics = telemetry::Telemetry::new(bpffs.path().join("ip-masq-agent"));
+    metrics.mode(Mode::Ebpf, false);
+    metrics.synced(telemetry::ReloadResult::Success, Some((4, 0)));
+    let text = metrics.encode();
+    let labels: BTreeSet<String> = text
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .flat_map(matcher_labels)
+        .collect();
+    assert!(labels.contains("mode"), "{text}");
+    labels
+}
+
+/// The PodMonitor of components/podmonitor, checked field by field: the validator has no schema
+/// for a Prometheus Operator CRD (xtask/src/manifests.rs), so this allows only the fields of
+/// monitoring.coreos.com/v1 it needs, and checks that they point at the agent's pods and port.
+fn pod_monitor() -> Value {
+    let component = component("podmonitor");
+    assert!(component.patches.is_empty());
+    let [monitor] = component.resources.as_slice() else {
+        panic!("one PodMonitor: {:?}", component.resources);
+    };
+    assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(monitor["kind"], "PodMonitor");
+    let keys = |v: &Value| -> Vec<String> {
+        v.as_mapping()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str().unwrap().to_string())
+            .collect()
+    };
+    let known = |v: &Value, fields: &[&str]| {
+        for key in keys(v) {
+            assert!(fields.contains(&key.as_str()), "PodMonitor field {key}");
+        }
+    };
+    known(monitor, &["apiVersion", "kind", "metadata", "spec"]);
+    known(&monitor["spec"], &["selector", "podMetricsEndpoints"]);
+    // Without a namespaceSelector, a PodMonitor selects pods in its own namespace.
+    let ds = default_daemonset();
+    assert_eq!(
+        monitor["metadata"]["namespace"],
+        ds["metadata"]["namespace"]
+    );
+    known(&monitor["spec"]["selector"], &["matchLabels"]);
+    assert_eq!(monitor["spec"]["selector"], ds["spec"]["selector"]);
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_sequence()
+        .unwrap();
+    assert_eq!(endpoints.len(), 1);
+    let endpoint = &endpoints[0];
+    known(endpoint, &["port", "path", "relabelings"]);
+    // `port` names a container port; `path` is the one the scrape annotations give.
+    find(
+        &agent_container()["ports"],
+        endpoint["port"].as_str().unwrap(),
+    );
+    assert_eq!(
+        endpoint["path"],
+        ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+    );
+    for relabeling in endpoint["relabelings"].as_sequence().unwrap() {
+        known(relabeling, &["action", "sourceLabels", "targetLabel"]);
+    }
+    monitor.clone()
+}
+
+/// Labels the PodMonitor's relabelings set from pod discovery's metadata, with their sources.
+fn relabelled() -> Vec<(String, Vec<String>)> {
+    pod_monitor()["spec"]["podMetricsEndpoints"][0]["relabelings"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "replace")
+        .map(|r| {
+            (
+                r["targetLabel"].as_str().unwrap().to_string(),
+                strings(&r["sourceLabels"]),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_label_the_dashboard_selects_on_is_produced_by_what_deploy_ships() {
+    let selected = labels_the_dashboard_selects_on();
+    assert!(selected.contains("node"), "{selected:?}");
+    let agent = agent_labels();
+    let relabelled = relabelled();
+    for label in &selected {
+        assert!(
+            agent.contains(label) || relabelled.iter().any(|(target, _)| target == label),
+            "the dashboard selects on {label}, which neither the agent {agent:?} nor the \
+             PodMonitor {relabelled:?} produces"
+        );
+    }
+    // The node is the pod's node, as Kubernetes pod discovery names it.
+    assert!(
+        relabelled
+            .iter()
+            .any(|(target, sources)| target == "node"
+                && sources == &["__meta_kubernetes_pod_node_name"]),
+        "{relabelled:?}"
+    );
+}
+
 #[test]
 fn dashboard_panels_have_unique_ids() {
     let dashboard = dashboard();
