@@ -11,8 +11,8 @@ use masq_agent::{
     config,
 };
 use masq_testbed::deploy::{
-    agent_args, agent_container, dashboard, dashboard_queries, example_config, find, manifest,
-    read, series, strings,
+    agent_args, agent_container, component, components, dashboard, dashboard_queries,
+    default_objects, example_config, find, manifest, read, series, strings,
 };
 use serde_yaml::Value;
 
@@ -48,22 +48,123 @@ fn node_daemonset_pod(ds: &Value) -> &Value {
     pod
 }
 
+/// The DaemonSet of the default install, `kubectl apply -k deploy/`.
+fn default_daemonset() -> Value {
+    let daemonsets: Vec<Value> = default_objects()
+        .into_iter()
+        .filter(|o| o["kind"] == "DaemonSet")
+        .collect();
+    assert_eq!(daemonsets.len(), 1, "one DaemonSet: {daemonsets:?}");
+    daemonsets.into_iter().next().unwrap()
+}
+
+fn yaml(text: &str) -> Value {
+    serde_yaml::from_str(text).unwrap()
+}
+
 #[test]
-fn the_daemonset_runs_on_every_labelled_node_before_other_pods() {
-    let ds = manifest("daemonset.yaml");
+fn the_default_daemonset_replaces_upstream_s_in_place_on_every_linux_node() {
+    let ds = default_daemonset();
     let pod = node_daemonset_pod(&ds);
+    // What applying over upstream's DaemonSet must keep (kubernetes-sigs/ip-masq-agent,
+    // ip-masq-agent.yaml): the object's name and namespace, the selector, which Kubernetes does
+    // not let change, and the ConfigMap volume, so that the same file reaches the agent.
+    assert_eq!(ds["metadata"]["name"], "ip-masq-agent");
+    assert_eq!(ds["metadata"]["namespace"], "kube-system");
     assert_eq!(
-        pod["nodeSelector"]["node.kubernetes.io/masq-agent-ds-ready"],
-        "true"
+        ds["spec"]["selector"],
+        yaml("matchLabels: {k8s-app: ip-masq-agent}")
     );
-    // Upstream's older docs labelled nodes with the beta key: the README says what becomes of
-    // them.
-    let readme = read("../README.md");
-    assert!(
-        readme.contains("`node.kubernetes.io/masq-agent-ds-ready=true`")
-            && readme.contains("`beta.kubernetes.io/masq-agent-ds-ready=true`"),
-        "the README explains both node labels"
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["labels"]["k8s-app"],
+        "ip-masq-agent"
     );
+    assert_eq!(
+        find(&pod["volumes"], "config"),
+        &yaml(
+            "{name: config, configMap: {name: ip-masq-agent, optional: true, \
+              items: [{key: config, path: ip-masq-agent}]}}"
+        )
+    );
+    assert_eq!(
+        find(&agent_container()["volumeMounts"], "config")["mountPath"],
+        "/etc/config"
+    );
+    // Upstream's manifest selects no nodes: anything beyond the OS would take the agent off
+    // nodes it runs on today.
+    assert_eq!(pod["nodeSelector"], yaml("kubernetes.io/os: linux"));
+    assert!(pod["affinity"].is_null(), "{:?}", pod["affinity"]);
+}
+
+#[test]
+fn the_default_install_creates_and_changes_no_config_map() {
+    let kustomization = manifest("kustomization.yaml");
+    assert_eq!(kustomization["kind"], "Kustomization");
+    // Resources only: no generators, no components, nothing that could make a ConfigMap.
+    let keys: Vec<&str> = kustomization
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(keys, ["apiVersion", "kind", "resources"]);
+    let kinds: Vec<String> = default_objects()
+        .iter()
+        .map(|o| o["kind"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(kinds, ["DaemonSet"]);
+    // Nor do the components: the example ConfigMap is created by hand, where there is none.
+    for component in components() {
+        assert!(
+            component.resources.iter().all(|o| o["kind"] != "ConfigMap"),
+            "components/{}",
+            component.name
+        );
+    }
+    assert!(read("configmap.yaml").contains("kubectl create -f deploy/configmap.yaml"));
+}
+
+#[test]
+fn the_node_label_component_adds_the_addon_label_to_the_default_selector() {
+    let base = default_objects();
+    let with = component("node-label").apply(&base);
+    assert_eq!(with.len(), base.len());
+    let mut ds = with.into_iter().find(|o| o["kind"] == "DaemonSet").unwrap();
+    assert_eq!(
+        ds["spec"]["template"]["spec"]["nodeSelector"],
+        yaml("{kubernetes.io/os: linux, node.kubernetes.io/masq-agent-ds-ready: \"true\"}")
+    );
+    // And nothing else.
+    ds["spec"]["template"]["spec"]["nodeSelector"] = yaml("kubernetes.io/os: linux");
+    assert_eq!(ds, default_daemonset());
+}
+
+#[test]
+fn one_node_first_only_stops_the_rolling_update() {
+    let mut ds = component("one-node-first")
+        .apply(&default_objects())
+        .into_iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .unwrap();
+    assert_eq!(ds["spec"]["updateStrategy"], yaml("type: OnDelete"));
+    // The pod template is the default's, so that applying deploy/ after it does not replace the
+    // pod tried first.
+    ds["spec"]["updateStrategy"] = default_daemonset()["spec"]["updateStrategy"].clone();
+    assert_eq!(ds, default_daemonset());
+}
+
+#[test]
+fn every_component_is_explained_where_the_layout_is() {
+    let layout = read("kustomization.yaml");
+    let install = read("../docs/install.md");
+    for component in components() {
+        let path = format!("components/{}", component.name);
+        assert!(layout.contains(&path), "kustomization.yaml explains {path}");
+        assert!(install.contains(&path), "docs/install.md explains {path}");
+    }
+    // Upstream's older README labelled nodes with the beta key; the install guide says what
+    // becomes of them.
+    assert!(install.contains("beta.kubernetes.io/masq-agent-ds-ready"));
 }
 
 #[test]
@@ -213,14 +314,6 @@ fn the_example_config_is_valid_under_the_daemonset_flags() {
 }
 
 #[test]
-fn the_kustomization_holds_the_agent_and_its_config_but_not_the_uninstaller() {
-    let kustomization = manifest("kustomization.yaml");
-    assert_eq!(kustomization["kind"], "Kustomization");
-    let resources = strings(&kustomization["resources"]);
-    assert_eq!(resources, ["configmap.yaml", "daemonset.yaml"]);
-}
-
-#[test]
 fn the_uninstaller_cleans_every_node_of_the_agent_chain_and_pins() {
     let ds = manifest("uninstall.yaml");
     let pod = node_daemonset_pod(&ds);
@@ -320,6 +413,157 @@ fn every_dashboard_query_follows_the_node_variable() {
     }
 }
 
+/// The label names in the first `{...}` of `text`, a selector or an exposed series:
+/// `metric{node=~"$node", mode="ebpf"}` -> node, mode.
+fn matcher_labels(text: &str) -> Vec<String> {
+    let Some((_, rest)) = text.split_once('{') else {
+        return Vec::new();
+    };
+    let inside = rest.split_once('}').map_or(rest, |(inside, _)| inside);
+    inside
+        .split(',')
+        .map(|matcher| matcher.split(['=', '!', '~']).next().unwrap().trim())
+        .filter(|name| !name.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Every label the dashboard selects series on: its queries' matchers and its variables'
+/// `label_values(metric, label)`.
+fn labels_the_dashboard_selects_on() -> BTreeSet<String> {
+    let mut labels = BTreeSet::new();
+    for query in dashboard_queries() {
+        for (_, selector) in series(&query) {
+            labels.extend(matcher_labels(selector));
+        }
+    }
+    for variable in dashboard()["templating"]["list"].as_array().unwrap() {
+        let Some(query) = variable["query"]["query"].as_str() else {
+            continue;
+        };
+        let Some(args) = query
+            .strip_prefix("label_values(")
+            .and_then(|q| q.strip_suffix(')'))
+        else {
+            continue;
+        };
+        let (metric, label) = args.split_once(',').expect("label_values(metric, label)");
+        labels.extend(matcher_labels(metric));
+        labels.insert(label.trim().to_string());
+    }
+    labels
+}
+
+/// The labels the agent itself puts on its series, as it exposes them after a sync.
+fn agent_labels() -> BTreeSet<String> {
+    use masq_agent::{dataplane::Mode, telemetry};
+    let bpffs = tempfile::tempdir().unwrap();
+    let metrics = telemetry::Telemetry::new(bpffs.path().join("ip-masq-agent"));
+    metrics.mode(Mode::Ebpf, false);
+    metrics.synced(telemetry::ReloadResult::Success, Some((4, 0)));
+    let text = metrics.encode();
+    let labels: BTreeSet<String> = text
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .flat_map(matcher_labels)
+        .collect();
+    assert!(labels.contains("mode"), "{text}");
+    labels
+}
+
+/// The PodMonitor of components/podmonitor, checked field by field: the validator has no schema
+/// for a Prometheus Operator CRD (xtask/src/manifests.rs), so this allows only the fields of
+/// monitoring.coreos.com/v1 it needs, and checks that they point at the agent's pods and port.
+fn pod_monitor() -> Value {
+    let component = component("podmonitor");
+    assert!(component.patches.is_empty());
+    let [monitor] = component.resources.as_slice() else {
+        panic!("one PodMonitor: {:?}", component.resources);
+    };
+    assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(monitor["kind"], "PodMonitor");
+    let keys = |v: &Value| -> Vec<String> {
+        v.as_mapping()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str().unwrap().to_string())
+            .collect()
+    };
+    let known = |v: &Value, fields: &[&str]| {
+        for key in keys(v) {
+            assert!(fields.contains(&key.as_str()), "PodMonitor field {key}");
+        }
+    };
+    known(monitor, &["apiVersion", "kind", "metadata", "spec"]);
+    known(&monitor["spec"], &["selector", "podMetricsEndpoints"]);
+    // Without a namespaceSelector, a PodMonitor selects pods in its own namespace.
+    let ds = default_daemonset();
+    assert_eq!(
+        monitor["metadata"]["namespace"],
+        ds["metadata"]["namespace"]
+    );
+    known(&monitor["spec"]["selector"], &["matchLabels"]);
+    assert_eq!(monitor["spec"]["selector"], ds["spec"]["selector"]);
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_sequence()
+        .unwrap();
+    assert_eq!(endpoints.len(), 1);
+    let endpoint = &endpoints[0];
+    known(endpoint, &["port", "path", "relabelings"]);
+    // `port` names a container port; `path` is the one the scrape annotations give.
+    find(
+        &agent_container()["ports"],
+        endpoint["port"].as_str().unwrap(),
+    );
+    assert_eq!(
+        endpoint["path"],
+        ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+    );
+    for relabeling in endpoint["relabelings"].as_sequence().unwrap() {
+        known(relabeling, &["action", "sourceLabels", "targetLabel"]);
+    }
+    monitor.clone()
+}
+
+/// Labels the PodMonitor's relabelings set from pod discovery's metadata, with their sources.
+fn relabelled() -> Vec<(String, Vec<String>)> {
+    pod_monitor()["spec"]["podMetricsEndpoints"][0]["relabelings"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "replace")
+        .map(|r| {
+            (
+                r["targetLabel"].as_str().unwrap().to_string(),
+                strings(&r["sourceLabels"]),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_label_the_dashboard_selects_on_is_produced_by_what_deploy_ships() {
+    let selected = labels_the_dashboard_selects_on();
+    assert!(selected.contains("node"), "{selected:?}");
+    let agent = agent_labels();
+    let relabelled = relabelled();
+    for label in &selected {
+        assert!(
+            agent.contains(label) || relabelled.iter().any(|(target, _)| target == label),
+            "the dashboard selects on {label}, which neither the agent {agent:?} nor the \
+             PodMonitor {relabelled:?} produces"
+        );
+    }
+    // The node is the pod's node, as Kubernetes pod discovery names it.
+    assert!(
+        relabelled
+            .iter()
+            .any(|(target, sources)| target == "node"
+                && sources == &["__meta_kubernetes_pod_node_name"]),
+        "{relabelled:?}"
+    );
+}
+
 #[test]
 fn dashboard_panels_have_unique_ids() {
     let dashboard = dashboard();
@@ -331,4 +575,45 @@ fn dashboard_panels_have_unique_ids() {
         .collect();
     let unique: BTreeSet<&u64> = ids.iter().collect();
     assert_eq!(unique.len(), ids.len(), "{ids:?}");
+}
+
+#[test]
+fn the_image_is_labelled_with_the_workspace_s_source_version_and_licence() {
+    let dockerfile = read("Dockerfile");
+    let runtime = &dockerfile[dockerfile.rfind("\nFROM ").unwrap()..];
+    let arg = runtime
+        .lines()
+        .find_map(|l| l.strip_prefix("ARG VERSION="))
+        .expect("ARG VERSION= in the runtime stage");
+    assert_eq!(arg, env!("CARGO_PKG_VERSION"), "the workspace's version");
+    let label = |key: &str| -> String {
+        let at = runtime
+            .find(&format!("org.opencontainers.image.{key}="))
+            .unwrap_or_else(|| panic!("org.opencontainers.image.{key}"));
+        let value = &runtime[at..].split_once("=\"").unwrap().1;
+        value.split_once('"').unwrap().0.to_string()
+    };
+    assert_eq!(label("version"), "${VERSION}");
+    // The workspace's `repository`, which this package does not inherit.
+    let workspace = read("../Cargo.toml");
+    let repository = workspace
+        .lines()
+        .find_map(|l| l.strip_prefix("repository = \""))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .expect("the workspace's repository");
+    assert_eq!(label("source"), repository);
+    assert_eq!(label("licenses"), env!("CARGO_PKG_LICENSE"));
+    assert_eq!(label("title"), "masq-agent");
+    assert!(!label("description").is_empty());
+    // The manifests run the image of this version.
+    for file in ["daemonset.yaml", "uninstall.yaml"] {
+        assert!(
+            read(file).contains(&format!("image: masq-agent:{arg}")),
+            "{file} runs masq-agent:{arg}"
+        );
+    }
+    // And the licence the labels name is the one in the repository.
+    let licence = read("../LICENSE");
+    assert_eq!(env!("CARGO_PKG_LICENSE"), "Apache-2.0");
+    assert!(licence.contains("Apache License") && licence.contains("Version 2.0, January 2004"));
 }

@@ -1,8 +1,9 @@
 //! Commands that need a cluster, a container engine or a developer's checkout: `kubectl`,
 //! `kustomize`, `docker` and `cargo xtask`. They are checked as far as they can be without
 //! running them: the files they name exist, the Kubernetes objects, labels and images they name
-//! are the ones deploy/ defines, and every flag is one the tool takes as the docs use it. What
-//! `kubectl exec` runs inside the agent's container is handed back to be run in the test bed.
+//! are the ones deploy/ defines (with any of its components added), and every flag is one the
+//! tool takes as the docs use it. What `kubectl exec` runs inside the agent's container is
+//! handed back to be run in the test bed.
 
 use std::path::{Path, PathBuf};
 
@@ -30,6 +31,18 @@ struct Object {
     doc: Value,
 }
 
+impl Object {
+    fn new(doc: Value) -> Object {
+        let field = |path: &[&str]| text_at(&doc, path).unwrap_or_default().to_string();
+        Object {
+            kind: field(&["kind"]),
+            name: field(&["metadata", "name"]),
+            namespace: field(&["metadata", "namespace"]),
+            doc,
+        }
+    }
+}
+
 impl Repo {
     pub fn load(root: &Path) -> Repo {
         let mut objects = Vec::new();
@@ -45,13 +58,17 @@ impl Repo {
             for document in serde_yaml::Deserializer::from_str(&text) {
                 let doc = Value::deserialize(document)
                     .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                let field = |path: &[&str]| text_at(&doc, path).unwrap_or_default().to_string();
-                objects.push(Object {
-                    kind: field(&["kind"]),
-                    name: field(&["metadata", "name"]),
-                    namespace: field(&["metadata", "namespace"]),
-                    doc,
-                });
+                objects.push(Object::new(doc));
+            }
+        }
+        // What each component adds or changes: a label only the node-label component selects on
+        // is still deploy/'s.
+        let base = masq_testbed::deploy::default_objects();
+        for component in masq_testbed::deploy::components() {
+            for doc in component.apply(&base) {
+                if !base.contains(&doc) {
+                    objects.push(Object::new(doc));
+                }
             }
         }
         Repo {
@@ -250,7 +267,9 @@ fn kubectl(repo: &Repo, args: &[String]) -> Result<Offline, String> {
             }
             _ => return Err(format!("kubectl rollout {rest:?}")),
         },
-        "apply" | "delete" | "get" | "describe" | "edit" | "logs" | "exec" | "label" => rest,
+        "apply" | "create" | "delete" | "get" | "describe" | "edit" | "logs" | "exec" | "label" => {
+            rest
+        }
         other => return Err(format!("kubectl {other} is not known to the docs test")),
     };
     let (references, labels) = references(verb, rest)?;
@@ -341,20 +360,27 @@ fn check_reference(repo: &Repo, reference: &Reference, namespace: &str) -> Resul
     }
 }
 
-/// `kustomize edit set image NAME=NEW`, run in deploy/.
+/// `kustomize edit set image NAME=NEW` and `kustomize edit add component PATH`, run in deploy/.
 fn kustomize(repo: &Repo, args: &[String]) -> Result<(), String> {
-    let [edit, set, image, change] = args else {
-        return Err(format!("kustomize {args:?} is not known to the docs test"));
-    };
-    if (edit.as_str(), set.as_str(), image.as_str()) != ("edit", "set", "image") {
-        return Err(format!("kustomize {args:?} is not known to the docs test"));
-    }
+    let words: Vec<&str> = args.iter().map(String::as_str).collect();
     repo.kustomization("deploy")?;
-    let (name, new) = change
-        .split_once('=')
-        .ok_or_else(|| format!("{change} is not NAME=IMAGE"))?;
-    repo.check_image(name)?;
-    repo.check_image(new)
+    match words.as_slice() {
+        ["edit", "set", "image", change] => {
+            let (name, new) = change
+                .split_once('=')
+                .ok_or_else(|| format!("{change} is not NAME=IMAGE"))?;
+            repo.check_image(name)?;
+            repo.check_image(new)
+        }
+        ["edit", "add", "component", path] => {
+            let component = repo.kustomization(&format!("deploy/{path}"))?;
+            match text_at(&component, &["kind"]) {
+                Some("Component") => Ok(()),
+                _ => Err(format!("deploy/{path} is not a kustomize Component")),
+            }
+        }
+        _ => Err(format!("kustomize {args:?} is not known to the docs test")),
+    }
 }
 
 fn docker(repo: &Repo, args: &[String]) -> Result<(), String> {
@@ -538,6 +564,12 @@ mod tests {
         assert!(
             check_words("kubectl -n kube-system rollout status daemonset/ip-masq-agent").is_ok()
         );
+        assert!(check_words("kubectl create -f deploy/configmap.yaml").is_ok());
+        // Selected on by a component only.
+        assert!(
+            check_words("kubectl label node n1 node.kubernetes.io/masq-agent-ds-ready=true")
+                .is_ok()
+        );
         for wrong in [
             "kubectl apply -k docs/",
             "kubectl apply -f deploy/nothing.yaml",
@@ -557,6 +589,19 @@ mod tests {
             panic!("exec hands its command to the bed");
         };
         assert_eq!(inner, ["masq-agent", "status"]);
+    }
+
+    #[test]
+    fn kustomize_components_must_be_deploys() {
+        assert!(check_words("kustomize edit add component components/node-label").is_ok());
+        for wrong in [
+            "kustomize edit add component components/nothing",
+            // A directory with a kustomization, but not a component.
+            "kustomize edit add component .",
+            "kustomize edit add resource configmap.yaml",
+        ] {
+            assert!(check_words(wrong).is_err(), "{wrong}");
+        }
     }
 
     #[test]
