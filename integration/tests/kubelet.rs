@@ -179,9 +179,18 @@ fn kubelet_s_probes_and_prometheus_reach_the_daemonset_s_agent() {
     let port = find(&container["ports"], "metrics")["containerPort"].as_u64();
     let server = (topology::NODE_UPLINK, port.unwrap() as u16).into();
     for kind in ["readinessProbe", "livenessProbe"] {
-        let path = container[kind]["httpGet"]["path"].as_str().unwrap();
-        wait_for(|| Ok(probe::http_get(&node.topo.node, server, path)?.0 == 200))
+        // Where kubelet sends the probe: the host and port it names, on the node.
+        let get = &container[kind]["httpGet"];
+        let path = get["path"].as_str().unwrap();
+        let host: std::net::IpAddr = get["host"].as_str().unwrap().parse().unwrap();
+        let probed = (host, get["port"].as_u64().unwrap() as u16).into();
+        wait_for(|| Ok(probe::http_get(&node.topo.node, probed, path)?.0 == 200))
             .unwrap_or_else(|e| panic!("{kind} GET {path}: {e}\n{}", agent.log_text()));
+        // From the network, only the metrics answer.
+        let from_outside = (topology::NODE_UPLINK, probed.port()).into();
+        assert!(probe::http_get(&node.topo.node, from_outside, path).is_err());
+        let (status, _) = probe::http_get(&node.topo.node, server, path).unwrap();
+        assert_eq!(status, 404, "{path} on the metrics port");
     }
     // Each scrape must hold every metric the dashboard shows; the first few after the start
     // may lack the NAT table's, which come with the first sweep.

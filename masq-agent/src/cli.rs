@@ -248,6 +248,12 @@ pub struct DaemonFlags {
     #[arg(long, global = true, value_name = "ADDR:PORT", value_parser = parse_listen_addr)]
     pub metrics_addr: Option<SocketAddr>,
 
+    /// Address to serve /healthz and /readyz on instead of --metrics-addr, which then serves
+    /// /metrics alone: 127.0.0.1:PORT keeps them off the network (kubelet's probes can name
+    /// the host).
+    #[arg(long, global = true, value_name = "ADDR:PORT", value_parser = parse_listen_addr)]
+    pub health_addr: Option<SocketAddr>,
+
     /// Sync once, leave the data plane in place, and exit.
     #[arg(long, global = true)]
     pub once: bool,

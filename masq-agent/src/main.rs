@@ -107,8 +107,8 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
         "masq-agent starting"
     );
     let telemetry = Arc::new(Telemetry::new(flags.pins.bpffs.clone()));
-    if let Some(addr) = flags.daemon.metrics_addr {
-        telemetry::serve(addr, telemetry.clone())?;
+    for (addr, endpoints) in telemetry::Endpoints::listeners(&flags.daemon) {
+        telemetry::serve(addr, endpoints, telemetry.clone())?;
     }
     let dataplane = agent::build_dataplane(&agent::Start::from_the_file(flags))?;
     let mut agent = Agent::new(flags, dataplane, telemetry);

@@ -30,7 +30,7 @@ use prometheus_client::{
 use self::{kernel::KernelCounters, process::ProcessMetrics};
 use crate::dataplane::{Mode, NatUsage};
 
-pub use http::serve;
+pub use http::{Endpoints, serve};
 
 /// The sync loop wakes every second for upkeep, and the longest apply (100 000 prefixes) takes
 /// about a second: a loop silent for this long is stuck.

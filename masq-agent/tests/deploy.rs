@@ -175,6 +175,7 @@ fn the_container_args_are_the_contract_and_the_agent_accepts_them() {
             "--masq-chain=IP-MASQ-AGENT",
             "--config=/etc/config/ip-masq-agent",
             "--metrics-addr=0.0.0.0:9830",
+            "--health-addr=127.0.0.1:9831",
             "--log-format=json",
         ]
     );
@@ -188,15 +189,27 @@ fn the_container_args_are_the_contract_and_the_agent_accepts_them() {
 }
 
 #[test]
-fn probes_and_the_metrics_port_match_the_metrics_address() {
+fn probes_ask_the_health_address_on_loopback_and_only_metrics_is_exposed() {
     let container = agent_container();
     let port = find(&container["ports"], "metrics");
-    let addr = agent_flags().daemon.metrics_addr.expect("--metrics-addr");
-    assert_eq!(port["containerPort"].as_u64(), Some(u64::from(addr.port())));
+    let flags = agent_flags();
+    let metrics = flags.daemon.metrics_addr.expect("--metrics-addr");
+    assert_eq!(
+        port["containerPort"].as_u64(),
+        Some(u64::from(metrics.port()))
+    );
+    assert_eq!(container["ports"].as_sequence().map(Vec::len), Some(1));
+    let health = flags.daemon.health_addr.expect("--health-addr");
+    assert!(health.ip().is_loopback(), "{health}");
     for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
         let get = &container[probe]["httpGet"];
         assert_eq!(get["path"], path, "{probe}");
-        assert_eq!(get["port"], "metrics", "{probe}");
+        assert_eq!(get["host"].as_str(), Some(health.ip().to_string().as_str()));
+        assert_eq!(
+            get["port"].as_u64(),
+            Some(u64::from(health.port())),
+            "{probe}"
+        );
     }
 }
 

@@ -20,6 +20,7 @@ pub const AGENT: &str = "masq-agent";
 const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ip-masq-agent";
 const DEFAULT_CONFIG: &str = "/etc/config/ip-masq-agent";
 pub const METRICS_ADDR: &str = "127.0.0.1:9830";
+pub const HEALTH_ADDR: &str = "127.0.0.1:9831";
 const SERVER_PORT: u16 = 8080;
 /// The pod's UDP flow keeps this source port, so that refreshing it adds no flows.
 const POD_UDP_PORT: u16 = 40000;
@@ -50,6 +51,7 @@ impl Bed {
             format!("--config={}", config.display()),
             format!("--bpffs={}", topo.bpffs.display()),
             format!("--metrics-addr={METRICS_ADDR}"),
+            format!("--health-addr={HEALTH_ADDR}"),
             "--log-format=json".to_string(),
             // The docs describe the eBPF data plane: a fallback must fail the test.
             "--fallback-to-iptables=false".to_string(),
