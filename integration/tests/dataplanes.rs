@@ -1498,6 +1498,44 @@ fn sigkill_mid_apply_loses_no_prefix(plane: Plane) {
     );
 }
 
+/// A change of the file is applied as the difference from what the agent installed; what
+/// someone else changes behind its back is put back at the next resync: a prefix deleted from
+/// the trie, a member deleted from the set.
+fn a_change_is_applied_as_a_difference_and_a_resync_repairs_the_rest(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    let trie = bed.topo.bpffs.join("non_masq_v4");
+    let exempt = |a: [u8; 4]| masq_testbed::keeps_address_v4(&trie, a.into()).unwrap();
+    let set = |args: &[&str]| masq_testbed::netns::run_in(&bed.topo.node, "ipset", args);
+    let members = || set(&["list", "IP-MASQ-AGENT-v4"]).unwrap();
+
+    let added = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.18.0.0/15\nresyncInterval: 1s\n";
+    write_config(&bed.config, added).unwrap();
+    wait_for(|| Ok(exempt([198, 18, 1, 1]))).unwrap();
+    wait_for(|| Ok(members().contains("198.18.0.0/15"))).unwrap();
+    assert!(exempt([10, 1, 2, 3]));
+
+    // Behind the agent's back: out of the trie and out of the set.
+    let key: Vec<String> = 15u32
+        .to_ne_bytes()
+        .into_iter()
+        .chain([198, 18, 0, 0])
+        .map(|b| b.to_string())
+        .collect();
+    let pin = trie.to_str().unwrap();
+    let mut args = vec!["map", "delete", "pinned", pin, "key"];
+    args.extend(key.iter().map(String::as_str));
+    masq_testbed::netns::run("bpftool", &args).unwrap();
+    set(&["del", "IP-MASQ-AGENT-v4", "10.0.0.0/8"]).unwrap();
+    assert!(!exempt([198, 18, 1, 1]));
+    // Both back within a resync (1s), or a few.
+    wait_for_long(Duration::from_secs(5), || {
+        Ok(exempt([198, 18, 1, 1]) && members().contains("10.0.0.0/8"))
+    })
+    .unwrap_or_else(|e| panic!("not repaired: {e}\n{}\n{}", members(), agent.log_text()));
+    assert_masqueraded(&bed);
+}
+
 /// A prefix removed from the non-masquerade CIDRs drains for as long as a TCP connection may
 /// stay idle; a restarted agent must carry that on, not start from an empty draining trie.
 fn draining_survives_an_agent_restart(plane: Plane) {
@@ -3565,6 +3603,7 @@ mod ebpf {
         falls_back_to_iptables_when_ebpf_cannot_run,
         runs_with_only_the_manifest_s_capabilities,
         a_missing_capability_is_named,
+        a_change_is_applied_as_a_difference_and_a_resync_repairs_the_rest,
         reattaches_a_program_someone_detached,
         bpftool_shows_the_prefixes_with_named_fields,
         replaces_an_incompatible_pinned_map,

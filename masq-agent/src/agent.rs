@@ -36,8 +36,10 @@ use crate::{
 };
 
 /// How long to wait after a change in the config directory before reading it, so that the
-/// several events of one kubelet symlink swap or editor save produce one sync.
-const DEBOUNCE: Duration = Duration::from_millis(50);
+/// several events of one kubelet symlink swap or editor save, which come within a millisecond
+/// or two, produce one sync. A read in the middle of a swap still sees a whole file: the old
+/// one, until the `..data` symlink is renamed, then the new one, and its events sync again.
+const DEBOUNCE: Duration = Duration::from_millis(10);
 /// How often the data plane's upkeep runs: a changed address or a detached program is found
 /// within this; the data plane sweeps its NAT table less often.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(1);
@@ -513,6 +515,8 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
     let mut maintenance = tokio::time::interval(MAINTENANCE_INTERVAL);
     maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sync_due = true;
+    // A resync (not a change of the file) checks what is installed against the kernel.
+    let mut resync = true;
     let mut next_tick = Instant::now();
     let mut retry = Backoff::default();
     loop {
@@ -526,6 +530,9 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
             }
         }
         if sync_due {
+            if resync {
+                agent.dataplane.verify_next_apply();
+            }
             let wait = match agent.sync() {
                 // A held xtables lock or a busy kernel passes: try again soon, then less often.
                 SyncResult::ApplyFailed => retry.next(agent.resync_interval()),
@@ -537,6 +544,7 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
             next_tick = Instant::now() + wait;
         }
         sync_due = true;
+        resync = false;
         tokio::select! {
             _ = sigterm.recv() => { info!("SIGTERM: exiting, data plane left in place"); return Ok(()); }
             _ = sigint.recv() => { info!("SIGINT: exiting, data plane left in place"); return Ok(()); }
@@ -548,7 +556,7 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
                 agent.maintain();
                 sync_due = false;
             }
-            _ = sleep_until(next_tick) => {}
+            _ = sleep_until(next_tick) => resync = true,
         }
     }
 }

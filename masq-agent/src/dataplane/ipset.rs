@@ -2,7 +2,7 @@
 //! programs: one rule then matches any number of prefixes, and reading the chain back (which
 //! costs seconds for a chain of 100 000 rules) stays cheap.
 
-use std::process::Command;
+use std::{collections::HashMap, process::Command};
 
 use anyhow::{Context as _, bail};
 
@@ -41,6 +41,31 @@ pub fn sync(name: &str, family: IpFamily, cidrs: &[String]) -> anyhow::Result<()
         ));
     }
     input.push_str(&format!("swap {tmp} {name}\ndestroy {tmp}\n"));
+    super::run_with_input("ipset", &["restore"], &input)
+}
+
+/// Makes the set, which holds `installed`, hold `cidrs`, by their difference: filling a set of
+/// 100 000 prefixes anew takes a tenth of a second, one change a millisecond. New entries, and
+/// those whose `nomatch` changes (`-exist` re-adds them with the new flag), go before any
+/// removal, as the policy trie's writes do, so that a prefix that stays is never missing.
+pub fn update(name: &str, installed: &[String], cidrs: &[String]) -> anyhow::Result<()> {
+    let by_prefix = |members: &[String]| -> HashMap<String, String> {
+        let prefix = |m: &String| m.split_whitespace().next().unwrap_or_default().to_string();
+        members.iter().map(|m| (prefix(m), m.clone())).collect()
+    };
+    let (before, after) = (by_prefix(installed), by_prefix(cidrs));
+    let mut input = String::new();
+    for (prefix, member) in &after {
+        if before.get(prefix) != Some(member) {
+            input.push_str(&format!("add {name} {member} -exist\n"));
+        }
+    }
+    for prefix in before.keys().filter(|p| !after.contains_key(*p)) {
+        input.push_str(&format!("del {name} {prefix} -exist\n"));
+    }
+    if input.is_empty() {
+        return Ok(());
+    }
     super::run_with_input("ipset", &["restore"], &input)
 }
 

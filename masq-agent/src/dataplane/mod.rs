@@ -96,7 +96,13 @@ pub trait DataPlane {
     }
 
     /// Makes the kernel match `policy`. On error, whatever was in force before stays in force.
+    /// A change is applied as the difference from what this data plane knows it installed.
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome>;
+
+    /// The next `apply` reads back everything it installed from the kernel, rather than trust
+    /// its own record of it, and installs whatever differs: the agent asks at every resync, so
+    /// that whatever someone else changed is repaired.
+    fn verify_next_apply(&mut self) {}
 
     /// Periodic upkeep between applies: puts back programs someone detached, and expires
     /// idle NAT entries. Returns what the NAT table holds, for data planes that have one.

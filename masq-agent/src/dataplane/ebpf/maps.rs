@@ -66,14 +66,14 @@ impl Maps {
     pub fn take_from(ebpf: &mut Ebpf, reused_decisions: bool) -> anyhow::Result<Maps> {
         Ok(Maps {
             policy: PolicyMaps::new(
-                FamilyTries {
-                    non_masq: take(ebpf, map_names::NON_MASQ_V4)?,
-                    draining: take(ebpf, map_names::DRAINING_V4)?,
-                },
-                FamilyTries {
-                    non_masq: take(ebpf, map_names::NON_MASQ_V6)?,
-                    draining: take(ebpf, map_names::DRAINING_V6)?,
-                },
+                FamilyTries::new(
+                    take(ebpf, map_names::NON_MASQ_V4)?,
+                    take(ebpf, map_names::DRAINING_V4)?,
+                ),
+                FamilyTries::new(
+                    take(ebpf, map_names::NON_MASQ_V6)?,
+                    take(ebpf, map_names::DRAINING_V6)?,
+                ),
                 take(ebpf, map_names::POLICY_GENERATION)?,
                 take(ebpf, map_names::DECISIONS)?,
                 reused_decisions,

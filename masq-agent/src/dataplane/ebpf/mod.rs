@@ -220,6 +220,10 @@ impl DataPlane for EbpfDataPlane {
         })
     }
 
+    fn verify_next_apply(&mut self) {
+        self.maps.policy.verify_next_sync();
+    }
+
     fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
         // Nothing is attached before the first apply has filled the non-masquerade tries.
         if let Some(policy) = self.applied.take() {

@@ -32,6 +32,29 @@ pub struct FamilyTries<const N: usize> {
     /// The prefixes that stopped keeping the pod's address, with when (seconds of
     /// CLOCK_MONOTONIC).
     pub draining: LpmTrie<MapData, [u8; N], u32>,
+    /// What the policy trie holds, as this agent last read or wrote it; `None` when it must be
+    /// read again. A trie of 100 000 prefixes takes 200 000 system calls to read.
+    pub installed: Option<BTreeMap<Prefix<N>, PolicyEntry>>,
+}
+
+impl<const N: usize> FamilyTries<N> {
+    pub fn new(
+        non_masq: PolicyTrie<N>,
+        draining: LpmTrie<MapData, [u8; N], u32>,
+    ) -> FamilyTries<N> {
+        FamilyTries {
+            non_masq,
+            draining,
+            installed: None,
+        }
+    }
+
+    /// What the policy trie holds: as last known, or read from the kernel.
+    fn current(&mut self) -> BTreeMap<Prefix<N>, PolicyEntry> {
+        self.installed
+            .take()
+            .unwrap_or_else(|| entries(&self.non_masq))
+    }
 }
 
 /// What a policy change does to the draining trie.
@@ -133,12 +156,12 @@ impl PolicyMaps {
         decisions: DecisionCounters,
         reused_decisions: bool,
     ) -> anyhow::Result<PolicyMaps> {
-        let capacity = decisions.len();
-        let held = entries(&v4.non_masq)
-            .into_values()
-            .chain(entries(&v6.non_masq).into_values())
-            .map(|entry| entry.counted_in);
-        let slots = DecisionSlots::free_besides(capacity, held, reused_decisions);
+        let (mut v4, mut v6) = (v4, v6);
+        let (held_v4, held_v6) = (v4.current(), v6.current());
+        let held = held_v4.values().chain(held_v6.values());
+        let held = held.map(|entry| entry.counted_in);
+        let slots = DecisionSlots::free_besides(decisions.len(), held, reused_decisions);
+        (v4.installed, v6.installed) = (Some(held_v4), Some(held_v6));
         Ok(PolicyMaps {
             v4,
             v6,
@@ -194,6 +217,24 @@ impl PolicyMaps {
         self.v4.expire_draining(drain, now_ns)?;
         self.v6.expire_draining(drain, now_ns)
     }
+
+    /// The next sync reads the tries back from the kernel, and writes whatever differs.
+    pub fn verify_next_sync(&mut self) {
+        self.v4.installed = None;
+        self.v6.installed = None;
+    }
+}
+
+/// What a sync wrote to a policy trie.
+struct Written<const N: usize> {
+    entries: Vec<(Prefix<N>, PolicyEntry)>,
+    removed: usize,
+}
+
+impl<const N: usize> Written<N> {
+    fn changed(&self) -> bool {
+        !self.entries.is_empty() || self.removed > 0
+    }
 }
 
 /// The decision counters and their free slots, as a sync hands slots out and takes them back.
@@ -225,18 +266,23 @@ impl<const N: usize> FamilyTries<N> {
         generation: &mut Array<MapData, u32>,
         counting: &mut Counting,
     ) -> anyhow::Result<bool> {
-        let current = entries(&self.non_masq);
+        let mut current = self.current();
         let change = DrainingChange::between(&current, &desired);
         let now = seconds(expiry::monotonic_now_ns());
         for (len, data) in &change.start {
             self.draining.insert(&Key::new(*len, *data), now, 0)?;
         }
         let synced = self.write_policy(&current, &desired, counting);
-        // Even a sync that failed half-way may have changed the trie: no cached verdict survives it.
-        if !matches!(synced, Ok(false)) {
+        // Even a sync that failed half-way may have changed the trie: no cached verdict survives
+        // it, and the trie is read again next time.
+        if !matches!(&synced, Ok(written) if !written.changed()) {
             next_generation(generation)?;
         }
-        let changed = synced?;
+        let written = synced?;
+        let changed = written.changed();
+        current.retain(|prefix, _| desired.contains_key(prefix));
+        current.extend(written.entries);
+        self.installed = Some(current);
         self.end_draining(&change, &desired)?;
         Ok(changed)
     }
@@ -246,13 +292,13 @@ impl<const N: usize> FamilyTries<N> {
     /// every write before any removal, so that a prefix that stays is never missing, not even
     /// for a moment. A prefix that keeps its action keeps its slot; a new one, or one whose
     /// action changed, is counted from zero. A failed write rolls back what this call wrote.
-    /// Returns whether anything changed.
+    /// Returns what it wrote.
     fn write_policy(
         &mut self,
         current: &BTreeMap<Prefix<N>, PolicyEntry>,
         desired: &BTreeMap<Prefix<N>, PrefixAction>,
         counting: &mut Counting,
-    ) -> anyhow::Result<bool> {
+    ) -> anyhow::Result<Written<N>> {
         let trie = &mut self.non_masq;
         let mut writes: Vec<(Prefix<N>, PrefixAction)> = desired
             .iter()
@@ -322,7 +368,10 @@ impl<const N: usize> FamilyTries<N> {
                  policy the agent started with; a restart sizes them for this one"
             );
         }
-        Ok(!written.is_empty() || !removed.is_empty())
+        Ok(Written {
+            entries: written,
+            removed: removed.len(),
+        })
     }
 
     /// Ends the draining of the prefixes that keep the pod's address again, and of the
