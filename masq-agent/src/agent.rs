@@ -39,7 +39,7 @@ use crate::{
 /// several events of one kubelet symlink swap or editor save, which come within a millisecond
 /// or two, produce one sync. A read in the middle of a swap still sees a whole file: the old
 /// one, until the `..data` symlink is renamed, then the new one, and its events sync again.
-const DEBOUNCE: Duration = Duration::from_millis(10);
+const DEBOUNCE: Duration = Duration::from_millis(5);
 /// How often the data plane's upkeep runs: a changed address or a detached program is found
 /// within this; the data plane sweeps its NAT table less often.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(1);

@@ -550,9 +550,6 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     }
     cp.apply_cold_ms = report::median(plain_ms).unwrap_or_default();
     cp.apply_cold_with_exceptions_ms = report::median(exceptions_ms).unwrap_or_default();
-    let changed = policy + "  - 198.18.0.0/15\n";
-    write_config(&bed.config, &changed)?;
-    cp.apply_one_change_ms = apply_ms(&run_once(&[])?).context("no apply time logged")?;
     bed.deactivate(Mode::Ebpf, None)?;
 
     // The same sizes through iptables-restore, as upstream's chain.
@@ -584,9 +581,9 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
         cp.iptables_restore_ms
             .insert(cidrs, started.elapsed().as_secs_f64() * 1e3);
         bed.topo
-            .node_run("iptables-nft", &["-t", "nat", "-F", "IP-MASQ-AGENT"])?;
+            .node_run("iptables-nft", &["-t", "nat", "-F", CHAIN])?;
         bed.topo
-            .node_run("iptables-nft", &["-t", "nat", "-X", "IP-MASQ-AGENT"])?;
+            .node_run("iptables-nft", &["-t", "nat", "-X", CHAIN])?;
     }
 
     cp.config_change_to_map_ms = config_change_latency(&bed)?;
@@ -603,8 +600,47 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     cp.idle_cpu_percent = ticks as f64 / hz / cp.idle_seconds as f64 * 100.0;
+    cp.apply_one_change_ms =
+        report::median(one_change_latency(&bed, &prefixes::config(plan.large))?)
+            .unwrap_or_default();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
     Ok(cp)
+}
+
+/// The agent's default chain, and the IPv4 set beside the programs it names after it.
+const CHAIN: &str = "IP-MASQ-AGENT";
+const SET_V4: &str = "IP-MASQ-AGENT-v4";
+
+/// A one-prefix change to the running agent's large `policy`, in and out five times each,
+/// timed from the file's swap until both the trie and the set beside the programs agree.
+fn one_change_latency(bed: &Bed, policy: &str) -> anyhow::Result<Vec<f64>> {
+    let map = bed.topo.bpffs.join(masq_ebpf::map_names::NON_MASQ_V4);
+    // An address no prefix of the large policy covers.
+    let probe = topology::FAR_ADDR;
+    let in_set = || -> anyhow::Result<bool> {
+        let tested = bed
+            .topo
+            .node_command("ipset")
+            .args(["test", SET_V4, &probe.to_string()])
+            .output()?;
+        Ok(tested.status.success())
+    };
+    let mut latencies = Vec::new();
+    for round in 0..10 {
+        let added = round % 2 == 0;
+        let text = match added {
+            true => format!("{policy}  - {probe}/32\n"),
+            false => policy.to_string(),
+        };
+        let started = Instant::now();
+        write_config(&bed.config, &text)?;
+        wait_for_long(Duration::from_secs(10), || {
+            Ok(keeps_address_v4(&map, probe)? == added && in_set()? == added)
+        })
+        .with_context(|| format!("change {round} never reached the trie and the set"))?;
+        latencies.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(latencies)
 }
 
 /// Twenty ConfigMap updates the way kubelet makes them (a new timestamped directory, then an

@@ -2,9 +2,10 @@
 //! programs: one rule then matches any number of prefixes, and reading the chain back (which
 //! costs seconds for a chain of 100 000 rules) stays cheap.
 
-use std::{collections::HashMap, process::Command};
+use std::{fmt::Write as _, process::Command};
 
 use anyhow::{Context as _, bail};
+use ipnet::IpNet;
 
 use crate::policy::IpFamily;
 
@@ -20,53 +21,76 @@ pub fn name(chain: &str, family: IpFamily) -> String {
     }
 }
 
-/// Makes the set hold exactly `cidrs`, atomically: a new set is filled, then swapped in.
-pub fn sync(name: &str, family: IpFamily, cidrs: &[String]) -> anyhow::Result<()> {
+/// One entry of a set: a prefix, and whether it is a `nomatch` one. Ordered by prefix, so that
+/// two sorted sets are compared in one walk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Member {
+    pub net: IpNet,
+    pub nomatch: bool,
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.nomatch {
+            true => write!(f, "{} {NOMATCH}", self.net),
+            false => write!(f, "{}", self.net),
+        }
+    }
+}
+
+/// Makes the set hold exactly `members`, atomically: a new set is filled, then swapped in.
+pub fn sync(name: &str, family: IpFamily, members: &[Member]) -> anyhow::Result<()> {
     let family = match family {
         IpFamily::Ipv4 => "inet",
         IpFamily::Ipv6 => "inet6",
     };
-    let maxelem = (cidrs.len() * 2).max(65_536);
+    let maxelem = (members.len() * 2).max(65_536);
     let tmp = format!("{}-", &name[..name.len().min(30)]);
     // A leftover from an interrupted sync would clash with the new one's parameters.
     let _ = Command::new("ipset").args(["destroy", &tmp]).output();
     let mut input = format!("create {tmp} hash:net family {family} maxelem {maxelem}\n");
-    for cidr in cidrs {
-        input.push_str(&format!("add {tmp} {cidr} -exist\n"));
+    for member in members {
+        let _ = writeln!(input, "add {tmp} {member} -exist");
     }
     // The live set keeps whatever size it was made with: swapping only needs the same type.
     if len(name)?.is_none() {
-        input.push_str(&format!(
-            "create {name} hash:net family {family} maxelem {maxelem}\n"
-        ));
+        let _ = writeln!(
+            input,
+            "create {name} hash:net family {family} maxelem {maxelem}"
+        );
     }
-    input.push_str(&format!("swap {tmp} {name}\ndestroy {tmp}\n"));
+    let _ = writeln!(input, "swap {tmp} {name}\ndestroy {tmp}");
     super::run_with_input("ipset", &["restore"], &input)
 }
 
-/// Makes the set, which holds `installed`, hold `cidrs`, by their difference: filling a set of
-/// 100 000 prefixes anew takes a tenth of a second, one change a millisecond. New entries, and
-/// those whose `nomatch` changes (`-exist` re-adds them with the new flag), go before any
-/// removal, as the policy trie's writes do, so that a prefix that stays is never missing.
-pub fn update(name: &str, installed: &[String], cidrs: &[String]) -> anyhow::Result<()> {
-    let by_prefix = |members: &[String]| -> HashMap<String, String> {
-        let prefix = |m: &String| m.split_whitespace().next().unwrap_or_default().to_string();
-        members.iter().map(|m| (prefix(m), m.clone())).collect()
-    };
-    let (before, after) = (by_prefix(installed), by_prefix(cidrs));
-    let mut input = String::new();
-    for (prefix, member) in &after {
-        if before.get(prefix) != Some(member) {
-            input.push_str(&format!("add {name} {member} -exist\n"));
+/// Makes the set, which holds `installed`, hold `members` (both sorted), by their difference:
+/// filling a set of 100 000 prefixes anew takes a tenth of a second, one change a
+/// millisecond. New entries, and those whose `nomatch` changes (`-exist` re-adds them with the
+/// new flag), go before any removal, as the policy trie's writes do, so that a prefix that
+/// stays is never missing.
+pub fn update<'a>(
+    name: &str,
+    installed: &'a [Member],
+    members: &'a [Member],
+) -> anyhow::Result<()> {
+    let (mut adds, mut dels) = (String::new(), String::new());
+    let by_net = |members: &'a [Member]| members.iter().map(|m| (m.net, m.nomatch));
+    super::walk_sorted(by_net(installed), by_net(members), |net, old, new| {
+        match (old, new) {
+            (Some(was), Some(is)) if was == is => {}
+            (_, Some(nomatch)) => {
+                let _ = writeln!(adds, "add {name} {} -exist", Member { net, nomatch });
+            }
+            (_, None) => {
+                let _ = writeln!(dels, "del {name} {net} -exist");
+            }
         }
-    }
-    for prefix in before.keys().filter(|p| !after.contains_key(*p)) {
-        input.push_str(&format!("del {name} {prefix} -exist\n"));
-    }
-    if input.is_empty() {
+    });
+    adds.push_str(&dels);
+    if adds.is_empty() {
         return Ok(());
     }
-    super::run_with_input("ipset", &["restore"], &input)
+    super::run_with_input("ipset", &["restore"], &adds)
 }
 
 /// How many entries the set holds, or `None` if it does not exist.

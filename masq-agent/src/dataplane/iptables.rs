@@ -124,7 +124,7 @@ fn rules_in_chain_order(family: IpFamily, policy: &Policy) -> Option<Rules> {
 /// matches the longest prefix it holds, and an exception is a `nomatch` entry, so the set gives
 /// the same answer as the trie. The set holds no /0, which two /1 halves stand for; an entry
 /// for one of those /1s is the longer prefix, and takes its half's place.
-pub fn set_members(rules: &Rules) -> Vec<String> {
+pub fn set_members(rules: &Rules) -> Vec<ipset::Member> {
     let mut members: Vec<(ipnet::IpNet, Action)> = Vec::new();
     let mut at: HashMap<ipnet::IpNet, usize> = HashMap::new();
     let mut put = |net: ipnet::IpNet, action: Action, overrides: bool| match at.get(&net) {
@@ -143,13 +143,15 @@ pub fn set_members(rules: &Rules) -> Vec<String> {
     for (net, action) in rules.iter().filter(|(net, _)| net.prefix_len() != 0) {
         put(*net, *action, true);
     }
-    members
+    let mut members: Vec<ipset::Member> = members
         .into_iter()
-        .map(|(net, action)| match action {
-            Action::NonMasquerade => net.to_string(),
-            Action::Masquerade => format!("{net} {}", ipset::NOMATCH),
+        .map(|(net, action)| ipset::Member {
+            net,
+            nomatch: action == Action::Masquerade,
         })
-        .collect()
+        .collect();
+    members.sort_unstable();
+    members
 }
 
 /// The iptables-restore input for one family, or `None` when the policy leaves that family
@@ -492,8 +494,8 @@ impl std::fmt::Display for ChainStatus {
 /// What was last installed for one family, to make re-applying an unchanged policy cheap.
 struct Installed {
     rendered: String,
-    /// The CIDRs in the chain's set, for the chain beside the eBPF programs.
-    set: Option<Vec<String>>,
+    /// The members of the chain's set, for the chain beside the eBPF programs.
+    set: Option<Vec<ipset::Member>>,
     /// `iptables -S` of the chain right after installing it; any difference later means someone
     /// else changed it.
     listing: String,
@@ -574,7 +576,7 @@ impl IptablesDataPlane {
         &mut self,
         family: IpFamily,
         rendered: String,
-        set: Option<Vec<String>>,
+        set: Option<Vec<ipset::Member>>,
     ) -> anyhow::Result<ApplyOutcome> {
         let ipt = Iptables { family };
         let chain = &self.opts.chain;
@@ -591,7 +593,7 @@ impl IptablesDataPlane {
         // The members the live set holds, as far as the agent can tell without listing them:
         // those it installed, if it has as many.
         let live_set = match previous.and_then(|prev| prev.set.as_ref()) {
-            Some(members) if ipset::len(&set_name)? == Some(unique(members)) => Some(members),
+            Some(members) if ipset::len(&set_name)? == Some(members.len()) => Some(members),
             _ => None,
         };
         let set_intact = set.is_none() || (live_set.is_some() && live_set == set.as_ref());
@@ -631,14 +633,6 @@ impl IptablesDataPlane {
         );
         Ok(outcome)
     }
-}
-
-/// How many distinct members `members` holds.
-fn unique(members: &[String]) -> usize {
-    members
-        .iter()
-        .collect::<std::collections::HashSet<_>>()
-        .len()
 }
 
 impl DataPlane for IptablesDataPlane {

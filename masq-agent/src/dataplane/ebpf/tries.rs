@@ -17,7 +17,10 @@ use super::{
     decisions::{DecisionCounters, DecisionSlots},
     expiry,
 };
-use crate::policy::{Action, IpFamily, Policy, Rules};
+use crate::{
+    dataplane::walk_sorted,
+    policy::{Action, IpFamily, Policy, Rules},
+};
 
 /// An LPM trie key as plain data: prefix length in bits, then the address bytes.
 pub type Prefix<const N: usize> = (u32, [u8; N]);
@@ -69,31 +72,66 @@ struct DrainingChange<const N: usize> {
 impl<const N: usize> DrainingChange<N> {
     fn between(
         current: &BTreeMap<Prefix<N>, PolicyEntry>,
-        desired: &BTreeMap<Prefix<N>, PrefixAction>,
+        difference: &Difference<N>,
     ) -> DrainingChange<N> {
         let removed_with = |value| {
-            current
+            difference
+                .removed
                 .iter()
-                .filter(move |(prefix, entry)| {
-                    entry.action == value && !desired.contains_key(*prefix)
-                })
+                .filter(move |(_, entry)| entry.action == value)
                 .map(|(prefix, _)| *prefix)
         };
-        let new_exceptions = desired
+        let new_exceptions = difference
+            .written
             .iter()
-            .filter(|(prefix, action)| {
-                **action == prefix_action::MASQUERADE
-                    && current.get(*prefix).map(|e| e.action) != Some(prefix_action::MASQUERADE)
-                    && longest_match(current, **prefix).map(|e| e.action)
+            .filter(|(prefix, action, before)| {
+                *action == prefix_action::MASQUERADE
+                    && before.map(|e| e.action) != Some(prefix_action::MASQUERADE)
+                    && longest_match(current, *prefix).map(|e| e.action)
                         == Some(prefix_action::NON_MASQUERADE)
             })
-            .map(|(prefix, _)| *prefix);
+            .map(|(prefix, _, _)| *prefix);
         DrainingChange {
             start: removed_with(prefix_action::NON_MASQUERADE)
                 .chain(new_exceptions)
                 .collect(),
             end: removed_with(prefix_action::MASQUERADE).collect(),
         }
+    }
+}
+
+/// How the policy trie, which holds `current`, must change to hold `desired`: found in one
+/// walk over both, which are sorted alike. A trie of 100 000 prefixes is compared in a few
+/// milliseconds, where looking each prefix up in the other map took tens.
+struct Difference<const N: usize> {
+    /// Prefixes to write: new ones, those whose action changes, and those that keep their
+    /// action but need a slot; each with what it held before, if anything.
+    written: Vec<(Prefix<N>, PrefixAction, Option<PolicyEntry>)>,
+    /// Prefixes to take out, with what they held.
+    removed: Vec<(Prefix<N>, PolicyEntry)>,
+}
+
+impl<const N: usize> Difference<N> {
+    fn between(
+        current: &BTreeMap<Prefix<N>, PolicyEntry>,
+        desired: &BTreeMap<Prefix<N>, PrefixAction>,
+        keeps_slot: impl Fn(&PolicyEntry) -> bool,
+    ) -> Difference<N> {
+        let mut difference = Difference {
+            written: Vec::new(),
+            removed: Vec::new(),
+        };
+        walk_sorted(current, desired, |prefix, entry, action| {
+            match (entry, action) {
+                (Some(entry), Some(action)) if entry.action == *action && keeps_slot(entry) => {}
+                (before, Some(action)) => {
+                    difference.written.push((*prefix, *action, before.copied()))
+                }
+                (Some(entry), None) => difference.removed.push((*prefix, *entry)),
+                (None, None) => {}
+            }
+        });
+        difference
     }
 }
 
@@ -225,15 +263,15 @@ impl PolicyMaps {
     }
 }
 
-/// What a sync wrote to a policy trie.
+/// What a sync wrote to a policy trie, and took out of it.
 struct Written<const N: usize> {
     entries: Vec<(Prefix<N>, PolicyEntry)>,
-    removed: usize,
+    removed: Vec<Prefix<N>>,
 }
 
 impl<const N: usize> Written<N> {
     fn changed(&self) -> bool {
-        !self.entries.is_empty() || self.removed > 0
+        !self.entries.is_empty() || !self.removed.is_empty()
     }
 }
 
@@ -267,12 +305,13 @@ impl<const N: usize> FamilyTries<N> {
         counting: &mut Counting,
     ) -> anyhow::Result<bool> {
         let mut current = self.current();
-        let change = DrainingChange::between(&current, &desired);
+        let difference = Difference::between(&current, &desired, |e| counting.keeps_slot(e));
+        let change = DrainingChange::between(&current, &difference);
         let now = seconds(expiry::monotonic_now_ns());
         for (len, data) in &change.start {
             self.draining.insert(&Key::new(*len, *data), now, 0)?;
         }
-        let synced = self.write_policy(&current, &desired, counting);
+        let synced = self.write_policy(&current, difference, counting);
         // Even a sync that failed half-way may have changed the trie: no cached verdict survives
         // it, and the trie is read again next time.
         if !matches!(&synced, Ok(written) if !written.changed()) {
@@ -280,7 +319,9 @@ impl<const N: usize> FamilyTries<N> {
         }
         let written = synced?;
         let changed = written.changed();
-        current.retain(|prefix, _| desired.contains_key(prefix));
+        for prefix in &written.removed {
+            current.remove(prefix);
+        }
         current.extend(written.entries);
         self.installed = Some(current);
         self.end_draining(&change, &desired)?;
@@ -296,23 +337,18 @@ impl<const N: usize> FamilyTries<N> {
     fn write_policy(
         &mut self,
         current: &BTreeMap<Prefix<N>, PolicyEntry>,
-        desired: &BTreeMap<Prefix<N>, PrefixAction>,
+        difference: Difference<N>,
         counting: &mut Counting,
     ) -> anyhow::Result<Written<N>> {
         let trie = &mut self.non_masq;
-        let mut writes: Vec<(Prefix<N>, PrefixAction)> = desired
-            .iter()
-            .filter(|(prefix, action)| {
-                !current
-                    .get(prefix)
-                    .is_some_and(|entry| entry.action == **action && counting.keeps_slot(entry))
-            })
-            .map(|(prefix, action)| (*prefix, *action))
-            .collect();
-        writes.sort_by_key(|((len, _), _)| std::cmp::Reverse(*len));
+        let mut writes = difference.written;
+        writes.sort_by_key(|((len, _), _, _)| std::cmp::Reverse(*len));
         let mut written: Vec<(Prefix<N>, PolicyEntry)> = Vec::new();
+        // The slots of entries overwritten: given back once every write is done, so that none
+        // counts for another entry in this sync.
+        let mut replaced = Vec::new();
         let mut uncounted = 0;
-        for (prefix @ (len, data), action) in writes {
+        for (prefix @ (len, data), action, before) in writes {
             let written_now = counting
                 .slots
                 .take(counting.counters)
@@ -323,7 +359,7 @@ impl<const N: usize> FamilyTries<N> {
                         ..PolicyEntry::default()
                     };
                     // Still no slot for an entry that had none: nothing to write.
-                    if current.get(&prefix) == Some(&entry) {
+                    if before == Some(entry) {
                         return Ok(None);
                     }
                     match trie.insert(&Key::new(len, data), entry, 0) {
@@ -337,6 +373,7 @@ impl<const N: usize> FamilyTries<N> {
             match written_now {
                 Ok(Some(entry)) => {
                     uncounted += usize::from(entry.counted_in == decision_slot::UNCOUNTED);
+                    replaced.extend(before.map(|b| b.counted_in));
                     written.push((prefix, entry));
                 }
                 Ok(None) => {}
@@ -346,19 +383,15 @@ impl<const N: usize> FamilyTries<N> {
                 }
             }
         }
-        for (prefix, _) in &written {
-            if let Some(before) = current.get(prefix) {
-                counting.slots.give_back(before.counted_in);
-            }
+        for slot in replaced {
+            counting.slots.give_back(slot);
         }
-        let removed: Vec<(&Prefix<N>, &PolicyEntry)> = current
-            .iter()
-            .filter(|(prefix, _)| !desired.contains_key(prefix))
-            .collect();
-        for ((len, data), entry) in &removed {
-            trie.remove(&Key::new(*len, *data))
+        let mut removed = Vec::new();
+        for ((len, data), entry) in difference.removed {
+            trie.remove(&Key::new(len, data))
                 .context("removing a prefix from the policy trie")?;
             counting.slots.give_back(entry.counted_in);
+            removed.push((len, data));
         }
         if uncounted > 0 {
             tracing::warn!(
@@ -370,7 +403,7 @@ impl<const N: usize> FamilyTries<N> {
         }
         Ok(Written {
             entries: written,
-            removed: removed.len(),
+            removed,
         })
     }
 
@@ -510,14 +543,65 @@ mod tests {
             // One where nothing kept them: does not.
             ("203.0.113.0/24", MASQ),
         ]);
-        let change = DrainingChange::between(&current, &desired);
+        let change = |current: &BTreeMap<Prefix<4>, PolicyEntry>| {
+            let difference = Difference::between(current, &desired, |_| true);
+            DrainingChange::between(current, &difference)
+        };
+        let changed = change(&current);
         assert_eq!(
-            change.start,
+            changed.start,
             [prefix("192.168.0.0/16"), prefix("10.100.10.0/24")]
         );
-        assert_eq!(change.end, [prefix("10.9.0.0/16")]);
+        assert_eq!(changed.end, [prefix("10.9.0.0/16")]);
         // A prefix and its exception added together: nothing kept the exception's addresses.
-        let change = DrainingChange::between(&BTreeMap::new(), &desired);
-        assert!(change.start.is_empty() && change.end.is_empty());
+        let changed = change(&BTreeMap::new());
+        assert!(changed.start.is_empty() && changed.end.is_empty());
+    }
+
+    #[test]
+    fn the_difference_is_found_in_one_walk() {
+        let entry = |counted_in, action| PolicyEntry {
+            counted_in,
+            action,
+            ..PolicyEntry::default()
+        };
+        let (keep, masq) = (prefix_action::NON_MASQUERADE, prefix_action::MASQUERADE);
+        let current: BTreeMap<Prefix<4>, PolicyEntry> = [
+            (prefix("10.0.0.0/8"), entry(1, keep)),
+            (prefix("10.9.0.0/16"), entry(2, masq)),
+            (
+                prefix("172.16.0.0/12"),
+                entry(decision_slot::UNCOUNTED, keep),
+            ),
+            (prefix("192.168.0.0/16"), entry(3, keep)),
+        ]
+        .into();
+        let desired = entries(&[
+            ("10.0.0.0/8", KEEP),
+            ("10.9.0.0/16", KEEP),
+            ("172.16.0.0/12", KEEP),
+            ("198.18.0.0/15", KEEP),
+        ]);
+        let keeps_slot = |e: &PolicyEntry| e.counted_in != decision_slot::UNCOUNTED;
+        let difference = Difference::between(&current, &desired, keeps_slot);
+        assert_eq!(
+            difference.written,
+            [
+                // In the maps' order, shorter prefixes first. It keeps its action, but has no
+                // slot.
+                (
+                    prefix("172.16.0.0/12"),
+                    keep,
+                    Some(entry(decision_slot::UNCOUNTED, keep))
+                ),
+                (prefix("198.18.0.0/15"), keep, None),
+                // Its action changes.
+                (prefix("10.9.0.0/16"), keep, Some(entry(2, masq))),
+            ]
+        );
+        assert_eq!(
+            difference.removed,
+            [(prefix("192.168.0.0/16"), entry(3, keep))]
+        );
     }
 }
