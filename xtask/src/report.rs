@@ -168,21 +168,47 @@ fn targets(
     .into_iter()
     .filter(|_| !datapath.is_empty())
     {
+        // Issue 16 asks more of the uncached lookup than of the rest.
+        let bound = match case {
+            "non_masq_uncached" => 1.2,
+            _ => 1.3,
+        };
         out.push(Target::new(
             format!("data-path cost, {case}, 100 000 ÷ 4 prefixes"),
-            Bound::AtMost(1.3),
+            Bound::AtMost(bound),
             cost(case, 100_000).zip(cost(case, 4)).map(|(a, b)| a / b),
+        ));
+    }
+    // A translation's own cost, above the test runner's.
+    for case in ["snat_established", "rev_snat"]
+        .into_iter()
+        .filter(|_| !datapath.is_empty())
+    {
+        out.push(Target::new(
+            format!("data-path cost, {case} above ignored_floor, ns, 4 prefixes"),
+            Bound::AtMost(100.0),
+            cost(case, 4)
+                .zip(cost("ignored_floor", 4))
+                .map(|(a, b)| a - b),
         ));
     }
     let Some(cp) = cp else {
         return out;
     };
     out.push(Target::new(
-        "config change to map updated, median ms".into(),
-        Bound::Below(1000.0),
+        "ConfigMap swap to map updated, 4 prefixes, median ms".into(),
+        Bound::AtMost(20.0),
         median(cp.config_change_to_map_ms.clone()),
     ));
     let measured = |v: f64| cp.error.is_none().then_some(v);
+    out.push(Target::new(
+        format!(
+            "a one-prefix change to {}: file swap to trie and set, median ms (target at 100 000)",
+            cp.prefixes
+        ),
+        Bound::AtMost(100.0),
+        measured(cp.apply_one_change_ms),
+    ));
     out.push(Target::new(
         format!("{}-prefix apply, ms (target at 100 000)", cp.prefixes),
         Bound::Below(2000.0),
