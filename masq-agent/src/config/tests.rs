@@ -662,6 +662,19 @@ fn yaml_11_numbers() {
 }
 
 #[test]
+fn a_text_that_opens_no_quote_block_scalar_or_tag_holds_only_plain_scalars() {
+    let text = "nonMasqueradeCIDRs:\n  - 10.0.0.0/8 # pods\n  - &lab 192.168.0.0/16\n\
+                masqLinkLocal: yes\nresyncInterval: 60s\nmasqueradeCIDRs: [*lab]\n";
+    assert!(tree::only_plain_scalars(text.as_bytes()));
+    let plain = tree::plain_scalars(text.as_bytes(), 100).unwrap();
+    assert!(plain.len() >= 8 && plain.iter().all(|p| *p), "{plain:?}");
+    for opener in ['\'', '"', '|', '>', '!'] {
+        let with = format!("# {opener}\n{text}");
+        assert!(!tree::only_plain_scalars(with.as_bytes()), "{opener}");
+    }
+}
+
+#[test]
 fn quoted_and_block_scalars_stay_strings_as_in_go_yaml_v2() {
     for text in [
         "masqLinkLocal: \"yes\"",
