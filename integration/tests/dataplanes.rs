@@ -736,24 +736,46 @@ fn a_killed_agent_does_not_break_a_transfer(plane: Plane) {
     killed_agent_does_not_break_a_transfer(plane, Family::V4);
 }
 
+/// A transfer from the pod to `server` on the outside host, paced (32 KiB every 50 ms, for
+/// `chunks` of them) so that it is still running when a case restarts the agent, on a thread of
+/// its own.
+struct PacedTransfer {
+    _sink: BulkSink,
+    sender: std::thread::JoinHandle<anyhow::Result<u64>>,
+    bytes: u64,
+}
+
+impl PacedTransfer {
+    const CHUNK: usize = 32 * 1024;
+
+    fn start(bed: &Bed, server: SocketAddr, chunks: usize) -> PacedTransfer {
+        let sink = BulkSink::start(&bed.topo.ext, server.port()).unwrap();
+        let pod = bed.pod().to_string();
+        let sender = std::thread::spawn(move || {
+            probe::tcp_bulk(&pod, server, Self::CHUNK, chunks, Duration::from_millis(50))
+        });
+        PacedTransfer {
+            _sink: sink,
+            sender,
+            bytes: (chunks * Self::CHUNK) as u64,
+        }
+    }
+
+    /// Every byte arrived, whatever happened meanwhile.
+    fn assert_complete(self, why: &str) {
+        let sent = self.sender.join().unwrap().unwrap();
+        assert_eq!(sent, self.bytes, "{why}");
+    }
+}
+
 fn killed_agent_does_not_break_a_transfer(plane: Plane, family: Family) {
     let (bed, mut agent) = Bed::with_agent(plane, family);
-    let _sink = BulkSink::start(&bed.topo.ext, 9001).unwrap();
-    let pod = bed.pod().to_string();
-    let server = (family.outside().ip(), 9001).into();
-    let transfer = std::thread::spawn(move || {
-        probe::tcp_bulk(&pod, server, 32 * 1024, 40, Duration::from_millis(50))
-    });
+    let transfer = PacedTransfer::start(&bed, (family.outside().ip(), 9001).into(), 40);
     std::thread::sleep(Duration::from_millis(700));
     agent.stop(libc::SIGKILL).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let _restarted = bed.start_agent(family.agent_args());
-    let sent = transfer.join().unwrap().unwrap();
-    assert_eq!(
-        sent,
-        40 * 32 * 1024,
-        "the transfer survived the kill and the restart"
-    );
+    transfer.assert_complete("the transfer survived the kill and the restart");
     family.assert_masqueraded(&bed);
 }
 
@@ -1211,12 +1233,7 @@ fn runs_with_only_the_manifest_s_capabilities(plane: Plane) {
     assert!(explained.status.success(), "{explained:?}");
 
     // A restart takes the pins over, and a connection open across it goes on.
-    let _sink = BulkSink::start(&bed.topo.ext, 9001).unwrap();
-    let pod = bed.pod().to_string();
-    let server = (topology::EXT_ADDR, 9001).into();
-    let transfer = std::thread::spawn(move || {
-        probe::tcp_bulk(&pod, server, 32 * 1024, 20, Duration::from_millis(50))
-    });
+    let transfer = PacedTransfer::start(&bed, (topology::EXT_ADDR, 9001).into(), 20);
     std::thread::sleep(Duration::from_millis(300));
     agent.stop(libc::SIGTERM).unwrap();
     let agent = bed.start_agent_with_only(&capabilities, &args);
@@ -1225,8 +1242,7 @@ fn runs_with_only_the_manifest_s_capabilities(plane: Plane) {
         "{}",
         agent.log_text()
     );
-    let sent = transfer.join().unwrap().unwrap();
-    assert_eq!(sent, 20 * 32 * 1024, "the transfer survived the restart");
+    transfer.assert_complete("the transfer survived the restart");
     assert_masqueraded(&bed);
     drop(agent);
 
@@ -3235,17 +3251,11 @@ fn a_new_nat_capacity_keeps_open_connections(plane: Plane) {
 fn a_capacity_change_during_a_transfer_loses_nothing(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let mut agent = bed.start_agent(&["--nat-capacity=8192"]);
-    let _sink = BulkSink::start(&bed.topo.ext, 9770).unwrap();
-    let pod = bed.pod().to_string();
-    let server = (topology::EXT_ADDR, 9770).into();
-    let transfer = std::thread::spawn(move || {
-        probe::tcp_bulk(&pod, server, 32 * 1024, 40, Duration::from_millis(50))
-    });
+    let transfer = PacedTransfer::start(&bed, (topology::EXT_ADDR, 9770).into(), 40);
     std::thread::sleep(Duration::from_millis(700));
     agent.stop(libc::SIGTERM).unwrap();
     let agent = bed.start_agent(&["--nat-capacity=2048"]);
-    let sent = transfer.join().unwrap().unwrap();
-    assert_eq!(sent, 40 * 32 * 1024, "{}", agent.log_text());
+    transfer.assert_complete(&agent.log_text());
     assert!(
         agent.log_text().contains("flows carried"),
         "{}",
