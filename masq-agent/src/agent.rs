@@ -121,11 +121,13 @@ pub fn build_dataplane(start: &Start) -> anyhow::Result<Box<dyn DataPlane>> {
             ChainVariant::Full,
             Mode::Iptables,
         ))),
-        DataplaneKind::Ebpf => match ebpf_options(start).and_then(|o| ebpf::new(&o)) {
-            Ok(plane) => Ok(Box::new(plane)),
-            Err(why) if flags.daemon.fallback_to_iptables => Ok(fallback(opts, &why)),
-            Err(why) => Err(anyhow::Error::from(why).context("--fallback-to-iptables=false")),
-        },
+        DataplaneKind::Ebpf => {
+            match ebpf_options(start, capabilities).and_then(|o| ebpf::new(&o)) {
+                Ok(plane) => Ok(Box::new(plane)),
+                Err(why) if flags.daemon.fallback_to_iptables => Ok(fallback(opts, &why)),
+                Err(why) => Err(anyhow::Error::from(why).context("--fallback-to-iptables=false")),
+            }
+        }
     }
 }
 
@@ -141,11 +143,13 @@ pub fn device_selection(masquerade: &MasqueradeFlags, enable_ipv6: bool) -> Sele
 
 /// The eBPF data plane's options; without the node's ephemeral port range, the programs would
 /// not know which ports are free for NAT, so the data plane cannot run.
-fn ebpf_options(start: &Start) -> Result<EbpfOptions, ebpf::Unavailable> {
+/// `capabilities`: the process's, when they could be read.
+fn ebpf_options(
+    start: &Start,
+    capabilities: Option<Effective>,
+) -> Result<EbpfOptions, ebpf::Unavailable> {
     let flags = &start.flags;
-    if let Some(missing) = Effective::of_this_process()
-        .ok()
-        .map(Effective::missing_for_the_programs)
+    if let Some(missing) = capabilities.map(Effective::missing_for_the_programs)
         && !missing.is_empty()
     {
         return Err(ebpf::Unavailable(anyhow::anyhow!(
