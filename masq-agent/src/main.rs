@@ -1,6 +1,6 @@
 //! `masq-agent`: the daemon (no subcommand) and its subcommands, `check-config`,
-//! `render-iptables`, `status` and `cleanup`. Flags are read as upstream reads its own; the work
-//! is the library's.
+//! `render-iptables`, `status`, `explain` and `cleanup`. Flags are read as upstream reads its
+//! own; the work is the library's.
 
 use std::{io::IsTerminal as _, process::ExitCode, sync::Arc};
 

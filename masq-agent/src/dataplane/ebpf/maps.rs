@@ -77,7 +77,7 @@ impl Maps {
                 take(ebpf, map_names::POLICY_GENERATION)?,
                 take(ebpf, map_names::DECISIONS)?,
                 reused_decisions,
-            )?,
+            ),
             nat: NatTables {
                 v4: take(ebpf, map_names::NAT_V4)?,
                 v6: take(ebpf, map_names::NAT_V6)?,

@@ -188,25 +188,24 @@ impl PolicyMaps {
     /// The policy maps, their entries' slots as the tries hold them; `reused_decisions` says
     /// whether `decisions` is an earlier agent's, whose free slots may hold counts.
     pub fn new(
-        v4: FamilyTries<4>,
-        v6: FamilyTries<16>,
+        mut v4: FamilyTries<4>,
+        mut v6: FamilyTries<16>,
         generation: Array<MapData, u32>,
         decisions: DecisionCounters,
         reused_decisions: bool,
-    ) -> anyhow::Result<PolicyMaps> {
-        let (mut v4, mut v6) = (v4, v6);
+    ) -> PolicyMaps {
         let (held_v4, held_v6) = (v4.current(), v6.current());
         let held = held_v4.values().chain(held_v6.values());
         let held = held.map(|entry| entry.counted_in);
         let slots = DecisionSlots::free_besides(decisions.len(), held, reused_decisions);
         (v4.installed, v6.installed) = (Some(held_v4), Some(held_v6));
-        Ok(PolicyMaps {
+        PolicyMaps {
             v4,
             v6,
             generation,
             decisions,
             slots,
-        })
+        }
     }
 
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
