@@ -632,13 +632,13 @@ fn one_change_latency(bed: &Bed, policy: &str) -> anyhow::Result<Vec<f64>> {
             true => format!("{policy}  - {probe}/32\n"),
             false => policy.to_string(),
         };
-        let started = Instant::now();
-        write_config(&bed.config, &text)?;
-        wait_for_long(Duration::from_secs(10), || {
-            Ok(keeps_address_v4(&map, probe)? == added && in_set()? == added)
-        })
-        .with_context(|| format!("change {round} never reached the trie and the set"))?;
-        latencies.push(started.elapsed().as_secs_f64() * 1e3);
+        let ms = ms_until(
+            || write_config(&bed.config, &text),
+            || Ok(keeps_address_v4(&map, probe)? == added && in_set()? == added),
+        );
+        latencies.push(
+            ms.with_context(|| format!("change {round} never reached the trie and the set"))?,
+        );
     }
     Ok(latencies)
 }
@@ -661,16 +661,26 @@ fn config_change_latency(bed: &Bed) -> anyhow::Result<Vec<f64>> {
     let map = bed.topo.bpffs.join(masq_ebpf::map_names::NON_MASQ_V4);
     let mut latencies = Vec::new();
     for n in 1..=20u8 {
-        let started = Instant::now();
-        volume.update(&format!("{base}  - 198.18.{n}.0/24\n"))?;
-        wait_for_long(Duration::from_secs(10), || {
-            keeps_address_v4(&map, Ipv4Addr::new(198, 18, n, 0))
-        })
-        .with_context(|| format!("change {n} never reached the map"))?;
-        latencies.push(started.elapsed().as_secs_f64() * 1e3);
+        let ms = ms_until(
+            || volume.update(&format!("{base}  - 198.18.{n}.0/24\n")),
+            || keeps_address_v4(&map, Ipv4Addr::new(198, 18, n, 0)),
+        );
+        latencies.push(ms.with_context(|| format!("change {n} never reached the map"))?);
     }
     bed.deactivate(Mode::Ebpf, Some(agent))?;
     Ok(latencies)
+}
+
+/// Milliseconds from making `change` until `reached` (polled) says it took effect; an error
+/// after ten seconds.
+fn ms_until(
+    change: impl FnOnce() -> anyhow::Result<()>,
+    reached: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    change()?;
+    wait_for_long(Duration::from_secs(10), reached)?;
+    Ok(started.elapsed().as_secs_f64() * 1e3)
 }
 
 pub fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<f64> {
