@@ -11,14 +11,19 @@ use std::{net::Ipv4Addr, time::Instant};
 
 use anyhow::{Context as _, bail};
 use ipnet::Ipv4Net;
-use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TestBed};
+use masq_agent::dataplane::ebpf::{
+    EbpfOptions,
+    testbed::{TC_ACT_OK, TestBed},
+};
 use masq_ebpf::program_names;
-use masq_testbed::packet::{self, ACK, L4, word};
+use masq_testbed::packet::{self, ACK, L4, SYN, word};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// The /24 of the new-flow case's remotes, whose flows it expires before each measurement.
+const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
 
 struct Options {
     runs: u32,
@@ -66,7 +71,7 @@ fn mean_ns(
 ) -> anyhow::Result<f64> {
     let first = bed.run(program, &frames[0], 1)?;
     let translated = first.frame != frames[0];
-    let should_translate = matches!(name, "snat_established" | "rev_snat");
+    let should_translate = matches!(name, "snat_established" | "snat_new_flow" | "rev_snat");
     if first.verdict != TC_ACT_OK || translated != should_translate {
         bail!(
             "case {name}: verdict {}, translated {translated}",
@@ -98,11 +103,32 @@ fn main() -> anyhow::Result<()> {
             packet::tcp(POD, 40002, Ipv4Addr::new(10, 96, a, b), 443, ACK)
         })
         .collect();
+    // A flow of its own per run, to remotes enough that none runs out of ports: every run
+    // takes the path of a connection's first packet, into a table as large as the agent's.
+    let new_flows: Vec<Vec<u8>> = (0..opts.runs)
+        .map(|i| {
+            let pod = Ipv4Addr::from(u32::from(POD) + i / 50_000);
+            let sport = 1024 + (i % 50_000) as u16;
+            let remote = Ipv4Addr::new(
+                NEW_FLOW_REMOTES[0],
+                NEW_FLOW_REMOTES[1],
+                NEW_FLOW_REMOTES[2],
+                (i % 200) as u8,
+            );
+            packet::tcp(pod, sport, remote, 80, SYN)
+        })
+        .collect();
     let mut arp = outbound.clone();
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     for size in &opts.sizes {
         let started = Instant::now();
-        let mut bed = TestBed::new(1 << 16, &spans, true, NODE, &prefixes(*size))?;
+        let mut bed = TestBed::new(
+            EbpfOptions::DEFAULT_NAT_CAPACITY,
+            &spans,
+            true,
+            NODE,
+            &prefixes(*size),
+        )?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.
         let (verdict, translated) = bed.egress(&outbound);
@@ -113,7 +139,7 @@ fn main() -> anyhow::Result<()> {
         // A packet to the node that belongs to no translated flow: the ingress lookup alone.
         let to_node = packet::tcp(REMOTE, 80, NODE, 22, ACK);
         let one = |frame: &Vec<u8>| vec![frame.clone()];
-        let cases: [(&str, &str, Vec<Vec<u8>>); 6] = [
+        let cases: [(&str, &str, Vec<Vec<u8>>); 7] = [
             ("non_masq_hit", program_names::EGRESS, one(&to_cluster)),
             (
                 "non_masq_uncached",
@@ -121,6 +147,7 @@ fn main() -> anyhow::Result<()> {
                 across_cluster.clone(),
             ),
             ("snat_established", program_names::EGRESS, one(&outbound)),
+            ("snat_new_flow", program_names::EGRESS, new_flows.clone()),
             ("rev_snat", program_names::INGRESS, one(&reply)),
             ("ingress_no_flow", program_names::INGRESS, one(&to_node)),
             ("ignored_floor", program_names::EGRESS, one(&arp)),
@@ -130,6 +157,15 @@ fn main() -> anyhow::Result<()> {
         for _ in 0..opts.rounds {
             for (i, (name, program, frame)) in cases.iter().enumerate() {
                 samples[i].push(mean_ns(&mut bed, name, program, frame, opts.runs)?);
+                if *name == "snat_new_flow" {
+                    // Its flows expire, so that the other cases find the table with one flow:
+                    // a lookup that misses walks every entry in its bucket.
+                    bed.expire_nat::<[u8; 4]>(|key| {
+                        [key.saddr, key.daddr]
+                            .iter()
+                            .any(|a| a[..3] == NEW_FLOW_REMOTES)
+                    })?;
+                }
             }
         }
         for ((name, _, _), values) in cases.iter().zip(samples) {

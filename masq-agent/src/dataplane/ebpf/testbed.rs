@@ -200,6 +200,23 @@ impl TestBed {
             .collect()
     }
 
+    /// Removes the NAT entries whose keys `expired` picks, as if their flows had expired.
+    pub fn expire_nat<A: NatFamily>(
+        &mut self,
+        expired: impl Fn(&NatKey<A>) -> bool,
+    ) -> anyhow::Result<()>
+    where
+        NatKey<A>: Pod,
+        NatEntry<A>: Pod,
+    {
+        let table = A::table_mut(&mut self.maps.nat);
+        let keys: Vec<NatKey<A>> = table.keys().collect::<Result<_, _>>()?;
+        for key in keys.iter().filter(|k| expired(k)) {
+            table.remove(key)?;
+        }
+        Ok(())
+    }
+
     /// The entry under `key`, if there is one.
     pub fn nat_entry<A: NatFamily>(&self, key: &NatKey<A>) -> Option<NatEntry<A>>
     where
