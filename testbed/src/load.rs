@@ -8,9 +8,10 @@
 //! other across CPUs would measure wake-up latency instead, which on a VM (an IPI and an exit
 //! per wake-up) dwarfs everything the data plane does.
 //!
-//! Unpinned, higher rate: a few client and server threads that the scheduler places, with more
-//! operations in flight each, as a busy node's pods run. The packet rate is higher, so what
-//! each packet costs the node weighs more in the figures.
+//! Unpinned, more in flight: a few client and server threads that the scheduler places, each
+//! with three times a pinned lane's operations in flight, as a busy node's pods run. Wake-ups
+//! cross CPUs and each one finds more work, so that what each packet costs the node weighs
+//! more in the figures than in lanes that take turns on their CPU.
 //!
 //! Each lane is one thread per side with an event loop, so that many operations are in flight
 //! without a thread each.
@@ -91,7 +92,7 @@ impl Shape {
     pub fn name(self) -> &'static str {
         match self {
             Shape::PinnedLanes => "pinned lanes",
-            Shape::Unpinned => "unpinned, higher rate",
+            Shape::Unpinned => "unpinned, more in flight",
         }
     }
 

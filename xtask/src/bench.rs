@@ -242,7 +242,7 @@ impl Plan {
             Plan {
                 command,
                 sizes: vec![4, 10_000],
-                rounds: 1,
+                rounds: 2,
                 seconds: Duration::from_millis(400),
                 modes: Mode::ALL.to_vec(),
                 shapes: Shape::ALL.to_vec(),
@@ -439,8 +439,7 @@ impl Bed {
             args.extend(route_back.split_whitespace());
             netns::run("ip", &args)
         };
-        // As on a real node, kube-proxy's rules are there before the agent starts.
-        self.restore(mode, &["--noflush"], &mode.node().rules())?;
+        self.prepare_node(mode)?;
         if !mode.masquerades() {
             ext_route("replace")?;
             return Ok(None);
@@ -486,6 +485,13 @@ impl Bed {
             }
         }
         self.restore(mode, &[], node_tables::EMPTY_TABLES)
+    }
+
+    /// Writes the tables `mode`'s node holds besides its data plane (see `Node`) into tables
+    /// that hold nothing yet. As on a real node, kube-proxy's rules are there before the agent
+    /// starts.
+    pub fn prepare_node(&self, mode: Mode) -> anyhow::Result<()> {
+        self.restore(mode, &["--noflush"], &mode.node().rules())
     }
 
     /// Fails unless the node's nat POSTROUTING is what `mode` needs: kube-proxy's jump first on
@@ -646,11 +652,17 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
         Ok(String::from_utf8_lossy(&out.stderr).into_owned())
     };
 
+    // Every figure on the node the end-to-end modes run on, kube-proxy's table and all: an
+    // iptables-restore reads the tables it writes into.
+    let fresh_node = || -> anyhow::Result<()> {
+        bed.deactivate(Mode::Ebpf, None)?;
+        bed.prepare_node(Mode::Ebpf)
+    };
     // The large policy from cold, non-masquerade only and then of both actions (a quarter of
     // it exceptions), each after a cleanup; then a one-prefix change on top.
     cp.prefixes = plan.large;
     let cold = |config: &str| -> anyhow::Result<f64> {
-        bed.deactivate(Mode::Ebpf, None)?;
+        fresh_node()?;
         write_config(&bed.config, config)?;
         apply_ms(&run_once(&[])?).context("no apply time logged")
     };
@@ -665,7 +677,7 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     }
     cp.apply_cold_ms = report::median(plain_ms).unwrap_or_default();
     cp.apply_cold_with_exceptions_ms = report::median(exceptions_ms).unwrap_or_default();
-    bed.deactivate(Mode::Ebpf, None)?;
+    fresh_node()?;
 
     // The same sizes through iptables-restore, as upstream's chain.
     for cidrs in [10_000usize, plan.large] {

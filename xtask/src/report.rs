@@ -741,14 +741,14 @@ mod tests {
         let text = summary(&medians(&samples(3)), &plan(), &[], None);
         let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 |";
         let unpinned =
-            "| 4 CIDRs | unpinned, higher rate | 25000 | 20000 | 16000 | 10000 | 18000 |";
+            "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 |";
         assert_eq!(text.matches(pinned).count(), 3, "{text}");
         assert_eq!(text.matches(unpinned).count(), 3, "{text}");
         assert!(
             text.contains("| new TCP connections/s | load shape | no NAT, bare node | no NAT |")
         );
         // The bulk table's figures are Gbit/s, with decimals.
-        assert!(text.contains("| 4 CIDRs | unpinned, higher rate | 25000.00 |"));
+        assert!(text.contains("| 4 CIDRs | unpinned, more in flight | 25000.00 |"));
     }
 
     #[test]
