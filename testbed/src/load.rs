@@ -119,7 +119,7 @@ impl Shape {
         let lanes = self.lanes()?.len();
         let factor = self.in_flight_factor();
         let in_flight = format!(
-            "{} new connections, {} request/response connections, {} UDP exchanges and {} bulk connections in flight per client thread",
+            "in flight per client thread: new connections {}, request/response connections {}, UDP exchanges {}, bulk streams {}",
             CRR_IN_FLIGHT * factor,
             RR_CONNECTIONS * factor,
             UDP_IN_FLIGHT * factor,

@@ -586,22 +586,17 @@ fn plot(path: &Path, m: &Medians, shapes: &[Shape], sizes: &[usize]) -> anyhow::
 
 /// What was run, for the header: the load shapes and what each mode's node held.
 fn what_ran(plan: &Plan) -> anyhow::Result<String> {
-    let shapes = plan
-        .shapes
-        .iter()
-        .map(|shape| Ok(format!("**{}**: {}", shape.name(), shape.describe()?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut text = format!(
-        "Load shapes, each measured in every mode: {}.",
-        shapes.join("; ")
-    );
+    let mut text = "Each end-to-end figure was measured in every load shape:\n".to_string();
+    for shape in &plan.shapes {
+        text += &format!("- **{}**: {}.\n", shape.name(), shape.describe()?);
+    }
     let on_kube_proxys_node: Vec<&str> = Mode::ALL
         .iter()
         .filter(|mode| mode.node() == Node::KubeProxy)
         .map(|mode| mode.name())
         .collect();
     text += &format!(
-        " The node: **{}**: {}; **{}**: {}. Each mode's tables are written with one iptables-restore in its own backend (legacy for iptables (legacy), nft for the others) before its data plane starts, and the two backends run in separate namespaces. No NAT on kube-proxy's node is the ceiling the NAT modes are compared against; no NAT, bare node is the earlier reports' ceiling, kept to show what kube-proxy's table costs.",
+        "\nWhat the node held besides the data plane under test, written with one iptables-restore in the mode's own backend (legacy for iptables (legacy), nft for the others; the two backends in separate namespaces) before the data plane started:\n- **{}**: {}; the ceiling of earlier reports, kept to show what kube-proxy's table costs.\n- **{}**: {}. No NAT on this node is the ceiling the NAT modes are compared against. The control plane's figures are measured on this node too.\n",
         Mode::NoNatBare.name(),
         Mode::NoNatBare.node().describe(),
         on_kube_proxys_node.join(", "),
