@@ -492,3 +492,44 @@ impl Load<'_> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shapes_lanes_never_share_a_server_port() {
+        let lanes: Vec<Lane> = Shape::ALL
+            .into_iter()
+            .flat_map(|shape| shape.lanes().unwrap())
+            .collect();
+        let mut ports = std::collections::BTreeSet::new();
+        for lane in &lanes {
+            for i in 0..u64::from(SERVER_PORTS) {
+                assert!(ports.insert(crr_port(lane.id, i)));
+                assert!(ports.insert(udp_port(lane.id, i)));
+            }
+            assert!(ports.insert(rr_port(lane.id)));
+            assert!(ports.insert(bulk_port(lane.id)));
+        }
+        let unpinned = Shape::Unpinned.lanes().unwrap();
+        assert_eq!(unpinned.len(), UNPINNED_LANES);
+        assert!(unpinned.iter().all(|lane| lane.cpu.is_none()));
+        assert!(
+            Shape::PinnedLanes
+                .lanes()
+                .unwrap()
+                .iter()
+                .all(|lane| lane.cpu.is_some())
+        );
+    }
+
+    #[test]
+    fn a_shape_is_named_on_the_command_line_by_its_key() {
+        for shape in Shape::ALL {
+            assert_eq!(Shape::from_key(shape.key()), Ok(shape));
+        }
+        let err = Shape::from_key("pinned lanes").unwrap_err();
+        assert!(err.contains("pinned, unpinned"), "{err}");
+    }
+}
