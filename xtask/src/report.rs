@@ -596,7 +596,7 @@ fn what_ran(plan: &Plan) -> anyhow::Result<String> {
         .map(|mode| mode.name())
         .collect();
     text += &format!(
-        "\nWhat the node held besides the data plane under test, written with one iptables-restore in the mode's own backend (legacy for iptables (legacy), nft for the others; the two backends in separate namespaces) before the data plane started:\n- **{}**: {}; the ceiling of earlier reports, kept to show what kube-proxy's table costs.\n- **{}**: {}. No NAT on this node is the ceiling the NAT modes are compared against. The control plane's figures are measured on this node too.\n",
+        "\nWhat the node held besides the data plane under test, written with one iptables-restore in the mode's own backend (legacy for iptables (legacy), nft for the others; the two backends in separate namespaces) before the data plane started:\n- **{}**: {}; the ceiling of earlier reports, kept to show what kube-proxy's table costs.\n- **{}**: {}. No NAT on this node is the ceiling the NAT modes are compared against. The control plane's figures are measured on this node too.",
         Mode::NoNatBare.name(),
         Mode::NoNatBare.node().describe(),
         on_kube_proxys_node.join(", "),
