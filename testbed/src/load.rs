@@ -1,12 +1,17 @@
 //! Load for the end-to-end benchmark: servers on the outside host, and clients in a pod that
-//! count completed operations for a fixed time.
+//! count completed operations for a fixed time. Every kind of load runs in either `Shape`.
 //!
-//! The load runs in lanes, one per CPU. A lane's client, its server and the node's forwarding
-//! all stay on that CPU: a veth hands a packet to the next namespace on the CPU that sent it,
-//! so the node's conntrack, NAT and tc programs run there too. A figure is then what an
-//! operation costs along the whole path, and the data plane's share of it shows. Lanes that
-//! woke each other across CPUs would measure wake-up latency instead, which on a VM (an IPI and
-//! an exit per wake-up) dwarfs everything the data plane does.
+//! Pinned lanes: one lane per CPU. A lane's client, its server and the node's forwarding all
+//! stay on that CPU: a veth hands a packet to the next namespace on the CPU that sent it, so
+//! the node's conntrack, NAT and tc programs run there too. A figure is then what an operation
+//! costs along the whole path, and the data plane's share of it shows. Lanes that woke each
+//! other across CPUs would measure wake-up latency instead, which on a VM (an IPI and an exit
+//! per wake-up) dwarfs everything the data plane does.
+//!
+//! Unpinned, more in flight: a few client and server threads that the scheduler places, each
+//! with three times a pinned lane's operations in flight, as a busy node's pods run. Wake-ups
+//! cross CPUs and each one finds more work, so that what each packet costs the node weighs
+//! more in the figures than in lanes that take turns on their CPU.
 //!
 //! Each lane is one thread per side with an event loop, so that many operations are in flight
 //! without a thread each.
@@ -21,6 +26,7 @@ use std::{
 };
 
 use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
@@ -37,12 +43,22 @@ const CRR_BASE: u16 = 7100;
 const RR_BASE: u16 = 7200;
 const BULK_BASE: u16 = 7300;
 const UDP_BASE: u16 = 7400;
-/// The port plan leaves room for this many lanes.
-const MAX_LANES: usize = 8;
-/// Operations in flight per lane.
+/// At most this many pinned lanes; the unpinned shape's lanes come after them.
+const MAX_PINNED_LANES: usize = 8;
+/// Client threads, and as many server threads, of the unpinned shape.
+const UNPINNED_LANES: usize = 2;
+/// How many times the pinned lanes' operations in flight each unpinned lane runs.
+const UNPINNED_IN_FLIGHT_FACTOR: usize = 3;
+/// Every lane's ports fit below the next range's base.
+const LANE_IDS: usize = MAX_PINNED_LANES + UNPINNED_LANES;
+const _: () = assert!(CRR_BASE as usize + LANE_IDS * SERVER_PORTS as usize <= RR_BASE as usize);
+const _: () = assert!(RR_BASE as usize + LANE_IDS <= BULK_BASE as usize);
+const _: () = assert!(BULK_BASE as usize + LANE_IDS <= UDP_BASE as usize);
+/// Operations in flight per pinned lane.
 const CRR_IN_FLIGHT: usize = 8;
 const RR_CONNECTIONS: usize = 4;
 const UDP_IN_FLIGHT: usize = 16;
+const BULK_CONNECTIONS: usize = 1;
 /// An operation that takes longer failed (a lost packet, say) and does not count.
 const OP_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -62,8 +78,96 @@ fn bulk_port(lane: usize) -> u16 {
     BULK_BASE + lane as u16
 }
 
-/// The CPUs this process may run on, one lane each (at most `MAX_LANES`).
-pub fn lanes() -> anyhow::Result<Vec<usize>> {
+/// How the load is laid out over threads and CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Shape {
+    PinnedLanes,
+    Unpinned,
+}
+
+impl Shape {
+    pub const ALL: [Shape; 2] = [Shape::PinnedLanes, Shape::Unpinned];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::PinnedLanes => "pinned lanes",
+            Shape::Unpinned => "unpinned, more in flight",
+        }
+    }
+
+    /// The name on the command line.
+    pub fn key(self) -> &'static str {
+        match self {
+            Shape::PinnedLanes => "pinned",
+            Shape::Unpinned => "unpinned",
+        }
+    }
+
+    pub fn from_key(key: &str) -> Result<Shape, String> {
+        Shape::ALL
+            .into_iter()
+            .find(|shape| shape.key() == key)
+            .ok_or_else(|| {
+                let keys: Vec<&str> = Shape::ALL.map(Shape::key).to_vec();
+                format!("no load shape {key:?}; there are {}", keys.join(", "))
+            })
+    }
+
+    /// How the shape lays out its threads and how much it keeps in flight, for the report.
+    pub fn describe(self) -> anyhow::Result<String> {
+        let lanes = self.lanes()?.len();
+        let factor = self.in_flight_factor();
+        let in_flight = format!(
+            "in flight per client thread: new connections {}, request/response connections {}, UDP exchanges {}, bulk streams {}",
+            CRR_IN_FLIGHT * factor,
+            RR_CONNECTIONS * factor,
+            UDP_IN_FLIGHT * factor,
+            BULK_CONNECTIONS * factor
+        );
+        Ok(match self {
+            Shape::PinnedLanes => format!(
+                "{lanes} lanes, one per CPU, each a client and a server thread pinned to its CPU; {in_flight}"
+            ),
+            Shape::Unpinned => format!(
+                "{lanes} client and {lanes} server threads that the scheduler places; {in_flight}"
+            ),
+        })
+    }
+
+    fn in_flight_factor(self) -> usize {
+        match self {
+            Shape::PinnedLanes => 1,
+            Shape::Unpinned => UNPINNED_IN_FLIGHT_FACTOR,
+        }
+    }
+
+    /// The shape's lanes, each a client thread in the pod and a server thread outside.
+    fn lanes(self) -> anyhow::Result<Vec<Lane>> {
+        Ok(match self {
+            Shape::PinnedLanes => cpus()?
+                .into_iter()
+                .take(MAX_PINNED_LANES)
+                .enumerate()
+                .map(|(id, cpu)| Lane { id, cpu: Some(cpu) })
+                .collect(),
+            Shape::Unpinned => (MAX_PINNED_LANES..LANE_IDS)
+                .map(|id| Lane { id, cpu: None })
+                .collect(),
+        })
+    }
+}
+
+/// A client thread and the server thread it talks to: `id` picks their ports.
+#[derive(Clone, Copy)]
+struct Lane {
+    id: usize,
+    /// The CPU both threads are pinned to, if they are.
+    cpu: Option<usize>,
+}
+
+/// The CPUs this process may run on.
+fn cpus() -> anyhow::Result<Vec<usize>> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity fills it.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     if unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
@@ -72,20 +176,22 @@ pub fn lanes() -> anyhow::Result<Vec<usize>> {
     let cpus = (0..libc::CPU_SETSIZE as usize)
         // SAFETY: `cpu` is below CPU_SETSIZE.
         .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
-        .take(MAX_LANES)
         .collect();
     Ok(cpus)
 }
 
-/// Moves the calling thread into `ns` and onto `cpu`, and gives it an event loop.
-fn lane_runtime(ns: &str, cpu: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+/// Moves the calling thread into `ns`, onto `lane`'s CPU if it has one, and gives it an event
+/// loop.
+fn lane_runtime(ns: &str, lane: Lane) -> anyhow::Result<tokio::runtime::Runtime> {
     netns::enter(ns)?;
-    // SAFETY: as in `lanes`; the set names one CPU, and pid 0 is the calling thread.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(io::Error::last_os_error()).context("sched_setaffinity");
+    if let Some(cpu) = lane.cpu {
+        // SAFETY: as in `cpus`; the set names one CPU, and pid 0 is the calling thread.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(io::Error::last_os_error()).context("sched_setaffinity");
+            }
         }
     }
     Ok(tokio::runtime::Builder::new_current_thread()
@@ -93,8 +199,9 @@ fn lane_runtime(ns: &str, cpu: usize) -> anyhow::Result<tokio::runtime::Runtime>
         .build()?)
 }
 
-/// The outside host's half, one server lane per CPU: connect-request-response servers, a
-/// request-response server, a bulk sink and UDP echo servers. Stops when dropped.
+/// The outside host's half, a server thread for every lane of every shape: connect-request-
+/// response servers, a request-response server, a bulk sink and UDP echo servers. Stops when
+/// dropped.
 pub struct Servers {
     lanes: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
@@ -102,14 +209,19 @@ pub struct Servers {
 impl Servers {
     pub fn start(ns: &str) -> anyhow::Result<Servers> {
         let mut servers = Servers { lanes: Vec::new() };
-        for (lane, cpu) in lanes()?.into_iter().enumerate() {
+        let lanes: Vec<Lane> = Shape::ALL
+            .into_iter()
+            .map(Shape::lanes)
+            .collect::<anyhow::Result<Vec<_>>>()?
+            .concat();
+        for lane in lanes {
             let (stop, stopped) = oneshot::channel();
             let (ready, is_ready) = mpsc::channel();
             let ns = ns.to_string();
             let thread = std::thread::spawn(move || {
                 let serve = || -> anyhow::Result<tokio::runtime::Runtime> {
-                    let runtime = lane_runtime(&ns, cpu)?;
-                    runtime.block_on(serve_lane(lane))?;
+                    let runtime = lane_runtime(&ns, lane)?;
+                    runtime.block_on(serve_lane(lane.id))?;
                     Ok(runtime)
                 };
                 match serve() {
@@ -127,7 +239,7 @@ impl Servers {
             is_ready
                 .recv()
                 .context("server lane ended before it was ready")?
-                .with_context(|| format!("server lane {lane}"))?;
+                .with_context(|| format!("server lane {}", lane.id))?;
         }
         Ok(servers)
     }
@@ -234,56 +346,6 @@ impl Task {
     }
 }
 
-/// Runs `in_flight` tasks per lane inside `ns` for `duration` and returns the units they
-/// completed per second, summed over lanes.
-fn rate<Fut>(
-    ns: &str,
-    in_flight: usize,
-    duration: Duration,
-    task: impl Fn(Task) -> Fut + Send + Clone + 'static,
-) -> anyhow::Result<f64>
-where
-    Fut: Future<Output = u64> + 'static,
-{
-    let started = Instant::now();
-    let deadline = started + duration;
-    let threads: Vec<_> = lanes()?
-        .into_iter()
-        .enumerate()
-        .map(|(lane, cpu)| {
-            let (ns, task) = (ns.to_string(), task.clone());
-            std::thread::spawn(move || -> anyhow::Result<u64> {
-                let runtime = lane_runtime(&ns, cpu)?;
-                let local = tokio::task::LocalSet::new();
-                let total = local.block_on(&runtime, async move {
-                    let tasks: Vec<_> = (0..in_flight)
-                        .map(|index| {
-                            tokio::task::spawn_local(task(Task {
-                                lane,
-                                index,
-                                deadline,
-                            }))
-                        })
-                        .collect();
-                    let mut total = 0;
-                    for t in tasks {
-                        total += t.await.unwrap_or(0);
-                    }
-                    total
-                });
-                Ok(total)
-            })
-        })
-        .collect();
-    let mut total = 0;
-    for thread in threads {
-        total += thread
-            .join()
-            .map_err(|_| anyhow::anyhow!("load lane panicked"))??;
-    }
-    Ok(total as f64 / started.elapsed().as_secs_f64())
-}
-
 async fn connect(server: Ipv4Addr, port: u16) -> io::Result<TcpStream> {
     let socket = TcpSocket::new_v4()?;
     // Close with a reset: no TIME_WAIT piles up in the client over thousands of connections.
@@ -294,72 +356,180 @@ async fn connect(server: Ipv4Addr, port: u16) -> io::Result<TcpStream> {
     Ok(stream)
 }
 
-/// New TCP connections per second: connect, one request and response, close.
-pub fn new_connections(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
-    rate(ns, CRR_IN_FLIGHT, duration, move |task| {
-        task.repeat(move |seq| async move {
-            let port = crr_port(task.lane, task.index as u64 + seq);
-            let mut stream = connect(server, port).await?;
-            let mut byte = [7u8; 1];
-            stream.write_all(&byte).await?;
-            stream.read_exact(&mut byte).await?;
-            Ok(1)
-        })
-    })
+/// One measurement: clients in the pod namespace `ns` against `server`, laid out as `shape`,
+/// for `duration`. Each kind of load is a method.
+#[derive(Clone, Copy)]
+pub struct Load<'a> {
+    pub ns: &'a str,
+    pub server: Ipv4Addr,
+    pub shape: Shape,
+    pub duration: Duration,
 }
 
-/// Request/response transactions per second on established connections.
-pub fn transactions(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
-    rate(ns, RR_CONNECTIONS, duration, move |task| async move {
-        let Ok(mut stream) = connect(server, rr_port(task.lane)).await else {
-            return 0;
-        };
-        let mut done = 0;
-        let mut byte = [1u8; 1];
-        while Instant::now() < task.deadline {
-            let transaction = async {
+impl Load<'_> {
+    /// Runs `in_flight` tasks (as many per pinned lane, scaled by the shape) per lane and
+    /// returns the units they completed per second, summed over lanes.
+    fn rate<Fut>(
+        self,
+        in_flight: usize,
+        task: impl Fn(Task) -> Fut + Send + Clone + 'static,
+    ) -> anyhow::Result<f64>
+    where
+        Fut: Future<Output = u64> + 'static,
+    {
+        let started = Instant::now();
+        let deadline = started + self.duration;
+        let in_flight = in_flight * self.shape.in_flight_factor();
+        let threads: Vec<_> = self
+            .shape
+            .lanes()?
+            .into_iter()
+            .map(|lane| {
+                let (ns, task) = (self.ns.to_string(), task.clone());
+                std::thread::spawn(move || -> anyhow::Result<u64> {
+                    let runtime = lane_runtime(&ns, lane)?;
+                    let local = tokio::task::LocalSet::new();
+                    let total = local.block_on(&runtime, async move {
+                        let tasks: Vec<_> = (0..in_flight)
+                            .map(|index| {
+                                tokio::task::spawn_local(task(Task {
+                                    lane: lane.id,
+                                    index,
+                                    deadline,
+                                }))
+                            })
+                            .collect();
+                        let mut total = 0;
+                        for t in tasks {
+                            total += t.await.unwrap_or(0);
+                        }
+                        total
+                    });
+                    Ok(total)
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for thread in threads {
+            total += thread
+                .join()
+                .map_err(|_| anyhow::anyhow!("load lane panicked"))??;
+        }
+        Ok(total as f64 / started.elapsed().as_secs_f64())
+    }
+
+    /// New TCP connections per second: connect, one request and response, close.
+    pub fn new_connections(self) -> anyhow::Result<f64> {
+        let server = self.server;
+        self.rate(CRR_IN_FLIGHT, move |task| {
+            task.repeat(move |seq| async move {
+                let port = crr_port(task.lane, task.index as u64 + seq);
+                let mut stream = connect(server, port).await?;
+                let mut byte = [7u8; 1];
                 stream.write_all(&byte).await?;
-                stream.read_exact(&mut byte).await
-            };
-            match timeout(OP_TIMEOUT, transaction).await {
-                Ok(Ok(_)) => done += 1,
-                // A broken connection cannot carry on.
-                _ => break,
-            }
-        }
-        done
-    })
-}
-
-/// Bulk TCP throughput, one connection per lane, in bits per second.
-pub fn throughput(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
-    let bytes_per_second = rate(ns, 1, duration, move |task| async move {
-        let Ok(mut stream) = connect(server, bulk_port(task.lane)).await else {
-            return 0;
-        };
-        let chunk = vec![0x5au8; 1 << 16];
-        let mut sent = 0;
-        while Instant::now() < task.deadline {
-            match timeout(OP_TIMEOUT, stream.write_all(&chunk)).await {
-                Ok(Ok(())) => sent += chunk.len() as u64,
-                _ => break,
-            }
-        }
-        sent
-    })?;
-    Ok(bytes_per_second * 8.0)
-}
-
-/// UDP request/response per second, each from a new source port (so each is a new flow).
-pub fn udp_new_flows(ns: &str, server: Ipv4Addr, duration: Duration) -> anyhow::Result<f64> {
-    rate(ns, UDP_IN_FLIGHT, duration, move |task| {
-        task.repeat(move |seq| async move {
-            let port = udp_port(task.lane, task.index as u64 + seq);
-            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
-            socket.send_to(b"q", (server, port)).await?;
-            let mut buf = [0u8; 8];
-            socket.recv_from(&mut buf).await?;
-            Ok(1)
+                stream.read_exact(&mut byte).await?;
+                Ok(1)
+            })
         })
-    })
+    }
+
+    /// Request/response transactions per second on established connections.
+    pub fn transactions(self) -> anyhow::Result<f64> {
+        let server = self.server;
+        self.rate(RR_CONNECTIONS, move |task| async move {
+            let Ok(mut stream) = connect(server, rr_port(task.lane)).await else {
+                return 0;
+            };
+            let mut done = 0;
+            let mut byte = [1u8; 1];
+            while Instant::now() < task.deadline {
+                let transaction = async {
+                    stream.write_all(&byte).await?;
+                    stream.read_exact(&mut byte).await
+                };
+                match timeout(OP_TIMEOUT, transaction).await {
+                    Ok(Ok(_)) => done += 1,
+                    // A broken connection cannot carry on.
+                    _ => break,
+                }
+            }
+            done
+        })
+    }
+
+    /// Bulk TCP throughput in bits per second.
+    pub fn throughput(self) -> anyhow::Result<f64> {
+        let server = self.server;
+        let bytes_per_second = self.rate(BULK_CONNECTIONS, move |task| async move {
+            let Ok(mut stream) = connect(server, bulk_port(task.lane)).await else {
+                return 0;
+            };
+            let chunk = vec![0x5au8; 1 << 16];
+            let mut sent = 0;
+            while Instant::now() < task.deadline {
+                match timeout(OP_TIMEOUT, stream.write_all(&chunk)).await {
+                    Ok(Ok(())) => sent += chunk.len() as u64,
+                    _ => break,
+                }
+            }
+            sent
+        })?;
+        Ok(bytes_per_second * 8.0)
+    }
+
+    /// UDP request/response per second, each from a new source port (so each is a new flow).
+    pub fn udp_new_flows(self) -> anyhow::Result<f64> {
+        let server = self.server;
+        self.rate(UDP_IN_FLIGHT, move |task| {
+            task.repeat(move |seq| async move {
+                let port = udp_port(task.lane, task.index as u64 + seq);
+                let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+                socket.send_to(b"q", (server, port)).await?;
+                let mut buf = [0u8; 8];
+                socket.recv_from(&mut buf).await?;
+                Ok(1)
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shapes_lanes_never_share_a_server_port() {
+        let lanes: Vec<Lane> = Shape::ALL
+            .into_iter()
+            .flat_map(|shape| shape.lanes().unwrap())
+            .collect();
+        let mut ports = std::collections::BTreeSet::new();
+        for lane in &lanes {
+            for i in 0..u64::from(SERVER_PORTS) {
+                assert!(ports.insert(crr_port(lane.id, i)));
+                assert!(ports.insert(udp_port(lane.id, i)));
+            }
+            assert!(ports.insert(rr_port(lane.id)));
+            assert!(ports.insert(bulk_port(lane.id)));
+        }
+        let unpinned = Shape::Unpinned.lanes().unwrap();
+        assert_eq!(unpinned.len(), UNPINNED_LANES);
+        assert!(unpinned.iter().all(|lane| lane.cpu.is_none()));
+        assert!(
+            Shape::PinnedLanes
+                .lanes()
+                .unwrap()
+                .iter()
+                .all(|lane| lane.cpu.is_some())
+        );
+    }
+
+    #[test]
+    fn a_shape_is_named_on_the_command_line_by_its_key() {
+        for shape in Shape::ALL {
+            assert_eq!(Shape::from_key(shape.key()), Ok(shape));
+        }
+        let err = Shape::from_key("pinned lanes").unwrap_err();
+        assert!(err.contains("pinned, unpinned"), "{err}");
+    }
 }

@@ -1,6 +1,6 @@
 //! `cargo xtask bench`: the data path in isolation, end to end in namespaces against the
-//! iptables chain and against no NAT at all, and the control plane. Modes run interleaved
-//! (A B C A B C ...) and every figure that matters is a ratio within one run.
+//! iptables chain and against no NAT at all, in two load shapes, and the control plane. Modes
+//! run interleaved (A B C A B C ...) and every figure that matters is a ratio within one run.
 
 use std::{
     collections::BTreeMap,
@@ -15,18 +15,24 @@ use clap::ValueEnum as _;
 use masq_testbed::{
     keeps_address_v4,
     kubelet::ConfigMapVolume,
-    load::{self, Servers},
+    load::{Load, Servers, Shape},
     netns, prefixes,
     topology::{self, Process, Topology},
     wait_for_long, workspace_root, write_config,
 };
 use serde::Serialize;
 
-use crate::{report, step};
+use crate::{
+    node_tables::{self, KUBE_POSTROUTING, Node},
+    report, step,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
+    /// No NAT on a node without kube-proxy's table: the ceiling of earlier reports.
+    NoNatBare,
+    /// No NAT on a realistic node: the ceiling every NAT mode is compared against.
     NoNat,
     IptablesNft,
     IptablesLegacy,
@@ -34,7 +40,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Mode; 4] = [
+    pub const ALL: [Mode; 5] = [
+        Mode::NoNatBare,
         Mode::NoNat,
         Mode::IptablesNft,
         Mode::IptablesLegacy,
@@ -43,6 +50,7 @@ impl Mode {
 
     pub fn name(self) -> &'static str {
         match self {
+            Mode::NoNatBare => "no NAT, bare node",
             Mode::NoNat => "no NAT",
             Mode::IptablesNft => "iptables (nft)",
             Mode::IptablesLegacy => "iptables (legacy)",
@@ -52,7 +60,33 @@ impl Mode {
 
     /// iptables chains of 100 000 rules are past what the comparison needs to show.
     fn runs_at(self, cidrs: usize) -> bool {
-        cidrs <= 10_000 || matches!(self, Mode::NoNat | Mode::Ebpf)
+        cidrs <= 10_000 || !self.runs_iptables_chain()
+    }
+
+    fn runs_iptables_chain(self) -> bool {
+        matches!(self, Mode::IptablesNft | Mode::IptablesLegacy)
+    }
+
+    /// Whether an agent masquerades in this mode; without one, the outside host routes back.
+    pub fn masquerades(self) -> bool {
+        !matches!(self, Mode::NoNatBare | Mode::NoNat)
+    }
+
+    /// What the node holds besides the data plane under test.
+    pub fn node(self) -> Node {
+        match self {
+            Mode::NoNatBare => Node::Bare,
+            _ => Node::KubeProxy,
+        }
+    }
+
+    /// The iptables backend of everything this mode writes, node tables included: one
+    /// namespace never holds both backends' tables.
+    pub fn backend(self) -> &'static str {
+        match self {
+            Mode::IptablesLegacy => "legacy",
+            _ => "nft",
+        }
     }
 }
 
@@ -86,6 +120,7 @@ impl Metric {
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
     pub mode: Mode,
+    pub shape: Shape,
     pub cidrs: usize,
     pub metric: Metric,
     pub round: usize,
@@ -135,6 +170,9 @@ pub struct Options {
     /// Measure end to end only these modes (comma-separated).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<Mode>,
+    /// Measure end to end only in these load shapes (comma-separated: pinned, unpinned).
+    #[arg(long, value_delimiter = ',', value_parser = Shape::from_key)]
+    shapes: Vec<Shape>,
 }
 
 impl Options {
@@ -145,6 +183,7 @@ impl Options {
             && self.sizes.is_empty()
             && self.rounds.is_none()
             && self.modes.is_empty()
+            && self.shapes.is_empty()
     }
 
     /// The command line that reproduces this run.
@@ -171,6 +210,10 @@ impl Options {
                 .collect();
             command += &format!(" --modes {}", modes.join(","));
         }
+        if !self.shapes.is_empty() {
+            let shapes: Vec<&str> = self.shapes.iter().map(|s| s.key()).collect();
+            command += &format!(" --shapes {}", shapes.join(","));
+        }
         command
     }
 }
@@ -181,8 +224,9 @@ pub struct Plan {
     pub rounds: usize,
     pub seconds: Duration,
     pub modes: Vec<Mode>,
-    /// One load lane per CPU (see `load`).
-    pub lanes: usize,
+    pub shapes: Vec<Shape>,
+    /// The pause between putting a mode in force and measuring it.
+    pub settle: Duration,
     /// Single runs per data-path measurement.
     pub runs: u32,
     /// The large policy of the control-plane measurements.
@@ -192,17 +236,17 @@ pub struct Plan {
 }
 
 impl Plan {
-    fn new(options: &Options) -> anyhow::Result<Plan> {
-        let lanes = load::lanes()?.len();
+    fn new(options: &Options) -> Plan {
         let command = options.command();
         let mut plan = if options.quick {
             Plan {
                 command,
                 sizes: vec![4, 10_000],
                 rounds: 2,
-                seconds: Duration::from_millis(500),
+                seconds: Duration::from_millis(400),
                 modes: Mode::ALL.to_vec(),
-                lanes,
+                shapes: Shape::ALL.to_vec(),
+                settle: Duration::from_millis(500),
                 runs: 20_000,
                 large: 20_000,
                 idle: Duration::from_secs(10),
@@ -211,10 +255,15 @@ impl Plan {
             Plan {
                 command,
                 sizes: vec![4, 10_000, 100_000],
-                rounds: 7,
-                seconds: Duration::from_secs(2),
+                // Twice the measurements of a run of one shape and four modes: five rounds of
+                // 1.5 s keep the whole run under half an hour.
+                rounds: 5,
+                seconds: Duration::from_millis(1500),
                 modes: Mode::ALL.to_vec(),
-                lanes,
+                shapes: Shape::ALL.to_vec(),
+                // What the kernel does after a large apply (freeing what the old policy held,
+                // RCU callbacks) is the control plane's cost, measured apart: let it settle.
+                settle: Duration::from_secs(2),
                 runs: 100_000,
                 large: 100_000,
                 idle: Duration::from_secs(60),
@@ -229,12 +278,15 @@ impl Plan {
         if !options.modes.is_empty() {
             plan.modes = options.modes.clone();
         }
-        Ok(plan)
+        if !options.shapes.is_empty() {
+            plan.shapes = options.shapes.clone();
+        }
+        plan
     }
 }
 
 pub fn run(options: &Options) -> anyhow::Result<()> {
-    let plan = Plan::new(options)?;
+    let plan = Plan::new(options);
     let started = Instant::now();
     step(
         "cargo",
@@ -310,8 +362,9 @@ fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
         .collect()
 }
 
-/// The namespace test bed, set up for load: servers on the outside host, conntrack active on
-/// the node in every mode, and one `iptables` directory per backend for the agent's PATH.
+/// The namespace test bed, set up for load: servers on the outside host, and one `iptables`
+/// directory per backend for the agent's PATH. Each mode finds its node's tables (`Node`)
+/// written when it starts, and leaves none behind.
 pub struct Bed {
     pub topo: Topology,
     _servers: Servers,
@@ -324,20 +377,6 @@ impl Bed {
     pub fn new(agent: &Path, pods: usize) -> anyhow::Result<Bed> {
         let topo = Topology::new(pods)?;
         let servers = Servers::start(&topo.ext)?;
-        // Conntrack runs on every real node; make sure it does here, in every mode alike.
-        topo.node_run(
-            "iptables-nft",
-            &[
-                "-A",
-                "FORWARD",
-                "-m",
-                "conntrack",
-                "--ctstate",
-                "INVALID",
-                "-j",
-                "DROP",
-            ],
-        )?;
         let config_dir = topo.path("config");
         std::fs::create_dir_all(&config_dir)?;
         Ok(Bed {
@@ -373,12 +412,23 @@ impl Bed {
         args
     }
 
-    fn backend(mode: Mode) -> &'static str {
-        if mode == Mode::IptablesLegacy {
-            "legacy"
-        } else {
-            "nft"
+    /// Feeds `rules` to the node's iptables-restore of `mode`'s backend.
+    fn restore(&self, mode: Mode, flags: &[&str], rules: &str) -> anyhow::Result<()> {
+        let restore = format!("iptables-{}-restore", mode.backend());
+        let mut child = self
+            .topo
+            .node_command(&restore)
+            .args(flags)
+            .args(["-w", "5"])
+            .stdin(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        std::io::Write::write_all(&mut child.stdin.take().context("stdin")?, rules.as_bytes())?;
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!("{restore}: {}", String::from_utf8_lossy(&out.stderr));
         }
+        Ok(())
     }
 
     /// Puts `mode` in force for a policy of `cidrs` prefixes, and returns the running agent.
@@ -389,14 +439,15 @@ impl Bed {
             args.extend(route_back.split_whitespace());
             netns::run("ip", &args)
         };
-        if mode == Mode::NoNat {
+        self.prepare_node(mode)?;
+        if !mode.masquerades() {
             ext_route("replace")?;
             return Ok(None);
         }
         let _ = ext_route("del");
         let args = self.agent_args(mode);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        let path = self.path_env(Self::backend(mode));
+        let path = self.path_env(mode.backend());
         let agent = self
             .topo
             .spawn_in_node(&self.agent, &refs, &[("PATH", &path)], "agent.log")?;
@@ -420,9 +471,9 @@ impl Bed {
         // The next mode starts from an empty connection table: a stale entry from this one
         // (say, an unmasqueraded UDP flow from the no-NAT mode) would otherwise steer its flows.
         self.topo.node_run("conntrack", &["-F"])?;
-        if mode != Mode::NoNat {
+        if mode.masquerades() {
             let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
-            let path = self.path_env(Self::backend(mode));
+            let path = self.path_env(mode.backend());
             let out = self
                 .topo
                 .node_command(self.agent.to_str().context("path")?)
@@ -433,17 +484,75 @@ impl Bed {
                 bail!("cleanup: {}", String::from_utf8_lossy(&out.stderr));
             }
         }
+        self.restore(mode, &[], node_tables::EMPTY_TABLES)
+    }
+
+    /// Writes the tables `mode`'s node holds besides its data plane (see `Node`) into tables
+    /// that hold nothing yet. As on a real node, kube-proxy's rules are there before the agent
+    /// starts.
+    pub fn prepare_node(&self, mode: Mode) -> anyhow::Result<()> {
+        self.restore(mode, &["--noflush"], &mode.node().rules())
+    }
+
+    /// Fails unless the node's nat POSTROUTING is what `mode` needs: kube-proxy's jump first on
+    /// a kube-proxy node, and the agent's chain reached by the traffic just measured (an
+    /// agent's jump that nothing reaches would leave its masquerading untested).
+    fn check_postrouting(&self, mode: Mode) -> anyhow::Result<()> {
+        let kube_proxy_first = mode.node() == Node::KubeProxy;
+        if !kube_proxy_first && !mode.masquerades() {
+            // Nothing to check, and listing would make the nat table a bare node lacks.
+            return Ok(());
+        }
+        let iptables = format!("iptables-{}", mode.backend());
+        let listing = self.topo.node_run(
+            &iptables,
+            &[
+                "-w",
+                "5",
+                "-t",
+                "nat",
+                "-L",
+                "POSTROUTING",
+                "-n",
+                "-v",
+                "-x",
+            ],
+        )?;
+        let rules = packets_and_targets(&listing);
+        if kube_proxy_first && rules.first().map(|r| r.1) != Some(KUBE_POSTROUTING) {
+            bail!(
+                "{}: {KUBE_POSTROUTING} is not the first jump in POSTROUTING:\n{listing}",
+                mode.name()
+            );
+        }
+        if mode.masquerades()
+            && !rules
+                .iter()
+                .any(|&(packets, target)| target == CHAIN && packets > 0)
+        {
+            bail!(
+                "{}: no packet reached the agent's chain {CHAIN}:\n{listing}",
+                mode.name()
+            );
+        }
         Ok(())
     }
 }
 
 fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
-    let bed = Bed::new(agent, 1)?;
-    let pod = bed.topo.pods[0].clone();
-    let server = topology::EXT_ADDR;
+    // A bed per iptables backend: iptables-legacy's tables, once made, stay in their namespace
+    // (empty, hooks and all), and would weigh on every mode after them.
+    let mut beds = BTreeMap::new();
+    for mode in &plan.modes {
+        if !beds.contains_key(mode.backend()) {
+            beds.insert(mode.backend(), Bed::new(agent, 1)?);
+        }
+    }
     let mut samples = Vec::new();
     for &cidrs in &plan.sizes {
-        write_config(&bed.config, &prefixes::config(cidrs))?;
+        for bed in beds.values() {
+            write_config(&bed.config, &prefixes::config(cidrs))?;
+        }
         let modes: Vec<Mode> = plan
             .modes
             .iter()
@@ -451,26 +560,33 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
             .filter(|m| m.runs_at(cidrs))
             .collect();
         for round in 0..plan.rounds {
-            for &mode in &modes {
-                eprintln!(
-                    "xtask: bench: {cidrs} CIDRs, round {}, {}",
-                    round + 1,
-                    mode.name()
-                );
-                let agent = bed.activate(mode, cidrs)?;
-                // What the kernel does after a large apply (freeing what the old policy held,
-                // RCU callbacks) is the control plane's cost, measured apart: let it settle.
-                std::thread::sleep(SETTLE);
-                let measured = measure(&pod, server, plan);
-                bed.deactivate(mode, agent)?;
-                for (metric, value) in measured? {
-                    samples.push(Sample {
-                        mode,
-                        cidrs,
-                        metric,
-                        round,
-                        value,
-                    });
+            // Shapes outside modes: the modes a ratio compares run close together.
+            for &shape in &plan.shapes {
+                for &mode in &modes {
+                    eprintln!(
+                        "xtask: bench: {cidrs} CIDRs, round {}, {}, {}",
+                        round + 1,
+                        shape.name(),
+                        mode.name()
+                    );
+                    let bed = &beds[mode.backend()];
+                    // Each shape starts its own agent, with an empty NAT table, as each mode
+                    // starts from an empty connection table.
+                    let agent = bed.activate(mode, cidrs)?;
+                    std::thread::sleep(plan.settle);
+                    let measured = measure(&bed.topo.pods[0], shape, plan)
+                        .and_then(|measured| bed.check_postrouting(mode).map(|()| measured));
+                    bed.deactivate(mode, agent)?;
+                    for (metric, value) in measured? {
+                        samples.push(Sample {
+                            mode,
+                            shape,
+                            cidrs,
+                            metric,
+                            round,
+                            value,
+                        });
+                    }
                 }
             }
         }
@@ -478,29 +594,39 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
     Ok(samples)
 }
 
-/// The pause between putting a mode in force and measuring it, the same for every mode.
-const SETTLE: Duration = Duration::from_secs(2);
+fn measure(pod: &str, shape: Shape, plan: &Plan) -> anyhow::Result<Vec<(Metric, f64)>> {
+    let load = Load {
+        ns: pod,
+        server: topology::EXT_ADDR,
+        shape,
+        duration: plan.seconds,
+    };
+    let measured = vec![
+        (Metric::NewConnections, load.new_connections()?),
+        (Metric::Transactions, load.transactions()?),
+        (Metric::Throughput, load.throughput()? / 1e9),
+        (Metric::UdpNewFlows, load.udp_new_flows()?),
+    ];
+    // The outside host only answers translated traffic (or, without NAT, over its route back):
+    // nothing measured means nothing came back.
+    if let Some((metric, _)) = measured.iter().find(|(_, value)| *value <= 0.0) {
+        bail!("no {} at all: the replies never came back", metric.name());
+    }
+    Ok(measured)
+}
 
-fn measure(pod: &str, server: Ipv4Addr, plan: &Plan) -> anyhow::Result<Vec<(Metric, f64)>> {
-    let seconds = plan.seconds;
-    Ok(vec![
-        (
-            Metric::NewConnections,
-            load::new_connections(pod, server, seconds)?,
-        ),
-        (
-            Metric::Transactions,
-            load::transactions(pod, server, seconds)?,
-        ),
-        (
-            Metric::Throughput,
-            load::throughput(pod, server, seconds)? / 1e9,
-        ),
-        (
-            Metric::UdpNewFlows,
-            load::udp_new_flows(pod, server, seconds)?,
-        ),
-    ])
+/// Each rule's packet count and target, in order, from `iptables -L CHAIN -n -v -x`.
+fn packets_and_targets(listing: &str) -> Vec<(u64, &str)> {
+    // After the chain's and the header's lines: pkts bytes target ...
+    listing
+        .lines()
+        .skip(2)
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let packets = words.next()?.parse().ok()?;
+            Some((packets, words.nth(1)?))
+        })
+        .collect()
 }
 
 /// Milliseconds the agent reported for applying its policy, from its JSON log.
@@ -531,11 +657,17 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
         Ok(String::from_utf8_lossy(&out.stderr).into_owned())
     };
 
+    // Every figure on the node the end-to-end modes run on, kube-proxy's table and all: an
+    // iptables-restore reads the tables it writes into.
+    let fresh_node = || -> anyhow::Result<()> {
+        bed.deactivate(Mode::Ebpf, None)?;
+        bed.prepare_node(Mode::Ebpf)
+    };
     // The large policy from cold, non-masquerade only and then of both actions (a quarter of
     // it exceptions), each after a cleanup; then a one-prefix change on top.
     cp.prefixes = plan.large;
     let cold = |config: &str| -> anyhow::Result<f64> {
-        bed.deactivate(Mode::Ebpf, None)?;
+        fresh_node()?;
         write_config(&bed.config, config)?;
         apply_ms(&run_once(&[])?).context("no apply time logged")
     };
@@ -550,7 +682,7 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     }
     cp.apply_cold_ms = report::median(plain_ms).unwrap_or_default();
     cp.apply_cold_with_exceptions_ms = report::median(exceptions_ms).unwrap_or_default();
-    bed.deactivate(Mode::Ebpf, None)?;
+    fresh_node()?;
 
     // The same sizes through iptables-restore, as upstream's chain.
     for cidrs in [10_000usize, plan.large] {
@@ -699,4 +831,46 @@ fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
     Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn postrouting_is_read_rule_by_rule_with_its_counters() {
+        let listing = "Chain POSTROUTING (policy ACCEPT 12 packets, 720 bytes)
+    pkts      bytes target     prot opt in     out     source               destination
+       0        0 KUBE-POSTROUTING  all  --  *      *       0.0.0.0/0            0.0.0.0/0            /* kubernetes postrouting rules */
+    4711   282660 IP-MASQ-AGENT  all  --  *      *       0.0.0.0/0            0.0.0.0/0            /* ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom IP-MASQ-AGENT chain */ ADDRTYPE match dst-type !LOCAL
+";
+        assert_eq!(
+            packets_and_targets(listing),
+            [(0, KUBE_POSTROUTING), (4711, CHAIN)]
+        );
+    }
+
+    #[test]
+    fn the_command_line_names_the_shapes_it_was_given() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            options: Options,
+        }
+        let cli = Cli::parse_from([
+            "bench",
+            "--shapes",
+            "unpinned",
+            "--modes",
+            "no-nat-bare,ebpf",
+        ]);
+        assert_eq!(cli.options.shapes, [Shape::Unpinned]);
+        assert!(!cli.options.is_full());
+        assert_eq!(
+            cli.options.command(),
+            "cargo xtask bench --modes no-nat-bare,ebpf --shapes unpinned"
+        );
+        assert!(Cli::try_parse_from(["bench", "--shapes", "pinned-lanes"]).is_err());
+    }
 }

@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod manifests;
+mod node_tables;
 mod report;
 mod setup;
 mod soak;

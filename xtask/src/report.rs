@@ -5,9 +5,13 @@
 use std::{collections::BTreeMap, fmt::Write as _, path::Path, time::Duration};
 
 use anyhow::Context as _;
+use masq_testbed::load::Shape;
 use plotters::prelude::*;
 
-use crate::bench::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample};
+use crate::{
+    bench::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample},
+    node_tables::Node,
+};
 
 const README_START: &str = "<!-- bench:start -->";
 const README_END: &str = "<!-- bench:end -->";
@@ -20,16 +24,29 @@ pub fn median(mut values: Vec<f64>) -> Option<f64> {
     Some(values[values.len() / 2])
 }
 
-/// The samples of one run, per (metric, cidrs, mode), round by round.
+/// What one figure was measured at: every mode is measured at each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Point {
+    metric: Metric,
+    shape: Shape,
+    cidrs: usize,
+}
+
+/// The samples of one run, per point and mode, round by round.
 struct Medians {
-    by_round: BTreeMap<(Metric, usize, Mode), BTreeMap<usize, f64>>,
+    by_round: BTreeMap<(Point, Mode), BTreeMap<usize, f64>>,
 }
 
 fn medians(samples: &[Sample]) -> Medians {
     let mut by_round: BTreeMap<_, BTreeMap<usize, f64>> = BTreeMap::new();
     for s in samples {
+        let point = Point {
+            metric: s.metric,
+            shape: s.shape,
+            cidrs: s.cidrs,
+        };
         by_round
-            .entry((s.metric, s.cidrs, s.mode))
+            .entry((point, s.mode))
             .or_default()
             .insert(s.round, s.value);
     }
@@ -38,18 +55,21 @@ fn medians(samples: &[Sample]) -> Medians {
 
 impl Medians {
     /// The median over rounds.
-    fn get(&self, key: &(Metric, usize, Mode)) -> Option<f64> {
-        median(self.by_round.get(key)?.values().copied().collect())
+    fn get(&self, point: Point, mode: Mode) -> Option<f64> {
+        median(
+            self.by_round
+                .get(&(point, mode))?
+                .values()
+                .copied()
+                .collect(),
+        )
     }
 }
 
 /// `a` ÷ `b`: the median of the ratios within each round, where the two modes ran minutes
 /// apart, so that the machine's drift over the run cancels out.
-fn ratio(m: &Medians, metric: Metric, cidrs: usize, a: Mode, b: Mode) -> Option<f64> {
-    let (a, b) = (
-        m.by_round.get(&(metric, cidrs, a))?,
-        m.by_round.get(&(metric, cidrs, b))?,
-    );
+fn ratio(m: &Medians, point: Point, a: Mode, b: Mode) -> Option<f64> {
+    let (a, b) = (m.by_round.get(&(point, a))?, m.by_round.get(&(point, b))?);
     median(
         a.iter()
             .filter_map(|(round, va)| Some(va / b.get(round)?))
@@ -117,42 +137,110 @@ impl Target {
     }
 }
 
+/// The end-to-end targets, each in every load shape: `a` ÷ `b` of a metric, at least `bound`,
+/// at one number of CIDRs or (`None`) at every size measured.
+const END_TO_END_TARGETS: [(Metric, Mode, Mode, Option<usize>, f64); 7] = [
+    (Metric::NewConnections, Mode::Ebpf, Mode::NoNat, None, 0.95),
+    (
+        Metric::NewConnections,
+        Mode::Ebpf,
+        Mode::IptablesNft,
+        Some(4),
+        1.15,
+    ),
+    (
+        Metric::NewConnections,
+        Mode::Ebpf,
+        Mode::IptablesNft,
+        Some(10_000),
+        1.5,
+    ),
+    // Issue 16: never slower than the chain it replaces, at the sizes most clusters run.
+    (
+        Metric::NewConnections,
+        Mode::Ebpf,
+        Mode::IptablesNft,
+        Some(4),
+        1.0,
+    ),
+    (Metric::Transactions, Mode::Ebpf, Mode::NoNat, None, 0.97),
+    (
+        Metric::Transactions,
+        Mode::Ebpf,
+        Mode::IptablesNft,
+        Some(4),
+        1.0,
+    ),
+    (
+        Metric::UdpNewFlows,
+        Mode::Ebpf,
+        Mode::IptablesNft,
+        Some(4),
+        1.0,
+    ),
+];
+
+fn end_to_end_targets(m: &Medians, shapes: &[Shape], sizes: &[usize]) -> Vec<Target> {
+    let mut out = Vec::new();
+    for &shape in shapes {
+        for (metric, a, b, at, bound) in END_TO_END_TARGETS {
+            for cidrs in sizes
+                .iter()
+                .copied()
+                .filter(|n| at.is_none_or(|at| at == *n))
+            {
+                let point = Point {
+                    metric,
+                    shape,
+                    cidrs,
+                };
+                let mut target = Target::new(
+                    format!(
+                        "{}, {} ÷ {}, {cidrs} CIDRs, {}",
+                        metric.name(),
+                        a.name(),
+                        b.name(),
+                        shape.name()
+                    ),
+                    Bound::AtLeast(bound),
+                    ratio(m, point, a, b),
+                );
+                target.ceiling = ceiling(m, point, a, b);
+                out.push(target);
+            }
+        }
+    }
+    out
+}
+
+/// What bounds `a` ÷ `b` from outside the data plane: against a NAT mode, no data plane that
+/// translates can beat doing nothing, on either node; against no NAT, the same ratio against
+/// the bare node shows what kube-proxy's table takes from the ceiling.
+fn ceiling(m: &Medians, point: Point, a: Mode, b: Mode) -> Option<String> {
+    let versus = |x: Mode, y: Mode| {
+        let r = ratio(m, point, x, y)?;
+        Some(format!("{} ÷ {} is {r:.2}", x.name(), y.name()))
+    };
+    let parts: Vec<String> = if b.masquerades() {
+        [versus(Mode::NoNat, b), versus(Mode::NoNatBare, b)]
+            .into_iter()
+            .flatten()
+            .collect()
+    } else if b == Mode::NoNat {
+        versus(a, Mode::NoNatBare).into_iter().collect()
+    } else {
+        Vec::new()
+    };
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
 fn targets(
     m: &Medians,
     datapath: &[DatapathCase],
     cp: Option<&ControlPlane>,
-    sizes: &[usize],
+    plan: &Plan,
 ) -> Vec<Target> {
-    let mut out = Vec::new();
-    for &n in sizes {
-        out.push(Target::new(
-            format!("new connections/s, ebpf ÷ no NAT, {n} CIDRs"),
-            Bound::AtLeast(0.95),
-            ratio(m, Metric::NewConnections, n, Mode::Ebpf, Mode::NoNat),
-        ));
-    }
-    for (n, want) in [(4usize, 1.15), (10_000, 1.5)] {
-        if sizes.contains(&n) {
-            out.push(Target::new(
-                format!("new connections/s, ebpf ÷ iptables (nft), {n} CIDRs"),
-                Bound::AtLeast(want),
-                ratio(m, Metric::NewConnections, n, Mode::Ebpf, Mode::IptablesNft),
-            ));
-            // No data plane that translates can beat doing nothing: no NAT ÷ iptables is as
-            // far as this ratio can go.
-            let limit = ratio(m, Metric::NewConnections, n, Mode::NoNat, Mode::IptablesNft);
-            if let (Some(limit), Some(target)) = (limit, out.last_mut()) {
-                target.ceiling = Some(format!("no NAT ÷ iptables (nft) is {limit:.2}"));
-            }
-        }
-    }
-    for &n in sizes {
-        out.push(Target::new(
-            format!("transactions/s, ebpf ÷ no NAT, {n} CIDRs"),
-            Bound::AtLeast(0.97),
-            ratio(m, Metric::Transactions, n, Mode::Ebpf, Mode::NoNat),
-        ));
-    }
+    let mut out = end_to_end_targets(m, &plan.shapes, &plan.sizes);
     let cost = |case: &str, n: usize| {
         datapath
             .iter()
@@ -263,24 +351,37 @@ fn summary(
     for metric in Metric::ALL {
         let _ = writeln!(
             s,
-            "\n| {} | {} |",
+            "\n| {} | load shape | {} |",
             metric.name(),
             Mode::ALL.map(Mode::name).join(" | ")
         );
-        let _ = writeln!(s, "|---|{}", "---:|".repeat(Mode::ALL.len()));
-        for &n in &plan.sizes {
-            let cells: Vec<String> = Mode::ALL
-                .iter()
-                .map(|mode| {
-                    m.get(&(metric, n, *mode))
-                        .as_ref()
-                        .map_or("–".into(), |v| fmt_value(metric, *v))
-                })
-                .collect();
-            let _ = writeln!(s, "| {n} CIDRs | {} |", cells.join(" | "));
+        let _ = writeln!(s, "|---|---|{}", "---:|".repeat(Mode::ALL.len()));
+        for &shape in &plan.shapes {
+            for &cidrs in &plan.sizes {
+                let point = Point {
+                    metric,
+                    shape,
+                    cidrs,
+                };
+                let cells: Vec<String> = Mode::ALL
+                    .iter()
+                    .map(|mode| {
+                        m.get(point, *mode)
+                            .map_or("–".into(), |v| fmt_value(metric, v))
+                    })
+                    .collect();
+                let _ = writeln!(
+                    s,
+                    "| {cidrs} CIDRs | {} | {} |",
+                    shape.name(),
+                    cells.join(" | ")
+                );
+            }
         }
     }
-    ratios(&mut s, m, plan);
+    for &shape in &plan.shapes {
+        ratios(&mut s, m, shape, &plan.sizes);
+    }
     if !datapath.is_empty() {
         datapath_table(&mut s, datapath);
     }
@@ -291,7 +392,7 @@ fn summary(
         s,
         "\n| target | wanted | measured | | ceiling |\n|---|---|---:|---|---|"
     );
-    for t in targets(m, datapath, cp, &plan.sizes) {
+    for t in targets(m, datapath, cp, plan) {
         let measured = t.measured.map_or("–".into(), |v| format!("{v:.2}"));
         let _ = writeln!(
             s,
@@ -305,9 +406,11 @@ fn summary(
     s
 }
 
-/// Each mode's ratio to no NAT and to iptables (nft), per metric and table size.
-fn ratios(s: &mut String, m: &Medians, plan: &Plan) {
+/// In one load shape, what kube-proxy's table costs, and each mode's ratio to no NAT and to
+/// iptables, per metric and table size.
+fn ratios(s: &mut String, m: &Medians, shape: Shape, sizes: &[usize]) {
     let pairs = [
+        (Mode::NoNat, Mode::NoNatBare),
         (Mode::IptablesNft, Mode::NoNat),
         (Mode::IptablesLegacy, Mode::NoNat),
         (Mode::Ebpf, Mode::NoNat),
@@ -320,19 +423,23 @@ fn ratios(s: &mut String, m: &Medians, plan: &Plan) {
         .collect();
     let _ = writeln!(
         s,
-        "\nRatios within each round, then their median (above 1: the first mode is faster).\n\n| ratio | CIDRs | {} |\n|---|---:|{}",
+        "\nRatios in the load shape {}, within each round, then their median (above 1: the first mode is faster).\n\n| ratio | CIDRs | {} |\n|---|---:|{}",
+        shape.name(),
         heads.join(" | "),
         "---:|".repeat(pairs.len())
     );
     for metric in Metric::ALL {
-        for &n in &plan.sizes {
+        for &cidrs in sizes {
+            let point = Point {
+                metric,
+                shape,
+                cidrs,
+            };
             let cells: Vec<String> = pairs
                 .iter()
-                .map(|&(a, b)| {
-                    ratio(m, metric, n, a, b).map_or("–".into(), |r| format!("{r:.2}"))
-                })
+                .map(|&(a, b)| ratio(m, point, a, b).map_or("–".into(), |r| format!("{r:.2}")))
                 .collect();
-            let _ = writeln!(s, "| {} | {n} | {} |", metric.name(), cells.join(" | "));
+            let _ = writeln!(s, "| {} | {cidrs} | {} |", metric.name(), cells.join(" | "));
         }
     }
 }
@@ -413,58 +520,90 @@ fn control_plane_table(s: &mut String, cp: &ControlPlane) {
     );
 }
 
-fn plot(path: &Path, m: &Medians, sizes: &[usize]) -> anyhow::Result<()> {
-    let root = SVGBackend::new(path, (760, 440)).into_drawing_area();
+/// New connections against the number of CIDRs, a panel per load shape on one scale.
+fn plot(path: &Path, m: &Medians, shapes: &[Shape], sizes: &[usize]) -> anyhow::Result<()> {
+    let panels = shapes.len().max(1);
+    let root = SVGBackend::new(path, (560 * panels as u32, 440)).into_drawing_area();
     root.fill(&WHITE)?;
     let max = m
         .by_round
         .keys()
-        .filter(|(metric, _, _)| *metric == Metric::NewConnections)
-        .filter_map(|key| m.get(key))
+        .filter(|(point, _)| point.metric == Metric::NewConnections)
+        .filter_map(|&(point, mode)| m.get(point, mode))
         .fold(1.0, f64::max);
     let x_max = *sizes.iter().max().unwrap_or(&4) as f64 * 2.0;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "New TCP connections/s vs non-masquerade CIDRs",
-            ("sans-serif", 20),
-        )
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d((2.0f64..x_max).log_scale(), 0.0..max * 1.15)?;
-    chart
-        .configure_mesh()
-        .x_desc("non-masquerade CIDRs (log scale)")
-        .y_desc("connections/s (median)")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .draw()?;
-    let colors = [BLACK, BLUE, MAGENTA, RED];
-    for (mode, color) in Mode::ALL.iter().zip(colors) {
-        let points: Vec<(f64, f64)> = sizes
-            .iter()
-            .filter_map(|n| Some((*n as f64, m.get(&(Metric::NewConnections, *n, *mode))?)))
-            .collect();
+    let colors = [RGBColor(150, 150, 150), BLACK, BLUE, MAGENTA, RED];
+    for (&shape, area) in shapes.iter().zip(root.split_evenly((1, panels))) {
+        let mut chart = ChartBuilder::on(&area)
+            .caption(
+                format!("New TCP connections/s, {}", shape.name()),
+                ("sans-serif", 18),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d((2.0f64..x_max).log_scale(), 0.0..max * 1.15)?;
         chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-            .label(mode.name())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-            });
-        chart.draw_series(
-            points
-                .into_iter()
-                .map(|p| Circle::new(p, 4, color.filled())),
-        )?;
+            .configure_mesh()
+            .x_desc("non-masquerade CIDRs (log scale)")
+            .y_desc("connections/s (median)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()?;
+        for (mode, color) in Mode::ALL.iter().zip(colors) {
+            let points: Vec<(f64, f64)> = sizes
+                .iter()
+                .filter_map(|&cidrs| {
+                    let point = Point {
+                        metric: Metric::NewConnections,
+                        shape,
+                        cidrs,
+                    };
+                    Some((cidrs as f64, m.get(point, *mode)?))
+                })
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+                .label(mode.name())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+            chart.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 4, color.filled())),
+            )?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerLeft)
+            .draw()?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerLeft)
-        .draw()?;
     root.present()?;
     Ok(())
+}
+
+/// What was run, for the header: the load shapes and what each mode's node held.
+fn what_ran(plan: &Plan) -> anyhow::Result<String> {
+    let mut text = "Each end-to-end figure was measured in every load shape:\n".to_string();
+    for shape in &plan.shapes {
+        text += &format!("- **{}**: {}.\n", shape.name(), shape.describe()?);
+    }
+    let on_kube_proxys_node: Vec<&str> = Mode::ALL
+        .iter()
+        .filter(|mode| mode.node() == Node::KubeProxy)
+        .map(|mode| mode.name())
+        .collect();
+    text += &format!(
+        "\nWhat the node held besides the data plane under test, written with one iptables-restore in the mode's own backend (legacy for iptables (legacy), nft for the others; the two backends in separate namespaces) before the data plane started:\n- **{}**: {}; the ceiling of earlier reports, kept to show what kube-proxy's table costs.\n- **{}**: {}. No NAT on this node is the ceiling the NAT modes are compared against. The control plane's figures are measured on this node too.",
+        Mode::NoNatBare.name(),
+        Mode::NoNatBare.node().describe(),
+        on_kube_proxys_node.join(", "),
+        Node::KubeProxy.describe(),
+    );
+    Ok(text)
 }
 
 pub fn write(
@@ -480,16 +619,21 @@ pub fn write(
     let m = medians(samples);
     let command = &plan.command;
     let header = format!(
-        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement, {} load lanes (one per CPU); took {:.0} s).",
+        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement; took {:.0} s).\n\n{}",
         today(),
         machine(),
         plan.rounds,
         plan.seconds,
-        plan.lanes,
-        took.as_secs_f64()
+        took.as_secs_f64(),
+        what_ran(plan)?
     );
     let table = summary(&m, plan, datapath, cp);
-    plot(&dir.join("new-connections.svg"), &m, &plan.sizes)?;
+    plot(
+        &dir.join("new-connections.svg"),
+        &m,
+        &plan.shapes,
+        &plan.sizes,
+    )?;
     let json = serde_json::json!({
         "header": header,
         "datapath": datapath,
@@ -533,4 +677,170 @@ fn update_readme(path: &Path, section: &str) -> anyhow::Result<()> {
     );
     std::fs::write(path, updated)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Samples of one round where every figure is `base` times a factor per mode and per shape,
+    /// so that each table cell and ratio tells which mode and shape it came from.
+    fn samples(rounds: usize) -> Vec<Sample> {
+        let mode_factor = |mode: Mode| match mode {
+            Mode::NoNatBare => 1.25,
+            Mode::NoNat => 1.0,
+            Mode::IptablesNft => 0.8,
+            Mode::IptablesLegacy => 0.5,
+            Mode::Ebpf => 0.9,
+        };
+        let shape_factor = |shape: Shape| match shape {
+            Shape::PinnedLanes => 1.0,
+            Shape::Unpinned => 2.0,
+        };
+        let mut out = Vec::new();
+        for round in 0..rounds {
+            for shape in Shape::ALL {
+                for mode in Mode::ALL {
+                    for metric in Metric::ALL {
+                        out.push(Sample {
+                            mode,
+                            shape,
+                            cidrs: 4,
+                            metric,
+                            round,
+                            value: 10_000.0 * mode_factor(mode) * shape_factor(shape),
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn plan() -> Plan {
+        Plan {
+            command: "cargo xtask bench --test".into(),
+            sizes: vec![4],
+            rounds: 3,
+            seconds: Duration::from_secs(1),
+            modes: Mode::ALL.to_vec(),
+            shapes: Shape::ALL.to_vec(),
+            settle: Duration::ZERO,
+            runs: 1,
+            large: 1,
+            idle: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn every_metric_table_has_a_row_per_shape() {
+        let text = summary(&medians(&samples(3)), &plan(), &[], None);
+        let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 |";
+        let unpinned =
+            "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 |";
+        assert_eq!(text.matches(pinned).count(), 3, "{text}");
+        assert_eq!(text.matches(unpinned).count(), 3, "{text}");
+        assert!(
+            text.contains("| new TCP connections/s | load shape | no NAT, bare node | no NAT |")
+        );
+        // The bulk table's figures are Gbit/s, with decimals.
+        assert!(text.contains("| 4 CIDRs | unpinned, more in flight | 25000.00 |"));
+    }
+
+    #[test]
+    fn ratio_tables_come_one_per_shape_with_kube_proxys_cost_first() {
+        let text = summary(&medians(&samples(3)), &plan(), &[], None);
+        for shape in Shape::ALL {
+            assert!(
+                text.contains(&format!("Ratios in the load shape {}", shape.name())),
+                "{text}"
+            );
+        }
+        assert!(
+            text.contains(
+                "| ratio | CIDRs | no NAT ÷ no NAT, bare node | iptables (nft) ÷ no NAT |"
+            )
+        );
+        // no NAT ÷ bare is 0.80, then nft ÷ no NAT 0.80, legacy 0.50, ebpf 0.90, ebpf ÷ nft 1.12.
+        let row = "| new TCP connections/s | 4 | 0.80 | 0.80 | 0.50 | 0.90 | 1.12 | 1.80 |";
+        assert_eq!(text.matches(row).count(), 2, "{text}");
+    }
+
+    #[test]
+    fn issue_16s_targets_are_in_the_table_for_both_shapes() {
+        let m = medians(&samples(3));
+        let targets = end_to_end_targets(&m, &Shape::ALL, &[4, 10_000]);
+        for shape in Shape::ALL {
+            for metric in [
+                Metric::NewConnections,
+                Metric::Transactions,
+                Metric::UdpNewFlows,
+            ] {
+                let figure = format!(
+                    "{}, ebpf ÷ iptables (nft), 4 CIDRs, {}",
+                    metric.name(),
+                    shape.name()
+                );
+                let target = targets
+                    .iter()
+                    .find(|t| t.figure == figure && t.bound.describe() == "≥ 1")
+                    .unwrap_or_else(|| panic!("no target {figure}"));
+                assert_eq!(target.measured.map(|v| (v * 1000.0).round()), Some(1125.0));
+                assert_eq!(target.verdict(), "met");
+            }
+        }
+        // Not measured at 10 000: the row is there, and says so.
+        let unmeasured = targets
+            .iter()
+            .find(|t| {
+                t.figure
+                    .contains("ebpf ÷ iptables (nft), 10000 CIDRs, unpinned")
+            })
+            .expect("the 10 000-CIDR row");
+        assert_eq!(unmeasured.verdict(), "not measured");
+    }
+
+    #[test]
+    fn a_target_against_iptables_shows_both_ceilings_and_against_no_nat_the_bare_node() {
+        let m = medians(&samples(3));
+        let targets = end_to_end_targets(&m, &[Shape::PinnedLanes], &[4]);
+        let versus_nft = targets
+            .iter()
+            .find(|t| {
+                t.figure
+                    .starts_with("UDP new flows/s, ebpf ÷ iptables (nft)")
+            })
+            .unwrap();
+        assert_eq!(
+            versus_nft.ceiling.as_deref(),
+            Some("no NAT ÷ iptables (nft) is 1.25; no NAT, bare node ÷ iptables (nft) is 1.56")
+        );
+        let versus_no_nat = targets
+            .iter()
+            .find(|t| t.figure.starts_with("TCP transactions/s, ebpf ÷ no NAT,"))
+            .unwrap();
+        assert_eq!(versus_no_nat.verdict(), "**missed by 7.2 %**");
+        assert_eq!(
+            versus_no_nat.ceiling.as_deref(),
+            Some("ebpf ÷ no NAT, bare node is 0.72")
+        );
+    }
+
+    #[test]
+    fn a_ratio_is_the_median_of_the_rounds_ratios() {
+        let mut samples = samples(3);
+        // One round where no NAT ran badly: the ratio's median ignores it.
+        for s in samples.iter_mut() {
+            if s.round == 2 && s.mode == Mode::NoNat {
+                s.value /= 10.0;
+            }
+        }
+        let point = Point {
+            metric: Metric::NewConnections,
+            shape: Shape::Unpinned,
+            cidrs: 4,
+        };
+        let r = ratio(&medians(&samples), point, Mode::Ebpf, Mode::NoNat).unwrap();
+        assert!((r - 0.9).abs() < 1e-9, "{r}");
+    }
 }
