@@ -135,6 +135,14 @@ pub struct Options {
     /// Measure end to end only these modes (comma-separated).
     #[arg(long, value_delimiter = ',')]
     modes: Vec<Mode>,
+    /// Only the one-prefix change to the large policy in a running agent, printed and not
+    /// reported: the quick loop for working on that figure (about a minute).
+    #[arg(long)]
+    one_change_only: bool,
+    /// With `--one-change-only`: measure this agent binary instead of the one just built, to
+    /// compare a change with its baseline in the same sitting.
+    #[arg(long, requires = "one_change_only")]
+    agent: Option<PathBuf>,
 }
 
 impl Options {
@@ -142,6 +150,7 @@ impl Options {
     fn is_full(&self) -> bool {
         !self.quick
             && !self.end_to_end_only
+            && !self.one_change_only
             && self.sizes.is_empty()
             && self.rounds.is_none()
             && self.modes.is_empty()
@@ -155,6 +164,9 @@ impl Options {
         }
         if self.end_to_end_only {
             command += " --end-to-end-only";
+        }
+        if self.one_change_only {
+            command += " --one-change-only";
         }
         if !self.sizes.is_empty() {
             let sizes: Vec<String> = self.sizes.iter().map(usize::to_string).collect();
@@ -251,6 +263,9 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     )?;
     let root = workspace_root();
     let agent = root.join("target/release/masq-agent");
+    if options.one_change_only {
+        return one_change_only(options.agent.as_deref().unwrap_or(&agent), &plan);
+    }
 
     let datapath = if options.end_to_end_only {
         Vec::new()
@@ -605,6 +620,30 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
             .unwrap_or_default();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
     Ok(cp)
+}
+
+/// `--one-change-only`: the daemon holding the large policy, and the one-prefix changes to it.
+fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
+    let bed = Bed::new(agent, 1)?;
+    let policy = prefixes::config(plan.large);
+    write_config(&bed.config, &policy)?;
+    let daemon = bed.activate(Mode::Ebpf, plan.large)?.context("agent")?;
+    eprintln!(
+        "xtask: bench: agent {} holds {} prefixes",
+        daemon.child.id(),
+        plan.large
+    );
+    let latencies = one_change_latency(&bed, &policy);
+    bed.deactivate(Mode::Ebpf, Some(daemon))?;
+    let latencies = latencies?;
+    let rounded: Vec<String> = latencies.iter().map(|ms| format!("{ms:.1}")).collect();
+    println!(
+        "one-prefix change to {}: median {:.1} ms of [{}]",
+        plan.large,
+        report::median(latencies.clone()).unwrap_or_default(),
+        rounded.join(", ")
+    );
+    Ok(())
 }
 
 /// The agent's default chain, and the IPv4 set beside the programs it names after it.
