@@ -173,6 +173,14 @@ pub struct Options {
     /// Measure end to end only in these load shapes (comma-separated: pinned, unpinned).
     #[arg(long, value_delimiter = ',', value_parser = Shape::from_key)]
     shapes: Vec<Shape>,
+    /// Only the one-prefix change to the large policy in a running agent, printed and not
+    /// reported: the quick loop for working on that figure (about a minute).
+    #[arg(long)]
+    one_change_only: bool,
+    /// With `--one-change-only`: measure this agent binary instead of the one just built, to
+    /// compare a change with its baseline in the same sitting.
+    #[arg(long, requires = "one_change_only")]
+    agent: Option<PathBuf>,
 }
 
 impl Options {
@@ -180,6 +188,7 @@ impl Options {
     fn is_full(&self) -> bool {
         !self.quick
             && !self.end_to_end_only
+            && !self.one_change_only
             && self.sizes.is_empty()
             && self.rounds.is_none()
             && self.modes.is_empty()
@@ -194,6 +203,9 @@ impl Options {
         }
         if self.end_to_end_only {
             command += " --end-to-end-only";
+        }
+        if self.one_change_only {
+            command += " --one-change-only";
         }
         if !self.sizes.is_empty() {
             let sizes: Vec<String> = self.sizes.iter().map(usize::to_string).collect();
@@ -303,6 +315,9 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     )?;
     let root = workspace_root();
     let agent = root.join("target/release/masq-agent");
+    if options.one_change_only {
+        return one_change_only(options.agent.as_deref().unwrap_or(&agent), &plan);
+    }
 
     let datapath = if options.end_to_end_only {
         Vec::new()
@@ -737,6 +752,30 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
             .unwrap_or_default();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
     Ok(cp)
+}
+
+/// `--one-change-only`: the daemon holding the large policy, and the one-prefix changes to it.
+fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
+    let bed = Bed::new(agent, 1)?;
+    let policy = prefixes::config(plan.large);
+    write_config(&bed.config, &policy)?;
+    let daemon = bed.activate(Mode::Ebpf, plan.large)?.context("agent")?;
+    eprintln!(
+        "xtask: bench: agent {} holds {} prefixes",
+        daemon.child.id(),
+        plan.large
+    );
+    let latencies = one_change_latency(&bed, &policy);
+    bed.deactivate(Mode::Ebpf, Some(daemon))?;
+    let latencies = latencies?;
+    let rounded: Vec<String> = latencies.iter().map(|ms| format!("{ms:.1}")).collect();
+    println!(
+        "one-prefix change to {}: median {:.1} ms of [{}]",
+        plan.large,
+        report::median(latencies.clone()).unwrap_or_default(),
+        rounded.join(", ")
+    );
+    Ok(())
 }
 
 /// The agent's default chain, and the IPv4 set beside the programs it names after it.

@@ -156,6 +156,23 @@ pub(super) fn read_tree(
     if text.iter().all(u8::is_ascii_whitespace) {
         return Ok((Node::Null, Format::Yaml));
     }
+    let mut root = match plain_yaml::read(text) {
+        Some(root) => root,
+        None => read_yaml11(text, origin, warnings)?,
+    };
+    if let Node::Map(entries) = &mut root {
+        apply_merge_keys(entries).map_err(|m| ConfigError::new(origin, None, m))?;
+    }
+    reject_non_finite(&root).map_err(|m| ConfigError::new(origin, None, m))?;
+    Ok((root, Format::Yaml))
+}
+
+/// The first YAML document by the full parser, its scalars as YAML 1.1 reads them (go-yaml v2).
+pub(super) fn read_yaml11(
+    text: &[u8],
+    origin: &str,
+    warnings: &mut Vec<String>,
+) -> Result<Node, ConfigError> {
     if flow_nesting_exceeds(text, MAX_FLOW_NESTING) {
         let message = format!("invalid YAML: nested more than {MAX_FLOW_NESTING} levels deep");
         return Err(ConfigError::new(origin, None, message));
@@ -174,11 +191,7 @@ pub(super) fn read_tree(
         // booleans and numbers.
         None => resolve_yaml11_scalars(&mut root, &mut std::iter::repeat(true)),
     }
-    if let Node::Map(entries) = &mut root {
-        apply_merge_keys(entries).map_err(|m| ConfigError::new(origin, None, m))?;
-    }
-    reject_non_finite(&root).map_err(|m| ConfigError::new(origin, None, m))?;
-    Ok((root, Format::Yaml))
+    Ok(root)
 }
 
 pub(super) fn json_syntax_error(e: &serde_json::Error, origin: &str) -> ConfigError {

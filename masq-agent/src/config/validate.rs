@@ -146,11 +146,15 @@ fn check_no_prefix_in_both<'a>(
 }
 
 /// The first exception whose prefix the non-masquerade list holds too, with where each entry
-/// came from. Prefixes are hashed: lists of 100 000 are compared in linear time.
+/// came from. Prefixes are hashed: lists of 100 000 are compared in linear time, and without
+/// exceptions not at all.
 pub(super) fn first_in_both<'l, T>(
     non_masq: &'l [(IpNet, T)],
     masq: &'l [(IpNet, T)],
 ) -> Option<(&'l IpNet, &'l T, &'l T)> {
+    if masq.is_empty() {
+        return None;
+    }
     let non_masq: std::collections::HashMap<&IpNet, &T> =
         non_masq.iter().map(|(net, from)| (net, from)).collect();
     masq.iter()

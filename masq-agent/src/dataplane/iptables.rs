@@ -125,32 +125,32 @@ fn rules_in_chain_order(family: IpFamily, policy: &Policy) -> Option<Rules> {
 /// the same answer as the trie. The set holds no /0, which two /1 halves stand for; an entry
 /// for one of those /1s is the longer prefix, and takes its half's place.
 pub fn set_members(rules: &Rules) -> Vec<ipset::Member> {
-    let mut members: Vec<(ipnet::IpNet, Action)> = Vec::new();
-    let mut at: HashMap<ipnet::IpNet, usize> = HashMap::new();
-    let mut put = |net: ipnet::IpNet, action: Action, overrides: bool| match at.get(&net) {
-        Some(&i) if overrides => members[i].1 = action,
-        Some(_) => {}
-        None => {
-            at.insert(net, members.len());
-            members.push((net, action));
-        }
-    };
-    for (net, action) in rules.iter().filter(|(net, _)| net.prefix_len() == 0) {
-        for half in net.subnets(1).expect("a /0 splits in two") {
-            put(half, *action, false);
+    // Of the entries for one prefix, the one sorted last holds: a rule over a /0's half, of two
+    // rules the later one, and of two /0s' halves the earlier one's. Sorting (rather than
+    // hashing) 100 000 entries takes half the time, and the set wants them sorted anyway.
+    let mut ranked: Vec<(ipnet::IpNet, (bool, isize), Action)> = Vec::with_capacity(rules.len());
+    for (i, &(net, action)) in rules.iter().enumerate() {
+        let i = i as isize;
+        match net.prefix_len() {
+            0 => ranked.extend(
+                (net.subnets(1).expect("a /0 splits in two"))
+                    .map(|half| (half, (false, -i), action)),
+            ),
+            _ => ranked.push((net, (true, i), action)),
         }
     }
-    for (net, action) in rules.iter().filter(|(net, _)| net.prefix_len() != 0) {
-        put(*net, *action, true);
-    }
-    let mut members: Vec<ipset::Member> = members
-        .into_iter()
-        .map(|(net, action)| ipset::Member {
+    ranked.sort_unstable_by_key(|&(net, rank, _)| (net, rank));
+    let mut members: Vec<ipset::Member> = Vec::with_capacity(ranked.len());
+    for (net, _, action) in ranked {
+        let member = ipset::Member {
             net,
             nomatch: action == Action::Masquerade,
-        })
-        .collect();
-    members.sort_unstable();
+        };
+        match members.last_mut() {
+            Some(last) if last.net == net => *last = member,
+            _ => members.push(member),
+        }
+    }
     members
 }
 
@@ -510,6 +510,9 @@ pub struct IptablesDataPlane {
     /// Probed once: the iptables binaries do not change under a running agent.
     caps: HashMap<IpFamily, Capabilities>,
     installed: HashMap<IpFamily, Installed>,
+    /// The next apply reads the chain and the set back rather than trust `installed`: at every
+    /// resync, and after an apply that failed midway.
+    verify: bool,
 }
 
 impl IptablesDataPlane {
@@ -527,6 +530,7 @@ impl IptablesDataPlane {
                 .map(|f| (f, Capabilities::detect(f)))
                 .collect(),
             installed: HashMap::new(),
+            verify: true,
         }
     }
 
@@ -572,6 +576,27 @@ impl IptablesDataPlane {
         })
     }
 
+    /// Both families' chains and sets made to match `policy`.
+    fn apply_families(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
+        let mut outcome = ApplyOutcome::Unchanged;
+        for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
+            let variant = &self.variants[&family];
+            let rendered = render(family, policy, &self.opts, caps, variant)
+                .or_else(|| self.switched_off(family, policy));
+            let Some(rendered) = rendered else {
+                continue;
+            };
+            let set = matches!(variant, ChainVariant::OutsideEbpf { .. })
+                .then(|| policy.rules(family).as_ref().map(set_members))
+                .flatten();
+            match self.apply_family(family, rendered, set)? {
+                ApplyOutcome::Unchanged => {}
+                changed => outcome = changed,
+            }
+        }
+        Ok(outcome)
+    }
+
     fn apply_family(
         &mut self,
         family: IpFamily,
@@ -582,18 +607,22 @@ impl IptablesDataPlane {
         let chain = &self.opts.chain;
         let set_name = ipset::name(chain, family);
         let previous = self.installed.get(&family);
-        // Listing a chain of 100 000 rules takes seconds: only one that should not change is.
+        // Listing a chain of 100 000 rules takes seconds: only one that should not change is,
+        // and only when verifying; each look costs a process or two.
         let chain_intact = match previous {
             Some(prev) if prev.rendered == rendered => {
-                ipt.list_chain(chain)?.as_deref() == Some(prev.listing.as_str())
-                    && ipt.jump_present(chain)?
+                !self.verify
+                    || (ipt.list_chain(chain)?.as_deref() == Some(prev.listing.as_str())
+                        && ipt.jump_present(chain)?)
             }
             _ => false,
         };
         // The members the live set holds, as far as the agent can tell without listing them:
         // those it installed, if it has as many.
         let live_set = match previous.and_then(|prev| prev.set.as_ref()) {
-            Some(members) if ipset::len(&set_name)? == Some(members.len()) => Some(members),
+            Some(members) if !self.verify || ipset::len(&set_name)? == Some(members.len()) => {
+                Some(members)
+            }
             _ => None,
         };
         let set_intact = set.is_none() || (live_set.is_some() && live_set == set.as_ref());
@@ -645,23 +674,14 @@ impl DataPlane for IptablesDataPlane {
     }
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
-        let mut outcome = ApplyOutcome::Unchanged;
-        for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
-            let variant = &self.variants[&family];
-            let rendered = render(family, policy, &self.opts, caps, variant)
-                .or_else(|| self.switched_off(family, policy));
-            let Some(rendered) = rendered else {
-                continue;
-            };
-            let set = matches!(variant, ChainVariant::OutsideEbpf { .. })
-                .then(|| policy.rules(family).as_ref().map(set_members))
-                .flatten();
-            match self.apply_family(family, rendered, set)? {
-                ApplyOutcome::Unchanged => {}
-                changed => outcome = changed,
-            }
-        }
-        Ok(outcome)
+        let applied = self.apply_families(policy);
+        // What a failed apply left behind is not known.
+        self.verify = applied.is_err();
+        applied
+    }
+
+    fn verify_next_apply(&mut self) {
+        self.verify = true;
     }
 
     fn status(&self) -> anyhow::Result<Status> {

@@ -222,6 +222,7 @@ impl DataPlane for EbpfDataPlane {
 
     fn verify_next_apply(&mut self) {
         self.maps.policy.verify_next_sync();
+        self.chain.verify_next_apply();
     }
 
     fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {

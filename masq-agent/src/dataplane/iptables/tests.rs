@@ -538,6 +538,23 @@ fn the_set_beside_the_programs_gives_the_longest_prefix_too() {
 }
 
 #[test]
+fn of_the_entries_for_one_prefix_the_set_keeps_the_one_that_decides() {
+    let net = |s: &str| s.parse::<ipnet::IpNet>().unwrap();
+    // A later entry over an earlier one; of two /0s, the first one's halves.
+    let rules = vec![
+        (net("0.0.0.0/0"), Action::NonMasquerade),
+        (net("10.0.0.0/8"), Action::NonMasquerade),
+        (net("0.0.0.0/0"), Action::Masquerade),
+        (net("10.0.0.0/8"), Action::Masquerade),
+    ];
+    let members: Vec<String> = set_members(&rules)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(members, ["0.0.0.0/1", "10.0.0.0/8 nomatch", "128.0.0.0/1"]);
+}
+
+#[test]
 fn exceptions_are_read_back_from_the_chain_and_the_set() {
     let p = with_exceptions(&["10.0.0.0/8"], &["10.100.10.0/24"]);
     let listed: String = full(IpFamily::Ipv4, &p, true)
