@@ -364,6 +364,49 @@ fn link_local_is_exempt_unless_masq_link_local(plane: Plane) {
     wait_for_udp_source(&bed, link_local, node_ip());
 }
 
+/// Once no flow outlived the policy, packets it leaves alone skip the NAT table; a change that
+/// strands a flow (its destination now left alone) makes the programs look every packet up
+/// again, and the stranded flow stays translated, while new flows to it keep their address.
+fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
+    let left_alone =
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 1m\n";
+    let bed = Bed::new(plane, left_alone);
+    let _agent = bed.start_agent(&[]);
+    let cleared = |bed: &Bed| bed.status_json()["ebpf"]["strays_cleared"] == true;
+    // The source the outside host sees on the flow from the pod's `port`.
+    let source = |port| {
+        bed.server.clear();
+        wait_for(|| {
+            probe::udp_send_from(bed.pod(), second_outside(), port)?;
+            std::thread::sleep(Duration::from_millis(50));
+            Ok(!bed.server.sources(Proto::Udp).is_empty())
+        })
+        .unwrap();
+        bed.server.sources(Proto::Udp)[0]
+    };
+    wait_for(|| Ok(cleared(&bed))).expect("no flow to outlive the policy at the start");
+    assert_eq!(source(40122), pod_ip(0), "left alone, without a lookup");
+
+    // A flow masqueraded under the default policy; none outlives that one either.
+    write_config(&bed.config, DEFAULT_CONFIG).unwrap();
+    wait_for(|| Ok(source(40123) == node_ip())).expect("masqueraded after the change");
+    wait_for(|| Ok(cleared(&bed))).expect("masqueraded flows do not stray");
+
+    // Back: the flow's destination is left alone now, and it stays translated, checked again
+    // and again, while a new flow keeps the pod's address.
+    write_config(&bed.config, left_alone).unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    assert!(!cleared(&bed), "the change may strand flows");
+    assert_eq!(
+        source(40123),
+        node_ip(),
+        "the stranded flow stays translated"
+    );
+    std::thread::sleep(masq_agent::dataplane::ebpf::strays::GRACE * 3);
+    assert!(!cleared(&bed), "a check found the stranded flow");
+    assert_eq!(source(40123), node_ip());
+}
+
 fn applies_a_config_change_live(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[]);
@@ -3625,6 +3668,7 @@ mod ebpf {
         a_capacity_change_during_a_transfer_loses_nothing,
         a_rollback_with_nothing_to_drain_removes_the_programs,
         a_shrinking_device_set_drains_before_it_detaches,
+        a_flow_stranded_by_a_change_stays_translated,
     );
 }
 

@@ -132,8 +132,19 @@ pub const NON_MASQ_CACHE_SLOTS: u32 = 4096;
 /// slot never matches. `counted_in` is the deciding entry's slot of `policy_decisions`: read
 /// apart from the tag, so that a program preempted between the two writes can at worst count
 /// one decision in the wrong slot, and never take a wrong verdict.
+/// The word of `map_names::POLICY_GENERATION`: the generation in its low bits, and a flag.
+pub mod policy_word {
+    /// Set by the agent once it has checked that no flow holds a NAT entry toward a destination
+    /// the policy now leaves alone (one that outlived the policy it started under). Until a
+    /// policy change clears it, a packet toward such a destination has no flow to find, and
+    /// the programs skip the NAT table, whose lookup that misses reads a cold bucket.
+    pub const STRAYS_CLEARED: u32 = 1 << 31;
+    /// The generation's bits.
+    pub const GENERATION_MASK: u32 = !STRAYS_CLEARED;
+}
+
 pub mod verdict_slot {
-    pub const GENERATION_MASK: u32 = 0x7fff_ffff;
+    pub use super::policy_word::GENERATION_MASK;
 
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default)]

@@ -7,7 +7,7 @@ use aya_ebpf::{
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
     NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
-    Settings, decision_slot, verdict_slot,
+    Settings, decision_slot, policy_word, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -73,6 +73,15 @@ pub fn count(counter: Counter) {
         // Per-CPU slot: no other writer can race this increment.
         unsafe { *slot += 1 };
     }
+}
+
+/// Whether the agent found no flow entry toward a destination the policy leaves alone, since
+/// the policy last changed (see `policy_word::STRAYS_CLEARED`).
+#[inline(always)]
+pub fn strays_cleared() -> bool {
+    POLICY_GENERATION
+        .get(0)
+        .is_some_and(|word| word & policy_word::STRAYS_CLEARED != 0)
 }
 
 #[inline(always)]

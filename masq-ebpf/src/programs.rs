@@ -9,7 +9,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, Settings, direction, nat_kind, tcp_seen,
+    Counter, Decision, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, Settings, direction, nat_kind,
+    tcp_seen,
 };
 
 use crate::{
@@ -72,6 +73,14 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     };
     if l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST {
         return ICMP_NOT_ECHO_REQUEST;
+    }
+    // Toward a destination the policy leaves alone, no flow has an entry while the agent says
+    // none outlived a policy change: the packet needs no lookup in the NAT table.
+    if maps::strays_cleared() {
+        let decision = F::decide(ip.daddr);
+        if decision.keeps_address {
+            return snat_left_alone::<F>(ctx, &ip, decision).count();
+        }
     }
     let key = packet_key(&ip, &l4, direction::EGRESS);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
@@ -297,18 +306,39 @@ fn snat_needs_masquerade<F: Family>(
     segment: &mut Segment,
 ) -> Result<(), Verdict> {
     let decision = F::decide(ip.daddr);
+    if decision.keeps_address {
+        return Err(keeps_its_address(decision, node_source));
+    }
     if !node_source {
         policy::count(decision);
     }
-    if decision.keeps_address {
-        return Err(Verdict::Keep(if node_source {
-            Counter::NotMasqNodeSource
-        } else {
-            Counter::NotMasqNonMasqDestination
-        }));
-    }
     *segment = Segment::read::<F>(ctx, ip, l4);
     snat_keeps_its_address::<F>(ip, key, node_source, segment)
+}
+
+/// Egress, a packet the policy leaves alone, toward `decision`'s destination: counted for the
+/// entry that decided it when it is a pod's.
+#[inline(always)]
+fn keeps_its_address(decision: Decision, node_source: bool) -> Verdict {
+    if node_source {
+        return Verdict::Keep(Counter::NotMasqNodeSource);
+    }
+    policy::count(decision);
+    Verdict::Keep(Counter::NotMasqNonMasqDestination)
+}
+
+/// Egress, a packet toward a destination the policy leaves alone, with no flow entry to look
+/// for (see `maps::strays_cleared`).
+#[inline(always)]
+fn snat_left_alone<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    decision: Decision,
+) -> Verdict {
+    match interface::<F>(ctx) {
+        Some((node_addr, _)) => keeps_its_address(decision, ip.saddr == node_addr),
+        None => Verdict::Keep(Counter::NotInspected),
+    }
 }
 
 step! {

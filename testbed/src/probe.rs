@@ -255,8 +255,14 @@ pub fn udp_probe(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Resu
 
 /// Sends one UDP datagram from namespace `ns` without waiting for a reply.
 pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
+    udp_send_from(ns, server, 0)
+}
+
+/// Sends one UDP datagram from namespace `ns`, from `source_port` (0: any), without waiting
+/// for a reply.
+pub fn udp_send_from(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<()> {
     netns::within(ns, move || {
-        let socket = udp_socket(any_addr_for(server, 0))?;
+        let socket = udp_socket(any_addr_for(server, source_port))?;
         socket.send_to(b"probe\n", server)?;
         Ok(())
     })

@@ -72,6 +72,14 @@ impl Bed {
         let seen = probe::tcp_probe(bed.pod(), outside, 0).unwrap();
         assert_eq!(seen.ip(), topology::NODE_UPLINK, "the bed masquerades");
         bed.refresh_flows();
+        // As on a node past its agent's first second: no flow outlived the policy.
+        let status = [AGENT, "status", "--json"].map(String::from);
+        wait_for(|| {
+            let out = bed.run(&status);
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+            Ok(json["ebpf"]["strays_cleared"] == true)
+        })
+        .expect("the agent checked its flows against the policy");
         bed
     }
 

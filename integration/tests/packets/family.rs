@@ -88,6 +88,8 @@ pub trait Family: IpFamily {
     fn nat(bed: &TestBed) -> Table<Self::Octets>;
     fn nat_entry(bed: &TestBed, key: &NatKey<Self::Octets>) -> Option<NatEntry<Self::Octets>>;
     fn remove(bed: &mut TestBed, key: &NatKey<Self::Octets>);
+    /// Writes `entry` under `key`, as no program would.
+    fn plant(bed: &mut TestBed, key: &NatKey<Self::Octets>, entry: NatEntry<Self::Octets>);
     /// The agent's sweep at `now_ns`.
     fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage;
     /// The agent forgetting the flows on a node address it no longer has.
@@ -106,6 +108,11 @@ macro_rules! nat_table_of {
         fn remove(bed: &mut TestBed, key: &NatKey<$octets>) {
             <$octets as NatFamily>::table_mut(&mut bed.maps.nat)
                 .remove(key)
+                .unwrap();
+        }
+        fn plant(bed: &mut TestBed, key: &NatKey<$octets>, entry: NatEntry<$octets>) {
+            <$octets as NatFamily>::table_mut(&mut bed.maps.nat)
+                .insert(key, entry, 0)
                 .unwrap();
         }
         fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {

@@ -16,3 +16,4 @@ mod fragments;
 mod icmp_errors;
 mod ipv4;
 mod ipv6;
+mod strays;

@@ -169,7 +169,7 @@ impl SlotActions {
             return Ok(None);
         };
         let generation: Array<MapData, u32> = pins.open(map_names::POLICY_GENERATION)?;
-        let generation = generation.get(&0, 0)?;
+        let generation = generation.get(&0, 0)? & masq_ebpf::policy_word::GENERATION_MASK;
         if self.generation != Some(generation) {
             let v4 = tries::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
             let v6 = tries::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);

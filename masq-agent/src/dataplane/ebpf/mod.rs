@@ -19,6 +19,7 @@ mod load;
 pub mod maps;
 pub mod pins;
 pub mod status;
+pub mod strays;
 mod syscall;
 #[cfg(feature = "testbed")]
 pub mod testbed;
@@ -199,6 +200,11 @@ impl DataPlane for EbpfDataPlane {
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let first = self.applied.is_none();
+        if first {
+            // An earlier agent's flows, carried over or held from conntrack below, were judged
+            // by a policy this agent does not know.
+            self.maps.policy.set_strays_cleared(false)?;
+        }
         let for_the_programs = self.for_the_programs(policy);
         let changed = self.maps.policy.sync(&for_the_programs)?;
         if first {
@@ -232,7 +238,12 @@ impl DataPlane for EbpfDataPlane {
             self.applied = Some(policy);
             followed?;
         }
-        if !self.sweeps.due() {
+        let sweep = self.sweeps.due();
+        // After a change, as soon as the grace allows; then with the sweeps.
+        if !self.maps.policy.strays_checked || sweep {
+            strays::check(&mut self.maps.policy, &self.maps.nat, strays::GRACE)?;
+        }
+        if !sweep {
             return Ok(None);
         }
         let now = expiry::monotonic_now_ns();

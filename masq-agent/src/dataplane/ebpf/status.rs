@@ -10,10 +10,10 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{
-    maps::Map,
+    maps::{Array, Map, MapData},
     programs::links::{FdLink, PinnedLink},
 };
-use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names};
+use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names, policy_word};
 use serde::Serialize;
 
 use super::{
@@ -63,6 +63,9 @@ pub struct EbpfStatus {
     pub translated_by_address: BTreeMap<IpAddr, usize>,
     pub nat_entries: usize,
     pub nat_capacity: u32,
+    /// No flow outlived the policy: packets toward destinations it leaves alone skip the NAT
+    /// table (see `strays`).
+    pub strays_cleared: bool,
     pub counters: BTreeMap<&'static str, u64>,
     /// What each policy entry decided; absent where an older agent pinned no counters.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -165,6 +168,10 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         translated_by_address,
         nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
+        strays_cleared: {
+            let word: Array<MapData, u32> = pins.open(map_names::POLICY_GENERATION)?;
+            word.get(&0, 0)? & policy_word::STRAYS_CLEARED != 0
+        },
         counters,
         decisions,
     }))
@@ -240,6 +247,15 @@ impl std::fmt::Display for EbpfStatus {
             self.nat_entries,
             self.nat_capacity
         )?;
+        if self.strays_cleared {
+            writeln!(f, "  packets left alone skip the NAT table")?;
+        } else {
+            writeln!(
+                f,
+                "  packets left alone are looked up in the NAT table: flows may have outlived \
+                 the last change to the policy"
+            )?;
+        }
         for (name, value) in &self.counters {
             writeln!(f, "  {name}: {value}")?;
         }

@@ -20,7 +20,7 @@ use super::{
     follow::write_interfaces,
     load::{self, Programs, write_settings},
     maps::{Maps, NatFamily, counter_total},
-    tries,
+    strays, tries,
 };
 use crate::{netdev::Device, policy::IpFamily, ports::PortRange};
 
@@ -198,6 +198,13 @@ impl TestBed {
             .iter()
             .filter_map(Result::ok)
             .collect()
+    }
+
+    /// Checks the NAT tables for flows that outlived the policy, as the agent's sweep does (with
+    /// no grace: nothing runs the programs meanwhile); returns whether none did, and the
+    /// programs now skip the table toward destinations the policy leaves alone.
+    pub fn clear_strays(&mut self) -> anyhow::Result<bool> {
+        strays::check(&mut self.maps.policy, &self.maps.nat, Duration::ZERO)
     }
 
     /// Removes the NAT entries whose keys `expired` picks, as if their flows had expired.

@@ -6,7 +6,11 @@
 //! judged by a policy no longer in force. Each entry also names the slot that counts its
 //! decisions (see `decisions`).
 
-use std::{collections::BTreeMap, net::IpAddr, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    time::{Duration, Instant},
+};
 
 use anyhow::Context as _;
 use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
@@ -15,7 +19,7 @@ use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, prefix_action};
 
 use super::{
     decisions::{DecisionCounters, DecisionSlots},
-    expiry,
+    expiry, strays,
 };
 use crate::{
     dataplane::walk_sorted,
@@ -182,6 +186,11 @@ pub struct PolicyMaps {
     /// Per CPU, the decisions each entry took, in its slot.
     pub decisions: DecisionCounters,
     slots: DecisionSlots,
+    /// Since when a flow's entry may lead toward a destination the policy leaves alone: the
+    /// last change to the tries, or the start (see `strays`).
+    pub strays_possible_since: Instant,
+    /// Whether the NAT tables were checked for such entries since then.
+    pub strays_checked: bool,
 }
 
 impl PolicyMaps {
@@ -205,7 +214,24 @@ impl PolicyMaps {
             generation,
             decisions,
             slots,
+            strays_possible_since: Instant::now(),
+            strays_checked: false,
         }
+    }
+
+    /// Whether the programs skip the NAT table toward destinations the policy leaves alone.
+    pub fn strays_cleared(&self) -> anyhow::Result<bool> {
+        let word = self.generation.get(&0, 0)?;
+        Ok(word & masq_ebpf::policy_word::STRAYS_CLEARED != 0)
+    }
+
+    /// Says whether a flow's entry may lead toward a destination the policy leaves alone.
+    pub fn set_strays_cleared(&mut self, cleared: bool) -> anyhow::Result<()> {
+        if !cleared {
+            self.strays_possible_since = Instant::now();
+            self.strays_checked = false;
+        }
+        set_strays_cleared(&mut self.generation, cleared)
     }
 
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
@@ -224,7 +250,7 @@ impl PolicyMaps {
             slots: &mut self.slots,
             counters: &mut self.decisions,
         };
-        match family {
+        let synced = match family {
             IpFamily::Ipv4 => {
                 self.v4
                     .sync(trie_entries(rules), &mut self.generation, &mut counting)
@@ -233,7 +259,13 @@ impl PolicyMaps {
                 self.v6
                     .sync(trie_entries(rules), &mut self.generation, &mut counting)
             }
+        };
+        // A sync that failed half-way may have changed the tries too.
+        if !matches!(synced, Ok(false)) {
+            self.strays_possible_since = Instant::now();
+            self.strays_checked = false;
         }
+        synced
     }
 
     /// Makes one family's trie hold `nets`, all non-masquerade. Returns whether it changed.
@@ -305,6 +337,11 @@ impl<const N: usize> FamilyTries<N> {
     ) -> anyhow::Result<bool> {
         let mut current = self.current();
         let difference = Difference::between(&current, &desired, |e| counting.keeps_slot(e));
+        if !difference.written.is_empty() || !difference.removed.is_empty() {
+            // Before the trie changes: a flow's entry may lead toward a destination it now
+            // leaves alone, and the programs must look every packet up again.
+            set_strays_cleared(generation, false)?;
+        }
         let change = DrainingChange::between(&current, &difference);
         let now = seconds(expiry::monotonic_now_ns());
         for (len, data) in &change.start {
@@ -461,6 +498,12 @@ fn roll_back<const N: usize>(
         };
         slots.give_back(entry.counted_in);
     }
+}
+
+fn set_strays_cleared(generation: &mut Array<MapData, u32>, cleared: bool) -> anyhow::Result<()> {
+    let word = generation.get(&0, 0)?;
+    generation.set(0, strays::with_flag(word, cleared), 0)?;
+    Ok(())
 }
 
 fn next_generation(generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {

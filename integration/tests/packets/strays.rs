@@ -1,0 +1,108 @@
+//! Flows that outlive their policy: once the agent finds that no flow's entry leads toward a
+//! destination the policy leaves alone, packets toward such destinations skip the NAT table;
+//! a change to the policy makes every packet look its flow up again, until the flows it
+//! stranded are gone.
+
+use masq_agent::dataplane::ebpf::testbed::TC_ACT_OK;
+use masq_ebpf::direction;
+use masq_testbed::packet::*;
+
+use crate::family::*;
+
+in_both_families!(
+    packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy,
+    a_policy_change_looks_every_packet_up_until_its_strays_are_gone,
+);
+
+/// A masqueraded flow to the remote, its first packet sent: the key of its egress half.
+fn masqueraded_flow<F: Family>(h: &mut masq_agent::dataplane::ebpf::testbed::TestBed) {
+    let syn = tcp(F::POD, 40000, F::REMOTE, 80, SYN);
+    assert_eq!(F::at(&h.egress(&syn).1, F::SRC), F::NODE);
+}
+
+fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Family>() {
+    let mut h = harness::<F>();
+    masqueraded_flow::<F>(&mut h);
+    assert!(
+        !h.maps.policy.strays_cleared().unwrap(),
+        "set by the policy"
+    );
+    assert!(h.clear_strays().unwrap(), "the only flow is masqueraded");
+    assert!(h.maps.policy.strays_cleared().unwrap());
+
+    // Left alone and counted as before, the pod's packets for their entry, the node's not.
+    let to_service = udp(F::POD, 5353, F::SERVICE, 53);
+    for _ in 0..2 {
+        assert_eq!(h.egress(&to_service), (TC_ACT_OK, to_service.clone()));
+    }
+    let node_s = udp(F::NODE, 5353, F::SERVICE, 53);
+    assert_eq!(h.egress(&node_s), (TC_ACT_OK, node_s.clone()));
+    let service = nets::<F>(F::POLICY)
+        .into_iter()
+        .map(Into::into)
+        .find(|net: &ipnet::IpNet| net.contains(&F::SERVICE.into()))
+        .unwrap();
+    assert_eq!(h.decisions_of(service), Some(Some(2)));
+    // The masqueraded flow goes on.
+    let ack = tcp(F::POD, 40000, F::REMOTE, 80, ACK);
+    assert_eq!(F::at(&h.egress(&ack).1, F::SRC), F::NODE);
+
+    // An entry toward the service, which no program writes while the flag is set: the table
+    // is not looked at.
+    let flow = key::<F>((F::POD, 40000), (F::REMOTE, 80), TCP, direction::EGRESS);
+    let snat = F::nat_entry(&h, &flow).unwrap();
+    let stray = key::<F>((F::POD, 5353), (F::SERVICE, 53), UDP, direction::EGRESS);
+    F::plant(&mut h, &stray, snat);
+    assert_eq!(h.egress(&to_service), (TC_ACT_OK, to_service.clone()));
+
+    // Unsure again, the programs look it up; and a check finds it.
+    h.maps.policy.set_strays_cleared(false).unwrap();
+    assert_eq!(F::at(&h.egress(&to_service).1, F::SRC), F::NODE);
+    assert!(!h.clear_strays().unwrap());
+    F::remove(&mut h, &stray);
+    assert!(h.clear_strays().unwrap());
+}
+
+fn a_policy_change_looks_every_packet_up_until_its_strays_are_gone<F: Family>() {
+    let mut h = harness::<F>();
+    masqueraded_flow::<F>(&mut h);
+    assert!(h.clear_strays().unwrap());
+
+    // The remote's prefix joins the policy: the flow to it is a stray, and stays masqueraded.
+    set_policy::<F>(&mut h, &policy_with(F::REMOTE_NET), &[]);
+    assert!(
+        !h.maps.policy.strays_cleared().unwrap(),
+        "cleared by the change"
+    );
+    let ack = tcp(F::POD, 40000, F::REMOTE, 80, ACK);
+    assert_eq!(F::at(&h.egress(&ack).1, F::SRC), F::NODE);
+    assert!(!h.clear_strays().unwrap(), "the flow outlived its policy");
+    assert_eq!(F::at(&h.egress(&ack).1, F::SRC), F::NODE);
+    let new = udp(F::POD, 4000, F::REMOTE, 53);
+    assert_eq!(
+        h.egress(&new),
+        (TC_ACT_OK, new.clone()),
+        "a new flow keeps its address"
+    );
+
+    // A change that decides nothing anew leaves the flag alone.
+    let flow = key::<F>((F::POD, 40000), (F::REMOTE, 80), TCP, direction::EGRESS);
+    let reply_half = F::nat(&h)
+        .into_iter()
+        .find(|(k, e)| k.direction == direction::INGRESS && e.addr == flow.saddr)
+        .unwrap()
+        .0;
+    F::remove(&mut h, &flow);
+    F::remove(&mut h, &reply_half);
+    assert!(h.clear_strays().unwrap(), "the stray is gone");
+    set_policy::<F>(&mut h, &policy_with(F::REMOTE_NET), &[]);
+    assert!(
+        h.maps.policy.strays_cleared().unwrap(),
+        "the same policy again"
+    );
+    assert_eq!(
+        h.egress(&ack),
+        (TC_ACT_OK, ack.clone()),
+        "no entry: left alone"
+    );
+}

@@ -1,0 +1,84 @@
+//! Flows that outlived their policy: a flow keeps its NAT entry whatever the policy says now,
+//! so after a change some entries may lead toward destinations the policy now leaves alone.
+//! While any may, the programs look every packet up in the NAT table. Once a check of the
+//! tables finds none, the agent sets `policy_word::STRAYS_CLEARED`, and packets toward such
+//! destinations skip the table; the next change to the policy tries clears it again. The agent
+//! checks as soon as the grace after a change has passed, then at every sweep until no stray is
+//! left: a check reads both NAT tables whole.
+
+use std::time::{Duration, Instant};
+
+use aya::{
+    Pod,
+    maps::{MapError, lpm_trie::Key},
+};
+use masq_ebpf::{Address, Decision, NatEntry, NatKey, direction, policy_word};
+
+use super::{
+    expiry,
+    maps::{NatTable, NatTables},
+    tries::{PolicyMaps, PolicyTrie},
+};
+
+/// How long after a change to the tries a check may set the flag: a program that judged a
+/// destination by the old policy may still insert its flow's entry just after the change, but
+/// programs run for microseconds.
+pub const GRACE: Duration = Duration::from_secs(1);
+
+/// Whether the programs skip the NAT table toward destinations the policy leaves alone. If
+/// not, and the tries changed more than `grace` ago, checks both tables, and sets the flag if
+/// no entry leads toward such a destination.
+pub fn check(policy: &mut PolicyMaps, nat: &NatTables, grace: Duration) -> anyhow::Result<bool> {
+    if policy.strays_cleared()? {
+        return Ok(true);
+    }
+    if policy.strays_possible_since.elapsed() < grace {
+        return Ok(false);
+    }
+    let started = Instant::now();
+    policy.strays_checked = true;
+    if any_stray(&nat.v4, &policy.v4.non_masq)? || any_stray(&nat.v6, &policy.v6.non_masq)? {
+        return Ok(false);
+    }
+    // A change made while the tables were read would have cleared the flag since: there was
+    // none, since the agent alone writes the tries, and it was here.
+    policy.set_strays_cleared(true)?;
+    tracing::debug!(
+        took = ?started.elapsed(),
+        "no flow outlived its policy: packets the policy leaves alone skip the NAT table"
+    );
+    Ok(true)
+}
+
+/// Whether a flow of `nat` leaves toward a destination `trie` now leaves alone.
+fn any_stray<const N: usize>(nat: &NatTable<[u8; N]>, trie: &PolicyTrie<N>) -> anyhow::Result<bool>
+where
+    [u8; N]: Address,
+    NatKey<[u8; N]>: Pod,
+    NatEntry<[u8; N]>: Pod,
+{
+    let entries = expiry::read_table(nat)?;
+    for (key, _) in entries
+        .iter()
+        .filter(|(k, _)| k.direction == direction::EGRESS)
+    {
+        let entry = match trie.get(&Key::new(<[u8; N]>::BITS, key.daddr), 0) {
+            Ok(entry) => Some(entry),
+            Err(MapError::KeyNotFound) => None,
+            Err(err) => return Err(err.into()),
+        };
+        if Decision::of(entry.as_ref()).keeps_address {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The generation word with the flag set or cleared.
+pub fn with_flag(word: u32, cleared: bool) -> u32 {
+    if cleared {
+        word | policy_word::STRAYS_CLEARED
+    } else {
+        word & !policy_word::STRAYS_CLEARED
+    }
+}
