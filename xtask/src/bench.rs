@@ -90,7 +90,7 @@ impl Mode {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Metric {
     NewConnections,
@@ -173,6 +173,13 @@ pub struct Options {
     /// Measure end to end only in these load shapes (comma-separated: pinned, unpinned).
     #[arg(long, value_delimiter = ',', value_parser = Shape::from_key)]
     shapes: Vec<Shape>,
+    /// Measure end to end only these metrics (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    metrics: Vec<Metric>,
+    /// Seconds per end-to-end measurement, instead of the plan's: long enough to profile one
+    /// mode with `perf record -a` while it runs (see docs/bench/profiles.md).
+    #[arg(long)]
+    seconds: Option<f64>,
     /// Only the one-prefix change to the large policy in a running agent, printed and not
     /// reported: the quick loop for working on that figure (about a minute).
     #[arg(long)]
@@ -193,6 +200,8 @@ impl Options {
             && self.rounds.is_none()
             && self.modes.is_empty()
             && self.shapes.is_empty()
+            && self.metrics.is_empty()
+            && self.seconds.is_none()
     }
 
     /// The command line that reproduces this run.
@@ -226,6 +235,17 @@ impl Options {
             let shapes: Vec<&str> = self.shapes.iter().map(|s| s.key()).collect();
             command += &format!(" --shapes {}", shapes.join(","));
         }
+        if !self.metrics.is_empty() {
+            let metrics: Vec<String> = self
+                .metrics
+                .iter()
+                .filter_map(|m| Some(m.to_possible_value()?.get_name().to_string()))
+                .collect();
+            command += &format!(" --metrics {}", metrics.join(","));
+        }
+        if let Some(seconds) = self.seconds {
+            command += &format!(" --seconds {seconds}");
+        }
         command
     }
 }
@@ -237,6 +257,7 @@ pub struct Plan {
     pub seconds: Duration,
     pub modes: Vec<Mode>,
     pub shapes: Vec<Shape>,
+    pub metrics: Vec<Metric>,
     /// The pause between putting a mode in force and measuring it.
     pub settle: Duration,
     /// Single runs per data-path measurement.
@@ -258,6 +279,7 @@ impl Plan {
                 seconds: Duration::from_millis(400),
                 modes: Mode::ALL.to_vec(),
                 shapes: Shape::ALL.to_vec(),
+                metrics: Metric::ALL.to_vec(),
                 settle: Duration::from_millis(500),
                 runs: 20_000,
                 large: 20_000,
@@ -273,6 +295,7 @@ impl Plan {
                 seconds: Duration::from_millis(1500),
                 modes: Mode::ALL.to_vec(),
                 shapes: Shape::ALL.to_vec(),
+                metrics: Metric::ALL.to_vec(),
                 // What the kernel does after a large apply (freeing what the old policy held,
                 // RCU callbacks) is the control plane's cost, measured apart: let it settle.
                 settle: Duration::from_secs(2),
@@ -292,6 +315,12 @@ impl Plan {
         }
         if !options.shapes.is_empty() {
             plan.shapes = options.shapes.clone();
+        }
+        if !options.metrics.is_empty() {
+            plan.metrics = options.metrics.clone();
+        }
+        if let Some(seconds) = options.seconds {
+            plan.seconds = Duration::from_secs_f64(seconds);
         }
         plan
     }
@@ -616,12 +645,19 @@ fn measure(pod: &str, shape: Shape, plan: &Plan) -> anyhow::Result<Vec<(Metric, 
         shape,
         duration: plan.seconds,
     };
-    let measured = vec![
-        (Metric::NewConnections, load.new_connections()?),
-        (Metric::Transactions, load.transactions()?),
-        (Metric::Throughput, load.throughput()? / 1e9),
-        (Metric::UdpNewFlows, load.udp_new_flows()?),
-    ];
+    let measured = plan
+        .metrics
+        .iter()
+        .map(|&metric| {
+            let value = match metric {
+                Metric::NewConnections => load.new_connections()?,
+                Metric::Transactions => load.transactions()?,
+                Metric::Throughput => load.throughput()? / 1e9,
+                Metric::UdpNewFlows => load.udp_new_flows()?,
+            };
+            Ok((metric, value))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     // The outside host only answers translated traffic (or, without NAT, over its route back):
     // nothing measured means nothing came back.
     if let Some((metric, _)) = measured.iter().find(|(_, value)| *value <= 0.0) {

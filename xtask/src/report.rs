@@ -725,6 +725,7 @@ mod tests {
             seconds: Duration::from_secs(1),
             modes: Mode::ALL.to_vec(),
             shapes: Shape::ALL.to_vec(),
+            metrics: Metric::ALL.to_vec(),
             settle: Duration::ZERO,
             runs: 1,
             large: 1,
