@@ -224,30 +224,29 @@ impl Options {
             command += &format!(" --rounds {rounds}");
         }
         if !self.modes.is_empty() {
-            let modes: Vec<String> = self
-                .modes
-                .iter()
-                .filter_map(|m| Some(m.to_possible_value()?.get_name().to_string()))
-                .collect();
-            command += &format!(" --modes {}", modes.join(","));
+            command += &format!(" --modes {}", value_names(&self.modes));
         }
         if !self.shapes.is_empty() {
             let shapes: Vec<&str> = self.shapes.iter().map(|s| s.key()).collect();
             command += &format!(" --shapes {}", shapes.join(","));
         }
         if !self.metrics.is_empty() {
-            let metrics: Vec<String> = self
-                .metrics
-                .iter()
-                .filter_map(|m| Some(m.to_possible_value()?.get_name().to_string()))
-                .collect();
-            command += &format!(" --metrics {}", metrics.join(","));
+            command += &format!(" --metrics {}", value_names(&self.metrics));
         }
         if let Some(seconds) = self.seconds {
             command += &format!(" --seconds {seconds}");
         }
         command
     }
+}
+
+/// `values` as the command line names them, comma-separated.
+fn value_names<T: clap::ValueEnum>(values: &[T]) -> String {
+    let names: Vec<String> = values
+        .iter()
+        .filter_map(|v| Some(v.to_possible_value()?.get_name().to_string()))
+        .collect();
+    names.join(",")
 }
 
 pub struct Plan {
