@@ -11,7 +11,6 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use clap::ValueEnum as _;
 use masq_testbed::{
     keeps_address_v4,
     kubelet::ConfigMapVolume,
