@@ -645,7 +645,8 @@ pub fn write(
         serde_json::to_string_pretty(&json)?,
     )?;
     let report = format!(
-        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}"
+        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}{}",
+        why_missed(PROFILES)
     );
     std::fs::write(dir.join("report.md"), &report)?;
     println!("{header}\n{table}");
@@ -654,11 +655,20 @@ pub fn write(
         update_readme(
             readme,
             &format!(
-                "{header}\n\n![new connections per second](docs/bench/new-connections.svg)\n{table}"
+                "{header}\n\n![new connections per second](docs/bench/new-connections.svg)\n{table}{}",
+                why_missed(&format!("docs/bench/{PROFILES}"))
             ),
         )?;
     }
     Ok(())
+}
+
+/// The analysis of the targets missed, from profiles, beside the report.
+const PROFILES: &str = "profiles.md";
+
+/// Where the reader finds why a target is missed; `link` is the analysis's path from the page.
+fn why_missed(link: &str) -> String {
+    format!("\nWhere a target is missed, [the profiles]({link}) say why.\n")
 }
 
 /// Replaces the README's benchmark section with the latest summary.

@@ -6,7 +6,10 @@
 //! checks as soon as the grace after a change has passed, then at every sweep until no stray is
 //! left: a check reads both NAT tables whole.
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::HashSet,
+    time::{Duration, Instant},
+};
 
 use aya::{
     Pod,
@@ -58,11 +61,14 @@ where
     NatEntry<[u8; N]>: Pod,
 {
     let entries = expiry::read_table(nat)?;
-    for (key, _) in entries
+    // Flows share destinations: each is asked about once, a system call each.
+    let destinations: HashSet<[u8; N], foldhash::fast::RandomState> = entries
         .iter()
         .filter(|(k, _)| k.direction == direction::EGRESS)
-    {
-        let entry = match trie.get(&Key::new(<[u8; N]>::BITS, key.daddr), 0) {
+        .map(|(k, _)| k.daddr)
+        .collect();
+    for destination in destinations {
+        let entry = match trie.get(&Key::new(<[u8; N]>::BITS, destination), 0) {
             Ok(entry) => Some(entry),
             Err(MapError::KeyNotFound) => None,
             Err(err) => return Err(err.into()),
