@@ -371,8 +371,13 @@ fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
     let left_alone =
         "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 1m\n";
     let bed = Bed::new(plane, left_alone);
-    let _agent = bed.start_agent(&[]);
+    let mut agent = bed.start_agent(&[]);
     let cleared = |bed: &Bed| bed.status_json()["ebpf"]["strays_cleared"] == true;
+    wait_for(|| Ok(cleared(&bed))).expect("no flow to outlive the policy at the start");
+    // An agent that leaves leaves the next one, of whatever version, to check again.
+    agent.stop(libc::SIGTERM).unwrap();
+    assert!(!cleared(&bed), "cleared by the agent that left");
+    let _agent = bed.start_agent(&[]);
     // The source the outside host sees on the flow from the pod's `port`.
     let source = |port| {
         bed.server.clear();

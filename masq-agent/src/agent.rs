@@ -308,6 +308,12 @@ impl Agent {
         self.resync_interval
     }
 
+    /// Exits, leaving the data plane in force for the next agent.
+    pub fn leave(&mut self, why: &str) {
+        self.dataplane.leave();
+        info!("{why}: exiting, data plane left in place");
+    }
+
     /// Periodic upkeep of the data plane (re-attachment, NAT expiry).
     pub fn maintain(&mut self) {
         match self.dataplane.maintain() {
@@ -550,8 +556,8 @@ pub async fn run(mut agent: Agent, config_path: PathBuf) -> anyhow::Result<()> {
         sync_due = true;
         resync = false;
         tokio::select! {
-            _ = sigterm.recv() => { info!("SIGTERM: exiting, data plane left in place"); return Ok(()); }
-            _ = sigint.recv() => { info!("SIGINT: exiting, data plane left in place"); return Ok(()); }
+            _ = sigterm.recv() => { agent.leave("SIGTERM"); return Ok(()); }
+            _ = sigint.recv() => { agent.leave("SIGINT"); return Ok(()); }
             Some(()) = changed_rx.recv() => {
                 sleep(DEBOUNCE).await;
                 while changed_rx.try_recv().is_ok() {}

@@ -75,10 +75,12 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
         return ICMP_NOT_ECHO_REQUEST;
     }
     // Toward a destination the policy leaves alone, no flow has an entry while the agent says
-    // none outlived a policy change: the packet needs no lookup in the NAT table.
+    // none outlived a policy change: the packet needs no lookup in the NAT table. The flag is
+    // read again after the decision: the agent clears it before it changes a trie, so a
+    // decision that saw the change sees the flag cleared too.
     if maps::strays_cleared() {
         let decision = F::decide(ip.daddr);
-        if decision.keeps_address {
+        if decision.keeps_address && maps::strays_cleared() {
             return snat_left_alone::<F>(ctx, &ip, decision).count();
         }
     }

@@ -56,7 +56,7 @@ fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Family>
     assert_eq!(h.egress(&to_service), (TC_ACT_OK, to_service.clone()));
 
     // Unsure again, the programs look it up; and a check finds it.
-    h.maps.policy.set_strays_cleared(false).unwrap();
+    h.maps.policy.lower_strays_cleared().unwrap();
     assert_eq!(F::at(&h.egress(&to_service).1, F::SRC), F::NODE);
     assert!(!h.clear_strays().unwrap());
     F::remove(&mut h, &stray);
@@ -105,4 +105,39 @@ fn a_policy_change_looks_every_packet_up_until_its_strays_are_gone<F: Family>() 
         (TC_ACT_OK, ack.clone()),
         "no entry: left alone"
     );
+}
+
+/// An agent killed between its write to the trie and its move of the generation leaves the
+/// verdicts cached before the write standing. The next agent's start moves the generation on,
+/// so that no new flow is masqueraded by a stale verdict toward a destination the trie now
+/// leaves alone: such a flow would stray, its later packets (another CPU's, or once the slot
+/// is reused) skipping the table.
+#[test]
+fn a_restart_after_a_killed_sync_judges_no_flow_by_a_stale_verdict() {
+    use std::net::Ipv4Addr;
+
+    type V4 = Ipv4Addr;
+    let mut h = harness::<V4>();
+    masqueraded_flow::<V4>(&mut h);
+    for (key, _) in <V4 as Family>::nat(&h) {
+        <V4 as Family>::remove(&mut h, &key);
+    }
+    // The killed agent: the remote's prefix written, the generation as the verdict found it.
+    let generation = h.maps.policy.generation.get(&0, 0).unwrap();
+    set_policy::<V4>(&mut h, &policy_with(<V4 as Family>::REMOTE_NET), &[]);
+    h.maps.policy.generation.set(0, generation, 0).unwrap();
+
+    // The next agent: its first apply, which finds the trie as the file wants it.
+    h.maps.policy.lower_strays_cleared().unwrap();
+    h.maps.policy.verify_next_sync();
+    set_policy::<V4>(&mut h, &policy_with(<V4 as Family>::REMOTE_NET), &[]);
+    assert!(h.clear_strays().unwrap());
+
+    let syn = tcp(V4::POD, 40001, V4::REMOTE, 80, SYN);
+    assert_eq!(
+        h.egress(&syn),
+        (TC_ACT_OK, syn.clone()),
+        "judged by the trie"
+    );
+    assert!(<V4 as Family>::nat(&h).is_empty(), "no flow strays");
 }

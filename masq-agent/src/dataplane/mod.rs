@@ -146,6 +146,10 @@ pub trait DataPlane {
         Ok(None)
     }
 
+    /// The agent exits, and leaves what this data plane installed in force for the agent that
+    /// comes next.
+    fn leave(&mut self) {}
+
     /// Reads back what is installed.
     fn status(&self) -> anyhow::Result<Status>;
 

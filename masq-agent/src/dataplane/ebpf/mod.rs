@@ -203,12 +203,13 @@ impl DataPlane for EbpfDataPlane {
         if first {
             // An earlier agent's flows, carried over or held from conntrack below, were judged
             // by a policy this agent does not know.
-            self.maps.policy.set_strays_cleared(false)?;
+            self.maps.policy.lower_strays_cleared()?;
         }
         let for_the_programs = self.for_the_programs(policy);
         let changed = self.maps.policy.sync(&for_the_programs)?;
         if first {
-            conntrack::hold_known_node_flows(&mut self.maps.nat, policy);
+            // The programs' policy: flows it leaves alone would only stray.
+            conntrack::hold_known_node_flows(&mut self.maps.nat, &for_the_programs);
         }
         let followed = self.follow_devices(policy)?;
         // The old programs have handed over their links: what they created meanwhile too.
@@ -240,7 +241,7 @@ impl DataPlane for EbpfDataPlane {
         }
         let sweep = self.sweeps.due();
         // After a change, as soon as the grace allows; then with the sweeps.
-        if !self.maps.policy.strays_checked || sweep {
+        if !self.maps.policy.strays.checked || sweep {
             strays::check(&mut self.maps.policy, &self.maps.nat, strays::GRACE)?;
         }
         if !sweep {
@@ -258,6 +259,14 @@ impl DataPlane for EbpfDataPlane {
         self.release_drained()?;
         self.clashes.say_new(&self.maps.counters);
         Ok(Some(run))
+    }
+
+    /// The agent that comes next, of whatever version, may change the tries before it knows
+    /// of flows that outlived its policy: until one checks, packets are looked up again.
+    fn leave(&mut self) {
+        if let Err(err) = self.maps.policy.lower_strays_cleared() {
+            tracing::warn!("leaving the NAT table looked up for every packet: {err:#}");
+        }
     }
 
     fn status(&self) -> anyhow::Result<Status> {

@@ -15,7 +15,7 @@ use aya::{
     Pod,
     maps::{MapError, lpm_trie::Key},
 };
-use masq_ebpf::{Address, Decision, NatEntry, NatKey, direction, policy_word};
+use masq_ebpf::{Address, Decision, NatEntry, NatKey, direction};
 
 use super::{
     expiry,
@@ -35,17 +35,17 @@ pub fn check(policy: &mut PolicyMaps, nat: &NatTables, grace: Duration) -> anyho
     if policy.strays_cleared()? {
         return Ok(true);
     }
-    if policy.strays_possible_since.elapsed() < grace {
+    if policy.strays.possible_since.elapsed() < grace {
         return Ok(false);
     }
     let started = Instant::now();
-    policy.strays_checked = true;
+    policy.strays.checked = true;
     if any_stray(&nat.v4, &policy.v4.non_masq)? || any_stray(&nat.v6, &policy.v6.non_masq)? {
         return Ok(false);
     }
     // A change made while the tables were read would have cleared the flag since: there was
     // none, since the agent alone writes the tries, and it was here.
-    policy.set_strays_cleared(true)?;
+    policy.raise_strays_cleared()?;
     tracing::debug!(
         took = ?started.elapsed(),
         "no flow outlived its policy: packets the policy leaves alone skip the NAT table"
@@ -78,13 +78,4 @@ where
         }
     }
     Ok(false)
-}
-
-/// The generation word with the flag set or cleared.
-pub fn with_flag(word: u32, cleared: bool) -> u32 {
-    if cleared {
-        word | policy_word::STRAYS_CLEARED
-    } else {
-        word & !policy_word::STRAYS_CLEARED
-    }
 }

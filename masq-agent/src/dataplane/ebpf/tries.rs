@@ -19,7 +19,7 @@ use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, prefix_action};
 
 use super::{
     decisions::{DecisionCounters, DecisionSlots},
-    expiry, strays,
+    expiry,
 };
 use crate::{
     dataplane::walk_sorted,
@@ -186,11 +186,28 @@ pub struct PolicyMaps {
     /// Per CPU, the decisions each entry took, in its slot.
     pub decisions: DecisionCounters,
     slots: DecisionSlots,
-    /// Since when a flow's entry may lead toward a destination the policy leaves alone: the
-    /// last change to the tries, or the start (see `strays`).
-    pub strays_possible_since: Instant,
-    /// Whether the NAT tables were checked for such entries since then.
-    pub strays_checked: bool,
+    /// What the agent knows of flows that outlived the policy (see `strays`).
+    pub strays: StrayWatch,
+}
+
+/// When a flow's entry may last have come to lead toward a destination the policy leaves alone,
+/// and whether the NAT tables were checked since.
+pub struct StrayWatch {
+    pub possible_since: Instant,
+    pub checked: bool,
+}
+
+impl StrayWatch {
+    /// Clears `policy_word::STRAYS_CLEARED`, so that the programs look every packet up again,
+    /// and moves the generation on with it: a verdict cached before may come from a trie that
+    /// changed since without a move (an agent killed between the two), and would go on
+    /// judging new flows by it.
+    fn lower(&mut self, generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {
+        next_generation(generation)?;
+        self.possible_since = Instant::now();
+        self.checked = false;
+        Ok(())
+    }
 }
 
 impl PolicyMaps {
@@ -214,8 +231,10 @@ impl PolicyMaps {
             generation,
             decisions,
             slots,
-            strays_possible_since: Instant::now(),
-            strays_checked: false,
+            strays: StrayWatch {
+                possible_since: Instant::now(),
+                checked: false,
+            },
         }
     }
 
@@ -225,13 +244,17 @@ impl PolicyMaps {
         Ok(word & masq_ebpf::policy_word::STRAYS_CLEARED != 0)
     }
 
-    /// Says whether a flow's entry may lead toward a destination the policy leaves alone.
-    pub fn set_strays_cleared(&mut self, cleared: bool) -> anyhow::Result<()> {
-        if !cleared {
-            self.strays_possible_since = Instant::now();
-            self.strays_checked = false;
-        }
-        set_strays_cleared(&mut self.generation, cleared)
+    /// Says that a flow's entry may lead toward a destination the policy leaves alone.
+    pub fn lower_strays_cleared(&mut self) -> anyhow::Result<()> {
+        self.strays.lower(&mut self.generation)
+    }
+
+    /// Says that no flow's entry does, as a check found.
+    pub fn raise_strays_cleared(&mut self) -> anyhow::Result<()> {
+        let word = self.generation.get(&0, 0)?;
+        self.generation
+            .set(0, word | masq_ebpf::policy_word::STRAYS_CLEARED, 0)?;
+        Ok(())
     }
 
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
@@ -250,22 +273,20 @@ impl PolicyMaps {
             slots: &mut self.slots,
             counters: &mut self.decisions,
         };
-        let synced = match family {
-            IpFamily::Ipv4 => {
-                self.v4
-                    .sync(trie_entries(rules), &mut self.generation, &mut counting)
-            }
-            IpFamily::Ipv6 => {
-                self.v6
-                    .sync(trie_entries(rules), &mut self.generation, &mut counting)
-            }
-        };
-        // A sync that failed half-way may have changed the tries too.
-        if !matches!(synced, Ok(false)) {
-            self.strays_possible_since = Instant::now();
-            self.strays_checked = false;
+        match family {
+            IpFamily::Ipv4 => self.v4.sync(
+                trie_entries(rules),
+                &mut self.generation,
+                &mut self.strays,
+                &mut counting,
+            ),
+            IpFamily::Ipv6 => self.v6.sync(
+                trie_entries(rules),
+                &mut self.generation,
+                &mut self.strays,
+                &mut counting,
+            ),
         }
-        synced
     }
 
     /// Makes one family's trie hold `nets`, all non-masquerade. Returns whether it changed.
@@ -333,6 +354,7 @@ impl<const N: usize> FamilyTries<N> {
         &mut self,
         desired: BTreeMap<Prefix<N>, PrefixAction>,
         generation: &mut Array<MapData, u32>,
+        strays: &mut StrayWatch,
         counting: &mut Counting,
     ) -> anyhow::Result<bool> {
         let mut current = self.current();
@@ -340,7 +362,7 @@ impl<const N: usize> FamilyTries<N> {
         if !difference.written.is_empty() || !difference.removed.is_empty() {
             // Before the trie changes: a flow's entry may lead toward a destination it now
             // leaves alone, and the programs must look every packet up again.
-            set_strays_cleared(generation, false)?;
+            strays.lower(generation)?;
         }
         let change = DrainingChange::between(&current, &difference);
         let now = seconds(expiry::monotonic_now_ns());
@@ -498,12 +520,6 @@ fn roll_back<const N: usize>(
         };
         slots.give_back(entry.counted_in);
     }
-}
-
-fn set_strays_cleared(generation: &mut Array<MapData, u32>, cleared: bool) -> anyhow::Result<()> {
-    let word = generation.get(&0, 0)?;
-    generation.set(0, strays::with_flag(word, cleared), 0)?;
-    Ok(())
 }
 
 fn next_generation(generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {
