@@ -126,12 +126,6 @@ impl Decision {
 /// destination.
 pub const NON_MASQ_CACHE_SLOTS: u32 = 4096;
 
-/// A verdict cache slot: `tag`, one word read and written whole, holds the destination in its
-/// high 32 bits, the policy generation (31 bits) above the lowest bit, and the verdict
-/// (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so that an empty
-/// slot never matches. `counted_in` is the deciding entry's slot of `policy_decisions`: read
-/// apart from the tag, so that a program preempted between the two writes can at worst count
-/// one decision in the wrong slot, and never take a wrong verdict.
 /// The word of `map_names::POLICY_GENERATION`: the generation in its low bits, and a flag.
 pub mod policy_word {
     /// Set by the agent once it has checked that no flow holds a NAT entry toward a destination
@@ -141,8 +135,20 @@ pub mod policy_word {
     pub const STRAYS_CLEARED: u32 = 1 << 31;
     /// The generation's bits.
     pub const GENERATION_MASK: u32 = !STRAYS_CLEARED;
+
+    /// Whether `word` has `STRAYS_CLEARED` set.
+    #[inline(always)]
+    pub const fn strays_cleared(word: u32) -> bool {
+        word & STRAYS_CLEARED != 0
+    }
 }
 
+/// A verdict cache slot: `tag`, one word read and written whole, holds the destination in its
+/// high 32 bits, the policy generation (31 bits) above the lowest bit, and the verdict
+/// (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so that an empty
+/// slot never matches. `counted_in` is the deciding entry's slot of `policy_decisions`: read
+/// apart from the tag, so that a program preempted between the two writes can at worst count
+/// one decision in the wrong slot, and never take a wrong verdict.
 pub mod verdict_slot {
     pub use super::policy_word::GENERATION_MASK;
 

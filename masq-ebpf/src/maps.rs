@@ -81,7 +81,7 @@ pub fn count(counter: Counter) {
 pub fn strays_cleared() -> bool {
     POLICY_GENERATION
         .get(0)
-        .is_some_and(|word| word & policy_word::STRAYS_CLEARED != 0)
+        .is_some_and(|word| policy_word::strays_cleared(*word))
 }
 
 #[inline(always)]

@@ -170,7 +170,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         nat_capacity: kernel.nat_capacity,
         strays_cleared: {
             let word: Array<MapData, u32> = pins.open(map_names::POLICY_GENERATION)?;
-            word.get(&0, 0)? & policy_word::STRAYS_CLEARED != 0
+            policy_word::strays_cleared(word.get(&0, 0)?)
         },
         counters,
         decisions,

@@ -241,7 +241,7 @@ impl PolicyMaps {
     /// Whether the programs skip the NAT table toward destinations the policy leaves alone.
     pub fn strays_cleared(&self) -> anyhow::Result<bool> {
         let word = self.generation.get(&0, 0)?;
-        Ok(word & masq_ebpf::policy_word::STRAYS_CLEARED != 0)
+        Ok(masq_ebpf::policy_word::strays_cleared(word))
     }
 
     /// Says that a flow's entry may lead toward a destination the policy leaves alone.
