@@ -9,14 +9,15 @@ use std::{
 
 use aya::{
     EbpfLoader, Pod,
+    maps::IterableMap as _,
     programs::{TestRun, TestRunOptions},
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use masq_ebpf::{Counter, NatEntry, NatKey, map_names, program_names};
 
 use super::{
-    decisions,
-    expiry::Table,
+    batch, decisions,
+    expiry::{self, Table},
     follow::write_interfaces,
     load::{self, Programs, write_settings},
     maps::{Maps, NatFamily, counter_total},
@@ -216,11 +217,13 @@ impl TestBed {
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
-        let table = A::table_mut(&mut self.maps.nat);
-        let keys: Vec<NatKey<A>> = table.keys().collect::<Result<_, _>>()?;
-        for key in keys.iter().filter(|k| expired(k)) {
-            table.remove(key)?;
-        }
+        let table = A::table(&self.maps.nat);
+        let doomed: Vec<NatKey<A>> = expiry::read_table(table)?
+            .into_iter()
+            .map(|(key, _)| key)
+            .filter(|key| expired(key))
+            .collect();
+        batch::delete_all(table.map(), &doomed)?;
         Ok(())
     }
 
