@@ -53,6 +53,7 @@ pub fn key<A>(saddr: A, daddr: A, proto: u8, sport: u16, dport: u16, dir: u8) ->
 /// What one packet tells about its half of a flow: for TCP, how far the connection got and
 /// where its sender stands in the sequence space; nothing for UDP and ICMP.
 #[derive(Clone, Copy, Default)]
+#[repr(C, align(8))]
 pub struct Segment {
     /// `tcp_seen` bits; 0 for other protocols.
     pub seen: u8,
@@ -240,7 +241,8 @@ fn rst_acceptable<F: Family>(
 }
 }
 
-/// Gives a new egress flow a port on `node_addr`, creating both halves. Returns the egress half.
+/// Gives a new egress flow a port on `node_addr`, creating both halves; the egress half is
+/// left in `egress`.
 #[inline(always)]
 pub fn create_snat<F: Family>(
     ctx: &TcContext,
@@ -248,11 +250,12 @@ pub fn create_snat<F: Family>(
     node_addr: F::Addr,
     settings: &Settings,
     segment: &Segment,
-) -> Result<NatEntry<F::Addr>, AllocError> {
-    let mut egress = half(node_addr, 0, nat_kind::SNAT, segment, now_ns());
-    match reserve_port::<F>(ctx, egress_key, &mut egress, settings) {
+    egress: &mut NatEntry<F::Addr>,
+) -> Result<(), AllocError> {
+    *egress = half(node_addr, 0, nat_kind::SNAT, segment, now_ns());
+    match reserve_port::<F>(ctx, egress_key, egress, settings) {
         RESERVED => {
-            let ingress_key = egress_key.reverse(&egress);
+            let ingress_key = egress_key.reverse(egress);
             publish_egress::<F>(egress_key, &ingress_key, egress)
         }
         PORTS_EXHAUSTED => {
@@ -308,20 +311,25 @@ fn reserve_port<F: Family>(
 }
 
 /// Inserts the egress half once its port is reserved. If another CPU translated the same flow
-/// meanwhile, its translation wins and our reservation is released.
+/// meanwhile, its translation wins, is copied into `egress`, and our reservation is released.
 #[inline(always)]
 fn publish_egress<F: Family>(
     egress_key: &NatKey<F::Addr>,
     ingress_key: &NatKey<F::Addr>,
-    egress: NatEntry<F::Addr>,
-) -> Result<NatEntry<F::Addr>, AllocError> {
-    match F::nat().insert(egress_key, egress, BPF_NOEXIST as u64) {
-        Ok(()) => Ok(egress),
+    egress: &mut NatEntry<F::Addr>,
+) -> Result<(), AllocError> {
+    // By reference, as in `reserve_port`.
+    let value: &NatEntry<F::Addr> = egress;
+    match F::nat().insert(egress_key, value, BPF_NOEXIST as u64) {
+        Ok(()) => Ok(()),
         Err(err) => {
             let _ = F::nat().remove(ingress_key);
             match (err, lookup::<F>(egress_key)) {
-                // SAFETY: map value pointer from a successful lookup.
-                (EEXIST, Some(winner)) => Ok(unsafe { *winner }),
+                (EEXIST, Some(winner)) => {
+                    // SAFETY: map value pointer from a successful lookup.
+                    *egress = unsafe { *winner };
+                    Ok(())
+                }
                 _ => Err(AllocError::TableFull),
             }
         }

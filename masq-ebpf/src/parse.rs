@@ -5,7 +5,7 @@
 //! Reads never write: a program that writes packet data directly has every cloned skb
 //! unshared at entry, translated or not, so all writes go through the store helpers instead.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{helpers::bpf_skb_load_bytes, programs::TcContext};
 use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::verifier;
@@ -123,8 +123,8 @@ impl<A> Packet<A> {
 pub fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
     read_linear(ctx, offset).or_else(|| {
         let mut value = core::mem::MaybeUninit::<T>::uninit();
-        // SAFETY: `load` fills `value` whole when it returns 0.
-        (load(ctx, offset, &mut value) == 0).then(|| unsafe { value.assume_init() })
+        // SAFETY: `load` filled `value` whole when it says so.
+        load(ctx, offset, &mut value).then(|| unsafe { value.assume_init() })
     })
 }
 
@@ -139,18 +139,22 @@ fn read_linear<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
         .then(|| unsafe { (start as *const T).read_unaligned() })
 }
 
-/// The rare path of `read`, a function of its own so that the helper's own buffer takes no
-/// room in every caller's stack frame. It fills `out` and returns the helper's code: a BPF
-/// function may not return a pointer to its caller's stack, which is how aggregates return.
-#[inline(never)]
-fn load<T: Copy>(ctx: &TcContext, offset: usize, out: &mut core::mem::MaybeUninit<T>) -> i64 {
-    match ctx.load::<T>(offset) {
-        Ok(value) => {
-            out.write(value);
-            0
-        }
-        Err(err) => err,
-    }
+/// The rare path of `read`: the helper copies the bytes straight into `out`, in the caller's
+/// frame, so that it needs no buffer, nor a function of its own, which kernels before 6.9
+/// count as 32 bytes of stack even when it has no frame. It says whether it did. On failure
+/// the helper zeroes `out`, and the verifier knows `out` written either way.
+#[inline(always)]
+fn load<T: Copy>(ctx: &TcContext, offset: usize, out: &mut core::mem::MaybeUninit<T>) -> bool {
+    // SAFETY: `out` has room for the `size_of::<T>()` bytes the helper writes.
+    let code = unsafe {
+        bpf_skb_load_bytes(
+            ctx.skb.skb as *const _,
+            offset as u32,
+            out.as_mut_ptr().cast(),
+            size_of::<T>() as u32,
+        )
+    };
+    code == 0
 }
 
 /// The furthest an L4 header may start: past six extension headers of the largest size.

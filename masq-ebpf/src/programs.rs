@@ -94,18 +94,25 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
             snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry })
         }
         None => {
-            // Deciding and translating are steps of their own: nested, their frames would
-            // pass the verifier's 512 bytes of stack.
+            // Deciding, allocating and translating are steps of their own, called from here
+            // one after the other: nested, their frames would pass the verifier's 512 bytes
+            // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
             let mut segment = Segment::default();
-            match snat_new_flow::<F>(ctx, &ip, &l4, &key, &mut segment) {
-                MASQUERADE => snat_masquerade_new::<F>(ctx, &ip, &l4, &key, &segment),
+            let verdict = snat_new_flow::<F>(ctx, &ip, &l4, &key, &mut segment);
+            if verdict != MASQUERADE {
+                return verdict;
+            }
+            let mut entry = NatEntry::default();
+            match snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry) {
+                MASQUERADE => snat_nat::<F>(ctx, &ip, &l4, &entry),
                 verdict => verdict,
             }
         }
     }
 }
 
-/// What `snat_new_flow` says of a flow to masquerade.
+/// What `snat_new_flow` says of a flow to masquerade, and `snat_masquerade_new` once the flow's
+/// entry is made.
 const MASQUERADE: i32 = -3;
 
 step! {
@@ -130,24 +137,24 @@ fn snat_new_flow<F: Family>(
 }
 
 step! {
-/// Egress, the first packet of a flow to masquerade: a port for it, and its translation. A
-/// flow of the node's own is one whose port a masqueraded flow held already.
+/// Egress, the first packet of a flow to masquerade: a port for it, and both halves of its
+/// entry, the egress half into `entry` (`MASQUERADE`). A flow of the node's own is one whose
+/// port a masqueraded flow held already.
 fn snat_masquerade_new<F: Family>(
     ctx: &TcContext,
-    ip: &Packet<F::Addr>,
-    l4: &L4,
     key: &NatKey<F::Addr>,
     segment: &Segment,
+    entry: &mut NatEntry<F::Addr>,
 ) -> i32 {
     let Some((node_addr, settings)) = interface::<F>(ctx) else {
         return Verdict::Keep(Counter::NotInspected).count();
     };
-    match nat::create_snat::<F>(ctx, key, node_addr, settings, segment) {
-        Ok(entry) => {
-            if ip.saddr == node_addr {
+    match nat::create_snat::<F>(ctx, key, node_addr, settings, segment, entry) {
+        Ok(()) => {
+            if key.saddr == node_addr {
                 maps::count(Counter::NodePortClash);
             }
-            snat_nat::<F>(ctx, ip, l4, &entry)
+            MASQUERADE
         }
         Err(AllocError::PortsExhausted) => Verdict::Drop(Counter::DropPortsExhausted).count(),
         Err(AllocError::TableFull) => Verdict::Drop(Counter::DropNatTableFull).count(),

@@ -21,13 +21,14 @@ macro_rules! step {
             #[inline(always)]
             fn inline<F: Family>($($arg: $ty),*) $(-> $ret)? $body
 
+            // Named after the step, so that bpftool's dumps and the verifier budget name it.
             #[inline(never)]
-            fn own_frame<F: Family>($($arg: $ty),*) $(-> $ret)? {
+            fn $name<F: Family>($($arg: $ty),*) $(-> $ret)? {
                 inline::<F>($($arg),*)
             }
 
             if F::OWN_FRAMES {
-                own_frame::<F>($($arg),*)
+                $name::<F>($($arg),*)
             } else {
                 inline::<F>($($arg),*)
             }

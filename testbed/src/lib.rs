@@ -10,6 +10,7 @@ pub mod packet;
 pub mod prefixes;
 pub mod probe;
 pub mod topology;
+pub mod verifier;
 pub mod workers;
 
 use std::{

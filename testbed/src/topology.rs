@@ -515,7 +515,7 @@ pub fn sweep_stale() {
 /// Where bpffs is conventionally mounted; the test bed mounts it there if nothing has.
 pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
 
-fn ensure_bpffs() -> anyhow::Result<()> {
+pub(crate) fn ensure_bpffs() -> anyhow::Result<()> {
     let mounts = std::fs::read_to_string("/proc/mounts")?;
     if !mounts
         .lines()

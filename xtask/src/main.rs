@@ -1,6 +1,7 @@
 //! `cargo xtask setup | demo | test | bench | validate-manifests`.
 
 mod bench;
+mod budget;
 mod demo;
 mod manifests;
 mod node_tables;
@@ -42,6 +43,16 @@ enum Task {
     SoakPod(soak::PodOptions),
     /// Validate the Kubernetes manifests in deploy/ against the API's schemas.
     ValidateManifests,
+    /// What the running kernel's verifier spends on each program: instructions processed and
+    /// the deepest chain of calls' stack, against its limits.
+    Budget {
+        /// Print JSON instead of lines.
+        #[arg(long)]
+        json: bool,
+        /// Also print each program's calls as a tree, with every function's frame.
+        #[arg(long)]
+        tree: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -53,6 +64,7 @@ fn main() -> ExitCode {
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
+        Task::Budget { json, tree } => budget::run(json, tree),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
