@@ -6,8 +6,9 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{BufRead, BufReader},
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
 };
 
 use anyhow::{Context as _, bail};
@@ -53,7 +54,7 @@ impl StackRule {
 }
 
 /// One BPF function of a program, as the kernel numbers them (`func#N`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Function {
     /// Its first instruction.
     pub start: u32,
@@ -63,7 +64,7 @@ pub struct Function {
 }
 
 /// What the verifier said of one program.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Budget {
     pub program: String,
     /// Instructions processed (the verifier's `processed N insns`).
@@ -185,14 +186,69 @@ impl Budget {
 }
 
 /// Loads every program of `object` into the running kernel with the verifier's verbose log on,
-/// and reads their budgets from it. The programs are pinned in a directory of this run's own on
-/// bpffs, removed again before this returns; nothing is attached.
+/// and reads their budgets from it: the instructions processed, and every function's frame and
+/// calls. The verbose log takes the verifier some ten times longer to write than to verify;
+/// `load_quick` is what an emulated CPU can afford.
 pub fn measure(object: &Path) -> anyhow::Result<Vec<Budget>> {
+    let (budgets, pins) = load_all(object, true)?;
+    let _ = std::fs::remove_dir_all(&pins);
+    if budgets.is_empty() {
+        bail!("bpftool loaded {} without a verifier log", object.display());
+    }
+    Ok(budgets)
+}
+
+/// Loads every program of `object` into the running kernel, without the verbose log, and says
+/// what the kernel recorded of each: the instructions it processed (`verified_insns`, 5.16),
+/// or the verifier's last words when it refused one. No frames: those are the same on every
+/// kernel, and `measure` reads them where it is cheap.
+pub fn load_quick(object: &Path) -> anyhow::Result<Vec<Budget>> {
+    let (mut budgets, pins) = load_all(object, false)?;
+    let loaded = std::fs::read_dir(&pins).map(|entries| {
+        entries
+            .flatten()
+            .map(|entry| {
+                let program = entry.file_name().to_string_lossy().to_string();
+                let info = aya::programs::ProgramInfo::from_pin(entry.path());
+                Budget {
+                    program,
+                    processed: info
+                        .ok()
+                        .and_then(|info| info.verified_instruction_count())
+                        .map(u64::from),
+                    ..Budget::default()
+                }
+            })
+            .collect::<Vec<_>>()
+    });
+    let _ = std::fs::remove_dir_all(&pins);
+    budgets.extend(loaded.unwrap_or_default());
+    budgets.sort_by(|a, b| a.program.cmp(&b.program));
+    if budgets.is_empty() {
+        bail!("bpftool loaded no program of {}", object.display());
+    }
+    Ok(budgets)
+}
+
+/// Runs `bpftool prog loadall` on `object`, pinning into a directory of this run's own on
+/// bpffs, which the caller removes; with `verbose`, with the verifier's verbose log. Returns
+/// what the log said, program by program, and the directory.
+fn load_all(object: &Path, verbose: bool) -> anyhow::Result<(Vec<Budget>, PathBuf)> {
     topology::ensure_bpffs()?;
     topology::sweep_stale();
-    let pins = Path::new(BPFFS_ROOT).join(format!("{NS_PREFIX}{}-budget", std::process::id()));
-    let mut bpftool = Command::new("bpftool")
-        .args(["-d", "prog", "loadall"])
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let pins = Path::new(BPFFS_ROOT).join(format!(
+        "{NS_PREFIX}{}-budget{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&pins);
+    let mut bpftool = Command::new("bpftool");
+    if verbose {
+        bpftool.arg("-d");
+    }
+    let mut bpftool = bpftool
+        .args(["prog", "loadall"])
         .arg(object)
         .arg(&pins)
         .args(["type", "classifier"])
@@ -202,16 +258,8 @@ pub fn measure(object: &Path) -> anyhow::Result<Vec<Budget>> {
         .context("running bpftool")?;
     let log = bpftool.stderr.take().expect("piped");
     let budgets = parse(BufReader::new(log));
-    let status = bpftool.wait().context("waiting for bpftool")?;
-    let _ = std::fs::remove_dir_all(&pins);
-    let budgets = budgets?;
-    if budgets.is_empty() {
-        bail!(
-            "bpftool loaded {} without a verifier log ({status})",
-            object.display()
-        );
-    }
-    Ok(budgets)
+    bpftool.wait().context("waiting for bpftool")?;
+    Ok((budgets?, pins))
 }
 
 /// Reads the budgets of every program in the output of `bpftool -d prog loadall`, in the order

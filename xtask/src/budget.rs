@@ -1,5 +1,10 @@
-//! `cargo xtask budget`: what the verifier of the running kernel spends on each program, the
-//! instructions it processed and the deepest chain of calls' stack, against its limits.
+//! `cargo xtask budget`: what the verifier spends on each program, the instructions it
+//! processed and the deepest chain of calls' stack, against its limits; on the running kernel,
+//! and in the figures the VM step and the benchmark report for Linux 6.1.
+//!
+//! The frames come from the verbose log on the running kernel: they are the program's, the
+//! same on every kernel, and only their rounding differs (`StackRule`). The instructions
+//! processed are each kernel's own.
 
 use std::path::{Path, PathBuf};
 
@@ -8,19 +13,16 @@ use masq_testbed::{
     verifier::{self, Budget, PROCESSED_LIMIT, STACK_LIMIT, StackRule},
     workspace_root,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One program's budget on one kernel, as the report and the docs give it.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ProgramFigures {
     pub kernel: String,
     pub program: String,
     pub processed: Option<u64>,
-    /// The deepest chain's stack under the kernel's own rounding.
+    /// The deepest chain's stack as the kernel rounds its frames.
     pub stack: Option<u32>,
-    /// The same under the rounding of kernels before 6.9, which is what an older kernel would
-    /// count: the frames are the program's, whatever the kernel.
-    pub stack_before_6_9: Option<u32>,
     /// That chain, each function with what it counts for.
     pub chain: Option<String>,
     pub error: Option<String>,
@@ -34,30 +36,27 @@ pub fn kernel_release() -> anyhow::Result<String> {
         .to_string())
 }
 
-/// Measures the object the agent embeds, on the running kernel.
-pub fn measure(object: &Path) -> anyhow::Result<Vec<ProgramFigures>> {
-    let kernel = kernel_release()?;
-    let rule = StackRule::for_release(&kernel);
-    let budgets = verifier::measure(object)?;
-    Ok(budgets
-        .iter()
-        .map(|budget| figures(&kernel, rule, budget))
-        .collect())
-}
-
-fn figures(kernel: &str, rule: StackRule, budget: &Budget) -> ProgramFigures {
-    let deepest = budget.deepest(rule);
-    ProgramFigures {
-        kernel: kernel.to_string(),
-        program: budget.program.clone(),
-        processed: budget.processed,
-        stack: deepest.as_ref().map(|chain| chain.bytes),
-        stack_before_6_9: budget
-            .deepest(StackRule::Rounded32)
-            .map(|chain| chain.bytes),
-        chain: deepest.as_ref().map(|chain| budget.describe(chain, rule)),
-        error: budget.error.clone(),
-    }
+/// The figures of kernel `release`: what its verifier said (`said`: at least the instructions
+/// processed, or the error), with the stack of the programs' `frames` as it rounds them.
+pub fn figures(release: &str, said: &[Budget], frames: &[Budget]) -> Vec<ProgramFigures> {
+    let rule = StackRule::for_release(release);
+    said.iter()
+        .map(|budget| {
+            let framed = frames
+                .iter()
+                .find(|f| f.program == budget.program && !f.functions.is_empty())
+                .or(Some(budget).filter(|b| !b.functions.is_empty()));
+            let deepest = framed.and_then(|f| Some((f, f.deepest(rule)?)));
+            ProgramFigures {
+                kernel: release.to_string(),
+                program: budget.program.clone(),
+                processed: budget.processed,
+                stack: deepest.as_ref().map(|(_, chain)| chain.bytes),
+                chain: deepest.as_ref().map(|(f, chain)| f.describe(chain, rule)),
+                error: budget.error.clone(),
+            }
+        })
+        .collect()
 }
 
 /// The object masq-agent's build script left, the newest of the workspace's builds.
@@ -89,43 +88,44 @@ pub fn built_object() -> anyhow::Result<PathBuf> {
     }
 }
 
-/// The figures as lines for a terminal or a report.
+/// The figures as lines for a terminal.
 pub fn describe(figures: &[ProgramFigures]) -> String {
     let mut out = String::new();
     for f in figures {
-        let processed = f
-            .processed
-            .map_or("?".to_string(), |p| format!("{p} of {PROCESSED_LIMIT}"));
-        let stack = f
-            .stack
-            .map_or("?".to_string(), |s| format!("{s} of {STACK_LIMIT}"));
-        let old = f
-            .stack_before_6_9
-            .map_or("?".to_string(), |s| format!("{s}"));
+        let verdict = match &f.error {
+            Some(error) => format!("REJECTED ({error})"),
+            None => "accepted".to_string(),
+        };
+        let processed = f.processed.map_or("?".to_string(), |p| p.to_string());
         out.push_str(&format!(
-            "{} on {}: {}; instructions processed {processed}; stack {stack} ({old} as kernels \
-             before 6.9 count it): {}\n",
-            f.program,
-            f.kernel,
-            f.error
-                .as_deref()
-                .map_or("accepted".to_string(), |e| format!("REJECTED ({e})")),
-            f.chain.as_deref().unwrap_or("?"),
+            "{} on {}: {verdict}; {processed} of {PROCESSED_LIMIT} instructions processed",
+            f.program, f.kernel
         ));
+        if let (Some(stack), Some(chain)) = (f.stack, &f.chain) {
+            out.push_str(&format!("; stack {stack} of {STACK_LIMIT}: {chain}"));
+        }
+        out.push('\n');
     }
     out
+}
+
+/// Measures `object` on the running kernel: its figures, and the frames (the same on every
+/// kernel) for other kernels' figures.
+pub fn measure_here(object: &Path) -> anyhow::Result<(Vec<ProgramFigures>, Vec<Budget>)> {
+    let frames = verifier::measure(object)?;
+    Ok((figures(&kernel_release()?, &frames, &frames), frames))
 }
 
 pub fn run(json: bool, tree: bool) -> anyhow::Result<()> {
     crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
     let object = built_object()?;
+    let (figures, frames) = measure_here(&object)?;
     if tree {
         let rule = StackRule::for_release(&kernel_release()?);
-        for budget in verifier::measure(&object)? {
+        for budget in &frames {
             print!("{}", budget.tree(rule));
         }
     }
-    let figures = measure(&object)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&figures)?);
     } else {

@@ -8,6 +8,7 @@ mod node_tables;
 mod report;
 mod setup;
 mod soak;
+mod vm;
 
 use std::process::{Command, ExitCode};
 
@@ -43,6 +44,20 @@ enum Task {
     SoakPod(soak::PodOptions),
     /// Validate the Kubernetes manifests in deploy/ against the API's schemas.
     ValidateManifests,
+    /// Only the last step of `test`: the end-to-end cases on Debian 12's Linux 6.1 kernels,
+    /// booted in qemu.
+    Vm,
+    /// The VM's side of `vm` (started by `vm` inside the VM).
+    #[command(hide = true)]
+    VmGuest {
+        #[arg(long)]
+        out: std::path::PathBuf,
+        #[arg(long)]
+        test_binary: std::path::PathBuf,
+        #[arg(long)]
+        object: std::path::PathBuf,
+        cases: Vec<String>,
+    },
     /// What the running kernel's verifier spends on each program: instructions processed and
     /// the deepest chain of calls' stack, against its limits.
     Budget {
@@ -65,6 +80,13 @@ fn main() -> ExitCode {
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
         Task::Budget { json, tree } => budget::run(json, tree),
+        Task::Vm => setup::run().and_then(|()| vm_cases()),
+        Task::VmGuest {
+            out,
+            test_binary,
+            object,
+            cases,
+        } => vm::guest(&out, &test_binary, &object, &cases),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -124,5 +146,38 @@ fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
     manifests::validate()?;
     let mut args = vec!["test", "--workspace"];
     args.extend(cargo_test_args.iter().map(String::as_str));
-    step("cargo", &args)
+    step("cargo", &args)?;
+    vm_cases()
+}
+
+/// Builds the end-to-end test binary, and runs its VM cases on Linux 6.1.
+fn vm_cases() -> anyhow::Result<()> {
+    let out = Command::new("cargo")
+        .args([
+            "test",
+            "--package",
+            "masq-integration",
+            "--test",
+            "dataplanes",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("building the end-to-end tests")?;
+    if !out.status.success() {
+        bail!("building the end-to-end tests failed");
+    }
+    let binary = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find_map(|message| {
+            (message["target"]["name"] == "dataplanes")
+                .then(|| message["executable"].as_str().map(String::from))
+                .flatten()
+        })
+        .context("cargo named no dataplanes test binary")?;
+    // The agent's binary, which the cases run, is built beside them.
+    step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
+    vm::run(std::path::Path::new(&binary))
 }

@@ -29,6 +29,11 @@ const APT_PACKAGES: &[&str] = &[
     "util-linux",
     "python3",
     "python3-venv",
+    // The 6.1 kernels booted by the test command's last step: qemu, and what virtme-ng
+    // builds their initramfs with.
+    "qemu-system-x86",
+    "kmod",
+    "busybox-static",
 ];
 const NIGHTLY: &str = "nightly";
 /// Pinned, and built against the LLVM that matches nightly's rustc (LLVM 22).
@@ -38,6 +43,7 @@ pub fn run() -> anyhow::Result<()> {
     apt_packages()?;
     toolchain_components()?;
     bpf_linker()?;
+    crate::vm::setup()?;
     eprintln!("xtask: setup: all prerequisites present");
     Ok(())
 }

@@ -25,6 +25,11 @@ use super::{
 };
 use crate::{netdev::Device, policy::IpFamily, ports::PortRange};
 
+/// The compiled object the agent embeds, for tests that load it by other means (bpftool).
+pub fn object() -> &'static [u8] {
+    load::OBJECT
+}
+
 /// The ifindex BPF_PROG_TEST_RUN gives tc programs: loopback.
 pub const TEST_RUN_IFINDEX: u32 = 1;
 

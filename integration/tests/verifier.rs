@@ -1,0 +1,57 @@
+//! The verifier's budget, on the running kernel: both programs fit the stack limit as every
+//! kernel rounds it, and the figures the budget reports are the kernel's own.
+
+use masq_ebpf::program_names;
+use masq_testbed::verifier::{self, STACK_LIMIT, StackRule};
+
+fn object() -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), masq_agent::dataplane::ebpf::testbed::object()).unwrap();
+    file
+}
+
+#[test]
+fn both_programs_fit_the_stack_as_every_kernel_counts_it() {
+    let object = object();
+    let budgets = verifier::measure(object.path()).unwrap();
+    for program in [program_names::EGRESS, program_names::INGRESS] {
+        let budget = budgets
+            .iter()
+            .find(|b| b.program == program)
+            .unwrap_or_else(|| panic!("{program} was not loaded: {budgets:?}"));
+        assert_eq!(budget.error, None, "{program} was accepted");
+        assert_eq!(budget.functions[0].name, program, "the entry comes first");
+        assert!(
+            budget
+                .functions
+                .iter()
+                .all(|f| !f.name.starts_with("func@")),
+            "libbpf named every function: {:?}",
+            budget.functions
+        );
+        for rule in [StackRule::Rounded32, StackRule::Rounded16] {
+            let chain = budget.deepest(rule).unwrap();
+            assert!(
+                chain.bytes <= STACK_LIMIT,
+                "{program} under {rule:?}: {}",
+                budget.describe(&chain, rule)
+            );
+        }
+    }
+}
+
+#[test]
+fn the_instructions_processed_are_the_kernels_own_count() {
+    let object = object();
+    let verbose = verifier::measure(object.path()).unwrap();
+    let quick = verifier::load_quick(object.path()).unwrap();
+    for program in [program_names::EGRESS, program_names::INGRESS] {
+        let from_log = verbose.iter().find(|b| b.program == program).unwrap();
+        let from_kernel = quick.iter().find(|b| b.program == program).unwrap();
+        assert!(from_log.processed.is_some_and(|n| n > 1000));
+        assert_eq!(
+            from_log.processed, from_kernel.processed,
+            "{program}: the log's count and the kernel's verified_insns"
+        );
+    }
+}
