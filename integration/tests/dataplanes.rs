@@ -1060,6 +1060,74 @@ fn falls_back_to_iptables_when_ebpf_cannot_run(plane: Plane) {
     );
 }
 
+/// The names pinned under `dir`, with their inodes: a new object pinned under an old name has
+/// another.
+fn pinned(dir: &std::path::Path) -> BTreeSet<(String, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| {
+                    (
+                        e.file_name().to_string_lossy().into_owned(),
+                        e.metadata().unwrap().ino(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A load that fails once the maps are pinned (here, no ports are left for NAT) takes back
+/// what it pinned, and only that: on a fresh node nothing is left to read as a data plane to
+/// drain; after a crashed agent, its programs and pinned maps go on translating its flows.
+fn a_failed_load_takes_back_what_it_pinned(plane: Plane) {
+    let (bed, mut agent) = Bed::with_agent(plane, Family::V4);
+    let transfer = PacedTransfer::start(&bed, (topology::EXT_ADDR, 9001).into(), 40);
+    std::thread::sleep(Duration::from_millis(500));
+    agent.stop(libc::SIGKILL).unwrap();
+    let before = pinned(&bed.topo.bpffs);
+    assert!(
+        before.iter().any(|(name, _)| name == "nat_v4"),
+        "{before:?}"
+    );
+    // Every port ephemeral: none is left for the programs' NAT.
+    bed.topo
+        .node_run(
+            "sysctl",
+            &["-qw", "net.ipv4.ip_local_port_range=1024 65535"],
+        )
+        .unwrap();
+    let out = bed.sync_once(&[]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no ports left for NAT"), "{stderr}");
+    assert_eq!(
+        pinned(&bed.topo.bpffs),
+        before,
+        "the crashed agent's pins are all there, none replaced"
+    );
+    transfer.assert_complete("its programs went on translating the transfer");
+
+    let fresh = bed.topo.bpffs.join("fresh");
+    let fresh_arg = format!("--bpffs={}", fresh.display());
+    let mut args = args_with(&bed, &[("--bpffs", &fresh.display().to_string())]);
+    args.push("--once".into());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = bed.agent_cmd(&refs);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        !fresh.exists(),
+        "nothing pinned on a fresh node: {:?}",
+        pinned(&fresh)
+    );
+    let out = bed.agent_cmd(&["status", "--json", &fresh_arg]);
+    assert_success(&out);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(status["draining_flows"].is_null(), "{status}");
+}
+
 fn reattaches_a_program_someone_detached(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let agent = bed.start_agent(&[]);
@@ -3659,6 +3727,7 @@ mod ebpf {
         mounts_a_missing_bpffs_or_says_why_not,
         survives_a_config_flipping_between_valid_and_invalid,
         falls_back_to_iptables_when_ebpf_cannot_run,
+        a_failed_load_takes_back_what_it_pinned,
         runs_with_only_the_manifest_s_capabilities,
         a_missing_capability_is_named,
         a_change_is_applied_as_a_difference_and_a_resync_repairs_the_rest,

@@ -55,6 +55,16 @@ pub mod program_names {
     pub const INGRESS: &str = "masq_ingress";
 }
 
+/// Read-only globals the agent sets when it loads the object (`EbpfLoader::override_global`): the
+/// verifier reads them as constants, and never walks the branches they rule out, so that one
+/// object runs on kernels with and without a feature.
+pub mod global_names {
+    /// 1 where the kernel has `bpf_ktime_get_coarse_ns` (5.11): flows are stamped with the
+    /// tick-precise clock, which costs less per packet than the precise one every kernel has.
+    /// Both read CLOCK_MONOTONIC.
+    pub const COARSE_CLOCK: &str = "MASQ_COARSE_CLOCK";
+}
+
 /// Capacity of each non-masquerade trie. Upstream caps a config at 64 CIDRs (`cidrLimit`), but the
 /// cap is configurable and a trie costs nothing until used, so leave room for large policies.
 pub const NON_MASQ_MAX_ENTRIES: u32 = 262_144;

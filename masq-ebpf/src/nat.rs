@@ -2,7 +2,11 @@
 //! created, found and kept fresh. The reply-direction half is created first, with `BPF_NOEXIST`, so two CPUs can
 //! never hand the same port to two flows.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_coarse_ns, programs::TcContext};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    programs::TcContext,
+};
 use masq_ebpf::{
     Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind,
     tcp_flags::{ACK, FIN, RST, SYN},
@@ -21,12 +25,24 @@ const EEXIST: i32 = -17;
 /// rare; expiry works in seconds to hours, so this costs no precision that matters.
 const REFRESH_NS: u64 = 1_000_000_000;
 
-/// The time entries are stamped with: CLOCK_MONOTONIC at tick precision, which is all that
-/// expiry in seconds needs, and cheaper per packet than the precise clock.
+/// `global_names::COARSE_CLOCK`: 0 (the precise clock, which every kernel has) unless the
+/// agent says the kernel has the coarse one.
+#[unsafe(no_mangle)]
+static MASQ_COARSE_CLOCK: u8 = 0;
+
+/// The time entries are stamped with: CLOCK_MONOTONIC, at tick precision where the kernel has
+/// that clock (5.11), which is all that expiry in seconds needs, and cheaper per packet.
 #[inline(always)]
 fn now_ns() -> u64 {
-    // SAFETY: the helper has no preconditions.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
+    // read as the constant the agent set; the helpers have no preconditions.
+    unsafe {
+        if core::ptr::read_volatile(&MASQ_COARSE_CLOCK) != 0 {
+            bpf_ktime_get_coarse_ns()
+        } else {
+            bpf_ktime_get_ns()
+        }
+    }
 }
 
 /// Why a new flow could not be given a translation.

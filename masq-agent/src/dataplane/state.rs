@@ -31,7 +31,24 @@ pub struct PolicyFlags {
 }
 
 fn path(bpffs: &Path) -> PathBuf {
-    let name: String = bpffs
+    Path::new(STATE_DIR).join(format!("{}.json", file_stem(bpffs)))
+}
+
+/// Where the full verifier log goes when the kernel refuses `program` for the agent of `bpffs`.
+pub fn verifier_log(bpffs: &Path, program: &str) -> PathBuf {
+    Path::new(STATE_DIR).join(format!("{}.{program}.verifier.log", file_stem(bpffs)))
+}
+
+/// Writes `text` to `path` in the state directory.
+pub fn write(path: &Path, text: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(STATE_DIR)?;
+    std::fs::write(path, text)
+}
+
+/// The agent's files are named after its `--bpffs` directory, so that agents on one node with
+/// different directories keep apart.
+fn file_stem(bpffs: &Path) -> String {
+    bpffs
         .to_string_lossy()
         .chars()
         .map(|c| {
@@ -41,8 +58,7 @@ fn path(bpffs: &Path) -> PathBuf {
                 '_'
             }
         })
-        .collect();
-    Path::new(STATE_DIR).join(format!("{name}.json"))
+        .collect()
 }
 
 /// Records the mode of the agent running now (replacing the file atomically).

@@ -126,6 +126,19 @@ impl Carried {
 
     /// Copies the old tables' flows into `maps`' tables, and says how many were carried. A
     /// table that cannot be read loses its flows, which is said too; the data plane goes on.
+    /// Pins each old table again where its pin was taken away, after a failed load: the next
+    /// attempt carries its flows.
+    pub fn pin_again(&mut self, pins: &Pins) {
+        for old in &mut self.tables {
+            let path = pins.map(old.name);
+            if !path.exists()
+                && let Err(err) = old.map.pin(&path)
+            {
+                warn!(map = old.name, "cannot pin the old NAT table again: {err}");
+            }
+        }
+    }
+
     pub fn copy_into(&self, maps: &mut Maps) {
         for old in &self.tables {
             let copied = if old.name == map_names::NAT_V6 {

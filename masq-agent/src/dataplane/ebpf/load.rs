@@ -9,9 +9,13 @@ use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapData},
-    programs::SchedClassifier,
+    programs::{ProgramError, SchedClassifier},
 };
-use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, map_names, program_names};
+use aya::{
+    programs::ProgramType,
+    sys::{BpfHelper, is_helper_supported},
+};
+use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names};
 
 use super::{EbpfOptions, attach::Hook, carry::Carried, maps::Maps, pins::Pins};
 use crate::ports::PortRange;
@@ -41,17 +45,103 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
         .with_context(|| format!("program {name} is not a classifier"))
 }
 
-/// Loads the object as `loader` sets it up, and both programs into the kernel.
+/// Set to `1` or `0` to say whether the kernel has the coarse clock instead of asking it: `1`
+/// on a kernel without it makes the verifier refuse the programs, as an older kernel would.
+pub const COARSE_CLOCK_ENV: &str = "MASQ_AGENT_COARSE_CLOCK";
+
+/// Whether the programs may call `bpf_ktime_get_coarse_ns` (Linux 5.11) here.
+fn coarse_clock() -> bool {
+    match std::env::var(COARSE_CLOCK_ENV).as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => is_helper_supported(
+            ProgramType::SchedClassifier,
+            BpfHelper::BPF_FUNC_ktime_get_coarse_ns,
+        )
+        .unwrap_or(false),
+    }
+}
+
+/// Loads the object as `loader` sets it up, with the kernel's features set in its globals, and
+/// both programs into the kernel.
 /// `reused_decisions`: the loader reuses an earlier agent's decision counters.
 pub fn load(loader: &mut EbpfLoader, reused_decisions: bool) -> anyhow::Result<(Programs, Maps)> {
+    static YES: u8 = 1;
+    static NO: u8 = 0;
+    let coarse = if coarse_clock() { &YES } else { &NO };
+    loader.override_global(global_names::COARSE_CLOCK, coarse, true);
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
     for name in [program_names::EGRESS, program_names::INGRESS] {
         classifier(&mut ebpf, name)?
             .load()
-            .with_context(|| format!("loading program {name}"))?;
+            .map_err(|err| match err {
+                ProgramError::LoadError {
+                    io_error,
+                    verifier_log,
+                } => anyhow::Error::new(Refused {
+                    program: name,
+                    errno: io_error,
+                    log: verifier_log.to_string(),
+                }),
+                err => anyhow::Error::new(err).context(format!("loading program {name}")),
+            })?;
     }
     let maps = Maps::take_from(&mut ebpf, reused_decisions)?;
     Ok((Programs(ebpf), maps))
+}
+
+/// The kernel refused a program: which one, its error, and the verifier's log, which runs to
+/// hundreds of lines. Its `Display` is the one line an operator reads first.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "Linux {} refused program {program}: {} ({})",
+    kernel_release(),
+    self.reason(),
+    self.hint()
+)]
+pub struct Refused {
+    pub program: &'static str,
+    pub errno: std::io::Error,
+    pub log: String,
+}
+
+impl Refused {
+    /// The verifier's last words, which say why; the error itself when it wrote none.
+    pub fn reason(&self) -> String {
+        self.log
+            .lines()
+            .rev()
+            .map(str::trim)
+            .find(|line| {
+                !line.is_empty()
+                    && !line.starts_with("processed ")
+                    && !line.starts_with("verification time")
+                    && !line.starts_with("stack depth")
+            })
+            .map_or_else(|| self.errno.to_string(), String::from)
+    }
+
+    /// What the reason means, and where to read on.
+    pub fn hint(&self) -> &'static str {
+        let reason = self.reason();
+        if reason.contains("unknown func") || reason.contains("invalid func") {
+            "this kernel lacks a helper the program calls; docs/install.md lists the kernels the \
+             eBPF data plane runs on"
+        } else if reason.contains("stack") {
+            "the program needs more stack than this kernel's verifier allows; docs/install.md \
+             lists the kernels the eBPF data plane runs on"
+        } else if reason.contains("too large") || reason.contains("complexity") {
+            "the program is more than this kernel's verifier can follow; docs/install.md lists \
+             the kernels the eBPF data plane runs on"
+        } else {
+            "docs/install.md lists the kernels the eBPF data plane runs on"
+        }
+    }
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| "?".to_string(), |r| r.trim().to_string())
 }
 
 /// What the agent's load leaves: the programs, the maps, and the old NAT tables whose flows
@@ -65,11 +155,59 @@ pub struct Loaded {
 /// Loads the object for the agent: reusing the maps pinned under `pins` when their layout
 /// matches, carrying the flows of the NAT tables it replaces, its NAT ports set.
 pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
+    let before = pins.snapshot();
     pins.prepare()?;
-    let carried = Carried::open(pins, |name| match name {
+    let mut carried = Carried::open(pins, |name| match name {
         map_names::NAT_V6 => opts.nat_v6_capacity(),
         _ => opts.nat_capacity,
     });
+    match load_into(opts, pins) {
+        Ok((programs, mut maps)) => {
+            carried.copy_into(&mut maps);
+            Ok(Loaded {
+                programs,
+                maps,
+                carried,
+            })
+        }
+        Err(err) => {
+            // What this attempt pinned holds nothing yet: left, it would read as an eBPF data
+            // plane to drain. What an earlier agent pinned stays, and the NAT tables it was
+            // to replace are pinned again, their flows kept for the next attempt.
+            pins.remove_pinned_since(&before);
+            carried.pin_again(pins);
+            Err(match err.downcast::<Refused>() {
+                Ok(refused) => refused_with_log(&pins.dir, refused),
+                Err(err) => err,
+            })
+        }
+    }
+}
+
+/// The one line that says the kernel refused a program, naming the file that holds the
+/// verifier's full log; the log goes to the debug log if the file cannot be written.
+fn refused_with_log(bpffs: &std::path::Path, refused: Refused) -> anyhow::Error {
+    let path = crate::dataplane::state::verifier_log(bpffs, refused.program);
+    let log = match crate::dataplane::state::write(&path, &refused.log) {
+        Ok(()) => format!("the verifier's full log is in {}", path.display()),
+        Err(err) => {
+            tracing::debug!(
+                program = refused.program,
+                "the verifier's log:\n{}",
+                refused.log
+            );
+            format!(
+                "the verifier's full log is in the debug log (-v=4): {} not written: {err}",
+                path.display()
+            )
+        }
+    };
+    anyhow::anyhow!("{refused}; {log}")
+}
+
+/// Loads the object with the maps pinned under `pins`, after replacing those this build cannot
+/// reuse, and sets the programs' NAT ports.
+fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)> {
     pins.discard_incompatible(opts);
     let mut loader = EbpfLoader::new();
     loader.map_max_entries(map_names::NAT_V4, opts.nat_capacity);
@@ -85,12 +223,7 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     let reused_decisions = pins.map(map_names::DECISIONS).exists();
     let (programs, mut maps) = load(&mut loader, reused_decisions)?;
     write_settings(&mut maps.settings, &opts.port_spans, opts.random_fully)?;
-    carried.copy_into(&mut maps);
-    Ok(Loaded {
-        programs,
-        maps,
-        carried,
-    })
+    Ok((programs, maps))
 }
 
 /// Gives the programs their NAT ports: `spans`, and whether to pick among them at random.

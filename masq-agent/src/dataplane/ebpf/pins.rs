@@ -4,6 +4,7 @@
 
 use std::{
     mem::size_of,
+    os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
 
@@ -78,6 +79,49 @@ impl Pins {
         devices.sort();
         devices.dedup();
         devices
+    }
+
+    /// What is pinned now, to tell later what an attempt added or replaced.
+    pub fn snapshot(&self) -> PinnedBefore {
+        PinnedBefore {
+            dir: self.dir.exists(),
+            entries: std::fs::read_dir(&self.dir)
+                .map(|entries| {
+                    entries
+                        .flatten()
+                        .filter_map(|e| Some((e.file_name(), e.metadata().ok()?.ino())))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Removes what was pinned since `before`, new names and new objects under old names
+    /// alike; the directory itself if it was not there.
+    pub fn remove_pinned_since(&self, before: &PinnedBefore) {
+        let removed = if before.dir {
+            std::fs::read_dir(&self.dir).map(|entries| {
+                for entry in entries.flatten() {
+                    let inode = entry.metadata().map(|m| m.ino()).ok();
+                    if inode.is_some() && before.entries.get(&entry.file_name()) == inode.as_ref() {
+                        continue;
+                    }
+                    let path = entry.path();
+                    let _ = if path.is_dir() {
+                        std::fs::remove_dir_all(&path)
+                    } else {
+                        std::fs::remove_file(&path)
+                    };
+                }
+            })
+        } else {
+            std::fs::remove_dir_all(&self.dir)
+        };
+        if let Err(err) = removed
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(dir = %self.dir.display(), "could not remove what a failed load pinned: {err}");
+        }
     }
 
     /// Makes sure the directory exists on a BPF filesystem, mounting one at the parent if none
@@ -157,6 +201,13 @@ impl Pins {
         }
         replaced
     }
+}
+
+/// What was pinned before an attempt to load (`Pins::snapshot`): each name's inode, which a
+/// new object pinned under the same name does not share.
+pub struct PinnedBefore {
+    dir: bool,
+    entries: std::collections::BTreeMap<std::ffi::OsString, u64>,
 }
 
 fn is_bpffs(path: &Path) -> bool {
