@@ -392,6 +392,8 @@ pub fn track_identity<F: Family>(
         now,
     );
     let nat = F::nat();
+    // By reference, as in `reserve_port`.
+    let (ingress, egress) = (&ingress, &egress);
     match nat.insert(ingress_key, ingress, BPF_NOEXIST as u64) {
         Ok(()) => {}
         Err(EEXIST) => return Err(IdentityError::Taken),

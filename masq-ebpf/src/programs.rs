@@ -98,9 +98,13 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
             // one after the other: nested, their frames would pass the verifier's 512 bytes
             // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
             let mut segment = Segment::default();
-            let verdict = snat_new_flow::<F>(ctx, &ip, &l4, &key, &mut segment);
-            if verdict != MASQUERADE {
-                return verdict;
+            let source = snat_new_flow::<F>(ctx, &ip, &l4, &mut segment);
+            if source != POD_SOURCE && source != NODE_SOURCE {
+                return source;
+            }
+            let node_source = source == NODE_SOURCE;
+            if let Err(verdict) = snat_keeps_its_address::<F>(&ip, &key, node_source, &segment) {
+                return verdict.count();
             }
             let mut entry = NatEntry::default();
             match snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry) {
@@ -111,26 +115,29 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     }
 }
 
-/// What `snat_new_flow` says of a flow to masquerade, and `snat_masquerade_new` once the flow's
-/// entry is made.
-const MASQUERADE: i32 = -3;
+/// What `snat_new_flow` says of a flow the policy masquerades, and of the source: a pod's, or
+/// the node's own (whose flows are masqueraded only when their port clashes).
+const POD_SOURCE: i32 = -3;
+const NODE_SOURCE: i32 = -4;
+/// What `snat_masquerade_new` says once the flow's entry is made.
+const MASQUERADE: i32 = -5;
 
 step! {
-/// Egress, a packet of no known flow: the node's own, one to leave alone, or the first of a
-/// flow to masquerade (`MASQUERADE`, with `segment` read).
+/// Egress, a packet of no known flow: the node's own, one to leave alone (its verdict), or the
+/// first of a flow the policy masquerades (`POD_SOURCE`, `NODE_SOURCE`), with `segment` read.
 fn snat_new_flow<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     l4: &L4,
-    key: &NatKey<F::Addr>,
     segment: &mut Segment,
 ) -> i32 {
     let Some((node_addr, _)) = interface::<F>(ctx) else {
         return Verdict::Keep(Counter::NotInspected).count();
     };
     let node_source = ip.saddr == node_addr;
-    match snat_needs_masquerade::<F>(ctx, ip, l4, key, node_source, segment) {
-        Ok(()) => MASQUERADE,
+    match snat_needs_masquerade::<F>(ctx, ip, l4, node_source, segment) {
+        Ok(()) if node_source => NODE_SOURCE,
+        Ok(()) => POD_SOURCE,
         Err(verdict) => verdict.count(),
     }
 }
@@ -299,18 +306,18 @@ fn snat_unwalked<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
 }
 }
 
-/// Egress, for a flow without an entry: should it leave with the node's address? Reads the
-/// packet's `segment` once the answer may depend on it: the packets of flows to non-masquerade
-/// destinations, which have no entry, come this way each, and need none of it. A pod's packet
-/// is counted for the policy entry that decided it: a masqueraded flow once, as its entry
-/// carries the rest; a flow that keeps its address at every packet, as nothing here holds it.
-/// The node's own packets are not the policy's to decide.
+/// Egress, for a flow without an entry: does the policy say it leaves with the node's address?
+/// Reads the packet's `segment` once the answer may depend on it: the packets of flows to
+/// non-masquerade destinations, which have no entry, come this way each, and need none of it.
+/// A pod's packet is counted for the policy entry that decided it: a masqueraded flow once, as
+/// its entry carries the rest; a flow that keeps its address at every packet, as nothing here
+/// holds it. The node's own packets are not the policy's to decide. What the flow's state says
+/// (`snat_keeps_its_address`) comes after, a step of its own.
 #[inline(always)]
 fn snat_needs_masquerade<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     l4: &L4,
-    key: &NatKey<F::Addr>,
     node_source: bool,
     segment: &mut Segment,
 ) -> Result<(), Verdict> {
@@ -322,7 +329,7 @@ fn snat_needs_masquerade<F: Family>(
         policy::count(decision);
     }
     *segment = Segment::read::<F>(ctx, ip, l4);
-    snat_keeps_its_address::<F>(ip, key, node_source, segment)
+    Ok(())
 }
 
 /// Egress, a packet the policy leaves alone, toward `decision`'s destination: counted for the

@@ -53,10 +53,10 @@ enum Task {
         #[arg(long)]
         out: std::path::PathBuf,
         #[arg(long)]
-        test_binary: std::path::PathBuf,
-        #[arg(long)]
         object: std::path::PathBuf,
-        cases: Vec<String>,
+        /// A test binary and the cases of it to run: `BINARY=CASE,CASE`.
+        #[arg(long = "run")]
+        runs: Vec<String>,
     },
     /// What the running kernel's verifier spends on each program: instructions processed and
     /// the deepest chain of calls' stack, against its limits.
@@ -67,6 +67,11 @@ enum Task {
         /// Also print each program's calls as a tree, with every function's frame.
         #[arg(long)]
         tree: bool,
+        /// Count the stack as the kernel of this release would (e.g. 6.1.0): the frames are
+        /// the same on every kernel, only their rounding differs. The instructions processed
+        /// stay the running kernel's.
+        #[arg(long)]
+        r#as: Option<String>,
     },
 }
 
@@ -79,14 +84,9 @@ fn main() -> ExitCode {
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
-        Task::Budget { json, tree } => budget::run(json, tree),
+        Task::Budget { json, tree, r#as } => budget::run(json, tree, r#as.as_deref()),
         Task::Vm => setup::run().and_then(|()| vm_cases()),
-        Task::VmGuest {
-            out,
-            test_binary,
-            object,
-            cases,
-        } => vm::guest(&out, &test_binary, &object, &cases),
+        Task::VmGuest { out, object, runs } => vm::guest(&out, &object, &runs),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -150,34 +150,39 @@ fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
     vm_cases()
 }
 
-/// Builds the end-to-end test binary, and runs its VM cases on Linux 6.1.
+/// Builds the test binaries the VMs run, and runs their cases on the older kernels.
 fn vm_cases() -> anyhow::Result<()> {
+    let mut args = vec![
+        "test",
+        "--package",
+        "masq-integration",
+        "--no-run",
+        "--message-format=json",
+    ];
+    let targets = vm::targets();
+    for target in &targets {
+        args.extend(["--test", target]);
+    }
     let out = Command::new("cargo")
-        .args([
-            "test",
-            "--package",
-            "masq-integration",
-            "--test",
-            "dataplanes",
-            "--no-run",
-            "--message-format=json",
-        ])
+        .args(&args)
         .stderr(std::process::Stdio::inherit())
         .output()
         .context("building the end-to-end tests")?;
     if !out.status.success() {
         bail!("building the end-to-end tests failed");
     }
-    let binary = String::from_utf8_lossy(&out.stdout)
+    let binaries: Vec<(String, std::path::PathBuf)> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .find_map(|message| {
-            (message["target"]["name"] == "dataplanes")
-                .then(|| message["executable"].as_str().map(String::from))
-                .flatten()
+        .filter_map(|message| {
+            let name = message["target"]["name"].as_str()?;
+            let executable = message["executable"].as_str()?;
+            targets
+                .contains(&name)
+                .then(|| (name.to_string(), executable.into()))
         })
-        .context("cargo named no dataplanes test binary")?;
+        .collect();
     // The agent's binary, which the cases run, is built beside them.
     step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
-    vm::run(std::path::Path::new(&binary))
+    vm::run(&binaries)
 }

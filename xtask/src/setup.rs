@@ -29,11 +29,12 @@ const APT_PACKAGES: &[&str] = &[
     "util-linux",
     "python3",
     "python3-venv",
-    // The 6.1 kernels booted by the test command's last step: qemu, and what virtme-ng
-    // builds their initramfs with.
+    // The older kernels booted by the test command's last step: qemu, what virtme-ng builds
+    // their initramfs with, and xz for the archive's package index.
     "qemu-system-x86",
     "kmod",
     "busybox-static",
+    "xz-utils",
 ];
 const NIGHTLY: &str = "nightly";
 /// Pinned, and built against the LLVM that matches nightly's rustc (LLVM 22).

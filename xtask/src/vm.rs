@@ -1,11 +1,13 @@
-//! The kernels operators run, booted in qemu: Debian 12's Linux 6.1, generic and cloud, with
-//! the host's root shared read-only (virtme-ng), run a set of the end-to-end cases of
-//! `integration/tests/dataplanes.rs` on the real programs and the real tools. This machine's
-//! KVM cannot run a stock kernel, so qemu emulates the CPU: the cases run some ten times slower
-//! than on the host, and the set is chosen to cover what the programs do, not everything.
+//! The kernels operators run, booted in qemu with the host's root shared read-only
+//! (virtme-ng): Debian 12's Linux 6.1, generic and cloud, and Debian 11's 5.10 run sets of the
+//! end-to-end cases of `integration/tests/` on the real programs and the real tools. This
+//! machine's KVM cannot run a stock kernel, so qemu emulates the CPU: the cases run some ten
+//! times slower than on the host, and each set is chosen to cover what the programs do on that
+//! kernel, not everything.
 //!
-//! The kernels come from Debian's archive (`apt-get download`, unpacked with `dpkg-deb -x`,
-//! never installed into /boot) and are kept in a cache directory across runs.
+//! The kernels come from Debian's security archive, checked against its index's SHA-256,
+//! unpacked with `dpkg-deb -x` (never installed into /boot), and kept in a cache directory
+//! across runs.
 
 use std::{
     path::{Path, PathBuf},
@@ -27,35 +29,103 @@ const VIRTIOFSD_VERSION: &str = "1.14.0";
 /// What each VM may take before it is stopped and the step fails.
 const VM_TIMEOUT: Duration = Duration::from_secs(420);
 
-/// A Debian 12 kernel flavour the step boots.
+/// A kernel the step boots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavour {
-    Generic,
-    Cloud,
+    /// Debian 12's 6.1, as most nodes of that generation run it.
+    Generic61,
+    /// Debian 12's 6.1 for cloud VMs: other drivers and options (no 9p), the same verifier.
+    Cloud61,
+    /// Debian 11's 5.10, the generation of Amazon Linux 2 nodes: no coarse clock, no TCX, map
+    /// memory charged to RLIMIT_MEMLOCK.
+    Generic510,
+}
+
+/// An archive's package index, and the base its files' paths are relative to.
+struct Archive {
+    index: &'static str,
+    pool: &'static str,
+}
+
+const BOOKWORM_SECURITY: Archive = Archive {
+    index: "http://deb.debian.org/debian-security/dists/bookworm-security/main/binary-amd64/Packages.xz",
+    pool: "http://deb.debian.org/debian-security",
+};
+const BULLSEYE_SECURITY: Archive = Archive {
+    index: "http://deb.debian.org/debian-security/dists/bullseye-security/main/binary-amd64/Packages.xz",
+    pool: "http://deb.debian.org/debian-security",
+};
+
+/// A test binary of `integration/tests/` and the cases of it a VM runs.
+pub struct Suite {
+    pub target: &'static str,
+    pub cases: &'static [&'static str],
 }
 
 impl Flavour {
-    const ALL: [Flavour; 2] = [Flavour::Generic, Flavour::Cloud];
+    const ALL: [Flavour; 3] = [Flavour::Generic61, Flavour::Cloud61, Flavour::Generic510];
 
-    /// The tail of the package name and of the release: `6.1.0-50-<suffix>`.
-    fn suffix(self) -> &'static str {
+    fn archive(self) -> &'static Archive {
         match self {
-            Flavour::Generic => "amd64",
-            Flavour::Cloud => "cloud-amd64",
+            Flavour::Generic61 | Flavour::Cloud61 => &BOOKWORM_SECURITY,
+            Flavour::Generic510 => &BULLSEYE_SECURITY,
         }
     }
 
-    fn package(self, abi: u32) -> String {
-        format!("linux-image-6.1.0-{abi}-{}-unsigned", self.suffix())
+    /// The release up to the ABI number, and after it: `6.1.0-` `N` `-amd64`.
+    fn release_parts(self) -> (&'static str, &'static str) {
+        match self {
+            Flavour::Generic61 => ("6.1.0-", "-amd64"),
+            Flavour::Cloud61 => ("6.1.0-", "-cloud-amd64"),
+            Flavour::Generic510 => ("5.10.0-", "-amd64"),
+        }
     }
 
-    /// The cases it runs: the whole set on the generic kernel; on the cloud kernel, which
-    /// differs in its drivers and options and not in its verifier, the ones that load, attach
-    /// and translate each family, and the restart.
-    fn cases(self) -> &'static [&'static str] {
+    fn release(self, abi: u32) -> String {
+        let (before, after) = self.release_parts();
+        format!("{before}{abi}{after}")
+    }
+
+    fn package(self, abi: u32) -> String {
+        format!("linux-image-{}-unsigned", self.release(abi))
+    }
+
+    /// The ABI number of `package` if it is this flavour's kernel image.
+    fn abi_of(self, package: &str) -> Option<u32> {
+        let (before, after) = self.release_parts();
+        package
+            .strip_prefix("linux-image-")?
+            .strip_suffix("-unsigned")?
+            .strip_prefix(before)?
+            .strip_suffix(after)?
+            .parse()
+            .ok()
+    }
+
+    /// What it runs: the whole set on the generic 6.1; on the cloud kernel, which differs in
+    /// drivers and options and not in its verifier, what loads, attaches and translates each
+    /// family, and the restart; on 5.10, the programs as they load there, and the refusal a
+    /// kernel without a helper gives.
+    fn suites(self) -> &'static [Suite] {
         match self {
-            Flavour::Generic => CASES,
-            Flavour::Cloud => &CASES[..4],
+            Flavour::Generic61 => &[Suite {
+                target: "dataplanes",
+                cases: CASES,
+            }],
+            Flavour::Cloud61 => &[Suite {
+                target: "dataplanes",
+                cases: LOADING_CASES,
+            }],
+            Flavour::Generic510 => &[
+                Suite {
+                    target: "dataplanes",
+                    cases: LOADING_CASES,
+                },
+                Suite {
+                    target: "refused",
+                    cases: &[],
+                },
+            ],
         }
     }
 }
@@ -80,7 +150,23 @@ const CASES: &[&str] = &[
     "ebpf::an_upgrade_carries_the_flows_of_an_older_nat_table",
     // Where eBPF cannot run: the chain takes over, or, without the fallback, a clean refusal.
     "ebpf::falls_back_to_iptables_when_ebpf_cannot_run",
+    // A load that fails once the maps are pinned takes back only what it pinned.
+    "ebpf::a_failed_load_takes_back_what_it_pinned",
 ];
+
+/// The first of `CASES`: what loads, attaches and translates each family, and the restart.
+const LOADING_CASES: &[&str] = CASES.split_at(4).0;
+
+/// Every test target some VM runs.
+pub fn targets() -> Vec<&'static str> {
+    let mut targets: Vec<&str> = Flavour::ALL
+        .iter()
+        .flat_map(|f| f.suites().iter().map(|s| s.target))
+        .collect();
+    targets.sort();
+    targets.dedup();
+    targets
+}
 
 /// What a guest leaves in its output directory for the host.
 #[derive(Debug, Serialize, Deserialize)]
@@ -89,9 +175,15 @@ pub struct GuestReport {
     /// What the verifier said of each program when the guest loaded them.
     pub verifier: Vec<Budget>,
     pub verifier_error: Option<String>,
-    /// The test binary's exit code.
-    pub tests_exit_code: Option<i32>,
+    /// Each suite's test binary and its exit code.
+    pub suites: Vec<(String, Option<i32>)>,
     pub seconds: f64,
+}
+
+impl GuestReport {
+    fn passed(&self) -> bool {
+        self.suites.iter().all(|(_, code)| *code == Some(0))
+    }
 }
 
 const REPORT: &str = "report.json";
@@ -158,47 +250,44 @@ pub fn setup() -> anyhow::Result<()> {
     for flavour in Flavour::ALL {
         kernel(flavour)?;
     }
-    eprintln!("xtask: setup: virtme-ng, virtiofsd and the 6.1 kernels present");
+    eprintln!("xtask: setup: virtme-ng, virtiofsd and the VMs' kernels present");
     Ok(())
 }
 
 /// A kernel unpacked in the cache: its image and its release (`uname -r`).
 pub struct Kernel {
-    pub flavour: Flavour,
     pub vmlinuz: PathBuf,
     pub release: String,
 }
 
-/// The flavour's kernel, unpacked in the cache: the one already there, or the newest 6.1 ABI
-/// the archive has, downloaded.
+/// The flavour's kernel, unpacked in the cache: the one already there, or the newest the
+/// archive has, downloaded and checked.
 fn kernel(flavour: Flavour) -> anyhow::Result<Kernel> {
     let dir = cache_dir().join("kernels");
     if let Some(kernel) = cached_kernel(&dir, flavour) {
         return Ok(kernel);
     }
-    let abi = newest_abi()?;
-    let package = flavour.package(abi);
+    let (package, url, sha256) = newest_package(flavour)?;
     std::fs::create_dir_all(&dir)?;
     eprintln!("xtask: setup: downloading {package}");
-    let download = dir.join("download");
-    let _ = std::fs::remove_dir_all(&download);
-    std::fs::create_dir_all(&download)?;
-    let out = Command::new("apt-get")
-        .args(["download", "-qq", &package])
-        .current_dir(&download)
-        .output()
-        .context("running apt-get download")?;
-    if !out.status.success() {
-        bail!(
-            "apt-get download {package} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let deb = dir.join(format!("{package}.deb"));
+    crate::step(
+        "curl",
+        &[
+            "--fail",
+            "--silent",
+            "--show-error",
+            "--output",
+            &deb.to_string_lossy(),
+            &url,
+        ],
+    )?;
+    let sum = Command::new("sha256sum").arg(&deb).output()?;
+    let sum = String::from_utf8_lossy(&sum.stdout);
+    if sum.split_whitespace().next() != Some(sha256.as_str()) {
+        let _ = std::fs::remove_file(&deb);
+        bail!("{url}: its SHA-256 is not the archive index's ({sha256})");
     }
-    let deb = std::fs::read_dir(&download)?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .with_context(|| format!("apt-get download left no .deb for {package}"))?;
     let unpacking = dir.join(format!("{package}.partial"));
     let _ = std::fs::remove_dir_all(&unpacking);
     crate::step(
@@ -206,7 +295,7 @@ fn kernel(flavour: Flavour) -> anyhow::Result<Kernel> {
         &["-x", &deb.to_string_lossy(), &unpacking.to_string_lossy()],
     )?;
     std::fs::rename(&unpacking, dir.join(&package))?;
-    let _ = std::fs::remove_dir_all(&download);
+    let _ = std::fs::remove_file(&deb);
     cached_kernel(&dir, flavour).with_context(|| format!("{package} holds no kernel image"))
 }
 
@@ -215,70 +304,74 @@ fn cached_kernel(dir: &Path, flavour: Flavour) -> Option<Kernel> {
         .ok()?
         .flatten()
         .filter_map(|entry| {
-            let name = entry.file_name().to_string_lossy().to_string();
-            let abi = name
-                .strip_prefix("linux-image-6.1.0-")?
-                .strip_suffix(&format!("-{}-unsigned", flavour.suffix()))?
-                .parse()
-                .ok()?;
+            let abi = flavour.abi_of(&entry.file_name().to_string_lossy())?;
             Some((abi, entry.path()))
         })
         .collect();
     found.sort();
     let (abi, path) = found.pop()?;
-    let release = format!("6.1.0-{abi}-{}", flavour.suffix());
+    let release = flavour.release(abi);
     let vmlinuz = path.join(format!("boot/vmlinuz-{release}"));
-    vmlinuz.exists().then_some(Kernel {
-        flavour,
-        vmlinuz,
-        release,
-    })
+    vmlinuz.exists().then_some(Kernel { vmlinuz, release })
 }
 
-/// The newest 6.1 ABI that the archive has in both flavours; the package lists are refreshed
-/// once if they have none.
-fn newest_abi() -> anyhow::Result<u32> {
-    for refreshed in [false, true] {
-        if refreshed {
-            crate::step("apt-get", &["update", "-qq"])?;
-        }
-        let list = |flavour: Flavour| -> anyhow::Result<Vec<u32>> {
-            let pattern = format!(
-                r"^linux-image-6\.1\.0-[0-9]+-{}-unsigned$",
-                flavour.suffix()
-            );
-            let out = Command::new("apt-cache")
-                .args(["search", "--names-only", &pattern])
-                .output()
-                .context("running apt-cache")?;
-            Ok(String::from_utf8_lossy(&out.stdout)
+/// The newest of the flavour's kernel packages in its archive's index: its name, where to
+/// download it, and its SHA-256.
+fn newest_package(flavour: Flavour) -> anyhow::Result<(String, String, String)> {
+    let archive = flavour.archive();
+    let index = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "curl --fail --silent --show-error {} | xz --decompress --stdout",
+            archive.index
+        ))
+        .output()
+        .context("reading the archive's package index")?;
+    if !index.status.success() {
+        bail!(
+            "reading {} failed: {}",
+            archive.index,
+            String::from_utf8_lossy(&index.stderr)
+        );
+    }
+    let text = String::from_utf8_lossy(&index.stdout);
+    let mut best: Option<(u32, String, String)> = None;
+    for stanza in text.split("\n\n") {
+        let field = |name: &str| {
+            stanza
                 .lines()
-                .filter_map(|l| {
-                    l.split_whitespace()
-                        .next()?
-                        .strip_prefix("linux-image-6.1.0-")?
-                        .split('-')
-                        .next()?
-                        .parse()
-                        .ok()
-                })
-                .collect())
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(": "))
+                .map(str::to_string)
         };
-        let cloud = list(Flavour::Cloud)?;
-        if let Some(abi) = list(Flavour::Generic)?
-            .into_iter()
-            .filter(|abi| cloud.contains(abi))
-            .max()
+        let (Some(package), Some(file), Some(sha256)) =
+            (field("Package"), field("Filename"), field("SHA256"))
+        else {
+            continue;
+        };
+        if let Some(abi) = flavour.abi_of(&package)
+            && best.as_ref().is_none_or(|(b, _, _)| abi > *b)
         {
-            return Ok(abi);
+            best = Some((abi, file, sha256));
         }
     }
-    bail!("the package archive has no Debian 12 6.1 kernel (linux-image-6.1.0-N-amd64-unsigned)")
+    let (abi, file, sha256) = best.with_context(|| {
+        format!(
+            "{} lists no {} kernel",
+            archive.index,
+            flavour.package(0).replace("-0-", "-N-")
+        )
+    })?;
+    Ok((
+        flavour.package(abi),
+        format!("{}/{file}", archive.pool),
+        sha256,
+    ))
 }
 
-/// Boots each flavour and runs its cases on `test_binary` (the built `dataplanes` test), one VM
-/// after the other. Fails if a VM cannot start, a case fails, or the verifier rejects a program.
-pub fn run(test_binary: &Path) -> anyhow::Result<()> {
+/// Boots each flavour and runs its suites on the built test binaries (`binaries`: each test
+/// target's executable), one VM after the other. Fails if a VM cannot start, a case fails, or
+/// the verifier refuses a program.
+pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
     let xtask = std::env::current_exe().context("finding xtask's own binary")?;
     let object = budget::built_object()?;
     // The frames, for the stack as each kernel counts it, from the host's verbose log.
@@ -288,12 +381,20 @@ pub fn run(test_binary: &Path) -> anyhow::Result<()> {
     for flavour in Flavour::ALL {
         let kernel = kernel(flavour)?;
         let started = Instant::now();
+        let mut runs = Vec::new();
+        for suite in flavour.suites() {
+            let binary = binaries
+                .iter()
+                .find(|(target, _)| target == suite.target)
+                .with_context(|| format!("the {} test binary was not built", suite.target))?;
+            runs.push(format!("{}={}", binary.1.display(), suite.cases.join(",")));
+        }
+        let cases: usize = flavour.suites().iter().map(|s| s.cases.len().max(1)).sum();
         eprintln!(
-            "xtask: vm: booting {} under qemu (emulated CPU) for {} cases",
-            kernel.release,
-            flavour.cases().len()
+            "xtask: vm: booting {} under qemu (emulated CPU) for {cases} cases",
+            kernel.release
         );
-        match boot(&kernel, &xtask, test_binary, &object) {
+        match boot(&kernel, &xtask, &object, &runs) {
             Ok(report) => {
                 let figures = budget::figures(&report.kernel, &report.verifier, &frames);
                 print!("{}", budget::describe(&figures));
@@ -302,11 +403,11 @@ pub fn run(test_binary: &Path) -> anyhow::Result<()> {
                 }
                 if figures.iter().any(|f| f.error.is_some()) {
                     failures.push(format!(
-                        "{}: the verifier rejected a program",
+                        "{}: the verifier refused a program",
                         kernel.release
                     ));
                 }
-                if report.tests_exit_code != Some(0) {
+                if !report.passed() {
                     failures.push(format!("{}: end-to-end cases failed", kernel.release));
                 }
                 eprintln!(
@@ -320,17 +421,18 @@ pub fn run(test_binary: &Path) -> anyhow::Result<()> {
         }
     }
     if !failures.is_empty() {
-        bail!("on Linux 6.1:\n  {}", failures.join("\n  "));
+        bail!("in the VMs:\n  {}", failures.join("\n  "));
     }
     Ok(())
 }
 
-/// Boots `kernel` with xtask's guest side as the command, and reads what it reported.
+/// Boots `kernel` with xtask's guest side as the command, and reads what it reported. `runs`:
+/// `BINARY=CASE,CASE` for each suite (no case: all of the binary's).
 fn boot(
     kernel: &Kernel,
     xtask: &Path,
-    test_binary: &Path,
     object: &Path,
+    runs: &[String],
 ) -> anyhow::Result<GuestReport> {
     let out = masq_testbed::workspace_root()
         .join("target/vm")
@@ -342,13 +444,12 @@ fn boot(
         "vm-guest".into(),
         "--out".into(),
         out.to_string_lossy().to_string(),
-        "--test-binary".into(),
-        test_binary.to_string_lossy().to_string(),
         "--object".into(),
         object.to_string_lossy().to_string(),
     ];
-    guest.extend(kernel.flavour.cases().iter().map(|c| c.to_string()));
-    let console = out.join("console.log");
+    for run in runs {
+        guest.extend(["--run".to_string(), run.clone()]);
+    }
     let path = format!(
         "{}:{}",
         cargo_bin().display(),
@@ -371,7 +472,7 @@ fn boot(
         // virtiofsd from cargo first: the one qemu's package ships takes other arguments.
         .env("PATH", path)
         .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&console)?)
+        .stdout(std::fs::File::create(out.join("console.log"))?)
         .stderr(std::fs::File::create(out.join("vng.log"))?)
         .spawn()
         .context("starting virtme-ng")?;
@@ -387,7 +488,7 @@ fn boot(
         }
         std::thread::sleep(Duration::from_millis(200));
     };
-    let tail = |name: &str| tail_of(&out.join(name), 40);
+    let tail = |name: &str, lines: usize| tail_of(&out.join(name), lines);
     let report: Option<GuestReport> = std::fs::read(out.join(REPORT))
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok());
@@ -398,16 +499,16 @@ fn boot(
         };
         bail!(
             "{why}\n--- virtme-ng ---\n{}\n--- console ---\n{}\n--- cases ---\n{}",
-            tail("vng.log"),
-            tail("console.log"),
-            tail(TEST_LOG)
+            tail("vng.log", 40),
+            tail("console.log", 40),
+            tail(TEST_LOG, 40)
         );
     };
-    if report.tests_exit_code != Some(0) {
+    if !report.passed() {
         eprintln!(
             "--- cases on {} ---\n{}",
             kernel.release,
-            tail_of(&out.join(TEST_LOG), 200)
+            tail(TEST_LOG, 200)
         );
     }
     Ok(report)
@@ -420,14 +521,9 @@ fn tail_of(path: &Path, lines: usize) -> String {
 }
 
 /// The guest side, run by the VM as its command: loads the programs as they are, to read what
-/// the verifier said of them, runs the cases, and leaves the report in `out` (shared
-/// read-write with the host).
-pub fn guest(
-    out: &Path,
-    test_binary: &Path,
-    object: &Path,
-    cases: &[String],
-) -> anyhow::Result<()> {
+/// the verifier said of them, runs each suite (`BINARY=CASE,CASE`), and leaves the report in
+/// `out` (shared read-write with the host).
+pub fn guest(out: &Path, object: &Path, runs: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     let kernel = budget::kernel_release()?;
     let (said, verifier_error) = match verifier::load_quick(object) {
@@ -435,19 +531,28 @@ pub fn guest(
         Err(err) => (Vec::new(), Some(format!("{err:#}"))),
     };
     let log = std::fs::File::create(out.join(TEST_LOG))?;
-    let status = Command::new(test_binary)
-        .args(["--exact", "--test-threads", "1"])
-        .args(cases)
-        .current_dir(masq_testbed::workspace_root().join("integration"))
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .status()
-        .with_context(|| format!("running {}", test_binary.display()))?;
+    let mut suites = Vec::new();
+    for run in runs {
+        let (binary, cases) = run.split_once('=').unwrap_or((run, ""));
+        let cases: Vec<&str> = cases.split(',').filter(|c| !c.is_empty()).collect();
+        let mut command = Command::new(binary);
+        command.args(["--test-threads", "1"]);
+        if !cases.is_empty() {
+            command.arg("--exact").args(&cases);
+        }
+        let status = command
+            .current_dir(masq_testbed::workspace_root().join("integration"))
+            .stdout(log.try_clone()?)
+            .stderr(log.try_clone()?)
+            .status()
+            .with_context(|| format!("running {binary}"))?;
+        suites.push((binary.to_string(), status.code()));
+    }
     let report = GuestReport {
         kernel,
         verifier: said,
         verifier_error,
-        tests_exit_code: status.code(),
+        suites,
         seconds: started.elapsed().as_secs_f64(),
     };
     std::fs::write(out.join(REPORT), serde_json::to_vec_pretty(&report)?)?;

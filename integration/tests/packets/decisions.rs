@@ -13,6 +13,7 @@ use crate::family::*;
 in_both_families!(
     each_policy_entry_counts_the_decisions_it_takes,
     an_entry_that_changes_action_is_counted_from_zero,
+    the_counts_read_in_batches_and_slot_by_slot_agree,
 );
 
 /// The entry of the test bed's policy that holds `addr`.
@@ -136,4 +137,17 @@ fn entries_past_the_counters_go_uncounted_and_still_decide() {
     assert_eq!(h.decisions_of(last.into()), Some(Some(0)));
     h.egress(&packet);
     assert_eq!(h.decisions_of(last.into()), Some(Some(1)));
+}
+
+/// Kernels before 5.13 read per-CPU arrays only slot by slot: the agent's fallback reads what
+/// the batch command reads.
+fn the_counts_read_in_batches_and_slot_by_slot_agree<F: Family>() {
+    let mut h = harness::<F>();
+    h.egress(&tcp(F::POD, 40000, F::REMOTE, 80, SYN));
+    for _ in 0..3 {
+        h.egress(&udp(F::POD, 5353, F::SERVICE, 53));
+    }
+    let (batched, by_slot) = h.decisions_both_ways();
+    assert_eq!(batched, by_slot);
+    assert!(batched.iter().sum::<u64>() >= 4, "{batched:?}");
 }

@@ -12,7 +12,7 @@ use std::{
 
 use aya::{Pod, maps::MapData};
 
-use super::syscall::cmd::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH};
+use super::syscall::cmd::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM};
 /// Entries per call. A hash bucket must fit in one call; the kernel says ENOSPC if not, and
 /// the call is retried with more room.
 const CHUNK: usize = 4096;
@@ -51,16 +51,63 @@ pub fn lookup_all<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
     Ok(entries)
 }
 
-/// Every slot of the per-CPU array `map` of `u64`s, summed over the CPUs.
+/// Every slot of the per-CPU array `map` of `u64`s, summed over the CPUs. Kernels before 5.13
+/// have no batch command for per-CPU arrays: there, slot by slot.
 pub fn per_cpu_totals(map: &MapData) -> io::Result<Vec<u64>> {
     let cpus = aya::util::nr_cpus().map_err(|(_, err)| err)?;
+    match per_cpu_totals_batched(map, cpus) {
+        // ENOTSUPP, which libc does not name.
+        Err(err) if matches!(err.raw_os_error(), Some(524 | libc::EINVAL)) => {
+            per_cpu_totals_by_slot(map, cpus)
+        }
+        totals => totals,
+    }
+}
+
+/// The sum over the CPUs of one per-CPU value laid out as the kernel lays it: one
+/// eight-byte-aligned copy per possible CPU.
+fn sum_over_cpus(values: &[u8]) -> u64 {
+    values
+        .chunks_exact(size_of::<u64>())
+        .map(|bytes| u64::from_ne_bytes(bytes.try_into().expect("eight bytes")))
+        .fold(0u64, u64::wrapping_add)
+}
+
+/// `per_cpu_totals` slot by slot, as on kernels before 5.13.
+pub fn per_cpu_totals_by_slot(map: &MapData, cpus: usize) -> io::Result<Vec<u64>> {
+    /// The `elem` member of `union bpf_attr`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct ElemAttr {
+        map_fd: u32,
+        _pad: u32,
+        key: u64,
+        value: u64,
+        flags: u64,
+    }
+    let slots = map.info().map_err(io::Error::other)?.max_entries();
+    let mut values = vec![0u8; cpus * size_of::<u64>()];
+    (0..slots)
+        .map(|slot| {
+            let mut attr = ElemAttr {
+                map_fd: fd(map),
+                key: &slot as *const u32 as u64,
+                value: values.as_mut_ptr() as u64,
+                ..ElemAttr::default()
+            };
+            // SAFETY: `elem` points at a four-byte key and room for a value per CPU.
+            unsafe { super::syscall::bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) }?;
+            Ok(sum_over_cpus(&values))
+        })
+        .collect()
+}
+
+/// `per_cpu_totals` with the batch command.
+pub fn per_cpu_totals_batched(map: &MapData, cpus: usize) -> io::Result<Vec<u64>> {
     let mut totals = Vec::new();
     // The kernel lays a per-CPU value out as one eight-byte-aligned copy per possible CPU.
     lookup_each::<u32>(map, cpus * size_of::<u64>(), |slot, values| {
-        let total = values
-            .chunks_exact(size_of::<u64>())
-            .map(|bytes| u64::from_ne_bytes(bytes.try_into().expect("eight bytes")))
-            .fold(0u64, u64::wrapping_add);
+        let total = sum_over_cpus(values);
         let slot = slot as usize;
         if totals.len() <= slot {
             totals.resize(slot + 1, 0);
@@ -101,7 +148,12 @@ fn lookup_each<K: Pod>(
             ..BatchAttr::default()
         };
         let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        let filled = (attr.count as usize).min(chunk);
+        // A call that failed otherwise than at the table's end may leave `count` as it was:
+        // none of the entries is the kernel's.
+        let filled = match &result {
+            Err(err) if err.raw_os_error() != Some(libc::ENOENT) => 0,
+            _ => (attr.count as usize).min(chunk),
+        };
         for (i, value) in values.chunks_exact(value_size).take(filled).enumerate() {
             // SAFETY: the kernel filled the first `count` keys.
             each(unsafe { keys[i].assume_init() }, value);

@@ -176,6 +176,17 @@ impl TestBed {
         Some(decisions::count(&self.maps.policy.decisions, entry.counted_in).unwrap())
     }
 
+    /// Every slot's decisions, read as kernels from 5.13 read them (in batches) and as older
+    /// ones do (slot by slot).
+    pub fn decisions_both_ways(&self) -> (Vec<u64>, Vec<u64>) {
+        let map = self.maps.policy.decisions.map();
+        let cpus = aya::util::nr_cpus().unwrap();
+        (
+            batch::per_cpu_totals_batched(map, cpus).unwrap(),
+            batch::per_cpu_totals_by_slot(map, cpus).unwrap(),
+        )
+    }
+
     /// The decisions no entry took.
     pub fn decided_by_default(&self) -> u64 {
         let slot = masq_ebpf::decision_slot::BY_DEFAULT;
