@@ -1765,6 +1765,109 @@ fn attaches_through_netlink_without_tcx(plane: Plane) {
     );
 }
 
+/// The clsact filters at the node's uplink hook, as `tc` lists them.
+fn clsact_filters(bed: &Bed, hook: &str) -> String {
+    bed.topo
+        .node_run("tc", &["filter", "show", "dev", topology::UPLINK_IF, hook])
+        .unwrap()
+}
+
+/// Where there is no TCX (before 6.6), the programs are clsact filters at a priority and handle
+/// of the agent's own. A restarted agent replaces the program in them in one step: a stream of
+/// packets through the restart never leaves with a pod's address. A filter someone removed is
+/// put back, and `status` lists them.
+fn netlink_filters_are_replaced_in_place_and_put_back(plane: Plane) {
+    const NETLINK: [(&str, &str); 1] = [("MASQ_AGENT_TC_NETLINK", "1")];
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut agent = bed.spawn_agent(&bed.plane_args(), &NETLINK);
+    for hook in ["egress", "ingress"] {
+        let filters = clsact_filters(&bed, hook);
+        assert_eq!(
+            filters.lines().filter(|l| l.contains("masq_")).count(),
+            1,
+            "one filter at {hook}: {filters}"
+        );
+        assert!(
+            filters.contains("pref 19777") && filters.contains("handle 0x1"),
+            "at the agent's priority and handle: {filters}"
+        );
+    }
+    let status = bed.status_json();
+    let attachments = status["ebpf"]["attachments"].as_array().unwrap();
+    assert_eq!(attachments.len(), 2, "{status}");
+    for attachment in attachments {
+        assert!(
+            attachment["link_id"].is_null(),
+            "a filter has no link: {attachment}"
+        );
+        let id = attachment["program_id"].as_u64().unwrap();
+        let hook = attachment["hook"].as_str().unwrap();
+        assert!(
+            clsact_filters(&bed, hook).contains(&format!(" id {id} ")),
+            "status names the program the filter runs: {attachment}"
+        );
+    }
+
+    // Packets of one flow leave all through the restart, never with the pod's address.
+    let leaving = RawObserver::start(&bed.topo.ext, libc::IPPROTO_UDP).unwrap();
+    let pod = bed.pod().to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sending = stop.clone();
+    let sender = std::thread::spawn(move || {
+        let socket =
+            masq_testbed::netns::within(&pod, || Ok(UdpSocket::bind("0.0.0.0:0")?)).unwrap();
+        let mut sent = 0u64;
+        while !sending.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = socket.send_to(b"stream", (topology::EXT_ADDR, 9));
+            sent += 1;
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        sent
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    agent.stop(libc::SIGKILL).unwrap();
+    let agent = bed.spawn_agent(&bed.plane_args(), &NETLINK);
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = sender.join().unwrap();
+    wait_for(|| Ok(!leaving.packets().is_empty())).unwrap();
+    let sources: BTreeSet<IpAddr> = leaving.packets().iter().map(|p| p.src).collect();
+    assert_eq!(
+        sources,
+        BTreeSet::from([node_ip()]),
+        "{sent} packets sent, {} seen",
+        leaving.packets().len()
+    );
+    let filters = clsact_filters(&bed, "egress");
+    assert_eq!(
+        filters.lines().filter(|l| l.contains("masq_")).count(),
+        1,
+        "replaced, not stacked: {filters}"
+    );
+
+    bed.topo
+        .node_run(
+            "tc",
+            &[
+                "filter",
+                "del",
+                "dev",
+                topology::UPLINK_IF,
+                "egress",
+                "pref",
+                "19777",
+                "handle",
+                "0x1",
+                "bpf",
+            ],
+        )
+        .unwrap();
+    wait_for(|| Ok(clsact_filters(&bed, "egress").contains("masq_egress")))
+        .unwrap_or_else(|e| panic!("not put back: {e}\n{}", agent.log_text()));
+    assert!(agent.log_text().contains("re-attaching"));
+    assert_masqueraded(&bed);
+}
+
 // ---- iptables only ----------------------------------------------------------------------
 
 fn restores_a_flushed_chain(plane: Plane) {
@@ -3735,6 +3838,7 @@ mod ebpf {
         bpftool_shows_the_prefixes_with_named_fields,
         replaces_an_incompatible_pinned_map,
         attaches_through_netlink_without_tcx,
+        netlink_filters_are_replaced_in_place_and_put_back,
         follows_a_device_that_gains_a_default_route,
         follows_named_interfaces_as_they_appear_and_vanish,
         an_upgrade_carries_the_flows_of_an_older_nat_table,

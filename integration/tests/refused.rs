@@ -158,3 +158,34 @@ fn with_the_fallback_the_chain_masquerades_and_status_says_why_in_one_line() {
         "nothing of the eBPF data plane left: {status}"
     );
 }
+
+/// Before 5.11 the maps are charged to RLIMIT_MEMLOCK: a container whose limit is too low, and
+/// that may not raise it, gets a line that says which limit to change.
+#[test]
+fn a_memlock_limit_too_low_for_the_maps_is_named() {
+    let node = Node::new();
+    let mut args = vec![
+        "--memlock=65536:65536".to_string(),
+        "setpriv".into(),
+        "--bounding-set=-sys_resource".into(),
+        "--inh-caps=-sys_resource".into(),
+        masq_testbed::agent_binary().display().to_string(),
+    ];
+    args.extend(node.args(false));
+    args.push("--once".into());
+    let out = node
+        .topo
+        .node_command("prlimit")
+        .args(&args)
+        .env("PATH", &node.path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("RLIMIT_MEMLOCK"))
+        .unwrap_or_else(|| panic!("the limit is named:\n{stderr}"));
+    assert!(line.contains("CAP_SYS_RESOURCE"), "{line}");
+    assert!(!node.topo.bpffs.exists(), "nothing left pinned");
+}

@@ -88,6 +88,30 @@ pub fn built_object() -> anyhow::Result<PathBuf> {
     }
 }
 
+/// The figures as a Markdown table, for the report and the docs.
+pub fn table(figures: &[ProgramFigures]) -> String {
+    let mut out = format!(
+        "| program | kernel | instructions processed (of {PROCESSED_LIMIT}) | combined stack (of \
+         {STACK_LIMIT} bytes) | the deepest chain of calls, each frame as the kernel counts it |\n\
+         |---|---|---:|---:|---|\n"
+    );
+    for f in figures {
+        let processed = match (&f.error, f.processed) {
+            (Some(error), _) => format!("refused: {error}"),
+            (None, Some(processed)) => processed.to_string(),
+            (None, None) => "not reported before 5.16".to_string(),
+        };
+        let stack = f.stack.map_or("?".to_string(), |s| s.to_string());
+        out.push_str(&format!(
+            "| {} | {} | {processed} | {stack} | {} |\n",
+            f.program,
+            f.kernel,
+            f.chain.as_deref().unwrap_or("")
+        ));
+    }
+    out
+}
+
 /// The figures as lines for a terminal.
 pub fn describe(figures: &[ProgramFigures]) -> String {
     let mut out = String::new();
@@ -119,8 +143,43 @@ pub fn measure_here(object: &Path) -> anyhow::Result<(Vec<ProgramFigures>, Vec<B
     Ok((figures(&kernel_release()?, &frames, &frames), frames))
 }
 
+/// The figures of the running kernel and of each VM's, the programs loaded in each.
+pub fn everywhere(object: &Path) -> anyhow::Result<Vec<ProgramFigures>> {
+    let (mut all, frames) = measure_here(object)?;
+    for (release, said) in crate::vm::verifier_said(object)? {
+        all.extend(figures(&release, &said, &frames));
+    }
+    Ok(all)
+}
+
+/// What a reader of the docs reads of the budget: the table, and where it came from.
+pub fn section(figures: &[ProgramFigures]) -> String {
+    format!(
+        "Measured {} with `cargo xtask budget --vms` (also part of `cargo xtask bench`); the \
+         stack of each frame is the same on every kernel, and each kernel rounds it its own \
+         way.\n\n{}",
+        crate::report::today(),
+        table(figures)
+    )
+}
+
 /// `as_release`: count the stack as that kernel would, rather than the running one.
-pub fn run(json: bool, tree: bool, as_release: Option<&str>) -> anyhow::Result<()> {
+/// `vms`: also boot the VMs' kernels, and write the figures into docs/install.md.
+pub fn run(json: bool, tree: bool, as_release: Option<&str>, vms: bool) -> anyhow::Result<()> {
+    if vms {
+        crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
+        let figures = everywhere(&built_object()?)?;
+        print!("{}", describe(&figures));
+        crate::report::update_section(
+            &workspace_root().join("docs/install.md"),
+            "budget",
+            &section(&figures),
+        )?;
+        if figures.iter().any(|f| f.error.is_some()) {
+            bail!("a kernel's verifier refused a program");
+        }
+        return Ok(());
+    }
     crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
     let object = built_object()?;
     let (mut figures, frames) = measure_here(&object)?;

@@ -72,6 +72,10 @@ enum Task {
         /// stay the running kernel's.
         #[arg(long)]
         r#as: Option<String>,
+        /// Also boot the VMs' kernels (Linux 6.1, 5.10) and load the programs there, and write
+        /// every kernel's figures into docs/install.md.
+        #[arg(long)]
+        vms: bool,
     },
 }
 
@@ -84,7 +88,12 @@ fn main() -> ExitCode {
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
-        Task::Budget { json, tree, r#as } => budget::run(json, tree, r#as.as_deref()),
+        Task::Budget {
+            json,
+            tree,
+            r#as,
+            vms,
+        } => budget::run(json, tree, r#as.as_deref(), vms),
         Task::Vm => setup::run().and_then(|()| vm_cases()),
         Task::VmGuest { out, object, runs } => vm::guest(&out, &object, &runs),
     };

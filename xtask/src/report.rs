@@ -13,9 +13,6 @@ use crate::{
     node_tables::Node,
 };
 
-const README_START: &str = "<!-- bench:start -->";
-const README_END: &str = "<!-- bench:end -->";
-
 pub fn median(mut values: Vec<f64>) -> Option<f64> {
     if values.is_empty() {
         return None;
@@ -327,7 +324,7 @@ fn machine() -> String {
     format!("{cores} cores ({cpu}), Linux {}", kernel.trim())
 }
 
-fn today() -> String {
+pub fn today() -> String {
     let out = std::process::Command::new("date").arg("+%Y-%m-%d").output();
     out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default()
@@ -673,15 +670,25 @@ fn why_missed(link: &str) -> String {
 
 /// Replaces the README's benchmark section with the latest summary.
 fn update_readme(path: &Path, section: &str) -> anyhow::Result<()> {
+    update_section(path, "bench", section)
+}
+
+/// Replaces the text between `<!-- NAME:start -->` and `<!-- NAME:end -->` in the file at
+/// `path` with `section`.
+pub fn update_section(path: &Path, name: &str, section: &str) -> anyhow::Result<()> {
+    let (start_marker, end_marker) = (
+        format!("<!-- {name}:start -->"),
+        format!("<!-- {name}:end -->"),
+    );
     let text = std::fs::read_to_string(path)?;
     let start = text
-        .find(README_START)
-        .context("README has no bench:start marker")?;
+        .find(&start_marker)
+        .with_context(|| format!("{} has no {start_marker} marker", path.display()))?;
     let end = text
-        .find(README_END)
-        .context("README has no bench:end marker")?;
+        .find(&end_marker)
+        .with_context(|| format!("{} has no {end_marker} marker", path.display()))?;
     let updated = format!(
-        "{}{README_START}\n{section}\n{}",
+        "{}{start_marker}\n{section}\n{}",
         &text[..start],
         &text[end..]
     );

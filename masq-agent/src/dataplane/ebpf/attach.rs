@@ -1,7 +1,9 @@
 //! Attaching the classifiers to devices. On kernels with TCX (>= 6.6) every attachment is a
 //! link pinned under bpffs: it outlives the agent, and a restarted agent swaps its new program
 //! into the same link atomically, so no packet ever misses translation. Older kernels get a
-//! clsact filter through netlink.
+//! clsact filter through netlink, at a priority and handle of the agent's own: it too outlives
+//! the agent, and a restarted agent replaces the program in that filter in one step
+//! (`cls_bpf` swaps it under RCU), so that there too no packet misses translation.
 
 use std::path::Path;
 
@@ -9,12 +11,14 @@ use anyhow::Context as _;
 use aya::{
     programs::{
         SchedClassifier, TcAttachType,
-        links::{FdLink, LinkOrder, PinnedLink},
-        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions},
+        links::{FdLink, Link as _, LinkOrder, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     },
     util::KernelVersion,
 };
 use masq_ebpf::program_names;
+
+use super::tc_filters;
 use serde::Serialize;
 
 /// Set to force netlink (clsact) attachment, to exercise the path older kernels take.
@@ -67,6 +71,16 @@ impl Drop for Attachment {
             std::mem::forget(link.take());
         }
     }
+}
+
+/// Where the programs' clsact filters sit, on kernels without TCX: a priority of their own (an
+/// arbitrary mark, "MA"), and handle 1, at both hooks. tc lists them as `pref 19777 bpf ...
+/// handle 0x1 masq_egress direct-action`.
+pub const NETLINK_PRIORITY: u16 = 0x4d41;
+pub const NETLINK_HANDLE: u32 = 1;
+
+fn netlink_handle() -> TcHandle {
+    TcHandle::new((NETLINK_HANDLE >> 16) as u16, NETLINK_HANDLE as u16)
 }
 
 pub fn uses_tcx() -> bool {
@@ -131,6 +145,8 @@ fn replace_pinned(
     Ok(link)
 }
 
+/// Attaches `prog` as the clsact filter at the agent's priority and handle: replacing the
+/// program of the filter an earlier agent left there, in one step, or creating the filter.
 fn attach_netlink(
     prog: &mut SchedClassifier,
     device: &str,
@@ -138,18 +154,54 @@ fn attach_netlink(
 ) -> anyhow::Result<Attachment> {
     // An existing clsact qdisc is fine.
     let _ = tc::qdisc_add_clsact(device);
-    if let Some(name) = prog_name(prog) {
-        // Replace what an earlier agent attached rather than stacking another copy.
-        let _ = tc::qdisc_detach_program(device, hook.attach_type(), &name);
-    }
-    let id = prog
-        .attach_with_options(
-            device,
-            hook.attach_type(),
-            TcAttachOptions::Netlink(NlOptions::default()),
-        )
-        .with_context(|| format!("attaching to {device} {} via netlink", hook.name()))?;
+    let ours = SchedClassifierLink::attached(
+        device,
+        hook.attach_type(),
+        NETLINK_PRIORITY,
+        netlink_handle(),
+        None,
+    )
+    .with_context(|| format!("no device {device}"))?;
+    let id = match prog.attach_to_link(ours) {
+        Ok(id) => id,
+        // No filter there yet: create it.
+        Err(_) => {
+            if let Some(name) = prog_name(prog) {
+                // An agent from before the fixed priority attached wherever the kernel chose.
+                remove_stray_filters(device, hook, &name);
+            }
+            prog.attach_with_options(
+                device,
+                hook.attach_type(),
+                TcAttachOptions::Netlink(NlOptions {
+                    priority: NETLINK_PRIORITY,
+                    handle: netlink_handle(),
+                    ..NlOptions::default()
+                }),
+            )
+            .with_context(|| format!("attaching to {device} {} via netlink", hook.name()))?
+        }
+    };
     Ok(Attachment::Netlink(Some(prog.take_link(id)?)))
+}
+
+/// Removes filters named `name` at `device`'s `hook` other than the agent's own.
+fn remove_stray_filters(device: &str, hook: Hook, name: &str) {
+    let Ok(filters) = tc_filters::list(device, hook) else {
+        return;
+    };
+    for filter in filters {
+        let ours = filter.priority == NETLINK_PRIORITY && filter.handle == NETLINK_HANDLE;
+        if filter.name != name || ours {
+            continue;
+        }
+        let handle = TcHandle::new((filter.handle >> 16) as u16, filter.handle as u16);
+        if let Ok(link) =
+            SchedClassifierLink::attached(device, hook.attach_type(), filter.priority, handle, None)
+        {
+            let _ = link.detach();
+        }
+    }
 }
 
 fn prog_name(prog: &SchedClassifier) -> Option<String> {
@@ -158,16 +210,18 @@ fn prog_name(prog: &SchedClassifier) -> Option<String> {
 
 /// Whether `prog` currently runs at `device`'s `hook`.
 pub fn is_attached(prog: &SchedClassifier, device: &str, hook: Hook) -> anyhow::Result<bool> {
-    if !uses_tcx() {
-        // Netlink filters cannot be listed per program here; re-attachment relies on TCX.
-        return Ok(true);
-    }
     runs(prog.info()?.id(), device, hook)
 }
 
-/// Whether the program `id` runs at `device`'s `hook` through TCX.
+/// Whether the program `id` runs at `device`'s `hook`: through TCX, or as a clsact filter.
 pub fn runs(id: u32, device: &str, hook: Hook) -> anyhow::Result<bool> {
-    Ok(tcx_program_ids(device, hook)?.contains(&id))
+    if uses_tcx() {
+        Ok(tcx_program_ids(device, hook)?.contains(&id))
+    } else {
+        Ok(tc_filters::list(device, hook)?
+            .iter()
+            .any(|f| f.program_id == id))
+    }
 }
 
 /// The ids of the programs TCX runs at `device`'s `hook`. The query needs CAP_NET_ADMIN only;
@@ -216,7 +270,7 @@ fn tcx_program_ids(device: &str, hook: Hook) -> anyhow::Result<Vec<u32>> {
 }
 
 /// Takes `program` off `device`'s `hook`: unpins its link (the agent holds no other reference
-/// to it by now) and removes a clsact filter of that name. A device already gone took its
+/// to it by now) and removes clsact filters of that name. A device already gone took its
 /// attachments with it; only the pin was left.
 pub fn detach(device: &str, hook: Hook, pin: &Path, program: &str) {
     if let Err(err) = std::fs::remove_file(pin)

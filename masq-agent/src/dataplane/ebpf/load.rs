@@ -178,9 +178,30 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
             carried.pin_again(pins);
             Err(match err.downcast::<Refused>() {
                 Ok(refused) => refused_with_log(&pins.dir, refused),
-                Err(err) => err,
+                Err(err) => with_memlock_hint(err),
             })
         }
+    }
+}
+
+/// Before 5.11 the kernel charges maps to RLIMIT_MEMLOCK, and a container's limit is often too
+/// low for the NAT tables: a refusal to create one says what to change.
+fn with_memlock_hint(err: anyhow::Error) -> anyhow::Error {
+    let denied = err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::EPERM))
+    });
+    let charged_to_memlock = aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(5, 11, 0));
+    if denied && charged_to_memlock {
+        err.context(
+            "before 5.11 the kernel charges BPF maps to RLIMIT_MEMLOCK: give the container an \
+             unlimited memlock limit, or CAP_SYS_RESOURCE so that the agent raises it \
+             (docs/install.md, Kernels)",
+        )
+    } else {
+        err
     }
 }
 

@@ -21,6 +21,7 @@ pub mod pins;
 pub mod status;
 pub mod strays;
 mod syscall;
+pub mod tc_filters;
 #[cfg(feature = "testbed")]
 pub mod testbed;
 pub mod tries;

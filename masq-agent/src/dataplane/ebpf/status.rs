@@ -22,6 +22,7 @@ use super::{
     expiry,
     maps::{Counters, Interfaces, counter_total},
     pins::Pins,
+    tc_filters,
     tries::{self, Prefix},
 };
 use crate::policy::{Action, IpFamily};
@@ -31,7 +32,8 @@ use crate::policy::{Action, IpFamily};
 pub struct AttachmentStatus {
     pub device: String,
     pub hook: String,
-    pub link_id: u32,
+    /// The TCX link; none for a clsact filter (kernels before 6.6), which has no link.
+    pub link_id: Option<u32>,
     pub program_id: u32,
     /// Whether the program runs at the device's hook: not once the device is gone.
     pub running: bool,
@@ -81,8 +83,7 @@ impl EbpfStatus {
                 .iter()
                 .any(|a| a.device == device && a.hook == hook.name() && a.running)
         };
-        // Clsact filters (kernels without TCX) leave no pins to read back: the map tells.
-        let attached = !attach::uses_tcx() || Hook::BOTH.into_iter().all(runs);
+        let attached = Hook::BOTH.into_iter().all(runs);
         let addressed = match family {
             IpFamily::Ipv4 => self.interfaces.contains_key(&index),
             IpFamily::Ipv6 => self.interfaces_v6.contains_key(&index),
@@ -218,10 +219,18 @@ impl std::fmt::Display for EbpfStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "eBPF objects pinned under {}", self.bpffs.display())?;
         for a in &self.attachments {
+            let how = match a.link_id {
+                Some(link) => format!("link {link}"),
+                None => format!(
+                    "clsact filter pref {} handle {:#x}",
+                    attach::NETLINK_PRIORITY,
+                    attach::NETLINK_HANDLE
+                ),
+            };
             writeln!(
                 f,
-                "  attached: {} {} (link {}, program {})",
-                a.device, a.hook, a.link_id, a.program_id
+                "  attached: {} {} ({how}, program {})",
+                a.device, a.hook, a.program_id
             )?;
         }
         let v4 = self.interfaces.iter().map(|(i, a)| (i, IpAddr::from(*a)));
@@ -266,9 +275,18 @@ impl std::fmt::Display for EbpfStatus {
     }
 }
 
+/// Both kinds of attachment: the agent that made them may have run with other settings than
+/// this process (`MASQ_AGENT_TC_NETLINK`), and a kernel upgraded under pinned links keeps none.
 fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
-    let mut out: Vec<AttachmentStatus> = pins
-        .links()
+    let mut out = read_links(pins);
+    out.extend(read_filters());
+    out.sort_by(|a, b| (&a.device, &a.hook).cmp(&(&b.device, &b.hook)));
+    out
+}
+
+/// The TCX links pinned under `pins`.
+fn read_links(pins: &Pins) -> Vec<AttachmentStatus> {
+    pins.links()
         .into_iter()
         .filter_map(|(device, hook, path)| {
             let link: FdLink = PinnedLink::from_pin(path).ok()?.into();
@@ -277,13 +295,34 @@ fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
                 running: attach::runs(info.program_id(), &device, hook).unwrap_or(false),
                 device,
                 hook: hook.name().to_string(),
-                link_id: info.id(),
+                link_id: Some(info.id()),
                 program_id: info.program_id(),
             })
         })
-        .collect();
-    out.sort_by(|a, b| (&a.device, &a.hook).cmp(&(&b.device, &b.hook)));
-    out
+        .collect()
+}
+
+/// The clsact filters of the programs on the node's devices, where there is no TCX.
+fn read_filters() -> Vec<AttachmentStatus> {
+    let devices = crate::netdev::names_and_indexes().unwrap_or_default();
+    devices
+        .iter()
+        .flat_map(|(device, _)| {
+            Hook::BOTH.into_iter().flat_map(move |hook| {
+                tc_filters::list(device, hook)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(move |f| f.name == hook.program())
+                    .map(move |f| AttachmentStatus {
+                        device: device.clone(),
+                        hook: hook.name().to_string(),
+                        link_id: None,
+                        program_id: f.program_id,
+                        running: true,
+                    })
+            })
+        })
+        .collect()
 }
 
 /// The prefixes of a policy trie's `entries` whose action is `action`, as the config writes
