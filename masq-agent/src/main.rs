@@ -35,6 +35,12 @@ fn main() -> ExitCode {
             ignored.join(", ")
         );
     }
+    if cli.command.is_some() {
+        // A command's output piped into `head` ends quietly where the reader stops, as other
+        // command-line tools' do; the daemon keeps Rust's default, which ignores the signal.
+        // SAFETY: restoring a signal's default disposition, before any other thread exists.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         None => run_daemon(&cli.flags),
         Some(Command::CheckConfig { config }) => check_config(&config),
@@ -205,8 +211,12 @@ fn render_iptables(
         Capabilities::detect(family),
         variant,
     ) else {
-        eprintln!("error: IPv6 is not enabled; pass --enable-ipv6 to render the ip6tables chain");
-        return Ok(ExitCode::from(1));
+        // The file is fine: the command line asked for what it does not enable, a usage error.
+        eprintln!(
+            "error: --family ipv6 needs IPv6 enabled: pass --enable-ipv6, or set enableIPv6 \
+             in the config file"
+        );
+        return Ok(ExitCode::from(2));
     };
     print!("{text}");
     Ok(ExitCode::SUCCESS)
@@ -286,11 +296,7 @@ fn explain(
 }
 
 fn cleanup(chain: &ChainFlags, pins: &PinFlags) -> anyhow::Result<ExitCode> {
-    dataplane::cleanup_all(&chain.masq_chain, &pins.bpffs)?;
-    eprintln!(
-        "removed the eBPF programs and pins under {}, and chain {} with its POSTROUTING jump",
-        pins.bpffs.display(),
-        chain.masq_chain
-    );
+    let cleaned = dataplane::cleanup_all(&chain.masq_chain, &pins.bpffs)?;
+    print!("{cleaned}");
     Ok(ExitCode::SUCCESS)
 }

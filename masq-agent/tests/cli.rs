@@ -153,6 +153,24 @@ COMMIT
 }
 
 #[test]
+fn render_iptables_ipv6_without_ipv6_enabled_is_a_usage_error() {
+    let file = config_file("nonMasqueradeCIDRs: [10.0.0.0/8]\n");
+    let path = file.path().to_str().unwrap();
+    let out = agent(&["render-iptables", "--family", "ipv6", "--config", path]);
+    assert_eq!(out.status.code(), Some(2), "a valid file, a usage error");
+    assert!(stderr(&out).contains("--enable-ipv6"), "{}", stderr(&out));
+    assert!(stdout(&out).is_empty());
+    let file = config_file("nonMasqueradeCIDRs: [10.0.0.0/8]\nenableIPv6: true\n");
+    let path = file.path().to_str().unwrap();
+    let out = agent(&["render-iptables", "--family", "ipv6", "--config", path]);
+    assert!(
+        out.status.success(),
+        "the file enables it: {}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn invalid_to_ports_is_a_usage_error_with_a_clear_message() {
     for bad in ["2000-1000", "1024, 2000", "0-100", "1024-70000"] {
         let out = agent(&["check-config", "--to-ports", bad]);

@@ -102,11 +102,13 @@ pub fn table(figures: &[ProgramFigures]) -> String {
             (None, None) => "not reported before 5.16".to_string(),
         };
         let stack = f.stack.map_or("?".to_string(), |s| s.to_string());
+        let chain = f
+            .chain
+            .as_deref()
+            .map_or(String::new(), |chain| format!("`{chain}`"));
         out.push_str(&format!(
-            "| {} | {} | {processed} | {stack} | {} |\n",
-            f.program,
-            f.kernel,
-            f.chain.as_deref().unwrap_or("")
+            "| {} | {} | {processed} | {stack} | {chain} |\n",
+            f.program, f.kernel
         ));
     }
     out

@@ -106,6 +106,15 @@ fn every_command_in_the_docs_runs() {
             format!("exited with {}", output.status)
         } else if let Some(line) = markdown::first_unmatched(&command.sample, &printed) {
             format!("the docs show {line:?}, which the output lacks")
+        } else if let Some(line) = (words[0] == AGENT)
+            .then(|| markdown::first_unshown(&command.sample, &printed))
+            .flatten()
+        {
+            // The agent's own output: a sample that leaves a line out says so with `...`.
+            format!(
+                "the output has {line:?}, which the docs leave out (add it, or `...` where the \
+                 sample leaves lines out)"
+            )
         } else {
             continue;
         };

@@ -229,9 +229,31 @@ pub fn first_unmatched<'a>(sample: &'a [String], output: &str) -> Option<&'a str
         .map(String::as_str)
 }
 
+/// The first output line that a complete sample (one without `...`) does not show; `None` when
+/// the sample shows them all, or leaves some out on purpose.
+pub fn first_unshown<'a>(sample: &[String], output: &'a str) -> Option<&'a str> {
+    if sample.iter().any(|line| line.trim() == "...") {
+        return None;
+    }
+    let shown: Vec<String> = sample.iter().map(|line| shape(line)).collect();
+    output
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .find(|line| !shown.contains(&shape(line)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_complete_sample_shows_every_line_and_one_with_an_ellipsis_need_not() {
+        let sample: Vec<String> = ["a 1", "c 3"].map(String::from).to_vec();
+        assert_eq!(first_unshown(&sample, "a 10\nc 30\n"), None);
+        assert_eq!(first_unshown(&sample, "a 10\nb 2\nc 30\n"), Some("b 2"));
+        let elided: Vec<String> = ["a 1", "...", "c 3"].map(String::from).to_vec();
+        assert_eq!(first_unshown(&elided, "a 10\nb 2\nc 30\n"), None);
+    }
 
     #[test]
     fn console_blocks_give_commands_with_their_output() {

@@ -326,20 +326,25 @@ impl Iptables {
         self.run(&["-t", "nat", "-S", chain]).map(Some)
     }
 
-    fn remove(&self, chain: &str) -> anyhow::Result<()> {
+    /// Removes the chain and every jump to it; says whether the chain was there.
+    fn remove(&self, chain: &str) -> anyhow::Result<bool> {
         let jump = jump_rule(chain);
         // `-D` removes one copy per call; a bounded loop also removes duplicates others added.
+        let mut jumps = 0;
         for _ in 0..64 {
             if !self.check(&Self::jump_args("-D", &jump))? {
                 break;
             }
+            jumps += 1;
         }
-        if self.list_chain(chain)?.is_some() {
+        let present = self.list_chain(chain)?.is_some();
+        if present {
             self.run(&["-t", "nat", "-F", chain])?;
             self.run(&["-t", "nat", "-X", chain])?;
         }
         // The eBPF data plane's chain matches its CIDRs through a set; it goes with the chain.
-        ipset::destroy(&ipset::name(chain, self.family))
+        ipset::destroy(&ipset::name(chain, self.family))?;
+        Ok(present || jumps > 0)
     }
 
     fn chain_status(&self, chain: &str) -> anyhow::Result<ChainStatus> {
@@ -695,7 +700,7 @@ impl DataPlane for IptablesDataPlane {
 
     fn cleanup(&mut self) -> anyhow::Result<()> {
         self.installed.clear();
-        cleanup(&self.opts.chain)
+        cleanup(&self.opts.chain).map(drop)
     }
 }
 
@@ -812,11 +817,15 @@ pub fn read_chains(chain: &str) -> anyhow::Result<Vec<ChainStatus>> {
 }
 
 /// Removes the chain and its POSTROUTING jump for every family.
-pub fn cleanup(chain: &str) -> anyhow::Result<()> {
+/// Removes the chain of every family and its jumps; returns the families it was found in.
+pub fn cleanup(chain: &str) -> anyhow::Result<Vec<IpFamily>> {
+    let mut found = Vec::new();
     for family in available_families() {
-        Iptables { family }.remove(chain)?;
+        if (Iptables { family }).remove(chain)? {
+            found.push(family);
+        }
     }
-    Ok(())
+    Ok(found)
 }
 
 #[cfg(test)]

@@ -204,6 +204,9 @@ pub struct Status {
     /// While another data plane is in force, the flows an eBPF data plane still translates:
     /// its programs and pins go when none is left.
     pub draining_flows: Option<usize>,
+    /// What `status` cannot tell from what is installed, or what is left of an agent that no
+    /// longer runs.
+    pub notes: Vec<String>,
 }
 
 /// What is installed, read back from the kernel: the chains, the eBPF objects pinned under
@@ -226,15 +229,39 @@ fn read_back(chain: &str, bpffs: Option<&std::path::Path>) -> anyhow::Result<Sta
         ebpf,
         devices,
         draining_flows: None,
+        notes: Vec::new(),
     })
 }
 
 /// Reads back whatever the agent installed, for `masq-agent status` in a separate process.
 pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
     let mut status = read_back(chain, Some(bpffs))?;
-    if let Some(record) = state::read(bpffs) {
-        status.mode = Some(record.mode);
-        status.mode_reason = record.reason;
+    match state::read_last(bpffs) {
+        Some((record, true)) => {
+            status.mode = Some(record.mode);
+            status.mode_reason = record.reason;
+        }
+        // What an agent that exited left: its record says why, where the kernel still holds
+        // what it says.
+        Some((record, false)) if status.mode.is_some() => {
+            if agrees(record.mode, status.mode) {
+                status.mode = Some(record.mode);
+                status.mode_reason = record.reason;
+            }
+            status.notes.push(format!(
+                "no agent runs: the one that installed this (pid {}, {}) has exited",
+                record.pid, record.mode
+            ));
+        }
+        _ => {}
+    }
+    if status.mode == Some(Mode::Ebpf) && status.ebpf.is_none() {
+        status.notes.push(format!(
+            "the chain leaves traffic to eBPF programs, but nothing is pinned under {}: the \
+             agent runs with another --bpffs, or its programs are gone; what the devices say \
+             of eBPF cannot be told from here",
+            bpffs.display()
+        ));
     }
     status.draining_flows = status
         .ebpf
@@ -244,11 +271,80 @@ pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
     Ok(status)
 }
 
-/// Removes everything either data plane installed.
-pub fn cleanup_all(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<()> {
+/// Whether what is installed (`installed`, read back from the kernel) is what an agent of
+/// `recorded` mode installs.
+fn agrees(recorded: Mode, installed: Option<Mode>) -> bool {
+    matches!(
+        (recorded, installed),
+        (Mode::Ebpf, Some(Mode::Ebpf))
+            | (
+                Mode::Iptables | Mode::IptablesFallback,
+                Some(Mode::Iptables)
+            )
+    )
+}
+
+/// What `cleanup` found and removed.
+#[derive(Debug)]
+pub struct Cleaned {
+    pub bpffs: std::path::PathBuf,
+    pub chain: String,
+    pub ebpf: ebpf::cleanup::Removed,
+    /// The families whose chain (or a jump to it) was there.
+    pub chains: Vec<crate::policy::IpFamily>,
+}
+
+/// Removes everything either data plane installed, and says what it found.
+pub fn cleanup_all(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Cleaned> {
     state::remove(bpffs);
-    ebpf::cleanup::cleanup(bpffs)?;
-    iptables::cleanup(chain)
+    let ebpf = ebpf::cleanup::cleanup(bpffs)?;
+    let chains = iptables::cleanup(chain)?;
+    Ok(Cleaned {
+        bpffs: bpffs.to_path_buf(),
+        chain: chain.to_string(),
+        ebpf,
+        chains,
+    })
+}
+
+impl std::fmt::Display for Cleaned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut removed = Vec::new();
+        if !self.ebpf.attachments.is_empty() {
+            removed.push(format!(
+                "the eBPF programs from {}",
+                self.ebpf.attachments.join(", ")
+            ));
+        }
+        if !self.ebpf.maps.is_empty() {
+            removed.push(format!(
+                "{} pinned maps under {}",
+                self.ebpf.maps.len(),
+                self.bpffs.display()
+            ));
+        }
+        for family in &self.chains {
+            let tool = match family {
+                crate::policy::IpFamily::Ipv4 => "iptables",
+                crate::policy::IpFamily::Ipv6 => "ip6tables",
+            };
+            removed.push(format!(
+                "{tool} chain {} with its POSTROUTING jump",
+                self.chain
+            ));
+        }
+        if removed.is_empty() {
+            writeln!(
+                f,
+                "nothing to remove: no programs of the agent's on this node's devices, nothing \
+                 pinned under {}, no chain {}",
+                self.bpffs.display(),
+                self.chain
+            )
+        } else {
+            writeln!(f, "removed {}", removed.join("; "))
+        }
+    }
 }
 
 impl std::fmt::Display for Status {
@@ -257,6 +353,9 @@ impl std::fmt::Display for Status {
             (Some(mode), Some(reason)) => writeln!(f, "data plane: {mode}, because {reason}")?,
             (Some(mode), None) => writeln!(f, "data plane: {mode}")?,
             (None, _) => writeln!(f, "data plane: none installed")?,
+        }
+        for note in &self.notes {
+            writeln!(f, "  note: {note}")?;
         }
         if !self.devices.is_empty() {
             writeln!(f, "devices (what masquerades traffic leaving each):")?;

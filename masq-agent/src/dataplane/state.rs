@@ -83,10 +83,17 @@ pub fn record(
 
 /// The record of the agent running now, if one is.
 pub fn read(bpffs: &Path) -> Option<ModeRecord> {
+    read_last(bpffs)
+        .filter(|(_, running)| *running)
+        .map(|(record, _)| record)
+}
+
+/// The record the last agent left, and whether it still runs: an agent that exited (`--once`,
+/// a crash, a pod deleted) leaves what it installed, and its record says why.
+pub fn read_last(bpffs: &Path) -> Option<(ModeRecord, bool)> {
     let record: ModeRecord = serde_json::from_slice(&std::fs::read(path(bpffs)).ok()?).ok()?;
-    Path::new(&format!("/proc/{}", record.pid))
-        .exists()
-        .then_some(record)
+    let running = Path::new(&format!("/proc/{}", record.pid)).exists();
+    Some((record, running))
 }
 
 pub fn remove(bpffs: &Path) {
