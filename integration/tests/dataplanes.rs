@@ -1128,6 +1128,45 @@ fn a_failed_load_takes_back_what_it_pinned(plane: Plane) {
     assert!(status["draining_flows"].is_null(), "{status}");
 }
 
+/// `status` says what is really installed: the full chain an agent that fell back and exited
+/// left, with the reason it fell back; and, where the chain leaves traffic to programs it
+/// cannot find under `--bpffs`, that it cannot tell.
+fn status_says_what_an_exited_agent_left_and_when_it_cannot_tell(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let range = |range: &str| {
+        let setting = format!("net.ipv4.ip_local_port_range={range}");
+        bed.topo.node_run("sysctl", &["-qw", &setting]).unwrap();
+    };
+    range("1024 65535");
+    let mut args = args_with(&bed, &[("--fallback-to-iptables", "true")]);
+    args.push("--once".into());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_success(&bed.agent_cmd(&refs));
+    let status = bed.status_json();
+    assert_eq!(status["mode"], "iptables-fallback", "{status}");
+    let reason = status["mode_reason"].as_str().unwrap();
+    assert!(reason.contains("no ports left for NAT"), "{reason}");
+    assert!(
+        status["notes"][0]
+            .as_str()
+            .unwrap()
+            .contains("no agent runs"),
+        "{status}"
+    );
+
+    range("32768 60999");
+    assert_success(&bed.sync_once(&[]));
+    let wrong = format!("--bpffs={}-elsewhere", bed.topo.bpffs.display());
+    let out = bed.agent_cmd(&["status", &wrong]);
+    assert_success(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("data plane: ebpf\n"), "{text}");
+    assert!(
+        text.contains("nothing is pinned under") && text.contains("cannot be told from here"),
+        "{text}"
+    );
+}
+
 fn reattaches_a_program_someone_detached(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let agent = bed.start_agent(&[]);
@@ -3831,6 +3870,7 @@ mod ebpf {
         survives_a_config_flipping_between_valid_and_invalid,
         falls_back_to_iptables_when_ebpf_cannot_run,
         a_failed_load_takes_back_what_it_pinned,
+        status_says_what_an_exited_agent_left_and_when_it_cannot_tell,
         runs_with_only_the_manifest_s_capabilities,
         a_missing_capability_is_named,
         a_change_is_applied_as_a_difference_and_a_resync_repairs_the_rest,

@@ -366,6 +366,27 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         })
     });
 
+    // The verifier's figures: the running kernel's, and in a full run the VMs' too. A failure
+    // here must not throw away the figures measured above either.
+    let object = crate::budget::built_object()?;
+    let budget = if options.is_full() {
+        crate::budget::everywhere(&object)
+    } else {
+        crate::budget::measure_here(&object).map(|(figures, _)| figures)
+    }
+    .unwrap_or_else(|err| {
+        eprintln!("xtask: bench: the verifier's budget failed: {err:#}");
+        Vec::new()
+    });
+    if options.is_full() && !budget.is_empty() {
+        // The report is written whole below; the docs keep the table between their markers.
+        report::update_section(
+            &root.join("docs/install.md"),
+            "budget",
+            &crate::budget::section(&budget),
+        )?;
+    }
+
     let out_dir = if options.is_full() {
         root.join("docs/bench")
     } else {
@@ -376,9 +397,12 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         &out_dir,
         readme.as_deref(),
         &plan,
-        &datapath,
-        &samples,
-        control.as_ref(),
+        &report::Measured {
+            datapath: &datapath,
+            samples: &samples,
+            control: control.as_ref(),
+            budget: &budget,
+        },
         started.elapsed(),
     )
 }

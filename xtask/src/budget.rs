@@ -172,11 +172,13 @@ pub fn run(json: bool, tree: bool, as_release: Option<&str>, vms: bool) -> anyho
         crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
         let figures = everywhere(&built_object()?)?;
         print!("{}", describe(&figures));
-        crate::report::update_section(
-            &workspace_root().join("docs/install.md"),
-            "budget",
-            &section(&figures),
-        )?;
+        for doc in ["docs/install.md", "docs/bench/report.md"] {
+            crate::report::update_section(
+                &workspace_root().join(doc),
+                "budget",
+                &section(&figures),
+            )?;
+        }
         if figures.iter().any(|f| f.error.is_some()) {
             bail!("a kernel's verifier refused a program");
         }

@@ -73,7 +73,7 @@ enum Task {
         #[arg(long)]
         r#as: Option<String>,
         /// Also boot the VMs' kernels (Linux 6.1, 5.10) and load the programs there, and write
-        /// every kernel's figures into docs/install.md.
+        /// every kernel's figures into docs/install.md and the benchmark report.
         #[arg(long)]
         vms: bool,
     },

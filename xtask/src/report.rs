@@ -603,15 +603,28 @@ fn what_ran(plan: &Plan) -> anyhow::Result<String> {
     Ok(text)
 }
 
+/// Everything a run measured.
+pub struct Measured<'a> {
+    pub datapath: &'a [DatapathCase],
+    pub samples: &'a [Sample],
+    pub control: Option<&'a ControlPlane>,
+    /// The verifier's figures, on each kernel the run measured.
+    pub budget: &'a [crate::budget::ProgramFigures],
+}
+
 pub fn write(
     dir: &Path,
     readme: Option<&Path>,
     plan: &Plan,
-    datapath: &[DatapathCase],
-    samples: &[Sample],
-    cp: Option<&ControlPlane>,
+    measured: &Measured,
     took: Duration,
 ) -> anyhow::Result<()> {
+    let Measured {
+        datapath,
+        samples,
+        control: cp,
+        budget,
+    } = *measured;
     std::fs::create_dir_all(dir)?;
     let m = medians(samples);
     let command = &plan.command;
@@ -636,14 +649,16 @@ pub fn write(
         "datapath": datapath,
         "samples": samples,
         "control_plane": cp,
+        "verifier": budget,
     });
     std::fs::write(
         dir.join("report.json"),
         serde_json::to_string_pretty(&json)?,
     )?;
     let report = format!(
-        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}{}",
-        why_missed(PROFILES)
+        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}{}{}",
+        why_missed(PROFILES),
+        verifier_section(budget)
     );
     std::fs::write(dir.join("report.md"), &report)?;
     println!("{header}\n{table}");
@@ -658,6 +673,17 @@ pub fn write(
         )?;
     }
     Ok(())
+}
+
+/// The verifier's budget on each kernel the run measured (the VMs' in a full run).
+fn verifier_section(budget: &[crate::budget::ProgramFigures]) -> String {
+    if budget.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\n## The verifier's budget\n\nWhat each kernel's verifier spends on the programs, against its limits; the frames are the programs' own, the same on every kernel, and each kernel rounds them its own way ([install.md](../install.md#kernels) says what older kernels lack).\n\n<!-- budget:start -->\n{}\n<!-- budget:end -->\n",
+        crate::budget::section(budget)
+    )
 }
 
 /// The analysis of the targets missed, from profiles, beside the report.
