@@ -169,6 +169,7 @@ pub fn section(figures: &[ProgramFigures]) -> String {
 /// `vms`: also boot the VMs' kernels, and write the figures into docs/install.md.
 pub fn run(json: bool, tree: bool, as_release: Option<&str>, vms: bool) -> anyhow::Result<()> {
     if vms {
+        crate::vm::setup()?;
         crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
         let figures = everywhere(&built_object()?)?;
         print!("{}", describe(&figures));

@@ -81,10 +81,14 @@ enum Task {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().task {
-        Task::Setup => setup::run(),
+        Task::Setup => setup::run().and_then(|()| vm::setup()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
-        Task::Test { cargo_test_args } => setup::run().and_then(|()| test(&cargo_test_args)),
-        Task::Bench(options) => setup::run().and_then(|()| bench::run(&options)),
+        Task::Test { cargo_test_args } => setup::run()
+            .and_then(|()| vm::setup())
+            .and_then(|()| test(&cargo_test_args)),
+        Task::Bench(options) => setup::run()
+            .and_then(|()| vm::setup())
+            .and_then(|()| bench::run(&options)),
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
@@ -94,7 +98,9 @@ fn main() -> ExitCode {
             r#as,
             vms,
         } => budget::run(json, tree, r#as.as_deref(), vms),
-        Task::Vm => setup::run().and_then(|()| vm_cases()),
+        Task::Vm => setup::run()
+            .and_then(|()| vm::setup())
+            .and_then(|()| vm_cases()),
         Task::VmGuest { out, object, runs } => vm::guest(&out, &object, &runs),
     };
     match result {

@@ -44,7 +44,6 @@ pub fn run() -> anyhow::Result<()> {
     apt_packages()?;
     toolchain_components()?;
     bpf_linker()?;
-    crate::vm::setup()?;
     eprintln!("xtask: setup: all prerequisites present");
     Ok(())
 }
