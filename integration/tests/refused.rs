@@ -184,9 +184,11 @@ fn a_memlock_limit_too_low_for_the_maps_is_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     // aya's own warning names the limit too; the agent's line says what to change.
     assert!(
-        stderr.lines().any(|l| l.contains("--fallback-to-iptables=false")
-            && l.contains("RLIMIT_MEMLOCK")
-            && l.contains("CAP_SYS_RESOURCE")),
+        stderr
+            .lines()
+            .any(|l| l.contains("--fallback-to-iptables=false")
+                && l.contains("RLIMIT_MEMLOCK")
+                && l.contains("CAP_SYS_RESOURCE")),
         "the agent's line names the limit and what raises it:\n{stderr}"
     );
     assert!(!node.topo.bpffs.exists(), "nothing left pinned");

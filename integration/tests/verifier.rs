@@ -55,3 +55,39 @@ fn the_instructions_processed_are_the_kernels_own_count() {
         );
     }
 }
+
+/// The stack figures docs/install.md gives for each kernel are the programs' as they are now:
+/// a change that moves the stack fails here until `cargo xtask budget --vms` writes the new
+/// figures. (The instructions processed are each kernel's own, and are not compared.)
+#[test]
+fn the_stack_in_the_docs_is_the_programs_own() {
+    let doc =
+        std::fs::read_to_string(masq_testbed::workspace_root().join("docs/install.md")).unwrap();
+    let section = doc
+        .split_once("<!-- budget:start -->")
+        .and_then(|(_, rest)| rest.split_once("<!-- budget:end -->"))
+        .map(|(section, _)| section)
+        .expect("install.md holds the budget between its markers");
+    let object = object();
+    let budgets = verifier::measure(object.path()).unwrap();
+    let rows: Vec<Vec<&str>> = section
+        .lines()
+        .filter(|line| line.starts_with("| masq_"))
+        .map(|line| line.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
+    assert!(rows.len() >= 4, "a row per program and kernel: {section}");
+    for row in rows {
+        let (program, kernel, stack, chain) = (row[0], row[1], row[3], row[4]);
+        let budget = budgets.iter().find(|b| b.program == program).unwrap();
+        let rule = StackRule::for_release(kernel);
+        let deepest = budget.deepest(rule).unwrap();
+        assert_eq!(
+            (stack, chain.trim_matches('`')),
+            (
+                deepest.bytes.to_string().as_str(),
+                budget.describe(&deepest, rule).as_str()
+            ),
+            "{program} on {kernel}: run `cargo xtask budget --vms`"
+        );
+    }
+}
