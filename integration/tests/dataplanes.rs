@@ -11,6 +11,7 @@ use std::{
     time::Duration,
 };
 
+use masq_agent::dataplane::ebpf::attach;
 use masq_testbed::{
     deploy,
     packet::{ACK, RST, Tcp},
@@ -1773,7 +1774,7 @@ fn replaces_an_incompatible_pinned_map(plane: Plane) {
 
 fn attaches_through_netlink_without_tcx(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let agent = bed.spawn_agent(&bed.plane_args(), &[("MASQ_AGENT_TC_NETLINK", "1")]);
+    let agent = bed.spawn_agent(&bed.plane_args(), &[(attach::FORCE_NETLINK_ENV, "1")]);
     let filters = bed
         .topo
         .node_run(
@@ -1816,7 +1817,11 @@ fn clsact_filters(bed: &Bed, hook: &str) -> String {
 /// packets through the restart never leaves with a pod's address. A filter someone removed is
 /// put back, and `status` lists them.
 fn netlink_filters_are_replaced_in_place_and_put_back(plane: Plane) {
-    const NETLINK: [(&str, &str); 1] = [("MASQ_AGENT_TC_NETLINK", "1")];
+    const NETLINK: [(&str, &str); 1] = [(attach::FORCE_NETLINK_ENV, "1")];
+    let (pref, handle) = (
+        attach::NETLINK_PRIORITY.to_string(),
+        format!("{:#x}", attach::NETLINK_HANDLE),
+    );
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let mut agent = bed.spawn_agent(&bed.plane_args(), &NETLINK);
     for hook in ["egress", "ingress"] {
@@ -1827,7 +1832,8 @@ fn netlink_filters_are_replaced_in_place_and_put_back(plane: Plane) {
             "one filter at {hook}: {filters}"
         );
         assert!(
-            filters.contains("pref 19777") && filters.contains("handle 0x1"),
+            filters.contains(&format!("pref {pref} "))
+                && filters.contains(&format!("handle {handle} ")),
             "at the agent's priority and handle: {filters}"
         );
     }
@@ -1894,9 +1900,9 @@ fn netlink_filters_are_replaced_in_place_and_put_back(plane: Plane) {
                 topology::UPLINK_IF,
                 "egress",
                 "pref",
-                "19777",
+                &pref,
                 "handle",
-                "0x1",
+                &handle,
                 "bpf",
             ],
         )

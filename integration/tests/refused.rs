@@ -11,6 +11,7 @@
 
 use std::{net::SocketAddr, path::Path, process::Output};
 
+use masq_agent::dataplane::ebpf::COARSE_CLOCK_ENV;
 use masq_testbed::{
     probe::{self, Observer},
     topology::{self, Topology},
@@ -66,7 +67,7 @@ impl Node {
             .node_command(masq_testbed::agent_binary().to_str().unwrap())
             .args(args)
             .env("PATH", &self.path)
-            .env("MASQ_AGENT_COARSE_CLOCK", "1")
+            .env(COARSE_CLOCK_ENV, "1")
             .output()
             .unwrap()
     }
@@ -132,7 +133,7 @@ fn with_the_fallback_the_chain_masquerades_and_status_says_why_in_one_line() {
         .spawn_in_node(
             &masq_testbed::agent_binary(),
             &args,
-            &[("PATH", &node.path), ("MASQ_AGENT_COARSE_CLOCK", "1")],
+            &[("PATH", &node.path), (COARSE_CLOCK_ENV, "1")],
             "agent.log",
         )
         .unwrap();

@@ -30,6 +30,7 @@ use std::path::PathBuf;
 
 use masq_ebpf::NAT_DEFAULT_ENTRIES;
 
+pub use self::load::COARSE_CLOCK_ENV;
 use self::{
     attach::{Attachment, Hook},
     carry::Carried,
