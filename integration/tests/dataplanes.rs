@@ -2285,6 +2285,32 @@ impl Bed {
     }
 }
 
+/// Where IPv6 is turned on by the file (`enableIPv6: true`) rather than by the flag, `explain`
+/// names the IPv6 entry that decides, with its file and line, as it does under the flag.
+fn explain_names_the_entry_when_the_file_turns_ipv6_on(plane: Plane) {
+    let (range, outside_host) = Family::V6.outside_prefixes();
+    let config = Family::V6.config_with(&[range], &[outside_host]) + "enableIPv6: true\n";
+    let bed = Bed::new(plane, &config);
+    let _agent = bed.start_agent(&[]);
+    let dst = Family::V6.outside().ip().to_string();
+    let mut args = vec!["explain".to_string(), dst, "--json".to_string()];
+    args.extend(bed.plane_args());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = bed.agent_cmd(&args);
+    let said: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(said["decision"], "masquerade", "{said:#}");
+    assert_eq!(said["entry"]["prefix"], outside_host, "{said:#}");
+    assert_eq!(said["entry"]["list"], "masqueradeCIDRs", "{said:#}");
+    let line = config
+        .lines()
+        .position(|l| l.contains(outside_host))
+        .unwrap()
+        + 1;
+    assert_eq!(said["entry"]["line"], line, "{said:#}");
+    assert_eq!(said["entry"]["file"], bed.config.display().to_string());
+}
+
 /// `explain` says what the outside host sees, with the entry that decides it, and the data
 /// plane installed agrees; with the data plane tampered with (the agent stopped, so that it
 /// does not repair it first), it disagrees and exits 1.
@@ -3854,6 +3880,7 @@ macro_rules! common_cases {
             several_config_files_are_merged_and_an_invalid_one_changes_nothing,
             enable_ipv6_in_the_file_switches_ipv6_live,
             enable_ipv6_off_in_the_file_keeps_what_is_open,
+            explain_names_the_entry_when_the_file_turns_ipv6_on,
         );
     };
 }

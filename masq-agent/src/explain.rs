@@ -103,6 +103,12 @@ pub fn explain(
     chain: &str,
     bpffs: &Path,
 ) -> anyhow::Result<Explanation> {
+    // IPv6 as the file has it, `enableIPv6` over the flag, as the agent reads it: the place
+    // of an IPv6 entry is found only where IPv6 is on.
+    let opts = &ConfigOptions {
+        enable_ipv6: loaded.config.ipv6_enabled(opts.enable_ipv6),
+        ..*opts
+    };
     let policy = Policy::from_config(&loaded.config, opts.enable_ipv6);
     let dst = packet.destination;
     // `--proto icmp` toward an IPv6 address means ICMPv6.

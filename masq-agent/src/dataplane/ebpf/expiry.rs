@@ -98,7 +98,8 @@ impl Timeouts {
     }
 }
 
-/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`).
+/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`, or
+/// before 5.11 `bpf_ktime_get_ns`: the same clock).
 pub fn monotonic_now_ns() -> u64 {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .expect("CLOCK_MONOTONIC is always available");
