@@ -2311,6 +2311,81 @@ fn explain_names_the_entry_when_the_file_turns_ipv6_on(plane: Plane) {
     assert_eq!(said["entry"]["file"], bed.config.display().to_string());
 }
 
+/// Sources no one has, off the outside host's links, so that the node's answers go out by its
+/// uplink (where the programs see them) and reach no one.
+fn spoofed(family: Family, i: u16) -> IpAddr {
+    match family {
+        Family::V4 => std::net::Ipv4Addr::new(192, 0, 2, 100 + (i % 100) as u8).into(),
+        Family::V6 => std::net::Ipv6Addr::new(0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 1 + i).into(),
+    }
+}
+
+/// SYNs from `count` spoofed sources to the node's `port`.
+fn spoofed_syns(family: Family, port: u16, count: u16) -> Vec<Vec<u8>> {
+    use masq_testbed::packet::{SYN, tcp};
+    (0..count)
+        .map(|i| match (spoofed(family, i), family.node()) {
+            (IpAddr::V4(src), IpAddr::V4(node)) => tcp(src, 40000 + i, node, port, SYN),
+            (IpAddr::V6(src), IpAddr::V6(node)) => tcp(src, 40000 + i, node, port, SYN),
+            _ => unreachable!("one family"),
+        })
+        .collect()
+}
+
+/// Connections from outside to the node's own services, real or spoofed, to a port it listens
+/// on or to a closed one, take nothing from the NAT table that the pods' flows need: with room
+/// for 64 flows, a pod's new connections keep succeeding after hundreds of them.
+fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(plane: Plane, family: Family) {
+    const SERVICE: u16 = 20080;
+    const CLOSED: u16 = 20081;
+    let bed = Bed::new(plane, family.config());
+    // A node service, listening before the agent starts, that holds every connection open.
+    let listener =
+        masq_testbed::netns::within(&bed.topo.node, || Ok(TcpListener::bind(("::", SERVICE))?))
+            .unwrap();
+    let accepted = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().take(200) {
+            held.push(stream);
+        }
+        held
+    });
+    let mut args = family.agent_args().to_vec();
+    args.push("--nat-capacity=64");
+    let agent = bed.start_agent(&args);
+    family.assert_masqueraded(&bed);
+
+    // Real connections from outside, held open.
+    let node = SocketAddr::from((family.node(), SERVICE));
+    let clients: Vec<TcpStream> = (0..200)
+        .map(|_| {
+            masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpStream::connect(node)?))
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(accepted.join().unwrap().len(), 200);
+    family.assert_masqueraded(&bed);
+    // Spoofed SYNs to the service (the node answers each with a SYN-ACK) and to a closed port
+    // (with a reset).
+    let mut flood = spoofed_syns(family, SERVICE, 300);
+    flood.extend(spoofed_syns(family, CLOSED, 300));
+    probe::send_frames(&bed.topo.ext, flood).unwrap();
+    for _ in 0..3 {
+        family.assert_masqueraded(&bed);
+    }
+    if plane == Plane::Ebpf {
+        let status = bed.status_json();
+        let node_flows = status["ebpf"]["nat_node_flows"].as_u64().unwrap();
+        assert!(
+            node_flows < 10,
+            "{node_flows} node flows held: {}",
+            agent.log_text()
+        );
+        assert_eq!(status["ebpf"]["counters"]["dropped_nat_table_full"], 0);
+    }
+    drop(clients);
+}
+
 /// `explain` says what the outside host sees, with the entry that decides it, and the data
 /// plane installed agrees; with the data plane tampered with (the agent stopped, so that it
 /// does not repair it first), it disagrees and exits 1.
@@ -3835,6 +3910,7 @@ macro_rules! common_cases {
             an_exception_inside_a_non_masquerade_range_is_masqueraded,
             an_allow_list_masquerades_only_its_exceptions,
             explain_says_what_the_outside_host_sees,
+            connections_to_the_nodes_services_leave_the_pods_their_nat_table,
         );
         cases!($plane:
             masquerades_outside_traffic_only,

@@ -168,6 +168,7 @@ fn ebpf_options(
         masquerade: masquerade_options(&flags.chain, &flags.masquerade),
         enable_ipv6: flags.config.enable_ipv6,
         policy_entries: start.policy_entries,
+        node_port_range: flags.daemon.node_port_range.0,
     })
 }
 

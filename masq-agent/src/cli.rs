@@ -243,6 +243,13 @@ pub struct DaemonFlags {
           value_parser = clap::value_parser!(u32).range(1..=8_388_608))]
     pub nat_capacity: u32,
 
+    /// The cluster's NodePort range (the API server's service-node-port-range), or none: the
+    /// eBPF data plane never gives these ports to masqueraded flows, nor those the node's
+    /// sockets listen on, so that the node's replies on them need no NAT entry.
+    #[arg(long, global = true, value_name = "RANGE", default_value = "30000-32767",
+          value_parser = crate::ports::parse_node_port_range)]
+    pub node_port_range: crate::ports::NodePortRange,
+
     /// Address to serve metrics and health endpoints on: ADDR:PORT, or :PORT for every
     /// address, as Go's listeners take it.
     #[arg(long, global = true, value_name = "ADDR:PORT", value_parser = parse_listen_addr)]

@@ -113,6 +113,32 @@ pub fn nat_port_spans(to_ports: Option<&PortRanges>, ephemeral: (u16, u16)) -> V
     spans
 }
 
+/// Parses `--node-port-range`: one range (`30000-32767`, as kube-proxy's
+/// `--service-node-port-range` writes it), or `none`.
+pub fn parse_node_port_range(s: &str) -> Result<NodePortRange, String> {
+    if s == "none" {
+        return Ok(NodePortRange(None));
+    }
+    parse_range(s)
+        .map(|range| NodePortRange(Some(range)))
+        .map_err(|why| {
+            format!("invalid --node-port-range {s:?}: {why} (a range such as 30000-32767, or none)")
+        })
+}
+
+/// `--node-port-range`: kube-proxy's NodePort range, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodePortRange(pub Option<PortRange>);
+
+impl fmt::Display for NodePortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(range) => write!(f, "{range}"),
+            None => f.write_str("none"),
+        }
+    }
+}
+
 fn parse_range(item: &str) -> Result<PortRange, String> {
     let (first, last) = match item.split_once('-') {
         Some((a, b)) => (parse_port(a)?, parse_port(b)?),

@@ -32,6 +32,9 @@ pub mod map_names {
     /// Not pinned.
     pub const FRAGMENTS_V4: &str = "nat_fragments_v4";
     pub const FRAGMENTS_V6: &str = "nat_fragments_v6";
+    /// The node's own ports (`node_ports`), which NAT never hands out; filled by the agent
+    /// before the programs run, not pinned.
+    pub const NODE_PORTS: &str = "node_ports";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 11] = [
@@ -53,6 +56,30 @@ pub mod map_names {
 pub mod program_names {
     pub const EGRESS: &str = "masq_egress";
     pub const INGRESS: &str = "masq_ingress";
+}
+
+/// The node's own ports, a bit each, by protocol: those its sockets listen on, and kube-proxy's
+/// NodePort range. NAT never hands them out, so the node's flows on them need no reservation in
+/// the NAT table: replies to an inbound connection, or a flood of them, take no entry.
+pub mod node_ports {
+    use super::{IPPROTO_TCP, IPPROTO_UDP};
+
+    /// 64-bit words per protocol: a bit for each of the 65 536 ports.
+    pub const WORDS_PER_PROTOCOL: u32 = 1024;
+    /// The map's entries: TCP's words, then UDP's.
+    pub const WORDS: u32 = 2 * WORDS_PER_PROTOCOL;
+
+    /// The word and the bit of `port` (host byte order) of `proto`; `None` for a protocol
+    /// without ports.
+    #[inline(always)]
+    pub const fn slot(proto: u8, port: u16) -> Option<(u32, u64)> {
+        let base = match proto {
+            IPPROTO_TCP => 0,
+            IPPROTO_UDP => WORDS_PER_PROTOCOL,
+            _ => return None,
+        };
+        Some((base + (port as u32 >> 6), 1u64 << (port & 63)))
+    }
 }
 
 /// Read-only globals the agent sets when it loads the object (`EbpfLoader::override_global`): the

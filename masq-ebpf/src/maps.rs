@@ -7,7 +7,7 @@ use aya_ebpf::{
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
     NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
-    Settings, decision_slot, policy_word, verdict_slot,
+    Settings, decision_slot, node_ports, policy_word, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -63,6 +63,9 @@ pub static INTERFACES: HashMap<u32, Interface, { INTERFACES_MAX_ENTRIES as usize
 
 #[btf_map(name = "settings")]
 pub static SETTINGS: Array<Settings, 1> = Array::new();
+
+#[btf_map(name = "node_ports")]
+pub static NODE_PORTS: Array<u64, { node_ports::WORDS as usize }> = Array::new();
 
 #[btf_map(name = "counters")]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();

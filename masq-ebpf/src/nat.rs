@@ -314,6 +314,16 @@ fn reserve_port<F: Family>(
         // By reference: copies for the helper would take the frame past the verifier's limit.
         let (key, value) = (&ingress_key, &ingress);
         match F::nat().insert(key, value, BPF_NOEXIST as u64) {
+            // A port the node holds for its sockets or NodePorts is given back at once. Asked
+            // here, on the path that returns, and not before every insert: there the verifier
+            // walks each attempt both ways, and a load takes twice the instructions. For the
+            // moment the reservation stands, only a reply from the very remote address and
+            // port the pod asked for could meet it, on a port the node listens on: a client's
+            // port, which no pod connects to.
+            Ok(()) if ports::held_by_node(egress_key.proto, ingress_key.dport) => {
+                let _ = F::nat().remove(key);
+                continue;
+            }
             Ok(()) => {
                 egress.port = ingress_key.dport;
                 return RESERVED;

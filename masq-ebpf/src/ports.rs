@@ -1,7 +1,9 @@
 //! NAT port allocation: which port (or ICMP echo identifier) a new masqueraded flow gets.
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
-use masq_ebpf::{MAX_PORT_SPANS, Settings};
+use masq_ebpf::{MAX_PORT_SPANS, Settings, node_ports};
+
+use crate::maps;
 
 /// How many candidate ports a new flow tries before its packet is dropped. Bounded, so that a
 /// nearly exhausted range costs a fixed amount of work per packet.
@@ -28,6 +30,24 @@ pub fn candidate(settings: &Settings, start: u32, attempt: u32) -> u16 {
             .unwrap_or(0)
     };
     port_at(settings, offset).to_be()
+}
+
+/// Whether the node holds `port` (network byte order) of `proto` for its own sockets or its
+/// NodePorts: NAT never hands it out, and the node's flows on it need no reservation.
+#[inline(always)]
+pub fn held_by_node(proto: u8, port: u16) -> bool {
+    let Some((word, bit)) = node_ports::slot(proto, u16::from_be(port)) else {
+        return false;
+    };
+    maps::NODE_PORTS
+        .get(word)
+        .is_some_and(|held| held & bit != 0)
+}
+
+/// Whether NAT could ever hand `port` (network byte order) out: it is in the spans.
+#[inline(always)]
+pub fn in_spans(settings: &Settings, port: u16) -> bool {
+    offset_of(settings, u16::from_be(port)).is_some()
 }
 
 /// Above any offset into the spans: they hold at most 65 536 ports.

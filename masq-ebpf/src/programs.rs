@@ -19,7 +19,7 @@ use crate::{
     frag, maps,
     nat::{self, AllocError, IdentityError, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
-    policy, verifier,
+    policy, ports, verifier,
 };
 
 #[classifier]
@@ -363,7 +363,8 @@ step! {
 ///   (kube-proxy's MASQUERADE). Its tuple on the node's address is held, so that no
 ///   masqueraded flow is given it; if one holds it already, the node's flow is translated to
 ///   another port instead, as conntrack resolves a clash, and no reply ever reaches the wrong
-///   flow;
+///   flow. Only where a masqueraded flow could be given its port (`node_port_reservable`):
+///   replies to connections from outside to the node's services take no entry;
 /// - a TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs:
 ///   it started unmasqueraded, and translating it now would break it.
 fn snat_keeps_its_address<F: Family>(
@@ -373,6 +374,9 @@ fn snat_keeps_its_address<F: Family>(
     segment: &Segment,
 ) -> Result<(), Verdict> {
     if node_source {
+        if !node_port_reservable(key, segment) {
+            return Err(Verdict::Keep(Counter::NotMasqNodeSource));
+        }
         return match nat::track_identity::<F>(key, nat_kind::NODE, direction::EGRESS, segment) {
             Err(IdentityError::Taken) => Ok(()),
             // Remembered; or, with the table full, it goes as it would without the programs.
@@ -388,6 +392,17 @@ fn snat_keeps_its_address<F: Family>(
     }
     Ok(())
 }
+}
+
+/// Whether a node flow leaving as `key` needs its tuple held: NAT could give its port to a
+/// masqueraded flow. Not a port outside the spans (the node's ephemeral range, below 1024), nor
+/// one the node holds for its sockets or NodePorts, which NAT skips; nor a TCP reset, which
+/// ends its flow.
+#[inline(always)]
+fn node_port_reservable<A>(key: &NatKey<A>, segment: &Segment) -> bool {
+    maps::settings().is_some_and(|settings| ports::in_spans(settings, key.sport))
+        && !ports::held_by_node(key.proto, key.sport)
+        && segment.seen & tcp_seen::RESET == 0
 }
 
 step! {

@@ -407,6 +407,35 @@ pub fn raw_send_from(
     raw_send_to(ns, protocol, Some(src), dst, payload)
 }
 
+/// Sends whole IP packets (`frames`: Ethernet frames as `packet` builds them, their IP
+/// headers included) from namespace `ns` as they are, source addresses and all: a flood from
+/// addresses that are no one's.
+pub fn send_frames(ns: &str, frames: Vec<Vec<u8>>) -> anyhow::Result<()> {
+    const ETH_HLEN: usize = 14;
+    netns::within(ns, move || {
+        for frame in &frames {
+            let packet = &frame[ETH_HLEN..];
+            let (domain, dst): (Domain, IpAddr) = match packet[0] >> 4 {
+                4 => (
+                    Domain::IPV4,
+                    Ipv4Addr::from(<[u8; 4]>::try_from(&packet[16..20])?).into(),
+                ),
+                _ => (
+                    Domain::IPV6,
+                    Ipv6Addr::from(<[u8; 16]>::try_from(&packet[24..40])?).into(),
+                ),
+            };
+            // IPPROTO_RAW: the header is the caller's, sent as it is.
+            let socket = Socket::new(domain, Type::RAW, Some(socket2::Protocol::from(255)))?;
+            if domain == Domain::IPV6 {
+                socket.set_header_included_v6(true)?;
+            }
+            socket.send_to(packet, &SocketAddr::from((dst, 0)).into())?;
+        }
+        Ok(())
+    })
+}
+
 /// Sends one raw IPv6 packet of `protocol` (`payload` follows the IPv6 header the kernel
 /// builds) from namespace `ns` to `dst`. For ICMPv6 the kernel fills in the checksum.
 pub fn raw_send_v6(ns: &str, protocol: i32, dst: Ipv6Addr, payload: &[u8]) -> anyhow::Result<()> {

@@ -3,6 +3,7 @@
 
 use masq_agent::dataplane::ebpf::{
     expiry,
+    node_ports::NodePorts,
     testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
 };
 use masq_ebpf::{Counter, direction, nat_kind};
@@ -19,6 +20,7 @@ in_both_families!(
     exhausted_ports_drop_and_count_never_mistranslate,
     a_full_nat_table_drops_new_flows_and_keeps_live_ones,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
+    the_nodes_own_ports_are_never_handed_out_and_take_no_entry,
     a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow,
     exempt_destinations_and_the_nodes_own_traffic_pass_untouched,
     connections_opened_from_outside_keep_the_pods_address,
@@ -250,12 +252,49 @@ fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple<F: Family>() {
             &sums,
         );
         // A node flow that clashes with nothing keeps its port, and its tuple is held.
-        let free = packet(F::NODE, 33333, F::REMOTE, 8080, open);
+        let free = packet(F::NODE, 22222, F::REMOTE, 8080, open);
         assert_eq!(h.egress(&free), (TC_ACT_OK, free.clone()));
-        assert!(F::nat(&h).iter().any(|(k, e)| e.kind == nat_kind::NODE
-            && k.proto == proto
-            && k.sport == 33333u16.to_be()));
+        let held_by_node = |h: &TestBed, port: u16| {
+            F::nat(h).iter().any(|(k, e)| {
+                e.kind == nat_kind::NODE && k.proto == proto && k.sport == port.to_be()
+            })
+        };
+        assert!(held_by_node(&h, 22222));
+        // One on a port NAT never hands out (the node's ephemeral range) needs no holding.
+        assert!(!in_spans(33333));
+        let ephemeral = packet(F::NODE, 33333, F::REMOTE, 8080, open);
+        assert_eq!(h.egress(&ephemeral), (TC_ACT_OK, ephemeral.clone()));
+        assert!(
+            !held_by_node(&h, 33333),
+            "no entry for a port NAT never gives"
+        );
     }
+}
+
+/// The ports the node holds for its listening sockets and NodePorts, by protocol, are never
+/// handed to a masqueraded flow, and the node's flows on them (replies to connections from
+/// outside) take no entry; a TCP reset of the node's takes none either.
+fn the_nodes_own_ports_are_never_handed_out_and_take_no_entry<F: Family>() {
+    let mut h = F::bed(1024, &[(5000, 5001)], false);
+    h.hold_node_ports(&NodePorts {
+        tcp: [5000].into(),
+        udp: [].into(),
+    });
+    // Without --random-fully the pod's own port is tried first: 5000 is the node's.
+    let (verdict, out) = h.egress(&tcp(F::POD, 5000, F::REMOTE, 80, SYN));
+    assert_eq!((verdict, word(&out, F::L4)), (TC_ACT_OK, 5001));
+    let (verdict, _) = h.egress(&tcp(F::POD, 5002, F::REMOTE, 80, SYN));
+    assert_eq!(verdict, TC_ACT_SHOT, "the only other port is the node's");
+    // UDP's 5000 is not the node's.
+    let (verdict, out) = h.egress(&udp(F::POD, 5000, F::REMOTE, 53));
+    assert_eq!((verdict, word(&out, F::L4)), (TC_ACT_OK, 5000));
+    let before = F::nat(&h).len();
+    // A node service on 5000 answers a client, and resets another's connection on 5001.
+    let answer = tcp(F::NODE, 5000, F::REMOTE2, 40000, SYN | ACK);
+    assert_eq!(h.egress(&answer), (TC_ACT_OK, answer.clone()));
+    let reset = tcp(F::NODE, 5001, F::REMOTE2, 40001, RST | ACK);
+    assert_eq!(h.egress(&reset), (TC_ACT_OK, reset.clone()));
+    assert_eq!(F::nat(&h).len(), before, "neither takes an entry");
 }
 
 /// A flow netfilter masqueraded (it leaves with the node's address already) holds its port:
@@ -313,10 +352,9 @@ fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched<F: Family>() {
         assert_eq!(h.egress(&packet), (TC_ACT_OK, packet.clone()), "{what}");
         assert_eq!(h.counter(counter), before + 1, "{what}: {counter:?}");
     }
-    // Only the node's three flows are remembered, as its own that nothing translates.
+    // Nothing is remembered: the node's flows are on ports NAT never hands out (below 1024).
     let nat = F::nat(&h);
-    assert_eq!(nat.len(), 6, "{nat:?}");
-    assert!(nat.iter().all(|(_, e)| e.kind == nat_kind::NODE), "{nat:?}");
+    assert!(nat.is_empty(), "{nat:?}");
     assert_eq!(h.counter(Counter::Masqueraded), 0);
 }
 

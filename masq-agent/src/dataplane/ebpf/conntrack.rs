@@ -84,7 +84,12 @@ fn read_table() -> Option<String> {
 /// Holds the tuples of the node's own flows that conntrack knows of, to destinations `policy`
 /// masquerades, and says how it went. Where the kernel does not list conntrack's table, such a
 /// flow is held at its next packet, and a clash until then is said (`node_port_clashes`).
-pub fn hold_known_node_flows(nat: &mut NatTables, policy: &Policy) {
+/// `reservable(proto, port)`: whether a node flow on that port needs holding at all.
+pub fn hold_known_node_flows(
+    nat: &mut NatTables,
+    policy: &Policy,
+    reservable: impl Fn(u8, u16) -> bool,
+) {
     let Some(table) = read_table() else {
         info!("conntrack's table is not listed here: the node's own flows are held as they send");
         return;
@@ -93,6 +98,7 @@ pub fn hold_known_node_flows(nat: &mut NatTables, policy: &Policy) {
         let flows: Vec<NodeFlow> = node_flows(&table, |addr| addresses.contains(&addr))
             .into_iter()
             .filter(|flow| !policy.exempts(flow.remote))
+            .filter(|flow| reservable(flow.proto, flow.node_port))
             .collect();
         hold(nat, &flows)
     });

@@ -291,6 +291,7 @@ mod tests {
             map_names::NON_MASQ_CACHE_V4,
             map_names::FRAGMENTS_V4,
             map_names::FRAGMENTS_V6,
+            map_names::NODE_PORTS,
         ];
         for name in map_names::PINNED.iter().chain(&unpinned) {
             assert!(

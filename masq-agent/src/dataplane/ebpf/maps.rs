@@ -57,6 +57,8 @@ pub struct Maps {
     pub interfaces: Interfaces,
     pub settings: Array<MapData, Settings>,
     pub counters: Counters,
+    /// The node's own ports, which NAT never hands out (see `node_ports`).
+    pub node_ports: Array<MapData, u64>,
 }
 
 impl Maps {
@@ -85,6 +87,7 @@ impl Maps {
             interfaces: take(ebpf, map_names::INTERFACES)?,
             settings: take(ebpf, map_names::SETTINGS)?,
             counters: take(ebpf, map_names::COUNTERS)?,
+            node_ports: take(ebpf, map_names::NODE_PORTS)?,
         })
     }
 }

@@ -17,6 +17,7 @@ mod follow;
 pub mod leftovers;
 mod load;
 pub mod maps;
+pub mod node_ports;
 pub mod pins;
 pub mod status;
 pub mod strays;
@@ -74,6 +75,8 @@ pub struct EbpfOptions {
     /// The entries of the policy the agent starts with, in both families' tries: the decision
     /// counters are sized for it.
     pub policy_entries: usize,
+    /// kube-proxy's NodePort range, which NAT leaves to the node.
+    pub node_port_range: Option<PortRange>,
 }
 
 impl EbpfOptions {
@@ -131,6 +134,12 @@ pub struct EbpfDataPlane {
     clashes: Clashes,
     /// IPv6 was turned on by the config after the programs were loaded without it.
     ipv6_by_the_chain: bool,
+    node_port_range: Option<PortRange>,
+    /// The node's ports as last read, and `node_ports`' words as last written.
+    node_ports: node_ports::NodePorts,
+    node_ports_written: Vec<u64>,
+    /// The ports NAT hands out.
+    port_spans: Vec<PortRange>,
 }
 
 /// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
@@ -143,7 +152,7 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         maps,
         carried,
     } = load::load_pinned(opts, &pins).map_err(Unavailable)?;
-    Ok(EbpfDataPlane {
+    let mut plane = EbpfDataPlane {
         programs,
         clashes: Clashes::since(&maps.counters),
         maps,
@@ -163,10 +172,27 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         sweeps: SweepClock::default(),
         carried,
         ipv6_by_the_chain: false,
-    })
+        node_port_range: opts.node_port_range,
+        node_ports: node_ports::NodePorts::default(),
+        node_ports_written: Vec::new(),
+        port_spans: opts.port_spans.clone(),
+    };
+    // Before any program runs: none may hand out a port of the node's.
+    plane.hold_node_ports().map_err(Unavailable)?;
+    Ok(plane)
 }
 
 impl EbpfDataPlane {
+    /// Writes the ports the node holds now into `node_ports`.
+    fn hold_node_ports(&mut self) -> anyhow::Result<()> {
+        self.node_ports = node_ports::NodePorts::read(self.node_port_range);
+        node_ports::write(
+            &mut self.maps.node_ports,
+            &self.node_ports,
+            &mut self.node_ports_written,
+        )
+    }
+
     /// What the programs enforce of `policy`. IPv6 is the programs' only when they were loaded
     /// for it (the NAT table is sized then). Turned on by the config since, the chain beside
     /// the programs masquerades it, in full, until the agent restarts. Turned off since, no
@@ -211,7 +237,12 @@ impl DataPlane for EbpfDataPlane {
         let changed = self.maps.policy.sync(&for_the_programs)?;
         if first {
             // The programs' policy: flows it leaves alone would only stray.
-            conntrack::hold_known_node_flows(&mut self.maps.nat, &for_the_programs);
+            let (ports, spans) = (&self.node_ports, &self.port_spans);
+            conntrack::hold_known_node_flows(
+                &mut self.maps.nat,
+                &for_the_programs,
+                |proto, port| ports.reservable(spans, proto, port),
+            );
         }
         let followed = self.follow_devices(policy)?;
         // The old programs have handed over their links: what they created meanwhile too.
@@ -249,6 +280,7 @@ impl DataPlane for EbpfDataPlane {
         if !sweep {
             return Ok(None);
         }
+        self.hold_node_ports()?;
         let now = expiry::monotonic_now_ns();
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;

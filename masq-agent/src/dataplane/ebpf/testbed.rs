@@ -187,6 +187,12 @@ impl TestBed {
         )
     }
 
+    /// Makes the programs leave `ports` to the node, as the agent does for its listening
+    /// sockets and NodePorts.
+    pub fn hold_node_ports(&mut self, ports: &super::node_ports::NodePorts) {
+        super::node_ports::write(&mut self.maps.node_ports, ports, &mut Vec::new()).unwrap();
+    }
+
     /// The decisions no entry took.
     pub fn decided_by_default(&self) -> u64 {
         let slot = masq_ebpf::decision_slot::BY_DEFAULT;
