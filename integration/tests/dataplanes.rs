@@ -2333,8 +2333,9 @@ fn spoofed_syns(family: Family, port: u16, count: u16) -> Vec<Vec<u8>> {
 }
 
 /// Connections from outside to the node's own services, real or spoofed, to a port it listens
-/// on or to a closed one, take nothing from the NAT table that the pods' flows need: with room
-/// for 64 flows, a pod's new connections keep succeeding after hundreds of them.
+/// on or to a closed one, and the node's own clients' churn (a DNS forwarder's fresh port per
+/// query) take nothing from the NAT table that the pods' flows need: with room for 64 flows, a
+/// pod's new connections keep succeeding after hundreds of them.
 fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(plane: Plane, family: Family) {
     const SERVICE: u16 = 20080;
     const CLOSED: u16 = 20081;
@@ -2373,6 +2374,20 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(plane: Plane
     for _ in 0..3 {
         family.assert_masqueraded(&bed);
     }
+    // The node's clients, each from a fresh port of its ephemeral range.
+    let outside = family.outside();
+    masq_testbed::netns::within(&bed.topo.node, move || {
+        for _ in 0..300 {
+            let unspecified: IpAddr = match outside {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+            };
+            UdpSocket::bind((unspecified, 0))?.send_to(b"query", outside)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    family.assert_masqueraded(&bed);
     if plane == Plane::Ebpf {
         let status = bed.status_json();
         let node_flows = status["ebpf"]["nat_node_flows"].as_u64().unwrap();
