@@ -340,6 +340,17 @@ pub mod tcp_seen {
     pub const SEQ: u8 = 1 << 5;
 }
 
+/// For protocols other than TCP, the packets a half saw after the flow's first, in
+/// `NatEntry::tcp_seen`'s two high bits (which TCP's leaves clear): enough to tell a flow never
+/// answered, or answered once, from a stream, as conntrack times UDP. Each is written once in
+/// a flow's life.
+pub mod packets_seen {
+    /// One packet crossed the half (on the egress half: one after the flow's first).
+    pub const ONCE: u8 = 1 << 6;
+    /// Another.
+    pub const AGAIN: u8 = 1 << 7;
+}
+
 /// One half of a translated flow.
 ///
 /// For TCP, each half also holds where its sender stands in the sequence space, so that an RST
@@ -355,7 +366,8 @@ pub struct NatEntry<A: Address> {
     pub addr: A,
     pub port: u16,
     pub kind: u8,
-    /// `tcp_seen` bits of the packets sent this way; 0 until the first one.
+    /// `tcp_seen` bits of the packets sent this way; 0 until the first one. For other protocols,
+    /// `packets_seen` bits.
     pub tcp_seen: u8,
     /// TCP: the sequence number after the furthest segment sent this way (host byte order).
     pub tcp_next_seq: u32,

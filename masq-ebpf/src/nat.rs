@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind,
+    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -187,6 +187,26 @@ pub fn refresh<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, 
     }
     if segment.seen != 0 {
         track_tcp::<F>(key, entry, segment);
+    } else {
+        count_packet::<F>(entry);
+    }
+}
+
+/// Counts a packet of a protocol other than TCP on its half, up to two (`packets_seen`): the
+/// half is written twice in the flow's life at most.
+#[inline(always)]
+fn count_packet<F: Family>(entry: *mut NatEntry<F::Addr>) {
+    // SAFETY: `entry` points into a map value; two CPUs counting at once set the same bits.
+    unsafe {
+        let before = (*entry).tcp_seen;
+        if before & packets_seen::AGAIN == 0 {
+            (*entry).tcp_seen = before
+                | if before & packets_seen::ONCE == 0 {
+                    packets_seen::ONCE
+                } else {
+                    packets_seen::AGAIN
+                };
+        }
     }
 }
 

@@ -21,6 +21,7 @@ in_both_families!(
     a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout,
     a_flow_no_reply_crossed_is_not_established,
     an_orphaned_reply_half_is_removed,
+    udp_and_echo_expire_as_conntrack_times_them,
 );
 
 /// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
@@ -56,14 +57,14 @@ fn expiry_removes_both_halves_of_idle_flows_only<F: Family>() {
 
     let timeouts = Timeouts::default();
     let second = Duration::from_secs(1);
-    assert_eq!(sweep_after::<F>(&h, 30 * second).expired_flows, 0);
+    assert_eq!(sweep_after::<F>(&h, timeouts.udp).expired_flows, 0);
     assert_eq!(pod_ports::<F>(&h), [2001, 2002, 2003]);
-    // Past the transitory timeout: the half-open flow goes, both halves.
-    sweep_after::<F>(&h, timeouts.tcp_transitory + second);
-    assert_eq!(pod_ports::<F>(&h), [2001, 2002]);
-    // Past UDP's: the UDP flow goes; the established TCP flow stays for hours.
+    // Past UDP's: the UDP flow no reply crossed goes, both halves.
     let run = sweep_after::<F>(&h, timeouts.udp + second);
-    assert_eq!((run.masqueraded_flows, run.expired_flows), (2, 1));
+    assert_eq!((run.masqueraded_flows, run.expired_flows), (3, 1));
+    assert_eq!(pod_ports::<F>(&h), [2002, 2003]);
+    // Past a SYN's: the half-open flow goes; the established one stays for days.
+    sweep_after::<F>(&h, timeouts.tcp_syn_sent + second);
     assert_eq!(pod_ports::<F>(&h), [2002]);
     assert_eq!(F::nat(&h).len(), 2, "no half of an expired flow is left");
     sweep_after::<F>(&h, timeouts.tcp_established + second);
@@ -209,14 +210,14 @@ fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: Family>() {
     c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
     c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
     c.remote_sends(&mut h, RST, 5001 + 1_000_000, 0, &[]);
-    let idle = Timeouts::default().tcp_transitory + Duration::from_secs(1);
+    let idle = Timeouts::default().tcp_syn_sent + Duration::from_secs(1);
     let run = sweep_after::<F>(&h, idle);
     assert_eq!(run.expired_flows, 0, "established: kept for hours");
     assert_eq!(F::nat(&h).len(), 2);
 }
 
 /// Established means both directions seen: a pod's lone ACK to a host that never answers, or
-/// a SYN, holds its port only for the transitory timeout.
+/// a SYN, holds its port only as long as conntrack keeps a SYN unanswered.
 fn a_flow_no_reply_crossed_is_not_established<F: Family>() {
     let mut h = harness::<F>();
     h.egress(&tcp(F::POD, 40300, F::REMOTE, 443, ACK));
@@ -232,7 +233,7 @@ fn a_flow_no_reply_crossed_is_not_established<F: Family>() {
         .collect();
     assert_eq!(unseen.iter().filter(|&&s| s == 0).count(), 2, "{unseen:?}");
 
-    let idle = Timeouts::default().tcp_transitory + Duration::from_secs(1);
+    let idle = Timeouts::default().tcp_syn_sent + Duration::from_secs(1);
     let run = sweep_after::<F>(&h, idle);
     assert_eq!(run.expired_flows, 2, "the lone ACK's flow and the SYN's");
     assert_eq!(
@@ -255,5 +256,33 @@ fn an_orphaned_reply_half_is_removed<F: Family>() {
     let later = (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64;
     let run = F::expire(&h, &timeouts, egress.last_seen_ns + later);
     assert_eq!(run.orphans_removed, 1);
+    assert!(F::nat(&h).is_empty());
+}
+
+/// UDP as conntrack times it: a flow never answered, or answered once (a DNS query), goes
+/// after 30 s; one that goes on both ways after its first exchange is a stream, kept 120 s.
+/// An echo goes after 30 s.
+fn udp_and_echo_expire_as_conntrack_times_them<F: Family>() {
+    let mut h = harness::<F>();
+    let timeouts = Timeouts::default();
+    let second = Duration::from_secs(1);
+    let exchange = |h: &mut TestBed, pod_port: u16, queries: usize, answers: usize| {
+        let mut node_port = 0;
+        for _ in 0..queries {
+            let (_, out) = h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+            node_port = word(&out, F::L4);
+        }
+        for _ in 0..answers {
+            h.ingress(&udp(F::REMOTE, 53, F::NODE, node_port));
+        }
+    };
+    exchange(&mut h, 4001, 1, 0);
+    exchange(&mut h, 4002, 1, 1);
+    exchange(&mut h, 4003, 2, 1);
+    exchange(&mut h, 4004, 3, 3);
+    h.egress(&ping(F::POD, F::REMOTE, F::ECHO_REQUEST, 7));
+    sweep_after::<F>(&h, timeouts.udp + second);
+    assert_eq!(pod_ports::<F>(&h), [4004], "only the stream is left");
+    sweep_after::<F>(&h, timeouts.udp_stream + second);
     assert!(F::nat(&h).is_empty());
 }

@@ -12,7 +12,8 @@ use anyhow::Context as _;
 use aya::Pod;
 use aya::maps::IterableMap as _;
 use masq_ebpf::{
-    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, tcp_seen,
+    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, packets_seen,
+    tcp_seen,
 };
 
 use super::{batch, maps::NatTable};
@@ -42,16 +43,25 @@ impl SweepClock {
     }
 }
 
-/// How long a flow may stay idle, by protocol and state.
-#[derive(Debug, Clone, Copy)]
+/// How long a flow may stay idle, by protocol and state: conntrack's classes, with the node's
+/// own values where it lists them (`/proc/sys/net/netfilter/nf_conntrack_*timeout*`), so that
+/// a flow stays in the NAT table as long as conntrack keeps its entry, and no longer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
+    /// A SYN sent, no answer yet (`SYN_SENT`).
+    pub tcp_syn_sent: Duration,
+    /// A SYN answered, the handshake not done (`SYN_RECV`).
+    pub tcp_syn_recv: Duration,
     pub tcp_established: Duration,
-    /// Half-open (no reply yet) and closing (FIN seen) TCP connections.
-    pub tcp_transitory: Duration,
-    /// TCP connections that saw a reset: over, as conntrack's CLOSE state says, and gone
-    /// quickly so that connection churn does not fill the table.
+    /// A FIN seen one way or both (`FIN_WAIT`, `CLOSE_WAIT`, `TIME_WAIT`: the longest of them).
+    pub tcp_closing: Duration,
+    /// An acceptable RST (`CLOSE`): over, and gone quickly so that churn does not fill the
+    /// table.
     pub tcp_reset: Duration,
+    /// UDP never answered, or answered once.
     pub udp: Duration,
+    /// UDP seen both ways again after its first exchange: a stream.
+    pub udp_stream: Duration,
     pub icmp: Duration,
     /// A reply-direction half without its egress half: left by an allocation that lost a race,
     /// or by a crash between the two inserts.
@@ -59,20 +69,61 @@ pub struct Timeouts {
 }
 
 impl Default for Timeouts {
+    /// Conntrack's defaults.
     fn default() -> Self {
+        let secs = Duration::from_secs;
         Timeouts {
-            tcp_established: Duration::from_secs(2 * 3600),
-            tcp_transitory: Duration::from_secs(60),
-            tcp_reset: Duration::from_secs(10),
-            udp: Duration::from_secs(120),
-            icmp: Duration::from_secs(60),
-            orphan: Duration::from_secs(10),
+            tcp_syn_sent: secs(120),
+            tcp_syn_recv: secs(60),
+            tcp_established: secs(432_000),
+            tcp_closing: secs(120),
+            tcp_reset: secs(10),
+            udp: secs(30),
+            udp_stream: secs(120),
+            icmp: secs(30),
+            orphan: secs(10),
         }
     }
 }
 
+/// Where the node's conntrack lists its timeouts.
+pub const CONNTRACK_SYSCTLS: &str = "/proc/sys/net/netfilter";
+
 impl Timeouts {
-    fn for_flow<A: Address>(
+    /// Conntrack's timeouts as the node sets them under `dir` (`CONNTRACK_SYSCTLS`); its
+    /// defaults for those it does not list (conntrack not loaded yet, say).
+    pub fn of_conntrack(dir: &std::path::Path) -> Timeouts {
+        let read = |name: &str, default: Duration| {
+            std::fs::read_to_string(dir.join(name))
+                .ok()
+                .and_then(|text| text.trim().parse().ok())
+                .map_or(default, Duration::from_secs)
+        };
+        let d = Timeouts::default();
+        let closing = [
+            "nf_conntrack_tcp_timeout_fin_wait",
+            "nf_conntrack_tcp_timeout_close_wait",
+            "nf_conntrack_tcp_timeout_time_wait",
+        ]
+        .map(|name| read(name, d.tcp_closing))
+        .into_iter()
+        .max()
+        .unwrap_or(d.tcp_closing);
+        Timeouts {
+            tcp_syn_sent: read("nf_conntrack_tcp_timeout_syn_sent", d.tcp_syn_sent),
+            tcp_syn_recv: read("nf_conntrack_tcp_timeout_syn_recv", d.tcp_syn_recv),
+            tcp_established: read("nf_conntrack_tcp_timeout_established", d.tcp_established),
+            tcp_closing: closing,
+            tcp_reset: read("nf_conntrack_tcp_timeout_close", d.tcp_reset),
+            udp: read("nf_conntrack_udp_timeout", d.udp),
+            udp_stream: read("nf_conntrack_udp_timeout_stream", d.udp_stream),
+            icmp: read("nf_conntrack_icmp_timeout", d.icmp),
+            orphan: d.orphan,
+        }
+    }
+
+    /// The timeout of the flow whose halves are `egress` and `ingress` (the reply's).
+    pub fn for_flow<A: Address>(
         &self,
         key: &NatKey<A>,
         egress: &NatEntry<A>,
@@ -81,18 +132,25 @@ impl Timeouts {
         match key.proto {
             IPPROTO_TCP => {
                 let seen = egress.tcp_seen | ingress.tcp_seen;
-                if seen & tcp_seen::RESET != 0 {
-                    return self.tcp_reset;
-                }
-                let closing = seen & tcp_seen::CLOSING != 0;
                 let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
-                if !closing && both_ways && seen & tcp_seen::PAST_OPENING != 0 {
+                if seen & tcp_seen::RESET != 0 {
+                    self.tcp_reset
+                } else if seen & tcp_seen::CLOSING != 0 {
+                    self.tcp_closing
+                } else if both_ways && seen & tcp_seen::PAST_OPENING != 0 {
                     self.tcp_established
+                } else if both_ways {
+                    self.tcp_syn_recv
                 } else {
-                    self.tcp_transitory
+                    self.tcp_syn_sent
                 }
             }
-            IPPROTO_UDP => self.udp,
+            IPPROTO_UDP => {
+                // The egress half counts the packets after the flow's first.
+                let stream = egress.tcp_seen & packets_seen::ONCE != 0
+                    && ingress.tcp_seen & packets_seen::AGAIN != 0;
+                if stream { self.udp_stream } else { self.udp }
+            }
             _ => self.icmp,
         }
     }
@@ -239,4 +297,35 @@ where
     NatEntry<A>: Pod,
 {
     batch::delete_all(nat.map(), keys).context("pruning the NAT table")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conntracks_own_values_are_taken_and_its_defaults_stand_in_for_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, value) in [
+            ("nf_conntrack_udp_timeout", "10\n"),
+            ("nf_conntrack_tcp_timeout_established", "7200\n"),
+            ("nf_conntrack_tcp_timeout_close_wait", "300\n"),
+        ] {
+            std::fs::write(dir.path().join(name), value).unwrap();
+        }
+        let timeouts = Timeouts::of_conntrack(dir.path());
+        let secs = Duration::from_secs;
+        assert_eq!(timeouts.udp, secs(10));
+        assert_eq!(timeouts.tcp_established, secs(7200));
+        assert_eq!(
+            timeouts.tcp_closing,
+            secs(300),
+            "the longest of the closing states"
+        );
+        assert_eq!(timeouts.udp_stream, Timeouts::default().udp_stream);
+        assert_eq!(
+            Timeouts::of_conntrack(std::path::Path::new("/nonexistent")),
+            Timeouts::default()
+        );
+    }
 }

@@ -40,7 +40,7 @@ impl Leftovers {
             .exists()
             .then(|| Leftovers {
                 bpffs: bpffs.to_path_buf(),
-                timeouts: expiry::Timeouts::default(),
+                timeouts: expiry::Timeouts::of_conntrack(Path::new(expiry::CONNTRACK_SYSCTLS)),
                 sweeps: SweepClock::default(),
             })
     }

@@ -167,7 +167,7 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         // Until programs run somewhere, the chain leaves nothing to them.
         chain: IptablesDataPlane::new(opts.masquerade.clone(), ChainVariant::Full, Mode::Ebpf),
         returned: Returned::default(),
-        timeouts: Timeouts::default(),
+        timeouts: Timeouts::of_conntrack(std::path::Path::new(expiry::CONNTRACK_SYSCTLS)),
         applied: None,
         sweeps: SweepClock::default(),
         carried,
