@@ -1501,13 +1501,19 @@ fn bpftool_shows_the_prefixes_with_named_fields(plane: Plane) {
     }
 }
 
-/// With the NAT table full, the flows in it keep working; new ones are dropped and counted,
-/// never sent with the pod's address.
+/// With the NAT table full of assured flows (streams, answered twice), the flows in it keep
+/// working; new ones are dropped and counted, never sent with the pod's address.
 fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&["--nat-capacity=2"]);
-    let first = probe::udp_probe(bed.pod(), outside(), 5001).unwrap();
-    let second = probe::udp_probe(bed.pod(), outside(), 5002).unwrap();
+    let stream = |pod_port| {
+        let first = probe::udp_probe(bed.pod(), outside(), pod_port).unwrap();
+        let again = probe::udp_probe(bed.pod(), outside(), pod_port).unwrap();
+        assert_eq!(first, again);
+        first
+    };
+    let first = stream(5001);
+    let second = stream(5002);
     assert_eq!((first.ip(), second.ip()), (node_ip(), node_ip()));
     assert!(
         probe::udp_probe(bed.pod(), outside(), 5003).is_err(),
@@ -2399,6 +2405,68 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(plane: Plane
         assert_eq!(status["ebpf"]["counters"]["dropped_nat_table_full"], 0);
     }
     drop(clients);
+}
+
+/// A pod's resolver retrying against a server that never answers, each query from a fresh
+/// port, fills a small NAT table with flows no one will use again. As conntrack's early drop
+/// does, those make room for the pods' next flows: with room for 64 flows, after 300 unanswered
+/// queries a pod still connects, and a connection established before them still carries data.
+fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: Family) {
+    use std::io::{Read, Write};
+    const SILENT: u16 = 9702;
+    const HELD: u16 = 9703;
+    let bed = Bed::new(plane, family.config());
+    let mut args = family.agent_args().to_vec();
+    args.push("--nat-capacity=64");
+    let _agent = bed.start_agent(&args);
+    family.assert_masqueraded(&bed);
+
+    let outside = family.outside().ip();
+    let held = SocketAddr::from((outside, HELD));
+    let listener =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(held)?)).unwrap();
+    let mut pod_end =
+        masq_testbed::netns::within(bed.pod(), move || Ok(TcpStream::connect(held)?)).unwrap();
+    let (mut host_end, _) = listener.accept().unwrap();
+    host_end
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    pod_end
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    let exchange = |pod_end: &mut TcpStream, host_end: &mut TcpStream| {
+        let mut byte = [0u8; 1];
+        pod_end.write_all(b"q").unwrap();
+        host_end.read_exact(&mut byte).unwrap();
+        host_end.write_all(b"a").unwrap();
+        pod_end.read_exact(&mut byte).unwrap();
+        assert_eq!(&byte, b"a");
+    };
+    exchange(&mut pod_end, &mut host_end);
+
+    // A server that reads nothing and, its socket bound, sends no port unreachable either.
+    let silent = SocketAddr::from((outside, SILENT));
+    let _server =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
+    let any = family.any();
+    masq_testbed::netns::within(bed.pod(), move || {
+        for _ in 0..300 {
+            UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+
+    family.assert_masqueraded(&bed);
+    exchange(&mut pod_end, &mut host_end);
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert!(
+            counters["nat_early_dropped"].as_u64().unwrap() > 0,
+            "{counters:#}"
+        );
+        assert_eq!(counters["dropped_nat_table_full"], 0, "{counters:#}");
+    }
 }
 
 /// `explain` says what the outside host sees, with the entry that decides it, and the data
@@ -3926,6 +3994,7 @@ macro_rules! common_cases {
             an_allow_list_masquerades_only_its_exceptions,
             explain_says_what_the_outside_host_sees,
             connections_to_the_nodes_services_leave_the_pods_their_nat_table,
+            a_pods_unanswered_queries_leave_room_for_new_flows,
         );
         cases!($plane:
             masquerades_outside_traffic_only,

@@ -7,7 +7,7 @@ use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
-    maps::{self, FragmentTable, NatTable},
+    maps::{self, FragmentTable, NatTable, RecentFlowsMap},
     parse::{self, Packet},
     policy,
 };
@@ -40,6 +40,7 @@ pub trait Family {
     /// Whether a pod could be `addr`: replies to broadcast or multicast open no flow.
     fn is_unicast(addr: &Self::Addr) -> bool;
     fn nat() -> &'static NatTable<Self::Addr>;
+    fn recent() -> &'static RecentFlowsMap<Self::Addr>;
     fn fragments() -> &'static FragmentTable<Self::Addr>;
     /// What the policy decides for traffic to `addr`.
     fn decide(addr: Self::Addr) -> Decision;
@@ -116,6 +117,11 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn recent() -> &'static RecentFlowsMap<[u8; 4]> {
+        &maps::RECENT_V4
+    }
+
+    #[inline(always)]
     fn fragments() -> &'static FragmentTable<[u8; 4]> {
         &maps::FRAGMENTS_V4
     }
@@ -182,6 +188,11 @@ impl Family for V6 {
     #[inline(always)]
     fn nat() -> &'static NatTable<[u8; 16]> {
         &maps::NAT_V6
+    }
+
+    #[inline(always)]
+    fn recent() -> &'static RecentFlowsMap<[u8; 16]> {
+        &maps::RECENT_V6
     }
 
     #[inline(always)]

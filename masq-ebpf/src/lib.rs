@@ -35,6 +35,9 @@ pub mod map_names {
     /// The node's own ports (`node_ports`), which NAT never hands out; filled by the agent
     /// before the programs run, not pinned.
     pub const NODE_PORTS: &str = "node_ports";
+    /// The last flows created, which a full table may drop first; not pinned.
+    pub const RECENT_FLOWS_V4: &str = "nat_recent_v4";
+    pub const RECENT_FLOWS_V6: &str = "nat_recent_v6";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 11] = [
@@ -340,6 +343,36 @@ pub mod tcp_seen {
     pub const SEQ: u8 = 1 << 5;
 }
 
+/// Whether a flow is one conntrack counts as assured, and so never drops early to make room: TCP
+/// past its handshake both ways and not reset; another protocol seen both ways again after its
+/// first exchange (a stream). `egress` and `ingress` are its halves' `tcp_seen` bytes.
+#[inline(always)]
+pub const fn is_assured(proto: u8, egress: u8, ingress: u8) -> bool {
+    if proto == IPPROTO_TCP {
+        let seen = egress | ingress;
+        egress != 0
+            && ingress != 0
+            && seen & tcp_seen::PAST_OPENING != 0
+            && seen & tcp_seen::RESET == 0
+    } else {
+        egress & packets_seen::ONCE != 0 && ingress & packets_seen::AGAIN != 0
+    }
+}
+
+/// The flows created last, on any CPU, which a full table may drop first (`nat::early_drop`),
+/// oldest first: the egress key of each, as it was when the flow began. Not pinned.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RecentFlows<A: Address> {
+    /// The slot the next flow goes into: the oldest one's.
+    pub next: u32,
+    pub _pad: u32,
+    pub keys: [NatKey<A>; RECENT_FLOWS],
+}
+
+/// Flows `RecentFlows` keeps: a power of two.
+pub const RECENT_FLOWS: usize = 8;
+
 /// For protocols other than TCP, the packets a half saw after the flow's first, in
 /// `NatEntry::tcp_seen`'s two high bits (which TCP's leaves clear): enough to tell a flow never
 /// answered, or answered once, from a stream, as conntrack times UDP. Each is written once in
@@ -490,8 +523,12 @@ counters! {
     AllocationFailed = "allocation_failed",
     /// Packets dropped: no free NAT port.
     DropPortsExhausted = "dropped_ports_exhausted",
-    /// Packets dropped: the NAT table is full.
+    /// Packets dropped: the NAT table is full, and none of the flows it could drop first
+    /// (never answered, or answered once) was at hand.
     DropNatTableFull = "dropped_nat_table_full",
+    /// Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops
+    /// early: never answered, or not past their first exchange.
+    NatEarlyDropped = "nat_early_dropped",
     /// Packets dropped: IP fragments that cannot be translated.
     DropFragment = "dropped_fragment",
     /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.

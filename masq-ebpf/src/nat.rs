@@ -8,7 +8,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, Settings, direction, nat_kind, packets_seen,
+    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, RECENT_FLOWS, Settings, direction, is_assured,
+    nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -302,6 +303,42 @@ pub fn create_snat<F: Family>(
     }
 }
 
+/// After `early_drop` made room in a full table: reserves the port `create_snat` found no room
+/// for (in `egress`), or if the node holds that one, the port of the flow dropped (`freed_port`,
+/// 0 when it had none of NAT's), and inserts the egress half, as `create_snat` would have. One
+/// insert each, not `reserve_port`'s search: the verifier walks this path apart from the first.
+#[inline(always)]
+pub fn create_snat_again<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    egress: &mut NatEntry<F::Addr>,
+    freed_port: u16,
+) -> Result<(), AllocError> {
+    if ports::held_by_node(egress_key.proto, egress.port) {
+        if freed_port == 0 {
+            return Err(AllocError::TableFull);
+        }
+        egress.port = freed_port;
+    }
+    let ingress_key = egress_key.reverse(egress);
+    let ingress = unseen(
+        egress_key.saddr,
+        egress_key.sport,
+        egress.kind,
+        egress.last_seen_ns,
+    );
+    // By reference, as in `reserve_port`.
+    let (key, value) = (&ingress_key, &ingress);
+    match F::nat().insert(key, value, BPF_NOEXIST as u64) {
+        // The node's, as `reserve_port` gives it back; or another flow's since.
+        Ok(()) if ports::held_by_node(egress_key.proto, ingress_key.dport) => {
+            let _ = F::nat().remove(key);
+            Err(AllocError::TableFull)
+        }
+        Ok(()) => publish_egress::<F>(egress_key, key, egress),
+        Err(_) => Err(AllocError::TableFull),
+    }
+}
+
 const RESERVED: u32 = 0;
 const PORTS_EXHAUSTED: u32 = 1;
 const TABLE_FULL: u32 = 2;
@@ -349,7 +386,13 @@ fn reserve_port<F: Family>(
                 return RESERVED;
             }
             Err(EEXIST) => continue,
-            Err(_) => return TABLE_FULL,
+            Err(_) => {
+                // The port it could not reserve: `create_snat_again` tries it once more. Not
+                // asked whether the node holds it: on this path too that doubles what the
+                // verifier walks; `create_snat_again` asks.
+                egress.port = ingress_key.dport;
+                return TABLE_FULL;
+            }
         }
     }
     PORTS_EXHAUSTED
@@ -380,6 +423,69 @@ fn publish_egress<F: Family>(
             }
         }
     }
+}
+
+/// Remembers a flow just created, by its egress key, as one a full table may drop first: the
+/// recent flows, the oldest overwritten.
+#[inline(always)]
+pub fn remember_recent<F: Family>(egress_key: &NatKey<F::Addr>) {
+    if let Some(recent) = F::recent().get_ptr_mut(0) {
+        // SAFETY: a map value. CPUs that write it at once race harmlessly: a slot written twice
+        // loses a flow from the ring (which then expires as any other), and a key torn by two
+        // writers is no flow's, and is found in no table.
+        unsafe {
+            let slot = (*recent).next as usize & (RECENT_FLOWS - 1);
+            (*recent).keys[slot] = *egress_key;
+            (*recent).next = (slot + 1) as u32;
+        }
+    }
+}
+
+/// What `early_drop` says when none of the recent flows could go.
+pub const NO_ROOM: i32 = -1;
+
+step! {
+/// The table is full: drops the oldest of the recent flows that conntrack would drop early
+/// (`is_assured` says no: never answered, or not past its first exchange), both halves. Says
+/// `NO_ROOM`, or the port the flow dropped had from NAT (0 for a flow left its own port), free
+/// now for the new one. A live, assured flow is never dropped.
+pub fn early_drop<F: Family>() -> i32 {
+    let Some(recent) = F::recent().get_ptr_mut(0) else {
+        return NO_ROOM;
+    };
+    // SAFETY: a map value, as in `remember_recent`.
+    let oldest = unsafe { (*recent).next } as usize;
+    for i in 0..RECENT_FLOWS {
+        let slot = (oldest + i) & (RECENT_FLOWS - 1);
+        // SAFETY: as above; the key is read where it lies, in the map.
+        let key = unsafe { &(*recent).keys[slot] };
+        let Some(egress) = lookup::<F>(key) else {
+            continue;
+        };
+        // SAFETY: map value pointer from a successful lookup; its fields are copied out.
+        let (reply_key, egress_seen, kind, port) = unsafe {
+            let entry = &*egress;
+            (key.reverse(entry), entry.tcp_seen, entry.kind, entry.port)
+        };
+        let Some(reply) = lookup::<F>(&reply_key) else {
+            continue;
+        };
+        // SAFETY: as above.
+        if is_assured(key.proto, egress_seen, unsafe { (*reply).tcp_seen }) {
+            continue;
+        }
+        let reply_key = &reply_key;
+        let _ = F::nat().remove(reply_key);
+        let _ = F::nat().remove(key);
+        maps::count(Counter::NatEarlyDropped);
+        return if kind == nat_kind::SNAT {
+            i32::from(port)
+        } else {
+            0
+        };
+    }
+    NO_ROOM
+}
 }
 
 /// Why a flow could not be remembered as one to leave alone.
@@ -434,6 +540,7 @@ pub fn track_identity<F: Family>(
         let _ = nat.remove(ingress_key);
         return Err(IdentityError::NotRecorded);
     }
+    remember_recent::<F>(egress_key);
     Ok(())
 }
 

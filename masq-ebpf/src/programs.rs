@@ -107,8 +107,21 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
                 return verdict.count();
             }
             let mut entry = NatEntry::default();
-            match snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry) {
-                MASQUERADE => snat_nat::<F>(ctx, &ip, &l4, &entry),
+            let mut verdict = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
+            // A full table drops one flow conntrack would drop early, and is asked once more;
+            // steps called one after the other, as above.
+            if verdict == TABLE_FULL {
+                let freed = nat::early_drop::<F>();
+                if freed != nat::NO_ROOM {
+                    verdict = snat_masquerade_again::<F>(&key, &mut entry, freed as u16);
+                }
+            }
+            match verdict {
+                MASQUERADE => {
+                    nat::remember_recent::<F>(&key);
+                    snat_nat::<F>(ctx, &ip, &l4, &entry)
+                }
+                TABLE_FULL => Verdict::Drop(Counter::DropNatTableFull).count(),
                 verdict => verdict,
             }
         }
@@ -119,8 +132,9 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
 /// the node's own (whose flows are masqueraded only when their port clashes).
 const POD_SOURCE: i32 = -3;
 const NODE_SOURCE: i32 = -4;
-/// What `snat_masquerade_new` says once the flow's entry is made.
+/// What `snat_masquerade_new` says once the flow's entry is made, and when the table was full.
 const MASQUERADE: i32 = -5;
+const TABLE_FULL: i32 = -6;
 
 step! {
 /// Egress, a packet of no known flow: the node's own, one to leave alone (its verdict), or the
@@ -164,7 +178,23 @@ fn snat_masquerade_new<F: Family>(
             MASQUERADE
         }
         Err(AllocError::PortsExhausted) => Verdict::Drop(Counter::DropPortsExhausted).count(),
-        Err(AllocError::TableFull) => Verdict::Drop(Counter::DropNatTableFull).count(),
+        Err(AllocError::TableFull) => TABLE_FULL,
+    }
+}
+}
+
+step! {
+/// Egress, the first packet of a flow to masquerade, once `early_drop` made room in a full
+/// table: the port `snat_masquerade_new` found no room for, in `entry`, or the one the flow
+/// dropped had (`freed_port`), taken now.
+fn snat_masquerade_again<F: Family>(
+    key: &NatKey<F::Addr>,
+    entry: &mut NatEntry<F::Addr>,
+    freed_port: u16,
+) -> i32 {
+    match nat::create_snat_again::<F>(key, entry, freed_port) {
+        Ok(()) => MASQUERADE,
+        Err(_) => TABLE_FULL,
     }
 }
 }

@@ -287,6 +287,17 @@ pub fn harness<F: Family>() -> TestBed {
     F::bed(1024, &SPANS, true)
 }
 
+/// The pods' ports of the flows in the family's NAT table, sorted.
+pub fn pod_ports<F: Family>(h: &TestBed) -> Vec<u16> {
+    let mut ports: Vec<u16> = F::nat(h)
+        .iter()
+        .filter(|(k, _)| k.direction == masq_ebpf::direction::EGRESS)
+        .map(|(k, _)| u16::from_be(k.sport))
+        .collect();
+    ports.sort();
+    ports
+}
+
 pub fn in_spans(port: u16) -> bool {
     SPANS.iter().any(|&(a, b)| (a..=b).contains(&port))
 }

@@ -30,17 +30,6 @@ fn sweep_after<F: Family>(h: &TestBed, idle: Duration) -> NatUsage {
     F::expire(h, &Timeouts::default(), newest + idle.as_nanos() as u64)
 }
 
-/// The pods' ports of the flows in the table, sorted.
-fn pod_ports<F: Family>(h: &TestBed) -> Vec<u16> {
-    let mut ports: Vec<u16> = F::nat(h)
-        .iter()
-        .filter(|(k, _)| k.direction == direction::EGRESS)
-        .map(|(k, _)| u16::from_be(k.sport))
-        .collect();
-    ports.sort();
-    ports
-}
-
 fn expiry_removes_both_halves_of_idle_flows_only<F: Family>() {
     let mut h = harness::<F>();
     h.egress(&udp(F::POD, 2001, F::REMOTE, 53));

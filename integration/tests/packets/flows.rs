@@ -18,7 +18,8 @@ in_both_families!(
     two_pods_with_one_source_port_get_different_nat_ports,
     without_random_fully_the_pods_port_is_kept_when_free,
     exhausted_ports_drop_and_count_never_mistranslate,
-    a_full_nat_table_drops_new_flows_and_keeps_live_ones,
+    a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow,
+    a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
     the_nodes_own_ports_are_never_handed_out_and_take_no_entry,
     a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow,
@@ -183,17 +184,37 @@ fn exhausted_ports_drop_and_count_never_mistranslate<F: Family>() {
     assert_frame(&back, &restored, &checksums::<F>(F::L4 + 6));
 }
 
-fn a_full_nat_table_drops_new_flows_and_keeps_live_ones<F: Family>() {
+/// A full table drops early what conntrack would (a flow never answered, or not past its first
+/// exchange) to make room for a new one; a table full of assured flows drops the new flow
+/// instead, and every live flow keeps its port both ways.
+fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F: Family>() {
     let mut h = F::bed(4, &[(1024, 65535)], true);
-    let (_, a) = h.egress(&udp(F::POD, 1001, F::REMOTE, 53));
-    let (_, b) = h.egress(&udp(F::POD, 1002, F::REMOTE, 53));
+    // A stream, seen both ways again after its first exchange: assured.
+    let stream = |h: &mut TestBed, pod_port: u16| {
+        let mut node_port = 0;
+        for _ in 0..3 {
+            let (_, out) = h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+            node_port = word(&out, F::L4);
+            h.ingress(&udp(F::REMOTE, 53, F::NODE, node_port));
+        }
+        node_port
+    };
+    let a = stream(&mut h, 1001);
+    h.egress(&udp(F::POD, 1002, F::REMOTE, 53));
     assert_eq!(F::nat(&h).len(), 4, "two flows fill a four-entry table");
     let (verdict, _) = h.egress(&udp(F::POD, 1003, F::REMOTE, 53));
-    assert_eq!(verdict, TC_ACT_SHOT, "a third flow is dropped");
+    assert_eq!(verdict, TC_ACT_OK, "the unanswered flow makes room");
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 1);
+    assert_eq!(pod_ports::<F>(&h), [1001, 1003]);
+    let c = stream(&mut h, 1003);
+    let (verdict, _) = h.egress(&udp(F::POD, 1004, F::REMOTE, 53));
+    assert_eq!(
+        verdict, TC_ACT_SHOT,
+        "no assured flow is dropped: the new one is"
+    );
     assert_eq!(h.counter(Counter::DropNatTableFull), 1);
     assert_eq!(F::nat(&h).len(), 4, "and leaves nothing behind");
-    for (out, pod_port) in [(a, 1001), (b, 1002)] {
-        let port = word(&out, F::L4);
+    for (port, pod_port) in [(a, 1001), (c, 1003)] {
         let (verdict, again) = h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
         assert_eq!(
             (verdict, word(&again, F::L4)),
@@ -204,6 +225,36 @@ fn a_full_nat_table_drops_new_flows_and_keeps_live_ones<F: Family>() {
         let restored = udp(F::REMOTE, 53, F::POD, pod_port);
         assert_frame(&back, &restored, &checksums::<F>(F::L4 + 6));
     }
+}
+
+/// When the port a new flow found no room for is one the node holds, the new flow takes the
+/// port of the flow dropped early for it, and never the node's.
+fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: Family>() {
+    let mut h = F::bed(4, &[(5000, 5002)], false);
+    // Without --random-fully the pod's own port is tried first.
+    for _ in 0..2 {
+        h.egress(&udp(F::POD, 5000, F::REMOTE, 53));
+        h.ingress(&udp(F::REMOTE, 53, F::NODE, 5000));
+    }
+    h.egress(&udp(F::POD, 5001, F::REMOTE, 53));
+    h.hold_node_ports(&NodePorts {
+        tcp: [].into(),
+        udp: [5002].into(),
+    });
+    let (verdict, out) = h.egress(&udp(F::POD, 5002, F::REMOTE, 53));
+    assert_eq!(
+        (verdict, word(&out, F::L4)),
+        (TC_ACT_OK, 5001),
+        "the unanswered flow's port, not the node's 5002"
+    );
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 1);
+    assert_eq!(pod_ports::<F>(&h), [5000, 5002]);
+    let (_, back) = h.ingress(&udp(F::REMOTE, 53, F::NODE, 5001));
+    assert_frame(
+        &back,
+        &udp(F::REMOTE, 53, F::POD, 5002),
+        &checksums::<F>(F::L4 + 6),
+    );
 }
 
 /// The node's own flows share the node's address with masqueraded ones: its sockets, and the

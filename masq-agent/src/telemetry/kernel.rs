@@ -138,6 +138,11 @@ fn series(
             "Connections opened from outside toward a pod, first seen",
             None,
         ),
+        Counter::NatEarlyDropped => (
+            "nat_early_drops",
+            "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, or not past their first exchange",
+            None,
+        ),
         Counter::AllocationFailed => (
             "nat_allocation_failures",
             "New flows for which no free NAT port was found",

@@ -292,6 +292,8 @@ mod tests {
             map_names::FRAGMENTS_V4,
             map_names::FRAGMENTS_V6,
             map_names::NODE_PORTS,
+            map_names::RECENT_FLOWS_V4,
+            map_names::RECENT_FLOWS_V6,
         ];
         for name in map_names::PINNED.iter().chain(&unpinned) {
             assert!(
