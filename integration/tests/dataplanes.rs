@@ -379,17 +379,7 @@ fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
     agent.stop(libc::SIGTERM).unwrap();
     assert!(!cleared(&bed), "cleared by the agent that left");
     let _agent = bed.start_agent(&[]);
-    // The source the outside host sees on the flow from the pod's `port`.
-    let source = |port| {
-        bed.server.clear();
-        wait_for(|| {
-            probe::udp_send_from(bed.pod(), second_outside(), port)?;
-            std::thread::sleep(Duration::from_millis(50));
-            Ok(!bed.server.sources(Proto::Udp).is_empty())
-        })
-        .unwrap();
-        bed.server.sources(Proto::Udp)[0]
-    };
+    let source = |port| udp_source_from(&bed, second_outside(), port);
     wait_for(|| Ok(cleared(&bed))).expect("no flow to outlive the policy at the start");
     assert_eq!(source(40122), pod_ip(0), "left alone, without a lookup");
 
@@ -411,6 +401,127 @@ fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
     std::thread::sleep(masq_agent::dataplane::ebpf::strays::GRACE * 3);
     assert!(!cleared(&bed), "a check found the stranded flow");
     assert_eq!(source(40123), node_ip());
+}
+
+/// The source the outside host sees on the UDP flow from the pod's `port` to `dst`.
+fn udp_source_from(bed: &Bed, dst: SocketAddr, port: u16) -> IpAddr {
+    bed.server.clear();
+    wait_for(|| {
+        probe::udp_send_from(bed.pod(), dst, port)?;
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(!bed.server.sources(Proto::Udp).is_empty())
+    })
+    .unwrap();
+    bed.server.sources(Proto::Udp)[0]
+}
+
+/// A ping from the pod, five requests a second with one identifier, as the outside host sees
+/// them; stopped when dropped.
+struct LivePing {
+    ping: std::process::Child,
+    requests: RawObserver,
+}
+
+impl LivePing {
+    fn start(bed: &Bed, family: Family, dst: IpAddr) -> LivePing {
+        let requests = family.observe(&bed.topo.ext, IPPROTO_ICMP);
+        let ping = masq_testbed::netns::command_in(bed.pod(), "ping")
+            .args(["-i", "0.2", "-w", "60", &dst.to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for(|| Ok(!requests.sources().is_empty())).unwrap();
+        LivePing { ping, requests }
+    }
+
+    /// The requests sent from now on, for a second, all leave with `source`.
+    fn assert_leaves_with(&self, source: IpAddr, what: &str) {
+        let before = self.requests.sources().len();
+        std::thread::sleep(Duration::from_secs(1));
+        let after = &self.requests.sources()[before..];
+        assert!(after.len() >= 3, "{what}: the ping went on ({after:?})");
+        assert!(after.iter().all(|s| *s == source), "{what}: {after:?}");
+    }
+}
+
+impl Drop for LivePing {
+    fn drop(&mut self) {
+        let _ = self.ping.kill();
+        let _ = self.ping.wait();
+    }
+}
+
+/// A UDP flow and a ping that left with the pod's address under `left_alone` keep it when the
+/// config becomes `masquerading`, while new flows to `dst` take the node's; a UDP flow and a
+/// ping masqueraded under `masquerading` stay so when the config is `left_alone` again. As
+/// conntrack keeps a flow's NAT for its whole life. `port` and `port + 1`: the flows' ports.
+fn assert_a_change_moves_no_live_flow(
+    bed: &Bed,
+    family: Family,
+    dst: SocketAddr,
+    (left_alone, masquerading): (&str, &str),
+    port: u16,
+) {
+    let (pod, node) = (family.pod(0), family.node());
+    write_config(&bed.config, left_alone).unwrap();
+    wait_for_udp_source(bed, dst, pod);
+    assert_eq!(udp_source_from(bed, dst, port), pod);
+    let ping = LivePing::start(bed, family, dst.ip());
+    write_config(&bed.config, masquerading).unwrap();
+    wait_for_udp_source(bed, dst, node);
+    let change = format!("{left_alone:?} to {masquerading:?}");
+    assert_eq!(
+        udp_source_from(bed, dst, port),
+        pod,
+        "{change}: the live UDP flow keeps the pod's address"
+    );
+    ping.assert_leaves_with(pod, &format!("{change}: the live ping"));
+    drop(ping);
+
+    assert_eq!(udp_source_from(bed, dst, port + 1), node);
+    let ping = LivePing::start(bed, family, dst.ip());
+    write_config(&bed.config, left_alone).unwrap();
+    wait_for_udp_source(bed, dst, pod);
+    assert_eq!(
+        udp_source_from(bed, dst, port + 1),
+        node,
+        "back from {change}: the masqueraded UDP flow stays so"
+    );
+    ping.assert_leaves_with(node, &format!("back from {change}: the masqueraded ping"));
+}
+
+/// No policy change moves a live flow, in either direction: the destination's prefix dropped
+/// from nonMasqueradeCIDRs, moved to masqueradeCIDRs, or covered by a new exception.
+fn a_policy_change_moves_no_live_flow(plane: Plane, family: Family) {
+    let (range, _) = family.outside_prefixes();
+    let dst = family.routable_client();
+    let host = match dst.ip() {
+        IpAddr::V4(ip) => format!("{ip}/32"),
+        IpAddr::V6(ip) => format!("{ip}/128"),
+    };
+    let left_alone = family.config_with(&[range], &[]);
+    let bed = Bed::new(plane, &left_alone);
+    let _agent = bed.start_agent(family.agent_args());
+    let changes = [
+        family.config_with(&[], &[]),
+        family.config_with(&[], &[range]),
+        family.config_with(&[range], &[&host]),
+    ];
+    for (i, masquerading) in changes.iter().enumerate() {
+        let port = 41000 + 2 * i as u16;
+        assert_a_change_moves_no_live_flow(&bed, family, dst, (&left_alone, masquerading), port);
+    }
+}
+
+/// `masqLinkLocal` turned on moves no live flow to link-local, and turned off again none it
+/// masqueraded.
+fn turning_masq_link_local_on_moves_no_live_flow(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let masquerading = format!("{DEFAULT_CONFIG}masqLinkLocal: true\n");
+    let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
+    let configs = (DEFAULT_CONFIG, masquerading.as_str());
+    assert_a_change_moves_no_live_flow(&bed, Family::V4, link_local, configs, 41100);
 }
 
 fn applies_a_config_change_live(plane: Plane) {
@@ -2357,9 +2468,7 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(plane: Plane
         }
         held
     });
-    let mut args = family.agent_args().to_vec();
-    args.push("--nat-capacity=64");
-    let agent = bed.start_agent(&args);
+    let agent = bed.start_agent(&family.small_table_args());
     family.assert_masqueraded(&bed);
 
     // Real connections from outside, held open.
@@ -2407,18 +2516,194 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(plane: Plane
     drop(clients);
 }
 
+/// kube-proxy's NodePort in the tests.
+const NODE_PORT: u16 = 30080;
+
+/// `count` established connections from outside to a NodePort whose endpoint is on another node
+/// (the outside host, for want of one), each as the client's end and the endpoint's: kube-proxy
+/// DNATs them and masquerades them to the node's address with ports from the whole range
+/// (`--random-fully`), so that most take ports NAT hands out too and hold them in the NAT table.
+fn nodeport_connections_to_another_node(
+    bed: &Bed,
+    family: Family,
+    count: usize,
+) -> Vec<(TcpStream, TcpStream)> {
+    let endpoint = SocketAddr::from((family.outside().ip(), 9706));
+    let listener =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(endpoint)?))
+            .unwrap();
+    let node = family.node();
+    let host = match family {
+        Family::V4 => format!("{node}/32"),
+        Family::V6 => format!("{node}/128"),
+    };
+    let mark = format!(
+        "-A PREROUTING -d {host} -p tcp --dport {NODE_PORT} -j MARK --set-xmark 0x4000/0x4000"
+    );
+    let dnat = format!(
+        "-A PREROUTING -d {host} -p tcp --dport {NODE_PORT} -j DNAT --to-destination {endpoint}"
+    );
+    kube_proxy(
+        bed,
+        family,
+        &[
+            &mark,
+            &dnat,
+            "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j MASQUERADE --random-fully",
+        ],
+    );
+    let service = SocketAddr::from((node, NODE_PORT));
+    let clients: Vec<TcpStream> = (0..count)
+        .map(|_| {
+            masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpStream::connect(service)?))
+                .unwrap()
+        })
+        .collect();
+    let served = listener.incoming().take(count).map(|s| s.unwrap());
+    let mut connections: Vec<(TcpStream, TcpStream)> = clients.into_iter().zip(served).collect();
+    // Past the handshake both ways: established flows, each with a reservation.
+    for (client, server) in &mut connections {
+        exchange_a_byte(client, server);
+    }
+    connections
+}
+
+/// NodePort connections to an endpoint on another node take ports NAT hands out, and hold them
+/// in the NAT table. Established or spoofed, however many, they never cost a pod its new
+/// connections: a full table gives up the node's reservations first, and the connections keep
+/// working.
+fn nodeport_connections_to_another_node_leave_the_pods_their_nat_table(
+    plane: Plane,
+    family: Family,
+) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(&family.small_table_args());
+    family.assert_masqueraded(&bed);
+    let mut connections = nodeport_connections_to_another_node(&bed, family, 100);
+    probe::send_frames(&bed.topo.ext, spoofed_syns(family, NODE_PORT, 300)).unwrap();
+
+    for _ in 0..5 {
+        family.assert_masqueraded(&bed);
+    }
+    // The node's connections keep working.
+    for (client, server) in &mut connections {
+        exchange_a_byte(client, server);
+    }
+    assert_made_room(&bed, "nat_node_flow_dropped");
+}
+
+/// A byte from `client` to `server` and one back, within three seconds each.
+fn exchange_a_byte(client: &mut TcpStream, server: &mut TcpStream) {
+    use std::io::{Read, Write};
+    let one_way = |from: &mut TcpStream, to: &mut TcpStream| {
+        let mut byte = [0u8; 1];
+        to.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        from.write_all(b"x").unwrap();
+        to.read_exact(&mut byte).unwrap();
+        assert_eq!(&byte, b"x");
+    };
+    one_way(client, server);
+    one_way(server, client);
+}
+
+/// On the eBPF plane: the NAT table was full, and made room for every new flow of a pod by
+/// dropping flows that `dropped` counts.
+fn assert_made_room(bed: &Bed, dropped: &str) {
+    if bed.plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert!(counters[dropped].as_u64().unwrap() > 0, "{counters:#}");
+        assert_eq!(counters["dropped_nat_table_full"], 0, "{counters:#}");
+    }
+}
+
+/// `count` queries from the pod, each from a fresh port, to `port` of the outside host, where a
+/// server reads nothing and, its socket bound, sends no port unreachable either: flows never
+/// answered. The server, to keep while it should stay silent.
+fn unanswered_queries(bed: &Bed, family: Family, port: u16, count: usize) -> UdpSocket {
+    let silent = SocketAddr::from((family.outside().ip(), port));
+    let server =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
+    let any = family.any();
+    masq_testbed::netns::within(bed.pod(), move || {
+        for _ in 0..count {
+            UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    server
+}
+
+/// An agent restarted over a NAT table that pods filled with flows never answered: its programs
+/// find those flows to drop (the agent hands them the table's flows when it loads them), and
+/// pods keep connecting.
+fn a_table_filled_before_a_restart_still_makes_room(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let args = family.small_table_args();
+    let mut agent = bed.start_agent(&args);
+    family.assert_masqueraded(&bed);
+    let _server = unanswered_queries(&bed, family, 9707, 100);
+    agent.stop(libc::SIGKILL).unwrap();
+    let _restarted = bed.start_agent(&args);
+    for _ in 0..5 {
+        family.assert_masqueraded(&bed);
+    }
+    if plane == Plane::Ebpf {
+        let status = bed.status_json();
+        assert_eq!(
+            status["ebpf"]["nat_entries"], 128,
+            "the test filled the table: {status:#}"
+        );
+    }
+}
+
+/// A NAT table that the node's flows fill, replaced by a smaller one (another
+/// `--nat-capacity`): the pods' flows are carried first, so that every pod connection survives,
+/// and pods keep connecting.
+fn a_smaller_table_carries_the_pods_flows_first(plane: Plane, family: Family) {
+    let bed = Bed::new(plane, family.config());
+    let mut agent = bed.start_agent(&family.small_table_args());
+    let held = SocketAddr::from((family.outside().ip(), 9708));
+    let listener =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(held)?)).unwrap();
+    let mut pods_connections: Vec<(TcpStream, TcpStream)> = (0..4)
+        .map(|_| {
+            let pod_end =
+                masq_testbed::netns::within(bed.pod(), move || Ok(TcpStream::connect(held)?))
+                    .unwrap();
+            (pod_end, listener.accept().unwrap().0)
+        })
+        .collect();
+    for (pod_end, host_end) in &mut pods_connections {
+        exchange_a_byte(pod_end, host_end);
+    }
+    let _node_connections = nodeport_connections_to_another_node(&bed, family, 100);
+    agent.stop(libc::SIGTERM).unwrap();
+    let mut args = family.agent_args().to_vec();
+    args.push("--nat-capacity=16");
+    let _smaller = bed.start_agent(&args);
+    for (pod_end, host_end) in &mut pods_connections {
+        exchange_a_byte(pod_end, host_end);
+    }
+    family.assert_masqueraded(&bed);
+    if plane == Plane::Ebpf {
+        let counters = &bed.status_json()["ebpf"]["counters"];
+        assert!(
+            counters["nat_flows_not_carried"].as_u64().unwrap() > 0,
+            "the node's flows did not all fit: {counters:#}"
+        );
+    }
+}
+
 /// A pod's resolver retrying against a server that never answers, each query from a fresh
 /// port, fills a small NAT table with flows no one will use again. As conntrack's early drop
 /// does, those make room for the pods' next flows: with room for 64 flows, after 300 unanswered
 /// queries a pod still connects, and a connection established before them still carries data.
 fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: Family) {
-    use std::io::{Read, Write};
     const SILENT: u16 = 9702;
     const HELD: u16 = 9703;
     let bed = Bed::new(plane, family.config());
-    let mut args = family.agent_args().to_vec();
-    args.push("--nat-capacity=64");
-    let _agent = bed.start_agent(&args);
+    let _agent = bed.start_agent(&family.small_table_args());
     family.assert_masqueraded(&bed);
 
     let outside = family.outside().ip();
@@ -2434,39 +2719,13 @@ fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: Fami
     pod_end
         .set_read_timeout(Some(Duration::from_secs(3)))
         .unwrap();
-    let exchange = |pod_end: &mut TcpStream, host_end: &mut TcpStream| {
-        let mut byte = [0u8; 1];
-        pod_end.write_all(b"q").unwrap();
-        host_end.read_exact(&mut byte).unwrap();
-        host_end.write_all(b"a").unwrap();
-        pod_end.read_exact(&mut byte).unwrap();
-        assert_eq!(&byte, b"a");
-    };
-    exchange(&mut pod_end, &mut host_end);
+    exchange_a_byte(&mut pod_end, &mut host_end);
 
-    // A server that reads nothing and, its socket bound, sends no port unreachable either.
-    let silent = SocketAddr::from((outside, SILENT));
-    let _server =
-        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
-    let any = family.any();
-    masq_testbed::netns::within(bed.pod(), move || {
-        for _ in 0..300 {
-            UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
-        }
-        Ok(())
-    })
-    .unwrap();
+    let _server = unanswered_queries(&bed, family, SILENT, 300);
 
     family.assert_masqueraded(&bed);
-    exchange(&mut pod_end, &mut host_end);
-    if plane == Plane::Ebpf {
-        let counters = &bed.status_json()["ebpf"]["counters"];
-        assert!(
-            counters["nat_early_dropped"].as_u64().unwrap() > 0,
-            "{counters:#}"
-        );
-        assert_eq!(counters["dropped_nat_table_full"], 0, "{counters:#}");
-    }
+    exchange_a_byte(&mut pod_end, &mut host_end);
+    assert_made_room(&bed, "nat_early_dropped");
 }
 
 /// `explain` says what the outside host sees, with the entry that decides it, and the data
@@ -2733,6 +2992,14 @@ impl Family {
             Family::V4 => node_ip(),
             Family::V6 => node_ip_v6(),
         }
+    }
+
+    /// The agent's arguments, with room for 64 flows in the NAT table: tests of a full table
+    /// fill it in a moment.
+    fn small_table_args(self) -> Vec<&'static str> {
+        let mut args = self.agent_args().to_vec();
+        args.push("--nat-capacity=64");
+        args
     }
 
     /// A TCP connection from the pod to the outside arrives from the node's address.
@@ -3995,12 +4262,17 @@ macro_rules! common_cases {
             explain_says_what_the_outside_host_sees,
             connections_to_the_nodes_services_leave_the_pods_their_nat_table,
             a_pods_unanswered_queries_leave_room_for_new_flows,
+            nodeport_connections_to_another_node_leave_the_pods_their_nat_table,
+            a_table_filled_before_a_restart_still_makes_room,
+            a_smaller_table_carries_the_pods_flows_first,
+            a_policy_change_moves_no_live_flow,
         );
         cases!($plane:
             masquerades_outside_traffic_only,
             packets_with_ip_options_are_masqueraded,
             two_pods_with_one_source_port_share_the_node_address,
             link_local_is_exempt_unless_masq_link_local,
+            turning_masq_link_local_on_moves_no_live_flow,
             applies_a_config_change_live,
             keeps_the_last_good_policy_on_an_invalid_config,
             keeps_the_policy_while_the_config_file_cannot_be_read,

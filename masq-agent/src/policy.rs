@@ -56,6 +56,20 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// Whether some destination that `self` leaves alone, `after` masquerades: a prefix
+    /// dropped from the non-masquerade lists, or an exception added. (It may say so of a
+    /// change that moves nothing, as one that only splits a prefix; never the other way.)
+    pub fn may_masquerade_more(&self, after: &Policy) -> bool {
+        fn dropped<T: PartialEq>(from: &[T], to: &[T]) -> bool {
+            from.iter().any(|p| !to.contains(p))
+        }
+        let v6 = |p: &Policy| p.non_masq_v6.clone().unwrap_or_default();
+        dropped(&self.non_masq_v4, &after.non_masq_v4)
+            || dropped(&v6(self), &v6(after))
+            || dropped(&after.masq_v4, &self.masq_v4)
+            || dropped(&after.masq_v6, &self.masq_v6)
+    }
+
     /// Whether traffic to `addr` keeps its source address.
     pub fn exempts(&self, addr: IpAddr) -> bool {
         self.decide(addr).0 == Action::NonMasquerade

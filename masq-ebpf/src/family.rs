@@ -7,7 +7,7 @@ use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
-    maps::{self, FragmentTable, NatTable, RecentFlowsMap},
+    maps::{self, DropSample, FragmentTable, NatTable},
     parse::{self, Packet},
     policy,
 };
@@ -40,7 +40,9 @@ pub trait Family {
     /// Whether a pod could be `addr`: replies to broadcast or multicast open no flow.
     fn is_unicast(addr: &Self::Addr) -> bool;
     fn nat() -> &'static NatTable<Self::Addr>;
-    fn recent() -> &'static RecentFlowsMap<Self::Addr>;
+    fn drop_sample() -> &'static DropSample<Self::Addr>;
+    /// The drop sample's slots, a power of two the agent set.
+    fn drop_sample_slots() -> u32;
     fn fragments() -> &'static FragmentTable<Self::Addr>;
     /// What the policy decides for traffic to `addr`.
     fn decide(addr: Self::Addr) -> Decision;
@@ -117,8 +119,13 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn recent() -> &'static RecentFlowsMap<[u8; 4]> {
-        &maps::RECENT_V4
+    fn drop_sample() -> &'static DropSample<[u8; 4]> {
+        &maps::DROP_SAMPLE_V4
+    }
+
+    #[inline(always)]
+    fn drop_sample_slots() -> u32 {
+        maps::drop_sample_slots(&maps::MASQ_DROP_SAMPLE_SLOTS_V4)
     }
 
     #[inline(always)]
@@ -191,8 +198,13 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn recent() -> &'static RecentFlowsMap<[u8; 16]> {
-        &maps::RECENT_V6
+    fn drop_sample() -> &'static DropSample<[u8; 16]> {
+        &maps::DROP_SAMPLE_V6
+    }
+
+    #[inline(always)]
+    fn drop_sample_slots() -> u32 {
+        maps::drop_sample_slots(&maps::MASQ_DROP_SAMPLE_SLOTS_V6)
     }
 
     #[inline(always)]

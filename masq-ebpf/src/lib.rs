@@ -35,9 +35,11 @@ pub mod map_names {
     /// The node's own ports (`node_ports`), which NAT never hands out; filled by the agent
     /// before the programs run, not pinned.
     pub const NODE_PORTS: &str = "node_ports";
-    /// The last flows created, which a full table may drop first; not pinned.
-    pub const RECENT_FLOWS_V4: &str = "nat_recent_v4";
-    pub const RECENT_FLOWS_V6: &str = "nat_recent_v6";
+    /// A sample of each NAT table's flows, by egress key, from which a full table picks the
+    /// flows it drops early (`drop_sample_slots`); not pinned: the agent fills it from the
+    /// table when it loads the programs.
+    pub const DROP_SAMPLE_V4: &str = "nat_drop_sample_v4";
+    pub const DROP_SAMPLE_V6: &str = "nat_drop_sample_v6";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 11] = [
@@ -93,6 +95,10 @@ pub mod global_names {
     /// tick-precise clock, which costs less per packet than the precise one every kernel has.
     /// Both read CLOCK_MONOTONIC.
     pub const COARSE_CLOCK: &str = "MASQ_COARSE_CLOCK";
+    /// `drop_sample_slots` of each family's table: a constant for the verifier, so that a
+    /// random slot needs no bounds check of its own.
+    pub const DROP_SAMPLE_SLOTS_V4: &str = "MASQ_DROP_SAMPLE_SLOTS_V4";
+    pub const DROP_SAMPLE_SLOTS_V6: &str = "MASQ_DROP_SAMPLE_SLOTS_V6";
 }
 
 /// Capacity of each non-masquerade trie. Upstream caps a config at 64 CIDRs (`cidrLimit`), but the
@@ -359,19 +365,23 @@ pub const fn is_assured(proto: u8, egress: u8, ingress: u8) -> bool {
     }
 }
 
-/// The flows created last, on any CPU, which a full table may drop first (`nat::early_drop`),
-/// oldest first: the egress key of each, as it was when the flow began. Not pinned.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RecentFlows<A: Address> {
-    /// The slot the next flow goes into: the oldest one's.
-    pub next: u32,
-    pub _pad: u32,
-    pub keys: [NatKey<A>; RECENT_FLOWS],
+/// Slots of a family's drop sample for a NAT table of `nat_entries` entries: one per flow the
+/// table holds (two entries each), rounded up to a power of two, so that a random slot is a
+/// mask away. Each new flow writes its egress key into a random slot; a full table looks at
+/// `EARLY_DROP_PROBES` slots for a flow to drop. Sized to the table, the sample stays
+/// dense with whatever fills it, however large the table is.
+pub const fn drop_sample_slots(nat_entries: u32) -> u32 {
+    let flows = nat_entries / 2;
+    if flows <= 1 {
+        1
+    } else {
+        flows.next_power_of_two()
+    }
 }
 
-/// Flows `RecentFlows` keeps: a power of two.
-pub const RECENT_FLOWS: usize = 8;
+/// Slots of the drop sample, in a row from a random one, that a full table looks at for a flow
+/// to drop, as conntrack looks at 8 buckets of its table in a row.
+pub const EARLY_DROP_PROBES: u32 = 8;
 
 /// For protocols other than TCP, the packets a half saw after the flow's first, in
 /// `NatEntry::tcp_seen`'s two high bits (which TCP's leaves clear): enough to tell a flow never
@@ -523,12 +533,14 @@ counters! {
     AllocationFailed = "allocation_failed",
     /// Packets dropped: no free NAT port.
     DropPortsExhausted = "dropped_ports_exhausted",
-    /// Packets dropped: the NAT table is full, and none of the flows it could drop first
-    /// (never answered, or answered once) was at hand.
+    /// Packets dropped: the NAT table is full, and none of the flows it looked at could go.
     DropNatTableFull = "dropped_nat_table_full",
     /// Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops
     /// early: never answered, or not past their first exchange.
     NatEarlyDropped = "nat_early_dropped",
+    /// Flows of the node's own address dropped from a full NAT table to make room for a pod's
+    /// new one: reservations of its tuple, which its next packet makes again.
+    NatNodeFlowDropped = "nat_node_flow_dropped",
     /// Packets dropped: IP fragments that cannot be translated.
     DropFragment = "dropped_fragment",
     /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.

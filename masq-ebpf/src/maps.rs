@@ -7,7 +7,7 @@ use aya_ebpf::{
 use masq_ebpf::{
     COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
     NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
-    RecentFlows, Settings, decision_slot, node_ports, policy_word, verdict_slot,
+    Settings, decision_slot, node_ports, policy_word, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -17,9 +17,9 @@ pub type NatTable<A> = HashMap<NatKey<A>, NatEntry<A>, { NAT_DEFAULT_ENTRIES as 
 /// What the first fragment of each datagram in flight became: the address its later fragments
 /// take.
 pub type FragmentTable<A> = LruHashMap<FragmentKey<A>, A, { FRAGMENTS_MAX_ENTRIES as usize }>;
-/// The last flows created, on any CPU, which a full table may drop first: one ring for all
-/// CPUs, so that a CPU that makes a new flow finds the flows the others made.
-pub type RecentFlowsMap<A> = Array<RecentFlows<A>, 1>;
+/// A sample of a NAT table's flows by egress key (`drop_sample_slots`), for all CPUs, so that a
+/// CPU that finds the table full finds the flows the others made. The agent sets the size.
+pub type DropSample<A> = Array<NatKey<A>, 1>;
 /// Prefixes recently removed from a non-masquerade trie, with the time of their removal.
 pub type DrainingTrie<A> = LpmTrie<A, u32, { NON_MASQ_MAX_ENTRIES as usize }>;
 /// A family's policy: each prefix with its action and the slot that counts its decisions.
@@ -67,11 +67,25 @@ pub static INTERFACES: HashMap<u32, Interface, { INTERFACES_MAX_ENTRIES as usize
 #[btf_map(name = "settings")]
 pub static SETTINGS: Array<Settings, 1> = Array::new();
 
-#[btf_map(name = "nat_recent_v4")]
-pub static RECENT_V4: RecentFlowsMap<[u8; 4]> = Array::new();
+/// `global_names::DROP_SAMPLE_SLOTS_V4` and `_V6`: the agent sets them to the samples' sizes.
+#[unsafe(no_mangle)]
+pub static MASQ_DROP_SAMPLE_SLOTS_V4: u32 = 1;
+#[unsafe(no_mangle)]
+pub static MASQ_DROP_SAMPLE_SLOTS_V6: u32 = 1;
 
-#[btf_map(name = "nat_recent_v6")]
-pub static RECENT_V6: RecentFlowsMap<[u8; 16]> = Array::new();
+/// One of the globals above, as the agent set it.
+#[inline(always)]
+pub fn drop_sample_slots(global: &'static u32) -> u32 {
+    // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
+    // read as the constant the agent set.
+    unsafe { core::ptr::read_volatile(global) }
+}
+
+#[btf_map(name = "nat_drop_sample_v4")]
+pub static DROP_SAMPLE_V4: DropSample<[u8; 4]> = Array::new();
+
+#[btf_map(name = "nat_drop_sample_v6")]
+pub static DROP_SAMPLE_V6: DropSample<[u8; 16]> = Array::new();
 
 #[btf_map(name = "node_ports")]
 pub static NODE_PORTS: Array<u64, { node_ports::WORDS as usize }> = Array::new();

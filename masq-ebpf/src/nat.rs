@@ -4,12 +4,12 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
     programs::TcContext,
 };
 use masq_ebpf::{
-    Address, Counter, IPPROTO_TCP, NatEntry, NatKey, RECENT_FLOWS, Settings, direction, is_assured,
-    nat_kind, packets_seen,
+    Address, Counter, EARLY_DROP_PROBES, IPPROTO_TCP, NatEntry, NatKey, Settings, direction,
+    is_assured, nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -425,40 +425,41 @@ fn publish_egress<F: Family>(
     }
 }
 
-/// Remembers a flow just created, by its egress key, as one a full table may drop first: the
-/// recent flows, the oldest overwritten.
+/// Writes a flow just created, by its egress key, into a random slot of the drop sample, where
+/// a full table may find it. CPUs that write one slot at once race harmlessly: the sample loses
+/// a flow (which expires as any other), or holds a key torn by two writers, which is no flow's.
 #[inline(always)]
-pub fn remember_recent<F: Family>(egress_key: &NatKey<F::Addr>) {
-    if let Some(recent) = F::recent().get_ptr_mut(0) {
-        // SAFETY: a map value. CPUs that write it at once race harmlessly: a slot written twice
-        // loses a flow from the ring (which then expires as any other), and a key torn by two
-        // writers is no flow's, and is found in no table.
-        unsafe {
-            let slot = (*recent).next as usize & (RECENT_FLOWS - 1);
-            (*recent).keys[slot] = *egress_key;
-            (*recent).next = (slot + 1) as u32;
-        }
+pub fn remember_for_early_drop<F: Family>(egress_key: &NatKey<F::Addr>) {
+    // SAFETY: the helper has no preconditions.
+    let slot = unsafe { bpf_get_prandom_u32() } & (F::drop_sample_slots() - 1);
+    if let Some(sampled) = F::drop_sample().get_ptr_mut(slot) {
+        // SAFETY: a map value, written whole; see above for other CPUs.
+        unsafe { *sampled = *egress_key };
     }
 }
 
-/// What `early_drop` says when none of the recent flows could go.
+/// What `early_drop` says when it found no flow to drop.
 pub const NO_ROOM: i32 = -1;
 
 step! {
-/// The table is full: drops the oldest of the recent flows that conntrack would drop early
-/// (`is_assured` says no: never answered, or not past its first exchange), both halves. Says
-/// `NO_ROOM`, or the port the flow dropped had from NAT (0 for a flow left its own port), free
-/// now for the new one. A live, assured flow is never dropped.
-pub fn early_drop<F: Family>() -> i32 {
-    let Some(recent) = F::recent().get_ptr_mut(0) else {
-        return NO_ROOM;
-    };
-    // SAFETY: a map value, as in `remember_recent`.
-    let oldest = unsafe { (*recent).next } as usize;
-    for i in 0..RECENT_FLOWS {
-        let slot = (oldest + i) & (RECENT_FLOWS - 1);
-        // SAFETY: as above; the key is read where it lies, in the map.
-        let key = unsafe { &(*recent).keys[slot] };
+/// The table is full: looks at `EARLY_DROP_PROBES` slots of the drop sample in a row, from a
+/// random one, for a flow to drop, both halves, and gives its slot to `new_key`. (Flows take
+/// random slots, so slots in a row are a random sample too; a sample that small is seen whole.) A flow of the node's own (`NODE`), a
+/// reservation its next packet makes again, goes whatever its state; any other only if
+/// conntrack would drop it early (`is_assured` says no: never answered, or not past its first
+/// exchange). Says `NO_ROOM`, or the port the flow dropped held on the node's address (0 for a
+/// flow that left a pod its own port, or a node flow toward the new flow's destination), free
+/// now for the new one. An assured flow of a pod's is never dropped.
+pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> i32 {
+    // SAFETY: the helper has no preconditions.
+    let first = unsafe { bpf_get_prandom_u32() };
+    for probe in 0..EARLY_DROP_PROBES {
+        let slot = first.wrapping_add(probe) & (F::drop_sample_slots() - 1);
+        let Some(sampled) = F::drop_sample().get_ptr_mut(slot) else {
+            continue;
+        };
+        // SAFETY: a map value; the key is read where it lies.
+        let key = unsafe { &*sampled };
         let Some(egress) = lookup::<F>(key) else {
             continue;
         };
@@ -470,19 +471,31 @@ pub fn early_drop<F: Family>() -> i32 {
         let Some(reply) = lookup::<F>(&reply_key) else {
             continue;
         };
+        let node_flow = kind == nat_kind::NODE;
         // SAFETY: as above.
-        if is_assured(key.proto, egress_seen, unsafe { (*reply).tcp_seen }) {
+        if !node_flow && is_assured(key.proto, egress_seen, unsafe { (*reply).tcp_seen }) {
             continue;
         }
+        let freed = if node_flow {
+            maps::count(Counter::NatNodeFlowDropped);
+            // The node's flow goes on without its reservation: its port is free only toward
+            // other destinations. (A node flow holds a port of NAT's spans, or none.)
+            if key.daddr == new_key.daddr && key.dport == new_key.dport {
+                0
+            } else {
+                i32::from(port)
+            }
+        } else {
+            maps::count(Counter::NatEarlyDropped);
+            if kind == nat_kind::SNAT { i32::from(port) } else { 0 }
+        };
         let reply_key = &reply_key;
         let _ = F::nat().remove(reply_key);
         let _ = F::nat().remove(key);
-        maps::count(Counter::NatEarlyDropped);
-        return if kind == nat_kind::SNAT {
-            i32::from(port)
-        } else {
-            0
-        };
+        // SAFETY: as in `remember_for_early_drop`. Last: `key` is this slot, and no longer
+        // read.
+        unsafe { *sampled = *new_key };
+        return freed;
     }
     NO_ROOM
 }
@@ -540,7 +553,7 @@ pub fn track_identity<F: Family>(
         let _ = nat.remove(ingress_key);
         return Err(IdentityError::NotRecorded);
     }
-    remember_recent::<F>(egress_key);
+    remember_for_early_drop::<F>(egress_key);
     Ok(())
 }
 

@@ -108,19 +108,18 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
             }
             let mut entry = NatEntry::default();
             let mut verdict = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
-            // A full table drops one flow conntrack would drop early, and is asked once more;
-            // steps called one after the other, as above.
-            if verdict == TABLE_FULL {
-                let freed = nat::early_drop::<F>();
+            if verdict == MASQUERADE {
+                nat::remember_for_early_drop::<F>(&key);
+            } else if verdict == TABLE_FULL {
+                // A full table drops one flow conntrack would drop early, and is asked once
+                // more; steps called one after the other, as above.
+                let freed = nat::early_drop::<F>(&key);
                 if freed != nat::NO_ROOM {
                     verdict = snat_masquerade_again::<F>(&key, &mut entry, freed as u16);
                 }
             }
             match verdict {
-                MASQUERADE => {
-                    nat::remember_recent::<F>(&key);
-                    snat_nat::<F>(ctx, &ip, &l4, &entry)
-                }
+                MASQUERADE => snat_nat::<F>(ctx, &ip, &l4, &entry),
                 TABLE_FULL => Verdict::Drop(Counter::DropNatTableFull).count(),
                 verdict => verdict,
             }

@@ -20,6 +20,7 @@ in_both_families!(
     exhausted_ports_drop_and_count_never_mistranslate,
     a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow,
     a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried,
+    a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
     the_nodes_own_ports_are_never_handed_out_and_take_no_entry,
     a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow,
@@ -255,6 +256,50 @@ fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: Fa
         &udp(F::REMOTE, 53, F::POD, 5002),
         &checksums::<F>(F::L4 + 6),
     );
+}
+
+/// The node's flows on ports NAT hands out (netfilter's, or a daemon's) hold their tuple in the
+/// table; a full table gives them up for a pod's new flow, however established: the node's next
+/// packet passes on as it was, and a reservation is all it loses.
+fn a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state<F: Family>() {
+    let mut h = F::bed(4, &[(5000, 5001)], true);
+    for port in [5000, 5001] {
+        for (dir, packet) in [
+            (direction::EGRESS, tcp(F::NODE, port, F::REMOTE, 80, SYN)),
+            (
+                direction::INGRESS,
+                tcp(F::REMOTE, 80, F::NODE, port, SYN | ACK),
+            ),
+            (direction::EGRESS, tcp(F::NODE, port, F::REMOTE, 80, ACK)),
+            (direction::INGRESS, tcp(F::REMOTE, 80, F::NODE, port, ACK)),
+        ] {
+            let run = if dir == direction::EGRESS {
+                h.egress(&packet)
+            } else {
+                h.ingress(&packet)
+            };
+            assert_eq!(run, (TC_ACT_OK, packet), "the node's own, untouched");
+        }
+    }
+    assert_eq!(
+        F::nat(&h).len(),
+        4,
+        "two established node flows fill the table"
+    );
+    let (verdict, out) = h.egress(&udp(F::POD, 1111, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_OK, "a node flow makes room");
+    assert_eq!(h.counter(Counter::NatNodeFlowDropped), 1);
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 0);
+    let port = word(&out, F::L4);
+    assert_frame(
+        &out,
+        &udp(F::NODE, port, F::REMOTE, 53),
+        &checksums::<F>(F::L4 + 6),
+    );
+    for node_port in [5000, 5001] {
+        let segment = tcp(F::NODE, node_port, F::REMOTE, 80, ACK);
+        assert_eq!(h.egress(&segment), (TC_ACT_OK, segment.clone()));
+    }
 }
 
 /// The node's own flows share the node's address with masqueraded ones: its sockets, and the

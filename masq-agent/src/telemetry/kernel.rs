@@ -143,6 +143,11 @@ fn series(
             "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, or not past their first exchange",
             None,
         ),
+        Counter::NatNodeFlowDropped => (
+            "nat_node_flow_drops",
+            "Flows of the node's own address dropped from a full NAT table to make room for a pod's new one",
+            None,
+        ),
         Counter::AllocationFailed => (
             "nat_allocation_failures",
             "New flows for which no free NAT port was found",

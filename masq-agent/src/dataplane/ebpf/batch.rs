@@ -1,5 +1,5 @@
-//! Whole-table reads and deletes with the kernel's batch commands (`BPF_MAP_LOOKUP_BATCH`,
-//! `BPF_MAP_DELETE_BATCH`): a few system calls per table, where key-by-key iteration takes two
+//! Whole-table reads, writes and deletes with the kernel's batch commands
+//! (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`): a few system calls per table, where key-by-key iteration takes two
 //! per entry. A full NAT table holds half a million entries, and the sweep reads it every ten
 //! seconds; the decision counters hold a slot per policy entry, and every metrics scrape reads
 //! them. aya has no binding for these commands (see `syscall`).
@@ -12,7 +12,9 @@ use std::{
 
 use aya::{Pod, maps::MapData};
 
-use super::syscall::cmd::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM};
+use super::syscall::cmd::{
+    BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_BATCH,
+};
 /// Entries per call. A hash bucket must fit in one call; the kernel says ENOSPC if not, and
 /// the call is retried with more room.
 const CHUNK: usize = 4096;
@@ -169,6 +171,25 @@ fn lookup_each<K: Pod>(
             Err(err) => return Err(err),
         }
     }
+}
+
+/// Writes `values` into the slots `0..values.len()` of the array `map` (Linux 5.6).
+pub fn fill_array<V: Pod>(map: &MapData, values: &[V]) -> io::Result<()> {
+    let mut start = 0;
+    while start < values.len() {
+        let take = (values.len() - start).min(CHUNK);
+        let slots: Vec<u32> = (start..start + take).map(|slot| slot as u32).collect();
+        let mut attr = BatchAttr {
+            keys: slots.as_ptr() as u64,
+            values: values[start..].as_ptr() as u64,
+            count: take as u32,
+            map_fd: fd(map),
+            ..BatchAttr::default()
+        };
+        bpf(BPF_MAP_UPDATE_BATCH, &mut attr)?;
+        start += take;
+    }
+    Ok(())
 }
 
 /// Deletes `keys` from the hash map `map`. Keys already gone (the data path or another sweep

@@ -16,6 +16,7 @@ use tracing::{info, warn};
 
 use super::{
     batch,
+    expiry::FlowOwner,
     maps::{Counters, Maps, NatFamily, NatTable},
     pins::Pins,
 };
@@ -223,14 +224,23 @@ where
         left_out: 0,
     };
     // Flow by flow, both halves or neither: half a flow translates one way only.
-    for (key, entry) in entries
+    type Flow<'a, A> = (&'a NatKey<A>, &'a NatEntry<A>, NatKey<A>, &'a NatEntry<A>);
+    let mut flows: Vec<Flow<A>> = entries
         .iter()
         .filter(|(k, _)| k.direction == masq_ebpf::direction::EGRESS)
-    {
-        let partner_key = key.reverse(entry);
-        let Some(partner) = entries.get(&partner_key) else {
-            continue;
-        };
+        .filter_map(|(key, entry)| {
+            let partner_key = key.reverse(entry);
+            let partner = entries.get(&partner_key)?;
+            Some((key, entry, partner_key, partner))
+        })
+        .collect();
+    // A smaller table takes the pods' flows first, and the node's reservations last (see
+    // `FlowOwner`); of each, the flows seen last first.
+    flows.sort_by_key(|(key, entry, _, partner)| {
+        let last_seen = entry.last_seen_ns.max(partner.last_seen_ns);
+        (FlowOwner::of(key, entry), std::cmp::Reverse(last_seen))
+    });
+    for (key, entry, partner_key, partner) in flows {
         if new.get(key, 0).is_ok() || new.get(&partner_key, 0).is_ok() {
             continue;
         }

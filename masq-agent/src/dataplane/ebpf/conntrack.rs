@@ -1,15 +1,25 @@
+//! What conntrack knows of flows the programs must not change the translation of.
+//!
 //! The node's own flows that conntrack knew of before the programs ran: netfilter's
 //! masqueraded ones (kube-proxy's MASQUERADE, upstream's chain before the switch) and the node's
 //! sockets'. The programs hold the tuple of such a flow when its next packet leaves; one that
 //! sends nothing for a while would meanwhile look free to the allocator. So, when the data
 //! plane starts, their tuples are held from conntrack's own table
 //! (`/proc/net/nf_conntrack`, of the agent's network namespace).
+//!
+//! The pods' flows that a policy change would move: a flow that left with the pod's address
+//! because its destination was not masqueraded must keep it when a change masquerades that
+//! destination, as conntrack keeps a flow's NAT for its whole life. The programs translate after
+//! netfilter, so conntrack lists every pod flow with the pod's own tuple both ways; those the
+//! programs masquerade have an entry in the NAT table already. Before the change reaches the
+//! programs, the others toward a destination it masquerades are kept: entries of kind
+//! `PASSTHROUGH`, as for a connection opened from outside.
 
 use std::net::IpAddr;
 
 use masq_ebpf::{
     Address, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction,
-    nat_kind, tcp_seen,
+    nat_kind, packets_seen, tcp_seen,
 };
 use tracing::{info, warn};
 
@@ -22,58 +32,113 @@ use crate::{netdev, policy::Policy};
 /// Where the kernel lists the namespace's conntrack entries.
 const CONNTRACK_TABLE: &str = "/proc/net/nf_conntrack";
 
-/// A flow's tuple as it leaves the node: from one of the node's addresses and ports.
+/// A flow conntrack knows, from one end's side: the node's, or a pod's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NodeFlow {
+pub struct Flow {
     pub proto: u8,
-    pub node: IpAddr,
-    /// The node-side port, or an echo's identifier.
-    pub node_port: u16,
+    pub local: IpAddr,
+    /// The local port, or an echo's identifier.
+    pub local_port: u16,
     pub remote: IpAddr,
     /// 0 for an echo.
     pub remote_port: u16,
+    /// TCP past its handshake.
     pub established: bool,
+    /// Seen both ways again after its first exchange (conntrack's `[ASSURED]`).
+    pub assured: bool,
 }
 
-/// The flows of `table` (conntrack's listing) whose replies come to the node itself, on its
-/// side of them: what netfilter translated to the node's address, and the node's own.
-pub fn node_flows(table: &str, is_node_address: impl Fn(IpAddr) -> bool) -> Vec<NodeFlow> {
-    table
-        .lines()
-        .filter_map(parse)
-        .filter(|flow| is_node_address(flow.node))
-        .collect()
+/// A flow's tuple one way: `src=.. dst=.. sport=.. dport=..` (an echo's `id=` for both ports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tuple {
+    src: IpAddr,
+    dst: IpAddr,
+    sport: u16,
+    dport: u16,
 }
 
-/// One line: `ipv4 2 tcp 6 431999 ESTABLISHED src=.. dst=.. sport=.. dport=.. src=.. ...`,
-/// the original direction's tuple first, then the reply's.
-fn parse(line: &str) -> Option<NodeFlow> {
+/// One line: `ipv4 2 tcp 6 431999 ESTABLISHED src=.. dst=.. sport=.. dport=.. src=.. ...`:
+/// the protocol, the original direction's tuple, the reply's, and the flow's state.
+fn parse(line: &str) -> Option<(u8, Tuple, Tuple, bool, bool)> {
     let words: Vec<&str> = line.split_whitespace().collect();
     let proto: u8 = words.get(3)?.parse().ok()?;
     let established = words.get(5) == Some(&"ESTABLISHED");
-    // The reply direction's tuple: the second of each field.
-    let reply = |field: &str| {
+    let assured = words.contains(&"[ASSURED]");
+    // The `n`th value of `field`: 0 the original direction's, 1 the reply's.
+    let value = |field: &str, n: usize| {
         let prefix = format!("{field}=");
         words
             .iter()
             .filter_map(|w| w.strip_prefix(prefix.as_str()))
-            .nth(1)
+            .nth(n)
     };
-    let (remote, node) = (reply("src")?.parse().ok()?, reply("dst")?.parse().ok()?);
-    let (node_port, remote_port) = match proto {
-        IPPROTO_TCP | IPPROTO_UDP => (reply("dport")?.parse().ok()?, reply("sport")?.parse().ok()?),
-        // An echo: its reply's identifier is the node's.
-        IPPROTO_ICMP | IPPROTO_ICMPV6 => (reply("id")?.parse().ok()?, 0),
-        _ => return None,
+    let tuple = |n: usize| -> Option<Tuple> {
+        let (sport, dport) = match proto {
+            IPPROTO_TCP | IPPROTO_UDP => (
+                value("sport", n)?.parse().ok()?,
+                value("dport", n)?.parse().ok()?,
+            ),
+            // An echo: both ends know it by its identifier.
+            IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+                let id = value("id", n)?.parse().ok()?;
+                (id, id)
+            }
+            _ => return None,
+        };
+        Some(Tuple {
+            src: value("src", n)?.parse().ok()?,
+            dst: value("dst", n)?.parse().ok()?,
+            sport,
+            dport,
+        })
     };
-    Some(NodeFlow {
+    Some((proto, tuple(0)?, tuple(1)?, established, assured))
+}
+
+/// The flow from the side of the end its replies go to.
+fn replied_end(proto: u8, reply: Tuple, established: bool, assured: bool) -> Flow {
+    let echo = matches!(proto, IPPROTO_ICMP | IPPROTO_ICMPV6);
+    Flow {
         proto,
-        node,
-        node_port,
-        remote,
-        remote_port,
+        local: reply.dst,
+        local_port: reply.dport,
+        remote: reply.src,
+        remote_port: if echo { 0 } else { reply.sport },
         established,
-    })
+        assured,
+    }
+}
+
+/// The flows of `table` (conntrack's listing) whose replies come to the node itself, on its
+/// side of them: what netfilter translated to the node's address, and the node's own.
+pub fn node_flows(table: &str, is_node_address: impl Fn(IpAddr) -> bool) -> Vec<Flow> {
+    table
+        .lines()
+        .filter_map(parse)
+        .map(|(proto, _, reply, established, assured)| {
+            replied_end(proto, reply, established, assured)
+        })
+        .filter(|flow| is_node_address(flow.local))
+        .collect()
+}
+
+/// The flows of `table` that neither end's netfilter translated, from an address not the
+/// node's: the pods' flows, on the pod's side. Those the programs masquerade are among them.
+pub fn pod_flows(table: &str, is_node_address: impl Fn(IpAddr) -> bool) -> Vec<Flow> {
+    table
+        .lines()
+        .filter_map(parse)
+        .filter(|(_, original, reply, _, _)| {
+            reply.src == original.dst
+                && reply.dst == original.src
+                && reply.sport == original.dport
+                && reply.dport == original.sport
+        })
+        .map(|(proto, _, reply, established, assured)| {
+            replied_end(proto, reply, established, assured)
+        })
+        .filter(|flow| !is_node_address(flow.local))
+        .collect()
 }
 
 /// Reads conntrack's table of this namespace; `None` where the kernel does not list it.
@@ -95,12 +160,12 @@ pub fn hold_known_node_flows(
         return;
     };
     let held = netdev::local_addresses().and_then(|addresses| {
-        let flows: Vec<NodeFlow> = node_flows(&table, |addr| addresses.contains(&addr))
+        let flows: Vec<Flow> = node_flows(&table, |addr| addresses.contains(&addr))
             .into_iter()
             .filter(|flow| !policy.exempts(flow.remote))
-            .filter(|flow| reservable(flow.proto, flow.node_port))
+            .filter(|flow| reservable(flow.proto, flow.local_port))
             .collect();
-        hold(nat, &flows)
+        record(nat, &flows, nat_kind::NODE)
     });
     match held {
         Ok(0) => {}
@@ -109,31 +174,58 @@ pub fn hold_known_node_flows(
     }
 }
 
-/// Holds the tuples of `flows` in the NAT tables, as the programs hold a node flow's: identity
-/// entries of kind `NODE`. A tuple already held (by the programs' own flow, or by the node's
-/// flow since its last packet) stays as it is. Returns how many were held.
-fn hold(nat: &mut NatTables, flows: &[NodeFlow]) -> anyhow::Result<usize> {
+/// Keeps the pods' flows that left with their own address under `before` and that `after`
+/// would masquerade: what conntrack knows of them goes into the NAT tables as flows left alone
+/// (`PASSTHROUGH`), to be called before `after` reaches the programs. A flow the programs
+/// masquerade has its entries already, and keeps them. Where the kernel does not list
+/// conntrack's table, only TCP is kept, by the draining trie.
+pub fn keep_pod_flows(nat: &mut NatTables, before: &Policy, after: &Policy) {
+    let Some(table) = read_table() else {
+        return;
+    };
+    let kept = netdev::local_addresses().and_then(|addresses| {
+        let flows: Vec<Flow> = pod_flows(&table, |addr| addresses.contains(&addr))
+            .into_iter()
+            .filter(|flow| before.exempts(flow.remote) && !after.exempts(flow.remote))
+            .collect();
+        record(nat, &flows, nat_kind::PASSTHROUGH)
+    });
+    match kept {
+        Ok(0) => {}
+        Ok(flows) => info!(
+            flows,
+            "the pods' flows the change would masquerade keep their address, as conntrack keeps them"
+        ),
+        Err(err) => warn!("keeping the pods' flows across the change: {err:#}"),
+    }
+}
+
+/// Records `flows` in the NAT tables as the programs record a flow they leave alone: identity
+/// entries of `kind`. A tuple held already (by a flow of the programs' own) stays as it is.
+/// Returns how many were recorded.
+fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> anyhow::Result<usize> {
     let now = expiry::monotonic_now_ns();
-    let mut held = 0;
+    let mut recorded = 0;
     for flow in flows {
-        held += match (flow.node, flow.remote) {
-            (IpAddr::V4(node), IpAddr::V4(remote)) => {
-                hold_one(&mut nat.v4, flow, node.octets(), remote.octets(), now)?
+        let ends = (flow.local, flow.remote);
+        recorded += match ends {
+            (IpAddr::V4(l), IpAddr::V4(r)) => {
+                record_one(&mut nat.v4, flow, (l.octets(), r.octets()), kind, now)?
             }
-            (IpAddr::V6(node), IpAddr::V6(remote)) => {
-                hold_one(&mut nat.v6, flow, node.octets(), remote.octets(), now)?
+            (IpAddr::V6(l), IpAddr::V6(r)) => {
+                record_one(&mut nat.v6, flow, (l.octets(), r.octets()), kind, now)?
             }
             _ => 0,
         };
     }
-    Ok(held)
+    Ok(recorded)
 }
 
-fn hold_one<A>(
+fn record_one<A>(
     nat: &mut NatTable<A>,
-    flow: &NodeFlow,
-    node: A,
-    remote: A,
+    flow: &Flow,
+    (local, remote): (A, A),
+    kind: u8,
     now: u64,
 ) -> anyhow::Result<usize>
 where
@@ -141,41 +233,35 @@ where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
-    let echo = matches!(flow.proto, IPPROTO_ICMP | IPPROTO_ICMPV6);
-    let (sport, dport) = (flow.node_port.to_be(), flow.remote_port.to_be());
+    let (sport, dport) = (flow.local_port.to_be(), flow.remote_port.to_be());
     let egress_key = NatKey {
-        saddr: node,
+        saddr: local,
         daddr: remote,
         sport,
-        dport: if echo { 0 } else { dport },
+        dport,
         proto: flow.proto,
         direction: direction::EGRESS,
         _pad: [0; 2],
     };
-    // Established flows go with the established timeout, others with the transitory one.
-    let seen = match (flow.proto, flow.established) {
-        (IPPROTO_TCP, true) => tcp_seen::PAST_OPENING,
-        _ => 0,
+    // What each half saw, as far as conntrack says: TCP past its handshake both ways goes with
+    // the established timeout; a UDP or echo flow it assured, as a stream.
+    let (egress_seen, ingress_seen) = match flow.proto {
+        IPPROTO_TCP if flow.established => (tcp_seen::PAST_OPENING, tcp_seen::PAST_OPENING),
+        IPPROTO_TCP => (tcp_seen::PAST_OPENING, 0),
+        _ if flow.assured => (packets_seen::ONCE, packets_seen::ONCE | packets_seen::AGAIN),
+        _ => (0, 0),
     };
-    let identity = |addr: A, port: u16, tcp_seen: u8| NatEntry {
+    let identity = |tcp_seen: u8| NatEntry {
         last_seen_ns: now,
-        addr,
-        port,
-        kind: nat_kind::NODE,
+        addr: local,
+        port: sport,
+        kind,
         tcp_seen,
         ..NatEntry::default()
     };
-    let egress = identity(
-        node,
-        sport,
-        if flow.proto == IPPROTO_TCP {
-            tcp_seen::PAST_OPENING
-        } else {
-            0
-        },
-    );
+    let egress = identity(egress_seen);
     let ingress_key = egress_key.reverse(&egress);
-    let ingress = identity(node, sport, seen);
+    let ingress = identity(ingress_seen);
     // BPF_NOEXIST (include/uapi/linux/bpf.h): a tuple held already stays as it is.
     const BPF_NOEXIST: u64 = 1;
     if nat.insert(ingress_key, ingress, BPF_NOEXIST).is_err() {
@@ -192,6 +278,9 @@ where
 mod tests {
     use super::*;
 
+    /// The node's addresses in `TABLE`.
+    const NODE: [&str; 2] = ["203.0.113.1", "2001:db8:1::1"];
+
     const TABLE: &str = "\
 ipv4     2 tcp      6 431999 ESTABLISHED src=10.244.2.2 dst=203.0.113.10 sport=40000 dport=8080 src=203.0.113.10 dst=203.0.113.1 sport=8080 dport=61000 [ASSURED] mark=16384 zone=0 use=2
 ipv4     2 udp      17 29 src=10.244.1.2 dst=203.0.113.10 sport=5353 dport=53 src=203.0.113.10 dst=10.244.1.2 sport=53 dport=5353 mark=0 zone=0 use=2
@@ -205,40 +294,60 @@ ipv4     2 gre      47 179 src=10.244.1.2 dst=203.0.113.10 srckey=0x0 dstkey=0x0
     /// is not, and neither are protocols without ports.
     #[test]
     fn the_node_flows_are_read_from_conntracks_reply_tuples() {
-        let node: [IpAddr; 2] = [
-            "203.0.113.1".parse().unwrap(),
-            "2001:db8:1::1".parse().unwrap(),
-        ];
+        let node = NODE.map(|a| a.parse::<IpAddr>().unwrap());
         let flows = node_flows(TABLE, |addr| node.contains(&addr));
         let remote = |a: &str| a.parse::<IpAddr>().unwrap();
         assert_eq!(
             flows,
             [
-                NodeFlow {
+                Flow {
                     proto: IPPROTO_TCP,
-                    node: node[0],
-                    node_port: 61000,
+                    local: node[0],
+                    local_port: 61000,
                     remote: remote("203.0.113.10"),
                     remote_port: 8080,
                     established: true,
+                    assured: true,
                 },
-                NodeFlow {
+                Flow {
                     proto: IPPROTO_ICMP,
-                    node: node[0],
-                    node_port: 4242,
+                    local: node[0],
+                    local_port: 4242,
                     remote: remote("203.0.113.10"),
                     remote_port: 0,
                     established: false,
+                    assured: false,
                 },
-                NodeFlow {
+                Flow {
                     proto: IPPROTO_UDP,
-                    node: node[1],
-                    node_port: 33000,
+                    local: node[1],
+                    local_port: 33000,
                     remote: remote("2001:db8:1::10"),
                     remote_port: 53,
                     established: false,
+                    assured: false,
                 },
             ]
+        );
+    }
+
+    /// A pod's flow is one neither end's netfilter translated, from an address not the node's:
+    /// the UDP query, and not the pod's TCP flow netfilter masqueraded.
+    #[test]
+    fn the_pods_flows_are_those_conntrack_left_untranslated() {
+        let node = NODE.map(|a| a.parse::<IpAddr>().unwrap());
+        let flows = pod_flows(TABLE, |addr| node.contains(&addr));
+        assert_eq!(
+            flows,
+            [Flow {
+                proto: IPPROTO_UDP,
+                local: "10.244.1.2".parse().unwrap(),
+                local_port: 5353,
+                remote: "203.0.113.10".parse().unwrap(),
+                remote_port: 53,
+                established: false,
+                assured: false,
+            }]
         );
     }
 }

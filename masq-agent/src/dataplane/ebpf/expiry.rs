@@ -177,6 +177,33 @@ where
     batch::lookup_all(nat.map()).context("reading the NAT table")
 }
 
+/// Whose a flow is, and what the programs do with it; in the order a smaller table takes
+/// them when a table is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FlowOwner {
+    /// A pod's, masqueraded.
+    Pod,
+    /// A pod's, left its own address: a connection opened from outside, or one that started
+    /// unmasqueraded before a policy change (`PASSTHROUGH`).
+    PodKept,
+    /// The node's own, translated to another port of its address for a clash.
+    NodeTranslated,
+    /// The node's own, held to reserve its tuple (`NODE`), which its next packet makes again.
+    NodeReserved,
+}
+
+impl FlowOwner {
+    /// Of the flow whose egress half is `entry`, keyed `key`.
+    pub fn of<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> FlowOwner {
+        match entry.kind {
+            nat_kind::PASSTHROUGH => FlowOwner::PodKept,
+            nat_kind::NODE => FlowOwner::NodeReserved,
+            _ if entry.addr == key.saddr => FlowOwner::NodeTranslated,
+            _ => FlowOwner::Pod,
+        }
+    }
+}
+
 /// What `entries` hold: entries, and flows by kind (each flow has one egress half).
 pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     let mut usage = NatUsage {
@@ -185,15 +212,14 @@ pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     };
     for (key, entry) in entries {
         if key.direction == direction::EGRESS {
-            if entry.kind == nat_kind::SNAT {
-                usage.translated_flows += 1;
+            let owner = FlowOwner::of(key, entry);
+            match owner {
+                FlowOwner::Pod => usage.masqueraded_flows += 1,
+                FlowOwner::PodKept => usage.inbound_flows += 1,
+                FlowOwner::NodeTranslated | FlowOwner::NodeReserved => usage.node_flows += 1,
             }
-            match entry.kind {
-                nat_kind::PASSTHROUGH => usage.inbound_flows += 1,
-                nat_kind::NODE => usage.node_flows += 1,
-                // Translated to another port only, for a clash: the node's own.
-                _ if entry.addr == key.saddr => usage.node_flows += 1,
-                _ => usage.masqueraded_flows += 1,
+            if matches!(owner, FlowOwner::Pod | FlowOwner::NodeTranslated) {
+                usage.translated_flows += 1;
             }
         }
     }

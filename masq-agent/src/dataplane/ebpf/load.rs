@@ -17,7 +17,7 @@ use aya::{
 };
 use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names};
 
-use super::{EbpfOptions, attach::Hook, carry::Carried, maps::Maps, pins::Pins};
+use super::{EbpfOptions, attach::Hook, carry::Carried, drop_sample, maps::Maps, pins::Pins};
 use crate::ports::PortRange;
 
 /// The compiled tc programs, embedded so that the agent is one binary.
@@ -43,6 +43,44 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
         .with_context(|| format!("program {name} missing from the object"))?
         .try_into()
         .with_context(|| format!("program {name} is not a classifier"))
+}
+
+/// The size of each family's NAT table, and of its drop sample, which the programs read from
+/// a global; the loader borrows the globals' values from here.
+pub struct NatSizes {
+    v4_entries: u32,
+    v6_entries: u32,
+    v4_sample_slots: u32,
+    v6_sample_slots: u32,
+}
+
+impl NatSizes {
+    pub fn new(v4_entries: u32, v6_entries: u32) -> NatSizes {
+        NatSizes {
+            v4_entries,
+            v6_entries,
+            v4_sample_slots: masq_ebpf::drop_sample_slots(v4_entries),
+            v6_sample_slots: masq_ebpf::drop_sample_slots(v6_entries),
+        }
+    }
+
+    pub fn set<'a>(&'a self, loader: &mut EbpfLoader<'a>) {
+        loader
+            .map_max_entries(map_names::NAT_V4, self.v4_entries)
+            .map_max_entries(map_names::NAT_V6, self.v6_entries)
+            .map_max_entries(map_names::DROP_SAMPLE_V4, self.v4_sample_slots)
+            .map_max_entries(map_names::DROP_SAMPLE_V6, self.v6_sample_slots)
+            .override_global(
+                global_names::DROP_SAMPLE_SLOTS_V4,
+                &self.v4_sample_slots,
+                true,
+            )
+            .override_global(
+                global_names::DROP_SAMPLE_SLOTS_V6,
+                &self.v6_sample_slots,
+                true,
+            );
+    }
 }
 
 /// Set to `1` or `0` to say whether the kernel has the coarse clock instead of asking it: `1`
@@ -164,6 +202,11 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     match load_into(opts, pins) {
         Ok((programs, mut maps)) => {
             carried.copy_into(&mut maps);
+            if let Err(err) = drop_sample::fill(&maps) {
+                tracing::warn!(
+                    "the NAT tables' flows cannot be dropped early until they are new: {err:#}"
+                );
+            }
             Ok(Loaded {
                 programs,
                 maps,
@@ -230,9 +273,9 @@ fn refused_with_log(bpffs: &std::path::Path, refused: Refused) -> anyhow::Error 
 /// reuse, and sets the programs' NAT ports.
 fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)> {
     pins.discard_incompatible(opts);
+    let sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity());
     let mut loader = EbpfLoader::new();
-    loader.map_max_entries(map_names::NAT_V4, opts.nat_capacity);
-    loader.map_max_entries(map_names::NAT_V6, opts.nat_v6_capacity());
+    sizes.set(&mut loader);
     loader.map_max_entries(map_names::DECISIONS, opts.decision_slots());
     let paths: Vec<(&str, PathBuf)> = map_names::PINNED
         .iter()
@@ -292,8 +335,8 @@ mod tests {
             map_names::FRAGMENTS_V4,
             map_names::FRAGMENTS_V6,
             map_names::NODE_PORTS,
-            map_names::RECENT_FLOWS_V4,
-            map_names::RECENT_FLOWS_V6,
+            map_names::DROP_SAMPLE_V4,
+            map_names::DROP_SAMPLE_V6,
         ];
         for name in map_names::PINNED.iter().chain(&unpinned) {
             assert!(

@@ -26,6 +26,16 @@ pub struct NatTables {
     pub v6: NatTable<[u8; 16]>,
 }
 
+/// A family's drop sample: egress keys of the NAT table's flows, at random slots, where a full
+/// table looks for flows to drop (`masq_ebpf::drop_sample_slots`).
+pub type DropSample<A> = Array<MapData, NatKey<A>>;
+
+/// Both families' drop samples.
+pub struct DropSamples {
+    pub v4: DropSample<[u8; 4]>,
+    pub v6: DropSample<[u8; 16]>,
+}
+
 /// Picks a family's NAT table by its address type, for code written once over both families.
 pub trait NatFamily: Address {
     fn table(tables: &NatTables) -> &NatTable<Self>;
@@ -59,6 +69,7 @@ pub struct Maps {
     pub counters: Counters,
     /// The node's own ports, which NAT never hands out (see `node_ports`).
     pub node_ports: Array<MapData, u64>,
+    pub drop_samples: DropSamples,
 }
 
 impl Maps {
@@ -88,6 +99,10 @@ impl Maps {
             settings: take(ebpf, map_names::SETTINGS)?,
             counters: take(ebpf, map_names::COUNTERS)?,
             node_ports: take(ebpf, map_names::NODE_PORTS)?,
+            drop_samples: DropSamples {
+                v4: take(ebpf, map_names::DROP_SAMPLE_V4)?,
+                v6: take(ebpf, map_names::DROP_SAMPLE_V6)?,
+            },
         })
     }
 }

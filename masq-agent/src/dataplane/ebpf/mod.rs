@@ -12,6 +12,7 @@ mod conntrack;
 pub mod decisions;
 pub mod devices;
 mod draining;
+mod drop_sample;
 pub mod expiry;
 mod follow;
 pub mod leftovers;
@@ -233,7 +234,13 @@ impl DataPlane for EbpfDataPlane {
             // by a policy this agent does not know.
             self.maps.policy.lower_strays_cleared()?;
         }
-        let for_the_programs = self.for_the_programs(policy);
+        let for_the_programs = self.for_the_programs(policy).into_owned();
+        if let Some(before) = self.applied.clone() {
+            let before = self.for_the_programs(&before).into_owned();
+            if before.may_masquerade_more(&for_the_programs) {
+                conntrack::keep_pod_flows(&mut self.maps.nat, &before, &for_the_programs);
+            }
+        }
         let changed = self.maps.policy.sync(&for_the_programs)?;
         if first {
             // The programs' policy: flows it leaves alone would only stray.

@@ -1,5 +1,5 @@
 //! The `bpf(2)` commands aya has no binding for, or binds only with more privilege than the
-//! agent holds: the batch reads and deletes of whole tables (`batch`), and the query of a
+//! agent holds: the batch reads, writes and deletes of whole tables (`batch`), and the query of a
 //! device's TCX programs by id (`attach`), which aya follows with a lookup of each program by
 //! id that needs CAP_SYS_ADMIN; and the lookup of one slot of a per-CPU array, the batch's
 //! fallback on kernels before 5.13.
@@ -11,6 +11,7 @@ pub mod cmd {
     pub const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
     pub const BPF_PROG_QUERY: libc::c_long = 16;
     pub const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    pub const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
     pub const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 }
 

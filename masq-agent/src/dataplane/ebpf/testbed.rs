@@ -13,7 +13,7 @@ use aya::{
     programs::{TestRun, TestRunOptions},
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use masq_ebpf::{Counter, NatEntry, NatKey, map_names, program_names};
+use masq_ebpf::{Counter, NatEntry, NatKey, program_names};
 
 use super::{
     batch, decisions,
@@ -61,12 +61,10 @@ pub struct Run {
 impl TestBed {
     /// The object with both programs loaded and nothing configured.
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
-        let (programs, maps) = load::load(
-            EbpfLoader::new()
-                .map_max_entries(map_names::NAT_V4, nat_entries)
-                .map_max_entries(map_names::NAT_V6, nat_entries),
-            false,
-        )?;
+        let sizes = load::NatSizes::new(nat_entries, nat_entries);
+        let mut loader = EbpfLoader::new();
+        sizes.set(&mut loader);
+        let (programs, maps) = load::load(&mut loader, false)?;
         Ok(TestBed { programs, maps })
     }
 
