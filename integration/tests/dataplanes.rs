@@ -1079,7 +1079,7 @@ fn once_applies_and_exits_and_status_reports(plane: Plane) {
             ebpf["non_masquerade_v4"],
             serde_json::json!(["10.0.0.0/8", "169.254.0.0/16"])
         );
-        assert_eq!(ebpf["nat_flows"], 1, "the probe's flow");
+        assert_eq!(ebpf["nat_pod_flows"], 1, "the probe's flow");
         assert!(ebpf["counters"]["masqueraded"].as_u64().unwrap() >= 2);
         assert!(ebpf["counters"]["reverse_translated"].as_u64().unwrap() >= 2);
         assert_eq!(
@@ -1632,7 +1632,7 @@ fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
     );
     let status = bed.status_json();
     assert!(status["ebpf"]["counters"]["dropped_nat_table_full"].as_u64() >= Some(1));
-    assert_eq!(status["ebpf"]["nat_flows"], 2);
+    assert_eq!(status["ebpf"]["nat_pod_flows"], 2);
     assert_eq!(
         probe::udp_probe(bed.pod(), outside(), 5001).unwrap(),
         first,

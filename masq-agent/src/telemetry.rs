@@ -160,7 +160,7 @@ impl Telemetry {
         let nat_flows = Family::<KindLabel, Gauge>::default();
         registry.register(
             "nat_flows",
-            "Flows in the NAT table at the last sweep: masqueraded, or opened from outside toward a pod",
+            "Flows in the NAT table at the last sweep, by kind: the pods' masqueraded, the pods' that keep their address, the node's own",
             nat_flows.clone(),
         );
         let build_info = Family::<VersionLabel, Gauge>::default();
@@ -245,8 +245,8 @@ impl Telemetry {
         self.gc_expired.inc_by(usage.expired_flows as u64);
         self.nat_entries.set(usage.entries as i64);
         for (kind, flows) in [
-            ("masqueraded", usage.masqueraded_flows),
-            ("inbound", usage.inbound_flows),
+            ("pod", usage.pod_flows),
+            ("kept", usage.kept_flows),
             ("node", usage.node_flows),
         ] {
             self.nat_flows
@@ -500,8 +500,8 @@ mod tests {
         let t = telemetry();
         let usage = NatUsage {
             entries: 10,
-            masqueraded_flows: 4,
-            inbound_flows: 1,
+            pod_flows: 4,
+            kept_flows: 1,
             node_flows: 3,
             translated_flows: 4,
             expired_flows: 2,
@@ -519,14 +519,8 @@ mod tests {
             Some(5.0)
         );
         assert_eq!(value(&m, "masq_agent_nat_entries"), Some(10.0));
-        assert_eq!(
-            value(&m, "masq_agent_nat_flows{kind=\"masqueraded\"}"),
-            Some(4.0)
-        );
-        assert_eq!(
-            value(&m, "masq_agent_nat_flows{kind=\"inbound\"}"),
-            Some(1.0)
-        );
+        assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"pod\"}"), Some(4.0));
+        assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"kept\"}"), Some(1.0));
         assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"node\"}"), Some(3.0));
     }
 }

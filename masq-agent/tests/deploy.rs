@@ -375,7 +375,7 @@ fn the_image_is_multi_stage_with_both_iptables_backends_behind_the_entrypoint() 
 }
 
 /// The metrics the agent exports, with the labels the dashboard splits them by.
-const METRICS: [&str; 18] = [
+const METRICS: [&str; 20] = [
     "masq_agent_packets_masqueraded_total",
     "masq_agent_packets_not_masqueraded_total",
     "masq_agent_packets_reverse_translated_total",
@@ -386,6 +386,8 @@ const METRICS: [&str; 18] = [
     "masq_agent_nat_flows",
     "masq_agent_nat_capacity_entries",
     "masq_agent_nat_allocation_failures_total",
+    "masq_agent_nat_early_drops_total",
+    "masq_agent_nat_node_flow_drops_total",
     "masq_agent_nat_gc_runs_total",
     "masq_agent_nat_gc_expired_flows_total",
     "masq_agent_config_reloads_total",
@@ -484,17 +486,23 @@ fn agent_labels() -> BTreeSet<String> {
     labels
 }
 
+/// The one object the component `name` adds, a Prometheus Operator `kind`, with no patches.
+fn prometheus_operator_object(name: &str, kind: &str) -> Value {
+    let component = component(name);
+    assert!(component.patches.is_empty());
+    let [object] = component.resources.as_slice() else {
+        panic!("one {kind}: {:?}", component.resources);
+    };
+    assert_eq!(object["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(object["kind"], kind);
+    object.clone()
+}
+
 /// The PodMonitor of components/podmonitor, checked field by field: the validator has no schema
 /// for a Prometheus Operator CRD (xtask/src/manifests.rs), so this allows only the fields of
 /// monitoring.coreos.com/v1 it needs, and checks that they point at the agent's pods and port.
 fn pod_monitor() -> Value {
-    let component = component("podmonitor");
-    assert!(component.patches.is_empty());
-    let [monitor] = component.resources.as_slice() else {
-        panic!("one PodMonitor: {:?}", component.resources);
-    };
-    assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
-    assert_eq!(monitor["kind"], "PodMonitor");
+    let monitor = &prometheus_operator_object("podmonitor", "PodMonitor");
     let keys = |v: &Value| -> Vec<String> {
         v.as_mapping()
             .unwrap()
@@ -629,4 +637,53 @@ fn the_image_is_labelled_with_the_workspace_s_source_version_and_licence() {
     let licence = read("../LICENSE");
     assert_eq!(env!("CARGO_PKG_LICENSE"), "Apache-2.0");
     assert!(licence.contains("Apache License") && licence.contains("Version 2.0, January 2004"));
+}
+
+/// The PrometheusRule of components/alerts: fields of monitoring.coreos.com/v1 it needs only
+/// (the validator has no schema for it), in the agent's namespace, every alert explained, and
+/// every query on a metric the agent exports, split by the node label the PodMonitor adds.
+#[test]
+fn the_alerts_watch_what_the_agent_exports_by_node() {
+    let rule = &prometheus_operator_object("alerts", "PrometheusRule");
+    assert_eq!(
+        rule["metadata"]["namespace"],
+        default_daemonset()["metadata"]["namespace"]
+    );
+    let exported: BTreeSet<&str> = METRICS
+        .into_iter()
+        .chain(["masq_agent_ebpf_counter_read_errors_total"])
+        .collect();
+    let mut alerts = BTreeSet::new();
+    for group in rule["spec"]["groups"].as_sequence().unwrap() {
+        for alert in group["rules"].as_sequence().unwrap() {
+            let keys: BTreeSet<&str> = alert
+                .as_mapping()
+                .unwrap()
+                .keys()
+                .map(|k| k.as_str().unwrap())
+                .collect();
+            assert_eq!(
+                keys,
+                BTreeSet::from(["alert", "expr", "for", "labels", "annotations"]),
+                "{alert:?}"
+            );
+            let expr = alert["expr"].as_str().unwrap();
+            let named: Vec<&str> = series(expr).map(|(name, _)| name).collect();
+            assert!(!named.is_empty(), "{expr}");
+            for name in named {
+                assert!(exported.contains(name), "{name} is not exported: {expr}");
+            }
+            assert!(expr.contains("by (node)"), "split by node: {expr}");
+            for annotation in ["summary", "description"] {
+                assert!(alert["annotations"][annotation].is_string(), "{alert:?}");
+            }
+            alerts.insert(alert["alert"].as_str().unwrap().to_string());
+        }
+    }
+    for wanted in [
+        "MasqAgentNatTableNearlyFull",
+        "MasqAgentNatTableRefusingFlows",
+    ] {
+        assert!(alerts.contains(wanted), "{wanted} in {alerts:?}");
+    }
 }

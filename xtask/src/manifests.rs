@@ -20,10 +20,16 @@ const VERSION: &str = "1.37.0";
 
 /// Kinds the validator has no schema for (it only warns about them), each with where its
 /// fields are checked instead. Any other kind without a schema fails the validation.
-const CHECKED_ELSEWHERE: &[(&str, &str)] = &[(
-    "PodMonitor",
-    "a Prometheus Operator CRD: masq-agent/tests/deploy.rs checks the fields it uses",
-)];
+const CHECKED_ELSEWHERE: &[(&str, &str)] = &[
+    (
+        "PodMonitor",
+        "a Prometheus Operator CRD: masq-agent/tests/deploy.rs checks the fields it uses",
+    ),
+    (
+        "PrometheusRule",
+        "a Prometheus Operator CRD: masq-agent/tests/deploy.rs checks the fields it uses",
+    ),
+];
 
 pub fn validate() -> anyhow::Result<()> {
     let validator = install()?;

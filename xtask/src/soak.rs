@@ -143,7 +143,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         println!(
             "| {:.1} | {mib:.1} | {} | {} | {drops} |",
             started.elapsed().as_secs_f64() / 60.0,
-            ebpf["nat_flows"],
+            ebpf["nat_pod_flows"],
             ebpf["nat_entries"],
         );
     }

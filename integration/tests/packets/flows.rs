@@ -413,7 +413,7 @@ fn a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow<F: Family>() {
     let (verdict, out) = h.egress(&udp(F::POD, 1111, F::REMOTE2, 53));
     assert_eq!((verdict, word(&out, F::L4)), (TC_ACT_OK, 5000));
     let usage = expiry::usage(&F::nat(&h));
-    assert_eq!((usage.masqueraded_flows, usage.node_flows), (1, 1));
+    assert_eq!((usage.pod_flows, usage.node_flows), (1, 1));
 }
 
 fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched<F: Family>() {

@@ -161,8 +161,11 @@ pub trait DataPlane {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NatUsage {
     pub entries: usize,
-    pub masqueraded_flows: usize,
-    pub inbound_flows: usize,
+    /// The pods' flows masqueraded.
+    pub pod_flows: usize,
+    /// The pods' flows that keep their address: opened from outside, or kept across a policy
+    /// change.
+    pub kept_flows: usize,
     /// Flows of the node's own address, held so that no masqueraded flow is given their tuple
     /// (those translated to another port for a clash included).
     pub node_flows: usize,
@@ -180,8 +183,8 @@ impl std::ops::Add for NatUsage {
     fn add(self, other: NatUsage) -> NatUsage {
         NatUsage {
             entries: self.entries + other.entries,
-            masqueraded_flows: self.masqueraded_flows + other.masqueraded_flows,
-            inbound_flows: self.inbound_flows + other.inbound_flows,
+            pod_flows: self.pod_flows + other.pod_flows,
+            kept_flows: self.kept_flows + other.kept_flows,
             node_flows: self.node_flows + other.node_flows,
             translated_flows: self.translated_flows + other.translated_flows,
             expired_flows: self.expired_flows + other.expired_flows,

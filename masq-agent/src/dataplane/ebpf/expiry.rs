@@ -214,8 +214,8 @@ pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
         if key.direction == direction::EGRESS {
             let owner = FlowOwner::of(key, entry);
             match owner {
-                FlowOwner::Pod => usage.masqueraded_flows += 1,
-                FlowOwner::PodKept => usage.inbound_flows += 1,
+                FlowOwner::Pod => usage.pod_flows += 1,
+                FlowOwner::PodKept => usage.kept_flows += 1,
                 FlowOwner::NodeTranslated | FlowOwner::NodeReserved => usage.node_flows += 1,
             }
             if matches!(owner, FlowOwner::Pod | FlowOwner::NodeTranslated) {

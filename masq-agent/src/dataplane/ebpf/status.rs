@@ -54,10 +54,11 @@ pub struct EbpfStatus {
     pub masquerade_v4: Vec<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub masquerade_v6: Vec<String>,
-    /// Flows in the NAT table (each takes two entries), and the table's size in entries.
-    pub nat_flows: usize,
-    pub nat_inbound_flows: usize,
-    /// Flows of the node's own address the table holds the tuple of.
+    /// Flows in the NAT table (each takes two entries) by whose they are (`FlowOwner`): the
+    /// pods' masqueraded; the pods' that keep their address (opened from outside, or kept
+    /// across a policy change); the node's own, whose tuple the table holds.
+    pub nat_pod_flows: usize,
+    pub nat_kept_flows: usize,
     pub nat_node_flows: usize,
     /// Flows the programs translate: those that need them to go on.
     pub nat_translated_flows: usize,
@@ -162,8 +163,8 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         non_masquerade_v6: with_action(&v6, Action::NonMasquerade),
         masquerade_v4: with_action(&v4, Action::Masquerade),
         masquerade_v6: with_action(&v6, Action::Masquerade),
-        nat_flows: nat.masqueraded_flows,
-        nat_inbound_flows: nat.inbound_flows,
+        nat_pod_flows: nat.pod_flows,
+        nat_kept_flows: nat.kept_flows,
         nat_node_flows: nat.node_flows,
         nat_translated_flows: nat.translated_flows,
         translated_by_address,
@@ -249,12 +250,13 @@ impl std::fmt::Display for EbpfStatus {
         }
         writeln!(
             f,
-            "  NAT table: {} masqueraded flows, {} inbound flows, {} node flows, {} of {} entries",
-            self.nat_flows,
-            self.nat_inbound_flows,
-            self.nat_node_flows,
+            "  NAT table: {} of {} entries ({}% full): {} pod flows masqueraded, {} kept, {} the node's",
             self.nat_entries,
-            self.nat_capacity
+            self.nat_capacity,
+            percent(self.nat_entries, self.nat_capacity),
+            self.nat_pod_flows,
+            self.nat_kept_flows,
+            self.nat_node_flows,
         )?;
         if self.strays_cleared {
             writeln!(f, "  packets left alone skip the NAT table")?;
@@ -340,4 +342,9 @@ where
         .filter(|(_, entry)| entry.action == value)
         .map(|(prefix, _)| tries::written(*prefix))
         .collect()
+}
+
+/// `part` of `whole` in whole percent, rounded up: a table with one entry in it is not "0% full".
+fn percent(part: usize, whole: u32) -> u64 {
+    (part as u64 * 100).div_ceil(u64::from(whole.max(1)))
 }
