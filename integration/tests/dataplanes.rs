@@ -183,6 +183,26 @@ impl Bed {
         serde_json::from_slice(&out.stdout).unwrap()
     }
 
+    /// `masq-agent flows` with `args`: its text, or with `--json` its flows.
+    fn flows(&self, args: &[&str]) -> String {
+        let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
+        let mut all = vec!["flows", &bpffs];
+        all.extend_from_slice(args);
+        let out = self.agent_cmd(&all);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn flows_json(&self, args: &[&str]) -> Vec<serde_json::Value> {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        serde_json::from_str(&self.flows(&all)).unwrap()
+    }
+
     fn iptables(&self, args: &[&str]) -> anyhow::Result<String> {
         self.topo
             .node_run(&format!("iptables-{}", self.plane.backend()), args)
@@ -2616,6 +2636,61 @@ fn assert_made_room(bed: &Bed, dropped: &str) {
     }
 }
 
+/// `masq-agent flows` says which port a pod's flow got and why it is still held, as `conntrack
+/// -L` would: the pod's tuple, the node's, whose flow it is, its state and when it expires;
+/// filtered by pod, destination, kind and protocol.
+fn flows_says_which_port_a_pod_got_and_why_it_is_held(plane: Plane, family: Family) {
+    let (bed, _agent) = Bed::with_agent(plane, family);
+    let udp = probe::udp_probe(bed.pod(), family.outside(), 5353).unwrap();
+    let tcp = probe::tcp_probe(bed.pod(), family.outside(), 0).unwrap();
+    let pod = family.pod(0).to_string();
+
+    let flows = bed.flows_json(&["--pod", &pod, "--proto", "udp"]);
+    let [flow] = flows.as_slice() else {
+        panic!("the UDP flow alone: {flows:#?}");
+    };
+    assert_eq!(flow["proto"], "udp", "{flow:#}");
+    assert_eq!(flow["kind"], "pod", "{flow:#}");
+    assert_eq!(flow["source"]["addr"], pod, "{flow:#}");
+    assert_eq!(flow["source"]["port"], 5353, "{flow:#}");
+    assert_eq!(
+        flow["destination"]["addr"],
+        family.outside().ip().to_string()
+    );
+    assert_eq!(flow["destination"]["port"], family.outside().port());
+    assert_eq!(flow["translated_to"]["addr"], udp.ip().to_string());
+    assert_eq!(
+        flow["translated_to"]["port"],
+        udp.port(),
+        "the port the host saw"
+    );
+    assert_eq!(flow["state"], "replied", "answered once, as a query");
+    let left = flow["expires_in_seconds"].as_u64().unwrap();
+    assert!((1..=30).contains(&left), "a query's 30 s: {flow:#}");
+
+    let flows = bed.flows_json(&["--proto", "tcp", "--kind", "pod"]);
+    assert!(
+        flows
+            .iter()
+            .any(|f| f["translated_to"]["port"] == tcp.port() && f["source"]["addr"] == pod),
+        "{flows:#?}"
+    );
+    let elsewhere = match family {
+        Family::V4 => "192.0.2.0/24",
+        Family::V6 => "2001:db8:99::/64",
+    };
+    assert!(bed.flows_json(&["--destination", elsewhere]).is_empty());
+    assert!(bed.flows_json(&["--kind", "kept"]).is_empty());
+
+    let text = bed.flows(&["--pod", &pod, "--proto", "udp"]);
+    let translated = match udp {
+        SocketAddr::V4(_) => format!("as {udp} replied"),
+        SocketAddr::V6(_) => format!("as [{}]:{} replied", udp.ip(), udp.port()),
+    };
+    assert!(text.contains(&translated), "{text}");
+    assert!(text.ends_with("\n1 flow\n"), "{text}");
+}
+
 /// `count` queries from the pod, each from a fresh port, to `port` of the outside host, where a
 /// server reads nothing and, its socket bound, sends no port unreachable either: flows never
 /// answered. The server, to keep while it should stay silent.
@@ -4321,6 +4396,7 @@ mod ebpf {
     common_cases!(Ebpf);
     family_cases!(Ebpf:
         a_lone_ack_opens_no_established_flow,
+        flows_says_which_port_a_pod_got_and_why_it_is_held,
         the_entries_that_decide_traffic_are_counted,
         a_rollback_keeps_the_programs_flows_and_loses_no_new_one,
     );

@@ -96,6 +96,27 @@ pub enum Command {
         #[command(flatten)]
         pins: PinFlags,
     },
+    /// List the NAT table's flows, as `conntrack -L` lists its entries: each as it left, what
+    /// it is translated to, whose it is, its state, how long it has been idle, and when it
+    /// expires. The eBPF data plane's only: the chain's flows are conntrack's.
+    Flows {
+        /// Only the flows from this address: a pod's (or the node's, for its own).
+        #[arg(long, visible_alias = "source", value_name = "ADDRESS")]
+        pod: Option<std::net::IpAddr>,
+        /// Only the flows to this address, or into this prefix.
+        #[arg(long, value_name = "ADDRESS|PREFIX", value_parser = parse_destination)]
+        destination: Option<ipnet::IpNet>,
+        /// Only the flows of this kind.
+        #[arg(long, value_enum)]
+        kind: Option<crate::dataplane::ebpf::flows::FlowKind>,
+        /// Only the flows of this protocol: tcp, udp, icmp, or a protocol number.
+        #[arg(long, value_parser = parse_protocol)]
+        proto: Option<u8>,
+        #[command(flatten)]
+        report: ReportFlags,
+        #[command(flatten)]
+        pins: PinFlags,
+    },
     /// Explain what happens to a packet from a pod to DESTINATION, and why; where a data plane
     /// is installed, check that it does the same (exit 1 if it does not).
     Explain {
@@ -119,6 +140,13 @@ pub enum Command {
         #[command(flatten)]
         pins: PinFlags,
     },
+}
+
+/// A destination as `flows --destination` takes it: a prefix, or one address.
+fn parse_destination(s: &str) -> Result<ipnet::IpNet, String> {
+    s.parse::<ipnet::IpNet>()
+        .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+        .map_err(|_| format!("{s:?} is neither an address nor a prefix"))
 }
 
 /// A protocol by name or number, as `--proto` takes it.

@@ -14,7 +14,7 @@ use masq_agent::{
     config::{self, ConfigSource},
     dataplane::{
         self,
-        ebpf::devices,
+        ebpf::{devices, expiry, flows},
         iptables::{self, Capabilities, ChainVariant},
     },
     explain,
@@ -82,6 +82,22 @@ fn main() -> ExitCode {
             explain(&config, &chain, &pins, packet, report.json)
         }
         Some(Command::Cleanup { chain, pins }) => cleanup(&chain, &pins),
+        Some(Command::Flows {
+            pod,
+            destination,
+            kind,
+            proto,
+            report,
+            pins,
+        }) => {
+            let filter = flows::Filter {
+                source: pod,
+                destination,
+                kind,
+                proto,
+            };
+            list_flows(&filter, &pins, report.json)
+        }
     };
     match result {
         Ok(code) => code,
@@ -228,6 +244,29 @@ fn status(chain: &ChainFlags, pins: &PinFlags, json: bool) -> anyhow::Result<Exi
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{status}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn list_flows(filter: &flows::Filter, pins: &PinFlags, json: bool) -> anyhow::Result<ExitCode> {
+    // The node's conntrack timeouts, as the agent reads them.
+    let timeouts = expiry::Timeouts::of_conntrack(std::path::Path::new(expiry::CONNTRACK_SYSCTLS));
+    let now = expiry::monotonic_now_ns();
+    let Some(flows) = flows::read(&pins.bpffs, filter, &timeouts, now)? else {
+        anyhow::bail!(
+            "no eBPF data plane is pinned under {}: with the iptables data plane, conntrack \
+             holds the flows (conntrack -L)",
+            pins.bpffs.display()
+        );
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&flows)?);
+    } else {
+        for flow in &flows {
+            println!("{flow}");
+        }
+        let plural = if flows.len() == 1 { "" } else { "s" };
+        println!("{} flow{plural}", flows.len());
     }
     Ok(ExitCode::SUCCESS)
 }

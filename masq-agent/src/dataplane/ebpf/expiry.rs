@@ -129,29 +129,95 @@ impl Timeouts {
         egress: &NatEntry<A>,
         ingress: &NatEntry<A>,
     ) -> Duration {
+        self.of(FlowState::of(key, egress, ingress))
+    }
+
+    /// How long conntrack keeps an idle flow in `state`.
+    pub fn of(&self, state: FlowState) -> Duration {
+        match state {
+            FlowState::SynSent => self.tcp_syn_sent,
+            FlowState::SynRecv => self.tcp_syn_recv,
+            FlowState::Established => self.tcp_established,
+            FlowState::Closing => self.tcp_closing,
+            FlowState::Reset => self.tcp_reset,
+            FlowState::Unreplied | FlowState::Replied => self.udp,
+            FlowState::Stream => self.udp_stream,
+            FlowState::Echo => self.icmp,
+        }
+    }
+}
+
+/// Where a flow is in its life, as conntrack classes it for its timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlowState {
+    /// TCP: a SYN sent, no answer yet (or a lone segment no reply crossed).
+    SynSent,
+    /// TCP: a SYN answered, the handshake not done.
+    SynRecv,
+    /// TCP: a segment past the handshake's first step seen both ways.
+    Established,
+    /// TCP: a FIN seen one way or both.
+    Closing,
+    /// TCP: an acceptable RST seen.
+    Reset,
+    /// UDP never answered.
+    Unreplied,
+    /// UDP answered, but not seen both ways again: a single exchange, as a DNS query.
+    Replied,
+    /// UDP seen both ways again after its first exchange.
+    Stream,
+    /// ICMP echo.
+    Echo,
+}
+
+impl FlowState {
+    /// Of the flow whose halves are `egress` and `ingress` (the reply's).
+    pub fn of<A: Address>(key: &NatKey<A>, egress: &NatEntry<A>, ingress: &NatEntry<A>) -> Self {
         match key.proto {
             IPPROTO_TCP => {
                 let seen = egress.tcp_seen | ingress.tcp_seen;
                 let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
                 if seen & tcp_seen::RESET != 0 {
-                    self.tcp_reset
+                    FlowState::Reset
                 } else if seen & tcp_seen::CLOSING != 0 {
-                    self.tcp_closing
+                    FlowState::Closing
                 } else if both_ways && seen & tcp_seen::PAST_OPENING != 0 {
-                    self.tcp_established
+                    FlowState::Established
                 } else if both_ways {
-                    self.tcp_syn_recv
+                    FlowState::SynRecv
                 } else {
-                    self.tcp_syn_sent
+                    FlowState::SynSent
                 }
             }
             IPPROTO_UDP => {
-                // The egress half counts the packets after the flow's first.
-                let stream = egress.tcp_seen & packets_seen::ONCE != 0
-                    && ingress.tcp_seen & packets_seen::AGAIN != 0;
-                if stream { self.udp_stream } else { self.udp }
+                // Each half counts its packets after the flow's first: the reply half's first
+                // is the first answer.
+                if egress.tcp_seen & packets_seen::ONCE != 0
+                    && ingress.tcp_seen & packets_seen::AGAIN != 0
+                {
+                    FlowState::Stream
+                } else if ingress.tcp_seen & packets_seen::ONCE != 0 {
+                    FlowState::Replied
+                } else {
+                    FlowState::Unreplied
+                }
             }
-            _ => self.icmp,
+            _ => FlowState::Echo,
+        }
+    }
+
+    /// Its name, as `masq-agent flows` shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlowState::SynSent => "syn_sent",
+            FlowState::SynRecv => "syn_recv",
+            FlowState::Established => "established",
+            FlowState::Closing => "closing",
+            FlowState::Reset => "reset",
+            FlowState::Unreplied => "unreplied",
+            FlowState::Replied => "replied",
+            FlowState::Stream => "stream",
+            FlowState::Echo => "echo",
         }
     }
 }
