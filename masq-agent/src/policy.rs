@@ -60,12 +60,16 @@ impl Policy {
     /// dropped from the non-masquerade lists, or an exception added. (It may say so of a
     /// change that moves nothing, as one that only splits a prefix; never the other way.)
     pub fn may_masquerade_more(&self, after: &Policy) -> bool {
-        fn dropped<T: PartialEq>(from: &[T], to: &[T]) -> bool {
+        // Policies run to hundreds of thousands of prefixes: a set, not a scan per prefix.
+        fn dropped<T: Eq + std::hash::Hash>(from: &[T], to: &[T]) -> bool {
+            let to: std::collections::HashSet<&T> = to.iter().collect();
             from.iter().any(|p| !to.contains(p))
         }
-        let v6 = |p: &Policy| p.non_masq_v6.clone().unwrap_or_default();
+        fn v6(p: &Policy) -> &[Ipv6Net] {
+            p.non_masq_v6.as_deref().unwrap_or_default()
+        }
         dropped(&self.non_masq_v4, &after.non_masq_v4)
-            || dropped(&v6(self), &v6(after))
+            || dropped(v6(self), v6(after))
             || dropped(&after.masq_v4, &self.masq_v4)
             || dropped(&after.masq_v6, &self.masq_v6)
     }
@@ -321,5 +325,42 @@ mod tests {
         let p = Policy::from_config(&config, false);
         assert_eq!(p.rules(IpFamily::Ipv6), None);
         assert!(p.masq_v6.is_empty());
+    }
+
+    /// A change may masquerade more when it drops a prefix that kept addresses, or adds an
+    /// exception, link-local's included; not when it adds a prefix or drops an exception.
+    #[test]
+    fn a_change_that_may_masquerade_more_is_told_apart() {
+        let base = with_exceptions(&["10.0.0.0/8", "fc00::/7"], &["10.1.0.0/16"], false);
+        let more = |after: &Policy| base.may_masquerade_more(after);
+        assert!(more(&with_exceptions(
+            &["fc00::/7"],
+            &["10.1.0.0/16"],
+            false
+        )));
+        assert!(more(&with_exceptions(
+            &["10.0.0.0/8"],
+            &["10.1.0.0/16"],
+            false
+        )));
+        let exceptions = ["10.1.0.0/16", "10.2.0.0/16"];
+        assert!(more(&with_exceptions(
+            &["10.0.0.0/8", "fc00::/7"],
+            &exceptions,
+            false
+        )));
+        assert!(more(&with_exceptions(
+            &["10.0.0.0/8", "fc00::/7"],
+            &["10.1.0.0/16"],
+            true
+        )));
+        assert!(!more(&base));
+        let wider = ["10.0.0.0/8", "fc00::/7", "192.168.0.0/16"];
+        assert!(!more(&with_exceptions(&wider, &["10.1.0.0/16"], false)));
+        assert!(!more(&with_exceptions(
+            &["10.0.0.0/8", "fc00::/7"],
+            &[],
+            false
+        )));
     }
 }

@@ -235,12 +235,14 @@ impl DataPlane for EbpfDataPlane {
             // by a policy this agent does not know.
             self.maps.policy.lower_strays_cleared()?;
         }
-        let for_the_programs = self.for_the_programs(policy).into_owned();
-        if let Some(before) = self.applied.clone() {
-            let before = self.for_the_programs(&before).into_owned();
-            if before.may_masquerade_more(&for_the_programs) {
-                conntrack::keep_pod_flows(&mut self.maps.nat, &before, &for_the_programs);
+        let for_the_programs = self.for_the_programs(policy);
+        if let Some(before) = self.applied.take() {
+            let programs_before = self.for_the_programs(&before);
+            if programs_before.may_masquerade_more(&for_the_programs) {
+                conntrack::keep_pod_flows(&mut self.maps.nat, &programs_before, &for_the_programs);
             }
+            drop(programs_before);
+            self.applied = Some(before);
         }
         let changed = self.maps.policy.sync(&for_the_programs)?;
         if first {
