@@ -404,8 +404,10 @@ fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
     assert_eq!(source(40122), pod_ip(0), "left alone, without a lookup");
 
     // A flow masqueraded under the default policy; none outlives that one either.
+    // (A flow that began before the change would keep its address: a new one, once it applies.)
     write_config(&bed.config, DEFAULT_CONFIG).unwrap();
-    wait_for(|| Ok(source(40123) == node_ip())).expect("masqueraded after the change");
+    wait_for_udp_source(&bed, second_outside(), node_ip());
+    assert_eq!(source(40123), node_ip(), "masqueraded after the change");
     wait_for(|| Ok(cleared(&bed))).expect("masqueraded flows do not stray");
 
     // Back: the flow's destination is left alone now, and it stays translated, checked again

@@ -444,10 +444,10 @@ pub const NO_ROOM: i32 = -1;
 step! {
 /// The table is full: looks at `EARLY_DROP_PROBES` slots of the drop sample in a row, from a
 /// random one, for a flow to drop, both halves, and gives its slot to `new_key`. (Flows take
-/// random slots, so slots in a row are a random sample too; a sample that small is seen whole.) A flow of the node's own (`NODE`), a
-/// reservation its next packet makes again, goes whatever its state; any other only if
-/// conntrack would drop it early (`is_assured` says no: never answered, or not past its first
-/// exchange). Says `NO_ROOM`, or the port the flow dropped held on the node's address (0 for a
+/// random slots, so slots in a row are a random sample too; a sample that small is seen
+/// whole.) A flow of the node's own (`NODE`), a reservation its next packet makes again, goes
+/// whatever its state; any other only if conntrack would drop it early (`is_assured` says no:
+/// never answered, or not past its first exchange). Says `NO_ROOM`, or the port the flow dropped held on the node's address (0 for a
 /// flow that left a pod its own port, or a node flow toward the new flow's destination), free
 /// now for the new one. An assured flow of a pod's is never dropped.
 pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> i32 {
