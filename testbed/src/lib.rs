@@ -52,12 +52,27 @@ pub fn wait_for(check: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<(
     wait_for_long(Duration::from_secs(10), check)
 }
 
-/// Polls `check` until it returns `Ok(true)`, for at most `limit`; every 2 ms at first, so that
-/// short waits are measured finely, then every 50 ms.
+/// The environment variable by which a slower machine stretches every wait of the tests: `cargo
+/// xtask test` sets it in the VMs, whose emulated CPU runs the agent many times slower than the
+/// host does. A wait is a limit, never a measure, so stretching it changes no verdict.
+pub const SLOWDOWN_ENV: &str = "MASQ_TEST_SLOWDOWN";
+
+/// How many times longer than on the host each wait may last here: `SLOWDOWN_ENV`, or 1.
+pub fn slowdown() -> u32 {
+    std::env::var(SLOWDOWN_ENV)
+        .ok()
+        .and_then(|factor| factor.parse().ok())
+        .filter(|factor| *factor >= 1)
+        .unwrap_or(1)
+}
+
+/// Polls `check` until it returns `Ok(true)`, for at most `limit` (times `slowdown()`); every
+/// 2 ms at first, so that short waits are measured finely, then every 50 ms.
 pub fn wait_for_long(
     limit: Duration,
     mut check: impl FnMut() -> anyhow::Result<bool>,
 ) -> anyhow::Result<()> {
+    let limit = limit * slowdown();
     let started = Instant::now();
     while started.elapsed() < limit {
         if check().unwrap_or(false) {

@@ -28,6 +28,10 @@ const VIRTME_NG: &str = "virtme-ng==1.42";
 const VIRTIOFSD_VERSION: &str = "1.14.0";
 /// What each VM may take before it is stopped and the step fails.
 const VM_TIMEOUT: Duration = Duration::from_secs(420);
+/// How many times longer the cases' waits may last in a VM than on the host: the emulated CPU
+/// runs the agent's start (the verifier's pass over the programs, above all) some ten times
+/// slower, and a wait sized for the host ran out there.
+const GUEST_SLOWDOWN: u32 = 5;
 
 /// A kernel the step boots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -553,7 +557,9 @@ pub fn guest(out: &Path, object: &Path, runs: &[String]) -> anyhow::Result<()> {
         let (binary, cases) = run.split_once('=').unwrap_or((run, ""));
         let cases: Vec<&str> = cases.split(',').filter(|c| !c.is_empty()).collect();
         let mut command = Command::new(binary);
-        command.args(["--test-threads", "1"]);
+        command
+            .args(["--test-threads", "1"])
+            .env(masq_testbed::SLOWDOWN_ENV, GUEST_SLOWDOWN.to_string());
         if !cases.is_empty() {
             command.arg("--exact").args(&cases);
         }
