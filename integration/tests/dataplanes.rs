@@ -427,9 +427,14 @@ fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
 
 /// The source the outside host sees on the UDP flow from the pod's `port` to `dst`.
 fn udp_source_from(bed: &Bed, dst: SocketAddr, port: u16) -> IpAddr {
+    udp_source_of(bed, dst, port, b"probe\n")
+}
+
+/// The source the outside host sees on a datagram of `payload` that the pod sends from `port`.
+fn udp_source_of(bed: &Bed, dst: SocketAddr, port: u16, payload: &[u8]) -> IpAddr {
     bed.server.clear();
     wait_for(|| {
-        probe::udp_send_from(bed.pod(), dst, port)?;
+        probe::udp_send_payload_from(bed.pod(), dst, port, payload)?;
         std::thread::sleep(Duration::from_millis(50));
         Ok(!bed.server.sources(Proto::Udp).is_empty())
     })
@@ -499,6 +504,11 @@ fn assert_a_change_moves_no_live_flow(
     );
     ping.assert_leaves_with(pod, &format!("{change}: the live ping"));
     drop(ping);
+    assert_eq!(
+        udp_source_of(bed, dst, port, &FRAGMENTED_DATAGRAM),
+        pod,
+        "{change}: the live UDP flow's fragments keep the pod's address"
+    );
 
     assert_eq!(udp_source_from(bed, dst, port + 1), node);
     let ping = LivePing::start(bed, family, dst.ip());
@@ -510,7 +520,15 @@ fn assert_a_change_moves_no_live_flow(
         "back from {change}: the masqueraded UDP flow stays so"
     );
     ping.assert_leaves_with(node, &format!("back from {change}: the masqueraded ping"));
+    assert_eq!(
+        udp_source_of(bed, dst, port + 1, &FRAGMENTED_DATAGRAM),
+        node,
+        "back from {change}: the masqueraded UDP flow's fragments stay so"
+    );
 }
+
+/// A datagram larger than any link's MTU in the topology, so that it leaves the pod in fragments.
+const FRAGMENTED_DATAGRAM: [u8; 4000] = [0x5a; 4000];
 
 /// No policy change moves a live flow, in either direction: the destination's prefix dropped
 /// from nonMasqueradeCIDRs, moved to masqueradeCIDRs, or covered by a new exception.

@@ -261,9 +261,21 @@ pub fn udp_send(ns: &str, server: SocketAddr) -> anyhow::Result<()> {
 /// Sends one UDP datagram from namespace `ns`, from `source_port` (0: any), without waiting
 /// for a reply.
 pub fn udp_send_from(ns: &str, server: SocketAddr, source_port: u16) -> anyhow::Result<()> {
+    udp_send_payload_from(ns, server, source_port, b"probe\n")
+}
+
+/// Sends `payload` in one UDP datagram from namespace `ns`, from `source_port` (0: any); one
+/// larger than the path's MTU leaves in fragments.
+pub fn udp_send_payload_from(
+    ns: &str,
+    server: SocketAddr,
+    source_port: u16,
+    payload: &[u8],
+) -> anyhow::Result<()> {
+    let payload = payload.to_vec();
     netns::within(ns, move || {
         let socket = udp_socket(any_addr_for(server, source_port))?;
-        socket.send_to(b"probe\n", server)?;
+        socket.send_to(&payload, server)?;
         Ok(())
     })
 }
