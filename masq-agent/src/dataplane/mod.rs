@@ -4,46 +4,12 @@
 
 pub mod coverage;
 pub mod ebpf;
-pub mod ipset;
 pub mod iptables;
 pub mod state;
 
 use serde::{Deserialize, Serialize};
 
 use crate::{netdev, policy::Policy};
-
-/// Runs `program args...` with `input` on its standard input (iptables-restore, ipset restore);
-/// fails with what the program said on stderr.
-fn run_with_input(program: &str, args: &[&str], input: &str) -> anyhow::Result<()> {
-    use std::{
-        io::Write as _,
-        process::{Command, Stdio},
-    };
-
-    use anyhow::Context as _;
-
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("running {program}"))?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(input.as_bytes())?;
-    let out = child.wait_with_output()?;
-    if !out.status.success() {
-        anyhow::bail!(
-            "{program} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
 
 /// Which mechanism enforces the policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

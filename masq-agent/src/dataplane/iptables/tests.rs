@@ -1,7 +1,18 @@
 //! Golden tests: the iptables-restore input must be byte-identical to upstream's.
 
-use super::*;
-use crate::{config::Config, ports::PortRanges};
+use super::{
+    Capabilities, ChainStatus, ChainVariant, ChainVerdict,
+    command::parse_version,
+    evaluate::{Packet, evaluate},
+    render,
+    render::jump_rule,
+    set_members,
+};
+use crate::{
+    config::Config,
+    policy::{Action, IpFamily, MasqueradeOptions, Policy},
+    ports::PortRanges,
+};
 
 const RET: &str =
     r#"-m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE""#;

@@ -60,7 +60,7 @@ pub fn sync(name: &str, family: IpFamily, members: &[Member]) -> anyhow::Result<
         );
     }
     let _ = writeln!(input, "swap {tmp} {name}\ndestroy {tmp}");
-    super::run_with_input("ipset", &["restore"], &input)
+    super::command::run_with_input("ipset", &["restore"], &input)
 }
 
 /// Makes the set, which holds `installed`, hold `members` (both sorted), by their difference:
@@ -75,7 +75,7 @@ pub fn update<'a>(
 ) -> anyhow::Result<()> {
     let (mut adds, mut dels) = (String::new(), String::new());
     let by_net = |members: &'a [Member]| members.iter().map(|m| (m.net, m.nomatch));
-    super::walk_sorted(by_net(installed), by_net(members), |net, old, new| {
+    crate::dataplane::walk_sorted(by_net(installed), by_net(members), |net, old, new| {
         match (old, new) {
             (Some(was), Some(is)) if was == is => {}
             (_, Some(nomatch)) => {
@@ -90,7 +90,7 @@ pub fn update<'a>(
     if adds.is_empty() {
         return Ok(());
     }
-    super::run_with_input("ipset", &["restore"], &adds)
+    super::command::run_with_input("ipset", &["restore"], &adds)
 }
 
 /// How many entries the set holds, or `None` if it does not exist.

@@ -1,0 +1,19 @@
+//! The reference data plane: upstream's `nat` chain, byte for byte, applied with
+//! `iptables-restore --noflush` so that only this chain changes, atomically. Beside the eBPF
+//! programs, the chain matches the non-masquerade CIDRs through an ipset.
+
+mod command;
+mod evaluate;
+pub mod ipset;
+mod plane;
+mod readback;
+mod render;
+
+pub use command::{Capabilities, cleanup};
+pub use evaluate::{ChainVerdict, chain_verdict};
+pub use plane::IptablesDataPlane;
+pub use readback::{ChainStatus, read_chains};
+pub use render::{ChainVariant, render, set_members};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,201 @@
+//! The chain as text: upstream's `nat` chain, byte for byte, as iptables-restore reads it, and
+//! the rule that jumps to it from POSTROUTING.
+
+use super::{command::Capabilities, ipset};
+use crate::policy::{Action, IpFamily, MasqueradeOptions, Policy, Rules};
+
+const NON_MASQ_COMMENT: &str =
+    r#"-m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE""#;
+const MASQ_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)""#;
+const MASQ_EXCEPTION_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic to a masqueradeCIDRs entry is subject to MASQUERADE""#;
+const SWITCHED_OFF_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: IPv6 switched off by the config; what is open stays translated""#;
+const EBPF_RETURN_COMMENT: &str =
+    r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
+/// MASQUERADE's `--to-ports` applies to these protocols, one rule per range each.
+const PORT_MAPPED_PROTOCOLS: [&str; 3] = ["tcp", "udp", "sctp"];
+
+/// Which chain body to install.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChainVariant {
+    /// Upstream's chain: masquerades everything not exempted.
+    Full,
+    /// The same chain, but what the eBPF programs translate returns first when it leaves by a
+    /// device that carries them, so the chain handles the other protocols (SCTP, GRE, ...) and
+    /// whatever leaves by other devices.
+    OutsideEbpf {
+        /// Never empty: see `beside_programs`.
+        devices: Vec<String>,
+    },
+}
+
+impl ChainVariant {
+    /// The chain beside programs on `devices`: upstream's when there are none, as then nothing
+    /// is left to the programs.
+    pub fn beside_programs(devices: Vec<String>) -> ChainVariant {
+        if devices.is_empty() {
+            ChainVariant::Full
+        } else {
+            ChainVariant::OutsideEbpf { devices }
+        }
+    }
+}
+
+/// The protocols the eBPF programs translate, as the family's iptables names them.
+fn ebpf_protocols(family: IpFamily) -> [&'static str; 3] {
+    let icmp = match family {
+        IpFamily::Ipv4 => "icmp",
+        IpFamily::Ipv6 => "ipv6-icmp",
+    };
+    ["tcp", "udp", icmp]
+}
+
+/// A family's entries in rule order, so that the first rule a destination matches is the one
+/// that decides it; `None` when the policy leaves the family alone. Without exceptions that is
+/// upstream's order; with them, longest prefix first.
+fn rules_in_chain_order(family: IpFamily, policy: &Policy) -> Option<Rules> {
+    let mut rules = policy.rules(family)?;
+    if rules
+        .iter()
+        .any(|(_, action)| *action == Action::Masquerade)
+    {
+        rules.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix_len()));
+    }
+    Some(rules)
+}
+
+/// The members of the set that stands for a family's entries beside the programs: `hash:net`
+/// matches the longest prefix it holds, and an exception is a `nomatch` entry, so the set gives
+/// the same answer as the trie. The set holds no /0, which two /1 halves stand for; an entry
+/// for one of those /1s is the longer prefix, and takes its half's place.
+pub fn set_members(rules: &Rules) -> Vec<ipset::Member> {
+    // Of the entries for one prefix, the one sorted last holds: a rule over a /0's half, of two
+    // rules the later one, and of two /0s' halves the earlier one's. Sorting (rather than
+    // hashing) 100 000 entries takes half the time, and the set wants them sorted anyway.
+    let mut ranked: Vec<(ipnet::IpNet, (bool, isize), Action)> = Vec::with_capacity(rules.len());
+    for (i, &(net, action)) in rules.iter().enumerate() {
+        let i = i as isize;
+        match net.prefix_len() {
+            0 => ranked.extend(
+                (net.subnets(1).expect("a /0 splits in two"))
+                    .map(|half| (half, (false, -i), action)),
+            ),
+            _ => ranked.push((net, (true, i), action)),
+        }
+    }
+    ranked.sort_unstable_by_key(|&(net, rank, _)| (net, rank));
+    let mut members: Vec<ipset::Member> = Vec::with_capacity(ranked.len());
+    for (net, _, action) in ranked {
+        let member = ipset::Member {
+            net,
+            nomatch: action == Action::Masquerade,
+        };
+        match members.last_mut() {
+            Some(last) if last.net == net => *last = member,
+            _ => members.push(member),
+        }
+    }
+    members
+}
+
+/// The iptables-restore input for one family, or `None` when the policy leaves that family
+/// alone (IPv6 not enabled).
+pub fn render(
+    family: IpFamily,
+    policy: &Policy,
+    opts: &MasqueradeOptions,
+    caps: Capabilities,
+    variant: &ChainVariant,
+) -> Option<String> {
+    let rules = rules_in_chain_order(family, policy)?;
+    let chain = &opts.chain;
+    let mut lines = vec!["*nat".to_string(), format!(":{chain} - [0:0]")];
+    if let ChainVariant::OutsideEbpf { devices } = variant {
+        for device in devices {
+            for proto in ebpf_protocols(family) {
+                lines.push(format!(
+                    "-A {chain} {EBPF_RETURN_COMMENT} -o {device} -p {proto} -j RETURN"
+                ));
+            }
+        }
+    }
+    let masquerade = if opts.random_fully && caps.random_fully {
+        "-j MASQUERADE --random-fully"
+    } else {
+        "-j MASQUERADE"
+    };
+    // The rules that masquerade what reaches them: to `dst` only, or (last) everything.
+    let masquerade_rules = |dst: Option<&str>| {
+        let (comment, dst) = match dst {
+            Some(cidr) => (MASQ_EXCEPTION_COMMENT, format!(" -d {cidr}")),
+            None => (MASQ_COMMENT, String::new()),
+        };
+        let mut rules = Vec::new();
+        if let Some(ports) = &opts.to_ports {
+            for proto in PORT_MAPPED_PROTOCOLS {
+                for (range, probability) in ports.sequential_probabilities() {
+                    let statistic = probability
+                        .map(|p| format!(" -m statistic --mode random --probability {p}"))
+                        .unwrap_or_default();
+                    rules.push(format!(
+                        "-A {chain} {comment}{dst} {masquerade} -p {proto}{statistic} --to-ports {range}"
+                    ));
+                }
+            }
+        }
+        rules.push(format!("-A {chain} {comment}{dst} {masquerade}"));
+        rules
+    };
+    match variant {
+        ChainVariant::Full => {
+            for (cidr, action) in rules {
+                match action {
+                    Action::NonMasquerade => {
+                        lines.push(format!("-A {chain} {NON_MASQ_COMMENT} -d {cidr} -j RETURN"));
+                    }
+                    Action::Masquerade => lines.extend(masquerade_rules(Some(&cidr.to_string()))),
+                }
+            }
+        }
+        ChainVariant::OutsideEbpf { .. } => {
+            let set = ipset::name(chain, family);
+            lines.push(format!(
+                "-A {chain} {NON_MASQ_COMMENT} -m set --match-set {set} dst -j RETURN"
+            ));
+        }
+    }
+    lines.extend(masquerade_rules(None));
+    lines.push("COMMIT".to_string());
+    let mut text = lines.join("\n");
+    text.push('\n');
+    Some(text)
+}
+
+/// The chain for IPv6 switched off by the file: it masquerades nothing, and keeps conntrack's
+/// IPv6 hooks (see `IptablesDataPlane::switched_off`).
+pub fn render_switched_off(chain: &str) -> String {
+    format!(
+        "*nat\n:{chain} - [0:0]\n-A {chain} {SWITCHED_OFF_COMMENT} -m conntrack --ctstate SNAT -j RETURN\nCOMMIT\n"
+    )
+}
+
+/// The rule that sends non-local traffic from POSTROUTING into our chain, as argv words.
+pub(super) fn jump_rule(chain: &str) -> Vec<String> {
+    let comment = format!(
+        "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom {chain} chain"
+    );
+    [
+        "-m",
+        "comment",
+        "--comment",
+        &comment,
+        "-m",
+        "addrtype",
+        "!",
+        "--dst-type",
+        "LOCAL",
+        "-j",
+        chain,
+    ]
+    .map(String::from)
+    .to_vec()
+}
