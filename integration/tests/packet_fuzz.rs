@@ -24,7 +24,7 @@ use std::{
 use aya::Pod;
 use ipnet::{Ipv4Net, Ipv6Net};
 use masq_agent::dataplane::ebpf::{
-    maps::NatFamily,
+    map_types::NatFamily,
     testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
 };
 use masq_ebpf::{NatEntry, NatKey, direction, nat_kind, program_names};

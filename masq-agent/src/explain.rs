@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::{
     config::{self, CidrList, ConfigOptions, Loaded},
     dataplane::{
-        ebpf::{decisions, pins::Pins, tries},
+        ebpf::{decisions, pins::Pins, prefixes},
         iptables::{self, ChainVerdict},
     },
     netdev,
@@ -281,7 +281,7 @@ fn ask_programs(bpffs: &Path, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>>
 }
 
 /// The entry of the longest prefix of `addr` in `trie`.
-fn longest<const N: usize>(trie: &tries::PolicyTrie<N>, addr: [u8; N]) -> Option<PolicyEntry> {
+fn longest<const N: usize>(trie: &prefixes::PolicyTrie<N>, addr: [u8; N]) -> Option<PolicyEntry> {
     trie.get(&Key::new(8 * N as u32, addr), 0).ok()
 }
 

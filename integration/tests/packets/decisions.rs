@@ -101,7 +101,7 @@ fn an_entry_that_changes_action_is_counted_from_zero<F: Family>() {
 fn entries_past_the_counters_go_uncounted_and_still_decide() {
     use std::net::Ipv4Addr;
 
-    use masq_agent::dataplane::ebpf::tries;
+    use masq_agent::dataplane::ebpf::prefixes;
     use masq_ebpf::decision_slot;
 
     let mut h = harness::<Ipv4Addr>();
@@ -113,7 +113,7 @@ fn entries_past_the_counters_go_uncounted_and_still_decide() {
             .collect()
     };
     let uncounted = |h: &masq_agent::dataplane::ebpf::testbed::TestBed| {
-        tries::entries(&h.maps.policy.v4.non_masq)
+        prefixes::entries(&h.maps.policy.v4.non_masq)
             .values()
             .filter(|e| e.counted_in == decision_slot::UNCOUNTED)
             .count()

@@ -13,7 +13,7 @@ use masq_agent::{
         NatUsage,
         ebpf::{
             expiry::{self, Table, Timeouts},
-            maps::NatFamily,
+            map_types::NatFamily,
             testbed::TestBed,
         },
     },

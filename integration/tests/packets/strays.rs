@@ -24,11 +24,11 @@ fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Family>
     let mut h = harness::<F>();
     masqueraded_flow::<F>(&mut h);
     assert!(
-        !h.maps.policy.strays_cleared().unwrap(),
+        !h.maps.policy.word.strays_cleared().unwrap(),
         "set by the policy"
     );
     assert!(h.clear_strays().unwrap(), "the only flow is masqueraded");
-    assert!(h.maps.policy.strays_cleared().unwrap());
+    assert!(h.maps.policy.word.strays_cleared().unwrap());
 
     // Left alone and counted as before, the pod's packets for their entry, the node's not.
     let to_service = udp(F::POD, 5353, F::SERVICE, 53);
@@ -71,7 +71,7 @@ fn a_policy_change_looks_every_packet_up_until_its_strays_are_gone<F: Family>() 
     // The remote's prefix joins the policy: the flow to it is a stray, and stays masqueraded.
     set_policy::<F>(&mut h, &policy_with(F::REMOTE_NET), &[]);
     assert!(
-        !h.maps.policy.strays_cleared().unwrap(),
+        !h.maps.policy.word.strays_cleared().unwrap(),
         "cleared by the change"
     );
     let ack = tcp(F::POD, 40000, F::REMOTE, 80, ACK);
@@ -97,7 +97,7 @@ fn a_policy_change_looks_every_packet_up_until_its_strays_are_gone<F: Family>() 
     assert!(h.clear_strays().unwrap(), "the stray is gone");
     set_policy::<F>(&mut h, &policy_with(F::REMOTE_NET), &[]);
     assert!(
-        h.maps.policy.strays_cleared().unwrap(),
+        h.maps.policy.word.strays_cleared().unwrap(),
         "the same policy again"
     );
     assert_eq!(
@@ -123,9 +123,9 @@ fn a_restart_after_a_killed_sync_judges_no_flow_by_a_stale_verdict() {
         <V4 as Family>::remove(&mut h, &key);
     }
     // The killed agent: the remote's prefix written, the generation as the verdict found it.
-    let generation = h.maps.policy.generation.get(&0, 0).unwrap();
+    let generation = h.maps.policy.word.0.get(&0, 0).unwrap();
     set_policy::<V4>(&mut h, &policy_with(<V4 as Family>::REMOTE_NET), &[]);
-    h.maps.policy.generation.set(0, generation, 0).unwrap();
+    h.maps.policy.word.0.set(0, generation, 0).unwrap();
 
     // The next agent: its first apply, which finds the trie as the file wants it.
     h.maps.policy.lower_strays_cleared().unwrap();

@@ -7,55 +7,19 @@
 
 use std::path::Path;
 
+use super::{hook::Hook, tc_filters};
 use anyhow::Context as _;
 use aya::{
     programs::{
-        SchedClassifier, TcAttachType,
+        SchedClassifier,
         links::{FdLink, Link as _, LinkOrder, PinnedLink},
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     },
     util::KernelVersion,
 };
-use masq_ebpf::program_names;
-
-use super::tc_filters;
-use serde::Serialize;
 
 /// Set to force netlink (clsact) attachment, to exercise the path older kernels take.
 pub const FORCE_NETLINK_ENV: &str = "MASQ_AGENT_TC_NETLINK";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Hook {
-    Egress,
-    Ingress,
-}
-
-impl Hook {
-    pub const BOTH: [Hook; 2] = [Hook::Egress, Hook::Ingress];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Hook::Egress => "egress",
-            Hook::Ingress => "ingress",
-        }
-    }
-
-    /// The program that runs at this hook.
-    pub fn program(self) -> &'static str {
-        match self {
-            Hook::Egress => program_names::EGRESS,
-            Hook::Ingress => program_names::INGRESS,
-        }
-    }
-
-    fn attach_type(self) -> TcAttachType {
-        match self {
-            Hook::Egress => TcAttachType::Egress,
-            Hook::Ingress => TcAttachType::Ingress,
-        }
-    }
-}
 
 /// How a program is attached to one device and hook. Dropping it leaves the program attached.
 pub enum Attachment {

@@ -17,7 +17,8 @@ use tracing::{info, warn};
 use super::{
     batch,
     expiry::FlowOwner,
-    maps::{Counters, Maps, NatFamily, NatTable},
+    map_types::{Counters, NatFamily, NatTable},
+    maps::Maps,
     pins::Pins,
 };
 

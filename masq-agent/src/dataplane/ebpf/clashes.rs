@@ -5,7 +5,7 @@
 use masq_ebpf::Counter;
 use tracing::info;
 
-use super::maps::{Counters, counter_total};
+use super::map_types::{Counters, counter_total};
 
 /// The programs' count of such flows, as last said.
 #[derive(Debug)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::Context as _;
 use masq_ebpf::map_names;
 
-use super::{attach, attach::Hook, pins::Pins, tc_filters};
+use super::{attach, hook::Hook, pins::Pins, tc_filters};
 use crate::netdev;
 
 /// What `cleanup` found and removed of the eBPF data plane.

@@ -25,7 +25,7 @@ use tracing::{info, warn};
 
 use super::{
     expiry,
-    maps::{NatTable, NatTables},
+    map_types::{NatTable, NatTables},
 };
 use crate::{netdev, policy::Policy};
 

@@ -9,14 +9,15 @@
 
 use std::collections::BTreeMap;
 
-use aya::maps::{Array, IterableMap as _, MapData, PerCpuArray, PerCpuValues};
+use aya::maps::{IterableMap as _, MapData, PerCpuArray, PerCpuValues};
 use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_action};
 use serde::Serialize;
 
 use super::{
     batch,
     pins::Pins,
-    tries::{self, Prefix},
+    policy_word::PolicyWord,
+    prefixes::{self, Prefix},
 };
 
 /// The per-CPU decision counters, a slot per policy entry.
@@ -168,11 +169,10 @@ impl SlotActions {
         let Some(counters) = open_pinned(pins)? else {
             return Ok(None);
         };
-        let generation: Array<MapData, u32> = pins.open(map_names::POLICY_GENERATION)?;
-        let generation = generation.get(&0, 0)? & masq_ebpf::policy_word::GENERATION_MASK;
+        let generation = PolicyWord(pins.open(map_names::POLICY_GENERATION)?).generation()?;
         if self.generation != Some(generation) {
-            let v4 = tries::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
-            let v6 = tries::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
+            let v4 = prefixes::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
+            let v6 = prefixes::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
             self.actions = slot_actions(&v4, &v6).collect();
             self.generation = Some(generation);
         }
@@ -217,8 +217,8 @@ impl PolicyDecisions {
             let slot = entry.counted_in as usize;
             (entry.counted_in < slots).then(|| counts.get(slot).copied().unwrap_or(0))
         };
-        let v4_entries = v4.iter().map(|(p, e)| (tries::written(*p), e));
-        let v6_entries = v6.iter().map(|(p, e)| (tries::written(*p), e));
+        let v4_entries = v4.iter().map(|(p, e)| (prefixes::written(*p), e));
+        let v6_entries = v6.iter().map(|(p, e)| (prefixes::written(*p), e));
         let mut entries: Vec<EntryDecisions> = v4_entries
             .chain(v6_entries)
             .map(|(prefix, entry)| EntryDecisions {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use masq_ebpf::{Address, NatEntry, NatKey};
 use tracing::info;
 
-use super::{EbpfDataPlane, expiry, maps::NatTable};
+use super::{EbpfDataPlane, expiry, map_types::NatTable};
 use crate::netdev::{self, DeviceState};
 
 impl EbpfDataPlane {

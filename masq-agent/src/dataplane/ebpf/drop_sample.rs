@@ -9,7 +9,8 @@ use masq_ebpf::{Address, NatEntry, NatKey, direction};
 
 use super::{
     batch, expiry,
-    maps::{DropSample, Maps, NatTable},
+    map_types::{DropSample, NatTable},
+    maps::Maps,
 };
 
 /// Writes every flow of both NAT tables into its family's sample; says how many.

@@ -16,7 +16,7 @@ use masq_ebpf::{
     tcp_seen,
 };
 
-use super::{batch, maps::NatTable};
+use super::{batch, map_types::NatTable};
 use crate::dataplane::NatUsage;
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to

@@ -8,10 +8,10 @@ use tracing::{info, warn};
 
 use super::{
     EbpfDataPlane, Unavailable, attach,
-    attach::Hook,
     devices::{self, Returned},
     expiry,
-    maps::Interfaces,
+    hook::Hook,
+    map_types::Interfaces,
 };
 use crate::{
     dataplane::DataPlane as _,

@@ -12,7 +12,7 @@ use tracing::info;
 use super::{
     cleanup::cleanup,
     expiry::{self, SweepClock},
-    maps::NatTable,
+    map_types::NatTable,
     pins::Pins,
 };
 use crate::dataplane::NatUsage;

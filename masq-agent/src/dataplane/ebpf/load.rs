@@ -17,7 +17,7 @@ use aya::{
 };
 use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names};
 
-use super::{EbpfOptions, attach::Hook, carry::Carried, drop_sample, maps::Maps, pins::Pins};
+use super::{EbpfOptions, carry::Carried, drop_sample, hook::Hook, maps::Maps, pins::Pins};
 use crate::ports::PortRange;
 
 /// The compiled tc programs, embedded so that the agent is one binary.

@@ -16,17 +16,22 @@ mod drop_sample;
 pub mod expiry;
 pub mod flows;
 mod follow;
+pub mod hook;
 pub mod leftovers;
 mod load;
+pub mod map_types;
 pub mod maps;
 pub mod node_ports;
 pub mod pins;
+pub mod policy_word;
+pub mod prefixes;
 pub mod status;
 pub mod strays;
 mod syscall;
 pub mod tc_filters;
 #[cfg(feature = "testbed")]
 pub mod testbed;
+pub mod trie_diff;
 pub mod tries;
 
 use std::path::PathBuf;
@@ -35,11 +40,12 @@ use masq_ebpf::NAT_DEFAULT_ENTRIES;
 
 pub use self::load::COARSE_CLOCK_ENV;
 use self::{
-    attach::{Attachment, Hook},
+    attach::Attachment,
     carry::Carried,
     clashes::Clashes,
     devices::{Notes, Returned, Selection},
     expiry::{SweepClock, Timeouts},
+    hook::Hook,
     load::{Loaded, Programs},
     maps::Maps,
     pins::Pins,
@@ -285,7 +291,9 @@ impl DataPlane for EbpfDataPlane {
         let sweep = self.sweeps.due();
         // After a change, as soon as the grace allows; then with the sweeps.
         if !self.maps.policy.strays.checked || sweep {
-            strays::check(&mut self.maps.policy, &self.maps.nat, strays::GRACE)?;
+            self.maps
+                .policy
+                .check_strays(&self.maps.nat, strays::GRACE)?;
         }
         if !sweep {
             return Ok(None);

@@ -16,7 +16,7 @@ use masq_ebpf::{
 };
 use tracing::{info, warn};
 
-use super::{EbpfOptions, attach::Hook, maps};
+use super::{EbpfOptions, hook::Hook, map_types};
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -46,7 +46,7 @@ impl Pins {
 
     /// The map pinned as `name`, typed as the agent reads it.
     pub fn open<M: TryFrom<Map, Error = MapError>>(&self, name: &str) -> anyhow::Result<M> {
-        maps::typed(self.open_map(name)?, name)
+        map_types::typed(self.open_map(name)?, name)
     }
 
     pub fn links_dir(&self) -> PathBuf {

@@ -10,20 +10,22 @@ use std::{
 
 use anyhow::Context as _;
 use aya::{
-    maps::{Array, Map, MapData},
+    maps::Map,
     programs::links::{FdLink, PinnedLink},
 };
-use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names, policy_word};
+use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names};
 use serde::Serialize;
 
 use super::{
-    attach::{self, Hook},
+    attach,
     decisions::{self, PolicyDecisions},
     expiry,
-    maps::{Counters, Interfaces, counter_total},
+    hook::Hook,
+    map_types::{Counters, Interfaces, counter_total},
     pins::Pins,
+    policy_word::PolicyWord,
+    prefixes::{self, Prefix},
     tc_filters,
-    tries::{self, Prefix},
 };
 use crate::policy::{Action, IpFamily};
 
@@ -119,8 +121,8 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     if !pins.map(map_names::NAT_V4).exists() {
         return Ok(None);
     }
-    let v4 = tries::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
-    let v6 = tries::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
+    let v4 = prefixes::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
+    let v6 = prefixes::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
     let table_v4 = expiry::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
     // An agent from before IPv6 pinned no `nat_v6`.
     let table_v6 = match pins.map(map_names::NAT_V6).exists() {
@@ -170,10 +172,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         translated_by_address,
         nat_entries: nat.entries,
         nat_capacity: kernel.nat_capacity,
-        strays_cleared: {
-            let word: Array<MapData, u32> = pins.open(map_names::POLICY_GENERATION)?;
-            policy_word::strays_cleared(word.get(&0, 0)?)
-        },
+        strays_cleared: PolicyWord(pins.open(map_names::POLICY_GENERATION)?).strays_cleared()?,
         counters,
         decisions,
     }))
@@ -336,11 +335,11 @@ fn with_action<const N: usize>(
 where
     IpAddr: From<[u8; N]>,
 {
-    let value = tries::action_value(action);
+    let value = prefixes::action_value(action);
     entries
         .iter()
         .filter(|(_, entry)| entry.action == value)
-        .map(|(prefix, _)| tries::written(*prefix))
+        .map(|(prefix, _)| prefixes::written(*prefix))
         .collect()
 }
 

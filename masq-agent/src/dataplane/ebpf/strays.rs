@@ -19,38 +19,77 @@ use masq_ebpf::{Address, Decision, NatEntry, NatKey, direction};
 
 use super::{
     expiry,
-    maps::{NatTable, NatTables},
-    tries::{PolicyMaps, PolicyTrie},
+    map_types::{NatTable, NatTables},
+    policy_word::PolicyWord,
+    prefixes::PolicyTrie,
 };
+
+/// When a flow's entry may last have come to lead toward a destination the policy leaves alone,
+/// and whether the NAT tables were checked since.
+pub struct StrayWatch {
+    pub possible_since: Instant,
+    pub checked: bool,
+}
+
+/// A watch that knows nothing yet: a check is due.
+impl Default for StrayWatch {
+    fn default() -> StrayWatch {
+        StrayWatch {
+            possible_since: Instant::now(),
+            checked: false,
+        }
+    }
+}
+
+impl StrayWatch {
+    /// Clears `policy_word::STRAYS_CLEARED`, so that the programs look every packet up again,
+    /// and moves the generation on with it: a verdict cached before may come from a trie that
+    /// changed since without a move (an agent killed between the two), and would go on
+    /// judging new flows by it.
+    pub fn lower(&mut self, word: &mut PolicyWord) -> anyhow::Result<()> {
+        word.next_generation()?;
+        self.possible_since = Instant::now();
+        self.checked = false;
+        Ok(())
+    }
+}
 
 /// How long after a change to the tries a check may set the flag: a program that judged a
 /// destination by the old policy may still insert its flow's entry just after the change, but
 /// programs run for microseconds.
 pub const GRACE: Duration = Duration::from_secs(1);
 
-/// Whether the programs skip the NAT table toward destinations the policy leaves alone. If
-/// not, and the tries changed more than `grace` ago, checks both tables, and sets the flag if
-/// no entry leads toward such a destination.
-pub fn check(policy: &mut PolicyMaps, nat: &NatTables, grace: Duration) -> anyhow::Result<bool> {
-    if policy.strays_cleared()? {
-        return Ok(true);
+impl StrayWatch {
+    /// Whether the programs skip the NAT table toward destinations the policy leaves alone. If
+    /// not, and the tries changed more than `grace` ago, checks both tables against both
+    /// policy tries, and sets the flag if no entry leads toward such a destination.
+    pub fn check(
+        &mut self,
+        word: &mut PolicyWord,
+        nat: &NatTables,
+        (v4, v6): (&PolicyTrie<4>, &PolicyTrie<16>),
+        grace: Duration,
+    ) -> anyhow::Result<bool> {
+        if word.strays_cleared()? {
+            return Ok(true);
+        }
+        if self.possible_since.elapsed() < grace {
+            return Ok(false);
+        }
+        let started = Instant::now();
+        self.checked = true;
+        if any_stray(&nat.v4, v4)? || any_stray(&nat.v6, v6)? {
+            return Ok(false);
+        }
+        // A change made while the tables were read would have cleared the flag since: there
+        // was none, since the agent alone writes the tries, and it was here.
+        word.raise_strays_cleared()?;
+        tracing::debug!(
+            took = ?started.elapsed(),
+            "no flow outlived its policy: packets the policy leaves alone skip the NAT table"
+        );
+        Ok(true)
     }
-    if policy.strays.possible_since.elapsed() < grace {
-        return Ok(false);
-    }
-    let started = Instant::now();
-    policy.strays.checked = true;
-    if any_stray(&nat.v4, &policy.v4.non_masq)? || any_stray(&nat.v6, &policy.v6.non_masq)? {
-        return Ok(false);
-    }
-    // A change made while the tables were read would have cleared the flag since: there was
-    // none, since the agent alone writes the tries, and it was here.
-    policy.raise_strays_cleared()?;
-    tracing::debug!(
-        took = ?started.elapsed(),
-        "no flow outlived its policy: packets the policy leaves alone skip the NAT table"
-    );
-    Ok(true)
 }
 
 /// Whether a flow of `nat` leaves toward a destination `trie` now leaves alone.

@@ -9,7 +9,7 @@ use nix::sys::socket::{
     AddressFamily, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send, socket,
 };
 
-use super::attach::Hook;
+use super::hook::Hook;
 
 /// One BPF filter at a clsact hook.
 #[derive(Debug, Clone, PartialEq, Eq)]

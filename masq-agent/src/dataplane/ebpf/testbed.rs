@@ -20,8 +20,9 @@ use super::{
     expiry::{self, Table},
     follow::write_interfaces,
     load::{self, Programs, write_settings},
-    maps::{Maps, NatFamily, counter_total},
-    strays, tries,
+    map_types::{NatFamily, counter_total},
+    maps::Maps,
+    prefixes,
 };
 use crate::{netdev::Device, policy::IpFamily, ports::PortRange};
 
@@ -164,10 +165,10 @@ impl TestBed {
     /// an entry without a slot, `None` for no such entry.
     pub fn decisions_of(&self, net: IpNet) -> Option<Option<u64>> {
         let entry = match net {
-            IpNet::V4(net) => tries::entries(&self.maps.policy.v4.non_masq)
+            IpNet::V4(net) => prefixes::entries(&self.maps.policy.v4.non_masq)
                 .get(&(u32::from(net.prefix_len()), net.network().octets()))
                 .copied(),
-            IpNet::V6(net) => tries::entries(&self.maps.policy.v6.non_masq)
+            IpNet::V6(net) => prefixes::entries(&self.maps.policy.v6.non_masq)
                 .get(&(u32::from(net.prefix_len()), net.network().octets()))
                 .copied(),
         }?;
@@ -225,7 +226,9 @@ impl TestBed {
     /// no grace: nothing runs the programs meanwhile); returns whether none did, and the
     /// programs now skip the table toward destinations the policy leaves alone.
     pub fn clear_strays(&mut self) -> anyhow::Result<bool> {
-        strays::check(&mut self.maps.policy, &self.maps.nat, Duration::ZERO)
+        self.maps
+            .policy
+            .check_strays(&self.maps.nat, Duration::ZERO)
     }
 
     /// Removes the NAT entries whose keys `expired` picks, as if their flows had expired.

@@ -1,36 +1,28 @@
 //! The policy as the programs read it: per family, the policy trie they look destinations up
 //! in (each prefix with its action: the longest prefix of a destination decides it), and the
 //! trie of prefixes that stopped keeping the pod's address lately, toward which TCP connections
-//! that started unmasqueraded stay so until they may have gone idle; and the generation that
-//! invalidates the programs' cached verdicts whenever a trie changes, so that no new flow is
-//! judged by a policy no longer in force. Each entry also names the slot that counts its
-//! decisions (see `decisions`).
+//! that started unmasqueraded stay so until they may have gone idle. Every change moves the
+//! policy generation on (see `policy_word`), so that no new flow is judged by a policy no longer
+//! in force. Each entry also names the slot that counts its decisions (see `decisions`). What a
+//! change writes is found in `trie_diff`.
 
-use std::{
-    collections::BTreeMap,
-    net::IpAddr,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, time::Duration};
 
 use anyhow::Context as _;
-use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
+use aya::maps::{LpmTrie, MapData, lpm_trie::Key};
 use ipnet::IpNet;
 use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, prefix_action};
 
 use super::{
     decisions::{DecisionCounters, DecisionSlots},
     expiry,
+    map_types::NatTables,
+    policy_word::PolicyWord,
+    prefixes::{self, PolicyTrie, Prefix},
+    strays::StrayWatch,
+    trie_diff::{Difference, DrainingChange},
 };
-use crate::{
-    dataplane::walk_sorted,
-    policy::{Action, IpFamily, Policy, Rules},
-};
-
-/// An LPM trie key as plain data: prefix length in bits, then the address bytes.
-pub type Prefix<const N: usize> = (u32, [u8; N]);
-
-/// A family's policy trie.
-pub type PolicyTrie<const N: usize> = LpmTrie<MapData, [u8; N], PolicyEntry>;
+use crate::policy::{Action, IpFamily, Policy, Rules};
 
 /// One family's tries.
 pub struct FamilyTries<const N: usize> {
@@ -60,154 +52,21 @@ impl<const N: usize> FamilyTries<N> {
     fn current(&mut self) -> BTreeMap<Prefix<N>, PolicyEntry> {
         self.installed
             .take()
-            .unwrap_or_else(|| entries(&self.non_masq))
+            .unwrap_or_else(|| prefixes::entries(&self.non_masq))
     }
-}
-
-/// What a policy change does to the draining trie.
-struct DrainingChange<const N: usize> {
-    /// Prefixes whose destinations kept the pod's address and no longer do: non-masquerade
-    /// prefixes removed, and exceptions that cut into a prefix that kept it.
-    start: Vec<Prefix<N>>,
-    /// Exceptions that are gone: their destinations are decided as before they came.
-    end: Vec<Prefix<N>>,
-}
-
-impl<const N: usize> DrainingChange<N> {
-    fn between(
-        current: &BTreeMap<Prefix<N>, PolicyEntry>,
-        difference: &Difference<N>,
-    ) -> DrainingChange<N> {
-        let removed_with = |value| {
-            difference
-                .removed
-                .iter()
-                .filter(move |(_, entry)| entry.action == value)
-                .map(|(prefix, _)| *prefix)
-        };
-        let new_exceptions = difference
-            .written
-            .iter()
-            .filter(|(prefix, action, before)| {
-                *action == prefix_action::MASQUERADE
-                    && before.map(|e| e.action) != Some(prefix_action::MASQUERADE)
-                    && longest_match(current, *prefix).map(|e| e.action)
-                        == Some(prefix_action::NON_MASQUERADE)
-            })
-            .map(|(prefix, _, _)| *prefix);
-        DrainingChange {
-            start: removed_with(prefix_action::NON_MASQUERADE)
-                .chain(new_exceptions)
-                .collect(),
-            end: removed_with(prefix_action::MASQUERADE).collect(),
-        }
-    }
-}
-
-/// How the policy trie, which holds `current`, must change to hold `desired`: found in one
-/// walk over both, which are sorted alike. A trie of 100 000 prefixes is compared in a few
-/// milliseconds, where looking each prefix up in the other map took tens.
-struct Difference<const N: usize> {
-    /// Prefixes to write: new ones, those whose action changes, and those that keep their
-    /// action but need a slot; each with what it held before, if anything.
-    written: Vec<(Prefix<N>, PrefixAction, Option<PolicyEntry>)>,
-    /// Prefixes to take out, with what they held.
-    removed: Vec<(Prefix<N>, PolicyEntry)>,
-}
-
-impl<const N: usize> Difference<N> {
-    fn between(
-        current: &BTreeMap<Prefix<N>, PolicyEntry>,
-        desired: &BTreeMap<Prefix<N>, PrefixAction>,
-        keeps_slot: impl Fn(&PolicyEntry) -> bool,
-    ) -> Difference<N> {
-        let mut difference = Difference {
-            written: Vec::new(),
-            removed: Vec::new(),
-        };
-        walk_sorted(current, desired, |prefix, entry, action| {
-            match (entry, action) {
-                (Some(entry), Some(action)) if entry.action == *action && keeps_slot(entry) => {}
-                (before, Some(action)) => {
-                    difference.written.push((*prefix, *action, before.copied()))
-                }
-                (Some(entry), None) => difference.removed.push((*prefix, *entry)),
-                (None, None) => {}
-            }
-        });
-        difference
-    }
-}
-
-/// The value of the longest prefix in `entries` that holds all of `prefix` (itself included),
-/// as the trie would answer for its addresses.
-fn longest_match<const N: usize, V: Copy>(
-    entries: &BTreeMap<Prefix<N>, V>,
-    (len, data): Prefix<N>,
-) -> Option<V> {
-    (0..=len).rev().find_map(|shorter| {
-        let mut network = data;
-        for (i, byte) in network.iter_mut().enumerate() {
-            let kept = shorter.saturating_sub(8 * i as u32).min(8);
-            *byte &= !(0xffu8.checked_shr(kept).unwrap_or(0));
-        }
-        entries.get(&(shorter, network)).copied()
-    })
-}
-
-/// The trie's value for an action.
-pub fn action_value(action: Action) -> PrefixAction {
-    match action {
-        Action::NonMasquerade => prefix_action::NON_MASQUERADE,
-        Action::Masquerade => prefix_action::MASQUERADE,
-    }
-}
-
-/// A family's rules as trie entries; the rules of the other family are left out.
-fn trie_entries<const N: usize>(rules: &Rules) -> BTreeMap<Prefix<N>, PrefixAction> {
-    rules
-        .iter()
-        .filter_map(|(net, action)| {
-            let octets: [u8; N] = match net.network() {
-                IpAddr::V4(addr) => addr.octets().as_slice().try_into().ok()?,
-                IpAddr::V6(addr) => addr.octets().as_slice().try_into().ok()?,
-            };
-            Some(((u32::from(net.prefix_len()), octets), action_value(*action)))
-        })
-        .collect()
 }
 
 /// The maps that hold the policy.
 pub struct PolicyMaps {
     pub v4: FamilyTries<4>,
     pub v6: FamilyTries<16>,
-    /// What the programs tag their cached verdicts with.
-    pub generation: Array<MapData, u32>,
+    /// What the programs tag their cached verdicts with, and whether strays are cleared.
+    pub word: PolicyWord,
     /// Per CPU, the decisions each entry took, in its slot.
     pub decisions: DecisionCounters,
     slots: DecisionSlots,
     /// What the agent knows of flows that outlived the policy (see `strays`).
     pub strays: StrayWatch,
-}
-
-/// When a flow's entry may last have come to lead toward a destination the policy leaves alone,
-/// and whether the NAT tables were checked since.
-pub struct StrayWatch {
-    pub possible_since: Instant,
-    pub checked: bool,
-}
-
-impl StrayWatch {
-    /// Clears `policy_word::STRAYS_CLEARED`, so that the programs look every packet up again,
-    /// and moves the generation on with it: a verdict cached before may come from a trie that
-    /// changed since without a move (an agent killed between the two), and would go on
-    /// judging new flows by it.
-    fn lower(&mut self, generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {
-        next_generation(generation)?;
-        self.possible_since = Instant::now();
-        self.checked = false;
-        Ok(())
-    }
 }
 
 impl PolicyMaps {
@@ -216,7 +75,7 @@ impl PolicyMaps {
     pub fn new(
         mut v4: FamilyTries<4>,
         mut v6: FamilyTries<16>,
-        generation: Array<MapData, u32>,
+        word: PolicyWord,
         decisions: DecisionCounters,
         reused_decisions: bool,
     ) -> PolicyMaps {
@@ -228,33 +87,23 @@ impl PolicyMaps {
         PolicyMaps {
             v4,
             v6,
-            generation,
+            word,
             decisions,
             slots,
-            strays: StrayWatch {
-                possible_since: Instant::now(),
-                checked: false,
-            },
+            strays: StrayWatch::default(),
         }
     }
 
-    /// Whether the programs skip the NAT table toward destinations the policy leaves alone.
-    pub fn strays_cleared(&self) -> anyhow::Result<bool> {
-        let word = self.generation.get(&0, 0)?;
-        Ok(masq_ebpf::policy_word::strays_cleared(word))
+    /// Whether the programs skip the NAT table toward destinations the policy leaves alone,
+    /// after a check of `nat` if one is due (see `StrayWatch::check`).
+    pub fn check_strays(&mut self, nat: &NatTables, grace: Duration) -> anyhow::Result<bool> {
+        let tries = (&self.v4.non_masq, &self.v6.non_masq);
+        self.strays.check(&mut self.word, nat, tries, grace)
     }
 
     /// Says that a flow's entry may lead toward a destination the policy leaves alone.
     pub fn lower_strays_cleared(&mut self) -> anyhow::Result<()> {
-        self.strays.lower(&mut self.generation)
-    }
-
-    /// Says that no flow's entry does, as a check found.
-    pub fn raise_strays_cleared(&mut self) -> anyhow::Result<()> {
-        let word = self.generation.get(&0, 0)?;
-        self.generation
-            .set(0, word | masq_ebpf::policy_word::STRAYS_CLEARED, 0)?;
-        Ok(())
+        self.strays.lower(&mut self.word)
     }
 
     /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
@@ -275,14 +124,14 @@ impl PolicyMaps {
         };
         match family {
             IpFamily::Ipv4 => self.v4.sync(
-                trie_entries(rules),
-                &mut self.generation,
+                prefixes::trie_entries(rules),
+                &mut self.word,
                 &mut self.strays,
                 &mut counting,
             ),
             IpFamily::Ipv6 => self.v6.sync(
-                trie_entries(rules),
-                &mut self.generation,
+                prefixes::trie_entries(rules),
+                &mut self.word,
                 &mut self.strays,
                 &mut counting,
             ),
@@ -353,7 +202,7 @@ impl<const N: usize> FamilyTries<N> {
     fn sync(
         &mut self,
         desired: BTreeMap<Prefix<N>, PrefixAction>,
-        generation: &mut Array<MapData, u32>,
+        word: &mut PolicyWord,
         strays: &mut StrayWatch,
         counting: &mut Counting,
     ) -> anyhow::Result<bool> {
@@ -362,10 +211,10 @@ impl<const N: usize> FamilyTries<N> {
         if !difference.written.is_empty() || !difference.removed.is_empty() {
             // Before the trie changes: a flow's entry may lead toward a destination it now
             // leaves alone, and the programs must look every packet up again.
-            strays.lower(generation)?;
+            strays.lower(word)?;
         }
         let change = DrainingChange::between(&current, &difference);
-        let now = seconds(expiry::monotonic_now_ns());
+        let now = prefixes::seconds(expiry::monotonic_now_ns());
         for (len, data) in &change.start {
             self.draining.insert(&Key::new(*len, *data), now, 0)?;
         }
@@ -373,7 +222,7 @@ impl<const N: usize> FamilyTries<N> {
         // Even a sync that failed half-way may have changed the trie: no cached verdict survives
         // it, and the trie is read again next time.
         if !matches!(&synced, Ok(written) if !written.changed()) {
-            next_generation(generation)?;
+            word.next_generation()?;
         }
         let written = synced?;
         let changed = written.changed();
@@ -494,7 +343,7 @@ impl<const N: usize> FamilyTries<N> {
             .iter()
             .filter_map(Result::ok)
             .filter(|(_, since)| {
-                u64::from(seconds(now_ns).saturating_sub(*since)) > drain.as_secs()
+                u64::from(prefixes::seconds(now_ns).saturating_sub(*since)) > drain.as_secs()
             })
             .map(|(key, _)| key)
             .collect();
@@ -519,147 +368,5 @@ fn roll_back<const N: usize>(
             None => trie.remove(&key),
         };
         slots.give_back(entry.counted_in);
-    }
-}
-
-fn next_generation(generation: &mut Array<MapData, u32>) -> anyhow::Result<()> {
-    let current = generation.get(&0, 0)?;
-    generation.set(0, masq_ebpf::verdict_slot::next(current), 0)?;
-    Ok(())
-}
-
-/// The prefixes the policy trie holds, with their entries.
-pub fn entries<const N: usize>(trie: &PolicyTrie<N>) -> BTreeMap<Prefix<N>, PolicyEntry> {
-    trie.iter()
-        .filter_map(Result::ok)
-        .map(|(k, entry)| ((k.prefix_len(), k.data()), entry))
-        .collect()
-}
-
-/// A prefix as the config writes it.
-pub fn written<const N: usize>((len, data): Prefix<N>) -> String
-where
-    IpAddr: From<[u8; N]>,
-{
-    format!("{}/{len}", IpAddr::from(data))
-}
-
-fn seconds(ns: u64) -> u32 {
-    (ns / 1_000_000_000) as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entries(list: &[(&str, Action)]) -> BTreeMap<Prefix<4>, PrefixAction> {
-        let rules: Rules = list.iter().map(|(n, a)| (n.parse().unwrap(), *a)).collect();
-        trie_entries(&rules)
-    }
-
-    fn prefix(net: &str) -> Prefix<4> {
-        let net: ipnet::Ipv4Net = net.parse().unwrap();
-        (u32::from(net.prefix_len()), net.network().octets())
-    }
-
-    const KEEP: Action = Action::NonMasquerade;
-    const MASQ: Action = Action::Masquerade;
-
-    #[test]
-    fn the_longest_match_of_a_prefix_is_the_trie_s_answer() {
-        let e = entries(&[("10.0.0.0/8", KEEP), ("10.100.0.0/16", MASQ)]);
-        let at = |net| longest_match(&e, prefix(net));
-        assert_eq!(at("10.100.10.0/24"), Some(prefix_action::MASQUERADE));
-        assert_eq!(at("10.1.0.0/24"), Some(prefix_action::NON_MASQUERADE));
-        assert_eq!(at("10.0.0.0/8"), Some(prefix_action::NON_MASQUERADE));
-        assert_eq!(at("11.0.0.0/24"), None);
-        assert_eq!(at("10.100.0.0/15"), Some(prefix_action::NON_MASQUERADE));
-    }
-
-    #[test]
-    fn only_destinations_that_kept_their_address_drain() {
-        let current: BTreeMap<Prefix<4>, PolicyEntry> = entries(&[
-            ("10.0.0.0/8", KEEP),
-            ("192.168.0.0/16", KEEP),
-            ("10.9.0.0/16", MASQ),
-        ])
-        .into_iter()
-        .enumerate()
-        .map(|(slot, (prefix, action))| {
-            let entry = PolicyEntry {
-                counted_in: slot as u32 + 1,
-                action,
-                ..PolicyEntry::default()
-            };
-            (prefix, entry)
-        })
-        .collect();
-        let desired = entries(&[
-            ("10.0.0.0/8", KEEP),
-            // An exception inside a prefix that kept addresses: drains.
-            ("10.100.10.0/24", MASQ),
-            // One where nothing kept them: does not.
-            ("203.0.113.0/24", MASQ),
-        ]);
-        let change = |current: &BTreeMap<Prefix<4>, PolicyEntry>| {
-            let difference = Difference::between(current, &desired, |_| true);
-            DrainingChange::between(current, &difference)
-        };
-        let changed = change(&current);
-        assert_eq!(
-            changed.start,
-            [prefix("192.168.0.0/16"), prefix("10.100.10.0/24")]
-        );
-        assert_eq!(changed.end, [prefix("10.9.0.0/16")]);
-        // A prefix and its exception added together: nothing kept the exception's addresses.
-        let changed = change(&BTreeMap::new());
-        assert!(changed.start.is_empty() && changed.end.is_empty());
-    }
-
-    #[test]
-    fn the_difference_is_found_in_one_walk() {
-        let entry = |counted_in, action| PolicyEntry {
-            counted_in,
-            action,
-            ..PolicyEntry::default()
-        };
-        let (keep, masq) = (prefix_action::NON_MASQUERADE, prefix_action::MASQUERADE);
-        let current: BTreeMap<Prefix<4>, PolicyEntry> = [
-            (prefix("10.0.0.0/8"), entry(1, keep)),
-            (prefix("10.9.0.0/16"), entry(2, masq)),
-            (
-                prefix("172.16.0.0/12"),
-                entry(decision_slot::UNCOUNTED, keep),
-            ),
-            (prefix("192.168.0.0/16"), entry(3, keep)),
-        ]
-        .into();
-        let desired = entries(&[
-            ("10.0.0.0/8", KEEP),
-            ("10.9.0.0/16", KEEP),
-            ("172.16.0.0/12", KEEP),
-            ("198.18.0.0/15", KEEP),
-        ]);
-        let keeps_slot = |e: &PolicyEntry| e.counted_in != decision_slot::UNCOUNTED;
-        let difference = Difference::between(&current, &desired, keeps_slot);
-        assert_eq!(
-            difference.written,
-            [
-                // In the maps' order, shorter prefixes first. It keeps its action, but has no
-                // slot.
-                (
-                    prefix("172.16.0.0/12"),
-                    keep,
-                    Some(entry(decision_slot::UNCOUNTED, keep))
-                ),
-                (prefix("198.18.0.0/15"), keep, None),
-                // Its action changes.
-                (prefix("10.9.0.0/16"), keep, Some(entry(2, masq))),
-            ]
-        );
-        assert_eq!(
-            difference.removed,
-            [(prefix("192.168.0.0/16"), entry(3, keep))]
-        );
     }
 }

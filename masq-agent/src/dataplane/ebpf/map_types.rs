@@ -1,0 +1,67 @@
+//! The types the agent reads the programs' maps with: a layout this build does not expect fails
+//! when the map is taken (see `maps`).
+
+use anyhow::Context as _;
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
+use masq_ebpf::{Address, Counter, Interface, NatEntry, NatKey};
+
+/// A family's NAT table: both halves of every flow the programs know.
+pub type NatTable<A> = BpfHashMap<MapData, NatKey<A>, NatEntry<A>>;
+
+/// The programs' packet counters, a slot per `Counter`, per CPU.
+pub type Counters = PerCpuArray<MapData, u64>;
+
+/// The interfaces the programs translate on, by ifindex, with the addresses they give.
+pub type Interfaces = BpfHashMap<MapData, u32, Interface>;
+
+/// Both families' NAT tables.
+pub struct NatTables {
+    pub v4: NatTable<[u8; 4]>,
+    pub v6: NatTable<[u8; 16]>,
+}
+
+/// A family's drop sample: egress keys of the NAT table's flows, at random slots, where a full
+/// table looks for flows to drop (`masq_ebpf::drop_sample_slots`).
+pub type DropSample<A> = Array<MapData, NatKey<A>>;
+
+/// Both families' drop samples.
+pub struct DropSamples {
+    pub v4: DropSample<[u8; 4]>,
+    pub v6: DropSample<[u8; 16]>,
+}
+
+/// Picks a family's NAT table by its address type, for code written once over both families.
+pub trait NatFamily: Address {
+    fn table(tables: &NatTables) -> &NatTable<Self>;
+    fn table_mut(tables: &mut NatTables) -> &mut NatTable<Self>;
+}
+
+impl NatFamily for [u8; 4] {
+    fn table(tables: &NatTables) -> &NatTable<Self> {
+        &tables.v4
+    }
+    fn table_mut(tables: &mut NatTables) -> &mut NatTable<Self> {
+        &mut tables.v4
+    }
+}
+
+impl NatFamily for [u8; 16] {
+    fn table(tables: &NatTables) -> &NatTable<Self> {
+        &tables.v6
+    }
+    fn table_mut(tables: &mut NatTables) -> &mut NatTable<Self> {
+        &mut tables.v6
+    }
+}
+
+/// A counter's total over the CPUs; 0 for a slot the map lacks (an older agent's).
+pub fn counter_total(counters: &Counters, counter: Counter) -> u64 {
+    counters
+        .get(&(counter as u32), 0)
+        .map_or(0, |per_cpu| per_cpu.iter().sum())
+}
+
+/// `map` as the type the agent reads it with, if its kind and layout are that type's.
+pub fn typed<M: TryFrom<Map, Error = MapError>>(map: Map, name: &str) -> anyhow::Result<M> {
+    M::try_from(map).with_context(|| format!("map {name}"))
+}

@@ -1,0 +1,58 @@
+//! Prefixes as the tries hold them: their key as plain data, the policy trie's type, and the
+//! conversions between the policy's rules, the trie's entries and the config's notation.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use aya::maps::{LpmTrie, MapData};
+use masq_ebpf::{PolicyEntry, PrefixAction, prefix_action};
+
+use crate::policy::{Action, Rules};
+
+/// An LPM trie key as plain data: prefix length in bits, then the address bytes.
+pub type Prefix<const N: usize> = (u32, [u8; N]);
+
+/// A family's policy trie.
+pub type PolicyTrie<const N: usize> = LpmTrie<MapData, [u8; N], PolicyEntry>;
+
+/// The trie's value for an action.
+pub fn action_value(action: Action) -> PrefixAction {
+    match action {
+        Action::NonMasquerade => prefix_action::NON_MASQUERADE,
+        Action::Masquerade => prefix_action::MASQUERADE,
+    }
+}
+
+/// A family's rules as trie entries; the rules of the other family are left out.
+pub fn trie_entries<const N: usize>(rules: &Rules) -> BTreeMap<Prefix<N>, PrefixAction> {
+    rules
+        .iter()
+        .filter_map(|(net, action)| {
+            let octets: [u8; N] = match net.network() {
+                IpAddr::V4(addr) => addr.octets().as_slice().try_into().ok()?,
+                IpAddr::V6(addr) => addr.octets().as_slice().try_into().ok()?,
+            };
+            Some(((u32::from(net.prefix_len()), octets), action_value(*action)))
+        })
+        .collect()
+}
+
+/// The prefixes the policy trie holds, with their entries.
+pub fn entries<const N: usize>(trie: &PolicyTrie<N>) -> BTreeMap<Prefix<N>, PolicyEntry> {
+    trie.iter()
+        .filter_map(Result::ok)
+        .map(|(k, entry)| ((k.prefix_len(), k.data()), entry))
+        .collect()
+}
+
+/// A prefix as the config writes it.
+pub fn written<const N: usize>((len, data): Prefix<N>) -> String
+where
+    IpAddr: From<[u8; N]>,
+{
+    format!("{}/{len}", IpAddr::from(data))
+}
+
+/// Seconds of CLOCK_MONOTONIC, as the draining trie dates its prefixes.
+pub fn seconds(ns: u64) -> u32 {
+    (ns / 1_000_000_000) as u32
+}
