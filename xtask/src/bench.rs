@@ -19,310 +19,12 @@ use masq_testbed::{
     topology::{self, Process, Topology},
     wait_for_long, workspace_root, write_config,
 };
-use serde::Serialize;
 
 use crate::{
+    bench_plan::{ControlPlane, DatapathCase, Metric, Mode, Options, Plan, Sample, median},
     node_tables::{self, KUBE_POSTROUTING, Node},
     report, step,
 };
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Mode {
-    /// No NAT on a node without kube-proxy's table: the ceiling of earlier reports.
-    NoNatBare,
-    /// No NAT on a realistic node: the ceiling every NAT mode is compared against.
-    NoNat,
-    IptablesNft,
-    IptablesLegacy,
-    Ebpf,
-}
-
-impl Mode {
-    pub const ALL: [Mode; 5] = [
-        Mode::NoNatBare,
-        Mode::NoNat,
-        Mode::IptablesNft,
-        Mode::IptablesLegacy,
-        Mode::Ebpf,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::NoNatBare => "no NAT, bare node",
-            Mode::NoNat => "no NAT",
-            Mode::IptablesNft => "iptables (nft)",
-            Mode::IptablesLegacy => "iptables (legacy)",
-            Mode::Ebpf => "ebpf",
-        }
-    }
-
-    /// iptables chains of 100 000 rules are past what the comparison needs to show.
-    fn runs_at(self, cidrs: usize) -> bool {
-        cidrs <= 10_000 || !self.runs_iptables_chain()
-    }
-
-    fn runs_iptables_chain(self) -> bool {
-        matches!(self, Mode::IptablesNft | Mode::IptablesLegacy)
-    }
-
-    /// Whether an agent masquerades in this mode; without one, the outside host routes back.
-    pub fn masquerades(self) -> bool {
-        !matches!(self, Mode::NoNatBare | Mode::NoNat)
-    }
-
-    /// What the node holds besides the data plane under test.
-    pub fn node(self) -> Node {
-        match self {
-            Mode::NoNatBare => Node::Bare,
-            _ => Node::KubeProxy,
-        }
-    }
-
-    /// The iptables backend of everything this mode writes, node tables included: one
-    /// namespace never holds both backends' tables.
-    pub fn backend(self) -> &'static str {
-        match self {
-            Mode::IptablesLegacy => "legacy",
-            _ => "nft",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Metric {
-    NewConnections,
-    Transactions,
-    Throughput,
-    UdpNewFlows,
-}
-
-impl Metric {
-    pub const ALL: [Metric; 4] = [
-        Metric::NewConnections,
-        Metric::Transactions,
-        Metric::Throughput,
-        Metric::UdpNewFlows,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Metric::NewConnections => "new TCP connections/s",
-            Metric::Transactions => "TCP transactions/s",
-            Metric::Throughput => "TCP bulk Gbit/s",
-            Metric::UdpNewFlows => "UDP new flows/s",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Sample {
-    pub mode: Mode,
-    pub shape: Shape,
-    pub cidrs: usize,
-    pub metric: Metric,
-    pub round: usize,
-    pub value: f64,
-}
-
-/// One line of the data-path benchmark's output.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct DatapathCase {
-    pub case: String,
-    pub prefixes: usize,
-    pub ns_per_packet: f64,
-    pub samples: Vec<f64>,
-}
-
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct ControlPlane {
-    /// Why the control-plane measurements could not all be made, if they could not.
-    pub error: Option<String>,
-    /// The size of the large policy the figures below were measured with.
-    pub prefixes: usize,
-    pub apply_cold_ms: f64,
-    /// The same size of policy, a quarter of it exceptions (`masqueradeCIDRs`).
-    pub apply_cold_with_exceptions_ms: f64,
-    pub apply_one_change_ms: f64,
-    pub iptables_restore_ms: BTreeMap<usize, f64>,
-    pub config_change_to_map_ms: Vec<f64>,
-    pub rss_mib: f64,
-    pub idle_cpu_percent: f64,
-    pub idle_seconds: u64,
-}
-
-#[derive(clap::Args)]
-pub struct Options {
-    /// A reduced run (under 3 minutes).
-    #[arg(long)]
-    quick: bool,
-    /// Only the end-to-end part: no data path in isolation, no control plane.
-    #[arg(long)]
-    end_to_end_only: bool,
-    /// Measure end to end at these numbers of CIDRs instead (comma-separated).
-    #[arg(long, value_delimiter = ',')]
-    sizes: Vec<usize>,
-    /// Rounds of interleaved modes, instead of the plan's.
-    #[arg(long)]
-    rounds: Option<usize>,
-    /// Measure end to end only these modes (comma-separated).
-    #[arg(long, value_delimiter = ',')]
-    modes: Vec<Mode>,
-    /// Measure end to end only in these load shapes (comma-separated: pinned, unpinned).
-    #[arg(long, value_delimiter = ',', value_parser = Shape::from_key)]
-    shapes: Vec<Shape>,
-    /// Measure end to end only these metrics (comma-separated).
-    #[arg(long, value_delimiter = ',')]
-    metrics: Vec<Metric>,
-    /// Seconds per end-to-end measurement, instead of the plan's: long enough to profile one
-    /// mode with `perf record -a` while it runs (see docs/bench/profiles.md).
-    #[arg(long)]
-    seconds: Option<f64>,
-    /// Only the one-prefix change to the large policy in a running agent, printed and not
-    /// reported: the quick loop for working on that figure (about a minute).
-    #[arg(long)]
-    one_change_only: bool,
-    /// With `--one-change-only`: measure this agent binary instead of the one just built, to
-    /// compare a change with its baseline in the same sitting.
-    #[arg(long, requires = "one_change_only")]
-    agent: Option<PathBuf>,
-}
-
-impl Options {
-    /// A full run is the one the README shows; any other writes to target/bench.
-    fn is_full(&self) -> bool {
-        !self.quick
-            && !self.end_to_end_only
-            && !self.one_change_only
-            && self.sizes.is_empty()
-            && self.rounds.is_none()
-            && self.modes.is_empty()
-            && self.shapes.is_empty()
-            && self.metrics.is_empty()
-            && self.seconds.is_none()
-    }
-
-    /// The command line that reproduces this run.
-    pub fn command(&self) -> String {
-        let mut command = "cargo xtask bench".to_string();
-        if self.quick {
-            command += " --quick";
-        }
-        if self.end_to_end_only {
-            command += " --end-to-end-only";
-        }
-        if self.one_change_only {
-            command += " --one-change-only";
-        }
-        if !self.sizes.is_empty() {
-            let sizes: Vec<String> = self.sizes.iter().map(usize::to_string).collect();
-            command += &format!(" --sizes {}", sizes.join(","));
-        }
-        if let Some(rounds) = self.rounds {
-            command += &format!(" --rounds {rounds}");
-        }
-        if !self.modes.is_empty() {
-            command += &format!(" --modes {}", value_names(&self.modes));
-        }
-        if !self.shapes.is_empty() {
-            let shapes: Vec<&str> = self.shapes.iter().map(|s| s.key()).collect();
-            command += &format!(" --shapes {}", shapes.join(","));
-        }
-        if !self.metrics.is_empty() {
-            command += &format!(" --metrics {}", value_names(&self.metrics));
-        }
-        if let Some(seconds) = self.seconds {
-            command += &format!(" --seconds {seconds}");
-        }
-        command
-    }
-}
-
-/// `values` as the command line names them, comma-separated.
-fn value_names<T: clap::ValueEnum>(values: &[T]) -> String {
-    let names: Vec<String> = values
-        .iter()
-        .filter_map(|v| Some(v.to_possible_value()?.get_name().to_string()))
-        .collect();
-    names.join(",")
-}
-
-pub struct Plan {
-    pub command: String,
-    pub sizes: Vec<usize>,
-    pub rounds: usize,
-    pub seconds: Duration,
-    pub modes: Vec<Mode>,
-    pub shapes: Vec<Shape>,
-    pub metrics: Vec<Metric>,
-    /// The pause between putting a mode in force and measuring it.
-    pub settle: Duration,
-    /// Single runs per data-path measurement.
-    pub runs: u32,
-    /// The large policy of the control-plane measurements.
-    pub large: usize,
-    /// How long the agent's idle CPU use is measured.
-    pub idle: Duration,
-}
-
-impl Plan {
-    fn new(options: &Options) -> Plan {
-        let command = options.command();
-        let mut plan = if options.quick {
-            Plan {
-                command,
-                sizes: vec![4, 10_000],
-                rounds: 2,
-                seconds: Duration::from_millis(400),
-                modes: Mode::ALL.to_vec(),
-                shapes: Shape::ALL.to_vec(),
-                metrics: Metric::ALL.to_vec(),
-                settle: Duration::from_millis(500),
-                runs: 20_000,
-                large: 20_000,
-                idle: Duration::from_secs(10),
-            }
-        } else {
-            Plan {
-                command,
-                sizes: vec![4, 10_000, 100_000],
-                // Twice the measurements of a run of one shape and four modes: five rounds of
-                // 1.5 s keep the whole run under half an hour.
-                rounds: 5,
-                seconds: Duration::from_millis(1500),
-                modes: Mode::ALL.to_vec(),
-                shapes: Shape::ALL.to_vec(),
-                metrics: Metric::ALL.to_vec(),
-                // What the kernel does after a large apply (freeing what the old policy held,
-                // RCU callbacks) is the control plane's cost, measured apart: let it settle.
-                settle: Duration::from_secs(2),
-                runs: 100_000,
-                large: 100_000,
-                idle: Duration::from_secs(60),
-            }
-        };
-        if !options.sizes.is_empty() {
-            plan.sizes = options.sizes.clone();
-        }
-        if let Some(rounds) = options.rounds {
-            plan.rounds = rounds;
-        }
-        if !options.modes.is_empty() {
-            plan.modes = options.modes.clone();
-        }
-        if !options.shapes.is_empty() {
-            plan.shapes = options.shapes.clone();
-        }
-        if !options.metrics.is_empty() {
-            plan.metrics = options.metrics.clone();
-        }
-        if let Some(seconds) = options.seconds {
-            plan.seconds = Duration::from_secs_f64(seconds);
-        }
-        plan
-    }
-}
 
 pub fn run(options: &Options) -> anyhow::Result<()> {
     let plan = Plan::new(options);
@@ -368,11 +70,11 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
 
     // The verifier's figures: the running kernel's, and in a full run the VMs' too. A failure
     // here must not throw away the figures measured above either.
-    let object = crate::budget::built_object()?;
+    let object = crate::verifier_figures::built_object()?;
     let budget = if options.is_full() {
         crate::budget::everywhere(&object)
     } else {
-        crate::budget::measure_here(&object).map(|(figures, _)| figures)
+        crate::verifier_figures::measure_here(&object).map(|(figures, _)| figures)
     }
     .unwrap_or_else(|err| {
         eprintln!("xtask: bench: the verifier's budget failed: {err:#}");
@@ -380,10 +82,10 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     });
     if options.is_full() && !budget.is_empty() {
         // The report is written whole below; the docs keep the table between their markers.
-        report::update_section(
+        crate::doc_sections::update_section(
             &root.join("docs/install.md"),
             "budget",
-            &crate::budget::section(&budget),
+            &crate::verifier_figures::section(&budget),
         )?;
     }
 
@@ -753,8 +455,8 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
         plain_ms.push(cold(&plain)?);
         exceptions_ms.push(cold(&policy)?);
     }
-    cp.apply_cold_ms = report::median(plain_ms).unwrap_or_default();
-    cp.apply_cold_with_exceptions_ms = report::median(exceptions_ms).unwrap_or_default();
+    cp.apply_cold_ms = median(plain_ms).unwrap_or_default();
+    cp.apply_cold_with_exceptions_ms = median(exceptions_ms).unwrap_or_default();
     fresh_node()?;
 
     // The same sizes through iptables-restore, as upstream's chain.
@@ -806,8 +508,7 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     cp.idle_cpu_percent = ticks as f64 / hz / cp.idle_seconds as f64 * 100.0;
     cp.apply_one_change_ms =
-        report::median(one_change_latency(&bed, &prefixes::config(plan.large))?)
-            .unwrap_or_default();
+        median(one_change_latency(&bed, &prefixes::config(plan.large))?).unwrap_or_default();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
     Ok(cp)
 }
@@ -830,7 +531,7 @@ fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
     println!(
         "one-prefix change to {}: median {:.1} ms of [{}]",
         plan.large,
-        report::median(latencies.clone()).unwrap_or_default(),
+        median(latencies.clone()).unwrap_or_default(),
         rounded.join(", ")
     );
     Ok(())

@@ -1,13 +1,16 @@
 //! `cargo xtask setup | demo | test | bench | validate-manifests`.
 
 mod bench;
+mod bench_plan;
 mod budget;
 mod demo;
+mod doc_sections;
 mod manifests;
 mod node_tables;
 mod report;
 mod setup;
 mod soak;
+mod verifier_figures;
 mod vm;
 
 use std::process::{Command, ExitCode};
@@ -35,7 +38,7 @@ enum Task {
         cargo_test_args: Vec<String>,
     },
     /// Measure the eBPF data plane against the iptables chain and against no NAT.
-    Bench(bench::Options),
+    Bench(bench_plan::Options),
     /// Many concurrent flows from many pods through the eBPF data plane for minutes, with the
     /// agent's memory and the NAT table sampled as they run.
     Soak(soak::Options),

@@ -4,22 +4,15 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, path::Path, time::Duration};
 
-use anyhow::Context as _;
 use masq_testbed::load::Shape;
 use plotters::prelude::*;
 
 use crate::{
-    bench::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample},
+    bench_plan::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample, median},
+    doc_sections::{today, update_section},
     node_tables::Node,
+    verifier_figures::{self, ProgramFigures},
 };
-
-pub fn median(mut values: Vec<f64>) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    values.sort_by(f64::total_cmp);
-    Some(values[values.len() / 2])
-}
 
 /// What one figure was measured at: every mode is measured at each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -324,12 +317,6 @@ fn machine() -> String {
     format!("{cores} cores ({cpu}), Linux {}", kernel.trim())
 }
 
-pub fn today() -> String {
-    let out = std::process::Command::new("date").arg("+%Y-%m-%d").output();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
-}
-
 fn fmt_value(metric: Metric, v: f64) -> String {
     match metric {
         Metric::Throughput => format!("{v:.2}"),
@@ -609,7 +596,7 @@ pub struct Measured<'a> {
     pub samples: &'a [Sample],
     pub control: Option<&'a ControlPlane>,
     /// The verifier's figures, on each kernel the run measured.
-    pub budget: &'a [crate::budget::ProgramFigures],
+    pub budget: &'a [ProgramFigures],
 }
 
 pub fn write(
@@ -676,13 +663,13 @@ pub fn write(
 }
 
 /// The verifier's budget on each kernel the run measured (the VMs' in a full run).
-fn verifier_section(budget: &[crate::budget::ProgramFigures]) -> String {
+fn verifier_section(budget: &[ProgramFigures]) -> String {
     if budget.is_empty() {
         return String::new();
     }
     format!(
         "\n## The verifier's budget\n\nWhat each kernel's verifier spends on the programs, against its limits; the frames are the programs' own, the same on every kernel, and each kernel rounds them its own way ([install.md](../install.md#kernels) says what older kernels lack).\n\n<!-- budget:start -->\n{}\n<!-- budget:end -->\n",
-        crate::budget::section(budget)
+        verifier_figures::section(budget)
     )
 }
 
@@ -697,29 +684,6 @@ fn why_missed(link: &str) -> String {
 /// Replaces the README's benchmark section with the latest summary.
 fn update_readme(path: &Path, section: &str) -> anyhow::Result<()> {
     update_section(path, "bench", section)
-}
-
-/// Replaces the text between `<!-- NAME:start -->` and `<!-- NAME:end -->` in the file at
-/// `path` with `section`.
-pub fn update_section(path: &Path, name: &str, section: &str) -> anyhow::Result<()> {
-    let (start_marker, end_marker) = (
-        format!("<!-- {name}:start -->"),
-        format!("<!-- {name}:end -->"),
-    );
-    let text = std::fs::read_to_string(path)?;
-    let start = text
-        .find(&start_marker)
-        .with_context(|| format!("{} has no {start_marker} marker", path.display()))?;
-    let end = text
-        .find(&end_marker)
-        .with_context(|| format!("{} has no {end_marker} marker", path.display()))?;
-    let updated = format!(
-        "{}{start_marker}\n{section}\n{}",
-        &text[..start],
-        &text[end..]
-    );
-    std::fs::write(path, updated)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -22,7 +22,8 @@ use tokio::{
 };
 
 use crate::{
-    bench::{Bed, Mode, proc_status_kib},
+    bench::{Bed, proc_status_kib},
+    bench_plan::Mode,
     step,
 };
 

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use masq_testbed::verifier::{self, Budget};
 
-use crate::budget;
+use crate::verifier_figures;
 
 /// virtme-ng, which boots a kernel on a copy-on-write view of this machine's root.
 const VIRTME_NG: &str = "virtme-ng==1.42";
@@ -378,10 +378,10 @@ fn newest_package(flavour: Flavour) -> anyhow::Result<(String, String, String)> 
 /// the verifier refuses a program.
 pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
     let xtask = std::env::current_exe().context("finding xtask's own binary")?;
-    let object = budget::built_object()?;
+    let object = verifier_figures::built_object()?;
     // The frames, for the stack as each kernel counts it, from the host's verbose log.
-    let (host, frames) = budget::measure_here(&object)?;
-    print!("{}", budget::describe(&host));
+    let (host, frames) = verifier_figures::measure_here(&object)?;
+    print!("{}", verifier_figures::describe(&host));
     let mut failures = Vec::new();
     for flavour in Flavour::ALL {
         let kernel = kernel(flavour)?;
@@ -401,8 +401,8 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
         );
         match boot(&kernel, &xtask, &object, &runs) {
             Ok(report) => {
-                let figures = budget::figures(&report.kernel, &report.verifier, &frames);
-                print!("{}", budget::describe(&figures));
+                let figures = verifier_figures::figures(&report.kernel, &report.verifier, &frames);
+                print!("{}", verifier_figures::describe(&figures));
                 if let Some(err) = &report.verifier_error {
                     failures.push(format!("{}: loading the programs: {err}", kernel.release));
                 }
@@ -546,7 +546,7 @@ fn tail_of(path: &Path, lines: usize) -> String {
 /// `out` (shared read-write with the host).
 pub fn guest(out: &Path, object: &Path, runs: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
-    let kernel = budget::kernel_release()?;
+    let kernel = verifier_figures::kernel_release()?;
     let (said, verifier_error) = match verifier::load_quick(object) {
         Ok(said) => (said, None),
         Err(err) => (Vec::new(), Some(format!("{err:#}"))),
