@@ -438,8 +438,28 @@ pub fn remember_for_early_drop<F: Family>(egress_key: &NatKey<F::Addr>) {
     }
 }
 
-/// What `early_drop` says when it found no flow to drop.
-pub const NO_ROOM: i32 = -1;
+/// What `early_drop` says: the port the flow it dropped held on the node's address (0 when it
+/// held none the new flow could take), or `NO_ROOM`. One `i32`, as a register carries it back
+/// from the step's call of its own.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct EarlyDrop(i32);
+
+impl EarlyDrop {
+    /// No flow in the slots looked at could be dropped.
+    pub const NO_ROOM: EarlyDrop = EarlyDrop(-1);
+
+    #[inline(always)]
+    fn freed(port: u16) -> EarlyDrop {
+        EarlyDrop(i32::from(port))
+    }
+
+    /// The port freed, if a flow was dropped.
+    #[inline(always)]
+    pub fn port(self) -> Option<u16> {
+        (self != EarlyDrop::NO_ROOM).then_some(self.0 as u16)
+    }
+}
 
 step! {
 /// The table is full: looks at `EARLY_DROP_PROBES` slots of the drop sample in a row, from a
@@ -447,10 +467,11 @@ step! {
 /// random slots, so slots in a row are a random sample too; a sample that small is seen
 /// whole.) A flow of the node's own (`NODE`), a reservation its next packet makes again, goes
 /// whatever its state; any other only if conntrack would drop it early (`is_assured` says no:
-/// never answered, or not past its first exchange). Says `NO_ROOM`, or the port the flow dropped held on the node's address (0 for a
-/// flow that left a pod its own port, or a node flow toward the new flow's destination), free
-/// now for the new one. An assured flow of a pod's is never dropped.
-pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> i32 {
+/// never answered, or not past its first exchange). Says `NO_ROOM`, or the port the flow
+/// dropped held on the node's address (0 for a flow that left a pod its own port, or a node
+/// flow toward the new flow's destination), free now for the new one. An assured flow of a
+/// pod's is never dropped.
+pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
     for probe in 0..EARLY_DROP_PROBES {
@@ -481,13 +502,13 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> i32 {
             // The node's flow goes on without its reservation: its port is free only toward
             // other destinations. (A node flow holds a port of NAT's spans, or none.)
             if key.daddr == new_key.daddr && key.dport == new_key.dport {
-                0
+                EarlyDrop::freed(0)
             } else {
-                i32::from(port)
+                EarlyDrop::freed(port)
             }
         } else {
             maps::count(Counter::NatEarlyDropped);
-            if kind == nat_kind::SNAT { i32::from(port) } else { 0 }
+            EarlyDrop::freed(if kind == nat_kind::SNAT { port } else { 0 })
         };
         let reply_key = &reply_key;
         let _ = F::nat().remove(reply_key);
@@ -497,7 +518,7 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> i32 {
         unsafe { *sampled = *new_key };
         return freed;
     }
-    NO_ROOM
+    EarlyDrop::NO_ROOM
 }
 }
 

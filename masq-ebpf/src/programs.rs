@@ -22,57 +22,103 @@ use crate::{
     policy, ports, verifier,
 };
 
+/// What tc is to do with a packet: `TC_ACT_OK` (it goes on) or `TC_ACT_SHOT`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+struct TcAction(i32);
+
+impl TcAction {
+    const PASS: TcAction = TcAction(TC_ACT_OK);
+    const DROP: TcAction = TcAction(TC_ACT_SHOT);
+}
+
+/// A step's answer, in one `i32` as a register carries it back from a call of its own: what tc
+/// is to do with the packet (`done`), or one of the step's own answers, each negative and so
+/// apart from every `TC_ACT_*`, which the caller goes on with. An enum with data would come
+/// back through the stack, which the verifier's 512 bytes cannot spare.
+macro_rules! step_outcome {
+    (
+        $(#[$doc:meta])*
+        $name:ident { $($answer:ident = $value:literal),+ $(,)? }
+    ) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq)]
+        #[repr(transparent)]
+        struct $name(i32);
+
+        impl $name {
+            $(const $answer: $name = $name($value);)+
+
+            #[inline(always)]
+            fn done(action: TcAction) -> $name {
+                $name(action.0)
+            }
+
+            /// What tc is to do, for an answer that is not one of the step's own.
+            #[inline(always)]
+            fn action(self) -> TcAction {
+                TcAction(self.0)
+            }
+        }
+    };
+}
+
 #[classifier]
 pub fn masq_egress(ctx: TcContext) -> i32 {
-    match parse::ethertype(&ctx) {
+    let action = match parse::ethertype(&ctx) {
         Some(parse::ETH_P_IP) => egress_of::<V4>(&ctx),
         Some(parse::ETH_P_IPV6) => egress_of::<V6>(&ctx),
         _ => Verdict::Keep(Counter::NotInspected).count(),
-    }
+    };
+    action.0
 }
 
 /// Egress, one family. ICMP other than echo requests is seen to apart from the flows, so that
 /// the frame of `egress` is not added to the chain of calls that translates an ICMP error:
 /// together they would pass the verifier's 512 bytes of stack.
 #[inline(always)]
-fn egress_of<F: Family>(ctx: &TcContext) -> i32 {
+fn egress_of<F: Family>(ctx: &TcContext) -> TcAction {
     match egress::<F>(ctx) {
-        ICMP_NOT_ECHO_REQUEST => egress_icmp::<F>(ctx),
-        verdict => verdict,
+        Egress::ICMP_NOT_ECHO_REQUEST => egress_icmp::<F>(ctx),
+        egress => egress.action(),
     }
 }
 
-/// What `egress` says of ICMP other than an echo request.
-const ICMP_NOT_ECHO_REQUEST: i32 = -2;
+step_outcome! {
+    /// What `egress` says: what tc is to do with the packet, or that it is ICMP other than an
+    /// echo request, which `egress_icmp` sees to.
+    Egress { ICMP_NOT_ECHO_REQUEST = -2 }
+}
 
 #[classifier]
 pub fn masq_ingress(ctx: TcContext) -> i32 {
-    match parse::ethertype(&ctx) {
+    let action = match parse::ethertype(&ctx) {
         Some(parse::ETH_P_IP) => ingress::<V4>(&ctx),
         Some(parse::ETH_P_IPV6) => ingress::<V6>(&ctx),
         _ => Verdict::Keep(Counter::NotInspected).count(),
-    }
+    };
+    action.0
 }
 
 // Each family's path is a function of its own, so that the stack along one family's calls
 // is not added to the other's.
 #[inline(never)]
-fn egress<F: Family>(ctx: &TcContext) -> i32 {
+fn egress<F: Family>(ctx: &TcContext) -> Egress {
     let Some(ip) = F::parse_at(ctx, ETH_HLEN) else {
-        return Verdict::Keep(Counter::NotInspected).count();
+        return Egress::done(Verdict::Keep(Counter::NotInspected).count());
     };
     if ip.is_later_fragment() {
-        return snat_nat_fragment::<F>(ctx, &ip).count();
+        return Egress::done(snat_nat_fragment::<F>(ctx, &ip).count());
     }
     if !ip.walked_whole {
-        return snat_unwalked::<F>(ctx, &ip).count();
+        return Egress::done(snat_unwalked::<F>(ctx, &ip).count());
     }
     let l4 = match snat_translatable::<F>(ctx, &ip) {
         Ok(l4) => l4,
-        Err(verdict) => return verdict.count(),
+        Err(verdict) => return Egress::done(verdict.count()),
     };
     if l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST {
-        return ICMP_NOT_ECHO_REQUEST;
+        return Egress::ICMP_NOT_ECHO_REQUEST;
     }
     // Toward a destination the policy leaves alone, no flow has an entry while the agent says
     // none outlived a policy change: the packet needs no lookup in the NAT table. The flag is
@@ -81,7 +127,7 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
     if maps::strays_cleared() {
         let decision = F::decide(ip.daddr);
         if decision.keeps_address && maps::strays_cleared() {
-            return snat_left_alone::<F>(ctx, &ip, decision).count();
+            return Egress::done(snat_left_alone::<F>(ctx, &ip, decision).count());
         }
     }
     let key = packet_key(&ip, &l4, direction::EGRESS);
@@ -91,93 +137,122 @@ fn egress<F: Family>(ctx: &TcContext) -> i32 {
         Some(entry) => {
             nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, &ip, &l4));
             // SAFETY: map value pointer from a successful lookup.
-            snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry })
+            Egress::done(snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry }))
         }
         None => {
             // Deciding, allocating and translating are steps of their own, called from here
             // one after the other: nested, their frames would pass the verifier's 512 bytes
             // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
             let mut segment = Segment::default();
-            let source = snat_new_flow::<F>(ctx, &ip, &l4, &mut segment);
-            if source != POD_SOURCE && source != NODE_SOURCE {
-                return source;
-            }
-            let node_source = source == NODE_SOURCE;
-            if let Err(verdict) = snat_keeps_its_address::<F>(&ip, &key, node_source, &segment) {
-                return verdict.count();
+            let source = match snat_new_flow::<F>(ctx, &ip, &l4, &mut segment) {
+                NewFlow::POD_SOURCE => Source::Pod,
+                NewFlow::NODE_SOURCE => Source::Node,
+                done => return Egress::done(done.action()),
+            };
+            if let Err(verdict) = snat_keeps_its_address::<F>(&ip, &key, source, &segment) {
+                return Egress::done(verdict.count());
             }
             let mut entry = NatEntry::default();
-            let mut verdict = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
-            if verdict == MASQUERADE {
+            let mut made = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
+            if made == Masquerading::MASQUERADED {
                 nat::remember_for_early_drop::<F>(&key);
-            } else if verdict == TABLE_FULL {
+            } else if made == Masquerading::TABLE_FULL {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
-                let freed = nat::early_drop::<F>(&key);
-                if freed != nat::NO_ROOM {
-                    verdict = snat_masquerade_again::<F>(&key, &mut entry, freed as u16);
+                if let Some(freed_port) = nat::early_drop::<F>(&key).port() {
+                    made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
                 }
             }
-            match verdict {
-                MASQUERADE => snat_nat::<F>(ctx, &ip, &l4, &entry),
-                TABLE_FULL => Verdict::Drop(Counter::DropNatTableFull).count(),
-                verdict => verdict,
-            }
+            Egress::done(match made {
+                Masquerading::MASQUERADED => snat_nat::<F>(ctx, &ip, &l4, &entry),
+                Masquerading::TABLE_FULL => Verdict::Drop(Counter::DropNatTableFull).count(),
+                done => done.action(),
+            })
         }
     }
 }
 
-/// What `snat_new_flow` says of a flow the policy masquerades, and of the source: a pod's, or
-/// the node's own (whose flows are masqueraded only when their port clashes).
-const POD_SOURCE: i32 = -3;
-const NODE_SOURCE: i32 = -4;
-/// What `snat_masquerade_new` says once the flow's entry is made, and when the table was full.
-const MASQUERADE: i32 = -5;
-const TABLE_FULL: i32 = -6;
+step_outcome! {
+    /// What `snat_new_flow` says: what tc is to do with the packet, or that the policy
+    /// masquerades its flow, and whose flow it is: a pod's, or the node's own (whose flows are
+    /// masqueraded only when their port clashes).
+    NewFlow { POD_SOURCE = -3, NODE_SOURCE = -4 }
+}
+
+step_outcome! {
+    /// What `snat_masquerade_new` and `snat_masquerade_again` say: what tc is to do with the
+    /// packet, or that the flow's entry is made, or that the table had no room for it.
+    Masquerading { MASQUERADED = -5, TABLE_FULL = -6 }
+}
+
+/// Whose flow a packet of no known flow starts: a pod's, or the node's own (its source is the
+/// node's address: a node socket's, or netfilter's MASQUERADE before the programs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Pod,
+    Node,
+}
+
+impl Source {
+    #[inline(always)]
+    fn of<A: PartialEq>(ip: &Packet<A>, node_addr: A) -> Source {
+        if ip.saddr == node_addr {
+            Source::Node
+        } else {
+            Source::Pod
+        }
+    }
+}
 
 step! {
-/// Egress, a packet of no known flow: the node's own, one to leave alone (its verdict), or the
-/// first of a flow the policy masquerades (`POD_SOURCE`, `NODE_SOURCE`), with `segment` read.
+/// Egress, a packet of no known flow. Says:
+/// - `POD_SOURCE` or `NODE_SOURCE`: the first of a flow the policy masquerades, with
+///   `segment` read;
+/// - or what tc is to do: with a packet to leave alone, or before the device is configured.
 fn snat_new_flow<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     l4: &L4,
     segment: &mut Segment,
-) -> i32 {
+) -> NewFlow {
     let Some((node_addr, _)) = interface::<F>(ctx) else {
-        return Verdict::Keep(Counter::NotInspected).count();
+        return NewFlow::done(Verdict::Keep(Counter::NotInspected).count());
     };
-    let node_source = ip.saddr == node_addr;
-    match snat_needs_masquerade::<F>(ctx, ip, l4, node_source, segment) {
-        Ok(()) if node_source => NODE_SOURCE,
-        Ok(()) => POD_SOURCE,
-        Err(verdict) => verdict.count(),
+    let source = Source::of(ip, node_addr);
+    match snat_needs_masquerade::<F>(ctx, ip, l4, source, segment) {
+        Ok(()) if source == Source::Node => NewFlow::NODE_SOURCE,
+        Ok(()) => NewFlow::POD_SOURCE,
+        Err(verdict) => NewFlow::done(verdict.count()),
     }
 }
 }
 
 step! {
 /// Egress, the first packet of a flow to masquerade: a port for it, and both halves of its
-/// entry, the egress half into `entry` (`MASQUERADE`). A flow of the node's own is one whose
-/// port a masqueraded flow held already.
+/// entry. A flow of the node's own is one whose port a masqueraded flow held already. Says:
+/// - `MASQUERADED`: the egress half is in `entry`;
+/// - `TABLE_FULL`: no room for the flow (`early_drop` may make some);
+/// - or what tc is to do: drop the packet when every port is taken.
 fn snat_masquerade_new<F: Family>(
     ctx: &TcContext,
     key: &NatKey<F::Addr>,
     segment: &Segment,
     entry: &mut NatEntry<F::Addr>,
-) -> i32 {
+) -> Masquerading {
     let Some((node_addr, settings)) = interface::<F>(ctx) else {
-        return Verdict::Keep(Counter::NotInspected).count();
+        return Masquerading::done(Verdict::Keep(Counter::NotInspected).count());
     };
     match nat::create_snat::<F>(ctx, key, node_addr, settings, segment, entry) {
         Ok(()) => {
             if key.saddr == node_addr {
                 maps::count(Counter::NodePortClash);
             }
-            MASQUERADE
+            Masquerading::MASQUERADED
         }
-        Err(AllocError::PortsExhausted) => Verdict::Drop(Counter::DropPortsExhausted).count(),
-        Err(AllocError::TableFull) => TABLE_FULL,
+        Err(AllocError::PortsExhausted) => {
+            Masquerading::done(Verdict::Drop(Counter::DropPortsExhausted).count())
+        }
+        Err(AllocError::TableFull) => Masquerading::TABLE_FULL,
     }
 }
 }
@@ -185,15 +260,15 @@ fn snat_masquerade_new<F: Family>(
 step! {
 /// Egress, the first packet of a flow to masquerade, once `early_drop` made room in a full
 /// table: the port `snat_masquerade_new` found no room for, in `entry`, or the one the flow
-/// dropped had (`freed_port`), taken now.
+/// dropped had (`freed_port`), taken now. Says `MASQUERADED` or `TABLE_FULL`.
 fn snat_masquerade_again<F: Family>(
     key: &NatKey<F::Addr>,
     entry: &mut NatEntry<F::Addr>,
     freed_port: u16,
-) -> i32 {
+) -> Masquerading {
     match nat::create_snat_again::<F>(key, entry, freed_port) {
-        Ok(()) => MASQUERADE,
-        Err(_) => TABLE_FULL,
+        Ok(()) => Masquerading::MASQUERADED,
+        Err(_) => Masquerading::TABLE_FULL,
     }
 }
 }
@@ -201,7 +276,7 @@ fn snat_masquerade_again<F: Family>(
 // Each family's path is a function of its own, so that the stack along one family's calls
 // is not added to the other's.
 #[inline(never)]
-fn ingress<F: Family>(ctx: &TcContext) -> i32 {
+fn ingress<F: Family>(ctx: &TcContext) -> TcAction {
     let Some(ip) = F::parse_at(ctx, ETH_HLEN) else {
         return Verdict::Keep(Counter::NotInspected).count();
     };
@@ -237,7 +312,7 @@ impl Verdict {
     /// A translated packet goes on, counted as `done`; one whose rewrite failed half-way is
     /// dropped rather than sent half-translated.
     #[inline(always)]
-    fn after_rewrite(rewritten: Result<(), i64>, done: Counter) -> i32 {
+    fn after_rewrite(rewritten: Result<(), i64>, done: Counter) -> TcAction {
         Verdict::after(rewritten, done).count()
     }
 
@@ -250,15 +325,15 @@ impl Verdict {
     }
 
     #[inline(always)]
-    fn count(self) -> i32 {
+    fn count(self) -> TcAction {
         match self {
             Verdict::Keep(counter) => {
                 maps::count(counter);
-                TC_ACT_OK
+                TcAction::PASS
             }
             Verdict::Drop(counter) => {
                 maps::count(counter);
-                TC_ACT_SHOT
+                TcAction::DROP
             }
         }
     }
@@ -347,14 +422,14 @@ fn snat_needs_masquerade<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     l4: &L4,
-    node_source: bool,
+    source: Source,
     segment: &mut Segment,
 ) -> Result<(), Verdict> {
     let decision = F::decide(ip.daddr);
     if decision.keeps_address {
-        return Err(keeps_its_address(decision, node_source));
+        return Err(keeps_its_address(decision, source));
     }
-    if !node_source {
+    if source == Source::Pod {
         policy::count(decision);
     }
     *segment = Segment::read::<F>(ctx, ip, l4);
@@ -364,8 +439,8 @@ fn snat_needs_masquerade<F: Family>(
 /// Egress, a packet the policy leaves alone, toward `decision`'s destination: counted for the
 /// entry that decided it when it is a pod's.
 #[inline(always)]
-fn keeps_its_address(decision: Decision, node_source: bool) -> Verdict {
-    if node_source {
+fn keeps_its_address(decision: Decision, source: Source) -> Verdict {
+    if source == Source::Node {
         return Verdict::Keep(Counter::NotMasqNodeSource);
     }
     policy::count(decision);
@@ -381,14 +456,14 @@ fn snat_left_alone<F: Family>(
     decision: Decision,
 ) -> Verdict {
     match interface::<F>(ctx) {
-        Some((node_addr, _)) => keeps_its_address(decision, ip.saddr == node_addr),
+        Some((node_addr, _)) => keeps_its_address(decision, Source::of(ip, node_addr)),
         None => Verdict::Keep(Counter::NotInspected),
     }
 }
 
 step! {
 /// Egress, a flow that keeps its source address, and is remembered so:
-/// - the node's own (`node_source`): a node socket's, or one netfilter masqueraded already
+/// - the node's own (`Source::Node`): a node socket's, or one netfilter masqueraded already
 ///   (kube-proxy's MASQUERADE). Its tuple on the node's address is held, so that no
 ///   masqueraded flow is given it; if one holds it already, the node's flow is translated to
 ///   another port instead, as conntrack resolves a clash, and no reply ever reaches the wrong
@@ -399,10 +474,10 @@ step! {
 fn snat_keeps_its_address<F: Family>(
     ip: &Packet<F::Addr>,
     key: &NatKey<F::Addr>,
-    node_source: bool,
+    source: Source,
     segment: &Segment,
 ) -> Result<(), Verdict> {
-    if node_source {
+    if source == Source::Node {
         if !node_port_reservable(key, segment) {
             return Err(Verdict::Keep(Counter::NotMasqNodeSource));
         }
@@ -458,7 +533,7 @@ fn snat_nat<F: Family>(
     ip: &Packet<F::Addr>,
     l4: &L4,
     entry: &NatEntry<F::Addr>,
-) -> i32 {
+) -> TcAction {
     if entry.kind != nat_kind::SNAT {
         frag::remember::<F>(ip, direction::EGRESS, &ip.saddr);
         let why = if entry.kind == nat_kind::NODE {
@@ -521,37 +596,41 @@ fn rewrite<F: Family>(
 /// Ingress: restore the pod's address in replies to masqueraded flows, and remember connections
 /// opened from outside toward pods.
 #[inline(always)]
-fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
+fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
     if ip.is_later_fragment() {
         return snat_rev_nat_fragment::<F>(ctx, ip);
     }
     let Some(l4) = parse::l4(ctx, ip.l4_off, ip.proto) else {
-        return TC_ACT_OK;
+        return TcAction::PASS;
     };
     if l4.proto == IPPROTO_TCP
         || l4.proto == IPPROTO_UDP
         || (l4.proto == F::ICMP && l4.icmp_type == F::ECHO_REPLY)
     {
-        let verdict = snat_rev_nat_flow::<F>(ctx, ip, &l4);
-        // Called from here rather than from the flow's own step, so that the two frames
-        // never stack.
-        if verdict == UNKNOWN_FLOW {
-            snat_track_inbound::<F>(ctx, ip, &l4);
-            return TC_ACT_OK;
+        match snat_rev_nat_flow::<F>(ctx, ip, &l4) {
+            // Called from here rather than from the flow's own step, so that the two frames
+            // never stack.
+            OfFlow::UNKNOWN_FLOW => {
+                snat_track_inbound::<F>(ctx, ip, &l4);
+                TcAction::PASS
+            }
+            done => done.action(),
         }
-        verdict
     } else if l4.proto == F::ICMP && F::is_icmp_error(l4.icmp_type) {
         match snat_icmp_error::<F>(ctx, ip, direction::INGRESS) {
-            UNKNOWN_FLOW => TC_ACT_OK,
-            verdict => verdict,
+            OfFlow::UNKNOWN_FLOW => TcAction::PASS,
+            done => done.action(),
         }
     } else {
-        TC_ACT_OK
+        TcAction::PASS
     }
 }
 
-/// What `snat_rev_nat_flow` says of a packet of no known flow.
-const UNKNOWN_FLOW: i32 = -1;
+step_outcome! {
+    /// What a step that looks a packet's flow up says: what tc is to do with the packet, or
+    /// that no masqueraded flow is known for it.
+    OfFlow { UNKNOWN_FLOW = -1 }
+}
 
 /// The NAT key a packet coming in would find its flow under: its own tuple, or for an echo
 /// reply, its identifier in the pod-side port.
@@ -578,8 +657,9 @@ fn echo_ports(dir: u8, id: u16) -> (u16, u16) {
 
 step! {
 /// Ingress, a TCP or UDP packet or an echo reply: restore the destination its flow left from.
-/// `UNKNOWN_FLOW` if it has none.
-fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> i32 {
+/// Says `UNKNOWN_FLOW` if it has none, or what tc is to do: pass the packet, translated or
+/// (for a flow that keeps its address) as it is, or drop one whose rewrite failed.
+fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> OfFlow {
     let key = ingress_key(ip, l4, F::ICMP);
     let field = if l4.proto == F::ICMP {
         parse::ICMP_ID_OFF
@@ -587,13 +667,13 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
         2
     };
     let Some(entry) = nat::lookup::<F>(&key) else {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     };
     nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, ip, l4));
     // SAFETY: map value pointer from a successful lookup.
     let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
-        return TC_ACT_OK;
+        return OfFlow::done(TcAction::PASS);
     }
     frag::remember::<F>(ip, direction::INGRESS, &entry.addr);
     let rewritten = rewrite::<F>(
@@ -605,7 +685,7 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
         key.dport,
         entry,
     );
-    Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
+    OfFlow::done(Verdict::after_rewrite(rewritten, Counter::ReverseTranslated))
 }
 }
 
@@ -637,13 +717,13 @@ fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4)
 step! {
 /// Ingress, a fragment after the first: it takes the destination its first fragment took. One
 /// without a known first fragment passes as it is: it may well be the node's own.
-fn snat_rev_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> i32 {
+fn snat_rev_nat_fragment<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
     match frag::recall::<F>(ip, direction::INGRESS) {
         Some(addr) if addr != ip.daddr => {
             let rewritten = F::rewrite_addr(ctx, ip, AddrField::Destination, addr, None);
             Verdict::after_rewrite(rewritten, Counter::ReverseTranslated)
         }
-        _ => TC_ACT_OK,
+        _ => TcAction::PASS,
     }
 }
 }
@@ -655,14 +735,14 @@ const EFAULT: i64 = -14;
 /// masqueraded flow is translated; anything else (an echo reply, an error about a flow left
 /// alone) keeps its address.
 #[inline(never)]
-fn egress_icmp<F: Family>(ctx: &TcContext) -> i32 {
+fn egress_icmp<F: Family>(ctx: &TcContext) -> TcAction {
     if let Some(ip) = F::parse_at(ctx, ETH_HLEN)
         && let Some(icmp_type) = parse::read::<u8>(ctx, ip.l4_off)
         && F::is_icmp_error(icmp_type)
     {
-        let verdict = snat_icmp_error::<F>(ctx, &ip, direction::EGRESS);
-        if verdict != UNKNOWN_FLOW {
-            return verdict;
+        let error = snat_icmp_error::<F>(ctx, &ip, direction::EGRESS);
+        if error != OfFlow::UNKNOWN_FLOW {
+            return error.action();
         }
     }
     Verdict::Keep(Counter::NotMasqIcmpOther).count()
@@ -676,18 +756,19 @@ step! {
 /// pod's. On egress (the pod's own error, or the node's about a reply it restored) it quotes a
 /// reply as the pod got it: the quoted destination becomes the node's address and NAT port,
 /// and the outer source the node's address, as conntrack translates a RELATED error. Every
-/// checksum that covers them follows. `UNKNOWN_FLOW` for an error about no masqueraded flow.
-fn snat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, dir: u8) -> i32 {
+/// checksum that covers them follows. Says `UNKNOWN_FLOW` for an error about no masqueraded
+/// flow, or what tc is to do: pass the translated error, or drop one whose rewrite failed.
+fn snat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, dir: u8) -> OfFlow {
     let Some(inner) = F::parse_at(ctx, ip.l4_off + 8) else {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     };
     // An error goes back to where the packet it quotes came from.
     if inner.saddr != ip.daddr || inner.is_later_fragment() {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     }
     // Errors need only quote 8 bytes of L4 header: enough for ports, or an echo identifier.
     let Some(l4) = parse::quoted_l4(ctx, inner.l4_off, inner.proto) else {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     };
     // The quoted packet went against `dir`: an answer to it goes with `dir`, and finds the
     // flow's half of that direction. An echo went out as a request and came back as a reply.
@@ -701,16 +782,16 @@ fn snat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, dir: u8) ->
     } else if l4.proto == F::ICMP && l4.icmp_type == quoted_echo {
         echo_ports(dir, l4.sport)
     } else {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     };
     let key = nat::key(inner.daddr, inner.saddr, l4.proto, sport, dport, dir);
     let Some(entry) = nat::lookup::<F>(&key) else {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     };
     // SAFETY: map value pointer from a successful lookup.
     let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
-        return UNKNOWN_FLOW;
+        return OfFlow::UNKNOWN_FLOW;
     }
     let (translated, done) = if dir == direction::INGRESS {
         (AddrField::Source, Counter::IcmpErrorTranslated)
@@ -718,7 +799,7 @@ fn snat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, dir: u8) ->
         (AddrField::Destination, Counter::IcmpErrorMasqueraded)
     };
     let rewritten = rewrite_icmp_error::<F>(ctx, ip, &inner, entry, translated);
-    Verdict::after_rewrite(verifier::result(rewritten), done)
+    OfFlow::done(Verdict::after_rewrite(verifier::result(rewritten), done))
 }
 }
 
