@@ -1733,7 +1733,7 @@ fn policy_keys(text: &str) -> BTreeSet<(u32, [u8; 4])> {
         enable_ipv6: false,
     };
     let loaded = masq_agent::config::parse(text.as_bytes(), "test", &opts).unwrap();
-    masq_agent::policy::Policy::from_config(&loaded.config, false)
+    masq_agent::policy::Policy::from_config(&loaded.config, masq_agent::policy::IpFamilies::IPV4)
         .non_masq_v4
         .iter()
         .map(|net| (u32::from(net.prefix_len()), net.network().octets()))

@@ -29,7 +29,7 @@ use crate::{
         state,
     },
     netdev,
-    policy::{IpFamily, MasqueradeOptions, Policy},
+    policy::{IpFamilies, IpFamily, MasqueradeOptions, Policy},
     ports,
     privileges::{self, Effective},
     telemetry::{Check, ReloadResult, Telemetry},
@@ -84,8 +84,9 @@ impl Start {
         let mut policy_entries = 0;
         let config = &mut flags.config;
         if let Ok(loaded) = config::load(&config.path, &config_options(config)) {
-            config.enable_ipv6 = loaded.config.ipv6_enabled(config.enable_ipv6);
-            let policy = Policy::from_config(&loaded.config, config.enable_ipv6);
+            let families = config.families().as_the_file_says(&loaded.config);
+            config.enable_ipv6 = families.contains(IpFamily::Ipv6);
+            let policy = Policy::from_config(&loaded.config, families);
             policy_entries = [IpFamily::Ipv4, IpFamily::Ipv6]
                 .into_iter()
                 .filter_map(|family| policy.rules(family))
@@ -137,8 +138,8 @@ fn fallback(opts: MasqueradeOptions, why: &ebpf::Unavailable) -> Box<dyn DataPla
 }
 
 /// The devices the eBPF programs go on: each `--interface`, or else those of the default routes.
-pub fn device_selection(masquerade: &MasqueradeFlags, enable_ipv6: bool) -> Selection {
-    Selection::new(&masquerade.interfaces, enable_ipv6)
+pub fn device_selection(masquerade: &MasqueradeFlags, families: IpFamilies) -> Selection {
+    Selection::new(&masquerade.interfaces, families)
 }
 
 /// The eBPF data plane's options; without the node's ephemeral port range, the programs would
@@ -161,12 +162,12 @@ fn ebpf_options(
     let ephemeral = netdev::ephemeral_port_range().map_err(ebpf::Unavailable)?;
     Ok(EbpfOptions {
         bpffs: flags.pins.bpffs.clone(),
-        devices: device_selection(&flags.masquerade, flags.config.enable_ipv6),
+        devices: device_selection(&flags.masquerade, flags.config.families()),
         nat_capacity: flags.daemon.nat_capacity.saturating_mul(2),
         port_spans: ports::nat_port_spans(flags.masquerade.to_ports.as_ref(), ephemeral),
         random_fully: flags.masquerade.random_fully,
         masquerade: masquerade_options(&flags.chain, &flags.masquerade),
-        enable_ipv6: flags.config.enable_ipv6,
+        families: flags.config.families(),
         policy_entries: start.policy_entries,
         node_port_range: flags.daemon.node_port_range.0,
     })
@@ -256,7 +257,8 @@ pub struct Agent {
     fallback: Option<MasqueradeOptions>,
     config_path: PathBuf,
     config_opts: ConfigOptions,
-    enable_ipv6: bool,
+    /// The families of the flag; the file's `enableIPv6` may say otherwise.
+    families: IpFamilies,
     dataplane: Box<dyn DataPlane>,
     last_good: Option<Policy>,
     resync_interval: Duration,
@@ -286,7 +288,7 @@ impl Agent {
                 .then(|| masquerade_options(&flags.chain, &flags.masquerade)),
             config_path: flags.config.path.clone(),
             config_opts: config_options(&flags.config),
-            enable_ipv6: flags.config.enable_ipv6,
+            families: flags.config.families(),
             dataplane,
             last_good: None,
             resync_interval: Duration::from_secs(60),
@@ -462,7 +464,7 @@ impl Agent {
                     }
                 }
                 self.resync_interval = loaded.config.resync_interval;
-                Some(Policy::from_config(&loaded.config, self.enable_ipv6))
+                Some(Policy::from_config(&loaded.config, self.families))
             }
             Err(err) => {
                 let message = err.to_string();

@@ -9,7 +9,10 @@ use clap::{
     Arg, ArgMatches, Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand, ValueEnum,
 };
 
-use crate::{policy::IpFamily, ports::PortRanges};
+use crate::{
+    policy::{IpFamilies, IpFamily},
+    ports::PortRanges,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -209,6 +212,13 @@ pub struct ConfigFlags {
           require_equals = true, default_missing_value = "true", value_name = "BOOL",
           value_parser = parse_go_bool)]
     pub enable_ipv6: bool,
+}
+
+impl ConfigFlags {
+    /// The families `--enable-ipv6` asks for.
+    pub fn families(&self) -> IpFamilies {
+        IpFamilies::with_ipv6(self.enable_ipv6)
+    }
 }
 
 /// The nat chain the agent owns.

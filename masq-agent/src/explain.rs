@@ -17,7 +17,7 @@ use crate::{
         iptables::{self, ChainVerdict},
     },
     netdev,
-    policy::{Action, IpFamily, LINK_LOCAL_V4, LINK_LOCAL_V6, Policy},
+    policy::{Action, IpFamilies, IpFamily, LINK_LOCAL_V4, LINK_LOCAL_V6, Policy},
 };
 
 /// The list name of the implicit link-local entry.
@@ -105,11 +105,12 @@ pub fn explain(
 ) -> anyhow::Result<Explanation> {
     // IPv6 as the file has it, `enableIPv6` over the flag, as the agent reads it: the place
     // of an IPv6 entry is found only where IPv6 is on.
+    let families = IpFamilies::with_ipv6(opts.enable_ipv6).as_the_file_says(&loaded.config);
     let opts = &ConfigOptions {
-        enable_ipv6: loaded.config.ipv6_enabled(opts.enable_ipv6),
+        enable_ipv6: families.contains(IpFamily::Ipv6),
         ..*opts
     };
-    let policy = Policy::from_config(&loaded.config, opts.enable_ipv6);
+    let policy = Policy::from_config(&loaded.config, families);
     let dst = packet.destination;
     // `--proto icmp` toward an IPv6 address means ICMPv6.
     if dst.is_ipv6() && packet.protocol == IPPROTO_ICMP {

@@ -200,8 +200,8 @@ fn chain_variant(
     if !beside_programs {
         return Ok(ChainVariant::Full);
     }
-    let selection = agent::device_selection(masquerade, config.enable_ipv6);
-    let returned = devices::returned_now(&selection, config.enable_ipv6)?;
+    let selection = agent::device_selection(masquerade, config.families());
+    let returned = devices::returned_now(&selection, config.families())?;
     Ok(returned.variant(family))
 }
 
@@ -219,7 +219,7 @@ fn render_iptables(
             return Ok(ExitCode::from(1));
         }
     };
-    let policy = Policy::from_config(&loaded.config, config.enable_ipv6);
+    let policy = Policy::from_config(&loaded.config, config.families());
     let Some(text) = iptables::render(
         family,
         &policy,

@@ -5,6 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, bail};
 
+use crate::policy::{IpFamilies, IpFamily};
+
 /// A device the eBPF programs attach to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Device {
@@ -17,10 +19,10 @@ pub struct Device {
 }
 
 /// The devices that hold a default route, in table order: IPv4's (`/proc/net/route`), then,
-/// with `ipv6`, IPv6's (`/proc/net/ipv6_route`).
-pub fn default_route_devices(ipv6: bool) -> anyhow::Result<Vec<String>> {
+/// for IPv6 among `families`, IPv6's (`/proc/net/ipv6_route`).
+pub fn default_route_devices(families: IpFamilies) -> anyhow::Result<Vec<String>> {
     let mut names = ipv4_default_route_devices(&read_proc("/proc/net/route")?);
-    if ipv6 {
+    if families.contains(IpFamily::Ipv6) {
         for name in ipv6_default_route_devices(&read_proc("/proc/net/ipv6_route")?) {
             if !names.contains(&name) {
                 names.push(name);

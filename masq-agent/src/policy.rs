@@ -25,6 +25,35 @@ pub enum IpFamily {
     Ipv6,
 }
 
+/// The address families the agent masquerades: IPv4 always, and IPv6 once enabled (by
+/// `--enable-ipv6`, or by the file's `enableIPv6`, which wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpFamilies {
+    ipv6: bool,
+}
+
+impl IpFamilies {
+    pub const IPV4: IpFamilies = IpFamilies { ipv6: false };
+    pub const DUAL_STACK: IpFamilies = IpFamilies { ipv6: true };
+
+    /// IPv4, and IPv6 if `ipv6`: what a flag or a file's `enableIPv6` says.
+    pub fn with_ipv6(ipv6: bool) -> IpFamilies {
+        IpFamilies { ipv6 }
+    }
+
+    /// These, unless the file's `enableIPv6` says otherwise: the file wins over the flag.
+    pub fn as_the_file_says(self, config: &Config) -> IpFamilies {
+        config.enable_ipv6.map_or(self, IpFamilies::with_ipv6)
+    }
+
+    pub fn contains(self, family: IpFamily) -> bool {
+        match family {
+            IpFamily::Ipv4 => true,
+            IpFamily::Ipv6 => self.ipv6,
+        }
+    }
+}
+
 /// What happens to traffic to a destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -153,9 +182,9 @@ impl Policy {
     }
 
     /// The policy `config` asks for, with IPv6 masqueraded if the file's `enableIPv6` (or, when
-    /// the file does not say, the flag `enable_ipv6`) says so.
-    pub fn from_config(config: &Config, enable_ipv6: bool) -> Policy {
-        let enable_ipv6 = config.ipv6_enabled(enable_ipv6);
+    /// the file does not say, the `families` of the flag) says so.
+    pub fn from_config(config: &Config, families: IpFamilies) -> Policy {
+        let enable_ipv6 = families.as_the_file_says(config).contains(IpFamily::Ipv6);
         let (mut non_masq_v4, mut non_masq_v6) = (Vec::new(), Vec::new());
         let (mut masq_v4, mut masq_v6) = (Vec::new(), Vec::new());
         for cidr in &config.masquerade_cidrs {
@@ -220,7 +249,7 @@ mod tests {
     #[test]
     fn link_local_first_then_config_order_per_family() {
         let c = config(&["10.0.0.0/8", "fc00::/7", "192.168.0.0/16"], false, false);
-        let p = Policy::from_config(&c, true);
+        let p = Policy::from_config(&c, IpFamilies::DUAL_STACK);
         let v4: Vec<String> = p.non_masq_v4.iter().map(|n| n.to_string()).collect();
         assert_eq!(v4, ["169.254.0.0/16", "10.0.0.0/8", "192.168.0.0/16"]);
         let v6: Vec<String> = p
@@ -234,20 +263,23 @@ mod tests {
 
     #[test]
     fn masq_link_local_drops_the_link_local_prefix() {
-        let p = Policy::from_config(&config(&["10.0.0.0/8"], true, true), true);
+        let p = Policy::from_config(&config(&["10.0.0.0/8"], true, true), IpFamilies::DUAL_STACK);
         assert_eq!(p.non_masq_v4, ["10.0.0.0/8".parse::<Ipv4Net>().unwrap()]);
         assert_eq!(p.non_masq_v6, Some(vec![]));
     }
 
     #[test]
     fn ipv6_disabled_leaves_ipv6_alone() {
-        let p = Policy::from_config(&config(&["10.0.0.0/8"], false, false), false);
+        let p = Policy::from_config(&config(&["10.0.0.0/8"], false, false), IpFamilies::IPV4);
         assert_eq!(p.non_masq_v6, None);
     }
 
     #[test]
     fn duplicates_are_kept_as_upstream_does() {
-        let p = Policy::from_config(&config(&["10.0.0.0/8", "10.0.0.0/8"], true, true), false);
+        let p = Policy::from_config(
+            &config(&["10.0.0.0/8", "10.0.0.0/8"], true, true),
+            IpFamilies::IPV4,
+        );
         assert_eq!(p.non_masq_v4.len(), 2);
     }
 
@@ -256,7 +288,7 @@ mod tests {
             masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
             ..config(cidrs, masq_ll, masq_ll)
         };
-        Policy::from_config(&config, true)
+        Policy::from_config(&config, IpFamilies::DUAL_STACK)
     }
 
     fn decided(p: &Policy, addr: &str) -> (Action, Option<String>) {
@@ -322,7 +354,7 @@ mod tests {
             masquerade_cidrs: vec!["fd00:1::/64".parse().unwrap()],
             ..config(&["fd00::/8"], false, false)
         };
-        let p = Policy::from_config(&config, false);
+        let p = Policy::from_config(&config, IpFamilies::IPV4);
         assert_eq!(p.rules(IpFamily::Ipv6), None);
         assert!(p.masq_v6.is_empty());
     }

@@ -55,13 +55,6 @@ pub struct Config {
     pub enable_ipv6: Option<bool>,
 }
 
-impl Config {
-    /// Whether IPv6 is masqueraded: the file's `enableIPv6`, or else the flag.
-    pub fn ipv6_enabled(&self, flag: bool) -> bool {
-        self.enable_ipv6.unwrap_or(flag)
-    }
-}
-
 pub(super) const DEFAULT_CIDR_LIMIT: i64 = 64;
 pub(super) const DEFAULT_RESYNC_INTERVAL: Duration = Duration::from_secs(60);
 /// Stands in for a non-positive resyncInterval, which makes upstream's sync loop spin.

@@ -2,6 +2,7 @@
 //! messages.
 
 use super::*;
+use crate::policy::{IpFamilies, IpFamily};
 
 const V4_ONLY: ConfigOptions = ConfigOptions {
     nomasq_all_reserved_ranges: false,
@@ -1281,7 +1282,11 @@ fn enable_ipv6_in_the_file_overrides_the_flag() {
     // The file turns IPv6 on: its IPv6 CIDRs are allowed without the flag.
     let c = config("enableIPv6: true\nnonMasqueradeCIDRs: [10.0.0.0/8, fd00::/8]\n");
     assert_eq!(c.enable_ipv6, Some(true));
-    assert!(c.ipv6_enabled(false));
+    assert!(
+        IpFamilies::IPV4
+            .as_the_file_says(&c)
+            .contains(IpFamily::Ipv6)
+    );
     // And off, over the flag: then they are not.
     let e = reject_with(
         "nonMasqueradeCIDRs: [fd00::/8]\nenableIPv6: false\n",
@@ -1289,10 +1294,15 @@ fn enable_ipv6_in_the_file_overrides_the_flag() {
     );
     assert!(e.message.contains("ipv6 is not enabled"), "{e}");
     let c = accept_with("enableIPv6: false\n", &WITH_V6).config;
-    assert!(!c.ipv6_enabled(true));
+    assert!(
+        !IpFamilies::DUAL_STACK
+            .as_the_file_says(&c)
+            .contains(IpFamily::Ipv6)
+    );
     // Absent, the flag decides, and the printed config has no such key.
     assert_eq!(defaults().enable_ipv6, None);
-    assert!(defaults().ipv6_enabled(true) && !defaults().ipv6_enabled(false));
+    let ipv6 = |flag: IpFamilies| flag.as_the_file_says(&defaults()).contains(IpFamily::Ipv6);
+    assert!(ipv6(IpFamilies::DUAL_STACK) && !ipv6(IpFamilies::IPV4));
     assert!(defaults().to_upstream_json().get("enableIPv6").is_none());
     assert_eq!(c.to_upstream_json()["enableIPv6"], false);
     let e = reject("enableIPv6: 1");

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 use crate::{
     dataplane::iptables::ChainVariant,
     netdev::{self, Device, DeviceState},
-    policy::IpFamily,
+    policy::{IpFamilies, IpFamily},
 };
 
 /// Which devices should carry the programs.
@@ -19,16 +19,16 @@ use crate::{
 pub enum Selection {
     /// `--interface`: these, whenever they exist.
     Named(Vec<String>),
-    /// The devices holding a default route (an IPv6 one too, with `ipv6`). A device that
-    /// loses its route, like one no longer named, keeps the programs while the flows they
-    /// translate through it drain.
-    DefaultRoutes { ipv6: bool },
+    /// The devices holding a default route of one of `families`. A device that loses its
+    /// route, like one no longer named, keeps the programs while the flows they translate
+    /// through it drain.
+    DefaultRoutes { families: IpFamilies },
 }
 
 impl Selection {
-    pub fn new(interfaces: &[String], enable_ipv6: bool) -> Selection {
+    pub fn new(interfaces: &[String], families: IpFamilies) -> Selection {
         if interfaces.is_empty() {
-            Selection::DefaultRoutes { ipv6: enable_ipv6 }
+            Selection::DefaultRoutes { families }
         } else {
             let mut names = Vec::new();
             merge(&mut names, interfaces);
@@ -40,7 +40,7 @@ impl Selection {
     pub fn followed(&self) -> anyhow::Result<Vec<String>> {
         match self {
             Selection::Named(names) => Ok(names.clone()),
-            Selection::DefaultRoutes { ipv6 } => netdev::default_route_devices(*ipv6),
+            Selection::DefaultRoutes { families } => netdev::default_route_devices(*families),
         }
     }
 
@@ -90,14 +90,14 @@ pub struct Returned {
 }
 
 impl Returned {
-    /// For programs on `devices`: IPv4 by every one; IPv6, with `ipv6`, by those with a global
-    /// IPv6 address to give.
-    pub fn by(devices: &[Device], ipv6: bool) -> Returned {
+    /// For programs on `devices`: IPv4 by every one; IPv6, if among `families`, by those with
+    /// a global IPv6 address to give.
+    pub fn by(devices: &[Device], families: IpFamilies) -> Returned {
         Returned {
             ipv4: devices.iter().map(|d| d.name.clone()).collect(),
             ipv6: devices
                 .iter()
-                .filter(|d| ipv6 && d.ipv6.is_some())
+                .filter(|d| families.contains(IpFamily::Ipv6) && d.ipv6.is_some())
                 .map(|d| d.name.clone())
                 .collect(),
         }
@@ -128,9 +128,9 @@ impl Returned {
 
 /// What the chain returns to programs on the devices `selection` picks now: what a data plane
 /// starting now would install.
-pub fn returned_now(selection: &Selection, enable_ipv6: bool) -> anyhow::Result<Returned> {
+pub fn returned_now(selection: &Selection, families: IpFamilies) -> anyhow::Result<Returned> {
     let states = states(&selection.followed()?)?;
-    Ok(Returned::by(&usable(&states), enable_ipv6))
+    Ok(Returned::by(&usable(&states), families))
 }
 
 /// What was last said about the followed devices, so that each change is logged once.
@@ -153,7 +153,7 @@ impl Notes {
         &mut self,
         selection: &Selection,
         states: &[(String, DeviceState)],
-        enable_ipv6: bool,
+        families: IpFamilies,
     ) {
         let mut now = BTreeMap::new();
         for (device, state) in states {
@@ -165,7 +165,7 @@ impl Notes {
                 DeviceState::NoIpv4Address => Note::NoIpv4Address,
             };
             if self.devices.get(device) != Some(&note) {
-                say(device, note, enable_ipv6);
+                say(device, note, families);
             }
             now.insert(device.clone(), note);
         }
@@ -181,7 +181,7 @@ impl Notes {
     }
 }
 
-fn say(device: &str, note: Note, enable_ipv6: bool) {
+fn say(device: &str, note: Note, families: IpFamilies) {
     match note {
         Note::Missing => {
             info!(
@@ -193,7 +193,7 @@ fn say(device: &str, note: Note, enable_ipv6: bool) {
             device,
             "device has no IPv4 address, so no programs: the iptables chain masquerades what leaves it"
         ),
-        Note::Carrying { ipv6: false } if enable_ipv6 => warn!(
+        Note::Carrying { ipv6: false } if families.contains(IpFamily::Ipv6) => warn!(
             device,
             "device has no global IPv6 address: ip6tables masquerades the IPv6 that leaves it"
         ),
@@ -219,7 +219,7 @@ mod tests {
     #[test]
     fn ipv6_returns_only_by_devices_with_an_ipv6_address_when_enabled() {
         let devices = [device("eth0", true), device("up1", false)];
-        let both = Returned::by(&devices, true);
+        let both = Returned::by(&devices, IpFamilies::DUAL_STACK);
         assert_eq!(
             both.variant(IpFamily::Ipv4),
             ChainVariant::OutsideEbpf {
@@ -232,21 +232,23 @@ mod tests {
                 devices: vec!["eth0".into()]
             }
         );
-        let v4_only = Returned::by(&devices, false);
+        let v4_only = Returned::by(&devices, IpFamilies::IPV4);
         assert_eq!(v4_only.variant(IpFamily::Ipv6), ChainVariant::Full);
     }
 
     #[test]
     fn no_device_means_upstream_s_chain() {
-        let none = Returned::by(&[], true);
+        let none = Returned::by(&[], IpFamilies::DUAL_STACK);
         assert_eq!(none.variant(IpFamily::Ipv4), ChainVariant::Full);
         assert_eq!(none.variant(IpFamily::Ipv6), ChainVariant::Full);
     }
 
     #[test]
     fn common_keeps_what_both_return_in_the_first_s_order() {
-        let before = Returned::by(&[device("eth0", true), device("up1", true)], true);
-        let after = Returned::by(&[device("up1", false), device("eth0", true)], true);
+        let before = [device("eth0", true), device("up1", true)];
+        let before = Returned::by(&before, IpFamilies::DUAL_STACK);
+        let after = [device("up1", false), device("eth0", true)];
+        let after = Returned::by(&after, IpFamilies::DUAL_STACK);
         let kept = before.common(&after);
         assert_eq!(kept.ipv4, ["eth0", "up1"]);
         assert_eq!(kept.ipv6, ["eth0"]);
@@ -254,11 +256,16 @@ mod tests {
 
     #[test]
     fn named_interfaces_are_followed_as_named() {
-        let named = Selection::new(&["eth0".into(), "up1".into(), "eth0".into()], true);
+        let named = Selection::new(
+            &["eth0".into(), "up1".into(), "eth0".into()],
+            IpFamilies::DUAL_STACK,
+        );
         assert_eq!(named.followed().unwrap(), ["eth0", "up1"]);
         assert_eq!(
-            Selection::new(&[], true),
-            Selection::DefaultRoutes { ipv6: true }
+            Selection::new(&[], IpFamilies::DUAL_STACK),
+            Selection::DefaultRoutes {
+                families: IpFamilies::DUAL_STACK
+            }
         );
     }
 }

@@ -16,7 +16,7 @@ use super::{
 use crate::{
     dataplane::DataPlane as _,
     netdev::Device,
-    policy::{IpFamily, Policy},
+    policy::{IpFamilies, IpFamily, Policy},
 };
 
 /// What following the devices changed.
@@ -35,12 +35,9 @@ impl EbpfDataPlane {
     pub(super) fn follow_devices(&mut self, policy: &Policy) -> anyhow::Result<Followed> {
         let carrying = self.carrying();
         let states = devices::states(&self.selection.followed()?)?;
-        self.notes
-            .report(&self.selection, &states, self.enable_ipv6);
+        self.notes.report(&self.selection, &states, self.families);
         let fresh = devices::usable(&states);
-        let kept = self
-            .returned
-            .common(&Returned::by(&fresh, self.enable_ipv6));
+        let kept = self.returned.common(&Returned::by(&fresh, self.families));
         self.return_to_programs(kept, policy)?;
         let leaving: Vec<String> = carrying
             .into_iter()
@@ -63,7 +60,7 @@ impl EbpfDataPlane {
             .filter(|d| self.runs_both_programs(&d.name))
             .cloned()
             .collect();
-        self.return_to_programs(Returned::by(&running, self.enable_ipv6), policy)?;
+        self.return_to_programs(Returned::by(&running, self.families), policy)?;
         Ok(Followed {
             devices_changed: changed || !leaving.is_empty(),
             reattached: reattached?,
@@ -122,7 +119,7 @@ impl EbpfDataPlane {
     /// Makes the `interfaces` map hold the devices carrying the programs and those draining.
     pub(super) fn write_interfaces(&mut self) -> anyhow::Result<()> {
         let all: Vec<Device> = self.translating();
-        write_interfaces(&mut self.maps.interfaces, &all, self.enable_ipv6)
+        write_interfaces(&mut self.maps.interfaces, &all, self.families)
     }
 
     /// The devices whose programs translate: those carrying them, and those draining.
@@ -181,7 +178,9 @@ impl EbpfDataPlane {
             repaired |= self.attach_at(&device.name, hook)?;
         }
         if new {
-            let ipv6 = device.ipv6.filter(|_| self.enable_ipv6);
+            let ipv6 = device
+                .ipv6
+                .filter(|_| self.families.contains(IpFamily::Ipv6));
             info!(device = device.name, address = %device.ipv4, ?ipv6, "programs attached to the device");
         }
         Ok(repaired)
@@ -216,18 +215,19 @@ impl EbpfDataPlane {
 }
 
 /// Makes the `interfaces` map hold exactly `devices`, so that no stale device keeps translating.
-/// Their IPv6 addresses go in only with `ipv6`: without one, the programs leave IPv6 alone.
+/// Their IPv6 addresses go in only for IPv6 among `families`: without one, the programs leave
+/// IPv6 alone.
 pub fn write_interfaces(
     map: &mut Interfaces,
     devices: &[Device],
-    ipv6: bool,
+    families: IpFamilies,
 ) -> anyhow::Result<()> {
     for device in devices {
         let entry = Interface {
             ipv4: device.ipv4.octets(),
             ipv6: device
                 .ipv6
-                .filter(|_| ipv6)
+                .filter(|_| families.contains(IpFamily::Ipv6))
                 .map_or([0; 16], |addr| addr.octets()),
         };
         if map.get(&device.index, 0).ok() != Some(entry) {

@@ -56,7 +56,7 @@ use super::{
 };
 use crate::{
     netdev::Device,
-    policy::{MasqueradeOptions, Policy},
+    policy::{IpFamilies, IpFamily, MasqueradeOptions, Policy},
     ports::PortRange,
 };
 
@@ -78,8 +78,8 @@ pub struct EbpfOptions {
     pub port_spans: Vec<PortRange>,
     pub random_fully: bool,
     pub masquerade: MasqueradeOptions,
-    /// `--enable-ipv6`: the programs masquerade IPv6 too.
-    pub enable_ipv6: bool,
+    /// The families the programs masquerade: IPv6 too with `--enable-ipv6`.
+    pub families: IpFamilies,
     /// The entries of the policy the agent starts with, in both families' tries: the decision
     /// counters are sized for it.
     pub policy_entries: usize,
@@ -92,7 +92,7 @@ impl EbpfOptions {
 
     /// The size of `nat_v6`: a table that is never used takes one entry, not megabytes.
     pub fn nat_v6_capacity(&self) -> u32 {
-        if self.enable_ipv6 {
+        if self.families.contains(IpFamily::Ipv6) {
             self.nat_capacity
         } else {
             1
@@ -118,7 +118,7 @@ pub struct EbpfDataPlane {
     programs: Programs,
     maps: Maps,
     pins: Pins,
-    enable_ipv6: bool,
+    families: IpFamilies,
     selection: Selection,
     /// The devices carrying the programs, as last looked up.
     devices: Vec<Device>,
@@ -166,7 +166,7 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         maps,
         inherited: pins.linked_devices(),
         pins,
-        enable_ipv6: opts.enable_ipv6,
+        families: opts.families,
         selection: opts.devices.clone(),
         devices: Vec::new(),
         draining: Vec::new(),
@@ -207,7 +207,10 @@ impl EbpfDataPlane {
     /// new IPv6 flow is masqueraded (one prefix, ::/0, keeps every address), while the flows
     /// already translated go on until they end.
     fn for_the_programs<'a>(&mut self, policy: &'a Policy) -> std::borrow::Cow<'a, Policy> {
-        match (self.enable_ipv6, policy.non_masq_v6.is_some()) {
+        match (
+            self.families.contains(IpFamily::Ipv6),
+            policy.non_masq_v6.is_some(),
+        ) {
             (true, false) => std::borrow::Cow::Owned(Policy {
                 non_masq_v6: Some(vec![ipnet::Ipv6Net::default()]),
                 masq_v6: Vec::new(),

@@ -24,7 +24,11 @@ use super::{
     maps::Maps,
     prefixes,
 };
-use crate::{netdev::Device, policy::IpFamily, ports::PortRange};
+use crate::{
+    netdev::Device,
+    policy::{IpFamilies, IpFamily},
+    ports::PortRange,
+};
 
 /// The compiled object the agent embeds, for tests that load it by other means (bpftool).
 pub fn object() -> &'static [u8] {
@@ -90,7 +94,7 @@ impl TestBed {
             ipv4: node,
             ipv6: None,
         };
-        write_interfaces(&mut bed.maps.interfaces, &[lo], false)?;
+        write_interfaces(&mut bed.maps.interfaces, &[lo], IpFamilies::IPV4)?;
         bed.maps.policy.set_non_masq(IpFamily::Ipv4, non_masq)?;
         Ok(bed)
     }
@@ -106,7 +110,7 @@ impl TestBed {
         if let Ok(current) = self.maps.interfaces.get(&TEST_RUN_IFINDEX, 0) {
             lo.ipv4 = Ipv4Addr::from(current.ipv4);
         }
-        write_interfaces(&mut self.maps.interfaces, &[lo], true)?;
+        write_interfaces(&mut self.maps.interfaces, &[lo], IpFamilies::DUAL_STACK)?;
         self.maps.policy.set_non_masq(IpFamily::Ipv6, non_masq)?;
         Ok(())
     }

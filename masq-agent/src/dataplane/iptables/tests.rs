@@ -10,7 +10,7 @@ use super::{
 };
 use crate::{
     config::Config,
-    policy::{Action, IpFamily, MasqueradeOptions, Policy},
+    policy::{Action, IpFamilies, IpFamily, MasqueradeOptions, Policy},
     ports::PortRanges,
 };
 
@@ -36,7 +36,7 @@ fn policy(cidrs: &[&str], masq_ll: bool, masq_ll6: bool) -> Policy {
         resync_interval: std::time::Duration::from_secs(60),
         enable_ipv6: None,
     };
-    Policy::from_config(&config, true)
+    Policy::from_config(&config, IpFamilies::DUAL_STACK)
 }
 
 const MODERN: Capabilities = Capabilities { random_fully: true };
@@ -186,7 +186,7 @@ fn ipv6_disabled_renders_nothing_for_ipv6() {
         resync_interval: std::time::Duration::from_secs(60),
         enable_ipv6: None,
     };
-    let p = Policy::from_config(&config, false);
+    let p = Policy::from_config(&config, IpFamilies::IPV4);
     assert!(
         render(
             IpFamily::Ipv6,
@@ -453,7 +453,7 @@ fn with_exceptions(cidrs: &[&str], exceptions: &[&str]) -> Policy {
         resync_interval: std::time::Duration::from_secs(60),
         enable_ipv6: None,
     };
-    Policy::from_config(&config, true)
+    Policy::from_config(&config, IpFamilies::DUAL_STACK)
 }
 
 #[test]
