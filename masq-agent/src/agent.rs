@@ -278,7 +278,7 @@ impl Agent {
         let policy_flags = policy_flags(flags);
         record_mode(&flags.pins.bpffs, dataplane.as_ref(), &policy_flags);
         let mode = dataplane.mode();
-        telemetry.mode(mode, mode == Mode::IptablesFallback);
+        telemetry.mode(mode);
         Agent {
             bpffs: flags.pins.bpffs.clone(),
             policy_flags,
@@ -407,7 +407,7 @@ impl Agent {
             self.dataplane = fallback(opts, why);
             self.leftovers = leftovers_beside(self.dataplane.mode(), &self.bpffs);
             record_mode(&self.bpffs, self.dataplane.as_ref(), &self.policy_flags);
-            self.telemetry.mode(self.dataplane.mode(), true);
+            self.telemetry.mode(self.dataplane.mode());
             applied = self.dataplane.apply(&policy);
         }
         self.telemetry.applied(started.elapsed());

@@ -224,18 +224,18 @@ impl Telemetry {
         self.apply_duration.observe(took.as_secs_f64());
     }
 
-    /// Records the data plane in use; `fell_back` when it replaced the eBPF one.
-    pub fn mode(&self, mode: Mode, fell_back: bool) {
+    /// Records the data plane put in force: a fallback is counted as one.
+    pub fn mode(&self, mode: Mode) {
         self.ebpf_in_force
             .store(mode == Mode::Ebpf, Ordering::Relaxed);
-        for candidate in [Mode::Ebpf, Mode::Iptables, Mode::IptablesFallback] {
+        for candidate in Mode::ALL {
             self.mode
                 .get_or_create(&ModeLabel {
                     mode: candidate.label(),
                 })
                 .set(i64::from(candidate == mode));
         }
-        if fell_back {
+        if mode == Mode::IptablesFallback {
             self.fallbacks.inc();
         }
     }
@@ -426,9 +426,9 @@ mod tests {
     fn unreadable_ebpf_counters_are_counted_while_the_ebpf_data_plane_is_in_force() {
         let t = telemetry();
         let errors = |m: &str| value(m, "masq_agent_ebpf_counter_read_errors_total");
-        t.mode(Mode::Iptables, false);
+        t.mode(Mode::Iptables);
         assert_eq!(errors(&t.encode()), Some(0.0), "nothing to read: no error");
-        t.mode(Mode::Ebpf, false);
+        t.mode(Mode::Ebpf);
         let m = t.encode();
         assert_eq!(
             errors(&m),
@@ -480,8 +480,8 @@ mod tests {
     #[test]
     fn the_mode_gauge_marks_one_mode_and_fallbacks_are_counted() {
         let t = telemetry();
-        t.mode(Mode::Ebpf, false);
-        t.mode(Mode::IptablesFallback, true);
+        t.mode(Mode::Ebpf);
+        t.mode(Mode::IptablesFallback);
         let m = t.encode();
         let mode = |name: &str| value(&m, &format!("masq_agent_dataplane_mode{{mode=\"{name}\"}}"));
         assert_eq!(mode("ebpf"), Some(0.0));

@@ -474,7 +474,7 @@ fn agent_labels() -> BTreeSet<String> {
     use masq_agent::{dataplane::Mode, telemetry};
     let bpffs = tempfile::tempdir().unwrap();
     let metrics = telemetry::Telemetry::new(bpffs.path().join("ip-masq-agent"));
-    metrics.mode(Mode::Ebpf, false);
+    metrics.mode(Mode::Ebpf);
     metrics.synced(telemetry::ReloadResult::Success, Some((4, 0)));
     let text = metrics.encode();
     let labels: BTreeSet<String> = text

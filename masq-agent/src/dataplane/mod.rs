@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{netdev, policy::Policy};
 
-/// Which mechanism enforces the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+/// Which mechanism enforces the policy. Its one spelling, `label`, is what the status text,
+/// the JSON, the state file and the metrics all say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Ebpf,
     Iptables,
@@ -22,7 +22,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// The name metrics and records use.
+    pub const ALL: [Mode; 3] = [Mode::Ebpf, Mode::Iptables, Mode::IptablesFallback];
+
     pub fn label(self) -> &'static str {
         match self {
             Mode::Ebpf => "ebpf",
@@ -34,11 +35,23 @@ impl Mode {
 
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Mode::Ebpf => "ebpf",
-            Mode::Iptables => "iptables",
-            Mode::IptablesFallback => "iptables (fallback)",
-        })
+        f.write_str(self.label())
+    }
+}
+
+impl Serialize for Mode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.label())
+    }
+}
+
+impl<'de> Deserialize<'de> for Mode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Mode, D::Error> {
+        let label = String::deserialize(deserializer)?;
+        Mode::ALL
+            .into_iter()
+            .find(|mode| mode.label() == label)
+            .ok_or_else(|| serde::de::Error::custom(format!("no data plane is called {label}")))
     }
 }
 
