@@ -21,6 +21,29 @@ pub fn number(name: &str) -> Option<u8> {
         .or_else(|| name.parse().ok())
 }
 
+/// An IP protocol, by its number; shown, and serialized, as people name it (`name`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Protocol(pub u8);
+
+impl Protocol {
+    /// From its name or its number written out, as iptables lists it.
+    pub fn parse(name: &str) -> Option<Protocol> {
+        number(name).map(Protocol)
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&name(self.0))
+    }
+}
+
+impl serde::Serialize for Protocol {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
 /// A protocol as people name it: its name, or `protocol N`.
 pub fn name(number: u8) -> String {
     NAMES.iter().find(|(_, n)| *n == number).map_or_else(

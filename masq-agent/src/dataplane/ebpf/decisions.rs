@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 
 use aya::maps::{IterableMap as _, MapData, PerCpuArray, PerCpuValues};
+use ipnet::IpNet;
 use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_action};
 use serde::Serialize;
 
@@ -121,7 +122,7 @@ pub fn counts(counters: &DecisionCounters) -> anyhow::Result<Vec<u64>> {
 /// One policy entry and the decisions it took.
 #[derive(Debug, Clone, Serialize)]
 pub struct EntryDecisions {
-    pub prefix: String,
+    pub prefix: IpNet,
     /// `masquerade` or `non-masquerade`.
     pub action: &'static str,
     /// `None` when the counters had no slot for it.
@@ -217,8 +218,8 @@ impl PolicyDecisions {
             let slot = entry.counted_in as usize;
             (entry.counted_in < slots).then(|| counts.get(slot).copied().unwrap_or(0))
         };
-        let v4_entries = v4.iter().map(|(p, e)| (prefixes::written(*p), e));
-        let v6_entries = v6.iter().map(|(p, e)| (prefixes::written(*p), e));
+        let v4_entries = v4.iter().map(|(p, e)| (prefixes::net(*p), e));
+        let v6_entries = v6.iter().map(|(p, e)| (prefixes::net(*p), e));
         let mut entries: Vec<EntryDecisions> = v4_entries
             .chain(v6_entries)
             .map(|(prefix, entry)| EntryDecisions {
@@ -290,7 +291,7 @@ fn list<'a>(
     what: &str,
     entries: impl Iterator<Item = &'a EntryDecisions>,
 ) -> Result<usize, std::fmt::Error> {
-    let all: Vec<&str> = entries.map(|e| e.prefix.as_str()).collect();
+    let all: Vec<String> = entries.map(|e| e.prefix.to_string()).collect();
     if all.is_empty() {
         return Ok(0);
     }

@@ -4,6 +4,7 @@
 use std::{collections::BTreeMap, net::IpAddr};
 
 use aya::maps::{LpmTrie, MapData};
+use ipnet::IpNet;
 use masq_ebpf::{PolicyEntry, PrefixAction, prefix_action};
 
 use crate::policy::{Action, Rules};
@@ -44,12 +45,13 @@ pub fn entries<const N: usize>(trie: &PolicyTrie<N>) -> BTreeMap<Prefix<N>, Poli
         .collect()
 }
 
-/// A prefix as the config writes it.
-pub fn written<const N: usize>((len, data): Prefix<N>) -> String
+/// A prefix as the policy holds it.
+pub fn net<const N: usize>((len, data): Prefix<N>) -> IpNet
 where
     IpAddr: From<[u8; N]>,
 {
-    format!("{}/{len}", IpAddr::from(data))
+    IpNet::new(IpAddr::from(data), len as u8)
+        .expect("the kernel's LPM trie holds no prefix longer than its addresses")
 }
 
 /// Seconds of CLOCK_MONOTONIC, as the draining trie dates its prefixes.

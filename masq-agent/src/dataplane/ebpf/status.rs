@@ -13,6 +13,7 @@ use aya::{
     maps::Map,
     programs::links::{FdLink, PinnedLink},
 };
+use ipnet::IpNet;
 use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names};
 use serde::Serialize;
 
@@ -49,13 +50,13 @@ pub struct EbpfStatus {
     pub interfaces: BTreeMap<u32, Ipv4Addr>,
     /// The interfaces that masquerade IPv6, and their addresses.
     pub interfaces_v6: BTreeMap<u32, Ipv6Addr>,
-    pub non_masquerade_v4: Vec<String>,
-    pub non_masquerade_v6: Vec<String>,
+    pub non_masquerade_v4: Vec<IpNet>,
+    pub non_masquerade_v6: Vec<IpNet>,
     /// The exceptions (`masqueradeCIDRs`), where there are any.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub masquerade_v4: Vec<String>,
+    pub masquerade_v4: Vec<IpNet>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub masquerade_v6: Vec<String>,
+    pub masquerade_v6: Vec<IpNet>,
     /// Flows in the NAT table (each takes two entries) by whose they are (`FlowOwner`): the
     /// pods' masqueraded; the pods' that keep their address (opened from outside, or kept
     /// across a policy change); the node's own, whose tuple the table holds.
@@ -331,7 +332,7 @@ fn read_filters() -> Vec<AttachmentStatus> {
 fn with_action<const N: usize>(
     entries: &BTreeMap<Prefix<N>, PolicyEntry>,
     action: Action,
-) -> Vec<String>
+) -> Vec<IpNet>
 where
     IpAddr: From<[u8; N]>,
 {
@@ -339,7 +340,7 @@ where
     entries
         .iter()
         .filter(|(_, entry)| entry.action == value)
-        .map(|(prefix, _)| prefixes::written(*prefix))
+        .map(|(prefix, _)| prefixes::net(*prefix))
         .collect()
 }
 

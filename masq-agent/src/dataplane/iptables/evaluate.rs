@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::{
     command::Iptables,
     ipset,
-    readback::{device_matches, flag_value},
+    readback::{destination, device_matches, flag_value},
 };
 use crate::policy::IpFamily;
 
@@ -85,11 +85,8 @@ pub(super) fn evaluate(
         let on_device = after("-o").is_none_or(|o| device_matches(o, packet.device));
         let protocol_matches =
             after("-p").is_none_or(|p| crate::protocols::number(p) == Some(packet.protocol));
-        let dst_matches = after("-d").is_none_or(|d| {
-            d.parse::<ipnet::IpNet>()
-                .or_else(|_| d.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-                .is_ok_and(|net| net.contains(&packet.dst))
-        });
+        let dst_matches =
+            after("-d").is_none_or(|d| destination(d).is_ok_and(|net| net.contains(&packet.dst)));
         if !(on_device && protocol_matches && dst_matches) {
             continue;
         }

@@ -1,15 +1,17 @@
 //! The chain read back from the kernel, as `iptables -S` lists it: what `status` shows, and
 //! what tells the agent that someone else changed the chain.
 
+use anyhow::Context as _;
+use ipnet::IpNet;
 use serde::Serialize;
 
 use super::{
     command::{Iptables, available_families},
     ipset,
 };
-use crate::policy::IpFamily;
+use crate::{policy::IpFamily, protocols::Protocol};
 
-fn push_new(list: &mut Vec<String>, item: String) {
+fn push_new<T: PartialEq>(list: &mut Vec<T>, item: T) {
     if !list.contains(&item) {
         list.push(item);
     }
@@ -26,6 +28,15 @@ pub(super) fn device_matches(pattern: &str, device: &str) -> bool {
     }
 }
 
+/// A destination as `iptables -S` (`-d`) or `ipset list` writes it: a prefix, or an address
+/// alone.
+pub(super) fn destination(written: &str) -> anyhow::Result<IpNet> {
+    written
+        .parse::<IpNet>()
+        .or_else(|_| written.parse::<std::net::IpAddr>().map(IpNet::from))
+        .with_context(|| format!("not a destination: {written}"))
+}
+
 /// The word after `flag` among a rule's `words`, as `iptables -S` lists it.
 pub(super) fn flag_value<'a>(words: &[&'a str], flag: &str) -> Option<&'a str> {
     let at = words.iter().position(|w| *w == flag)?;
@@ -40,13 +51,13 @@ pub struct ChainStatus {
     pub installed: bool,
     pub jump_installed: bool,
     /// Protocols that return early because the eBPF programs translate them.
-    pub ebpf_protocols_returned: Vec<String>,
+    pub ebpf_protocols_returned: Vec<Protocol>,
     /// The devices (as `-o` names them) by which those protocols return early.
     pub ebpf_devices_returned: Vec<String>,
-    pub non_masquerade: Vec<String>,
+    pub non_masquerade: Vec<IpNet>,
     /// The masqueradeCIDRs entries, where there are any.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub masquerade_exceptions: Vec<String>,
+    pub masquerade_exceptions: Vec<IpNet>,
     pub masquerade_rules: usize,
 }
 
@@ -76,18 +87,22 @@ impl ChainStatus {
             if line.contains("-j MASQUERADE") {
                 status.masquerade_rules += 1;
                 if let Some(dst) = after("-d") {
-                    push_new(&mut status.masquerade_exceptions, dst);
+                    push_new(&mut status.masquerade_exceptions, destination(&dst)?);
                 }
             } else if let Some(set) = after("--match-set") {
                 for member in set_members(&set)? {
                     match member.strip_suffix(&format!(" {}", ipset::NOMATCH)) {
-                        Some(exception) => status.masquerade_exceptions.push(exception.into()),
-                        None => status.non_masquerade.push(member),
+                        Some(exception) => {
+                            status.masquerade_exceptions.push(destination(exception)?)
+                        }
+                        None => status.non_masquerade.push(destination(&member)?),
                     }
                 }
             } else if let Some(dst) = after("-d") {
-                status.non_masquerade.push(dst);
+                status.non_masquerade.push(destination(&dst)?);
             } else if let Some(proto) = after("-p") {
+                let proto = Protocol::parse(&proto)
+                    .with_context(|| format!("the chain returns a protocol not known: {proto}"))?;
                 // A rule without `-o` (an agent before per-device rules) returns every device.
                 let device = after("-o").unwrap_or_else(|| ANY_DEVICE.to_string());
                 push_new(&mut status.ebpf_protocols_returned, proto);
@@ -133,10 +148,15 @@ impl std::fmt::Display for ChainStatus {
             }
         )?;
         if !self.ebpf_protocols_returned.is_empty() {
+            let protocols: Vec<String> = self
+                .ebpf_protocols_returned
+                .iter()
+                .map(Protocol::to_string)
+                .collect();
             writeln!(
                 f,
                 "  left to eBPF: {} leaving by {}",
-                self.ebpf_protocols_returned.join(", "),
+                protocols.join(", "),
                 self.ebpf_devices_returned.join(", ")
             )?;
         }

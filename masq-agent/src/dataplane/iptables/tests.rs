@@ -394,9 +394,14 @@ fn read_listing(listing: &str) -> ChainStatus {
 #[test]
 fn the_devices_returned_to_the_programs_are_read_back_from_the_chain() {
     let status = read_listing(LISTED);
-    assert_eq!(status.ebpf_protocols_returned, ["tcp", "udp", "icmp"]);
+    let protocols: Vec<String> = status
+        .ebpf_protocols_returned
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    assert_eq!(protocols, ["tcp", "udp", "icmp"]);
     assert_eq!(status.ebpf_devices_returned, ["eth0", "up1"]);
-    assert_eq!(status.non_masquerade, ["10.0.0.0/8"]);
+    assert_eq!(status.non_masquerade, nets(&["10.0.0.0/8"]));
     assert_eq!(status.masquerade_rules, 1);
     assert!(status.returns_to_programs("eth0") && status.returns_to_programs("up1"));
     assert!(!status.returns_to_programs("up10") && !status.returns_to_programs("eth"));
@@ -574,14 +579,17 @@ fn exceptions_are_read_back_from_the_chain_and_the_set() {
         .map(|l| format!("{l}\n"))
         .collect();
     let status = read_listing(&listed);
-    assert_eq!(status.masquerade_exceptions, ["10.100.10.0/24"]);
-    assert_eq!(status.non_masquerade, ["169.254.0.0/16", "10.0.0.0/8"]);
+    assert_eq!(status.masquerade_exceptions, nets(&["10.100.10.0/24"]));
+    assert_eq!(
+        status.non_masquerade,
+        nets(&["169.254.0.0/16", "10.0.0.0/8"])
+    );
     let members = |_: &str| -> anyhow::Result<Vec<String>> {
         Ok(vec!["10.0.0.0/8".into(), "10.100.10.0/24 nomatch".into()])
     };
     let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(LISTED), members).unwrap();
-    assert_eq!(status.non_masquerade, ["10.0.0.0/8"]);
-    assert_eq!(status.masquerade_exceptions, ["10.100.10.0/24"]);
+    assert_eq!(status.non_masquerade, nets(&["10.0.0.0/8"]));
+    assert_eq!(status.masquerade_exceptions, nets(&["10.100.10.0/24"]));
 }
 
 // ---- asking the chain what it does with a packet ------------------------------------------
@@ -651,4 +659,9 @@ fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
         let err = evaluate(rule, &packet, |_| Ok(false)).unwrap_err();
         assert!(err.to_string().contains("cannot follow"), "{rule}: {err}");
     }
+}
+
+/// Prefixes as the chain's status holds them.
+fn nets(written: &[&str]) -> Vec<ipnet::IpNet> {
+    written.iter().map(|net| net.parse().unwrap()).collect()
 }
