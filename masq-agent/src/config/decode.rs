@@ -3,7 +3,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::*;
+use super::{
+    go_format::go_quote,
+    parse_go_duration,
+    tree::{Format, Node},
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Field {

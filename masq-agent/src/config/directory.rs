@@ -13,7 +13,12 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::*;
+use ipnet::IpNet;
+
+use super::{
+    CidrList, Config, ConfigError, ConfigOptions, ConfigSource, Explicit, Loaded, Standing,
+    cidr_line, parse_with_keys, read_bounded, unreadable, validate::first_in_both,
+};
 
 /// Only the files whose names start with this are read: kubelet's `..data` and its timestamped
 /// directories, and anything else in the volume, are not config.

@@ -1,7 +1,8 @@
 //! Finding the line of the file an error is about, where it can be found for sure.
 
-use super::*;
 use yaml_rust2::parser::Event;
+
+use super::tree::{Format, Node, first_document_events};
 
 /// The line of `target` (a key or string value inside `root`), or `None` when the text does not
 /// show it unambiguously. The text must hold `target` exactly as often as the tree does; then

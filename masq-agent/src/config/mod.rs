@@ -24,10 +24,13 @@ mod tree;
 mod validate;
 
 pub use self::directory::FILE_PREFIX;
-#[allow(unused_imports)]
-use self::go_format::*;
 pub use self::go_format::{format_go_duration, parse_go_duration};
-use self::{decode::*, locate::*, tree::*, validate::*};
+use self::{
+    decode::decode,
+    locate::locate,
+    tree::read_tree,
+    validate::{build_config, check_cidr},
+};
 
 /// Command-line flags that change how the config file is read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

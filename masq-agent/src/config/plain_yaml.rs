@@ -5,8 +5,7 @@
 //! tabs, multi-line scalars, comments after a value, non-ASCII text...) is left to the full
 //! parser: `None` means "not sure", never "invalid". Where it answers, its tree is the one the
 //! full parser and the YAML 1.1 rules make of the same text, which the tests hold it to.
-
-use super::*;
+use super::tree::{Node, key_string, yaml11_scalar};
 
 /// More scalars than this that need resolving (see [`resolve_plain`]) and the full parser is
 /// the faster one.
@@ -130,6 +129,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::config::tree::read_yaml11;
 
     /// The full reader's tree, as `read_tree` made it before this reader.
     fn full(text: &str) -> Option<Node> {

@@ -1,7 +1,7 @@
 //! The config file as upstream reads it: each case checked through `parse`, with upstream's
 //! messages.
 
-use super::*;
+use super::{decode::suggest_key, go_format::go_quote, tree::MERGE_ERROR, *};
 use crate::policy::{IpFamilies, IpFamily};
 
 const V4_ONLY: ConfigOptions = ConfigOptions {

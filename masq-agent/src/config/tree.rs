@@ -1,12 +1,13 @@
 //! Reading the file into a small tree, and the YAML 1.1 rules (go-yaml v2) that serde_yaml
 //! (YAML 1.2) lacks: what upstream's YAML-to-JSON step makes of each scalar.
 
-use serde::de::{self, Deserialize, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess};
 use std::fmt;
+
+use serde::de::{self, Deserialize, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess};
 use yaml_rust2::parser::{Event, Parser};
 use yaml_rust2::scanner::{Marker, TScalarStyle};
 
-use super::*;
+use super::{ConfigError, plain_yaml};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Format {

@@ -6,7 +6,12 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 
-use super::*;
+use super::{
+    Config, ConfigOptions, MIN_RESYNC_INTERVAL, Standing,
+    decode::{CidrItems, FileFields, Problem, Setting},
+    format_go_duration,
+    go_format::{format_go_nanos, go_quote},
+};
 
 /// The config `fields` set, every other key at its default. `Standing::InDirectory`: the file is
 /// one of several, whose lists are merged afterwards, so a list it leaves out is empty here
