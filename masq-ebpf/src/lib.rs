@@ -476,7 +476,10 @@ pub struct Settings {
 
 /// Declares the counters once: each variant, its slot (in order), and its stable name.
 macro_rules! counters {
-    ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident = $name:literal in $metric:expr $(, $label:ident = $value:literal)?;
+    )*) => {
         /// Per-CPU packet counters, one slot each in the `counters` array.
         #[repr(u32)]
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -487,70 +490,147 @@ macro_rules! counters {
         impl Counter {
             pub const ALL: [Counter; [$(Counter::$variant),*].len()] = [$(Counter::$variant),*];
 
-            /// Stable, metric-friendly name.
+            /// Stable name, as `status` lists the counter.
             pub const fn name(self) -> &'static str {
                 match self {
                     $(Counter::$variant => $name,)*
                 }
             }
+
+            /// The metric the agent exports the counter under, and the label that tells it
+            /// apart there when the metric has more than it.
+            #[cfg(feature = "user")]
+            pub const fn series(self) -> (CounterMetric, Option<(&'static str, &'static str)>) {
+                match self {
+                    $(Counter::$variant => ($metric, counters!(@label $($label = $value)?)),)*
+                }
+            }
         }
     };
+    (@label) => { None };
+    (@label $label:ident = $value:literal) => { Some((stringify!($label), $value)) };
 }
+
+/// A metric the agent exports counters under: its name (the agent adds its prefix, and
+/// `_total`) and its help.
+#[cfg(feature = "user")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CounterMetric {
+    pub name: &'static str,
+    pub help: &'static str,
+}
+
+#[cfg(feature = "user")]
+impl CounterMetric {
+    const fn of(name: &'static str, help: &'static str) -> CounterMetric {
+        CounterMetric { name, help }
+    }
+}
+
+/// The metrics several counters share, each counter under a label of its own.
+#[cfg(feature = "user")]
+const NOT_MASQUERADED: CounterMetric = CounterMetric::of(
+    "packets_not_masqueraded",
+    "Egress packets left with their source address, by reason",
+);
+#[cfg(feature = "user")]
+const DROPPED: CounterMetric = CounterMetric::of(
+    "packets_dropped",
+    "Packets the data plane dropped, by reason",
+);
+#[cfg(feature = "user")]
+const REVERSED: CounterMetric = CounterMetric::of(
+    "packets_reverse_translated",
+    "Ingress packets given back the pod's address, by kind",
+);
 
 counters! {
     /// Egress packets whose source was rewritten.
-    Masqueraded = "masqueraded",
+    Masqueraded = "masqueraded" in CounterMetric::of(
+        "packets_masqueraded",
+        "Egress packets whose source became the node's address",
+    );
     /// Egress packets to a destination in the non-masquerade tries.
-    NotMasqNonMasqDestination = "not_masqueraded_non_masq_destination",
+    NotMasqNonMasqDestination = "not_masqueraded_non_masq_destination"
+        in NOT_MASQUERADED, reason = "non_masq_destination";
     /// Egress packets from the interface's own address: the node's own traffic.
-    NotMasqNodeSource = "not_masqueraded_node_source",
+    NotMasqNodeSource = "not_masqueraded_node_source" in NOT_MASQUERADED, reason = "node_source";
     /// Egress packets of protocols left to the iptables chain.
-    NotMasqOtherProtocol = "not_masqueraded_other_protocol",
+    NotMasqOtherProtocol = "not_masqueraded_other_protocol"
+        in NOT_MASQUERADED, reason = "other_protocol";
     /// Egress packets of connections opened from outside toward a pod, or that started
     /// unmasqueraded before their destination was removed from the non-masquerade CIDRs.
-    NotMasqInbound = "not_masqueraded_inbound_connection",
+    NotMasqInbound = "not_masqueraded_inbound_connection"
+        in NOT_MASQUERADED, reason = "inbound_connection";
     /// Egress ICMP other than echo requests (replies and errors about inbound flows).
-    NotMasqIcmpOther = "not_masqueraded_icmp_other",
+    NotMasqIcmpOther = "not_masqueraded_icmp_other" in NOT_MASQUERADED, reason = "icmp_other";
     /// Ingress packets whose destination was restored.
-    ReverseTranslated = "reverse_translated",
+    ReverseTranslated = "reverse_translated" in REVERSED, kind = "reply";
     /// Ingress ICMP errors about masqueraded flows, translated inside and out.
-    IcmpErrorTranslated = "icmp_error_translated",
+    IcmpErrorTranslated = "icmp_error_translated" in REVERSED, kind = "icmp_error";
     /// Egress ICMP errors about masqueraded flows (a pod's, or the node's own about a packet
     /// it restored), translated inside and out, as conntrack translates a RELATED error.
-    IcmpErrorMasqueraded = "icmp_error_masqueraded",
+    IcmpErrorMasqueraded = "icmp_error_masqueraded" in CounterMetric::of(
+        "icmp_errors_masqueraded",
+        "Egress ICMP errors about masqueraded flows, translated inside and out as conntrack translates a related error",
+    );
     /// TCP RSTs whose sequence number the receiving end would not accept: passed on, but the
     /// flow keeps its state.
-    TcpRstNotAcceptable = "tcp_rst_not_acceptable",
+    TcpRstNotAcceptable = "tcp_rst_not_acceptable" in CounterMetric::of(
+        "tcp_resets_not_acceptable",
+        "TCP RSTs whose sequence number the receiving end would not accept; the flow keeps its state",
+    );
     /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
     /// masqueraded flow already held: given another port, as conntrack resolves a clash.
-    NodePortClash = "node_port_clash",
+    NodePortClash = "node_port_clash" in CounterMetric::of(
+        "node_port_clashes",
+        "Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a masqueraded flow held: given another port, as conntrack resolves a clash",
+    );
     /// Flows of a replaced NAT table (an upgrade, another `--nat-capacity`) that did not fit
     /// into the new one. Counted by the agent, not the programs.
-    NatFlowsNotCarried = "nat_flows_not_carried",
+    NatFlowsNotCarried = "nat_flows_not_carried" in CounterMetric::of(
+        "nat_flows_not_carried",
+        "Flows of a replaced NAT table (an upgrade, another --nat-capacity) that did not fit into the new one",
+    );
     /// Connections opened from outside toward a pod, first seen.
-    InboundTracked = "inbound_connection_tracked",
+    InboundTracked = "inbound_connection_tracked" in CounterMetric::of(
+        "inbound_connections_tracked",
+        "Connections opened from outside toward a pod, first seen",
+    );
     /// Port allocations that found no free port.
-    AllocationFailed = "allocation_failed",
+    AllocationFailed = "allocation_failed" in CounterMetric::of(
+        "nat_allocation_failures",
+        "New flows for which no free NAT port was found",
+    );
     /// Packets dropped: no free NAT port.
-    DropPortsExhausted = "dropped_ports_exhausted",
+    DropPortsExhausted = "dropped_ports_exhausted" in DROPPED, reason = "ports_exhausted";
     /// Packets dropped: the NAT table is full, and none of the flows it looked at could go.
-    DropNatTableFull = "dropped_nat_table_full",
+    DropNatTableFull = "dropped_nat_table_full" in DROPPED, reason = "nat_table_full";
     /// Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops
     /// early: never answered, or not past their first exchange.
-    NatEarlyDropped = "nat_early_dropped",
+    NatEarlyDropped = "nat_early_dropped" in CounterMetric::of(
+        "nat_early_drops",
+        "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, or not past their first exchange",
+    );
     /// Flows of the node's own address dropped from a full NAT table to make room for a pod's
     /// new one: reservations of its tuple, which its next packet makes again.
-    NatNodeFlowDropped = "nat_node_flow_dropped",
+    NatNodeFlowDropped = "nat_node_flow_dropped" in CounterMetric::of(
+        "nat_node_flow_drops",
+        "Flows of the node's own address dropped from a full NAT table to make room for a pod's new one",
+    );
     /// Packets dropped: IP fragments that cannot be translated.
-    DropFragment = "dropped_fragment",
+    DropFragment = "dropped_fragment" in DROPPED, reason = "fragment";
     /// Packets dropped: a rewrite helper failed half-way, so the packet is not sent half-translated.
-    DropRewriteFailed = "dropped_rewrite_failed",
+    DropRewriteFailed = "dropped_rewrite_failed" in DROPPED, reason = "rewrite_failed";
     /// Packets dropped: IPv6 from a pod whose extension headers run on past what the programs
     /// walk. The chain's protocol match walks any chain and would let it out untranslated.
-    DropExtensionHeaders = "dropped_extension_headers",
+    DropExtensionHeaders = "dropped_extension_headers" in DROPPED, reason = "extension_headers";
     /// Packets not inspected: neither IPv4 nor IPv6, too short or malformed, or NAT not
     /// configured for their family.
-    NotInspected = "not_inspected",
+    NotInspected = "not_inspected" in CounterMetric::of(
+        "packets_not_inspected",
+        "Packets the programs passed without a look: not IP, malformed, or before the agent configured them",
+    );
 }
 
 pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;

@@ -66,7 +66,8 @@ impl KernelCounters {
     }
 }
 
-/// Where each kernel counter is reported: metric name, help, and its label, if any.
+/// Where each kernel counter is reported: metric name, help, and its label, if any, as the
+/// counters' declaration in masq-ebpf says.
 fn series(
     counter: Counter,
 ) -> (
@@ -74,98 +75,8 @@ fn series(
     &'static str,
     Option<(&'static str, &'static str)>,
 ) {
-    const NOT_MASQUERADED: &str = "packets_not_masqueraded";
-    const NOT_MASQUERADED_HELP: &str = "Egress packets left with their source address, by reason";
-    const DROPPED: &str = "packets_dropped";
-    const DROPPED_HELP: &str = "Packets the data plane dropped, by reason";
-    const REVERSED: &str = "packets_reverse_translated";
-    const REVERSED_HELP: &str = "Ingress packets given back the pod's address, by kind";
-    match counter {
-        Counter::Masqueraded => (
-            "packets_masqueraded",
-            "Egress packets whose source became the node's address",
-            None,
-        ),
-        Counter::NotMasqNonMasqDestination => (
-            NOT_MASQUERADED,
-            NOT_MASQUERADED_HELP,
-            Some(("reason", "non_masq_destination")),
-        ),
-        Counter::NotMasqNodeSource => (
-            NOT_MASQUERADED,
-            NOT_MASQUERADED_HELP,
-            Some(("reason", "node_source")),
-        ),
-        Counter::NotMasqOtherProtocol => (
-            NOT_MASQUERADED,
-            NOT_MASQUERADED_HELP,
-            Some(("reason", "other_protocol")),
-        ),
-        Counter::NotMasqInbound => (
-            NOT_MASQUERADED,
-            NOT_MASQUERADED_HELP,
-            Some(("reason", "inbound_connection")),
-        ),
-        Counter::NotMasqIcmpOther => (
-            NOT_MASQUERADED,
-            NOT_MASQUERADED_HELP,
-            Some(("reason", "icmp_other")),
-        ),
-        Counter::ReverseTranslated => (REVERSED, REVERSED_HELP, Some(("kind", "reply"))),
-        Counter::IcmpErrorTranslated => (REVERSED, REVERSED_HELP, Some(("kind", "icmp_error"))),
-        Counter::IcmpErrorMasqueraded => (
-            "icmp_errors_masqueraded",
-            "Egress ICMP errors about masqueraded flows, translated inside and out as conntrack translates a related error",
-            None,
-        ),
-        Counter::NodePortClash => (
-            "node_port_clashes",
-            "Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a masqueraded flow held: given another port, as conntrack resolves a clash",
-            None,
-        ),
-        Counter::NatFlowsNotCarried => (
-            "nat_flows_not_carried",
-            "Flows of a replaced NAT table (an upgrade, another --nat-capacity) that did not fit into the new one",
-            None,
-        ),
-        Counter::TcpRstNotAcceptable => (
-            "tcp_resets_not_acceptable",
-            "TCP RSTs whose sequence number the receiving end would not accept; the flow keeps its state",
-            None,
-        ),
-        Counter::InboundTracked => (
-            "inbound_connections_tracked",
-            "Connections opened from outside toward a pod, first seen",
-            None,
-        ),
-        Counter::NatEarlyDropped => (
-            "nat_early_drops",
-            "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, or not past their first exchange",
-            None,
-        ),
-        Counter::NatNodeFlowDropped => (
-            "nat_node_flow_drops",
-            "Flows of the node's own address dropped from a full NAT table to make room for a pod's new one",
-            None,
-        ),
-        Counter::AllocationFailed => (
-            "nat_allocation_failures",
-            "New flows for which no free NAT port was found",
-            None,
-        ),
-        Counter::DropPortsExhausted => (DROPPED, DROPPED_HELP, Some(("reason", "ports_exhausted"))),
-        Counter::DropNatTableFull => (DROPPED, DROPPED_HELP, Some(("reason", "nat_table_full"))),
-        Counter::DropFragment => (DROPPED, DROPPED_HELP, Some(("reason", "fragment"))),
-        Counter::DropRewriteFailed => (DROPPED, DROPPED_HELP, Some(("reason", "rewrite_failed"))),
-        Counter::DropExtensionHeaders => {
-            (DROPPED, DROPPED_HELP, Some(("reason", "extension_headers")))
-        }
-        Counter::NotInspected => (
-            "packets_not_inspected",
-            "Packets the programs passed without a look: not IP, malformed, or before the agent configured them",
-            None,
-        ),
-    }
+    let (metric, label) = counter.series();
+    (metric.name, metric.help, label)
 }
 
 impl Collector for KernelCounters {
