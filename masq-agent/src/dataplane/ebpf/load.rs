@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData},
+    maps::{Array, MapData, MapType},
     programs::{ProgramError, SchedClassifier},
 };
 use aya::{
@@ -17,7 +17,16 @@ use aya::{
 };
 use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names};
 
-use super::{EbpfOptions, carry::Carried, drop_sample, hook::Hook, maps::Maps, pins::Pins};
+use aya_obj::generated::bpf_map_type;
+
+use super::{
+    EbpfOptions,
+    carry::Carried,
+    drop_sample,
+    hook::Hook,
+    maps::Maps,
+    pins::{MapSpec, Pins},
+};
 use crate::ports::PortRange;
 
 /// The compiled tc programs, embedded so that the agent is one binary.
@@ -64,12 +73,21 @@ impl NatSizes {
         }
     }
 
+    /// The maps sized here, and their sizes.
+    fn max_entries(&self) -> [(&'static str, u32); 4] {
+        [
+            (map_names::NAT_V4, self.v4_entries),
+            (map_names::NAT_V6, self.v6_entries),
+            (map_names::DROP_SAMPLE_V4, self.v4_sample_slots),
+            (map_names::DROP_SAMPLE_V6, self.v6_sample_slots),
+        ]
+    }
+
     pub fn set<'a>(&'a self, loader: &mut EbpfLoader<'a>) {
+        for (name, entries) in self.max_entries() {
+            loader.map_max_entries(name, entries);
+        }
         loader
-            .map_max_entries(map_names::NAT_V4, self.v4_entries)
-            .map_max_entries(map_names::NAT_V6, self.v6_entries)
-            .map_max_entries(map_names::DROP_SAMPLE_V4, self.v4_sample_slots)
-            .map_max_entries(map_names::DROP_SAMPLE_V6, self.v6_sample_slots)
             .override_global(
                 global_names::DROP_SAMPLE_SLOTS_V4,
                 &self.v4_sample_slots,
@@ -272,8 +290,8 @@ fn refused_with_log(bpffs: &std::path::Path, refused: Refused) -> anyhow::Error 
 /// Loads the object with the maps pinned under `pins`, after replacing those this build cannot
 /// reuse, and sets the programs' NAT ports.
 fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)> {
-    pins.discard_incompatible(opts);
     let sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity());
+    pins.discard_incompatible(&expected_maps(&sizes, opts.decision_slots())?);
     let mut loader = EbpfLoader::new();
     sizes.set(&mut loader);
     loader.map_max_entries(map_names::DECISIONS, opts.decision_slots());
@@ -288,6 +306,38 @@ fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)
     let (programs, mut maps) = load(&mut loader, reused_decisions)?;
     write_settings(&mut maps.settings, &opts.port_spans, opts.random_fully)?;
     Ok((programs, maps))
+}
+
+/// The pinned maps this build creates, as the kernel will report them: their shapes as the
+/// object declares them, at the sizes the loader gives them (`sizes`, and `decision_slots`).
+fn expected_maps(sizes: &NatSizes, decision_slots: u32) -> anyhow::Result<Vec<MapSpec>> {
+    let object = aya_obj::Object::parse(OBJECT).context("parsing the embedded eBPF object")?;
+    let mut sized = sizes.max_entries().to_vec();
+    sized.push((map_names::DECISIONS, decision_slots));
+    map_names::PINNED
+        .iter()
+        .map(|&name| {
+            let map = object
+                .maps
+                .get(name)
+                .with_context(|| format!("map {name} missing from the object"))?;
+            let kind = bpf_map_type::try_from(map.map_type())
+                .ok()
+                .and_then(|kind| MapType::try_from(kind).ok())
+                .with_context(|| format!("map {name}: unknown type {}", map.map_type()))?;
+            let max_entries = sized
+                .iter()
+                .find(|(sized, _)| *sized == name)
+                .map_or(map.max_entries(), |(_, entries)| *entries);
+            Ok(MapSpec {
+                name,
+                kind,
+                key_size: map.key_size(),
+                value_size: map.value_size(),
+                max_entries,
+            })
+        })
+        .collect()
 }
 
 /// Gives the programs their NAT ports: `spans`, and whether to pick among them at random.
@@ -323,7 +373,29 @@ pub fn write_settings(
 
 #[cfg(test)]
 mod tests {
-    use masq_ebpf::map_names;
+    use aya::maps::MapType;
+    use masq_ebpf::{NatEntryV4, NatKeyV6, PolicyEntry, map_names};
+
+    use super::{NatSizes, expected_maps};
+
+    /// What a pinned map is checked against comes from the object: spot checks of its shapes
+    /// against the types the agent reads the maps with, and the sizes the loader gives.
+    #[test]
+    fn pinned_maps_are_checked_against_the_object_s_shapes_at_the_loader_s_sizes() {
+        let specs = expected_maps(&NatSizes::new(4096, 1), 100).unwrap();
+        let spec = |name| specs.iter().find(|s| s.name == name).unwrap();
+        let trie = spec(map_names::NON_MASQ_V4);
+        assert_eq!(trie.kind, MapType::LpmTrie);
+        assert_eq!(trie.key_size, 4 + 4, "prefix length, then the address");
+        assert_eq!(trie.value_size as usize, size_of::<PolicyEntry>());
+        let nat = spec(map_names::NAT_V4);
+        assert_eq!((nat.kind, nat.max_entries), (MapType::Hash, 4096));
+        assert_eq!(nat.value_size as usize, size_of::<NatEntryV4>());
+        assert_eq!(spec(map_names::NAT_V6).key_size as usize, size_of::<NatKeyV6>());
+        assert_eq!(spec(map_names::NAT_V6).max_entries, 1);
+        assert_eq!(spec(map_names::DECISIONS).max_entries, 100);
+        assert_eq!(specs.len(), map_names::PINNED.len());
+    }
 
     /// The programs name their maps in `#[btf_map(name = ...)]`, which takes no constant; this
     /// holds those literals to `map_names`, without a kernel.

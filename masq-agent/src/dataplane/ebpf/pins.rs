@@ -3,20 +3,15 @@
 //! never misread.
 
 use std::{
-    mem::size_of,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
 
 use anyhow::{Context as _, bail};
 use aya::maps::{Map, MapData, MapError, MapType};
-use masq_ebpf::{
-    COUNTER_SLOTS, INTERFACES_MAX_ENTRIES, Interface, NON_MASQ_MAX_ENTRIES, NatEntryV4, NatEntryV6,
-    NatKeyV4, NatKeyV6, PolicyEntry, Settings, map_names,
-};
 use tracing::{info, warn};
 
-use super::{EbpfOptions, hook::Hook, map_types};
+use super::{hook::Hook, map_types};
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -161,11 +156,11 @@ impl Pins {
         Ok(())
     }
 
-    /// Removes pinned maps whose type or layout differs from what this build expects, so that
-    /// the loader creates fresh ones. Returns the names it replaced.
-    pub fn discard_incompatible(&self, opts: &EbpfOptions) -> Vec<&'static str> {
+    /// Removes pinned maps whose type or layout differs from `expected` (what this build
+    /// creates), so that the loader creates fresh ones. Returns the names it replaced.
+    pub fn discard_incompatible(&self, expected: &[MapSpec]) -> Vec<&'static str> {
         let mut replaced = Vec::new();
-        for spec in expected_maps(opts) {
+        for spec in expected {
             let path = self.map(spec.name);
             if !path.exists() {
                 continue;
@@ -214,95 +209,13 @@ fn is_bpffs(path: &Path) -> bool {
     nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
 }
 
-struct MapSpec {
-    name: &'static str,
-    kind: MapType,
-    key_size: u32,
-    value_size: u32,
-    max_entries: u32,
+/// A map as the kernel reports it: what a pinned map must match to be reused.
+#[derive(Debug)]
+pub struct MapSpec {
+    pub name: &'static str,
+    pub kind: MapType,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
 }
 
-/// The maps this build creates, as the kernel reports them.
-fn expected_maps(opts: &EbpfOptions) -> [MapSpec; map_names::PINNED.len()] {
-    const LPM_KEY_PREFIX: u32 = size_of::<u32>() as u32;
-    let size = |n: usize| n as u32;
-    [
-        MapSpec {
-            name: map_names::NON_MASQ_V4,
-            kind: MapType::LpmTrie,
-            key_size: LPM_KEY_PREFIX + 4,
-            value_size: size(size_of::<PolicyEntry>()),
-            max_entries: NON_MASQ_MAX_ENTRIES,
-        },
-        MapSpec {
-            name: map_names::NON_MASQ_V6,
-            kind: MapType::LpmTrie,
-            key_size: LPM_KEY_PREFIX + 16,
-            value_size: size(size_of::<PolicyEntry>()),
-            max_entries: NON_MASQ_MAX_ENTRIES,
-        },
-        MapSpec {
-            name: map_names::DRAINING_V4,
-            kind: MapType::LpmTrie,
-            key_size: LPM_KEY_PREFIX + 4,
-            value_size: 4,
-            max_entries: NON_MASQ_MAX_ENTRIES,
-        },
-        MapSpec {
-            name: map_names::DRAINING_V6,
-            kind: MapType::LpmTrie,
-            key_size: LPM_KEY_PREFIX + 16,
-            value_size: 4,
-            max_entries: NON_MASQ_MAX_ENTRIES,
-        },
-        MapSpec {
-            name: map_names::NAT_V4,
-            kind: MapType::Hash,
-            key_size: size(size_of::<NatKeyV4>()),
-            value_size: size(size_of::<NatEntryV4>()),
-            max_entries: opts.nat_capacity,
-        },
-        MapSpec {
-            name: map_names::NAT_V6,
-            kind: MapType::Hash,
-            key_size: size(size_of::<NatKeyV6>()),
-            value_size: size(size_of::<NatEntryV6>()),
-            max_entries: opts.nat_v6_capacity(),
-        },
-        MapSpec {
-            name: map_names::INTERFACES,
-            kind: MapType::Hash,
-            key_size: 4,
-            value_size: size(size_of::<Interface>()),
-            max_entries: INTERFACES_MAX_ENTRIES,
-        },
-        MapSpec {
-            name: map_names::SETTINGS,
-            kind: MapType::Array,
-            key_size: 4,
-            value_size: size(size_of::<Settings>()),
-            max_entries: 1,
-        },
-        MapSpec {
-            name: map_names::COUNTERS,
-            kind: MapType::PerCpuArray,
-            key_size: 4,
-            value_size: 8,
-            max_entries: COUNTER_SLOTS,
-        },
-        MapSpec {
-            name: map_names::POLICY_GENERATION,
-            kind: MapType::Array,
-            key_size: 4,
-            value_size: 4,
-            max_entries: 1,
-        },
-        MapSpec {
-            name: map_names::DECISIONS,
-            kind: MapType::PerCpuArray,
-            key_size: 4,
-            value_size: 8,
-            max_entries: opts.decision_slots(),
-        },
-    ]
-}
