@@ -134,29 +134,29 @@ impl Flavour {
     }
 }
 
-/// The cases of `integration/tests/dataplanes.rs` that run in the VMs, by their test names.
+/// The cases of `integration/tests/dataplanes/` that run in the VMs, by their test names.
 const CASES: &[&str] = &[
     // TCP, UDP and ping masqueraded with their replies; a destination that keeps its address.
-    "ebpf::masquerades_outside_traffic_only",
+    "basics::ebpf::masquerades_outside_traffic_only::ipv4",
     // The same over IPv6, with the rest of IPv6 left to the chain.
-    "ebpf::ipv6_masquerades_outside_traffic_only",
+    "basics::ebpf::masquerades_outside_traffic_only::ipv6",
     // A pod's own ICMP error about a masqueraded flow, translated on its way out.
-    "ebpf::a_pods_icmp_error_reaches_the_outside_host::ipv4",
+    "icmp_and_fragments::ebpf::a_pods_icmp_error_reaches_the_outside_host::ipv4",
     // The agent killed and restarted in the middle of a transfer.
-    "ebpf::a_killed_agent_does_not_break_a_transfer",
+    "restarts::ebpf::a_killed_agent_does_not_break_a_transfer::ipv4",
     // An ICMP error from the path about a masqueraded flow, translated on its way in.
-    "ebpf::path_mtu_discovery_works_through_the_translation",
+    "icmp_and_fragments::ebpf::path_mtu_discovery_works_through_the_translation::ipv4",
     // Fragments follow their first fragment's translation, both ways.
-    "ebpf::fragmented_datagrams_arrive_whole_both_ways",
+    "icmp_and_fragments::ebpf::fragmented_datagrams_arrive_whole_both_ways::ipv4",
     // Port ownership: a node socket on a port a masqueraded flow holds.
-    "ebpf::a_node_socket_on_a_port_the_programs_hold::ipv4",
+    "kube_proxy::ebpf::a_node_socket_on_a_port_the_programs_hold::ipv4",
     // An upgrade of the pinned programs carries the flows of the older NAT table.
-    "ebpf::an_upgrade_carries_the_flows_of_an_older_nat_table",
+    "restarts::ebpf::an_upgrade_carries_the_flows_of_an_older_nat_table",
     // Where eBPF cannot run: the chain takes over, or, without the fallback, a clean refusal.
-    "ebpf::falls_back_to_iptables_when_ebpf_cannot_run",
+    "ebpf_lifecycle::ebpf::falls_back_to_iptables_when_ebpf_cannot_run",
     // The clsact filters of kernels without TCX: replaced in place through a restart with no
     // packet leaking, put back when removed, listed by `status`.
-    "ebpf::netlink_filters_are_replaced_in_place_and_put_back",
+    "ebpf_lifecycle::ebpf::netlink_filters_are_replaced_in_place_and_put_back",
 ];
 
 /// The first of `CASES`: what loads, attaches and translates each family.

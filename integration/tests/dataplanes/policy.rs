@@ -1,0 +1,289 @@
+//! Which destinations keep the pod's address: link-local and `masqLinkLocal`, exceptions
+//! (`masqueradeCIDRs`) inside non-masquerade ranges, allow-lists; and what a policy change does
+//! to the flows already live, which it must not move, as conntrack keeps a flow's NAT for its
+//! whole life.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use masq_agent::policy::IpFamily;
+use masq_testbed::{
+    probe::{self, IPPROTO_GRE, IPPROTO_ICMP, Proto, RawObserver},
+    topology, wait_for, write_config,
+};
+
+use crate::{
+    Bed, DEFAULT_CONFIG, FamilyOnTheBed, PORT, Plane, assert_gre_leaves_with, host_prefix, node_ip,
+    pod_ip, second_outside, wait_for_udp_source,
+};
+
+/// What pods see must not depend on the data plane.
+macro_rules! common_cases {
+    ($plane:ident) => {
+        family_cases!($plane:
+            an_exception_inside_a_non_masquerade_range_is_masqueraded,
+            an_allow_list_masquerades_only_its_exceptions,
+            a_policy_change_moves_no_live_flow,
+        );
+        cases!($plane:
+            link_local_is_exempt_unless_masq_link_local,
+            turning_masq_link_local_on_moves_no_live_flow,
+            an_exception_inside_link_local_is_masqueraded,
+        );
+    };
+}
+
+mod ebpf {
+    common_cases!(Ebpf);
+    cases!(Ebpf: a_flow_stranded_by_a_change_stays_translated);
+}
+
+mod iptables_nft {
+    common_cases!(IptablesNft);
+}
+
+mod iptables_legacy {
+    cases!(IptablesLegacy: an_exception_inside_link_local_is_masqueraded);
+}
+
+fn link_local_is_exempt_unless_masq_link_local(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
+    wait_for_udp_source(&bed, link_local, pod_ip(0));
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqLinkLocal: true\n",
+    )
+    .unwrap();
+    wait_for_udp_source(&bed, link_local, node_ip());
+}
+
+/// An exception inside link-local masquerades that one address (a metadata server, say) and
+/// leaves the rest of link-local alone.
+fn an_exception_inside_link_local_is_masqueraded(plane: Plane) {
+    let config = IpFamily::Ipv4.config_with(&[], &["169.254.169.254/32"]);
+    let bed = Bed::new(plane, &config);
+    let _agent = bed.start_agent(&[]);
+    let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
+    wait_for_udp_source(&bed, link_local, node_ip());
+    write_config(&bed.config, DEFAULT_CONFIG).unwrap();
+    wait_for_udp_source(&bed, link_local, pod_ip(0));
+}
+
+/// An exception inside a non-masquerade range is masqueraded and the rest of the range keeps
+/// the pod's address, as the outside host sees them, for what the programs translate and for
+/// what the chain beside them does (GRE); taking the exception out lets the range keep
+/// addresses again.
+fn an_exception_inside_a_non_masquerade_range_is_masqueraded(plane: Plane, family: IpFamily) {
+    let (range, outside_host) = family.outside_prefixes();
+    let bed = Bed::new(plane, &family.config_with(&[range], &[outside_host]));
+    let gre = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let _agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
+    wait_for_udp_source(&bed, family.outside(), family.node());
+    assert_gre_leaves_with(&bed, &gre, family.outside().ip(), family.node());
+    let seen = probe::tcp_probe(bed.pod(), family.routable_client(), 0).unwrap();
+    assert_eq!(
+        seen.ip(),
+        family.pod(0),
+        "the rest of the range keeps the pod's address"
+    );
+
+    write_config(&bed.config, &family.config_with(&[range], &[])).unwrap();
+    wait_for_udp_source(&bed, family.outside(), family.pod(0));
+}
+
+/// `nonMasqueradeCIDRs: [0.0.0.0/0]` with exceptions is an allow-list: only the exceptions are
+/// masqueraded, by the programs and by the chain beside them.
+fn an_allow_list_masquerades_only_its_exceptions(plane: Plane, family: IpFamily) {
+    let (_, outside_host) = family.outside_prefixes();
+    let everything = family.pick("0.0.0.0/0", "::/0");
+    let bed = Bed::new(plane, &family.config_with(&[everything], &[outside_host]));
+    let gre = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let _agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
+    assert_gre_leaves_with(&bed, &gre, family.outside().ip(), family.node());
+    wait_for_udp_source(&bed, family.second_outside(), family.pod(0));
+    let gre_elsewhere = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let elsewhere = family.second_outside().ip();
+    assert_gre_leaves_with(&bed, &gre_elsewhere, elsewhere, family.pod(0));
+}
+
+/// The source the outside host sees on the UDP flow from the pod's `port` to `dst`.
+fn udp_source_from(bed: &Bed, dst: SocketAddr, port: u16) -> IpAddr {
+    udp_source_of(bed, dst, port, b"probe\n")
+}
+
+/// The source the outside host sees on a datagram of `payload` that the pod sends from `port`.
+fn udp_source_of(bed: &Bed, dst: SocketAddr, port: u16, payload: &[u8]) -> IpAddr {
+    bed.server.clear();
+    wait_for(|| {
+        probe::udp_send_payload_from(bed.pod(), dst, port, payload)?;
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(!bed.server.sources(Proto::Udp).is_empty())
+    })
+    .unwrap();
+    bed.server.sources(Proto::Udp)[0]
+}
+
+/// Once no flow outlived the policy, packets it leaves alone skip the NAT table; a change that
+/// strands a flow (its destination now left alone) makes the programs look every packet up
+/// again, and the stranded flow stays translated, while new flows to it keep their address.
+fn a_flow_stranded_by_a_change_stays_translated(plane: Plane) {
+    let left_alone =
+        "nonMasqueradeCIDRs:\n  - 10.0.0.0/8\n  - 198.51.100.0/24\nresyncInterval: 1m\n";
+    let bed = Bed::new(plane, left_alone);
+    let mut agent = bed.start_agent(&[]);
+    let cleared = |bed: &Bed| bed.status_json()["ebpf"]["strays_cleared"] == true;
+    wait_for(|| Ok(cleared(&bed))).expect("no flow to outlive the policy at the start");
+    // An agent that leaves leaves the next one, of whatever version, to check again.
+    agent.stop(libc::SIGTERM).unwrap();
+    assert!(!cleared(&bed), "cleared by the agent that left");
+    let _agent = bed.start_agent(&[]);
+    let source = |port| udp_source_from(&bed, second_outside(), port);
+    wait_for(|| Ok(cleared(&bed))).expect("no flow to outlive the policy at the start");
+    assert_eq!(source(40122), pod_ip(0), "left alone, without a lookup");
+
+    // A flow masqueraded under the default policy; none outlives that one either.
+    // (A flow that began before the change would keep its address: a new one, once it applies.)
+    write_config(&bed.config, DEFAULT_CONFIG).unwrap();
+    wait_for_udp_source(&bed, second_outside(), node_ip());
+    assert_eq!(source(40123), node_ip(), "masqueraded after the change");
+    wait_for(|| Ok(cleared(&bed))).expect("masqueraded flows do not stray");
+
+    // Back: the flow's destination is left alone now, and it stays translated, checked again
+    // and again, while a new flow keeps the pod's address.
+    write_config(&bed.config, left_alone).unwrap();
+    wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    assert!(!cleared(&bed), "the change may strand flows");
+    assert_eq!(
+        source(40123),
+        node_ip(),
+        "the stranded flow stays translated"
+    );
+    std::thread::sleep(masq_agent::dataplane::ebpf::strays::GRACE * 3);
+    assert!(!cleared(&bed), "a check found the stranded flow");
+    assert_eq!(source(40123), node_ip());
+}
+
+/// A ping from the pod, five requests a second with one identifier, as the outside host sees
+/// them; stopped when dropped.
+struct LivePing {
+    ping: std::process::Child,
+    requests: RawObserver,
+}
+
+impl LivePing {
+    fn start(bed: &Bed, family: IpFamily, dst: IpAddr) -> LivePing {
+        let requests = family.observe(&bed.topo.ext, IPPROTO_ICMP);
+        let ping = masq_testbed::netns::command_in(bed.pod(), "ping")
+            .args(["-i", "0.2", "-w", "60", &dst.to_string()])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for(|| Ok(!requests.sources().is_empty())).unwrap();
+        LivePing { ping, requests }
+    }
+
+    /// The requests sent from now on, for a second, all leave with `source`.
+    fn assert_leaves_with(&self, source: IpAddr, what: &str) {
+        let before = self.requests.sources().len();
+        std::thread::sleep(Duration::from_secs(1));
+        let after = &self.requests.sources()[before..];
+        assert!(after.len() >= 3, "{what}: the ping went on ({after:?})");
+        assert!(after.iter().all(|s| *s == source), "{what}: {after:?}");
+    }
+}
+
+impl Drop for LivePing {
+    fn drop(&mut self) {
+        let _ = self.ping.kill();
+        let _ = self.ping.wait();
+    }
+}
+
+/// A UDP flow and a ping that left with the pod's address under `left_alone` keep it when the
+/// config becomes `masquerading`, while new flows to `dst` take the node's; a UDP flow and a
+/// ping masqueraded under `masquerading` stay so when the config is `left_alone` again. As
+/// conntrack keeps a flow's NAT for its whole life. `port` and `port + 1`: the flows' ports.
+fn assert_a_change_moves_no_live_flow(
+    bed: &Bed,
+    family: IpFamily,
+    dst: SocketAddr,
+    (left_alone, masquerading): (&str, &str),
+    port: u16,
+) {
+    let (pod, node) = (family.pod(0), family.node());
+    write_config(&bed.config, left_alone).unwrap();
+    wait_for_udp_source(bed, dst, pod);
+    assert_eq!(udp_source_from(bed, dst, port), pod);
+    let ping = LivePing::start(bed, family, dst.ip());
+    write_config(&bed.config, masquerading).unwrap();
+    wait_for_udp_source(bed, dst, node);
+    let change = format!("{left_alone:?} to {masquerading:?}");
+    assert_eq!(
+        udp_source_from(bed, dst, port),
+        pod,
+        "{change}: the live UDP flow keeps the pod's address"
+    );
+    ping.assert_leaves_with(pod, &format!("{change}: the live ping"));
+    drop(ping);
+    assert_eq!(
+        udp_source_of(bed, dst, port, &FRAGMENTED_DATAGRAM),
+        pod,
+        "{change}: the live UDP flow's fragments keep the pod's address"
+    );
+
+    assert_eq!(udp_source_from(bed, dst, port + 1), node);
+    let ping = LivePing::start(bed, family, dst.ip());
+    write_config(&bed.config, left_alone).unwrap();
+    wait_for_udp_source(bed, dst, pod);
+    assert_eq!(
+        udp_source_from(bed, dst, port + 1),
+        node,
+        "back from {change}: the masqueraded UDP flow stays so"
+    );
+    ping.assert_leaves_with(node, &format!("back from {change}: the masqueraded ping"));
+    assert_eq!(
+        udp_source_of(bed, dst, port + 1, &FRAGMENTED_DATAGRAM),
+        node,
+        "back from {change}: the masqueraded UDP flow's fragments stay so"
+    );
+}
+
+/// A datagram larger than any link's MTU in the topology, so that it leaves the pod in fragments.
+const FRAGMENTED_DATAGRAM: [u8; 4000] = [0x5a; 4000];
+
+/// No policy change moves a live flow, in either direction: the destination's prefix dropped
+/// from nonMasqueradeCIDRs, moved to masqueradeCIDRs, or covered by a new exception.
+fn a_policy_change_moves_no_live_flow(plane: Plane, family: IpFamily) {
+    let (range, _) = family.outside_prefixes();
+    let dst = family.routable_client();
+    let host = host_prefix(dst.ip());
+    let left_alone = family.config_with(&[range], &[]);
+    let bed = Bed::new(plane, &left_alone);
+    let _agent = bed.start_agent(family.agent_args());
+    let changes = [
+        family.config_with(&[], &[]),
+        family.config_with(&[], &[range]),
+        family.config_with(&[range], &[&host]),
+    ];
+    for (i, masquerading) in changes.iter().enumerate() {
+        let port = 41000 + 2 * i as u16;
+        assert_a_change_moves_no_live_flow(&bed, family, dst, (&left_alone, masquerading), port);
+    }
+}
+
+/// `masqLinkLocal` turned on moves no live flow to link-local, and turned off again none it
+/// masqueraded.
+fn turning_masq_link_local_on_moves_no_live_flow(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let _agent = bed.start_agent(&[]);
+    let masquerading = format!("{DEFAULT_CONFIG}masqLinkLocal: true\n");
+    let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
+    let configs = (DEFAULT_CONFIG, masquerading.as_str());
+    assert_a_change_moves_no_live_flow(&bed, IpFamily::Ipv4, link_local, configs, 41100);
+}
