@@ -76,7 +76,7 @@ impl Rng {
 
 /// What the fuzz knows of a family beyond the layout of its frames: its test network, how the
 /// NAT table holds its addresses, its ICMP errors, and the damages only its headers can take.
-trait Fuzzed: IpFamily {
+trait Fuzzed: FrameAddress {
     type Octets: Table;
     const NAME: &'static str;
     const NODE: Self;
@@ -422,7 +422,7 @@ impl Hook {
 
     /// The address a translation on this hook rewrites: the source on the way out, the
     /// destination on the way in.
-    fn translated<A: IpFamily>(self) -> usize {
+    fn translated<A: FrameAddress>(self) -> usize {
         match self {
             Hook::Egress => A::SRC,
             Hook::Ingress => A::DST,
@@ -526,7 +526,7 @@ fn corpus<A: Fuzzed>(bed: &mut TestBed, rng: &mut Rng) -> Frames {
 }
 
 /// A UDP datagram of `len` bytes, with its checksum over the whole of it.
-fn udp_datagram<A: IpFamily>(
+fn udp_datagram<A: FrameAddress>(
     rng: &mut Rng,
     (src, sport): (A, u16),
     (dst, dport): (A, u16),
@@ -634,14 +634,14 @@ fn key<A: Fuzzed>(
 /// The checksum residual of the upper layer at `l4` (to the end of the frame) under the
 /// addresses of the IP header at `ip`: 0 when valid. A correct incremental update keeps it
 /// unchanged, valid or not.
-fn residual_at<A: IpFamily>(f: &[u8], ip: usize, l4: usize, proto: u8) -> u16 {
+fn residual_at<A: FrameAddress>(f: &[u8], ip: usize, l4: usize, proto: u8) -> u16 {
     let (src, dst) = (A::at(f, ip + A::SRC - IP), A::at(f, ip + A::DST - IP));
     residual(src, dst, proto, &f[l4..])
 }
 
 /// The upper layer at `l4` of the packet at `ip` is exactly as valid as it was, and a UDP
 /// datagram without checksum keeps none.
-fn l4_checksum_kept<A: IpFamily>(
+fn l4_checksum_kept<A: FrameAddress>(
     (input, out): (&[u8], &[u8]),
     (ip, l4, proto): (usize, usize, u8),
     what: &str,
@@ -659,12 +659,12 @@ fn l4_checksum_kept<A: IpFamily>(
 
 /// The IP header at `ip` (up to `l4`) is exactly as valid as it was, in the family that has a
 /// header checksum.
-fn header_checksum_kept<A: IpFamily>(input: &[u8], out: &[u8], header: Range<usize>) -> bool {
+fn header_checksum_kept<A: FrameAddress>(input: &[u8], out: &[u8], header: Range<usize>) -> bool {
     A::IP_CHECKSUM.is_none() || checksum(&out[header.clone()]) == checksum(&input[header])
 }
 
 /// The IP header checksum field of the header at `ip`, which every address rewrite changes.
-fn header_checksum_field<A: IpFamily>(ip: usize) -> Option<Range<usize>> {
+fn header_checksum_field<A: FrameAddress>(ip: usize) -> Option<Range<usize>> {
     A::IP_CHECKSUM.map(|at| range(ip + at - IP, 2))
 }
 

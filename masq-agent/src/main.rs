@@ -147,41 +147,46 @@ fn run_daemon(flags: &Flags) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The config file, for a command that reads it once; on a file the agent would refuse, the
+/// exit code, having said why.
+fn load_config(config: &ConfigFlags) -> Result<config::Loaded, ExitCode> {
+    config::load(&config.path, &agent::config_options(config)).map_err(|err| {
+        eprintln!("error: {err}");
+        ExitCode::from(1)
+    })
+}
+
 fn check_config(config: &ConfigFlags) -> anyhow::Result<ExitCode> {
-    match config::load(&config.path, &agent::config_options(config)) {
-        Ok(loaded) => {
-            // Upstream runs on its defaults without a file; a mistyped path is worth a word.
-            if loaded.source == ConfigSource::Missing && !config.path.is_dir() {
-                eprintln!("no file at {}: the defaults apply", config.path.display());
-            }
-            for warning in &loaded.warnings {
-                eprintln!("warning: {warning}");
-            }
-            if let Some(enable) = loaded.config.enable_ipv6 {
-                eprintln!(
-                    "enableIPv6: {enable}, from the config file (over --enable-ipv6={})",
-                    config.enable_ipv6
-                );
-            }
-            if loaded.source == ConfigSource::Directory {
-                let files: Vec<String> = loaded
-                    .files
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect();
-                eprintln!("merged {} files: {}", files.len(), files.join(", "));
-            }
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&loaded.config.to_upstream_json())?
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Err(err) => {
-            eprintln!("error: {err}");
-            Ok(ExitCode::from(1))
-        }
+    let loaded = match load_config(config) {
+        Ok(loaded) => loaded,
+        Err(code) => return Ok(code),
+    };
+    // Upstream runs on its defaults without a file; a mistyped path is worth a word.
+    if loaded.source == ConfigSource::Missing && !config.path.is_dir() {
+        eprintln!("no file at {}: the defaults apply", config.path.display());
     }
+    for warning in &loaded.warnings {
+        eprintln!("warning: {warning}");
+    }
+    if let Some(enable) = loaded.config.enable_ipv6 {
+        eprintln!(
+            "enableIPv6: {enable}, from the config file (over --enable-ipv6={})",
+            config.enable_ipv6
+        );
+    }
+    if loaded.source == ConfigSource::Directory {
+        let files: Vec<String> = loaded
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect();
+        eprintln!("merged {} files: {}", files.len(), files.join(", "));
+    }
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&loaded.config.to_upstream_json())?
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Whether `--<id>` was given, before or after the subcommand.
@@ -212,12 +217,9 @@ fn render_iptables(
     family: IpFamily,
     variant: &ChainVariant,
 ) -> anyhow::Result<ExitCode> {
-    let loaded = match config::load(&config.path, &agent::config_options(config)) {
+    let loaded = match load_config(config) {
         Ok(loaded) => loaded,
-        Err(err) => {
-            eprintln!("error: {err}");
-            return Ok(ExitCode::from(1));
-        }
+        Err(code) => return Ok(code),
     };
     let policy = Policy::from_config(&loaded.config, config.families());
     let Some(text) = iptables::render(
@@ -306,14 +308,11 @@ fn explain(
     packet: explain::Packet,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let opts = agent::config_options(config);
-    let loaded = match config::load(&config.path, &opts) {
+    let loaded = match load_config(config) {
         Ok(loaded) => loaded,
-        Err(err) => {
-            eprintln!("error: {err}");
-            return Ok(ExitCode::from(1));
-        }
+        Err(code) => return Ok(code),
     };
+    let opts = agent::config_options(config);
     let explanation = explain::explain(packet, &loaded, &opts, &chain.masq_chain, &pins.bpffs)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&explanation)?);

@@ -17,7 +17,7 @@ in_both_families!(
 );
 
 /// The entry of the test bed's policy that holds `addr`.
-fn entry_of<F: Family>(addr: F) -> IpNet {
+fn entry_of<F: HarnessFamily>(addr: F) -> IpNet {
     let addr: IpAddr = addr.into();
     nets::<F>(F::POLICY)
         .into_iter()
@@ -27,11 +27,11 @@ fn entry_of<F: Family>(addr: F) -> IpNet {
 }
 
 /// `addr` as a prefix of its own.
-fn host<F: Family>(addr: F) -> F::Net {
+fn host<F: HarnessFamily>(addr: F) -> F::Net {
     format!("{addr}/{}", F::ADDR_LEN * 8).parse().unwrap()
 }
 
-fn each_policy_entry_counts_the_decisions_it_takes<F: Family>() {
+fn each_policy_entry_counts_the_decisions_it_takes<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let service = entry_of::<F>(F::SERVICE);
     assert_eq!(h.decisions_of(service), Some(Some(0)));
@@ -74,7 +74,7 @@ fn each_policy_entry_counts_the_decisions_it_takes<F: Family>() {
     assert_eq!(h.decided_by_default(), 1, "no decision was the default's");
 }
 
-fn an_entry_that_changes_action_is_counted_from_zero<F: Family>() {
+fn an_entry_that_changes_action_is_counted_from_zero<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let remote = host(F::REMOTE);
     set_policy::<F>(&mut h, &nets::<F>(F::POLICY), &[remote]);
@@ -122,10 +122,10 @@ fn entries_past_the_counters_go_uncounted_and_still_decide() {
     set_policy::<Ipv4Addr>(&mut h, &many, &[]);
     // Every slot but the default's counts an entry; the harness's own entries held theirs
     // until the writes were done.
-    let harness_entries = <Ipv4Addr as Family>::POLICY.len();
+    let harness_entries = <Ipv4Addr as HarnessFamily>::POLICY.len();
     assert_eq!(uncounted(&h), 51 + harness_entries);
     let last = *many.last().unwrap();
-    let packet = udp(<Ipv4Addr as Family>::POD, 4000, last.addr(), 53);
+    let packet = udp(<Ipv4Addr as HarnessFamily>::POD, 4000, last.addr(), 53);
     assert_eq!(h.egress(&packet), (TC_ACT_OK, packet.clone()), "still kept");
 
     // Removals come after the writes of a sync: the slots they free serve the next one.
@@ -141,7 +141,7 @@ fn entries_past_the_counters_go_uncounted_and_still_decide() {
 
 /// Kernels before 5.13 read per-CPU arrays only slot by slot: the agent's fallback reads what
 /// the batch command reads.
-fn the_counts_read_in_batches_and_slot_by_slot_agree<F: Family>() {
+fn the_counts_read_in_batches_and_slot_by_slot_agree<F: HarnessFamily>() {
     let mut h = harness::<F>();
     h.egress(&tcp(F::POD, 40000, F::REMOTE, 80, SYN));
     for _ in 0..3 {

@@ -1,4 +1,4 @@
-//! What a case needs of its address family beyond the frames' layout (`IpFamily`): the test
+//! What a case needs of its address family beyond the frames' layout (`FrameAddress`): the test
 //! bed's addresses and policy, the family's NAT table, and its ICMP errors. With it each case is
 //! written once and runs in both families, as `<case>::ipv4` and `<case>::ipv6`.
 
@@ -31,7 +31,7 @@ pub type Prefix<A> = (u32, A);
 /// An ICMP error as the family writes it: type, code, and the four bytes after the checksum.
 pub type ErrorKind = (u8, u8, [u8; 4]);
 
-pub trait Family: IpFamily {
+pub trait HarnessFamily: FrameAddress {
     /// How the NAT table holds the family's addresses.
     type Octets: Address;
     /// The family's prefixes, as the agent's policy holds them.
@@ -96,7 +96,7 @@ pub trait Family: IpFamily {
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
 }
 
-/// `Family`'s NAT table methods for the family whose table holds `$octets`.
+/// `HarnessFamily`'s NAT table methods for the family whose table holds `$octets`.
 macro_rules! nat_table_of {
     ($octets:ty) => {
         fn nat(bed: &TestBed) -> Table<$octets> {
@@ -126,7 +126,7 @@ macro_rules! nat_table_of {
     };
 }
 
-impl Family for Ipv4Addr {
+impl HarnessFamily for Ipv4Addr {
     type Octets = [u8; 4];
     type Net = Ipv4Net;
     const POLICY_FAMILY: PolicyFamily = PolicyFamily::Ipv4;
@@ -196,7 +196,7 @@ impl Family for Ipv4Addr {
     }
 }
 
-impl Family for Ipv6Addr {
+impl HarnessFamily for Ipv6Addr {
     type Octets = [u8; 16];
     type Net = Ipv6Net;
     const POLICY_FAMILY: PolicyFamily = PolicyFamily::Ipv6;
@@ -231,13 +231,13 @@ impl Family for Ipv6Addr {
     }
 
     fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
-        let node_v4 = <Ipv4Addr as Family>::NODE;
+        let node_v4 = <Ipv4Addr as HarnessFamily>::NODE;
         let mut bed = TestBed::new(
             nat_entries,
             spans,
             random_fully,
             node_v4,
-            &nets::<Ipv4Addr>(<Ipv4Addr as Family>::POLICY),
+            &nets::<Ipv4Addr>(<Ipv4Addr as HarnessFamily>::POLICY),
         )
         .unwrap();
         bed.enable_ipv6(Self::NODE, &nets::<Self>(Self::POLICY))
@@ -262,7 +262,7 @@ impl Family for Ipv6Addr {
 
 /// Applies the family's non-masquerade prefixes and exceptions (`masqueradeCIDRs`) the way the
 /// data plane does.
-pub fn set_policy<F: Family>(bed: &mut TestBed, non_masq: &[F::Net], exceptions: &[F::Net]) {
+pub fn set_policy<F: HarnessFamily>(bed: &mut TestBed, non_masq: &[F::Net], exceptions: &[F::Net]) {
     let with = |action| move |n: &F::Net| ((*n).into(), action);
     let rules: Rules = (non_masq.iter().map(with(Action::NonMasquerade)))
         .chain(exceptions.iter().map(with(Action::Masquerade)))
@@ -271,24 +271,24 @@ pub fn set_policy<F: Family>(bed: &mut TestBed, non_masq: &[F::Net], exceptions:
 }
 
 /// The family's prefixes in `list`.
-pub fn nets<F: Family>(list: &[&str]) -> Vec<F::Net> {
+pub fn nets<F: HarnessFamily>(list: &[&str]) -> Vec<F::Net> {
     list.iter().map(|s| s.parse().unwrap()).collect()
 }
 
 /// The test bed's policy with the prefix `(len, network)` added.
-pub fn policy_with<F: Family>((len, network): Prefix<F>) -> Vec<F::Net> {
+pub fn policy_with<F: HarnessFamily>((len, network): Prefix<F>) -> Vec<F::Net> {
     let mut policy = nets::<F>(F::POLICY);
     policy.push(format!("{network}/{len}").parse().unwrap());
     policy
 }
 
 /// The default test bed: `SPANS`, fully random ports, room for 1024 entries.
-pub fn harness<F: Family>() -> TestBed {
+pub fn harness<F: HarnessFamily>() -> TestBed {
     F::bed(1024, &SPANS, true)
 }
 
 /// The pods' ports of the flows in the family's NAT table, sorted.
-pub fn pod_ports<F: Family>(h: &TestBed) -> Vec<u16> {
+pub fn pod_ports<F: HarnessFamily>(h: &TestBed) -> Vec<u16> {
     let mut ports: Vec<u16> = F::nat(h)
         .iter()
         .filter(|(k, _)| k.direction == masq_ebpf::direction::EGRESS)
@@ -302,7 +302,7 @@ pub fn in_spans(port: u16) -> bool {
     SPANS.iter().any(|&(a, b)| (a..=b).contains(&port))
 }
 
-pub fn key<F: Family>(
+pub fn key<F: HarnessFamily>(
     (saddr, sport): (F, u16),
     (daddr, dport): (F, u16),
     proto: u8,
@@ -320,7 +320,12 @@ pub fn key<F: Family>(
 }
 
 /// The entry under `key`: an SNAT entry to (`addr`, `port`), with its last packet's time.
-pub fn assert_snat_entry<F: Family>(h: &TestBed, key: &NatKey<F::Octets>, addr: F, port: u16) {
+pub fn assert_snat_entry<F: HarnessFamily>(
+    h: &TestBed,
+    key: &NatKey<F::Octets>,
+    addr: F,
+    port: u16,
+) {
     let entry = F::nat_entry(h, key).unwrap_or_else(|| panic!("no NAT entry for {key:?}"));
     assert_eq!(F::from_octets(entry.addr), addr, "{key:?}");
     assert_eq!(u16::from_be(entry.port), port, "{key:?}");
@@ -330,7 +335,7 @@ pub fn assert_snat_entry<F: Family>(h: &TestBed, key: &NatKey<F::Octets>, addr: 
 
 /// The address at `at` and, in IPv4, the header checksum that covers it: what rewriting an
 /// address may change in the IP header.
-pub fn address_fields<F: Family>(at: usize) -> Vec<Range<usize>> {
+pub fn address_fields<F: HarnessFamily>(at: usize) -> Vec<Range<usize>> {
     let mut fields = vec![range(at, F::ADDR_LEN)];
     fields.extend(F::IP_CHECKSUM.map(|c| range(c, 2)));
     fields
@@ -338,7 +343,7 @@ pub fn address_fields<F: Family>(at: usize) -> Vec<Range<usize>> {
 
 /// The source address, source port and TCP or UDP checksum of a frame whose upper layer starts
 /// at `l4`: what an egress translation may change.
-pub fn egress_fields<F: Family>(l4: usize, proto: u8) -> Vec<Range<usize>> {
+pub fn egress_fields<F: HarnessFamily>(l4: usize, proto: u8) -> Vec<Range<usize>> {
     let mut fields = address_fields::<F>(F::SRC);
     fields.extend([range(l4, 2), range(l4 + l4_checksum_offset(proto), 2)]);
     fields
@@ -346,7 +351,7 @@ pub fn egress_fields<F: Family>(l4: usize, proto: u8) -> Vec<Range<usize>> {
 
 /// The destination address, destination port and checksum: what an ingress translation may
 /// change.
-pub fn ingress_fields<F: Family>(l4: usize, proto: u8) -> Vec<Range<usize>> {
+pub fn ingress_fields<F: HarnessFamily>(l4: usize, proto: u8) -> Vec<Range<usize>> {
     let mut fields = address_fields::<F>(F::DST);
     fields.extend([range(l4 + 2, 2), range(l4 + l4_checksum_offset(proto), 2)]);
     fields
@@ -354,13 +359,13 @@ pub fn ingress_fields<F: Family>(l4: usize, proto: u8) -> Vec<Range<usize>> {
 
 /// The checksum fields `assert_frame` compares as numbers: the upper layer's at `l4_checksum`,
 /// and the IP header's where the family has one.
-pub fn checksums<F: Family>(l4_checksum: usize) -> Vec<usize> {
+pub fn checksums<F: HarnessFamily>(l4_checksum: usize) -> Vec<usize> {
     F::IP_CHECKSUM.into_iter().chain([l4_checksum]).collect()
 }
 
 /// An ICMP error from `from` to `to`, quoting the first `quote_len` bytes of the IP packet in
 /// the frame `quoted`.
-pub fn icmp_error<F: Family>(
+pub fn icmp_error<F: HarnessFamily>(
     (from, to): (F, F),
     (kind, code, rest): ErrorKind,
     quoted: &[u8],
@@ -371,7 +376,7 @@ pub fn icmp_error<F: Family>(
 
 /// Where the checksums of an ICMP error sit: the outer IP header's (IPv4), the ICMP message's,
 /// the quoted IP header's (IPv4), and the quoted upper layer's when the quote holds it.
-pub fn error_checksums<F: Family>(error: &[u8]) -> Vec<usize> {
+pub fn error_checksums<F: HarnessFamily>(error: &[u8]) -> Vec<usize> {
     let outer = F::packet_at(error, IP).expect("the error parses");
     let inner = outer.l4 + 8;
     let quote = F::packet_at(error, inner).expect("the quote parses");

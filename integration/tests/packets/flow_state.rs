@@ -25,12 +25,12 @@ in_both_families!(
 );
 
 /// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
-fn sweep_after<F: Family>(h: &TestBed, idle: Duration) -> NatUsage {
+fn sweep_after<F: HarnessFamily>(h: &TestBed, idle: Duration) -> NatUsage {
     let newest = F::nat(h).iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     F::expire(h, &Timeouts::default(), newest + idle.as_nanos() as u64)
 }
 
-fn expiry_removes_both_halves_of_idle_flows_only<F: Family>() {
+fn expiry_removes_both_halves_of_idle_flows_only<F: HarnessFamily>() {
     let mut h = harness::<F>();
     h.egress(&udp(F::POD, 2001, F::REMOTE, 53));
     let (_, tcp_out) = h.egress(&tcp(F::POD, 2002, F::REMOTE, 443, SYN));
@@ -73,7 +73,7 @@ struct Connection<F> {
     family: std::marker::PhantomData<F>,
 }
 
-impl<F: Family> Connection<F> {
+impl<F: HarnessFamily> Connection<F> {
     /// Opens it with the pod's SYN (sequence `isn`, so its next is `isn + 1`).
     fn open(h: &mut TestBed, pod_port: u16, isn: u32) -> Self {
         let syn = Tcp {
@@ -140,7 +140,7 @@ impl<F: Family> Connection<F> {
 /// of the window or in it but not exact, passes on (the pod's kernel answers or ignores it)
 /// and leaves the flow's state as it was; an exact one, or one right behind the sender's own
 /// data, ends it.
-fn only_an_acceptable_rst_ends_a_flow<F: Family>() {
+fn only_an_acceptable_rst_ends_a_flow<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let c = Connection::<F>::open(&mut h, 40100, 1000);
     c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
@@ -193,7 +193,7 @@ fn only_an_acceptable_rst_ends_a_flow<F: Family>() {
 }
 
 /// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
-fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: Family>() {
+fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let c = Connection::<F>::open(&mut h, 40200, 1000);
     c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
@@ -207,7 +207,7 @@ fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: Family>() {
 
 /// Established means both directions seen: a pod's lone ACK to a host that never answers, or
 /// a SYN, holds its port only as long as conntrack keeps a SYN unanswered.
-fn a_flow_no_reply_crossed_is_not_established<F: Family>() {
+fn a_flow_no_reply_crossed_is_not_established<F: HarnessFamily>() {
     let mut h = harness::<F>();
     h.egress(&tcp(F::POD, 40300, F::REMOTE, 443, ACK));
     h.egress(&tcp(F::POD, 40301, F::REMOTE, 443, SYN));
@@ -232,7 +232,7 @@ fn a_flow_no_reply_crossed_is_not_established<F: Family>() {
     );
 }
 
-fn an_orphaned_reply_half_is_removed<F: Family>() {
+fn an_orphaned_reply_half_is_removed<F: HarnessFamily>() {
     let mut h = harness::<F>();
     h.egress(&udp(F::POD, 3001, F::REMOTE, 53));
     let nat = F::nat(&h);
@@ -251,7 +251,7 @@ fn an_orphaned_reply_half_is_removed<F: Family>() {
 /// UDP as conntrack times it: a flow never answered, or answered once (a DNS query), goes
 /// after 30 s; one that goes on both ways after its first exchange is a stream, kept 120 s.
 /// An echo goes after 30 s.
-fn udp_and_echo_expire_as_conntrack_times_them<F: Family>() {
+fn udp_and_echo_expire_as_conntrack_times_them<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let timeouts = Timeouts::default();
     let second = Duration::from_secs(1);

@@ -32,7 +32,7 @@ in_both_families!(
     nothing_is_translated_before_the_agent_configures_ports,
 );
 
-fn tcp_egress_then_reply_ingress<F: Family>() {
+fn tcp_egress_then_reply_ingress<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let syn = tcp(F::POD, 40000, F::REMOTE, 80, SYN);
     assert!(checksums_ok::<F>(&syn));
@@ -79,7 +79,7 @@ fn tcp_egress_then_reply_ingress<F: Family>() {
     assert_eq!(F::other_family_entries(&h), 0, "nothing in the other table");
 }
 
-fn udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports<F: Family>() {
+fn udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let udp_checksums = checksums::<F>(F::L4 + 6);
     let mut ports = Vec::new();
@@ -112,7 +112,7 @@ fn udp_both_ways_and_two_pods_with_one_port_get_different_nat_ports<F: Family>()
     assert_eq!(h.counter(Counter::ReverseTranslated), 2);
 }
 
-fn echo_request_gets_an_identifier_and_its_reply_is_restored<F: Family>() {
+fn echo_request_gets_an_identifier_and_its_reply_is_restored<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let request = ping(F::POD, F::REMOTE, F::ECHO_REQUEST, 0x4242);
     let (verdict, out) = h.egress(&request);
@@ -144,7 +144,7 @@ fn echo_request_gets_an_identifier_and_its_reply_is_restored<F: Family>() {
     assert_eq!(h.counter(Counter::ReverseTranslated), 1);
 }
 
-fn two_pods_with_one_source_port_get_different_nat_ports<F: Family>() {
+fn two_pods_with_one_source_port_get_different_nat_ports<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let (_, a) = h.egress(&tcp(F::POD, 50000, F::REMOTE, 80, SYN));
     let (_, b) = h.egress(&tcp(F::POD2, 50000, F::REMOTE, 80, SYN));
@@ -155,7 +155,7 @@ fn two_pods_with_one_source_port_get_different_nat_ports<F: Family>() {
     assert_eq!(F::at(&back, F::DST), F::POD2);
 }
 
-fn without_random_fully_the_pods_port_is_kept_when_free<F: Family>() {
+fn without_random_fully_the_pods_port_is_kept_when_free<F: HarnessFamily>() {
     let mut h = F::bed(1024, &[(1024, 65535)], false);
     let (_, a) = h.egress(&tcp(F::POD, 45000, F::REMOTE, 80, SYN));
     assert_eq!(word(&a, F::L4), 45000);
@@ -164,7 +164,7 @@ fn without_random_fully_the_pods_port_is_kept_when_free<F: Family>() {
     assert_eq!(word(&b, F::L4), 45001);
 }
 
-fn exhausted_ports_drop_and_count_never_mistranslate<F: Family>() {
+fn exhausted_ports_drop_and_count_never_mistranslate<F: HarnessFamily>() {
     let mut h = F::bed(1024, &[(5000, 5000)], true);
     let (verdict, a) = h.egress(&udp(F::POD, 1111, F::REMOTE, 53));
     assert_eq!((verdict, word(&a, F::L4)), (TC_ACT_OK, 5000));
@@ -188,7 +188,7 @@ fn exhausted_ports_drop_and_count_never_mistranslate<F: Family>() {
 /// A full table drops early what conntrack would (a flow never answered, or not past its first
 /// exchange) to make room for a new one; a table full of assured flows drops the new flow
 /// instead, and every live flow keeps its port both ways.
-fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F: Family>() {
+fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F: HarnessFamily>() {
     let mut h = F::bed(4, &[(1024, 65535)], true);
     // A stream, seen both ways again after its first exchange: assured.
     let stream = |h: &mut TestBed, pod_port: u16| {
@@ -230,7 +230,7 @@ fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F
 
 /// When the port a new flow found no room for is one the node holds, the new flow takes the
 /// port of the flow dropped early for it, and never the node's.
-fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: Family>() {
+fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: HarnessFamily>() {
     let mut h = F::bed(4, &[(5000, 5002)], false);
     // Without --random-fully the pod's own port is tried first.
     for _ in 0..2 {
@@ -261,7 +261,7 @@ fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: Fa
 /// The node's flows on ports NAT hands out (netfilter's, or a daemon's) hold their tuple in the
 /// table; a full table gives them up for a pod's new flow, however established: the node's next
 /// packet passes on as it was, and a reservation is all it loses.
-fn a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state<F: Family>() {
+fn a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state<F: HarnessFamily>() {
     let mut h = F::bed(4, &[(5000, 5001)], true);
     for port in [5000, 5001] {
         for (dir, packet) in [
@@ -306,7 +306,7 @@ fn a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state<F: Fami
 /// flows netfilter masquerades (kube-proxy's MASQUERADE). A port a masqueraded flow holds is
 /// never handed to the node's flow with the same tuple, and the other way round: no reply ever
 /// reaches the wrong flow.
-fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple<F: Family>() {
+fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple<F: HarnessFamily>() {
     let mut h = harness::<F>();
     for (n, proto) in [TCP, UDP].into_iter().enumerate() {
         let (open, answer) = if proto == TCP {
@@ -370,7 +370,7 @@ fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple<F: Family>() {
 /// The ports the node holds for its listening sockets and NodePorts, by protocol, are never
 /// handed to a masqueraded flow, and the node's flows on them (replies to connections from
 /// outside) take no entry; a TCP reset of the node's takes none either.
-fn the_nodes_own_ports_are_never_handed_out_and_take_no_entry<F: Family>() {
+fn the_nodes_own_ports_are_never_handed_out_and_take_no_entry<F: HarnessFamily>() {
     let mut h = F::bed(1024, &[(5000, 5001)], false);
     h.hold_node_ports(&NodePorts {
         tcp: [5000].into(),
@@ -396,7 +396,7 @@ fn the_nodes_own_ports_are_never_handed_out_and_take_no_entry<F: Family>() {
 /// A flow netfilter masqueraded (it leaves with the node's address already) holds its port:
 /// with one port to hand out, a pod's flow to the same destination gets none rather than the
 /// netfilter flow's, whose replies pass on to netfilter untouched.
-fn a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow<F: Family>() {
+fn a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow<F: HarnessFamily>() {
     let mut h = F::bed(1024, &[(5000, 5000)], true);
     let netfilters = udp(F::NODE, 5000, F::REMOTE, 53);
     assert_eq!(h.egress(&netfilters), (TC_ACT_OK, netfilters.clone()));
@@ -416,7 +416,7 @@ fn a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow<F: Family>() {
     assert_eq!((usage.pod_flows, usage.node_flows), (1, 1));
 }
 
-fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched<F: Family>() {
+fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched<F: HarnessFamily>() {
     let mut h = harness::<F>();
     // Every protocol the programs translate, from `src` to `dst`.
     let each_protocol = |src, dst| {
@@ -454,7 +454,7 @@ fn exempt_destinations_and_the_nodes_own_traffic_pass_untouched<F: Family>() {
     assert_eq!(h.counter(Counter::Masqueraded), 0);
 }
 
-fn connections_opened_from_outside_keep_the_pods_address<F: Family>() {
+fn connections_opened_from_outside_keep_the_pods_address<F: HarnessFamily>() {
     let mut h = harness::<F>();
     // Stray segments open nothing: only a SYN starts a connection.
     for stray in [ACK, SYN | ACK, RST] {
@@ -487,7 +487,7 @@ fn connections_opened_from_outside_keep_the_pods_address<F: Family>() {
 
 /// IPv4 options and IPv6 extension headers are stepped over, as the chain's protocol match
 /// steps over them: left alone, the packet would leave with the pod's address.
-fn a_packet_behind_optional_ip_headers_is_translated_past_them<F: Family>() {
+fn a_packet_behind_optional_ip_headers_is_translated_past_them<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let syn = F::with_header_options(&tcp(F::POD, 1000, F::REMOTE, 443, SYN));
     let l4 = F::packet_at(&syn, IP).unwrap().l4;
@@ -509,7 +509,7 @@ fn a_packet_behind_optional_ip_headers_is_translated_past_them<F: Family>() {
     assert!(checksums_ok::<F>(&back), "the reply's checksums");
 }
 
-fn a_policy_change_affects_new_flows_only<F: Family>() {
+fn a_policy_change_affects_new_flows_only<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let tcp_checksums = checksums::<F>(F::L4 + 16);
     // A masqueraded connection, then its destination becomes non-masquerade.
@@ -570,7 +570,7 @@ fn a_policy_change_affects_new_flows_only<F: Family>() {
 /// pod's address. A connection that started unmasqueraded toward what became an exception
 /// keeps its address while the exception drains; with the exception gone, the prefix keeps
 /// addresses again.
-fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: Family>() {
+fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let prefix = policy_with(F::REMOTE_NET);
     let host: F::Net = format!("{}/{}", F::REMOTE, F::ADDR_LEN * 8)
@@ -618,7 +618,7 @@ fn an_exception_inside_a_non_masquerade_prefix_is_masqueraded<F: Family>() {
     assert!(F::draining(&h).is_empty(), "and drains no more");
 }
 
-fn nothing_is_translated_before_the_agent_configures_ports<F: Family>() {
+fn nothing_is_translated_before_the_agent_configures_ports<F: HarnessFamily>() {
     let mut h = TestBed::unconfigured(16).unwrap();
     let packet = tcp(F::POD, 1000, F::REMOTE, 443, SYN);
     let (verdict, out) = h.egress(&packet);

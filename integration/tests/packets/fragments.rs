@@ -15,7 +15,7 @@ in_both_families!(
 );
 
 /// A UDP datagram of 8 + 88 bytes, with its checksum over the whole of it.
-pub fn long_udp<F: Family>(src: F, sport: u16, dst: F, dport: u16) -> Vec<u8> {
+pub fn long_udp<F: HarnessFamily>(src: F, sport: u16, dst: F, dport: u16) -> Vec<u8> {
     let mut d = Vec::new();
     d.extend(sport.to_be_bytes());
     d.extend(dport.to_be_bytes());
@@ -29,7 +29,7 @@ pub fn long_udp<F: Family>(src: F, sport: u16, dst: F, dport: u16) -> Vec<u8> {
 /// Checks a first fragment's translation: the UDP checksum, over a whole datagram that is not
 /// in this frame, moved by exactly what the rewritten address and port add up to; and the
 /// datagram, put back together with the rest of it, verifies from scratch.
-fn assert_first_fragment_checksum<F: Family>(
+fn assert_first_fragment_checksum<F: HarnessFamily>(
     input: &[u8],
     out: &[u8],
     l4: usize,
@@ -53,7 +53,7 @@ fn assert_first_fragment_checksum<F: Family>(
     );
 }
 
-fn later_fragments_follow_their_first_both_ways<F: Family>() {
+fn later_fragments_follow_their_first_both_ways<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let id = 0xdead_beef;
     let datagram = long_udp(F::POD, 3000, F::REMOTE, 53);
@@ -126,7 +126,7 @@ fn later_fragments_follow_their_first_both_ways<F: Family>() {
 /// A ping too big for the path, fragmented: its first fragment carries the echo header, whose
 /// checksum (over the whole message) moves by exactly the translation; the later fragment takes
 /// the node's address, and the fragmented reply comes back whole.
-fn a_fragmented_ping_is_translated_and_its_fragmented_reply_restored<F: Family>() {
+fn a_fragmented_ping_is_translated_and_its_fragmented_reply_restored<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let body: Vec<u8> = (0..200u8).collect();
     let id = 0x0bad_cafe;

@@ -27,7 +27,7 @@ struct ErrorCase {
     whole: bool,
 }
 
-fn icmp_errors_about_masqueraded_flows_are_translated_inside_and_out<F: Family>() {
+fn icmp_errors_about_masqueraded_flows_are_translated_inside_and_out<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let mut flow = |sent: Vec<u8>| {
         let (verdict, left) = h.egress(&sent);
@@ -191,7 +191,7 @@ fn icmp_errors_about_masqueraded_flows_are_translated_inside_and_out<F: Family>(
 /// RELATED error: the quoted packet becomes the reply as it arrived (to the node's address and
 /// NAT port), and the outer source the node's address. Each is compared with the frame the
 /// outside host must receive, built from scratch.
-fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does<F: Family>() {
+fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let tcp_flow = h.answered(&tcp(F::POD, 40001, F::REMOTE, 443, SYN), |left| {
         tcp(F::REMOTE, 443, F::NODE, word(left, F::L4), SYN | ACK)
@@ -261,7 +261,7 @@ fn egress_icmp_errors_about_masqueraded_flows_are_translated_as_conntrack_does<F
 
 /// Errors that are about no masqueraded flow, or not addressed to where the quoted packet came
 /// from, leave as they are, as conntrack leaves them.
-fn egress_icmp_errors_about_no_masqueraded_flow_pass_untouched<F: Family>() {
+fn egress_icmp_errors_about_no_masqueraded_flow_pass_untouched<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let flow = h.answered(&udp(F::POD, 40010, F::REMOTE, 53), |left| {
         udp(F::REMOTE, 53, F::NODE, word(left, F::L4))

@@ -9,9 +9,9 @@ use masq_testbed::packet::*;
 
 use crate::family::*;
 
-const NODE: Ipv4Addr = <Ipv4Addr as Family>::NODE;
-const POD: Ipv4Addr = <Ipv4Addr as Family>::POD;
-const REMOTE: Ipv4Addr = <Ipv4Addr as Family>::REMOTE;
+const NODE: Ipv4Addr = <Ipv4Addr as HarnessFamily>::NODE;
+const POD: Ipv4Addr = <Ipv4Addr as HarnessFamily>::POD;
+const REMOTE: Ipv4Addr = <Ipv4Addr as HarnessFamily>::REMOTE;
 
 /// `f` with its UDP checksum made 0: "none", which IPv4 allows.
 fn without_udp_checksum(mut f: Vec<u8>) -> Vec<u8> {
@@ -44,7 +44,7 @@ fn an_egress_icmp_error_about_a_udp_reply_without_a_checksum_keeps_none() {
     let flow = h.answered(&udp(POD, 40003, REMOTE, 53), |left| {
         without_udp_checksum(udp(REMOTE, 53, NODE, word(left, L4)))
     });
-    let unreachable = <Ipv4Addr as Family>::PORT_UNREACHABLE;
+    let unreachable = <Ipv4Addr as HarnessFamily>::PORT_UNREACHABLE;
     let quote_len = flow.restored.len() - IP;
     let error = icmp_error((POD, REMOTE), unreachable, &flow.restored, quote_len);
     let (verdict, out) = h.egress(&error);
@@ -92,7 +92,7 @@ fn odd_and_truncated_packets_pass_unmodified() {
 /// family shows it.
 #[test]
 fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
-    let mut h = <Ipv4Addr as Family>::bed(16_384, &[(1024, 65535)], true);
+    let mut h = <Ipv4Addr as HarnessFamily>::bed(16_384, &[(1024, 65535)], true);
     // More entries than one batch call carries, so the kernel's cursor is followed.
     let keys: Vec<NatKeyV4> = (0..10_000u32)
         .map(|i| {

@@ -9,11 +9,11 @@ use masq_testbed::packet::*;
 
 use crate::{family::*, fragments::long_udp};
 
-const NODE: Ipv6Addr = <Ipv6Addr as Family>::NODE;
-const POD: Ipv6Addr = <Ipv6Addr as Family>::POD;
-const REMOTE: Ipv6Addr = <Ipv6Addr as Family>::REMOTE;
-const HOST_LL: Ipv6Addr = <Ipv6Addr as Family>::LINK_LOCAL;
-const ALL_NODES: Ipv6Addr = <Ipv6Addr as Family>::ALL_NODES;
+const NODE: Ipv6Addr = <Ipv6Addr as HarnessFamily>::NODE;
+const POD: Ipv6Addr = <Ipv6Addr as HarnessFamily>::POD;
+const REMOTE: Ipv6Addr = <Ipv6Addr as HarnessFamily>::REMOTE;
+const HOST_LL: Ipv6Addr = <Ipv6Addr as HarnessFamily>::LINK_LOCAL;
+const ALL_NODES: Ipv6Addr = <Ipv6Addr as HarnessFamily>::ALL_NODES;
 const NODE_LL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 const ROUTER_LL: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0xfe);
 const ALL_ROUTERS: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2);
@@ -21,8 +21,15 @@ const ALL_MLDV2_ROUTERS: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 0x16
 
 /// The test bed as the agent sets it up without `--enable-ipv6`: IPv4 only.
 fn without_enable_ipv6() -> TestBed {
-    let policy = nets::<Ipv4Addr>(<Ipv4Addr as Family>::POLICY);
-    TestBed::new(1024, &SPANS, true, <Ipv4Addr as Family>::NODE, &policy).unwrap()
+    let policy = nets::<Ipv4Addr>(<Ipv4Addr as HarnessFamily>::POLICY);
+    TestBed::new(
+        1024,
+        &SPANS,
+        true,
+        <Ipv4Addr as HarnessFamily>::NODE,
+        &policy,
+    )
+    .unwrap()
 }
 
 /// A link-layer address option (RFC 4861 §4.6.1): source (1) or target (2).
@@ -336,8 +343,8 @@ fn without_enable_ipv6_nothing_is_translated() {
         udp(REMOTE, 53, POD, 40000),
         ping(REMOTE, NODE, ICMPV6_ECHO_REPLY, 1),
         icmp_error(
-            (<Ipv6Addr as Family>::ROUTER, NODE),
-            <Ipv6Addr as Family>::TOO_BIG,
+            (<Ipv6Addr as HarnessFamily>::ROUTER, NODE),
+            <Ipv6Addr as HarnessFamily>::TOO_BIG,
             &tcp(NODE, 40000, REMOTE, 80, SYN),
             60,
         ),
@@ -364,5 +371,5 @@ fn without_enable_ipv6_nothing_is_translated() {
         80,
         SYN,
     ));
-    assert_eq!(src(&out), <Ipv4Addr as Family>::NODE);
+    assert_eq!(src(&out), <Ipv4Addr as HarnessFamily>::NODE);
 }

@@ -4,7 +4,7 @@
 //! programs' incremental checksum updates. Each test also lists the bytes a translation may
 //! touch, and verifies from scratch every checksum it can.
 //!
-//! A case that exists in both families is written once over `family::Family` and runs as
+//! A case that exists in both families is written once over `family::HarnessFamily` and runs as
 //! `<case>::ipv4` and `<case>::ipv6`, as the programs are written once over theirs; `ipv4` and
 //! `ipv6` hold what one family alone has.
 

@@ -15,12 +15,12 @@ in_both_families!(
 );
 
 /// A masqueraded flow to the remote, its first packet sent: the key of its egress half.
-fn masqueraded_flow<F: Family>(h: &mut masq_agent::dataplane::ebpf::testbed::TestBed) {
+fn masqueraded_flow<F: HarnessFamily>(h: &mut masq_agent::dataplane::ebpf::testbed::TestBed) {
     let syn = tcp(F::POD, 40000, F::REMOTE, 80, SYN);
     assert_eq!(F::at(&h.egress(&syn).1, F::SRC), F::NODE);
 }
 
-fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Family>() {
+fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: HarnessFamily>() {
     let mut h = harness::<F>();
     masqueraded_flow::<F>(&mut h);
     assert!(
@@ -63,7 +63,7 @@ fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Family>
     assert!(h.clear_strays().unwrap());
 }
 
-fn a_policy_change_looks_every_packet_up_until_its_strays_are_gone<F: Family>() {
+fn a_policy_change_looks_every_packet_up_until_its_strays_are_gone<F: HarnessFamily>() {
     let mut h = harness::<F>();
     masqueraded_flow::<F>(&mut h);
     assert!(h.clear_strays().unwrap());
@@ -119,18 +119,18 @@ fn a_restart_after_a_killed_sync_judges_no_flow_by_a_stale_verdict() {
     type V4 = Ipv4Addr;
     let mut h = harness::<V4>();
     masqueraded_flow::<V4>(&mut h);
-    for (key, _) in <V4 as Family>::nat(&h) {
-        <V4 as Family>::remove(&mut h, &key);
+    for (key, _) in <V4 as HarnessFamily>::nat(&h) {
+        <V4 as HarnessFamily>::remove(&mut h, &key);
     }
     // The killed agent: the remote's prefix written, the generation as the verdict found it.
     let generation = h.maps.policy.word.0.get(&0, 0).unwrap();
-    set_policy::<V4>(&mut h, &policy_with(<V4 as Family>::REMOTE_NET), &[]);
+    set_policy::<V4>(&mut h, &policy_with(<V4 as HarnessFamily>::REMOTE_NET), &[]);
     h.maps.policy.word.0.set(0, generation, 0).unwrap();
 
     // The next agent: its first apply, which finds the trie as the file wants it.
     h.maps.policy.lower_strays_cleared().unwrap();
     h.maps.policy.verify_next_sync();
-    set_policy::<V4>(&mut h, &policy_with(<V4 as Family>::REMOTE_NET), &[]);
+    set_policy::<V4>(&mut h, &policy_with(<V4 as HarnessFamily>::REMOTE_NET), &[]);
     assert!(h.clear_strays().unwrap());
 
     let syn = tcp(V4::POD, 40001, V4::REMOTE, 80, SYN);
@@ -139,5 +139,5 @@ fn a_restart_after_a_killed_sync_judges_no_flow_by_a_stale_verdict() {
         (TC_ACT_OK, syn.clone()),
         "judged by the trie"
     );
-    assert!(<V4 as Family>::nat(&h).is_empty(), "no flow strays");
+    assert!(<V4 as HarnessFamily>::nat(&h).is_empty(), "no flow strays");
 }

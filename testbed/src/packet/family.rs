@@ -6,8 +6,8 @@ use super::*;
 
 /// An address family as the frames built here lay it out, implemented by the family's address
 /// type: a builder's family follows from the addresses it is given, and a test written once
-/// over `A: IpFamily` runs over both, as the programs are written once over their `Family`.
-pub trait IpFamily: Copy + Eq + fmt::Debug + fmt::Display + Into<IpAddr> + 'static {
+/// over `A: FrameAddress` runs over both, as the programs are written once over their `Family`.
+pub trait FrameAddress: Copy + Eq + fmt::Debug + fmt::Display + Into<IpAddr> + 'static {
     /// The family's ICMP: its protocol number, and its echo request and reply types.
     const ICMP: u8;
     const ECHO_REQUEST: u8;
@@ -44,7 +44,7 @@ pub trait IpFamily: Copy + Eq + fmt::Debug + fmt::Display + Into<IpAddr> + 'stat
 /// Where the IP header starts in the frames built here, behind the Ethernet header.
 pub const IP: usize = 14;
 
-/// An IP packet's header, as `IpFamily::packet_at` read it.
+/// An IP packet's header, as `FrameAddress::packet_at` read it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IpPacket<A> {
     pub src: A,
@@ -69,7 +69,7 @@ pub struct FragmentAt {
 
 /// The upper-layer checksum residual of `seg` from `src` to `dst`: 0 when the checksum is
 /// valid. Every upper layer sums the pseudo-header but ICMPv4's.
-pub fn residual<A: IpFamily>(src: A, dst: A, proto: u8, seg: &[u8]) -> u16 {
+pub fn residual<A: FrameAddress>(src: A, dst: A, proto: u8, seg: &[u8]) -> u16 {
     if proto == ICMP {
         return checksum(seg);
     }
@@ -78,7 +78,7 @@ pub fn residual<A: IpFamily>(src: A, dst: A, proto: u8, seg: &[u8]) -> u16 {
 
 /// Computes the checksum of the upper layer `seg` (TCP, UDP or the family's ICMP) and stores
 /// it in place. A UDP sum of 0 is sent as 0xffff (RFC 768, RFC 8200 §8.1).
-pub fn fill_checksum<A: IpFamily>(src: A, dst: A, proto: u8, seg: &mut [u8]) {
+pub fn fill_checksum<A: FrameAddress>(src: A, dst: A, proto: u8, seg: &mut [u8]) {
     let off = l4_checksum_offset(proto);
     seg[off..off + 2].copy_from_slice(&[0, 0]);
     let mut c = residual(src, dst, proto, seg);
@@ -89,7 +89,7 @@ pub fn fill_checksum<A: IpFamily>(src: A, dst: A, proto: u8, seg: &mut [u8]) {
 }
 
 /// A TCP segment (20-byte header) or UDP datagram with a payload and its checksum.
-pub fn l4_segment<A: IpFamily>(
+pub fn l4_segment<A: FrameAddress>(
     src: A,
     dst: A,
     proto: u8,
@@ -103,11 +103,11 @@ pub fn l4_segment<A: IpFamily>(
 }
 
 /// An Ethernet frame carrying the upper layer `l4` of protocol `proto` from `src` to `dst`.
-pub fn frame<A: IpFamily>(src: A, dst: A, proto: u8, l4: &[u8]) -> Vec<u8> {
+pub fn frame<A: FrameAddress>(src: A, dst: A, proto: u8, l4: &[u8]) -> Vec<u8> {
     A::frame(src, dst, proto, l4)
 }
 
-pub fn tcp<A: IpFamily>(src: A, sport: u16, dst: A, dport: u16, flags: u8) -> Vec<u8> {
+pub fn tcp<A: FrameAddress>(src: A, sport: u16, dst: A, dport: u16, flags: u8) -> Vec<u8> {
     frame(
         src,
         dst,
@@ -116,13 +116,13 @@ pub fn tcp<A: IpFamily>(src: A, sport: u16, dst: A, dport: u16, flags: u8) -> Ve
     )
 }
 
-pub fn udp<A: IpFamily>(src: A, sport: u16, dst: A, dport: u16) -> Vec<u8> {
+pub fn udp<A: FrameAddress>(src: A, sport: u16, dst: A, dport: u16) -> Vec<u8> {
     frame(src, dst, UDP, &l4_segment(src, dst, UDP, sport, dport, 0))
 }
 
 /// An ICMP or ICMPv6 message: type, code, the four bytes of "rest of header", the body, and
 /// its checksum.
-pub fn icmp_message<A: IpFamily>(
+pub fn icmp_message<A: FrameAddress>(
     src: A,
     dst: A,
     kind: u8,
@@ -136,7 +136,7 @@ pub fn icmp_message<A: IpFamily>(
 }
 
 /// The same in a frame.
-pub fn icmp_frame<A: IpFamily>(
+pub fn icmp_frame<A: FrameAddress>(
     src: A,
     dst: A,
     kind: u8,
@@ -153,19 +153,19 @@ pub fn icmp_frame<A: IpFamily>(
 }
 
 /// An echo request or reply message with identifier `id`, sequence 1.
-pub fn echo_message<A: IpFamily>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
+pub fn echo_message<A: FrameAddress>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
     let [a, b] = id.to_be_bytes();
     icmp_message(src, dst, kind, 0, [a, b, 0, 1], b"ping payload")
 }
 
 /// The same in a frame.
-pub fn ping<A: IpFamily>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
+pub fn ping<A: FrameAddress>(src: A, dst: A, kind: u8, id: u16) -> Vec<u8> {
     frame(src, dst, A::ICMP, &echo_message(src, dst, kind, id))
 }
 
 /// The upper-layer `datagram` cut into fragments of `size` bytes (a multiple of 8; the last one
 /// takes the rest) with identification `id`, each in a frame of its own, first fragment first.
-pub fn fragments<A: IpFamily>(
+pub fn fragments<A: FrameAddress>(
     src: A,
     dst: A,
     proto: u8,
@@ -195,7 +195,7 @@ pub fn fragments<A: IpFamily>(
 /// partial fragment, a header too short to hold its checksum, another protocol, or a UDP
 /// checksum of 0 where the family forbids it; a UDP checksum of 0 where it means "none" is
 /// true.
-pub fn segment_checksum_ok<A: IpFamily>(f: &[u8], p: &IpPacket<A>) -> bool {
+pub fn segment_checksum_ok<A: FrameAddress>(f: &[u8], p: &IpPacket<A>) -> bool {
     if p.partial || p.l4 > f.len() {
         return false;
     }
@@ -217,6 +217,6 @@ pub fn segment_checksum_ok<A: IpFamily>(f: &[u8], p: &IpPacket<A>) -> bool {
 
 /// Whether every checksum of the frame's own packet verifies from scratch: the IP header's
 /// (IPv4) and the upper layer's.
-pub fn checksums_ok<A: IpFamily>(f: &[u8]) -> bool {
+pub fn checksums_ok<A: FrameAddress>(f: &[u8]) -> bool {
     A::packet_at(f, IP).is_some_and(|p| A::header_checksum_ok(f, IP) && segment_checksum_ok(f, &p))
 }

@@ -5,7 +5,7 @@ use std::net::Ipv4Addr;
 use super::*;
 
 /// Where the L4 header starts in the frames built here (Ethernet, option-less IPv4).
-pub const L4: usize = <Ipv4Addr as IpFamily>::L4;
+pub const L4: usize = <Ipv4Addr as FrameAddress>::L4;
 
 pub fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> Vec<u8> {
     let mut p = Vec::new();
@@ -54,7 +54,7 @@ pub fn dst(f: &[u8]) -> Ipv4Addr {
     Ipv4Addr::at(f, Ipv4Addr::DST)
 }
 
-impl IpFamily for Ipv4Addr {
+impl FrameAddress for Ipv4Addr {
     const ICMP: u8 = ICMP;
     const ECHO_REQUEST: u8 = 8;
     const ECHO_REPLY: u8 = 0;

@@ -13,7 +13,7 @@ pub const IPV6_HLEN: usize = 40;
 pub const SRC6: usize = IP + 8;
 pub const DST6: usize = IP + 24;
 /// Where the L4 header starts in an IPv6 frame without extension headers.
-pub const L4_6: usize = <Ipv6Addr as IpFamily>::L4;
+pub const L4_6: usize = <Ipv6Addr as FrameAddress>::L4;
 
 /// Next-header values of the extension headers (RFC 8200 §4, RFC 4302).
 pub const NH_HOP_BY_HOP: u8 = 0;
@@ -366,7 +366,7 @@ pub fn quote6(f: &[u8]) -> Option<Headers6> {
     headers6_at(f, outer.l4 + 8)
 }
 
-impl IpFamily for Ipv6Addr {
+impl FrameAddress for Ipv6Addr {
     const ICMP: u8 = ICMPV6;
     const ECHO_REQUEST: u8 = ICMPV6_ECHO_REQUEST;
     const ECHO_REPLY: u8 = ICMPV6_ECHO_REPLY;

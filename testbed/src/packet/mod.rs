@@ -98,14 +98,14 @@ impl Tcp<'_> {
     }
 
     /// The segment from `src` to `dst`, its checksum computed over their pseudo-header.
-    pub fn segment<A: IpFamily>(&self, src: A, dst: A) -> Vec<u8> {
+    pub fn segment<A: FrameAddress>(&self, src: A, dst: A) -> Vec<u8> {
         let mut seg = self.without_checksum();
         fill_checksum(src, dst, TCP, &mut seg);
         seg
     }
 
     /// The segment in a frame from `src` to `dst`, checksums computed.
-    pub fn frame<A: IpFamily>(&self, src: A, dst: A) -> Vec<u8> {
+    pub fn frame<A: FrameAddress>(&self, src: A, dst: A) -> Vec<u8> {
         frame(src, dst, TCP, &self.segment(src, dst))
     }
 

@@ -391,7 +391,10 @@ mod tests {
         let nat = spec(map_names::NAT_V4);
         assert_eq!((nat.kind, nat.max_entries), (MapType::Hash, 4096));
         assert_eq!(nat.value_size as usize, size_of::<NatEntryV4>());
-        assert_eq!(spec(map_names::NAT_V6).key_size as usize, size_of::<NatKeyV6>());
+        assert_eq!(
+            spec(map_names::NAT_V6).key_size as usize,
+            size_of::<NatKeyV6>()
+        );
         assert_eq!(spec(map_names::NAT_V6).max_entries, 1);
         assert_eq!(spec(map_names::DECISIONS).max_entries, 100);
         assert_eq!(specs.len(), map_names::PINNED.len());

@@ -218,4 +218,3 @@ pub struct MapSpec {
     pub value_size: u32,
     pub max_entries: u32,
 }
-
