@@ -1,5 +1,6 @@
 //! The contract between masq-agent's tc programs and its userspace agent: map names, key and value
 //! layouts, counter indices. Both sides compile this one file, so the layouts can never drift.
+//! One job, the contract, whatever its length: split, it would be two places to keep in step.
 #![no_std]
 
 /// Names of the maps as the object declares them. The agent pins each one under `--bpffs` with

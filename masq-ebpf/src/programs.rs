@@ -1,7 +1,9 @@
 //! The tc entry points and the three decisions they make, named after Cilium's `nat.h`:
 //! `snat_needs_masquerade` (egress: rewrite this packet?), `snat_nat` (egress: rewrite the
 //! source) and `snat_rev_nat` (ingress: restore the destination of replies, and of ICMP errors
-//! about translated flows). Each is written once for both families, over `Family`.
+//! about translated flows). Each is written once for both families, over `Family`. One job,
+//! the decisions of the data path, as `nat.h` is Cilium's: parsing, NAT state, ports and
+//! checksums live in their own modules.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},

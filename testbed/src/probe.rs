@@ -3,6 +3,8 @@
 //! inside a pod's namespace. Everything works over IPv4 and IPv6 alike: servers listen on both
 //! families, clients take the family of the address they are given, and addresses are reported
 //! as they are (an IPv4 peer is an `IpAddr::V4`, never an IPv4-mapped IPv6 address).
+//! One job, real traffic and what it saw: each probe is small, and they share their sockets'
+//! setup.
 
 use std::{
     io::{BufRead as _, BufReader, ErrorKind, Write as _},

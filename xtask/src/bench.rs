@@ -1,6 +1,8 @@
 //! `cargo xtask bench`: the data path in isolation, end to end in namespaces against the
 //! iptables chain and against no NAT at all, in two load shapes, and the control plane. Modes
 //! run interleaved (A B C A B C ...) and every figure that matters is a ratio within one run.
+//! One job, running the benchmark: what it measures is in `bench_plan`, what it says in
+//! `report`.
 
 use std::{
     collections::BTreeMap,

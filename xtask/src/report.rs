@@ -1,6 +1,6 @@
 //! The benchmark's report: Markdown, JSON and an SVG plot, a summary on the terminal, and (for a
 //! full run) the README's benchmark section. Every claim is a median, and every comparison a
-//! ratio of medians from the same run.
+//! ratio of medians from the same run. One job, the report: its parts share the medians.
 
 use std::{collections::BTreeMap, fmt::Write as _, path::Path, time::Duration};
 

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::{
     go_format::go_quote,
+    node::{Format, Node},
     parse_go_duration,
-    tree::{Format, Node},
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

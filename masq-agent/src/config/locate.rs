@@ -2,7 +2,10 @@
 
 use yaml_rust2::parser::Event;
 
-use super::tree::{Format, Node, first_document_events};
+use super::{
+    node::{Format, Node},
+    tree::first_document_events,
+};
 
 /// The line of `target` (a key or string value inside `root`), or `None` when the text does not
 /// show it unambiguously. The text must hold `target` exactly as often as the tree does; then

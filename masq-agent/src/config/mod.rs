@@ -19,6 +19,7 @@ mod decode;
 mod directory;
 mod go_format;
 mod locate;
+mod node;
 mod plain_yaml;
 mod tree;
 mod validate;

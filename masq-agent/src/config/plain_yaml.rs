@@ -5,7 +5,7 @@
 //! tabs, multi-line scalars, comments after a value, non-ASCII text...) is left to the full
 //! parser: `None` means "not sure", never "invalid". Where it answers, its tree is the one the
 //! full parser and the YAML 1.1 rules make of the same text, which the tests hold it to.
-use super::tree::{Node, key_string, yaml11_scalar};
+use super::node::{Node, key_string, yaml11_scalar};
 
 /// More scalars than this that need resolving (see [`resolve_plain`]) and the full parser is
 /// the faster one.

@@ -5,7 +5,6 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context as _, bail};
 
-use super::{ipset, render::jump_rule};
 use crate::policy::IpFamily;
 
 /// Seconds to wait for the xtables lock, as upstream does.
@@ -183,10 +182,30 @@ impl Iptables {
             self.run(&["-t", "nat", "-F", chain])?;
             self.run(&["-t", "nat", "-X", chain])?;
         }
-        // The eBPF data plane's chain matches its CIDRs through a set; it goes with the chain.
-        ipset::destroy(&ipset::name(chain, self.family))?;
         Ok(present || jumps > 0)
     }
+}
+
+/// The rule that sends non-local traffic from POSTROUTING into our chain, as argv words.
+pub(super) fn jump_rule(chain: &str) -> Vec<String> {
+    let comment = format!(
+        "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom {chain} chain"
+    );
+    [
+        "-m",
+        "comment",
+        "--comment",
+        &comment,
+        "-m",
+        "addrtype",
+        "!",
+        "--dst-type",
+        "LOCAL",
+        "-j",
+        chain,
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// Families whose iptables is installed on this node.
@@ -195,15 +214,4 @@ pub(super) fn available_families() -> Vec<IpFamily> {
         .into_iter()
         .filter(|f| Command::new(binary(*f)).arg("--version").output().is_ok())
         .collect()
-}
-
-/// Removes the chain of every family and its jumps; returns the families it was found in.
-pub fn cleanup(chain: &str) -> anyhow::Result<Vec<IpFamily>> {
-    let mut found = Vec::new();
-    for family in available_families() {
-        if (Iptables { family }).remove(chain)? {
-            found.push(family);
-        }
-    }
-    Ok(found)
 }

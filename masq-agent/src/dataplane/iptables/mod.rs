@@ -9,9 +9,9 @@ mod plane;
 mod readback;
 mod render;
 
-pub use command::{Capabilities, cleanup};
+pub use command::Capabilities;
 pub use evaluate::{ChainVerdict, chain_verdict};
-pub use plane::IptablesDataPlane;
+pub use plane::{IptablesDataPlane, cleanup};
 pub use readback::{ChainStatus, read_chains};
 pub use render::{ChainVariant, render, set_members};
 

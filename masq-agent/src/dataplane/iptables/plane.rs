@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use anyhow::Context as _;
 
 use super::{
-    command::{Capabilities, Iptables, cleanup},
+    command::{Capabilities, Iptables, available_families},
     ipset,
     render::{ChainVariant, render, render_switched_off, set_members},
 };
@@ -217,4 +217,18 @@ impl DataPlane for IptablesDataPlane {
         self.installed.clear();
         cleanup(&self.opts.chain).map(drop)
     }
+}
+
+/// Removes the chain of every family and its jumps; returns the families it was found in.
+pub fn cleanup(chain: &str) -> anyhow::Result<Vec<IpFamily>> {
+    let mut found = Vec::new();
+    for family in available_families() {
+        let removed = (Iptables { family }).remove(chain)?;
+        // The eBPF data plane's chain matches its CIDRs through a set; it goes with the chain.
+        ipset::destroy(&ipset::name(chain, family))?;
+        if removed {
+            found.push(family);
+        }
+    }
+    Ok(found)
 }

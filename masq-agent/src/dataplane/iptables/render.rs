@@ -177,25 +177,3 @@ pub fn render_switched_off(chain: &str) -> String {
         "*nat\n:{chain} - [0:0]\n-A {chain} {SWITCHED_OFF_COMMENT} -m conntrack --ctstate SNAT -j RETURN\nCOMMIT\n"
     )
 }
-
-/// The rule that sends non-local traffic from POSTROUTING into our chain, as argv words.
-pub(super) fn jump_rule(chain: &str) -> Vec<String> {
-    let comment = format!(
-        "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom {chain} chain"
-    );
-    [
-        "-m",
-        "comment",
-        "--comment",
-        &comment,
-        "-m",
-        "addrtype",
-        "!",
-        "--dst-type",
-        "LOCAL",
-        "-j",
-        chain,
-    ]
-    .map(String::from)
-    .to_vec()
-}

@@ -2,11 +2,9 @@
 
 use super::{
     Capabilities, ChainStatus, ChainVariant, ChainVerdict,
-    command::parse_version,
+    command::{jump_rule, parse_version},
     evaluate::{Packet, evaluate},
-    render,
-    render::jump_rule,
-    set_members,
+    render, set_members,
 };
 use crate::{
     config::Config,
