@@ -176,10 +176,7 @@ fn deciding_entry(
         Action::Masquerade => CidrList::Masquerade,
         Action::NonMasquerade => CidrList::NonMasquerade,
     };
-    let listed = match list {
-        CidrList::Masquerade => &loaded.config.masquerade_cidrs,
-        CidrList::NonMasquerade => &loaded.config.non_masquerade_cidrs,
-    };
+    let listed = loaded.config.list(list);
     let implicit_link_local = !listed.contains(&prefix)
         && (prefix == LINK_LOCAL_V4.into() || prefix == LINK_LOCAL_V6.into());
     let place = loaded.files.iter().find_map(|file| {

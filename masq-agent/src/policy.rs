@@ -237,6 +237,8 @@ mod tests {
         Config {
             non_masquerade_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
             masquerade_cidrs: vec![],
+            non_masquerade_src_cidrs: vec![],
+            masquerade_src_cidrs: vec![],
             masq_link_local: masq_ll,
             masq_link_local_ipv6: masq_ll6,
             ..Config::defaults(&ConfigOptions {
@@ -286,6 +288,8 @@ mod tests {
     fn with_exceptions(cidrs: &[&str], exceptions: &[&str], masq_ll: bool) -> Policy {
         let config = Config {
             masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
+            non_masquerade_src_cidrs: vec![],
+            masquerade_src_cidrs: vec![],
             ..config(cidrs, masq_ll, masq_ll)
         };
         Policy::from_config(&config, IpFamilies::DUAL_STACK)
@@ -352,6 +356,8 @@ mod tests {
     fn ipv6_exceptions_wait_for_ipv6() {
         let config = Config {
             masquerade_cidrs: vec!["fd00:1::/64".parse().unwrap()],
+            non_masquerade_src_cidrs: vec![],
+            masquerade_src_cidrs: vec![],
             ..config(&["fd00::/8"], false, false)
         };
         let p = Policy::from_config(&config, IpFamilies::IPV4);

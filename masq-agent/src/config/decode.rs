@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
+    CidrList,
     go_format::go_quote,
     node::{Format, Node},
     parse_go_duration,
@@ -13,6 +14,8 @@ use super::{
 pub(super) enum Field {
     Cidrs,
     MasqCidrs,
+    SrcCidrs,
+    MasqSrcCidrs,
     CidrLimit,
     MasqLinkLocal,
     MasqLinkLocalIpv6,
@@ -21,9 +24,11 @@ pub(super) enum Field {
 }
 
 impl Field {
-    pub(super) const ALL: [Field; 7] = [
+    pub(super) const ALL: [Field; 9] = [
         Field::Cidrs,
         Field::MasqCidrs,
+        Field::SrcCidrs,
+        Field::MasqSrcCidrs,
         Field::CidrLimit,
         Field::MasqLinkLocal,
         Field::MasqLinkLocalIpv6,
@@ -36,6 +41,8 @@ impl Field {
         match self {
             Field::Cidrs => "nonMasqueradeCIDRs",
             Field::MasqCidrs => "masqueradeCIDRs",
+            Field::SrcCidrs => "nonMasqueradeSrcCIDRs",
+            Field::MasqSrcCidrs => "masqueradeSrcCIDRs",
             Field::CidrLimit => "cidrLimit",
             Field::MasqLinkLocal => "masqLinkLocal",
             Field::MasqLinkLocalIpv6 => "masqLinkLocalIPv6",
@@ -47,7 +54,7 @@ impl Field {
     /// The Go type of upstream's struct field, for error messages.
     pub(super) fn go_type(self) -> &'static str {
         match self {
-            Field::Cidrs | Field::MasqCidrs => "[]string",
+            Field::Cidrs | Field::MasqCidrs | Field::SrcCidrs | Field::MasqSrcCidrs => "[]string",
             Field::CidrLimit => "int",
             Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 | Field::EnableIpv6 => "bool",
             Field::ResyncInterval => "Duration",
@@ -114,6 +121,9 @@ pub(super) struct FileFields<'a> {
     /// A `null` list item decodes to "" in Go; it is `None` here.
     pub(super) cidrs: Option<Setting<'a, CidrItems<'a>>>,
     pub(super) masq_cidrs: Option<Setting<'a, CidrItems<'a>>>,
+    /// Sources left alone, and the exceptions to them.
+    pub(super) src_cidrs: Option<Setting<'a, CidrItems<'a>>>,
+    pub(super) masq_src_cidrs: Option<Setting<'a, CidrItems<'a>>>,
     pub(super) cidr_limit: Option<Setting<'a, i64>>,
     pub(super) masq_link_local: Option<bool>,
     pub(super) masq_link_local_ipv6: Option<bool>,
@@ -194,6 +204,16 @@ pub(super) fn effective_entries(
 }
 
 impl<'a> FileFields<'a> {
+    /// What the file sets of `list`.
+    pub(super) fn list(&self, list: CidrList) -> &Option<Setting<'a, CidrItems<'a>>> {
+        match list {
+            CidrList::NonMasquerade => &self.cidrs,
+            CidrList::Masquerade => &self.masq_cidrs,
+            CidrList::NonMasqueradeSrc => &self.src_cidrs,
+            CidrList::MasqueradeSrc => &self.masq_src_cidrs,
+        }
+    }
+
     pub(super) fn set(
         &mut self,
         field: Field,
@@ -212,12 +232,13 @@ impl<'a> FileFields<'a> {
             ))
         };
         match field {
-            Field::Cidrs | Field::MasqCidrs => {
+            Field::Cidrs | Field::MasqCidrs | Field::SrcCidrs | Field::MasqSrcCidrs => {
                 if let Some(list) = decode_cidr_list(field, key, value)? {
-                    let slot = if field == Field::Cidrs {
-                        &mut self.cidrs
-                    } else {
-                        &mut self.masq_cidrs
+                    let slot = match field {
+                        Field::Cidrs => &mut self.cidrs,
+                        Field::MasqCidrs => &mut self.masq_cidrs,
+                        Field::SrcCidrs => &mut self.src_cidrs,
+                        _ => &mut self.masq_src_cidrs,
                     };
                     *slot = Some(Setting { value: list, key });
                 }

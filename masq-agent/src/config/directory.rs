@@ -127,12 +127,23 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
             .collect();
     }
     let masq = joined(|c| &c.masquerade_cidrs, |_| true);
-    check_no_prefix_in_two_lists(parts, &non_masq, &masq, opts)?;
+    check_no_prefix_in_two_lists(parts, (&non_masq, &masq), CidrList::NonMasquerade, opts)?;
+    let non_masq_src = joined(|c| &c.non_masquerade_src_cidrs, |_| true);
+    let masq_src = joined(|c| &c.masquerade_src_cidrs, |_| true);
+    check_no_prefix_in_two_lists(
+        parts,
+        (&non_masq_src, &masq_src),
+        CidrList::NonMasqueradeSrc,
+        opts,
+    )?;
+    let nets = |entries: Vec<Entry>| entries.into_iter().map(|(net, _)| net).collect();
 
     let configs = || parts.iter().map(|p| &p.loaded.config);
     let config = Config {
-        non_masquerade_cidrs: non_masq.into_iter().map(|(net, _)| net).collect(),
-        masquerade_cidrs: masq.into_iter().map(|(net, _)| net).collect(),
+        non_masquerade_cidrs: nets(non_masq),
+        masquerade_cidrs: nets(masq),
+        non_masquerade_src_cidrs: nets(non_masq_src),
+        masquerade_src_cidrs: nets(masq_src),
         cidr_limit: configs()
             .map(|c| c.cidr_limit)
             .max()
@@ -162,11 +173,12 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
 }
 
 /// A prefix one file exempts and another masquerades decides nothing: an error on the
-/// exception's line, naming where the other file has it.
+/// exception's line, naming where the other file has it. `non_masq_list` names the pair of
+/// lists (destinations or sources) by its non-masquerade list.
 fn check_no_prefix_in_two_lists(
     parts: &[Part],
-    non_masq: &[Entry],
-    masq: &[Entry],
+    (non_masq, masq): (&[Entry], &[Entry]),
+    non_masq_list: CidrList,
     opts: &ConfigOptions,
 ) -> Result<(), ConfigError> {
     let Some((net, in_part, other_part)) = first_in_both(non_masq, masq) else {
@@ -181,15 +193,19 @@ fn check_no_prefix_in_two_lists(
             None => ("the defaults".into(), None),
         }
     };
-    let (origin, line) = place(*in_part, CidrList::Masquerade);
-    let (other, other_line) = place(*other_part, CidrList::NonMasquerade);
+    let masq_list = non_masq_list.exceptions();
+    let (origin, line) = place(*in_part, masq_list);
+    let (other, other_line) = place(*other_part, non_masq_list);
     let at = other_line.map_or(String::new(), |n| format!(" at line {n}"));
     Err(ConfigError::new(
         &origin,
         line,
         format!(
-            "CIDR \"{net}\" is in masqueradeCIDRs here and in nonMasqueradeCIDRs in {other}{at}: \
-             a destination is either masqueraded or not"
+            "CIDR \"{net}\" is in {} here and in {} in {other}{at}: \
+             a {} is either masqueraded or not",
+            masq_list.key(),
+            non_masq_list.key(),
+            non_masq_list.holds()
         ),
     ))
 }

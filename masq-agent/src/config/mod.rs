@@ -27,7 +27,7 @@ mod validate;
 pub use self::directory::FILE_PREFIX;
 pub use self::go_format::{format_go_duration, parse_go_duration};
 use self::{
-    decode::decode,
+    decode::{Field, decode},
     locate::locate,
     tree::read_tree,
     validate::{build_config, check_cidr},
@@ -50,6 +50,10 @@ pub struct Config {
     /// Destinations that are masqueraded although a shorter prefix of `non_masquerade_cidrs`
     /// (or link-local) holds them: every destination is decided by its longest prefix.
     pub masquerade_cidrs: Vec<IpNet>,
+    /// Sources whose traffic is never masqueraded, and the exceptions to them; a source no
+    /// prefix holds is masqueraded as the destination says. Empty unless the file sets them.
+    pub non_masquerade_src_cidrs: Vec<IpNet>,
+    pub masquerade_src_cidrs: Vec<IpNet>,
     pub cidr_limit: i64,
     pub masq_link_local: bool,
     pub masq_link_local_ipv6: bool,
@@ -97,11 +101,23 @@ impl Config {
         Config {
             non_masquerade_cidrs: cidrs,
             masquerade_cidrs: Vec::new(),
+            non_masquerade_src_cidrs: Vec::new(),
+            masquerade_src_cidrs: Vec::new(),
             cidr_limit: DEFAULT_CIDR_LIMIT,
             masq_link_local: false,
             masq_link_local_ipv6: false,
             resync_interval: DEFAULT_RESYNC_INTERVAL,
             enable_ipv6: None,
+        }
+    }
+
+    /// The prefixes of `list`.
+    pub fn list(&self, list: CidrList) -> &Vec<IpNet> {
+        match list {
+            CidrList::NonMasquerade => &self.non_masquerade_cidrs,
+            CidrList::Masquerade => &self.masquerade_cidrs,
+            CidrList::NonMasqueradeSrc => &self.non_masquerade_src_cidrs,
+            CidrList::MasqueradeSrc => &self.masquerade_src_cidrs,
         }
     }
 
@@ -117,8 +133,14 @@ impl Config {
             "masqLinkLocalIPv6": self.masq_link_local_ipv6,
             "resyncInterval": format_go_duration(self.resync_interval),
         });
-        if !self.masquerade_cidrs.is_empty() {
-            json["masqueradeCIDRs"] = strings(&self.masquerade_cidrs).into();
+        for (list, cidrs) in [
+            (CidrList::Masquerade, &self.masquerade_cidrs),
+            (CidrList::NonMasqueradeSrc, &self.non_masquerade_src_cidrs),
+            (CidrList::MasqueradeSrc, &self.masquerade_src_cidrs),
+        ] {
+            if !cidrs.is_empty() {
+                json[list.key()] = strings(cidrs).into();
+            }
         }
         if let Some(enable) = self.enable_ipv6 {
             json["enableIPv6"] = enable.into();
@@ -294,14 +316,45 @@ pub(super) fn parse_with_keys(
 pub enum CidrList {
     NonMasquerade,
     Masquerade,
+    NonMasqueradeSrc,
+    MasqueradeSrc,
 }
 
 impl CidrList {
     /// The key, as the file writes it.
     pub fn key(self) -> &'static str {
+        self.field().name()
+    }
+
+    fn field(self) -> Field {
         match self {
-            CidrList::NonMasquerade => "nonMasqueradeCIDRs",
-            CidrList::Masquerade => "masqueradeCIDRs",
+            CidrList::NonMasquerade => Field::Cidrs,
+            CidrList::Masquerade => Field::MasqCidrs,
+            CidrList::NonMasqueradeSrc => Field::SrcCidrs,
+            CidrList::MasqueradeSrc => Field::MasqSrcCidrs,
+        }
+    }
+
+    pub const ALL: [CidrList; 4] = [
+        CidrList::NonMasquerade,
+        CidrList::Masquerade,
+        CidrList::NonMasqueradeSrc,
+        CidrList::MasqueradeSrc,
+    ];
+
+    /// The list of exceptions to this one's prefixes.
+    pub fn exceptions(self) -> CidrList {
+        match self {
+            CidrList::NonMasquerade | CidrList::Masquerade => CidrList::Masquerade,
+            CidrList::NonMasqueradeSrc | CidrList::MasqueradeSrc => CidrList::MasqueradeSrc,
+        }
+    }
+
+    /// What the list's prefixes hold: destinations, or sources.
+    pub fn holds(self) -> &'static str {
+        match self {
+            CidrList::NonMasquerade | CidrList::Masquerade => "destination",
+            CidrList::NonMasqueradeSrc | CidrList::MasqueradeSrc => "source",
         }
     }
 }
@@ -312,10 +365,7 @@ impl CidrList {
 pub fn cidr_line(text: &[u8], opts: &ConfigOptions, list: CidrList, net: IpNet) -> Option<usize> {
     let (root, format) = read_tree(text, "", &mut Vec::new()).ok()?;
     let fields = decode(&root, format, "", &mut Vec::new()).ok()?;
-    let items = match list {
-        CidrList::NonMasquerade => fields.cidrs?,
-        CidrList::Masquerade => fields.masq_cidrs?,
-    };
+    let items = fields.list(list).clone()?;
     let item = items
         .value
         .into_iter()

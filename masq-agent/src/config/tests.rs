@@ -64,6 +64,8 @@ fn yaml_with_all_keys() {
     let expected = Config {
         non_masquerade_cidrs: nets(&["172.16.0.0/12", "10.0.0.0/8"]),
         masquerade_cidrs: vec![],
+        non_masquerade_src_cidrs: vec![],
+        masquerade_src_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: true,
         masq_link_local_ipv6: false,
@@ -139,6 +141,8 @@ fn json_with_all_keys() {
     let expected = Config {
         non_masquerade_cidrs: nets(&["172.16.0.0/12", "10.0.0.0/8"]),
         masquerade_cidrs: vec![],
+        non_masquerade_src_cidrs: vec![],
+        masquerade_src_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: true,
         masq_link_local_ipv6: true,
@@ -519,6 +523,8 @@ fn keys_match_case_insensitively() {
         Config {
             non_masquerade_cidrs: nets(&["10.0.0.0/8"]),
             masquerade_cidrs: vec![],
+            non_masquerade_src_cidrs: vec![],
+            masquerade_src_cidrs: vec![],
             cidr_limit: 5,
             masq_link_local: true,
             masq_link_local_ipv6: true,
@@ -962,6 +968,8 @@ fn upstream_json_uses_upstream_keys() {
     let c = Config {
         non_masquerade_cidrs: nets(&["10.0.0.0/8", "fc00::/7"]),
         masquerade_cidrs: vec![],
+        non_masquerade_src_cidrs: vec![],
+        masquerade_src_cidrs: vec![],
         cidr_limit: 10,
         masq_link_local: true,
         masq_link_local_ipv6: false,
@@ -1327,4 +1335,118 @@ fn enable_ipv6_is_ored_across_the_files_that_set_it() {
     assert_eq!(c.config.enable_ipv6, Some(false));
     let c = merged(&[("ip-masq-a", "cidrLimit: 9\n")]);
     assert_eq!(c.config.enable_ipv6, None);
+}
+
+// --- nonMasqueradeSrcCIDRs and masqueradeSrcCIDRs: who is masqueraded ---
+
+#[test]
+fn source_lists_are_read_under_every_spelling_go_matches() {
+    let c =
+        config("nonMasqueradeSrcCIDRs:\n  - 0.0.0.0/0\nmasqueradeSrcCIDRs:\n  - 10.244.0.0/16\n");
+    assert_eq!(c.non_masquerade_src_cidrs, nets(&["0.0.0.0/0"]));
+    assert_eq!(c.masquerade_src_cidrs, nets(&["10.244.0.0/16"]));
+    // Tencent TKE's and Azure's spellings, as encoding/json folds keys.
+    for key in [
+        "NonMasqueradeSrcCIDRs",
+        "nonMasqueradeSRCCIDRs",
+        "nonmasqueradesrccidrs",
+    ] {
+        let c = config(&format!("{key}: [10.244.5.0/24]"));
+        assert_eq!(
+            c.non_masquerade_src_cidrs,
+            nets(&["10.244.5.0/24"]),
+            "{key}"
+        );
+    }
+    // Without them, no source is left alone, and the destination lists are as they were.
+    let c = config("nonMasqueradeCIDRs: [10.0.0.0/8]");
+    assert!(c.non_masquerade_src_cidrs.is_empty() && c.masquerade_src_cidrs.is_empty());
+}
+
+#[test]
+fn source_lists_follow_the_rules_of_the_destination_lists() {
+    let e = reject("nonMasqueradeSrcCIDRs: [10.244.5.1/24]");
+    assert!(e.message.contains("is not aligned"), "{e}");
+    let e = reject("masqueradeSrcCIDRs: [nonsense]");
+    assert!(e.message.contains("could not be parsed"), "{e}");
+    let e = reject("nonMasqueradeSrcCIDRs: [fd00:10:244::/48]");
+    assert!(e.message.contains("ipv6 is not enabled"), "{e}");
+    let c = accept_with("nonMasqueradeSrcCIDRs: [fd00:10:244::/48]", &WITH_V6).config;
+    assert_eq!(c.non_masquerade_src_cidrs, nets(&["fd00:10:244::/48"]));
+    let e = reject(
+        "nonMasqueradeSrcCIDRs:\n  - 10.244.0.0/16\nmasqueradeSrcCIDRs:\n  - 10.244.0.0/16\n",
+    );
+    assert_eq!(e.line, Some(4), "{e}");
+    assert_eq!(
+        e.message,
+        "CIDR \"10.244.0.0/16\" is in both masqueradeSrcCIDRs and nonMasqueradeSrcCIDRs: \
+         a source is either masqueraded or not; nonMasqueradeSrcCIDRs has it at line 2"
+    );
+    // A prefix may be a destination left alone and a source left alone at once.
+    config("nonMasqueradeCIDRs: [10.0.0.0/8]\nnonMasqueradeSrcCIDRs: [10.0.0.0/8]\n");
+}
+
+#[test]
+fn cidr_limit_counts_the_source_lists_too() {
+    let e = reject(
+        "cidrLimit: 3\nnonMasqueradeCIDRs: [10.0.0.0/8]\nnonMasqueradeSrcCIDRs: [10.1.0.0/16]\n\
+         masqueradeSrcCIDRs: [10.1.2.0/24, 10.1.3.0/24]\n",
+    );
+    assert_eq!(e.line, Some(4), "the list that passes the limit: {e}");
+    assert!(e.message.contains("but got 4 CIDRs"), "{e}");
+    config(
+        "cidrLimit: 4\nnonMasqueradeCIDRs: [10.0.0.0/8]\nnonMasqueradeSrcCIDRs: [10.1.0.0/16]\n\
+         masqueradeSrcCIDRs: [10.1.2.0/24, 10.1.3.0/24]\n",
+    );
+}
+
+#[test]
+fn source_lists_appear_in_the_printed_config_only_when_set() {
+    let json = config("nonMasqueradeCIDRs: [10.0.0.0/8]").to_upstream_json();
+    assert!(json.get("nonMasqueradeSrcCIDRs").is_none(), "{json}");
+    assert!(json.get("masqueradeSrcCIDRs").is_none(), "{json}");
+    let json = config("nonMasqueradeSrcCIDRs: [0.0.0.0/0]\nmasqueradeSrcCIDRs: [10.244.0.0/16]")
+        .to_upstream_json();
+    assert_eq!(
+        json["nonMasqueradeSrcCIDRs"],
+        serde_json::json!(["0.0.0.0/0"])
+    );
+    assert_eq!(
+        json["masqueradeSrcCIDRs"],
+        serde_json::json!(["10.244.0.0/16"])
+    );
+}
+
+#[test]
+fn source_lists_of_several_files_are_joined_and_a_clash_names_both_files() {
+    let dir = projected(&[
+        ("ip-masq-agent", "nonMasqueradeSrcCIDRs: [10.244.5.0/24]\n"),
+        (
+            "ip-masq-user",
+            "nonMasqueradeSrcCIDRs: [10.244.6.0/24]\nmasqueradeSrcCIDRs: [10.244.5.128/25]\n",
+        ),
+    ]);
+    let c = load(dir.path(), &V4_ONLY).expect("merged").config;
+    assert_eq!(
+        c.non_masquerade_src_cidrs,
+        nets(&["10.244.5.0/24", "10.244.6.0/24"])
+    );
+    assert_eq!(c.masquerade_src_cidrs, nets(&["10.244.5.128/25"]));
+    let dir = projected(&[
+        (
+            "ip-masq-agent",
+            "resyncInterval: 1s\nnonMasqueradeSrcCIDRs: [10.244.5.0/24]\n",
+        ),
+        ("ip-masq-user", "masqueradeSrcCIDRs:\n  - 10.244.5.0/24\n"),
+    ]);
+    let e = load(dir.path(), &V4_ONLY).expect_err("a clash");
+    assert!(e.origin.ends_with("ip-masq-user"), "{e}");
+    assert_eq!(e.line, Some(2), "{e}");
+    assert!(
+        e.message
+            .contains("is in masqueradeSrcCIDRs here and in nonMasqueradeSrcCIDRs in")
+            && e.message.contains("ip-masq-agent at line 2")
+            && e.message.ends_with("a source is either masqueraded or not"),
+        "{e}"
+    );
 }

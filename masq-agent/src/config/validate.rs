@@ -7,8 +7,8 @@ use std::time::Duration;
 use ipnet::{IpNet, Ipv4Net};
 
 use super::{
-    Config, ConfigOptions, MIN_RESYNC_INTERVAL, Standing,
-    decode::{CidrItems, FileFields, Problem, Setting},
+    CidrList, Config, ConfigOptions, MIN_RESYNC_INTERVAL, Standing,
+    decode::{CidrItems, FileFields, Problem},
     format_go_duration,
     go_format::{format_go_nanos, go_quote},
 };
@@ -44,13 +44,20 @@ pub(super) fn build_config<'a>(
             .map(|net| (*net, None))
             .collect(),
     };
-    let masq = match &fields.masq_cidrs {
-        Some(list) => check_cidrs(&list.value, opts)?,
-        None => Vec::new(),
+    let set = |list: CidrList| match fields.list(list) {
+        Some(list) => check_cidrs(&list.value, opts),
+        None => Ok(Vec::new()),
     };
-    check_no_prefix_in_both(&non_masq, &masq)?;
+    let masq = set(CidrList::Masquerade)?;
+    check_no_prefix_in_both(&non_masq, &masq, CidrList::NonMasquerade)?;
+    let (non_masq_src, masq_src) = (
+        set(CidrList::NonMasqueradeSrc)?,
+        set(CidrList::MasqueradeSrc)?,
+    );
+    check_no_prefix_in_both(&non_masq_src, &masq_src, CidrList::NonMasqueradeSrc)?;
     let nets = |list: Vec<(IpNet, _)>| list.into_iter().map(|(net, _)| net).collect();
     let (non_masquerade_cidrs, masquerade_cidrs) = (nets(non_masq), nets(masq));
+    let (non_masquerade_src_cidrs, masquerade_src_cidrs) = (nets(non_masq_src), nets(masq_src));
     let resync_interval = match &fields.resync_interval {
         None => defaults.resync_interval,
         Some(setting) => match u64::try_from(setting.value) {
@@ -68,6 +75,8 @@ pub(super) fn build_config<'a>(
     Ok(Config {
         non_masquerade_cidrs,
         masquerade_cidrs,
+        non_masquerade_src_cidrs,
+        masquerade_src_cidrs,
         cidr_limit,
         masq_link_local: fields.masq_link_local.unwrap_or(defaults.masq_link_local),
         masq_link_local_ipv6: fields
@@ -79,29 +88,31 @@ pub(super) fn build_config<'a>(
 }
 
 /// Upstream checks the count before the CIDRs themselves, and also against the default list
-/// when the file only lowers cidrLimit. The limit holds for both lists together.
+/// when the file only lowers cidrLimit. The limit holds for every list together; the error is
+/// on the key of the list that passes it.
 pub(super) fn check_cidr_count<'a>(
     fields: &FileFields<'a>,
     default_count: usize,
     limit: i64,
 ) -> Result<(), Problem<'a>> {
     let within = |count: usize| i64::try_from(count).is_ok_and(|n| n <= limit);
-    let non_masq = fields
-        .cidrs
-        .as_ref()
-        .map_or(default_count, |s| s.value.len());
-    let masq = fields.masq_cidrs.as_ref().map_or(0, |s| s.value.len());
-    let count = non_masq + masq;
+    let mut count = 0;
+    let mut anchor = None;
+    for list in CidrList::ALL {
+        let setting = fields.list(list);
+        count += match (setting, list) {
+            (Some(setting), _) => setting.value.len(),
+            (None, CidrList::NonMasquerade) => default_count,
+            (None, _) => 0,
+        };
+        if !within(count) && anchor.is_none() {
+            anchor = setting.as_ref().map(|s| s.key);
+        }
+    }
     if within(count) {
         return Ok(());
     }
-    let key = |setting: &Option<Setting<'a, CidrItems<'a>>>| setting.as_ref().map(|s| s.key);
-    let anchor = if within(non_masq) {
-        key(&fields.masq_cidrs)
-    } else {
-        key(&fields.cidrs)
-    }
-    .or_else(|| fields.cidr_limit.as_ref().map(|s| s.key));
+    let anchor = anchor.or_else(|| fields.cidr_limit.as_ref().map(|s| s.key));
     Err(Problem::new(
         format!(
             "the daemon can only accept up to {limit} CIDRs (excluding link-local), \
@@ -121,32 +132,36 @@ fn check_cidrs<'a>(
         .collect()
 }
 
-/// A destination is either masqueraded or not: a prefix in both lists decides nothing.
+/// A destination (or a source) is either masqueraded or not: a prefix in both lists of a pair
+/// decides nothing. `non_masq_list` names the pair by its non-masquerade list.
 fn check_no_prefix_in_both<'a>(
     non_masq: &[(IpNet, Option<&'a String>)],
     masq: &[(IpNet, Option<&'a String>)],
+    non_masq_list: CidrList,
 ) -> Result<(), Problem<'a>> {
     let Some((_, item, other)) = first_in_both(non_masq, masq) else {
         return Ok(());
     };
     let text = go_quote(item.map_or("", String::as_str));
+    let (keep, masquerade) = (non_masq_list.key(), non_masq_list.exceptions().key());
+    let what = non_masq_list.holds();
     let mut problem = match other {
         Some(_) => Problem::new(
             format!(
-                "CIDR {text} is in both masqueradeCIDRs and nonMasqueradeCIDRs: \
-                 a destination is either masqueraded or not"
+                "CIDR {text} is in both {masquerade} and {keep}: \
+                 a {what} is either masqueraded or not"
             ),
             *item,
         ),
         None => Problem::new(
             format!(
-                "CIDR {text} is in masqueradeCIDRs and in the default nonMasqueradeCIDRs: \
-                 a destination is either masqueraded or not"
+                "CIDR {text} is in {masquerade} and in the default {keep}: \
+                 a {what} is either masqueraded or not"
             ),
             *item,
         ),
     };
-    problem.also = other.map(|other| ("nonMasqueradeCIDRs", other));
+    problem.also = other.map(|other| (keep, other));
     Err(problem)
 }
 

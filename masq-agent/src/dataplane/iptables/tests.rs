@@ -28,6 +28,8 @@ fn policy(cidrs: &[&str], masq_ll: bool, masq_ll6: bool) -> Policy {
     let config = Config {
         non_masquerade_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
         masquerade_cidrs: vec![],
+        non_masquerade_src_cidrs: vec![],
+        masquerade_src_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: masq_ll,
         masq_link_local_ipv6: masq_ll6,
@@ -178,6 +180,8 @@ fn ipv6_disabled_renders_nothing_for_ipv6() {
     let config = Config {
         non_masquerade_cidrs: vec![],
         masquerade_cidrs: vec![],
+        non_masquerade_src_cidrs: vec![],
+        masquerade_src_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: false,
         masq_link_local_ipv6: false,
@@ -450,6 +454,8 @@ fn with_exceptions(cidrs: &[&str], exceptions: &[&str]) -> Policy {
     let config = Config {
         non_masquerade_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
         masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
+        non_masquerade_src_cidrs: vec![],
+        masquerade_src_cidrs: vec![],
         cidr_limit: 64,
         masq_link_local: false,
         masq_link_local_ipv6: false,
