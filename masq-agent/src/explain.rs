@@ -215,8 +215,13 @@ fn ask_chain(
     packet: &Packet,
     device: &str,
 ) -> anyhow::Result<Option<(LiveAnswer, bool)>> {
-    let verdict =
-        iptables::chain_verdict(family, chain, packet.destination, packet.protocol, device)?;
+    let verdict = iptables::chain_verdict(
+        family,
+        chain,
+        (packet.source, packet.destination),
+        packet.protocol,
+        device,
+    )?;
     Ok(verdict.map(|verdict| {
         let (decision, detail) = match verdict {
             ChainVerdict::Masquerades => (Decision::Masquerade, "masquerades it"),

@@ -82,6 +82,14 @@ pub struct Policy {
     /// The file says `enableIPv6: false`: IPv6 is not merely left alone, it must not be
     /// masqueraded by what this agent installed.
     pub ipv6_switched_off: bool,
+    /// Sources whose traffic keeps its address whatever the destination, and the exceptions
+    /// to them, decided by the longest prefix as destinations are; a source no prefix holds is
+    /// masqueraded as its destination says. Empty unless the file sets them; IPv6's empty
+    /// while IPv6 is not enabled.
+    pub non_masq_src_v4: Vec<Ipv4Net>,
+    pub masq_src_v4: Vec<Ipv4Net>,
+    pub non_masq_src_v6: Vec<Ipv6Net>,
+    pub masq_src_v6: Vec<Ipv6Net>,
 }
 
 impl Policy {
@@ -101,6 +109,39 @@ impl Policy {
             || dropped(v6(self), v6(after))
             || dropped(&after.masq_v4, &self.masq_v4)
             || dropped(&after.masq_v6, &self.masq_v6)
+            || dropped(&self.non_masq_src_v4, &after.non_masq_src_v4)
+            || dropped(&self.non_masq_src_v6, &after.non_masq_src_v6)
+            || dropped(&after.masq_src_v4, &self.masq_src_v4)
+            || dropped(&after.masq_src_v6, &self.masq_src_v6)
+    }
+
+    /// Whether traffic from `src` to `dst` keeps its source address: its destination, or its
+    /// source, says so.
+    pub fn leaves_alone(&self, src: IpAddr, dst: IpAddr) -> bool {
+        self.exempts(dst) || self.decide_source(src).0 == Action::NonMasquerade
+    }
+
+    /// What the source lists say of traffic from `addr`, and the entry that decides it
+    /// (`None`: no entry holds it, and the destination decides).
+    pub fn decide_source(&self, addr: IpAddr) -> (Action, Option<IpNet>) {
+        let (non_masq, masq): (Vec<IpNet>, Vec<IpNet>) = match addr {
+            IpAddr::V4(_) => (nets(&self.non_masq_src_v4), nets(&self.masq_src_v4)),
+            IpAddr::V6(_) => (nets(&self.non_masq_src_v6), nets(&self.masq_src_v6)),
+        };
+        longest(addr, &mut non_masq.into_iter(), &mut masq.into_iter())
+    }
+
+    /// A family's source entries, the non-masquerade ones first, then the exceptions; empty
+    /// when the file sets none.
+    pub fn source_rules(&self, family: IpFamily) -> Rules {
+        let (non_masq, masq) = match family {
+            IpFamily::Ipv4 => (nets(&self.non_masq_src_v4), nets(&self.masq_src_v4)),
+            IpFamily::Ipv6 => (nets(&self.non_masq_src_v6), nets(&self.masq_src_v6)),
+        };
+        let with = |nets: Vec<IpNet>, action| nets.into_iter().map(move |n| (n, action));
+        with(non_masq, Action::NonMasquerade)
+            .chain(with(masq, Action::Masquerade))
+            .collect()
     }
 
     /// Whether traffic to `addr` keeps its source address.
@@ -118,42 +159,21 @@ impl Policy {
         };
         // Walked in place, not through `rules`: this runs for every flow conntrack knows at
         // start, and a copy of 100 000 entries each time would cost more than the walk.
-        let holding = |nets: &mut dyn Iterator<Item = IpNet>, action| {
-            nets.filter(|net| net.contains(&addr))
-                .max_by_key(IpNet::prefix_len)
-                .map(|net| (net, action))
-        };
-        let (non_masq, masq) = match (family, &self.non_masq_v6) {
-            (IpFamily::Ipv4, _) => (
-                holding(
-                    &mut self.non_masq_v4.iter().map(|&n| n.into()),
-                    Action::NonMasquerade,
-                ),
-                holding(
-                    &mut self.masq_v4.iter().map(|&n| n.into()),
-                    Action::Masquerade,
-                ),
+        let into = |n: &Ipv4Net| IpNet::from(*n);
+        let into_v6 = |n: &Ipv6Net| IpNet::from(*n);
+        match (family, &self.non_masq_v6) {
+            (IpFamily::Ipv4, _) => longest(
+                addr,
+                &mut self.non_masq_v4.iter().map(into),
+                &mut self.masq_v4.iter().map(into),
             ),
-            (IpFamily::Ipv6, Some(non_masq_v6)) => (
-                holding(
-                    &mut non_masq_v6.iter().map(|&n| n.into()),
-                    Action::NonMasquerade,
-                ),
-                holding(
-                    &mut self.masq_v6.iter().map(|&n| n.into()),
-                    Action::Masquerade,
-                ),
+            (IpFamily::Ipv6, Some(non_masq_v6)) => longest(
+                addr,
+                &mut non_masq_v6.iter().map(into_v6),
+                &mut self.masq_v6.iter().map(into_v6),
             ),
-            (IpFamily::Ipv6, None) => (None, None),
-        };
-        // No prefix is in both lists (the config refuses it): a longer one decides.
-        [non_masq, masq]
-            .into_iter()
-            .flatten()
-            .max_by_key(|(net, _)| net.prefix_len())
-            .map_or((Action::Masquerade, None), |(net, action)| {
-                (action, Some(net))
-            })
+            (IpFamily::Ipv6, None) => (Action::Masquerade, None),
+        }
     }
 
     /// A family's entries: the non-masquerade ones in rule order, then the exceptions; `None`
@@ -210,14 +230,60 @@ impl Policy {
         if !enable_ipv6 {
             masq_v6.clear();
         }
+        let by_family = |cidrs: &[IpNet]| {
+            let mut split = (Vec::new(), Vec::new());
+            for cidr in cidrs {
+                match cidr {
+                    IpNet::V4(net) => split.0.push(*net),
+                    IpNet::V6(net) if enable_ipv6 => split.1.push(*net),
+                    IpNet::V6(_) => {}
+                }
+            }
+            split
+        };
+        let (non_masq_src_v4, non_masq_src_v6) = by_family(&config.non_masquerade_src_cidrs);
+        let (masq_src_v4, masq_src_v6) = by_family(&config.masquerade_src_cidrs);
         Policy {
             non_masq_v4,
             non_masq_v6: enable_ipv6.then_some(non_masq_v6),
             masq_v4,
             masq_v6,
             ipv6_switched_off: config.enable_ipv6 == Some(false),
+            non_masq_src_v4,
+            masq_src_v4,
+            non_masq_src_v6,
+            masq_src_v6,
         }
     }
+}
+
+/// `nets` as prefixes of either family.
+fn nets<N: Copy + Into<IpNet>>(nets: &[N]) -> Vec<IpNet> {
+    nets.iter().map(|&n| n.into()).collect()
+}
+
+/// What the longest prefix holding `addr` says, among `non_masq` and `masq`, and which it is;
+/// masquerade when none holds it. No prefix is in both lists (the config refuses it).
+fn longest(
+    addr: IpAddr,
+    non_masq: &mut dyn Iterator<Item = IpNet>,
+    masq: &mut dyn Iterator<Item = IpNet>,
+) -> (Action, Option<IpNet>) {
+    let holding = |nets: &mut dyn Iterator<Item = IpNet>, action| {
+        nets.filter(|net| net.contains(&addr))
+            .max_by_key(IpNet::prefix_len)
+            .map(|net| (net, action))
+    };
+    [
+        holding(non_masq, Action::NonMasquerade),
+        holding(masq, Action::Masquerade),
+    ]
+    .into_iter()
+    .flatten()
+    .max_by_key(|(net, _)| net.prefix_len())
+    .map_or((Action::Masquerade, None), |(net, action)| {
+        (action, Some(net))
+    })
 }
 
 /// How masqueraded traffic is translated; fixed for the agent's lifetime by its flags.
@@ -400,5 +466,42 @@ mod tests {
             &[],
             false
         )));
+    }
+
+    #[test]
+    fn a_packet_is_masqueraded_only_when_its_source_and_its_destination_say_so() {
+        let mut c = config(&["10.0.0.0/8"], false, false);
+        c.non_masquerade_src_cidrs =
+            vec!["0.0.0.0/0".parse().unwrap(), "fd00::/8".parse().unwrap()];
+        c.masquerade_src_cidrs = vec!["10.244.0.0/16".parse().unwrap()];
+        let p = Policy::from_config(&c, IpFamilies::DUAL_STACK);
+        let addr = |s: &str| s.parse::<IpAddr>().unwrap();
+        let outside = addr("203.0.113.9");
+        assert!(
+            !p.leaves_alone(addr("10.244.1.2"), outside),
+            "a pod, to the outside"
+        );
+        assert!(
+            p.leaves_alone(addr("10.244.1.2"), addr("10.1.2.3")),
+            "to a kept destination"
+        );
+        assert!(
+            p.leaves_alone(addr("192.168.3.4"), outside),
+            "a source left alone"
+        );
+        assert_eq!(
+            p.decide_source(addr("10.244.1.2")),
+            (Action::Masquerade, Some("10.244.0.0/16".parse().unwrap()))
+        );
+        assert_eq!(p.source_rules(IpFamily::Ipv6).len(), 1);
+        // Without IPv6, its source entries go with it.
+        let p4 = Policy::from_config(&c, IpFamilies::IPV4);
+        assert!(p4.source_rules(IpFamily::Ipv6).is_empty());
+        assert_eq!(p4.source_rules(IpFamily::Ipv4).len(), 2);
+        // A source entry dropped, or an exception added, may masquerade more.
+        let mut fewer = c.clone();
+        fewer.non_masquerade_src_cidrs.truncate(0);
+        let fewer = Policy::from_config(&fewer, IpFamilies::DUAL_STACK);
+        assert!(p.may_masquerade_more(&fewer) && !fewer.may_masquerade_more(&p));
     }
 }

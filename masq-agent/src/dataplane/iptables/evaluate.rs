@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::{
     command::Iptables,
     ipset,
-    readback::{destination, device_matches, flag_value},
+    readback::{destination, device_matches, flag_value, set_match},
 };
 use crate::policy::IpFamily;
 
@@ -29,7 +29,7 @@ pub enum ChainVerdict {
 pub fn chain_verdict(
     family: IpFamily,
     chain: &str,
-    dst: std::net::IpAddr,
+    (src, dst): (Option<std::net::IpAddr>, std::net::IpAddr),
     protocol: u8,
     device: &str,
 ) -> anyhow::Result<Option<ChainVerdict>> {
@@ -41,15 +41,18 @@ pub fn chain_verdict(
         return Ok(Some(ChainVerdict::NotJumpedTo));
     }
     let packet = Packet {
+        src,
         dst,
         protocol,
         device,
     };
-    evaluate(&listing, &packet, |set| ipset::contains(set, dst)).map(Some)
+    evaluate(&listing, &packet, ipset::contains).map(Some)
 }
 
 /// A packet as the chain's matches see it.
 pub(super) struct Packet<'a> {
+    /// Unknown, it is held by no source entry.
+    pub(super) src: Option<std::net::IpAddr>,
     pub(super) dst: std::net::IpAddr,
     pub(super) protocol: u8,
     pub(super) device: &'a str,
@@ -74,7 +77,7 @@ fn understood(words: &[&str]) -> bool {
 pub(super) fn evaluate(
     listing: &str,
     packet: &Packet,
-    in_set: impl Fn(&str) -> anyhow::Result<bool>,
+    in_set: impl Fn(&str, std::net::IpAddr) -> anyhow::Result<bool>,
 ) -> anyhow::Result<ChainVerdict> {
     for line in listing.lines().filter(|l| l.starts_with("-A ")) {
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -90,10 +93,15 @@ pub(super) fn evaluate(
         if !(on_device && protocol_matches && dst_matches) {
             continue;
         }
-        if let Some(set) = after("--match-set")
-            && !in_set(set)?
-        {
-            continue;
+        if let Some((set, by_source)) = set_match(&words) {
+            let addr = if by_source {
+                packet.src
+            } else {
+                Some(packet.dst)
+            };
+            if !addr.map_or(Ok(false), |addr| in_set(set, addr))? {
+                continue;
+            }
         }
         return Ok(match after("-j") {
             Some("MASQUERADE") => ChainVerdict::Masquerades,

@@ -21,6 +21,14 @@ pub fn name(chain: &str, family: IpFamily) -> String {
     }
 }
 
+/// `<chain>-s4` or `<chain>-s6`: the sources the chain leaves alone, by the longest prefix.
+pub fn source_name(chain: &str, family: IpFamily) -> String {
+    match family {
+        IpFamily::Ipv4 => format!("{chain}-s4"),
+        IpFamily::Ipv6 => format!("{chain}-s6"),
+    }
+}
+
 /// One entry of a set: a prefix, and whether it is a `nomatch` one. Ordered by prefix, so that
 /// two sorted sets are compared in one walk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

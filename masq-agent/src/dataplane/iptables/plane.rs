@@ -18,8 +18,9 @@ use crate::{
 /// What was last installed for one family, to make re-applying an unchanged policy cheap.
 struct Installed {
     rendered: String,
-    /// The members of the chain's set, for the chain beside the eBPF programs.
-    set: Option<Vec<ipset::Member>>,
+    /// The sets the chain matches on, each with its members: the destinations beside the eBPF
+    /// programs, and the sources when the policy has source entries.
+    sets: Vec<(String, Vec<ipset::Member>)>,
     /// `iptables -S` of the chain right after installing it; any difference later means someone
     /// else changed it.
     listing: String,
@@ -37,6 +38,16 @@ pub struct IptablesDataPlane {
     /// The next apply reads the chain and the set back rather than trust `installed`: at every
     /// resync, and after an apply that failed midway.
     verify: bool,
+}
+
+impl Installed {
+    /// The members installed in the set called `name`.
+    fn set(&self, name: &str) -> Option<&Vec<ipset::Member>> {
+        self.sets
+            .iter()
+            .find(|(installed, _)| installed == name)
+            .map(|(_, members)| members)
+    }
 }
 
 impl IptablesDataPlane {
@@ -106,10 +117,18 @@ impl IptablesDataPlane {
             let Some(rendered) = rendered else {
                 continue;
             };
-            let set = matches!(variant, ChainVariant::OutsideEbpf { .. })
-                .then(|| policy.rules(family).as_ref().map(set_members))
-                .flatten();
-            match self.apply_family(family, rendered, set)? {
+            let chain = &self.opts.chain;
+            let mut sets = Vec::new();
+            if matches!(variant, ChainVariant::OutsideEbpf { .. })
+                && let Some(rules) = policy.rules(family)
+            {
+                sets.push((ipset::name(chain, family), set_members(&rules)));
+            }
+            let sources = policy.source_rules(family);
+            if !sources.is_empty() {
+                sets.push((ipset::source_name(chain, family), set_members(&sources)));
+            }
+            match self.apply_family(family, rendered, sets)? {
                 ApplyOutcome::Unchanged => {}
                 changed => outcome = changed,
             }
@@ -117,15 +136,15 @@ impl IptablesDataPlane {
         Ok(outcome)
     }
 
+    /// One family's chain and the sets it matches on (`sets`: each set's name and members).
     fn apply_family(
         &mut self,
         family: IpFamily,
         rendered: String,
-        set: Option<Vec<ipset::Member>>,
+        sets: Vec<(String, Vec<ipset::Member>)>,
     ) -> anyhow::Result<ApplyOutcome> {
         let ipt = Iptables { family };
         let chain = &self.opts.chain;
-        let set_name = ipset::name(chain, family);
         let previous = self.installed.get(&family);
         // Listing a chain of 100 000 rules takes seconds: only one that should not change is,
         // and only when verifying; each look costs a process or two.
@@ -137,30 +156,44 @@ impl IptablesDataPlane {
             }
             _ => false,
         };
-        // The members the live set holds, as far as the agent can tell without listing them:
+        // The members each live set holds, as far as the agent can tell without listing them:
         // those it installed, if it has as many.
-        let live_set = match previous.and_then(|prev| prev.set.as_ref()) {
-            Some(members) if !self.verify || ipset::len(&set_name)? == Some(members.len()) => {
-                Some(members)
-            }
-            _ => None,
-        };
-        let set_intact = set.is_none() || (live_set.is_some() && live_set == set.as_ref());
-        if chain_intact && set_intact {
+        let mut live_sets = Vec::new();
+        for (name, _) in &sets {
+            let installed = previous.and_then(|prev| prev.set(name));
+            let live = match installed {
+                Some(members) if !self.verify || ipset::len(name)? == Some(members.len()) => {
+                    Some(members)
+                }
+                _ => None,
+            };
+            live_sets.push(live);
+        }
+        let sets_intact = sets
+            .iter()
+            .zip(&live_sets)
+            .all(|((_, members), live)| *live == Some(members));
+        let unused_sets: Vec<String> = previous
+            .map(|prev| prev.sets.iter().map(|(name, _)| name.clone()))
+            .into_iter()
+            .flatten()
+            .filter(|name| !sets.iter().any(|(wanted, _)| wanted == name))
+            .collect();
+        if chain_intact && sets_intact && unused_sets.is_empty() {
             return Ok(ApplyOutcome::Unchanged);
         }
         let outcome = match previous {
-            Some(prev) if prev.rendered == rendered && prev.set == set => ApplyOutcome::Repaired,
+            Some(prev) if prev.rendered == rendered && prev.sets == sets => ApplyOutcome::Repaired,
             _ => ApplyOutcome::Applied,
         };
-        // The set before the chain that matches on it; the chain before the jump to it, so there
-        // is no moment with a jump to an empty chain.
-        if let Some(members) = &set
-            && !set_intact
-        {
-            match live_set {
-                Some(live) => ipset::update(&set_name, live, members)?,
-                None => ipset::sync(&set_name, family, members)?,
+        // The sets before the chain that matches on them; the chain before the jump to it, so
+        // there is no moment with a jump to an empty chain; a set the chain no longer matches
+        // on goes once the chain is in.
+        for ((name, members), live) in sets.iter().zip(&live_sets) {
+            match live {
+                Some(live) if *live == members => {}
+                Some(live) => ipset::update(name, live, members)?,
+                None => ipset::sync(name, family, members)?,
             }
         }
         let listing = match previous {
@@ -172,11 +205,14 @@ impl IptablesDataPlane {
                     .context("chain vanished right after it was installed")?
             }
         };
+        for name in unused_sets {
+            ipset::destroy(&name)?;
+        }
         self.installed.insert(
             family,
             Installed {
                 rendered,
-                set,
+                sets,
                 listing,
             },
         );
@@ -224,8 +260,10 @@ pub fn cleanup(chain: &str) -> anyhow::Result<Vec<IpFamily>> {
     let mut found = Vec::new();
     for family in available_families() {
         let removed = (Iptables { family }).remove(chain)?;
-        // The eBPF data plane's chain matches its CIDRs through a set; it goes with the chain.
+        // The chain matches its CIDRs through sets (the destinations beside the eBPF programs,
+        // the sources): they go with it.
         ipset::destroy(&ipset::name(chain, family))?;
+        ipset::destroy(&ipset::source_name(chain, family))?;
         if removed {
             found.push(family);
         }

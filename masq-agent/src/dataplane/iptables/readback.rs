@@ -43,6 +43,12 @@ pub(super) fn flag_value<'a>(words: &[&'a str], flag: &str) -> Option<&'a str> {
     words.get(at + 1).copied()
 }
 
+/// A rule's `--match-set NAME src|dst`: the set, and whether it matches on the source.
+pub(super) fn set_match<'a>(words: &[&'a str]) -> Option<(&'a str, bool)> {
+    let at = words.iter().position(|w| *w == "--match-set")?;
+    Some((words.get(at + 1)?, words.get(at + 2) == Some(&"src")))
+}
+
 /// One family's chain, as read back from the kernel.
 #[derive(Debug, Clone, Serialize)]
 pub struct ChainStatus {
@@ -58,6 +64,11 @@ pub struct ChainStatus {
     /// The masqueradeCIDRs entries, where there are any.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub masquerade_exceptions: Vec<IpNet>,
+    /// The sources left alone, and the exceptions to them, where there are any.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub non_masquerade_src: Vec<IpNet>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub masquerade_src_exceptions: Vec<IpNet>,
     pub masquerade_rules: usize,
 }
 
@@ -79,6 +90,8 @@ impl ChainStatus {
             ebpf_devices_returned: Vec::new(),
             non_masquerade: Vec::new(),
             masquerade_exceptions: Vec::new(),
+            non_masquerade_src: Vec::new(),
+            masquerade_src_exceptions: Vec::new(),
             masquerade_rules: 0,
         };
         for line in listing.unwrap_or_default().lines() {
@@ -89,13 +102,22 @@ impl ChainStatus {
                 if let Some(dst) = after("-d") {
                     push_new(&mut status.masquerade_exceptions, destination(&dst)?);
                 }
-            } else if let Some(set) = after("--match-set") {
-                for member in set_members(&set)? {
+            } else if let Some((set, by_source)) = set_match(&words) {
+                let (kept, excepted) = if by_source {
+                    (
+                        &mut status.non_masquerade_src,
+                        &mut status.masquerade_src_exceptions,
+                    )
+                } else {
+                    (
+                        &mut status.non_masquerade,
+                        &mut status.masquerade_exceptions,
+                    )
+                };
+                for member in set_members(set)? {
                     match member.strip_suffix(&format!(" {}", ipset::NOMATCH)) {
-                        Some(exception) => {
-                            status.masquerade_exceptions.push(destination(exception)?)
-                        }
-                        None => status.non_masquerade.push(destination(&member)?),
+                        Some(exception) => excepted.push(destination(exception)?),
+                        None => kept.push(destination(&member)?),
                     }
                 }
             } else if let Some(dst) = after("-d") {
@@ -165,6 +187,15 @@ impl std::fmt::Display for ChainStatus {
         }
         for cidr in &self.non_masquerade {
             writeln!(f, "  not masqueraded: {cidr}")?;
+        }
+        for cidr in &self.masquerade_src_exceptions {
+            writeln!(
+                f,
+                "  from a source masqueraded although inside what is not: {cidr}"
+            )?;
+        }
+        for cidr in &self.non_masquerade_src {
+            writeln!(f, "  from a source not masqueraded: {cidr}")?;
         }
         Ok(())
     }

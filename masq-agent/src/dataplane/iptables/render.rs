@@ -9,6 +9,7 @@ const NON_MASQ_COMMENT: &str =
 const MASQ_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)""#;
 const MASQ_EXCEPTION_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic to a masqueradeCIDRs entry is subject to MASQUERADE""#;
 const SWITCHED_OFF_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: IPv6 switched off by the config; what is open stays translated""#;
+const NON_MASQ_SRC_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic from a nonMasqueradeSrcCIDRs source is not subject to MASQUERADE""#;
 const EBPF_RETURN_COMMENT: &str =
     r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
 /// MASQUERADE's `--to-ports` applies to these protocols, one rule per range each.
@@ -117,6 +118,15 @@ pub fn render(
                 ));
             }
         }
+    }
+    // Sources the policy leaves alone return before any destination is looked at; the set
+    // holds the exceptions as `nomatch`, so that their longest prefix decides as the programs'
+    // trie does. Without source entries the chain is upstream's, byte for byte.
+    if !policy.source_rules(family).is_empty() {
+        let set = ipset::source_name(chain, family);
+        lines.push(format!(
+            "-A {chain} {NON_MASQ_SRC_COMMENT} -m set --match-set {set} src -j RETURN"
+        ));
     }
     let masquerade = if opts.random_fully && caps.random_fully {
         "-j MASQUERADE --random-fully"

@@ -600,12 +600,14 @@ fn exceptions_are_read_back_from_the_chain_and_the_set() {
 
 fn verdict(text: &str, dst: &str, protocol: u8, device: &str, set_holds: bool) -> ChainVerdict {
     let packet = Packet {
+        src: None,
         dst: dst.parse().unwrap(),
         protocol,
         device,
     };
-    evaluate(text, &packet, |set| {
+    evaluate(text, &packet, |set, addr| {
         assert_eq!(set, "IP-MASQ-AGENT-v4");
+        assert_eq!(addr, packet.dst);
         Ok(set_holds)
     })
     .unwrap()
@@ -651,6 +653,7 @@ fn the_chain_is_asked_rule_by_rule_as_the_kernel_would() {
 #[test]
 fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
     let packet = Packet {
+        src: None,
         dst: "203.0.113.9".parse().unwrap(),
         protocol: 6,
         device: "eth0",
@@ -660,7 +663,7 @@ fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
         "-A IP-MASQ-AGENT -s 10.244.0.0/16 -j RETURN",
         "-A IP-MASQ-AGENT -m mark --mark 0x4000 -j RETURN",
     ] {
-        let err = evaluate(rule, &packet, |_| Ok(false)).unwrap_err();
+        let err = evaluate(rule, &packet, |_, _| Ok(false)).unwrap_err();
         assert!(err.to_string().contains("cannot follow"), "{rule}: {err}");
     }
 }
@@ -668,4 +671,98 @@ fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
 /// Prefixes as the chain's status holds them.
 fn nets(written: &[&str]) -> Vec<ipnet::IpNet> {
     written.iter().map(|net| net.parse().unwrap()).collect()
+}
+
+// ---- sources left alone ---------------------------------------------------------------------
+
+const SRC_RET: &str = r#"-m comment --comment "ip-masq-agent: traffic from a nonMasqueradeSrcCIDRs source is not subject to MASQUERADE""#;
+
+/// The default policy, with every IPv4 source left alone but the pods' own.
+fn pods_only() -> Policy {
+    let mut p = policy(&["10.0.0.0/8"], false, false);
+    p.non_masq_src_v4 = vec!["0.0.0.0/0".parse().unwrap()];
+    p.masq_src_v4 = vec!["10.244.0.0/16".parse().unwrap()];
+    p
+}
+
+#[test]
+fn sources_left_alone_return_first_and_the_rest_is_upstream_s_chain() {
+    let with_sources = full(IpFamily::Ipv4, &pods_only(), true);
+    let mut lines: Vec<&str> = with_sources.lines().collect();
+    let source_rule =
+        format!("-A IP-MASQ-AGENT {SRC_RET} -m set --match-set IP-MASQ-AGENT-s4 src -j RETURN");
+    assert_eq!(lines.remove(2), source_rule);
+    let upstream = full(IpFamily::Ipv4, &policy(&["10.0.0.0/8"], false, false), true);
+    assert_eq!(lines.join("\n") + "\n", upstream);
+    // No source entry for IPv6: its chain is upstream's.
+    let v6 = full(IpFamily::Ipv6, &pods_only(), true);
+    assert!(!v6.contains("--match-set"), "{v6}");
+}
+
+#[test]
+fn the_source_set_gives_the_longest_prefix_its_say() {
+    let members: Vec<String> = set_members(&pods_only().source_rules(IpFamily::Ipv4))
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    // The /0 as its two halves, and the pods' prefix as the exception it is.
+    assert_eq!(
+        members,
+        ["0.0.0.0/1", "10.244.0.0/16 nomatch", "128.0.0.0/1"]
+    );
+}
+
+#[test]
+fn the_chain_asks_the_source_set_about_the_source() {
+    let text = full(IpFamily::Ipv4, &pods_only(), true);
+    let ask = |src: Option<&str>, in_source_set: bool| {
+        let packet = Packet {
+            src: src.map(|s| s.parse().unwrap()),
+            dst: "203.0.113.9".parse().unwrap(),
+            protocol: 6,
+            device: "eth0",
+        };
+        evaluate(&text, &packet, |set, addr| {
+            assert_eq!(set, "IP-MASQ-AGENT-s4");
+            assert_eq!(Some(addr), packet.src);
+            Ok(in_source_set)
+        })
+        .unwrap()
+    };
+    assert_eq!(ask(Some("192.168.7.7"), true), ChainVerdict::KeepsAddress);
+    assert_eq!(ask(Some("10.244.1.2"), false), ChainVerdict::Masquerades);
+    assert_eq!(
+        ask(None, true),
+        ChainVerdict::Masquerades,
+        "no source, no source entry"
+    );
+}
+
+#[test]
+fn the_source_lists_are_read_back_from_their_set() {
+    let listing = format!(
+        "-N IP-MASQ-AGENT\n-A IP-MASQ-AGENT {SRC_RET} -m set --match-set IP-MASQ-AGENT-s4 src -j RETURN\n\
+         -A IP-MASQ-AGENT {RET} -d 10.0.0.0/8 -j RETURN\n-A IP-MASQ-AGENT {MASQ} -j MASQUERADE\n"
+    );
+    let members = |set: &str| {
+        assert_eq!(set, "IP-MASQ-AGENT-s4");
+        Ok(vec![
+            "0.0.0.0/1".into(),
+            "10.244.0.0/16 nomatch".into(),
+            "128.0.0.0/1".into(),
+        ])
+    };
+    let status =
+        ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(&listing), members).unwrap();
+    assert_eq!(status.non_masquerade, nets(&["10.0.0.0/8"]));
+    assert_eq!(
+        status.non_masquerade_src,
+        nets(&["0.0.0.0/1", "128.0.0.0/1"])
+    );
+    assert_eq!(status.masquerade_src_exceptions, nets(&["10.244.0.0/16"]));
+    assert!(
+        status
+            .to_string()
+            .contains("from a source not masqueraded: 0.0.0.0/1")
+    );
 }
