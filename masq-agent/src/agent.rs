@@ -89,8 +89,10 @@ impl Start {
             let policy = Policy::from_config(&loaded.config, families);
             policy_entries = [IpFamily::Ipv4, IpFamily::Ipv6]
                 .into_iter()
-                .filter_map(|family| policy.rules(family))
-                .map(|rules| rules.len())
+                .map(|family| {
+                    let destinations = policy.rules(family).map_or(0, |rules| rules.len());
+                    destinations + policy.source_rules(family).len()
+                })
                 .sum();
         }
         Start {

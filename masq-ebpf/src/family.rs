@@ -3,11 +3,11 @@
 //! the NAT state, ports, fragments) is written once over `Family`.
 
 use aya_ebpf::programs::TcContext;
-use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface};
+use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sources_decided};
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
-    maps::{self, DropSample, FragmentTable, NatTable},
+    maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie},
     parse::{self, Packet},
     policy,
 };
@@ -51,6 +51,23 @@ pub trait Family {
         Self::decide(addr).keeps_address
     }
     fn is_draining_destination(addr: Self::Addr) -> bool;
+    /// The family's source trie, and its bit of `Settings::sources_decided`.
+    fn source_trie() -> &'static PolicyTrie<Self::Addr>;
+    const SOURCES_DECIDED: u32;
+    /// What the source lists decide for traffic from `addr`; `None` while the family has no
+    /// source entry, which costs no lookup.
+    #[inline(always)]
+    fn decide_source(addr: Self::Addr) -> Option<Decision> {
+        let decided =
+            maps::settings().is_some_and(|s| s.sources_decided & Self::SOURCES_DECIDED != 0);
+        decided.then(|| policy::decide(Self::source_trie(), addr))
+    }
+    /// Whether traffic from `saddr` to `daddr` keeps the pod's address, whichever says so.
+    #[inline(always)]
+    fn leaves_alone(saddr: Self::Addr, daddr: Self::Addr) -> bool {
+        Self::is_non_masq_destination(daddr)
+            || Self::decide_source(saddr).is_some_and(|d| d.keeps_address)
+    }
     /// Where `field` sits in the IP header.
     #[inline(always)]
     fn addr_off(field: AddrField) -> usize {
@@ -144,6 +161,13 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn source_trie() -> &'static PolicyTrie<[u8; 4]> {
+        &maps::NON_MASQ_SRC_V4
+    }
+
+    const SOURCES_DECIDED: u32 = sources_decided::V4;
+
+    #[inline(always)]
     fn rewrite_addr(
         ctx: &TcContext,
         ip: &Packet<[u8; 4]>,
@@ -221,6 +245,13 @@ impl Family for V6 {
     fn is_draining_destination(addr: [u8; 16]) -> bool {
         policy::in_trie(&maps::DRAINING_V6, addr)
     }
+
+    #[inline(always)]
+    fn source_trie() -> &'static PolicyTrie<[u8; 16]> {
+        &maps::NON_MASQ_SRC_V6
+    }
+
+    const SOURCES_DECIDED: u32 = sources_decided::V6;
 
     #[inline(always)]
     fn rewrite_addr(

@@ -13,6 +13,11 @@ pub mod map_names {
     pub const DRAINING_V4: &str = "non_masq_draining_v4";
     /// The same for `non_masq_v6`.
     pub const DRAINING_V6: &str = "non_masq_draining_v6";
+    /// Sources whose traffic keeps its address (`nonMasqueradeSrcCIDRs`), and the exceptions
+    /// to them, with their actions as in `non_masq_v4`; looked up only while
+    /// `Settings::sources_decided` says the family has any.
+    pub const NON_MASQ_SRC_V4: &str = "non_masq_src_v4";
+    pub const NON_MASQ_SRC_V6: &str = "non_masq_src_v6";
     pub const NAT_V4: &str = "nat_v4";
     pub const NAT_V6: &str = "nat_v6";
     pub const INTERFACES: &str = "interfaces";
@@ -43,9 +48,11 @@ pub mod map_names {
     pub const DROP_SAMPLE_V6: &str = "nat_drop_sample_v6";
 
     /// Every map the agent pins.
-    pub const PINNED: [&str; 11] = [
+    pub const PINNED: [&str; 13] = [
         NON_MASQ_V4,
         NON_MASQ_V6,
+        NON_MASQ_SRC_V4,
+        NON_MASQ_SRC_V6,
         DRAINING_V4,
         DRAINING_V6,
         NAT_V4,
@@ -472,7 +479,16 @@ pub struct Settings {
     pub total_ports: u32,
     /// 1: pick ports at random (`--random-fully`); 0: keep the pod's port when it is free.
     pub random_fully: u32,
-    pub _pad: u32,
+    /// The families whose sources the policy decides too (`sources_decided`): their
+    /// `non_masq_src` trie holds entries. Set after the trie is filled, cleared before it is
+    /// emptied, so that a family without source entries pays no lookup.
+    pub sources_decided: u32,
+}
+
+/// The bits of `Settings::sources_decided`.
+pub mod sources_decided {
+    pub const V4: u32 = 1;
+    pub const V6: u32 = 2;
 }
 
 /// Declares the counters once: each variant, its slot (in order), and its stable name.
@@ -563,6 +579,10 @@ counters! {
     /// unmasqueraded before their destination was removed from the non-masquerade CIDRs.
     NotMasqInbound = "not_masqueraded_inbound_connection"
         in NOT_MASQUERADED, reason = "inbound_connection";
+    /// Egress packets from a source the policy leaves alone (`nonMasqueradeSrcCIDRs`), toward
+    /// a destination it would masquerade.
+    NotMasqNonMasqSource = "not_masqueraded_non_masq_source"
+        in NOT_MASQUERADED, reason = "non_masq_source";
     /// Egress ICMP other than echo requests (replies and errors about inbound flows).
     NotMasqIcmpOther = "not_masqueraded_icmp_other" in NOT_MASQUERADED, reason = "icmp_other";
     /// Ingress packets whose destination was restored.

@@ -31,6 +31,12 @@ pub static NON_MASQ_V4: PolicyTrie<[u8; 4]> = LpmTrie::new();
 #[btf_map(name = "non_masq_v6")]
 pub static NON_MASQ_V6: PolicyTrie<[u8; 16]> = LpmTrie::new();
 
+#[btf_map(name = "non_masq_src_v4")]
+pub static NON_MASQ_SRC_V4: PolicyTrie<[u8; 4]> = LpmTrie::new();
+
+#[btf_map(name = "non_masq_src_v6")]
+pub static NON_MASQ_SRC_V6: PolicyTrie<[u8; 16]> = LpmTrie::new();
+
 /// The size here is the least the agent gives it; it sets the size when it loads the object.
 #[btf_map(name = "policy_decisions")]
 pub static DECISIONS: PerCpuArray<u64, { decision_slot::AT_LEAST as usize }> = PerCpuArray::new();

@@ -375,7 +375,7 @@ fn snat_untranslatable<F: Family>(
     if let Some(verdict) = left_to_chain {
         return verdict;
     }
-    if F::is_non_masq_destination(ip.daddr) {
+    if F::leaves_alone(ip.saddr, ip.daddr) {
         return Verdict::Keep(Counter::NotMasqNonMasqDestination);
     }
     Verdict::Drop(dropped)
@@ -413,12 +413,13 @@ fn snat_unwalked<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> Verdict {
 }
 
 /// Egress, for a flow without an entry: does the policy say it leaves with the node's address?
+/// Only when both its destination and (for a family with source entries) its source say so.
 /// Reads the packet's `segment` once the answer may depend on it: the packets of flows to
 /// non-masquerade destinations, which have no entry, come this way each, and need none of it.
-/// A pod's packet is counted for the policy entry that decided it: a masqueraded flow once, as
-/// its entry carries the rest; a flow that keeps its address at every packet, as nothing here
-/// holds it. The node's own packets are not the policy's to decide. What the flow's state says
-/// (`snat_keeps_its_address`) comes after, a step of its own.
+/// A pod's packet is counted for the policy entries that decided it: a masqueraded flow once,
+/// as its entry carries the rest; a flow that keeps its address at every packet, as nothing
+/// here holds it. The node's own packets are not the policy's to decide. What the flow's state
+/// says (`snat_keeps_its_address`) comes after, a step of its own.
 #[inline(always)]
 fn snat_needs_masquerade<F: Family>(
     ctx: &TcContext,
@@ -432,6 +433,12 @@ fn snat_needs_masquerade<F: Family>(
         return Err(keeps_its_address(decision, source));
     }
     if source == Source::Pod {
+        if let Some(by_source) = F::decide_source(ip.saddr) {
+            policy::count(by_source);
+            if by_source.keeps_address {
+                return Err(Verdict::Keep(Counter::NotMasqNonMasqSource));
+            }
+        }
         policy::count(decision);
     }
     *segment = Segment::read::<F>(ctx, ip, l4);

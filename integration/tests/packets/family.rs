@@ -172,7 +172,14 @@ impl HarnessFamily for Ipv4Addr {
     }
 
     fn draining(bed: &TestBed) -> Vec<Prefix<Self>> {
-        let keys = bed.maps.policy.v4.draining.keys();
+        let keys = bed
+            .maps
+            .policy
+            .v4
+            .draining
+            .as_ref()
+            .expect("a draining trie")
+            .keys();
         keys.map(|k| k.map(|k| (k.prefix_len(), k.data().into())).unwrap())
             .collect()
     }
@@ -246,7 +253,14 @@ impl HarnessFamily for Ipv6Addr {
     }
 
     fn draining(bed: &TestBed) -> Vec<Prefix<Self>> {
-        let keys = bed.maps.policy.v6.draining.keys();
+        let keys = bed
+            .maps
+            .policy
+            .v6
+            .draining
+            .as_ref()
+            .expect("a draining trie")
+            .keys();
         keys.map(|k| k.map(|k| (k.prefix_len(), k.data().into())).unwrap())
             .collect()
     }

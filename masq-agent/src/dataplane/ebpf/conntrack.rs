@@ -186,7 +186,10 @@ pub fn keep_pod_flows(nat: &mut NatTables, before: &Policy, after: &Policy) {
     let kept = netdev::local_addresses().and_then(|addresses| {
         let flows: Vec<Flow> = pod_flows(&table, |addr| addresses.contains(&addr))
             .into_iter()
-            .filter(|flow| before.exempts(flow.remote) && !after.exempts(flow.remote))
+            .filter(|flow| {
+                before.leaves_alone(flow.local, flow.remote)
+                    && !after.leaves_alone(flow.local, flow.remote)
+            })
             .collect();
         record(nat, &flows, nat_kind::PASSTHROUGH)
     });

@@ -7,19 +7,12 @@
 //! trie changed. So slots are zeroed when given again, not when given back, and slots never
 //! used since the array was made, which are zero, go first.
 
-use std::collections::BTreeMap;
-
 use aya::maps::{IterableMap as _, MapData, PerCpuArray, PerCpuValues};
 use ipnet::IpNet;
 use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_action};
 use serde::Serialize;
 
-use super::{
-    batch,
-    pins::Pins,
-    policy_word::PolicyWord,
-    prefixes::{self, Prefix},
-};
+use super::{batch, pins::Pins, policy_word::PolicyWord, prefixes};
 
 /// The per-CPU decision counters, a slot per policy entry.
 pub type DecisionCounters = PerCpuArray<MapData, u64>;
@@ -123,6 +116,9 @@ pub fn counts(counters: &DecisionCounters) -> anyhow::Result<Vec<u64>> {
 #[derive(Debug, Clone, Serialize)]
 pub struct EntryDecisions {
     pub prefix: IpNet,
+    /// A source entry (`nonMasqueradeSrcCIDRs`, `masqueradeSrcCIDRs`), not a destination's.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub source: bool,
     /// `masquerade` or `non-masquerade`.
     pub action: &'static str,
     /// `None` when the counters had no slot for it.
@@ -172,9 +168,7 @@ impl SlotActions {
         };
         let generation = PolicyWord(pins.open(map_names::POLICY_GENERATION)?).generation()?;
         if self.generation != Some(generation) {
-            let v4 = prefixes::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
-            let v6 = prefixes::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
-            self.actions = slot_actions(&v4, &v6).collect();
+            self.actions = slot_actions(&TrieEntries::read(pins)?).collect();
             self.generation = Some(generation);
         }
         let counts = counts(&counters)?;
@@ -185,13 +179,61 @@ impl SlotActions {
     }
 }
 
+/// Every entry of the policy tries, both families', the destinations' and the sources'.
+#[derive(Debug, Default)]
+pub struct TrieEntries {
+    pub destinations: Vec<(IpNet, PolicyEntry)>,
+    pub sources: Vec<(IpNet, PolicyEntry)>,
+}
+
+impl TrieEntries {
+    /// The tries pinned under `pins`; an agent from before source entries pinned no source
+    /// tries.
+    pub fn read(pins: &Pins) -> anyhow::Result<TrieEntries> {
+        fn both(pins: &Pins, (v4, v6): (&str, &str)) -> anyhow::Result<Vec<(IpNet, PolicyEntry)>> {
+            if !pins.map(v4).exists() {
+                return Ok(Vec::new());
+            }
+            let v4 = prefixes::entries::<4>(&pins.open(v4)?);
+            let v6 = prefixes::entries::<16>(&pins.open(v6)?);
+            let v4 = v4.into_iter().map(|(p, e)| (prefixes::net(p), e));
+            let v6 = v6.into_iter().map(|(p, e)| (prefixes::net(p), e));
+            Ok(v4.chain(v6).collect())
+        }
+        Ok(TrieEntries {
+            destinations: both(pins, (map_names::NON_MASQ_V4, map_names::NON_MASQ_V6))?,
+            sources: both(
+                pins,
+                (map_names::NON_MASQ_SRC_V4, map_names::NON_MASQ_SRC_V6),
+            )?,
+        })
+    }
+
+    /// Each entry with whether it is a source's.
+    fn all(&self) -> impl Iterator<Item = (&(IpNet, PolicyEntry), bool)> {
+        let destinations = self.destinations.iter().map(|e| (e, false));
+        destinations.chain(self.sources.iter().map(|e| (e, true)))
+    }
+
+    /// The prefixes of one family's list: the destinations' or the sources', with `action`.
+    pub fn with_action(&self, sources: bool, ipv6: bool, action: PrefixAction) -> Vec<IpNet> {
+        let list = if sources {
+            &self.sources
+        } else {
+            &self.destinations
+        };
+        list.iter()
+            .filter(|(net, entry)| entry.action == action && matches!(net, IpNet::V6(_)) == ipv6)
+            .map(|(net, _)| *net)
+            .collect()
+    }
+}
+
 /// Each entry's slot and action.
-fn slot_actions<'a>(
-    v4: &'a BTreeMap<Prefix<4>, PolicyEntry>,
-    v6: &'a BTreeMap<Prefix<16>, PolicyEntry>,
-) -> impl Iterator<Item = (u32, PrefixAction)> + 'a {
-    let entries = v4.values().chain(v6.values());
-    entries.map(|entry| (entry.counted_in, entry.action))
+fn slot_actions(entries: &TrieEntries) -> impl Iterator<Item = (u32, PrefixAction)> + '_ {
+    entries
+        .all()
+        .map(|((_, entry), _)| (entry.counted_in, entry.action))
 }
 
 /// What each entry of the policy tries decided, as the counters say.
@@ -207,23 +249,17 @@ pub struct PolicyDecisions {
 }
 
 impl PolicyDecisions {
-    /// The decisions of both tries' `v4` and `v6` entries, from `counts` (by slot).
-    pub fn of(
-        slots: u32,
-        counts: &[u64],
-        v4: &BTreeMap<Prefix<4>, PolicyEntry>,
-        v6: &BTreeMap<Prefix<16>, PolicyEntry>,
-    ) -> PolicyDecisions {
+    /// The decisions of every entry of the tries, from `counts` (by slot).
+    pub fn of(slots: u32, counts: &[u64], tries: &TrieEntries) -> PolicyDecisions {
         let decisions = |entry: &PolicyEntry| {
             let slot = entry.counted_in as usize;
             (entry.counted_in < slots).then(|| counts.get(slot).copied().unwrap_or(0))
         };
-        let v4_entries = v4.iter().map(|(p, e)| (prefixes::net(*p), e));
-        let v6_entries = v6.iter().map(|(p, e)| (prefixes::net(*p), e));
-        let mut entries: Vec<EntryDecisions> = v4_entries
-            .chain(v6_entries)
-            .map(|(prefix, entry)| EntryDecisions {
-                prefix,
+        let mut entries: Vec<EntryDecisions> = tries
+            .all()
+            .map(|((prefix, entry), source)| EntryDecisions {
+                prefix: *prefix,
+                source,
                 action: action_name(entry.action),
                 decisions: decisions(entry),
             })
@@ -235,7 +271,7 @@ impl PolicyDecisions {
                 .get(decision_slot::BY_DEFAULT as usize)
                 .copied()
                 .unwrap_or(0),
-            totals: DecisionTotals::of(counts, slot_actions(v4, v6)),
+            totals: DecisionTotals::of(counts, slot_actions(tries)),
             entries,
         }
     }
@@ -314,16 +350,12 @@ pub fn action_name(action: masq_ebpf::PrefixAction) -> &'static str {
 
 /// Reads what each entry of the tries pinned under `pins` decided; `None` if no counters are
 /// pinned.
-pub fn read(
-    pins: &Pins,
-    v4: &BTreeMap<Prefix<4>, PolicyEntry>,
-    v6: &BTreeMap<Prefix<16>, PolicyEntry>,
-) -> anyhow::Result<Option<PolicyDecisions>> {
+pub fn read(pins: &Pins, tries: &TrieEntries) -> anyhow::Result<Option<PolicyDecisions>> {
     let Some(counters) = open_pinned(pins)? else {
         return Ok(None);
     };
     let counts = counts(&counters)?;
-    Ok(Some(PolicyDecisions::of(counters.len(), &counts, v4, v6)))
+    Ok(Some(PolicyDecisions::of(counters.len(), &counts, tries)))
 }
 
 fn zero(counters: &mut DecisionCounters, slot: u32) -> anyhow::Result<()> {

@@ -355,9 +355,13 @@ pub fn write_settings(
             spans.len()
         );
     }
+    // Which families' sources the tries decide is the policy's, not the flags': the pinned
+    // tries an earlier agent filled go on deciding until this one's first sync.
+    let sources_decided = settings.get(&0, 0).map_or(0, |s| s.sources_decided);
     let mut written = Settings {
         span_count: spans.len() as u32,
         random_fully: u32::from(random_fully),
+        sources_decided,
         ..Settings::default()
     };
     for (slot, span) in written.spans.iter_mut().zip(spans) {

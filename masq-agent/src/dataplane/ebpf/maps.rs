@@ -34,13 +34,19 @@ impl Maps {
     pub fn take_from(ebpf: &mut Ebpf, reused_decisions: bool) -> anyhow::Result<Maps> {
         Ok(Maps {
             policy: PolicyMaps::new(
-                FamilyTries::new(
-                    take(ebpf, map_names::NON_MASQ_V4)?,
-                    take(ebpf, map_names::DRAINING_V4)?,
+                (
+                    FamilyTries::new(
+                        take(ebpf, map_names::NON_MASQ_V4)?,
+                        Some(take(ebpf, map_names::DRAINING_V4)?),
+                    ),
+                    FamilyTries::new(
+                        take(ebpf, map_names::NON_MASQ_V6)?,
+                        Some(take(ebpf, map_names::DRAINING_V6)?),
+                    ),
                 ),
-                FamilyTries::new(
-                    take(ebpf, map_names::NON_MASQ_V6)?,
-                    take(ebpf, map_names::DRAINING_V6)?,
+                (
+                    FamilyTries::new(take(ebpf, map_names::NON_MASQ_SRC_V4)?, None),
+                    FamilyTries::new(take(ebpf, map_names::NON_MASQ_SRC_V6)?, None),
                 ),
                 PolicyWord(take(ebpf, map_names::POLICY_GENERATION)?),
                 take(ebpf, map_names::DECISIONS)?,

@@ -253,7 +253,10 @@ impl DataPlane for EbpfDataPlane {
             drop(programs_before);
             self.applied = Some(before);
         }
-        let changed = self.maps.policy.sync(&for_the_programs)?;
+        let changed = self
+            .maps
+            .policy
+            .sync(&for_the_programs, &mut self.maps.settings)?;
         if first {
             // The programs' policy: flows it leaves alone would only stray.
             let (ports, spans) = (&self.node_ports, &self.port_spans);

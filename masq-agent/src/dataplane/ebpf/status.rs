@@ -14,21 +14,20 @@ use aya::{
     programs::links::{FdLink, PinnedLink},
 };
 use ipnet::IpNet;
-use masq_ebpf::{COUNTER_SLOTS, Counter, PolicyEntry, map_names};
+use masq_ebpf::{COUNTER_SLOTS, Counter, map_names, prefix_action};
 use serde::Serialize;
 
 use super::{
     attach,
-    decisions::{self, PolicyDecisions},
+    decisions::{self, PolicyDecisions, TrieEntries},
     expiry,
     hook::Hook,
     map_types::{Counters, Interfaces, counter_total},
     pins::Pins,
     policy_word::PolicyWord,
-    prefixes::{self, Prefix},
     tc_filters,
 };
-use crate::policy::{Action, IpFamily};
+use crate::policy::IpFamily;
 
 /// One attachment, as read back from its pinned link.
 #[derive(Debug, Clone, Serialize)]
@@ -57,6 +56,11 @@ pub struct EbpfStatus {
     pub masquerade_v4: Vec<IpNet>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub masquerade_v6: Vec<IpNet>,
+    /// The source entries, both families, where there are any.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub non_masquerade_src: Vec<IpNet>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub masquerade_src: Vec<IpNet>,
     /// Flows in the NAT table (each takes two entries) by whose they are (`FlowOwner`): the
     /// pods' masqueraded; the pods' that keep their address (opened from outside, or kept
     /// across a policy change); the node's own, whose tuple the table holds.
@@ -122,8 +126,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     if !pins.map(map_names::NAT_V4).exists() {
         return Ok(None);
     }
-    let v4 = prefixes::entries::<4>(&pins.open(map_names::NON_MASQ_V4)?);
-    let v6 = prefixes::entries::<16>(&pins.open(map_names::NON_MASQ_V6)?);
+    let tries = TrieEntries::read(&pins)?;
     let table_v4 = expiry::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
     // An agent from before IPv6 pinned no `nat_v6`.
     let table_v6 = match pins.map(map_names::NAT_V6).exists() {
@@ -140,7 +143,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
                 .map(|(addr, flows)| (IpAddr::from(addr), flows)),
         )
         .collect();
-    let decisions = decisions::read(&pins, &v4, &v6)?;
+    let decisions = decisions::read(&pins, &tries)?;
     let interfaces: Interfaces = pins.open(map_names::INTERFACES)?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
     let counters = kernel
@@ -162,10 +165,18 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .filter(|(_, iface)| iface.ipv6 != [0; 16])
             .map(|(index, iface)| (index, Ipv6Addr::from(iface.ipv6)))
             .collect(),
-        non_masquerade_v4: with_action(&v4, Action::NonMasquerade),
-        non_masquerade_v6: with_action(&v6, Action::NonMasquerade),
-        masquerade_v4: with_action(&v4, Action::Masquerade),
-        masquerade_v6: with_action(&v6, Action::Masquerade),
+        non_masquerade_v4: tries.with_action(false, false, prefix_action::NON_MASQUERADE),
+        non_masquerade_v6: tries.with_action(false, true, prefix_action::NON_MASQUERADE),
+        masquerade_v4: tries.with_action(false, false, prefix_action::MASQUERADE),
+        masquerade_v6: tries.with_action(false, true, prefix_action::MASQUERADE),
+        non_masquerade_src: [false, true]
+            .into_iter()
+            .flat_map(|v6| tries.with_action(true, v6, prefix_action::NON_MASQUERADE))
+            .collect(),
+        masquerade_src: [false, true]
+            .into_iter()
+            .flat_map(|v6| tries.with_action(true, v6, prefix_action::MASQUERADE))
+            .collect(),
         nat_pod_flows: nat.pod_flows,
         nat_kept_flows: nat.kept_flows,
         nat_node_flows: nat.node_flows,
@@ -248,6 +259,15 @@ impl std::fmt::Display for EbpfStatus {
         for prefix in self.masquerade_v4.iter().chain(&self.masquerade_v6) {
             writeln!(f, "  masqueraded although inside what is not: {prefix}")?;
         }
+        for prefix in &self.non_masquerade_src {
+            writeln!(f, "  from a source not masqueraded: {prefix}")?;
+        }
+        for prefix in &self.masquerade_src {
+            writeln!(
+                f,
+                "  from a source masqueraded although inside what is not: {prefix}"
+            )?;
+        }
         writeln!(
             f,
             "  NAT table: {} of {} entries ({}% full): {} pod flows masqueraded, {} kept, {} the node's",
@@ -324,23 +344,6 @@ fn read_filters() -> Vec<AttachmentStatus> {
                     })
             })
         })
-        .collect()
-}
-
-/// The prefixes of a policy trie's `entries` whose action is `action`, as the config writes
-/// them.
-fn with_action<const N: usize>(
-    entries: &BTreeMap<Prefix<N>, PolicyEntry>,
-    action: Action,
-) -> Vec<IpNet>
-where
-    IpAddr: From<[u8; N]>,
-{
-    let value = prefixes::action_value(action);
-    entries
-        .iter()
-        .filter(|(_, entry)| entry.action == value)
-        .map(|(prefix, _)| prefixes::net(*prefix))
         .collect()
 }
 

@@ -9,9 +9,11 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use anyhow::Context as _;
-use aya::maps::{LpmTrie, MapData, lpm_trie::Key};
+use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
 use ipnet::IpNet;
-use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, prefix_action};
+use masq_ebpf::{
+    PolicyEntry, PrefixAction, Settings, decision_slot, prefix_action, sources_decided,
+};
 
 use super::{
     decisions::{DecisionCounters, DecisionSlots},
@@ -29,8 +31,9 @@ pub struct FamilyTries<const N: usize> {
     /// The policy's prefixes, each with its action and the slot counting its decisions.
     pub non_masq: PolicyTrie<N>,
     /// The prefixes that stopped keeping the pod's address, with when (seconds of
-    /// CLOCK_MONOTONIC).
-    pub draining: LpmTrie<MapData, [u8; N], u32>,
+    /// CLOCK_MONOTONIC); `None` for the source trie, whose changes conntrack's record of live
+    /// flows covers (see `conntrack::keep_pod_flows`).
+    pub draining: Option<LpmTrie<MapData, [u8; N], u32>>,
     /// What the policy trie holds, as this agent last read or wrote it; `None` when it must be
     /// read again. A trie of 100 000 prefixes takes 200 000 system calls to read.
     pub installed: Option<BTreeMap<Prefix<N>, PolicyEntry>>,
@@ -39,7 +42,7 @@ pub struct FamilyTries<const N: usize> {
 impl<const N: usize> FamilyTries<N> {
     pub fn new(
         non_masq: PolicyTrie<N>,
-        draining: LpmTrie<MapData, [u8; N], u32>,
+        draining: Option<LpmTrie<MapData, [u8; N], u32>>,
     ) -> FamilyTries<N> {
         FamilyTries {
             non_masq,
@@ -60,6 +63,9 @@ impl<const N: usize> FamilyTries<N> {
 pub struct PolicyMaps {
     pub v4: FamilyTries<4>,
     pub v6: FamilyTries<16>,
+    /// The source entries (`nonMasqueradeSrcCIDRs`, `masqueradeSrcCIDRs`).
+    pub src_v4: FamilyTries<4>,
+    pub src_v6: FamilyTries<16>,
     /// What the programs tag their cached verdicts with, and whether strays are cleared.
     pub word: PolicyWord,
     /// Per CPU, the decisions each entry took, in its slot.
@@ -73,20 +79,25 @@ impl PolicyMaps {
     /// The policy maps, their entries' slots as the tries hold them; `reused_decisions` says
     /// whether `decisions` is an earlier agent's, whose free slots may hold counts.
     pub fn new(
-        mut v4: FamilyTries<4>,
-        mut v6: FamilyTries<16>,
+        (mut v4, mut v6): (FamilyTries<4>, FamilyTries<16>),
+        (mut src_v4, mut src_v6): (FamilyTries<4>, FamilyTries<16>),
         word: PolicyWord,
         decisions: DecisionCounters,
         reused_decisions: bool,
     ) -> PolicyMaps {
         let (held_v4, held_v6) = (v4.current(), v6.current());
+        let (held_src_v4, held_src_v6) = (src_v4.current(), src_v6.current());
         let held = held_v4.values().chain(held_v6.values());
+        let held = held.chain(held_src_v4.values()).chain(held_src_v6.values());
         let held = held.map(|entry| entry.counted_in);
         let slots = DecisionSlots::free_besides(decisions.len(), held, reused_decisions);
         (v4.installed, v6.installed) = (Some(held_v4), Some(held_v6));
+        (src_v4.installed, src_v6.installed) = (Some(held_src_v4), Some(held_src_v6));
         PolicyMaps {
             v4,
             v6,
+            src_v4,
+            src_v6,
             word,
             decisions,
             slots,
@@ -106,12 +117,16 @@ impl PolicyMaps {
         self.strays.lower(&mut self.word)
     }
 
-    /// Makes the tries hold `policy`'s prefixes. Returns whether anything changed.
-    pub fn sync(&mut self, policy: &Policy) -> anyhow::Result<bool> {
+    /// Makes the tries hold `policy`'s prefixes, destinations and sources; `settings` says
+    /// which families have source entries. Returns whether anything changed.
+    pub fn sync(&mut self, policy: &Policy, settings: &mut SettingsMap) -> anyhow::Result<bool> {
         let v4 = policy.rules(IpFamily::Ipv4).unwrap_or_default();
         let mut changed = self.set_rules(IpFamily::Ipv4, &v4)?;
         if let Some(v6) = policy.rules(IpFamily::Ipv6) {
             changed |= self.set_rules(IpFamily::Ipv6, &v6)?;
+        }
+        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+            changed |= self.set_source_rules(family, &policy.source_rules(family), settings)?;
         }
         Ok(changed)
     }
@@ -122,20 +137,54 @@ impl PolicyMaps {
             slots: &mut self.slots,
             counters: &mut self.decisions,
         };
+        let (word, strays) = (&mut self.word, &mut self.strays);
         match family {
-            IpFamily::Ipv4 => self.v4.sync(
-                prefixes::trie_entries(rules),
-                &mut self.word,
-                &mut self.strays,
-                &mut counting,
-            ),
-            IpFamily::Ipv6 => self.v6.sync(
-                prefixes::trie_entries(rules),
-                &mut self.word,
-                &mut self.strays,
-                &mut counting,
-            ),
+            IpFamily::Ipv4 => {
+                let desired = prefixes::trie_entries(rules);
+                self.v4.sync(desired, word, strays, &mut counting)
+            }
+            IpFamily::Ipv6 => {
+                let desired = prefixes::trie_entries(rules);
+                self.v6.sync(desired, word, strays, &mut counting)
+            }
         }
+    }
+
+    /// Makes one family's source trie hold `rules`. The programs look it up only while the
+    /// family's bit of `Settings::sources_decided` is set: set once the trie holds the entries,
+    /// cleared before the last goes. Returns whether the trie changed.
+    pub fn set_source_rules(
+        &mut self,
+        family: IpFamily,
+        rules: &Rules,
+        settings: &mut SettingsMap,
+    ) -> anyhow::Result<bool> {
+        let bit = match family {
+            IpFamily::Ipv4 => sources_decided::V4,
+            IpFamily::Ipv6 => sources_decided::V6,
+        };
+        if rules.is_empty() {
+            write_sources_decided(settings, bit, false)?;
+        }
+        let mut counting = Counting {
+            slots: &mut self.slots,
+            counters: &mut self.decisions,
+        };
+        let (word, strays) = (&mut self.word, &mut self.strays);
+        let changed = match family {
+            IpFamily::Ipv4 => {
+                let desired = prefixes::trie_entries(rules);
+                self.src_v4.sync(desired, word, strays, &mut counting)
+            }
+            IpFamily::Ipv6 => {
+                let desired = prefixes::trie_entries(rules);
+                self.src_v6.sync(desired, word, strays, &mut counting)
+            }
+        }?;
+        if !rules.is_empty() {
+            write_sources_decided(settings, bit, true)?;
+        }
+        Ok(changed)
     }
 
     /// Makes one family's trie hold `nets`, all non-masquerade. Returns whether it changed.
@@ -161,6 +210,8 @@ impl PolicyMaps {
     pub fn verify_next_sync(&mut self) {
         self.v4.installed = None;
         self.v6.installed = None;
+        self.src_v4.installed = None;
+        self.src_v6.installed = None;
     }
 }
 
@@ -215,8 +266,10 @@ impl<const N: usize> FamilyTries<N> {
         }
         let change = DrainingChange::between(&current, &difference);
         let now = prefixes::seconds(expiry::monotonic_now_ns());
-        for (len, data) in &change.start {
-            self.draining.insert(&Key::new(*len, *data), now, 0)?;
+        if let Some(draining) = &mut self.draining {
+            for (len, data) in &change.start {
+                draining.insert(&Key::new(*len, *data), now, 0)?;
+            }
         }
         let synced = self.write_policy(&current, difference, counting);
         // Even a sync that failed half-way may have changed the trie: no cached verdict survives
@@ -321,8 +374,10 @@ impl<const N: usize> FamilyTries<N> {
         change: &DrainingChange<N>,
         policy: &BTreeMap<Prefix<N>, PrefixAction>,
     ) -> anyhow::Result<()> {
-        let back: Vec<Key<[u8; N]>> = self
-            .draining
+        let Some(draining) = &mut self.draining else {
+            return Ok(());
+        };
+        let back: Vec<Key<[u8; N]>> = draining
             .keys()
             .filter_map(Result::ok)
             .filter(|k| {
@@ -332,14 +387,16 @@ impl<const N: usize> FamilyTries<N> {
             })
             .collect();
         for key in back {
-            self.draining.remove(&key)?;
+            draining.remove(&key)?;
         }
         Ok(())
     }
 
     fn expire_draining(&mut self, drain: Duration, now_ns: u64) -> anyhow::Result<()> {
-        let done: Vec<Key<[u8; N]>> = self
-            .draining
+        let Some(draining) = &mut self.draining else {
+            return Ok(());
+        };
+        let done: Vec<Key<[u8; N]>> = draining
             .iter()
             .filter_map(Result::ok)
             .filter(|(_, since)| {
@@ -348,7 +405,7 @@ impl<const N: usize> FamilyTries<N> {
             .map(|(key, _)| key)
             .collect();
         for key in done {
-            self.draining.remove(&key)?;
+            draining.remove(&key)?;
         }
         Ok(())
     }
@@ -369,4 +426,22 @@ fn roll_back<const N: usize>(
         };
         slots.give_back(entry.counted_in);
     }
+}
+
+/// The `settings` array, whose one slot holds the programs' translation settings.
+pub type SettingsMap = Array<MapData, Settings>;
+
+/// Sets or clears `bit` of `Settings::sources_decided`, leaving the rest as it is.
+fn write_sources_decided(settings: &mut SettingsMap, bit: u32, on: bool) -> anyhow::Result<()> {
+    let mut current = settings.get(&0, 0)?;
+    let word = if on {
+        current.sources_decided | bit
+    } else {
+        current.sources_decided & !bit
+    };
+    if word != current.sources_decided {
+        current.sources_decided = word;
+        settings.set(0, current, 0)?;
+    }
+    Ok(())
 }
