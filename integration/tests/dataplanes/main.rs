@@ -49,6 +49,7 @@ mod nat_table;
 mod observability;
 mod policy;
 mod restarts;
+mod sources;
 mod uplinks;
 
 use std::{

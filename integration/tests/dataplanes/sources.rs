@@ -1,0 +1,114 @@
+//! Who is masqueraded: sources left alone (`nonMasqueradeSrcCIDRs`) and the exceptions to them
+//! (`masqueradeSrcCIDRs`), beside the destinations. A packet leaves with the node's address only
+//! when both its source and its destination say so, on every data plane alike.
+
+use std::net::{IpAddr, SocketAddr};
+
+use masq_agent::policy::IpFamily;
+use masq_testbed::{probe, write_config};
+
+use crate::{Bed, FamilyOnTheBed, Plane, host_prefix};
+
+/// What pods see must not depend on the data plane.
+macro_rules! common_cases {
+    ($plane:ident) => {
+        family_cases!($plane: sources_and_destinations_decide_together);
+    };
+}
+
+mod ebpf {
+    common_cases!(Ebpf);
+}
+
+mod iptables_nft {
+    common_cases!(IptablesNft);
+}
+
+/// The bed's config with the source lists `non_masq_src` and `masq_src`, and the destinations
+/// `non_masq` left alone besides the pods' and services'.
+fn with_sources(
+    family: IpFamily,
+    non_masq: &[&str],
+    (non_masq_src, masq_src): (&[String], &[String]),
+) -> String {
+    let list =
+        |cidrs: &[String]| -> String { cidrs.iter().map(|c| format!("  - {c}\n")).collect() };
+    format!(
+        "{}nonMasqueradeSrcCIDRs:\n{}masqueradeSrcCIDRs:\n{}",
+        family.config_with(non_masq, &[]),
+        list(non_masq_src),
+        list(masq_src)
+    )
+}
+
+/// The source the outside host at `dst` sees on a fresh UDP flow and a fresh TCP connection
+/// from pod `i`: both must agree.
+fn seen_from(bed: &Bed, i: usize, dst: SocketAddr, expect: IpAddr, why: &str) {
+    let pod = &bed.topo.pods[i];
+    bed.server
+        .wait_for_udp_from(pod, dst, expect)
+        .unwrap_or_else(|e| panic!("{why}, UDP: {e:#}"));
+    let tcp = probe::tcp_probe(pod, dst, 0).unwrap_or_else(|e| panic!("{why}, TCP: {e:#}"));
+    assert_eq!(tcp.ip(), expect, "{why}, TCP");
+}
+
+/// One pod left alone keeps its address while its neighbour is masqueraded; every source left
+/// alone but one pod masquerades that pod only, live; and a destination left alone keeps even
+/// that pod's address.
+fn sources_and_destinations_decide_together(plane: Plane, family: IpFamily) {
+    let (pod0, pod1) = (family.pod(0), family.pod(1));
+    let dst = family.routable_client();
+    let one_pod_alone = with_sources(family, &[], (&[host_prefix(pod1)], &[]));
+    let bed = Bed::with_pods(plane, &one_pod_alone, 2);
+    let _agent = bed.start_agent(family.agent_args());
+    seen_from(&bed, 0, dst, family.node(), "pod 0 is masqueraded");
+    seen_from(
+        &bed,
+        1,
+        dst,
+        pod1,
+        "pod 1, a source left alone, keeps its address",
+    );
+    if plane == Plane::Ebpf {
+        let status = bed.status_json();
+        assert_eq!(
+            status["ebpf"]["non_masquerade_src"],
+            serde_json::json!([host_prefix(pod1)])
+        );
+        let left = &status["ebpf"]["counters"]["not_masqueraded_non_masq_source"];
+        assert!(left.as_u64().unwrap() >= 2, "{status}");
+    }
+
+    let any: &str = family.pick("0.0.0.0/0", "::/0");
+    let only_pod1 = with_sources(family, &[], (&[any.to_string()], &[host_prefix(pod1)]));
+    write_config(&bed.config, &only_pod1).unwrap();
+    seen_from(
+        &bed,
+        1,
+        dst,
+        family.node(),
+        "pod 1, the exception, is masqueraded",
+    );
+    seen_from(
+        &bed,
+        0,
+        dst,
+        pod0,
+        "pod 0 is left alone with every other source",
+    );
+
+    let (outside_prefix, _) = family.outside_prefixes();
+    let destination_too = with_sources(
+        family,
+        &[outside_prefix],
+        (&[any.to_string()], &[host_prefix(pod1)]),
+    );
+    write_config(&bed.config, &destination_too).unwrap();
+    seen_from(
+        &bed,
+        1,
+        dst,
+        pod1,
+        "a destination left alone keeps pod 1's address",
+    );
+}
