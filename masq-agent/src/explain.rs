@@ -41,6 +41,9 @@ pub struct Explanation {
     pub decision: Decision,
     /// Why: the deciding entry, or `None` when no entry holds the destination.
     pub entry: Option<DecidingEntry>,
+    /// The source entry that holds the packet's source, where `--src` names one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_entry: Option<DecidingEntry>,
     /// The device the packet leaves by, and the address it is masqueraded to there.
     pub leaves_by: Option<String>,
     pub masqueraded_to: Option<IpAddr>,
@@ -124,6 +127,12 @@ pub fn explain(
     let node_source = packet.source.is_some_and(|src| local.contains(&src));
     let to_the_node = dst.is_loopback() || local.contains(&dst);
     let (action, prefix) = policy.decide(dst);
+    // A pod's source: masqueraded only when the source lists say so too.
+    let by_source = packet
+        .source
+        .filter(|_| !node_source)
+        .map(|src| policy.decide_source(src));
+    let source_keeps = matches!(by_source, Some((Action::NonMasquerade, _)));
     let decision = if policy.rules(family).is_none() {
         Decision::LeftAlone
     } else if to_the_node {
@@ -131,12 +140,23 @@ pub fn explain(
     } else if node_source {
         Decision::NodeSource
     } else {
-        match action {
-            Action::Masquerade => Decision::Masquerade,
-            Action::NonMasquerade => Decision::KeepsAddress,
+        match (action, source_keeps) {
+            (Action::Masquerade, false) => Decision::Masquerade,
+            _ => Decision::KeepsAddress,
         }
     };
-    let entry = prefix.map(|prefix| deciding_entry(loaded, opts, prefix, action));
+    let list = |action| match action {
+        Action::Masquerade => CidrList::Masquerade,
+        Action::NonMasquerade => CidrList::NonMasquerade,
+    };
+    let entry = prefix.map(|prefix| deciding_entry(loaded, opts, prefix, list(action)));
+    let source_entry = by_source.and_then(|(action, prefix)| {
+        let list = match action {
+            Action::Masquerade => CidrList::MasqueradeSrc,
+            Action::NonMasquerade => CidrList::NonMasqueradeSrc,
+        };
+        prefix.map(|prefix| deciding_entry(loaded, opts, prefix, list))
+    });
     let route = netdev::route_to(dst)?;
     let leaves_by = route.as_ref().map(|(device, _)| device.clone());
     let masqueraded_to = match (&route, decision) {
@@ -150,15 +170,18 @@ pub fn explain(
         let device = leaves_by.as_deref().unwrap_or_default();
         match ask_chain(family, chain, &packet, device)? {
             // What the chain leaves to the programs, the programs decide, if they are there.
-            Some((answer, true)) => installed.push(ask_programs(bpffs, dst)?.unwrap_or(answer)),
+            Some((answer, true)) => {
+                installed.push(ask_programs(bpffs, packet.source, dst)?.unwrap_or(answer))
+            }
             Some((answer, false)) => installed.push(answer),
-            None => installed.extend(ask_programs(bpffs, dst)?),
+            None => installed.extend(ask_programs(bpffs, packet.source, dst)?),
         }
     }
     Ok(Explanation {
         packet,
         decision,
         entry,
+        source_entry,
         leaves_by,
         masqueraded_to,
         installed,
@@ -170,12 +193,8 @@ fn deciding_entry(
     loaded: &Loaded,
     opts: &ConfigOptions,
     prefix: IpNet,
-    action: Action,
+    list: CidrList,
 ) -> DecidingEntry {
-    let list = match action {
-        Action::Masquerade => CidrList::Masquerade,
-        Action::NonMasquerade => CidrList::NonMasquerade,
-    };
     let listed = loaded.config.list(list);
     let implicit_link_local = !listed.contains(&prefix)
         && (prefix == LINK_LOCAL_V4.into() || prefix == LINK_LOCAL_V6.into());
@@ -246,8 +265,19 @@ fn ask_chain(
 
 /// What the pinned policy trie says for `dst`, if the eBPF data plane is installed, with the
 /// decisions its counters hold for the deciding entry (or for the default).
-fn ask_programs(bpffs: &Path, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>> {
+fn ask_programs(
+    bpffs: &Path,
+    src: Option<IpAddr>,
+    dst: IpAddr,
+) -> anyhow::Result<Option<LiveAnswer>> {
     let pins = Pins::new(bpffs);
+    if let Some(answer) = src
+        .map(|src| ask_source_trie(&pins, src, dst))
+        .transpose()?
+        .flatten()
+    {
+        return Ok(Some(answer));
+    }
     let name = match dst {
         IpAddr::V4(_) => map_names::NON_MASQ_V4,
         IpAddr::V6(_) => map_names::NON_MASQ_V6,
@@ -279,6 +309,43 @@ fn ask_programs(bpffs: &Path, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>>
         source: "the eBPF maps",
         decision,
         detail,
+        decisions,
+    }))
+}
+
+/// What the programs' source trie says of `src`, where it leaves the pod's address alone
+/// toward `dst` (as the programs ask it only of a flow the destination masquerades, an answer
+/// toward a destination left alone is the destination trie's).
+fn ask_source_trie(pins: &Pins, src: IpAddr, dst: IpAddr) -> anyhow::Result<Option<LiveAnswer>> {
+    let name = match src {
+        IpAddr::V4(_) => map_names::NON_MASQ_SRC_V4,
+        IpAddr::V6(_) => map_names::NON_MASQ_SRC_V6,
+    };
+    if !pins.map(name).exists() {
+        return Ok(None);
+    }
+    let destination = match dst {
+        IpAddr::V4(addr) => longest::<4>(&pins.open(map_names::NON_MASQ_V4)?, addr.octets()),
+        IpAddr::V6(addr) => longest::<16>(&pins.open(map_names::NON_MASQ_V6)?, addr.octets()),
+    };
+    if masq_ebpf::Decision::of(destination.as_ref()).keeps_address {
+        return Ok(None);
+    }
+    let entry = match src {
+        IpAddr::V4(addr) => longest::<4>(&pins.open(name)?, addr.octets()),
+        IpAddr::V6(addr) => longest::<16>(&pins.open(name)?, addr.octets()),
+    };
+    let Some(entry) = entry.filter(|e| e.action == masq_ebpf::prefix_action::NON_MASQUERADE) else {
+        return Ok(None);
+    };
+    let decisions = match decisions::open_pinned(pins)? {
+        Some(counters) => decisions::count(&counters, entry.counted_in)?,
+        None => None,
+    };
+    Ok(Some(LiveAnswer {
+        source: "the eBPF maps",
+        decision: Decision::KeepsAddress,
+        detail: format!("the longest prefix of {src} in {name} keeps the pod's address"),
         decisions,
     }))
 }
@@ -338,6 +405,9 @@ impl fmt::Display for Explanation {
                 f,
                 "  because: no entry holds it, and what none holds is masqueraded"
             )?,
+        }
+        if let Some(entry) = &self.source_entry {
+            writeln!(f, "  its source: {entry}")?;
         }
         for answer in &self.installed {
             let agrees = if answer.decision == self.decision {

@@ -52,6 +52,30 @@ fn seen_from(bed: &Bed, i: usize, dst: SocketAddr, expect: IpAddr, why: &str) {
     assert_eq!(tcp.ip(), expect, "{why}, TCP");
 }
 
+/// `masq-agent explain DST --src SRC --json` with the agent's flags: whether every data plane
+/// agreed with the config, and what it said.
+fn explain_from(
+    bed: &Bed,
+    family: IpFamily,
+    src: IpAddr,
+    dst: IpAddr,
+) -> (bool, serde_json::Value) {
+    let mut args = vec![
+        "explain".to_string(),
+        dst.to_string(),
+        format!("--src={src}"),
+        "--proto=udp".to_string(),
+        "--json".to_string(),
+    ];
+    args.extend(bed.plane_args());
+    args.extend(family.agent_args().iter().map(|a| a.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = bed.agent_cmd(&args);
+    let json = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.success(), json)
+}
+
 /// One pod left alone keeps its address while its neighbour is masqueraded; every source left
 /// alone but one pod masquerades that pod only, live; and a destination left alone keeps even
 /// that pod's address.
@@ -69,6 +93,15 @@ fn sources_and_destinations_decide_together(plane: Plane, family: IpFamily) {
         pod1,
         "pod 1, a source left alone, keeps its address",
     );
+    let (agreed, said) = explain_from(&bed, family, pod1, dst.ip());
+    assert!(agreed, "every data plane agrees with the config: {said}");
+    assert_eq!(said["decision"], "keeps-address", "{said}");
+    assert_eq!(
+        said["source_entry"]["list"], "nonMasqueradeSrcCIDRs",
+        "{said}"
+    );
+    let (_, said) = explain_from(&bed, family, pod0, dst.ip());
+    assert_eq!(said["decision"], "masquerade", "{said}");
     if plane == Plane::Ebpf {
         let status = bed.status_json();
         assert_eq!(
