@@ -29,6 +29,9 @@ fn parse_cleanly(text: &[u8]) -> Result<(), TestCaseError> {
 /// the first checks far more often than random bytes do.
 const TOKENS: &[&str] = &[
     "nonMasqueradeCIDRs",
+    "masqueradeCIDRs",
+    "nonMasqueradeSrcCIDRs",
+    "masqueradeSrcCIDRs",
     "masqLinkLocal",
     "masqLinkLocalIPv6",
     "resyncInterval",

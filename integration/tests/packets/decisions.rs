@@ -5,7 +5,11 @@
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use masq_agent::dataplane::ebpf::testbed::TC_ACT_OK;
+use masq_agent::{
+    dataplane::ebpf::testbed::TC_ACT_OK,
+    policy::{Action, Rules},
+};
+use masq_ebpf::{Counter, sources_decided};
 use masq_testbed::packet::*;
 
 use crate::family::*;
@@ -14,6 +18,7 @@ in_both_families!(
     each_policy_entry_counts_the_decisions_it_takes,
     an_entry_that_changes_action_is_counted_from_zero,
     the_counts_read_in_batches_and_slot_by_slot_agree,
+    a_source_left_alone_keeps_the_address_and_counts_for_its_entry,
 );
 
 /// The entry of the test bed's policy that holds `addr`.
@@ -150,4 +155,38 @@ fn the_counts_read_in_batches_and_slot_by_slot_agree<F: HarnessFamily>() {
     let (batched, by_slot) = h.decisions_both_ways();
     assert_eq!(batched, by_slot);
     assert!(batched.iter().sum::<u64>() >= 4, "{batched:?}");
+}
+
+/// A pod's source left alone keeps its address toward a destination the policy masquerades,
+/// counted for the source entry at every packet, while another pod is masqueraded. The source
+/// trie is asked only while the family's bit of `sources_decided` is set.
+fn a_source_left_alone_keeps_the_address_and_counts_for_its_entry<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    let alone: IpNet = host::<F>(F::POD).into();
+    let rules: Rules = vec![(alone, Action::NonMasquerade)];
+    let maps = &mut h.maps;
+    let changed = maps
+        .policy
+        .set_source_rules(F::POLICY_FAMILY, &rules, &mut maps.settings);
+    assert!(changed.unwrap());
+    let to_remote = udp(F::POD, 5353, F::REMOTE, 53);
+    for _ in 0..2 {
+        assert_eq!(h.egress(&to_remote), (TC_ACT_OK, to_remote.clone()));
+    }
+    assert_eq!(h.counter(Counter::NotMasqNonMasqSource), 2);
+    assert_eq!(h.decisions_of(alone), Some(Some(2)));
+    let other = udp(F::POD2, 5353, F::REMOTE, 53);
+    assert_eq!(
+        F::at(&h.egress(&other).1, F::SRC),
+        F::NODE,
+        "another pod is masqueraded"
+    );
+
+    // The entry stays, the bit goes: the trie is not asked, and a new flow is masqueraded.
+    let mut settings = h.maps.settings.get(&0, 0).unwrap();
+    settings.sources_decided &= !(sources_decided::V4 | sources_decided::V6);
+    h.maps.settings.set(0, settings, 0).unwrap();
+    let new_flow = udp(F::POD, 5354, F::REMOTE, 53);
+    assert_eq!(F::at(&h.egress(&new_flow).1, F::SRC), F::NODE);
+    assert_eq!(h.counter(Counter::NotMasqNonMasqSource), 2);
 }

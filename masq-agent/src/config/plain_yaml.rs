@@ -250,6 +250,8 @@ mod tests {
         let key = prop::sample::select(vec![
             "nonMasqueradeCIDRs",
             "masqueradeCIDRs",
+            "nonMasqueradeSrcCIDRs",
+            "masqueradeSrcCIDRs",
             "cidrLimit",
             "masqLinkLocal",
             "a",

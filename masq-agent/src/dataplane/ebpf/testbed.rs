@@ -168,13 +168,20 @@ impl TestBed {
     /// What the policy entry for exactly `net` decided, as its counter says: `Some(None)` for
     /// an entry without a slot, `None` for no such entry.
     pub fn decisions_of(&self, net: IpNet) -> Option<Option<u64>> {
+        let policy = &self.maps.policy;
         let entry = match net {
-            IpNet::V4(net) => prefixes::entries(&self.maps.policy.v4.non_masq)
-                .get(&(u32::from(net.prefix_len()), net.network().octets()))
-                .copied(),
-            IpNet::V6(net) => prefixes::entries(&self.maps.policy.v6.non_masq)
-                .get(&(u32::from(net.prefix_len()), net.network().octets()))
-                .copied(),
+            IpNet::V4(net) => {
+                let key = (u32::from(net.prefix_len()), net.network().octets());
+                [&policy.v4.non_masq, &policy.src_v4.non_masq]
+                    .into_iter()
+                    .find_map(|trie| prefixes::entries(trie).get(&key).copied())
+            }
+            IpNet::V6(net) => {
+                let key = (u32::from(net.prefix_len()), net.network().octets());
+                [&policy.v6.non_masq, &policy.src_v6.non_masq]
+                    .into_iter()
+                    .find_map(|trie| prefixes::entries(trie).get(&key).copied())
+            }
         }?;
         Some(decisions::count(&self.maps.policy.decisions, entry.counted_in).unwrap())
     }
