@@ -11,9 +11,12 @@ use std::{net::Ipv4Addr, time::Instant};
 
 use anyhow::{Context as _, bail};
 use ipnet::Ipv4Net;
-use masq_agent::dataplane::ebpf::{
-    EbpfOptions,
-    testbed::{TC_ACT_OK, TestBed},
+use masq_agent::{
+    dataplane::ebpf::{
+        EbpfOptions,
+        testbed::{TC_ACT_OK, TestBed},
+    },
+    policy::{Action, IpFamily, Rules},
 };
 use masq_ebpf::program_names;
 use masq_testbed::packet::{self, ACK, L4, SYN, word};
@@ -71,7 +74,10 @@ fn mean_ns(
 ) -> anyhow::Result<f64> {
     let first = bed.run(program, &frames[0], 1)?;
     let translated = first.frame != frames[0];
-    let should_translate = matches!(name, "snat_established" | "snat_new_flow" | "rev_snat");
+    let should_translate = matches!(
+        name,
+        "snat_established" | "snat_new_flow" | SOURCES_CASE | "rev_snat"
+    );
     if first.verdict != TC_ACT_OK || translated != should_translate {
         bail!(
             "case {name}: verdict {}, translated {translated}",
@@ -89,6 +95,23 @@ fn mean_ns(
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// The case of a new flow in a family with source entries, and the one entry it has: sources
+/// left alone elsewhere than the pods.
+const SOURCES_CASE: &str = "snat_new_flow_sources";
+const SOURCE_ELSEWHERE: &str = "192.0.2.0/24";
+
+/// Gives IPv4 the source entries `left_alone`, none when empty, as the agent gives them.
+fn set_sources(bed: &mut TestBed, left_alone: &[&str]) -> anyhow::Result<()> {
+    let rules: Rules = left_alone
+        .iter()
+        .map(|net| Ok((net.parse()?, Action::NonMasquerade)))
+        .collect::<anyhow::Result<_>>()?;
+    let maps = &mut bed.maps;
+    maps.policy
+        .set_source_rules(IpFamily::Ipv4, &rules, &mut maps.settings)?;
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -143,7 +166,7 @@ fn main() -> anyhow::Result<()> {
         // A packet to the node that belongs to no translated flow: the ingress lookup alone.
         let to_node = packet::tcp(REMOTE, 80, NODE, 22, ACK);
         let one = |frame: &Vec<u8>| vec![frame.clone()];
-        let cases: [(&str, &str, Vec<Vec<u8>>); 7] = [
+        let cases: [(&str, &str, Vec<Vec<u8>>); 8] = [
             ("non_masq_hit", program_names::EGRESS, one(&to_cluster)),
             (
                 "non_masq_uncached",
@@ -152,6 +175,9 @@ fn main() -> anyhow::Result<()> {
             ),
             ("snat_established", program_names::EGRESS, one(&outbound)),
             ("snat_new_flow", program_names::EGRESS, new_flows.clone()),
+            // The same first packets while the family has source entries, none of which holds
+            // the pods: what asking the source trie adds to a new flow.
+            (SOURCES_CASE, program_names::EGRESS, new_flows.clone()),
             ("rev_snat", program_names::INGRESS, one(&reply)),
             ("ingress_no_flow", program_names::INGRESS, one(&to_node)),
             ("ignored_floor", program_names::EGRESS, one(&arp)),
@@ -160,8 +186,15 @@ fn main() -> anyhow::Result<()> {
         // Interleaved, so that a noisy moment hits every case alike.
         for _ in 0..opts.rounds {
             for (i, (name, program, frame)) in cases.iter().enumerate() {
+                let sources = *name == SOURCES_CASE;
+                if sources {
+                    set_sources(&mut bed, &[SOURCE_ELSEWHERE])?;
+                }
                 samples[i].push(mean_ns(&mut bed, name, program, frame, opts.runs)?);
-                if *name == "snat_new_flow" {
+                if sources {
+                    set_sources(&mut bed, &[])?;
+                }
+                if name.starts_with("snat_new_flow") {
                     // Its flows expire, so that the other cases find the table with one flow:
                     // a lookup that misses walks every entry in its bucket.
                     bed.expire_nat::<[u8; 4]>(|key| {
