@@ -209,7 +209,7 @@ impl Drop for LivePing {
 /// config becomes `masquerading`, while new flows to `dst` take the node's; a UDP flow and a
 /// ping masqueraded under `masquerading` stay so when the config is `left_alone` again. As
 /// conntrack keeps a flow's NAT for its whole life. `port` and `port + 1`: the flows' ports.
-fn assert_a_change_moves_no_live_flow(
+pub(crate) fn assert_a_change_moves_no_live_flow(
     bed: &Bed,
     family: IpFamily,
     dst: SocketAddr,

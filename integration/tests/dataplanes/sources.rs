@@ -7,12 +7,15 @@ use std::net::{IpAddr, SocketAddr};
 use masq_agent::policy::IpFamily;
 use masq_testbed::{probe, write_config};
 
-use crate::{Bed, FamilyOnTheBed, Plane, host_prefix};
+use crate::{Bed, FamilyOnTheBed, Plane, host_prefix, policy::assert_a_change_moves_no_live_flow};
 
 /// What pods see must not depend on the data plane.
 macro_rules! common_cases {
     ($plane:ident) => {
-        family_cases!($plane: sources_and_destinations_decide_together);
+        family_cases!($plane:
+            sources_and_destinations_decide_together,
+            a_source_change_moves_no_live_flow,
+        );
     };
 }
 
@@ -144,4 +147,23 @@ fn sources_and_destinations_decide_together(plane: Plane, family: IpFamily) {
         pod1,
         "a destination left alone keeps pod 1's address",
     );
+}
+
+/// No change of the source lists moves a live flow, in either direction: the pod's source
+/// dropped from nonMasqueradeSrcCIDRs, or an exception for it added.
+fn a_source_change_moves_no_live_flow(plane: Plane, family: IpFamily) {
+    let dst = family.routable_client();
+    let pod = host_prefix(family.pod(0));
+    let left_alone = with_sources(family, &[], (std::slice::from_ref(&pod), &[]));
+    let bed = Bed::new(plane, &left_alone);
+    let _agent = bed.start_agent(family.agent_args());
+    let any: &str = family.pick("0.0.0.0/0", "::/0");
+    let changes = [
+        with_sources(family, &[], (&[], &[])),
+        with_sources(family, &[], (&[any.to_string()], &[pod])),
+    ];
+    for (i, masquerading) in changes.iter().enumerate() {
+        let port = 42000 + 2 * i as u16;
+        assert_a_change_moves_no_live_flow(&bed, family, dst, (&left_alone, masquerading), port);
+    }
 }
