@@ -15,6 +15,7 @@ macro_rules! common_cases {
         family_cases!($plane:
             sources_and_destinations_decide_together,
             a_source_change_moves_no_live_flow,
+            a_file_of_sources_beside_the_cluster_s_is_merged,
         );
     };
 }
@@ -166,4 +167,40 @@ fn a_source_change_moves_no_live_flow(plane: Plane, family: IpFamily) {
         let port = 42000 + 2 * i as u16;
         assert_a_change_moves_no_live_flow(&bed, family, dst, (&left_alone, masquerading), port);
     }
+}
+
+/// A file of source lists beside the cluster's own, as kubelet projects two ConfigMaps: the
+/// lists are joined, and the file's removal takes its sources away, live.
+fn a_file_of_sources_beside_the_cluster_s_is_merged(plane: Plane, family: IpFamily) {
+    let pod1 = family.pod(1);
+    let dst = family.routable_client();
+    let bed = Bed::with_pods(plane, &family.config_with(&[], &[]), 2);
+    let sources = bed.config.with_file_name("ip-masq-sources");
+    let text = format!("nonMasqueradeSrcCIDRs: [{}]\n", host_prefix(pod1));
+    write_config(&sources, &text).unwrap();
+    let mut args = bed.plane_args();
+    let file = format!("--config={}", bed.config.display());
+    let dir = format!("--config={}", bed.config.parent().unwrap().display());
+    args.iter_mut()
+        .filter(|arg| **arg == file)
+        .for_each(|arg| *arg = dir.clone());
+    args.extend(family.agent_args().iter().map(|a| a.to_string()));
+    let _agent = bed.spawn_agent(&args, &[]);
+    seen_from(
+        &bed,
+        1,
+        dst,
+        pod1,
+        "pod 1, left alone by the second file, keeps its address",
+    );
+    seen_from(&bed, 0, dst, family.node(), "pod 0 is masqueraded");
+    std::fs::remove_file(&sources).unwrap();
+    seen_from(
+        &bed,
+        1,
+        dst,
+        family.node(),
+        "with the file gone, pod 1 is masqueraded",
+    );
+    seen_from(&bed, 0, dst, family.node(), "and pod 0 still is");
 }
