@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::{
     config::{self, CidrList, ConfigOptions, Loaded},
     dataplane::{
+        chosen_address::ChosenAddresses,
         ebpf::{decisions, pins::Pins, prefixes},
         iptables::{self, ChainVerdict},
     },
@@ -159,9 +160,11 @@ pub fn explain(
     });
     let route = netdev::route_to(dst)?;
     let leaves_by = route.as_ref().map(|(device, _)| device.clone());
+    // The chosen masquerade address while the node holds it, else the device's.
+    let chosen = ChosenAddresses::held(&policy, &local).of(family);
     let masqueraded_to = match (&route, decision) {
         (Some((device, source)), Decision::Masquerade) => {
-            Some(node_address(device, family)?.unwrap_or(*source))
+            chosen.or(node_address(device, family)?).or(Some(*source))
         }
         _ => None,
     };

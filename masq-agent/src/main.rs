@@ -14,10 +14,11 @@ use masq_agent::{
     config::{self, ConfigSource},
     dataplane::{
         self,
+        chosen_address::ChosenAddresses,
         ebpf::{devices, expiry, flows},
         iptables::{self, Capabilities, ChainVariant},
     },
-    explain,
+    explain, netdev,
     policy::{IpFamily, Policy},
     telemetry::{self, Telemetry},
 };
@@ -228,6 +229,8 @@ fn render_iptables(
         &agent::masquerade_options(chain, masquerade),
         Capabilities::detect(family),
         variant,
+        // What the agent would install now: the chosen address only if the node holds it.
+        ChosenAddresses::held(&policy, &netdev::local_addresses()?).of(family),
     ) else {
         // The file is fine: the command line asked for what it does not enable, a usage error.
         eprintln!(

@@ -84,7 +84,7 @@ pub enum DeviceState {
     NoIpv4Address,
 }
 
-/// Looks `name` up: its index, primary IPv4 address and first global IPv6 address.
+/// Looks `name` up: its index, primary IPv4 address and oldest global IPv6 address.
 pub fn device_state(name: &str) -> anyhow::Result<DeviceState> {
     let Ok(index) = nix::net::if_::if_nametoindex(name) else {
         return Ok(DeviceState::Missing);
@@ -100,9 +100,13 @@ pub fn device_state(name: &str) -> anyhow::Result<DeviceState> {
     else {
         return Ok(DeviceState::NoIpv4Address);
     };
+    // The kernel lists a device's IPv6 addresses newest first: the oldest is the device's own,
+    // where one added later (a chosen masquerade address, a temporary address) would come
+    // and go under the flows.
     let ipv6 = addrs
         .iter()
         .filter_map(|a| a.address?.as_sockaddr_in6().map(|s| s.ip()))
+        .rev()
         .find(is_global_ipv6);
     Ok(DeviceState::Usable(Device {
         name: name.to_string(),

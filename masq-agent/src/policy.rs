@@ -1,7 +1,7 @@
 //! The policy: what the kernel must do, derived from the config and the flags. Both data planes
 //! enforce exactly this and nothing else.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
@@ -90,6 +90,10 @@ pub struct Policy {
     pub masq_src_v4: Vec<Ipv4Net>,
     pub non_masq_src_v6: Vec<Ipv6Net>,
     pub masq_src_v6: Vec<Ipv6Net>,
+    /// The address masqueraded traffic takes instead of the device's, while the node holds it
+    /// (`masqueradeAddress`, `masqueradeAddressIPv6`); IPv6's is `None` while IPv6 is off.
+    pub masquerade_address_v4: Option<Ipv4Addr>,
+    pub masquerade_address_v6: Option<Ipv6Addr>,
 }
 
 impl Policy {
@@ -129,6 +133,14 @@ impl Policy {
             IpAddr::V6(_) => (nets(&self.non_masq_src_v6), nets(&self.masq_src_v6)),
         };
         longest(addr, &mut non_masq.into_iter(), &mut masq.into_iter())
+    }
+
+    /// The address `family`'s masqueraded traffic takes, where the file names one.
+    pub fn masquerade_address(&self, family: IpFamily) -> Option<IpAddr> {
+        match family {
+            IpFamily::Ipv4 => self.masquerade_address_v4.map(IpAddr::V4),
+            IpFamily::Ipv6 => self.masquerade_address_v6.map(IpAddr::V6),
+        }
     }
 
     /// A family's source entries, the non-masquerade ones first, then the exceptions; empty
@@ -253,6 +265,8 @@ impl Policy {
             masq_src_v4,
             non_masq_src_v6,
             masq_src_v6,
+            masquerade_address_v4: config.masquerade_address,
+            masquerade_address_v6: config.masquerade_address_ipv6.filter(|_| enable_ipv6),
         }
     }
 }
@@ -305,6 +319,8 @@ mod tests {
             masquerade_cidrs: vec![],
             non_masquerade_src_cidrs: vec![],
             masquerade_src_cidrs: vec![],
+            masquerade_address: None,
+            masquerade_address_ipv6: None,
             masq_link_local: masq_ll,
             masq_link_local_ipv6: masq_ll6,
             ..Config::defaults(&ConfigOptions {
@@ -356,6 +372,8 @@ mod tests {
             masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
             non_masquerade_src_cidrs: vec![],
             masquerade_src_cidrs: vec![],
+            masquerade_address: None,
+            masquerade_address_ipv6: None,
             ..config(cidrs, masq_ll, masq_ll)
         };
         Policy::from_config(&config, IpFamilies::DUAL_STACK)
@@ -424,6 +442,8 @@ mod tests {
             masquerade_cidrs: vec!["fd00:1::/64".parse().unwrap()],
             non_masquerade_src_cidrs: vec![],
             masquerade_src_cidrs: vec![],
+            masquerade_address: None,
+            masquerade_address_ipv6: None,
             ..config(&["fd00::/8"], false, false)
         };
         let p = Policy::from_config(&config, IpFamilies::IPV4);

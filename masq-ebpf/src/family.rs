@@ -37,6 +37,10 @@ pub trait Family {
     fn is_icmp_error(icmp_type: u8) -> bool;
     /// The address masqueraded packets leave `iface` with; `None` when there is none.
     fn node_addr(iface: &Interface) -> Option<Self::Addr>;
+    /// The address chosen for the family's masqueraded flows, if the agent gave one.
+    fn chosen_addr(iface: &Interface) -> Option<Self::Addr>;
+    /// Whether `addr` is the chosen address, compared where it lies.
+    fn is_chosen_addr(iface: &Interface, addr: &Self::Addr) -> bool;
     /// Whether a pod could be `addr`: replies to broadcast or multicast open no flow.
     fn is_unicast(addr: &Self::Addr) -> bool;
     fn nat() -> &'static NatTable<Self::Addr>;
@@ -120,6 +124,16 @@ impl Family for V4 {
     #[inline(always)]
     fn node_addr(iface: &Interface) -> Option<[u8; 4]> {
         Some(iface.ipv4)
+    }
+
+    #[inline(always)]
+    fn chosen_addr(iface: &Interface) -> Option<[u8; 4]> {
+        (iface.masquerade_ipv4 != [0; 4]).then_some(iface.masquerade_ipv4)
+    }
+
+    #[inline(always)]
+    fn is_chosen_addr(iface: &Interface, addr: &[u8; 4]) -> bool {
+        iface.masquerade_ipv4 == *addr
     }
 
     /// Not multicast (224.0.0.0/4), the limited broadcast, nor link-local (169.254.0.0/16),
@@ -207,6 +221,16 @@ impl Family for V6 {
     #[inline(always)]
     fn node_addr(iface: &Interface) -> Option<[u8; 16]> {
         (iface.ipv6 != [0; 16]).then_some(iface.ipv6)
+    }
+
+    #[inline(always)]
+    fn chosen_addr(iface: &Interface) -> Option<[u8; 16]> {
+        (iface.masquerade_ipv6 != [0; 16]).then_some(iface.masquerade_ipv6)
+    }
+
+    #[inline(always)]
+    fn is_chosen_addr(iface: &Interface, addr: &[u8; 16]) -> bool {
+        iface.masquerade_ipv6 == *addr
     }
 
     /// Not multicast (ff00::/8), nor link-local (fe80::/10), which no pod is reached at from

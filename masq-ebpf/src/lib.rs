@@ -456,6 +456,11 @@ pub struct Interface {
     pub ipv4: [u8; 4],
     /// The first global IPv6 address; all zeros (`::`) when IPv6 is not masqueraded here.
     pub ipv6: [u8; 16],
+    /// The address a pod's masqueraded flow takes instead of `ipv4` (`masqueradeAddress`,
+    /// while the node holds it); all zeros: `ipv4`. The node's own flows keep `ipv4`.
+    pub masquerade_ipv4: [u8; 4],
+    /// The same for IPv6 (`masqueradeAddressIPv6`).
+    pub masquerade_ipv6: [u8; 16],
 }
 
 pub const MAX_PORT_SPANS: usize = 8;
@@ -675,7 +680,7 @@ mod layout {
     const _: () = assert!(offset_of!(NatEntryV6, tcp_next_seq) == 28);
     const _: () = assert!(size_of::<FragmentKey<[u8; 4]>>() == 16);
     const _: () = assert!(size_of::<FragmentKey<[u8; 16]>>() == 40);
-    const _: () = assert!(size_of::<Interface>() == 20);
+    const _: () = assert!(size_of::<Interface>() == 40);
     const _: () = assert!(size_of::<PortSpan>() == 8);
     const _: () = assert!(size_of::<Settings>() == 8 * MAX_PORT_SPANS + 16);
     const _: () = assert!(size_of::<PolicyEntry>() == 8 && offset_of!(PolicyEntry, action) == 4);

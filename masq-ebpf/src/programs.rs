@@ -11,8 +11,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, Decision, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, Settings, direction, nat_kind,
-    tcp_seen,
+    Counter, Decision, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey, Settings, direction,
+    nat_kind, tcp_seen,
 };
 
 use crate::{
@@ -244,7 +244,13 @@ fn snat_masquerade_new<F: Family>(
     let Some((node_addr, settings)) = interface::<F>(ctx) else {
         return Masquerading::done(Verdict::Keep(Counter::NotInspected).count());
     };
-    match nat::create_snat::<F>(ctx, key, node_addr, settings, segment, entry) {
+    // A node flow's clash moves its port, never its address.
+    let to = if key.saddr == node_addr {
+        node_addr
+    } else {
+        masquerade_addr::<F>(ctx, node_addr)
+    };
+    match nat::create_snat::<F>(ctx, key, to, settings, segment, entry) {
         Ok(()) => {
             if key.saddr == node_addr {
                 maps::count(Counter::NodePortClash);
@@ -339,6 +345,25 @@ impl Verdict {
             }
         }
     }
+}
+
+/// The address a pod's masqueraded flow leaving by the packet's device takes: the one chosen
+/// (`masqueradeAddress`) while the agent says the node holds it, or else the device's own,
+/// `node_addr`.
+#[inline(always)]
+fn masquerade_addr<F: Family>(ctx: &TcContext, node_addr: F::Addr) -> F::Addr {
+    device::<F>(ctx)
+        .and_then(F::chosen_addr)
+        .unwrap_or(node_addr)
+}
+
+/// The `interfaces` entry of the device the packet crosses.
+#[inline(always)]
+fn device<F: Family>(ctx: &TcContext) -> Option<&'static Interface> {
+    // SAFETY: the context pointer is valid for the program's run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: the map value lives as long as the program runs, and is only read.
+    Some(unsafe { &*maps::INTERFACES.get_ptr(ifindex)? })
 }
 
 /// The node's address and the NAT settings, for an egress packet of no known flow; the
@@ -620,7 +645,10 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
             // Called from here rather than from the flow's own step, so that the two frames
             // never stack.
             OfFlow::UNKNOWN_FLOW => {
-                snat_track_inbound::<F>(ctx, ip, &l4);
+                // The chosen masquerade address is the node's, not a pod's.
+                if !device::<F>(ctx).is_some_and(|iface| F::is_chosen_addr(iface, &ip.daddr)) {
+                    snat_track_inbound::<F>(ctx, ip, &l4);
+                }
                 TcAction::PASS
             }
             done => done.action(),

@@ -45,6 +45,7 @@ mod config;
 mod ebpf_lifecycle;
 mod icmp_and_fragments;
 mod kube_proxy;
+mod masquerade_address;
 mod nat_table;
 mod observability;
 mod policy;

@@ -16,6 +16,8 @@ pub(super) enum Field {
     MasqCidrs,
     SrcCidrs,
     MasqSrcCidrs,
+    MasqAddress,
+    MasqAddressIpv6,
     CidrLimit,
     MasqLinkLocal,
     MasqLinkLocalIpv6,
@@ -24,11 +26,13 @@ pub(super) enum Field {
 }
 
 impl Field {
-    pub(super) const ALL: [Field; 9] = [
+    pub(super) const ALL: [Field; 11] = [
         Field::Cidrs,
         Field::MasqCidrs,
         Field::SrcCidrs,
         Field::MasqSrcCidrs,
+        Field::MasqAddress,
+        Field::MasqAddressIpv6,
         Field::CidrLimit,
         Field::MasqLinkLocal,
         Field::MasqLinkLocalIpv6,
@@ -43,6 +47,8 @@ impl Field {
             Field::MasqCidrs => "masqueradeCIDRs",
             Field::SrcCidrs => "nonMasqueradeSrcCIDRs",
             Field::MasqSrcCidrs => "masqueradeSrcCIDRs",
+            Field::MasqAddress => "masqueradeAddress",
+            Field::MasqAddressIpv6 => "masqueradeAddressIPv6",
             Field::CidrLimit => "cidrLimit",
             Field::MasqLinkLocal => "masqLinkLocal",
             Field::MasqLinkLocalIpv6 => "masqLinkLocalIPv6",
@@ -55,6 +61,7 @@ impl Field {
     pub(super) fn go_type(self) -> &'static str {
         match self {
             Field::Cidrs | Field::MasqCidrs | Field::SrcCidrs | Field::MasqSrcCidrs => "[]string",
+            Field::MasqAddress | Field::MasqAddressIpv6 => "string",
             Field::CidrLimit => "int",
             Field::MasqLinkLocal | Field::MasqLinkLocalIpv6 | Field::EnableIpv6 => "bool",
             Field::ResyncInterval => "Duration",
@@ -124,6 +131,9 @@ pub(super) struct FileFields<'a> {
     /// Sources left alone, and the exceptions to them.
     pub(super) src_cidrs: Option<Setting<'a, CidrItems<'a>>>,
     pub(super) masq_src_cidrs: Option<Setting<'a, CidrItems<'a>>>,
+    /// The addresses masqueraded traffic takes instead of the device's, as written.
+    pub(super) masq_address: Option<Setting<'a, &'a String>>,
+    pub(super) masq_address_ipv6: Option<Setting<'a, &'a String>>,
     pub(super) cidr_limit: Option<Setting<'a, i64>>,
     pub(super) masq_link_local: Option<bool>,
     pub(super) masq_link_local_ipv6: Option<bool>,
@@ -241,6 +251,17 @@ impl<'a> FileFields<'a> {
                         _ => &mut self.masq_src_cidrs,
                     };
                     *slot = Some(Setting { value: list, key });
+                }
+            }
+            Field::MasqAddress | Field::MasqAddressIpv6 => {
+                let slot = match field {
+                    Field::MasqAddress => &mut self.masq_address,
+                    _ => &mut self.masq_address_ipv6,
+                };
+                match value {
+                    Node::Null => {}
+                    Node::Str(text) => *slot = Some(Setting { value: text, key }),
+                    other => return Err(type_error(other.go_kind().to_owned())),
                 }
             }
             Field::CidrLimit => {

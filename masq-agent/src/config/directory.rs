@@ -144,6 +144,10 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
         masquerade_cidrs: nets(masq),
         non_masquerade_src_cidrs: nets(non_masq_src),
         masquerade_src_cidrs: nets(masq_src),
+        masquerade_address: one_value(parts, "masqueradeAddress", |c| c.masquerade_address)?,
+        masquerade_address_ipv6: one_value(parts, "masqueradeAddressIPv6", |c| {
+            c.masquerade_address_ipv6
+        })?,
         cidr_limit: configs()
             .map(|c| c.cidr_limit)
             .max()
@@ -170,6 +174,37 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
         source: ConfigSource::Directory,
         files: parts.iter().map(|p| p.path.clone()).collect(),
     })
+}
+
+/// The value of `key` among the files, which may set it alike or leave it out: masqueraded
+/// traffic takes one address, and two files that name two are an error naming both.
+fn one_value<T: PartialEq + Copy + std::fmt::Display>(
+    parts: &[Part],
+    key: &str,
+    of: impl Fn(&Config) -> Option<T>,
+) -> Result<Option<T>, ConfigError> {
+    let mut found: Option<(T, &Part)> = None;
+    for part in parts {
+        let Some(value) = of(&part.loaded.config) else {
+            continue;
+        };
+        match found {
+            Some((first, other)) if first != value => {
+                return Err(ConfigError::new(
+                    &part.path.display().to_string(),
+                    None,
+                    format!(
+                        "{key} is {value} here and {first} in {}: masqueraded traffic takes \
+                         one address",
+                        other.path.display()
+                    ),
+                ));
+            }
+            Some(_) => {}
+            None => found = Some((value, part)),
+        }
+    }
+    Ok(found.map(|(value, _)| value))
 }
 
 /// A prefix one file exempts and another masquerades decides nothing: an error on the

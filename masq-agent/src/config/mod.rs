@@ -54,6 +54,10 @@ pub struct Config {
     /// prefix holds is masqueraded as the destination says. Empty unless the file sets them.
     pub non_masquerade_src_cidrs: Vec<IpNet>,
     pub masquerade_src_cidrs: Vec<IpNet>,
+    /// The address masqueraded traffic takes instead of the device's, per family, while the
+    /// node holds it (`masqueradeAddress`, `masqueradeAddressIPv6`).
+    pub masquerade_address: Option<Ipv4Addr>,
+    pub masquerade_address_ipv6: Option<std::net::Ipv6Addr>,
     pub cidr_limit: i64,
     pub masq_link_local: bool,
     pub masq_link_local_ipv6: bool,
@@ -103,6 +107,8 @@ impl Config {
             masquerade_cidrs: Vec::new(),
             non_masquerade_src_cidrs: Vec::new(),
             masquerade_src_cidrs: Vec::new(),
+            masquerade_address: None,
+            masquerade_address_ipv6: None,
             cidr_limit: DEFAULT_CIDR_LIMIT,
             masq_link_local: false,
             masq_link_local_ipv6: false,
@@ -141,6 +147,12 @@ impl Config {
             if !cidrs.is_empty() {
                 json[list.key()] = strings(cidrs).into();
             }
+        }
+        if let Some(addr) = self.masquerade_address {
+            json["masqueradeAddress"] = addr.to_string().into();
+        }
+        if let Some(addr) = self.masquerade_address_ipv6 {
+            json["masqueradeAddressIPv6"] = addr.to_string().into();
         }
         if let Some(enable) = self.enable_ipv6 {
             json["enableIPv6"] = enable.into();

@@ -66,6 +66,8 @@ fn yaml_with_all_keys() {
         masquerade_cidrs: vec![],
         non_masquerade_src_cidrs: vec![],
         masquerade_src_cidrs: vec![],
+        masquerade_address: None,
+        masquerade_address_ipv6: None,
         cidr_limit: 64,
         masq_link_local: true,
         masq_link_local_ipv6: false,
@@ -143,6 +145,8 @@ fn json_with_all_keys() {
         masquerade_cidrs: vec![],
         non_masquerade_src_cidrs: vec![],
         masquerade_src_cidrs: vec![],
+        masquerade_address: None,
+        masquerade_address_ipv6: None,
         cidr_limit: 64,
         masq_link_local: true,
         masq_link_local_ipv6: true,
@@ -525,6 +529,8 @@ fn keys_match_case_insensitively() {
             masquerade_cidrs: vec![],
             non_masquerade_src_cidrs: vec![],
             masquerade_src_cidrs: vec![],
+            masquerade_address: None,
+            masquerade_address_ipv6: None,
             cidr_limit: 5,
             masq_link_local: true,
             masq_link_local_ipv6: true,
@@ -970,6 +976,8 @@ fn upstream_json_uses_upstream_keys() {
         masquerade_cidrs: vec![],
         non_masquerade_src_cidrs: vec![],
         masquerade_src_cidrs: vec![],
+        masquerade_address: None,
+        masquerade_address_ipv6: None,
         cidr_limit: 10,
         masq_link_local: true,
         masq_link_local_ipv6: false,
@@ -1447,6 +1455,88 @@ fn source_lists_of_several_files_are_joined_and_a_clash_names_both_files() {
             .contains("is in masqueradeSrcCIDRs here and in nonMasqueradeSrcCIDRs in")
             && e.message.contains("ip-masq-agent at line 2")
             && e.message.ends_with("a source is either masqueraded or not"),
+        "{e}"
+    );
+}
+
+// --- masqueradeAddress and masqueradeAddressIPv6: the address masqueraded traffic takes ---
+
+#[test]
+fn a_masquerade_address_is_one_address_a_node_can_hold() {
+    let c = config("masqueradeAddress: 198.51.100.7");
+    assert_eq!(c.masquerade_address, Some("198.51.100.7".parse().unwrap()));
+    assert_eq!(
+        config("masqueradeAddress: ::ffff:198.51.100.7").masquerade_address,
+        c.masquerade_address
+    );
+    assert_eq!(
+        config("nonMasqueradeCIDRs: [10.0.0.0/8]").masquerade_address,
+        None
+    );
+    for (text, why) in [
+        ("masqueradeAddress: 198.51.100.0/24", "could not be parsed"),
+        ("masqueradeAddress: nonsense", "could not be parsed"),
+        (
+            "masqueradeAddress: 0.0.0.0",
+            "is not an address a node can masquerade to",
+        ),
+        (
+            "masqueradeAddress: 224.0.0.1",
+            "is not an address a node can masquerade to",
+        ),
+        (
+            "masqueradeAddress: 2001:db8::7",
+            "use masqueradeAddressIPv6",
+        ),
+        ("masqueradeAddress: [198.51.100.7]", "of type string"),
+    ] {
+        let e = reject(text);
+        assert!(e.message.contains(why), "{text}: {e}");
+        assert_eq!(e.line, Some(1), "{text}: {e}");
+    }
+    let e = reject("masqueradeAddressIPv6: 2001:db8::7");
+    assert!(e.message.contains("ipv6 is not enabled"), "{e}");
+    let c = accept_with("masqueradeAddressIPv6: 2001:db8::7", &WITH_V6).config;
+    assert_eq!(
+        c.masquerade_address_ipv6,
+        Some("2001:db8::7".parse().unwrap())
+    );
+    let e = reject_with("masqueradeAddressIPv6: 198.51.100.7", &WITH_V6);
+    assert!(e.message.contains("use masqueradeAddress"), "{e}");
+}
+
+#[test]
+fn a_masquerade_address_appears_in_the_printed_config_only_when_set() {
+    let json = config("nonMasqueradeCIDRs: [10.0.0.0/8]").to_upstream_json();
+    assert!(json.get("masqueradeAddress").is_none(), "{json}");
+    let json = config("masqueradeAddress: 198.51.100.7").to_upstream_json();
+    assert_eq!(json["masqueradeAddress"], "198.51.100.7");
+}
+
+#[test]
+fn files_that_name_two_masquerade_addresses_are_an_error_naming_both() {
+    let dir = projected(&[
+        ("ip-masq-agent", "masqueradeAddress: 198.51.100.7\n"),
+        (
+            "ip-masq-user",
+            "nonMasqueradeCIDRs: [10.0.0.0/8]\nmasqueradeAddress: 198.51.100.7\n",
+        ),
+    ]);
+    let c = load(dir.path(), &V4_ONLY).expect("the same address twice");
+    assert_eq!(
+        c.config.masquerade_address,
+        Some("198.51.100.7".parse().unwrap())
+    );
+    let dir = projected(&[
+        ("ip-masq-agent", "masqueradeAddress: 198.51.100.7\n"),
+        ("ip-masq-user", "masqueradeAddress: 198.51.100.8\n"),
+    ]);
+    let e = load(dir.path(), &V4_ONLY).expect_err("two addresses");
+    assert!(e.origin.ends_with("ip-masq-user"), "{e}");
+    assert!(
+        e.message
+            .starts_with("masqueradeAddress is 198.51.100.8 here and 198.51.100.7 in")
+            && e.message.contains("ip-masq-agent"),
         "{e}"
     );
 }

@@ -1,14 +1,14 @@
 //! Checking the decoded values in upstream's order, with upstream's messages, and Go's way
 //! of reading and writing CIDRs.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 
 use super::{
     CidrList, Config, ConfigOptions, MIN_RESYNC_INTERVAL, Standing,
-    decode::{CidrItems, FileFields, Problem},
+    decode::{CidrItems, FileFields, Problem, Setting},
     format_go_duration,
     go_format::{format_go_nanos, go_quote},
 };
@@ -55,6 +55,14 @@ pub(super) fn build_config<'a>(
         set(CidrList::MasqueradeSrc)?,
     );
     check_no_prefix_in_both(&non_masq_src, &masq_src, CidrList::NonMasqueradeSrc)?;
+    let masquerade_address = match &fields.masq_address {
+        Some(setting) => Some(check_address_v4(setting)?),
+        None => None,
+    };
+    let masquerade_address_ipv6 = match &fields.masq_address_ipv6 {
+        Some(setting) => Some(check_address_v6(setting, opts)?),
+        None => None,
+    };
     let nets = |list: Vec<(IpNet, _)>| list.into_iter().map(|(net, _)| net).collect();
     let (non_masquerade_cidrs, masquerade_cidrs) = (nets(non_masq), nets(masq));
     let (non_masquerade_src_cidrs, masquerade_src_cidrs) = (nets(non_masq_src), nets(masq_src));
@@ -77,6 +85,8 @@ pub(super) fn build_config<'a>(
         masquerade_cidrs,
         non_masquerade_src_cidrs,
         masquerade_src_cidrs,
+        masquerade_address,
+        masquerade_address_ipv6,
         cidr_limit,
         masq_link_local: fields.masq_link_local.unwrap_or(defaults.masq_link_local),
         masq_link_local_ipv6: fields
@@ -210,6 +220,66 @@ pub(super) fn check_cidr<'a>(
         )));
     }
     Ok(as_go_sees_it)
+}
+
+/// `masqueradeAddress`: one IPv4 address a host can hold (not unspecified, loopback, multicast
+/// nor the limited broadcast); an IPv4-mapped IPv6 address is its IPv4 one, as Go reads it.
+fn check_address_v4<'a>(setting: &Setting<'a, &'a String>) -> Result<Ipv4Addr, Problem<'a>> {
+    let text = setting.value.as_str();
+    let problem = |why: &str| {
+        Problem::new(
+            format!("masqueradeAddress {} {why}", go_quote(text)),
+            Some(setting.key),
+        )
+    };
+    let addr = match text.parse::<IpAddr>() {
+        Ok(IpAddr::V4(addr)) => addr,
+        Ok(IpAddr::V6(v6)) => v6
+            .to_ipv4_mapped()
+            .ok_or_else(|| problem("is not an IPv4 address: use masqueradeAddressIPv6"))?,
+        Err(_) => return Err(problem("could not be parsed as an IP address")),
+    };
+    if addr.is_unspecified() || addr.is_loopback() || addr.is_multicast() || addr.is_broadcast() {
+        return Err(problem("is not an address a node can masquerade to"));
+    }
+    Ok(addr)
+}
+
+/// `masqueradeAddressIPv6`: one IPv6 address a host can hold, with IPv6 on.
+fn check_address_v6<'a>(
+    setting: &Setting<'a, &'a String>,
+    opts: &ConfigOptions,
+) -> Result<Ipv6Addr, Problem<'a>> {
+    let text = setting.value.as_str();
+    let problem = |why: String| Problem::new(why, Some(setting.key));
+    let addr = match text.parse::<IpAddr>() {
+        Ok(IpAddr::V6(addr)) if addr.to_ipv4_mapped().is_none() => addr,
+        Ok(_) => {
+            return Err(problem(format!(
+                "masqueradeAddressIPv6 {} is not an IPv6 address: use masqueradeAddress",
+                go_quote(text)
+            )));
+        }
+        Err(_) => {
+            return Err(problem(format!(
+                "masqueradeAddressIPv6 {} could not be parsed as an IP address",
+                go_quote(text)
+            )));
+        }
+    };
+    if !opts.enable_ipv6 {
+        return Err(problem(format!(
+            "ipv6 is not enabled, but masqueradeAddressIPv6 {text} provided. \
+             Enable ipv6 using --enable-ipv6 agent flag"
+        )));
+    }
+    if addr.is_unspecified() || addr.is_loopback() || addr.is_multicast() {
+        return Err(problem(format!(
+            "masqueradeAddressIPv6 {} is not an address a node can masquerade to",
+            go_quote(text)
+        )));
+    }
+    Ok(addr)
 }
 
 /// Go's `net.ParseCIDR`: the `/len` is required, the length may have leading zeros, and the

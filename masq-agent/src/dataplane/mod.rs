@@ -2,6 +2,7 @@
 //! `ebpf` (tc programs and LPM maps) and `iptables` (upstream's reference chain). Nothing outside
 //! this module knows which one is running.
 
+pub mod chosen_address;
 pub mod coverage;
 pub mod ebpf;
 pub mod iptables;
@@ -104,6 +105,11 @@ pub fn walk_sorted<K: Ord, A, B>(
 
 pub trait DataPlane {
     fn mode(&self) -> Mode;
+
+    /// The chosen masquerade addresses in force (`masqueradeAddress`): those the node holds.
+    fn masquerade_addresses(&self) -> chosen_address::ChosenAddresses {
+        chosen_address::ChosenAddresses::default()
+    }
 
     /// Why this data plane runs instead of the one asked for, if it does.
     fn mode_reason(&self) -> Option<String> {

@@ -91,6 +91,7 @@ pub struct Telemetry {
     nat_entries: Gauge,
     nat_flows: Family<KindLabel, Gauge>,
     apply_duration: Histogram,
+    masquerade_address_in_use: Family<FamilyLabel, Gauge>,
     /// Whether the eBPF data plane is in force, for the collector of its counters.
     ebpf_in_force: Arc<AtomicBool>,
     health: Health,
@@ -177,6 +178,12 @@ impl Telemetry {
             Unit::Seconds,
             apply_duration.clone(),
         );
+        let masquerade_address_in_use = Family::<FamilyLabel, Gauge>::default();
+        registry.register(
+            "masquerade_address_in_use",
+            "Where the config names a masqueradeAddress, by address family: 1 while masqueraded traffic takes it, 0 while the node does not hold it and traffic takes the outgoing device's address",
+            masquerade_address_in_use.clone(),
+        );
         let ebpf_in_force = Arc::new(AtomicBool::new(false));
         registry.register_collector(Box::new(KernelCounters::new(bpffs, ebpf_in_force.clone())));
         Telemetry {
@@ -192,7 +199,24 @@ impl Telemetry {
             gc_expired,
             nat_entries,
             nat_flows,
+            masquerade_address_in_use,
             health: Health::new(),
+        }
+    }
+
+    /// Records whether `family`'s chosen masquerade address is in use; `None`: the config
+    /// names none, and the series goes.
+    pub fn masquerade_address(&self, family: &'static str, in_use: Option<bool>) {
+        let label = FamilyLabel { family };
+        match in_use {
+            Some(in_use) => {
+                self.masquerade_address_in_use
+                    .get_or_create(&label)
+                    .set(i64::from(in_use));
+            }
+            None => {
+                self.masquerade_address_in_use.remove(&label);
+            }
         }
     }
 
@@ -475,6 +499,19 @@ mod tests {
         );
         t.dataplane_checked(Check::Upkeep, None);
         assert_eq!(t.liveness_problem_at(now), None);
+    }
+
+    #[test]
+    fn the_masquerade_address_gauge_is_there_only_where_the_config_names_one() {
+        let t = telemetry();
+        let series =
+            |family: &str| format!("masq_agent_masquerade_address_in_use{{family=\"{family}\"}}");
+        t.masquerade_address("ipv4", Some(false));
+        assert_eq!(value(&t.encode(), &series("ipv4")), Some(0.0));
+        t.masquerade_address("ipv4", Some(true));
+        assert_eq!(value(&t.encode(), &series("ipv4")), Some(1.0));
+        t.masquerade_address("ipv4", None);
+        assert_eq!(value(&t.encode(), &series("ipv4")), None);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::{
     map_types::Interfaces,
 };
 use crate::{
-    dataplane::DataPlane as _,
+    dataplane::{DataPlane as _, chosen_address::ChosenAddresses},
     netdev::Device,
     policy::{IpFamilies, IpFamily, Policy},
 };
@@ -51,7 +51,13 @@ impl EbpfDataPlane {
             .retain(|d| !fresh.iter().any(|f| f.name == d.name));
         self.drop_vanished_draining()?;
         self.inherited.clear();
-        let changed = self.take_devices(fresh)?;
+        // Before the devices: a device that is new now gets the chosen address in force.
+        let chosen_changed = self.chosen.follow(policy)?;
+        let mut changed = self.take_devices(fresh)?;
+        if chosen_changed && !changed {
+            self.write_interfaces()?;
+            changed = true;
+        }
         let reattached = self.ensure_attached();
         // A device whose programs could not be attached stays with the chain.
         let running: Vec<Device> = self
@@ -119,7 +125,8 @@ impl EbpfDataPlane {
     /// Makes the `interfaces` map hold the devices carrying the programs and those draining.
     pub(super) fn write_interfaces(&mut self) -> anyhow::Result<()> {
         let all: Vec<Device> = self.translating();
-        write_interfaces(&mut self.maps.interfaces, &all, self.families)
+        let chosen = self.chosen.in_force;
+        write_interfaces(&mut self.maps.interfaces, &all, self.families, chosen)
     }
 
     /// The devices whose programs translate: those carrying them, and those draining.
@@ -216,18 +223,25 @@ impl EbpfDataPlane {
 
 /// Makes the `interfaces` map hold exactly `devices`, so that no stale device keeps translating.
 /// Their IPv6 addresses go in only for IPv6 among `families`: without one, the programs leave
-/// IPv6 alone.
+/// IPv6 alone. `chosen`: the addresses pods' masqueraded flows take instead of the devices'.
 pub fn write_interfaces(
     map: &mut Interfaces,
     devices: &[Device],
     families: IpFamilies,
+    chosen: ChosenAddresses,
 ) -> anyhow::Result<()> {
+    let ipv6 = families.contains(IpFamily::Ipv6);
     for device in devices {
         let entry = Interface {
             ipv4: device.ipv4.octets(),
             ipv6: device
                 .ipv6
-                .filter(|_| families.contains(IpFamily::Ipv6))
+                .filter(|_| ipv6)
+                .map_or([0; 16], |addr| addr.octets()),
+            masquerade_ipv4: chosen.v4.map_or([0; 4], |addr| addr.octets()),
+            masquerade_ipv6: chosen
+                .v6
+                .filter(|_| ipv6 && device.ipv6.is_some())
                 .map_or([0; 16], |addr| addr.octets()),
         };
         if map.get(&device.index, 0).ok() != Some(entry) {

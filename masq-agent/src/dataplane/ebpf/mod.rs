@@ -52,6 +52,7 @@ use self::{
 };
 use super::{
     ApplyOutcome, DataPlane, Mode, NatUsage, Status,
+    chosen_address::{ChosenAddressWatch, ChosenAddresses},
     iptables::{ChainVariant, IptablesDataPlane},
 };
 use crate::{
@@ -119,6 +120,8 @@ pub struct EbpfDataPlane {
     maps: Maps,
     pins: Pins,
     families: IpFamilies,
+    /// The chosen masquerade addresses in force (`masqueradeAddress`).
+    chosen: ChosenAddressWatch,
     selection: Selection,
     /// The devices carrying the programs, as last looked up.
     devices: Vec<Device>,
@@ -167,6 +170,7 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         inherited: pins.linked_devices(),
         pins,
         families: opts.families,
+        chosen: ChosenAddressWatch::default(),
         selection: opts.devices.clone(),
         devices: Vec::new(),
         draining: Vec::new(),
@@ -237,6 +241,10 @@ impl DataPlane for EbpfDataPlane {
         Mode::Ebpf
     }
 
+    fn masquerade_addresses(&self) -> ChosenAddresses {
+        self.chosen.in_force
+    }
+
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
         let first = self.applied.is_none();
         if first {
@@ -294,6 +302,8 @@ impl DataPlane for EbpfDataPlane {
             self.applied = Some(policy);
             followed?;
         }
+        // The chain beside the programs follows a chosen masquerade address too.
+        self.chain.maintain()?;
         let sweep = self.sweeps.due();
         // After a change, as soon as the grace allows; then with the sweeps.
         if !self.maps.policy.strays.checked || sweep {

@@ -49,6 +49,10 @@ pub struct EbpfStatus {
     pub interfaces: BTreeMap<u32, Ipv4Addr>,
     /// The interfaces that masquerade IPv6, and their addresses.
     pub interfaces_v6: BTreeMap<u32, Ipv6Addr>,
+    /// The chosen masquerade addresses the programs give pods' new flows (`masqueradeAddress`
+    /// while the node holds it).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chosen_addresses: Vec<IpAddr>,
     pub non_masquerade_v4: Vec<IpNet>,
     pub non_masquerade_v6: Vec<IpNet>,
     /// The exceptions (`masqueradeCIDRs`), where there are any.
@@ -165,6 +169,22 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .filter(|(_, iface)| iface.ipv6 != [0; 16])
             .map(|(index, iface)| (index, Ipv6Addr::from(iface.ipv6)))
             .collect(),
+        chosen_addresses: {
+            let mut chosen: Vec<IpAddr> = interfaces
+                .iter()
+                .filter_map(Result::ok)
+                .flat_map(|(_, iface)| {
+                    let v4 = (iface.masquerade_ipv4 != [0; 4])
+                        .then(|| IpAddr::from(iface.masquerade_ipv4));
+                    let v6 = (iface.masquerade_ipv6 != [0; 16])
+                        .then(|| IpAddr::from(iface.masquerade_ipv6));
+                    v4.into_iter().chain(v6)
+                })
+                .collect();
+            chosen.sort();
+            chosen.dedup();
+            chosen
+        },
         non_masquerade_v4: tries.with_action(false, false, prefix_action::NON_MASQUERADE),
         non_masquerade_v6: tries.with_action(false, true, prefix_action::NON_MASQUERADE),
         masquerade_v4: tries.with_action(false, false, prefix_action::MASQUERADE),
@@ -252,6 +272,9 @@ impl std::fmt::Display for EbpfStatus {
             .map(|(i, a)| (i, IpAddr::from(*a)));
         for (index, addr) in v4.chain(v6) {
             writeln!(f, "  masquerades to {addr} on ifindex {index}")?;
+        }
+        for addr in &self.chosen_addresses {
+            writeln!(f, "  pods' flows masquerade to the chosen address {addr}")?;
         }
         for prefix in self.non_masquerade_v4.iter().chain(&self.non_masquerade_v6) {
             writeln!(f, "  not masqueraded: {prefix}")?;

@@ -25,6 +25,7 @@ use super::{
     prefixes,
 };
 use crate::{
+    dataplane::chosen_address::ChosenAddresses,
     netdev::Device,
     policy::{IpFamilies, IpFamily},
     ports::PortRange,
@@ -94,7 +95,12 @@ impl TestBed {
             ipv4: node,
             ipv6: None,
         };
-        write_interfaces(&mut bed.maps.interfaces, &[lo], IpFamilies::IPV4)?;
+        write_interfaces(
+            &mut bed.maps.interfaces,
+            &[lo],
+            IpFamilies::IPV4,
+            ChosenAddresses::default(),
+        )?;
         bed.maps.policy.set_non_masq(IpFamily::Ipv4, non_masq)?;
         Ok(bed)
     }
@@ -110,7 +116,12 @@ impl TestBed {
         if let Ok(current) = self.maps.interfaces.get(&TEST_RUN_IFINDEX, 0) {
             lo.ipv4 = Ipv4Addr::from(current.ipv4);
         }
-        write_interfaces(&mut self.maps.interfaces, &[lo], IpFamilies::DUAL_STACK)?;
+        write_interfaces(
+            &mut self.maps.interfaces,
+            &[lo],
+            IpFamilies::DUAL_STACK,
+            ChosenAddresses::default(),
+        )?;
         self.maps.policy.set_non_masq(IpFamily::Ipv6, non_masq)?;
         Ok(())
     }

@@ -104,7 +104,7 @@ pub(super) fn evaluate(
             }
         }
         return Ok(match after("-j") {
-            Some("MASQUERADE") => ChainVerdict::Masquerades,
+            Some("MASQUERADE" | "SNAT") => ChainVerdict::Masquerades,
             _ if after("-o").is_some() => ChainVerdict::LeftToPrograms,
             _ => ChainVerdict::KeepsAddress,
         });

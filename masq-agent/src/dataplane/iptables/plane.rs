@@ -11,7 +11,10 @@ use super::{
     render::{ChainVariant, render, render_switched_off, set_members},
 };
 use crate::{
-    dataplane::{ApplyOutcome, DataPlane, Mode, Status},
+    dataplane::{
+        ApplyOutcome, DataPlane, Mode, NatUsage, Status,
+        chosen_address::{ChosenAddressWatch, ChosenAddresses},
+    },
     policy::{IpFamily, MasqueradeOptions, Policy},
 };
 
@@ -38,6 +41,10 @@ pub struct IptablesDataPlane {
     /// The next apply reads the chain and the set back rather than trust `installed`: at every
     /// resync, and after an apply that failed midway.
     verify: bool,
+    /// The chosen masquerade addresses in force (`masqueradeAddress`), and the policy last
+    /// applied, to apply again when one comes or goes.
+    chosen: ChosenAddressWatch,
+    applied: Option<Policy>,
 }
 
 impl Installed {
@@ -66,6 +73,8 @@ impl IptablesDataPlane {
                 .collect(),
             installed: HashMap::new(),
             verify: true,
+            chosen: ChosenAddressWatch::default(),
+            applied: None,
         }
     }
 
@@ -112,7 +121,8 @@ impl IptablesDataPlane {
         let mut outcome = ApplyOutcome::Unchanged;
         for (family, caps) in [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| (f, self.caps[&f])) {
             let variant = &self.variants[&family];
-            let rendered = render(family, policy, &self.opts, caps, variant)
+            let to_source = self.chosen.in_force.of(family);
+            let rendered = render(family, policy, &self.opts, caps, variant, to_source)
                 .or_else(|| self.switched_off(family, policy));
             let Some(rendered) = rendered else {
                 continue;
@@ -225,12 +235,18 @@ impl DataPlane for IptablesDataPlane {
         self.mode
     }
 
+    fn masquerade_addresses(&self) -> ChosenAddresses {
+        self.chosen.in_force
+    }
+
     fn mode_reason(&self) -> Option<String> {
         self.reason.clone()
     }
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
+        self.chosen.follow(policy)?;
         let applied = self.apply_families(policy);
+        self.applied = Some(policy.clone());
         // What a failed apply left behind is not known.
         self.verify = applied.is_err();
         applied
@@ -238,6 +254,22 @@ impl DataPlane for IptablesDataPlane {
 
     fn verify_next_apply(&mut self) {
         self.verify = true;
+    }
+
+    /// Applies the last policy again when a chosen masquerade address came or went.
+    fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
+        if let Some(policy) = self.applied.take() {
+            let followed = self
+                .chosen
+                .follow(&policy)
+                .and_then(|changed| match changed {
+                    true => self.apply_families(&policy).map(drop),
+                    false => Ok(()),
+                });
+            self.applied = Some(policy);
+            followed?;
+        }
+        Ok(None)
     }
 
     fn status(&self) -> anyhow::Result<Status> {

@@ -70,6 +70,10 @@ pub struct ChainStatus {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub masquerade_src_exceptions: Vec<IpNet>,
     pub masquerade_rules: usize,
+    /// The chosen address the masquerade rules SNAT to (`masqueradeAddress`), as
+    /// `--to-source` writes it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snat_to: Option<String>,
 }
 
 impl ChainStatus {
@@ -93,12 +97,16 @@ impl ChainStatus {
             non_masquerade_src: Vec::new(),
             masquerade_src_exceptions: Vec::new(),
             masquerade_rules: 0,
+            snat_to: None,
         };
         for line in listing.unwrap_or_default().lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
             let after = |flag: &str| flag_value(&words, flag).map(String::from);
-            if line.contains("-j MASQUERADE") {
+            if line.contains("-j MASQUERADE") || line.contains("-j SNAT") {
                 status.masquerade_rules += 1;
+                if let Some(to) = after("--to-source") {
+                    status.snat_to = Some(to);
+                }
                 if let Some(dst) = after("-d") {
                     push_new(&mut status.masquerade_exceptions, destination(&dst)?);
                 }
@@ -181,6 +189,9 @@ impl std::fmt::Display for ChainStatus {
                 protocols.join(", "),
                 self.ebpf_devices_returned.join(", ")
             )?;
+        }
+        if let Some(to) = &self.snat_to {
+            writeln!(f, "  masquerades to the chosen address {to}")?;
         }
         for cidr in &self.masquerade_exceptions {
             writeln!(f, "  masqueraded although inside what is not: {cidr}")?;

@@ -1,6 +1,8 @@
 //! The chain as text: upstream's `nat` chain, byte for byte, as iptables-restore reads it, and
 //! the rule that jumps to it from POSTROUTING.
 
+use std::net::IpAddr;
+
 use super::{command::Capabilities, ipset};
 use crate::policy::{Action, IpFamily, MasqueradeOptions, Policy, Rules};
 
@@ -106,6 +108,7 @@ pub fn render(
     opts: &MasqueradeOptions,
     caps: Capabilities,
     variant: &ChainVariant,
+    to_source: Option<IpAddr>,
 ) -> Option<String> {
     let rules = rules_in_chain_order(family, policy)?;
     let chain = &opts.chain;
@@ -128,10 +131,21 @@ pub fn render(
             "-A {chain} {NON_MASQ_SRC_COMMENT} -m set --match-set {set} src -j RETURN"
         ));
     }
-    let masquerade = if opts.random_fully && caps.random_fully {
-        "-j MASQUERADE --random-fully"
+    let random_fully = if opts.random_fully && caps.random_fully {
+        " --random-fully"
     } else {
-        "-j MASQUERADE"
+        ""
+    };
+    // MASQUERADE takes the outgoing device's address; SNAT the chosen one, while the node holds
+    // it (`masqueradeAddress`), its ports in the address when `--to-ports` limits them.
+    let snat = |addr: IpAddr, ports: Option<&str>| match (addr, ports) {
+        (addr, None) => format!("-j SNAT --to-source {addr}{random_fully}"),
+        (IpAddr::V4(addr), Some(range)) => {
+            format!("-j SNAT --to-source {addr}:{range}{random_fully}")
+        }
+        (IpAddr::V6(addr), Some(range)) => {
+            format!("-j SNAT --to-source [{addr}]:{range}{random_fully}")
+        }
     };
     // The rules that masquerade what reaches them: to `dst` only, or (last) everything.
     let masquerade_rules = |dst: Option<&str>| {
@@ -146,13 +160,22 @@ pub fn render(
                     let statistic = probability
                         .map(|p| format!(" -m statistic --mode random --probability {p}"))
                         .unwrap_or_default();
-                    rules.push(format!(
-                        "-A {chain} {comment}{dst} {masquerade} -p {proto}{statistic} --to-ports {range}"
-                    ));
+                    rules.push(match to_source {
+                        None => format!(
+                            "-A {chain} {comment}{dst} -j MASQUERADE{random_fully} -p {proto}{statistic} --to-ports {range}"
+                        ),
+                        Some(addr) => format!(
+                            "-A {chain} {comment}{dst} {} -p {proto}{statistic}",
+                            snat(addr, Some(&range.to_string()))
+                        ),
+                    });
                 }
             }
         }
-        rules.push(format!("-A {chain} {comment}{dst} {masquerade}"));
+        rules.push(match to_source {
+            None => format!("-A {chain} {comment}{dst} -j MASQUERADE{random_fully}"),
+            Some(addr) => format!("-A {chain} {comment}{dst} {}", snat(addr, None)),
+        });
         rules
     };
     match variant {

@@ -30,6 +30,8 @@ fn policy(cidrs: &[&str], masq_ll: bool, masq_ll6: bool) -> Policy {
         masquerade_cidrs: vec![],
         non_masquerade_src_cidrs: vec![],
         masquerade_src_cidrs: vec![],
+        masquerade_address: None,
+        masquerade_address_ipv6: None,
         cidr_limit: 64,
         masq_link_local: masq_ll,
         masq_link_local_ipv6: masq_ll6,
@@ -48,6 +50,7 @@ fn full(family: IpFamily, policy: &Policy, random_fully: bool) -> String {
         &opts(random_fully, None),
         MODERN,
         &ChainVariant::Full,
+        None,
     )
     .unwrap()
 }
@@ -167,6 +170,7 @@ fn old_iptables_gets_no_random_fully() {
         &opts(true, None),
         old,
         &ChainVariant::Full,
+        None,
     )
     .unwrap();
     assert_eq!(
@@ -182,6 +186,8 @@ fn ipv6_disabled_renders_nothing_for_ipv6() {
         masquerade_cidrs: vec![],
         non_masquerade_src_cidrs: vec![],
         masquerade_src_cidrs: vec![],
+        masquerade_address: None,
+        masquerade_address_ipv6: None,
         cidr_limit: 64,
         masq_link_local: false,
         masq_link_local_ipv6: false,
@@ -195,7 +201,8 @@ fn ipv6_disabled_renders_nothing_for_ipv6() {
             &p,
             &opts(true, None),
             MODERN,
-            &ChainVariant::Full
+            &ChainVariant::Full,
+            None
         )
         .is_none()
     );
@@ -211,6 +218,7 @@ fn chain_name_follows_the_flag() {
         &o,
         MODERN,
         &ChainVariant::Full,
+        None,
     )
     .unwrap();
     assert_eq!(
@@ -230,6 +238,7 @@ fn port_rules(to_ports: &str, random_fully: bool) -> Vec<String> {
         &opts(random_fully, Some(to_ports)),
         MODERN,
         &ChainVariant::Full,
+        None,
     )
     .unwrap();
     let prefix = format!("-A IP-MASQ-AGENT {MASQ} ");
@@ -302,6 +311,7 @@ fn beside_programs(family: IpFamily, policy: &Policy, devices: &[&str]) -> Strin
         &opts(true, None),
         MODERN,
         &ChainVariant::beside_programs(devices),
+        None,
     )
     .unwrap()
 }
@@ -344,8 +354,8 @@ fn ebpf_variant_keeps_the_masquerade_rules_of_to_ports() {
     let p = policy(&DEFAULTS, false, false);
     let o = opts(true, Some("1024-29999"));
     let variant = ChainVariant::beside_programs(vec!["eth0".into()]);
-    let reduced = render(IpFamily::Ipv4, &p, &o, MODERN, &variant).unwrap();
-    let full = render(IpFamily::Ipv4, &p, &o, MODERN, &ChainVariant::Full).unwrap();
+    let reduced = render(IpFamily::Ipv4, &p, &o, MODERN, &variant, None).unwrap();
+    let full = render(IpFamily::Ipv4, &p, &o, MODERN, &ChainVariant::Full, None).unwrap();
     let masquerades = |text: &str| -> Vec<String> {
         text.lines()
             .filter(|l| l.contains("-j MASQUERADE"))
@@ -456,6 +466,8 @@ fn with_exceptions(cidrs: &[&str], exceptions: &[&str]) -> Policy {
         masquerade_cidrs: exceptions.iter().map(|c| c.parse().unwrap()).collect(),
         non_masquerade_src_cidrs: vec![],
         masquerade_src_cidrs: vec![],
+        masquerade_address: None,
+        masquerade_address_ipv6: None,
         cidr_limit: 64,
         masq_link_local: false,
         masq_link_local_ipv6: false,
@@ -499,6 +511,7 @@ fn an_exception_masquerades_as_the_last_rule_does_ports_and_all() {
         &opts(false, Some("1024-29999")),
         MODERN,
         &ChainVariant::Full,
+        None,
     )
     .unwrap();
     let masquerades = |comment: &str, dst: &str| -> Vec<String> {
@@ -765,4 +778,53 @@ fn the_source_lists_are_read_back_from_their_set() {
             .to_string()
             .contains("from a source not masqueraded: 0.0.0.0/1")
     );
+}
+
+// ---- a chosen masquerade address --------------------------------------------------------
+
+#[test]
+fn a_chosen_address_held_by_the_node_is_snat_to_it_keeping_random_fully_and_ports() {
+    let p = policy(&["10.0.0.0/8"], false, false);
+    let chosen: std::net::IpAddr = "198.51.100.7".parse().unwrap();
+    let text = |to_ports: Option<&str>| {
+        render(
+            IpFamily::Ipv4,
+            &p,
+            &opts(true, to_ports),
+            MODERN,
+            &ChainVariant::Full,
+            Some(chosen),
+        )
+        .unwrap()
+    };
+    let plain = text(None);
+    assert!(
+        plain.contains(&format!(
+            "-A IP-MASQ-AGENT {MASQ} -j SNAT --to-source 198.51.100.7 --random-fully\n"
+        )),
+        "{plain}"
+    );
+    assert!(!plain.contains("MASQUERADE --"), "{plain}");
+    let ported = text(Some("40000-40999"));
+    assert!(
+        ported.contains("-j SNAT --to-source 198.51.100.7:40000-40999 --random-fully -p tcp"),
+        "{ported}"
+    );
+    // What the chain does with it, and what is read back of it.
+    let packet = Packet {
+        src: None,
+        dst: "203.0.113.9".parse().unwrap(),
+        protocol: 6,
+        device: "eth0",
+    };
+    let listed = plain.replace("*nat\n", "").replace("COMMIT\n", "");
+    assert_eq!(
+        evaluate(&listed, &packet, |_, _| Ok(false)).unwrap(),
+        ChainVerdict::Masquerades
+    );
+    let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(&listed), |_| {
+        Ok(Vec::new())
+    })
+    .unwrap();
+    assert_eq!(status.masquerade_rules, 1);
 }
