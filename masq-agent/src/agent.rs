@@ -330,14 +330,10 @@ impl Agent {
             }
             Err(err) => self.record_check(Check::Upkeep, Some(&err)),
         }
-        if let Some(policy) = &self.last_good {
-            let in_force = self.dataplane.masquerade_addresses();
-            for (family, label) in [(IpFamily::Ipv4, "ipv4"), (IpFamily::Ipv6, "ipv6")] {
-                let in_use = policy
-                    .masquerade_address(family)
-                    .map(|_| in_force.of(family).is_some());
-                self.telemetry.masquerade_address(label, in_use);
-            }
+        let in_force = self.dataplane.masquerade_addresses();
+        for (family, label) in [(IpFamily::Ipv4, "ipv4"), (IpFamily::Ipv6, "ipv6")] {
+            let in_use = in_force.of(family).is_some();
+            self.telemetry.masquerade_address(label, in_use);
         }
         self.drain_leftovers();
     }

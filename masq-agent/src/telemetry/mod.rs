@@ -181,9 +181,14 @@ impl Telemetry {
         let masquerade_address_in_use = Family::<FamilyLabel, Gauge>::default();
         registry.register(
             "masquerade_address_in_use",
-            "Where the config names a masqueradeAddress, by address family: 1 while masqueraded traffic takes it, 0 while the node does not hold it and traffic takes the outgoing device's address",
+            "By address family: 1 while masqueraded traffic takes the chosen masqueradeAddress, 0 while it takes the outgoing device's (no address named, or the node does not hold it)",
             masquerade_address_in_use.clone(),
         );
+        for family in ["ipv4", "ipv6"] {
+            masquerade_address_in_use
+                .get_or_create(&FamilyLabel { family })
+                .set(0);
+        }
         let ebpf_in_force = Arc::new(AtomicBool::new(false));
         registry.register_collector(Box::new(KernelCounters::new(bpffs, ebpf_in_force.clone())));
         Telemetry {
@@ -204,20 +209,11 @@ impl Telemetry {
         }
     }
 
-    /// Records whether `family`'s chosen masquerade address is in use; `None`: the config
-    /// names none, and the series goes.
-    pub fn masquerade_address(&self, family: &'static str, in_use: Option<bool>) {
-        let label = FamilyLabel { family };
-        match in_use {
-            Some(in_use) => {
-                self.masquerade_address_in_use
-                    .get_or_create(&label)
-                    .set(i64::from(in_use));
-            }
-            None => {
-                self.masquerade_address_in_use.remove(&label);
-            }
-        }
+    /// Records whether `family`'s masqueraded traffic takes a chosen masquerade address.
+    pub fn masquerade_address(&self, family: &'static str, in_use: bool) {
+        self.masquerade_address_in_use
+            .get_or_create(&FamilyLabel { family })
+            .set(i64::from(in_use));
     }
 
     /// Records the end of one sync; `prefixes` are the (v4, v6) counts in force after it.
@@ -502,16 +498,19 @@ mod tests {
     }
 
     #[test]
-    fn the_masquerade_address_gauge_is_there_only_where_the_config_names_one() {
+    fn the_masquerade_address_gauge_says_whether_the_chosen_address_is_taken() {
         let t = telemetry();
         let series =
             |family: &str| format!("masq_agent_masquerade_address_in_use{{family=\"{family}\"}}");
-        t.masquerade_address("ipv4", Some(false));
-        assert_eq!(value(&t.encode(), &series("ipv4")), Some(0.0));
-        t.masquerade_address("ipv4", Some(true));
+        assert_eq!(
+            value(&t.encode(), &series("ipv6")),
+            Some(0.0),
+            "from the start"
+        );
+        t.masquerade_address("ipv4", true);
         assert_eq!(value(&t.encode(), &series("ipv4")), Some(1.0));
-        t.masquerade_address("ipv4", None);
-        assert_eq!(value(&t.encode(), &series("ipv4")), None);
+        t.masquerade_address("ipv4", false);
+        assert_eq!(value(&t.encode(), &series("ipv4")), Some(0.0));
     }
 
     #[test]
