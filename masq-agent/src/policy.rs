@@ -128,11 +128,21 @@ impl Policy {
     /// What the source lists say of traffic from `addr`, and the entry that decides it
     /// (`None`: no entry holds it, and the destination decides).
     pub fn decide_source(&self, addr: IpAddr) -> (Action, Option<IpNet>) {
-        let (non_masq, masq): (Vec<IpNet>, Vec<IpNet>) = match addr {
-            IpAddr::V4(_) => (nets(&self.non_masq_src_v4), nets(&self.masq_src_v4)),
-            IpAddr::V6(_) => (nets(&self.non_masq_src_v6), nets(&self.masq_src_v6)),
-        };
-        longest(addr, &mut non_masq.into_iter(), &mut masq.into_iter())
+        // Walked in place, as `decide` walks: this runs for every flow conntrack knows.
+        let into = |n: &Ipv4Net| IpNet::from(*n);
+        let into_v6 = |n: &Ipv6Net| IpNet::from(*n);
+        match addr {
+            IpAddr::V4(_) => longest(
+                addr,
+                &mut self.non_masq_src_v4.iter().map(into),
+                &mut self.masq_src_v4.iter().map(into),
+            ),
+            IpAddr::V6(_) => longest(
+                addr,
+                &mut self.non_masq_src_v6.iter().map(into_v6),
+                &mut self.masq_src_v6.iter().map(into_v6),
+            ),
+        }
     }
 
     /// The address `family`'s masqueraded traffic takes, where the file names one.

@@ -133,21 +133,7 @@ impl PolicyMaps {
 
     /// Makes one family's trie hold `rules`. Returns whether it changed.
     pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
-        let mut counting = Counting {
-            slots: &mut self.slots,
-            counters: &mut self.decisions,
-        };
-        let (word, strays) = (&mut self.word, &mut self.strays);
-        match family {
-            IpFamily::Ipv4 => {
-                let desired = prefixes::trie_entries(rules);
-                self.v4.sync(desired, word, strays, &mut counting)
-            }
-            IpFamily::Ipv6 => {
-                let desired = prefixes::trie_entries(rules);
-                self.v6.sync(desired, word, strays, &mut counting)
-            }
-        }
+        self.sync_family(family, rules, false)
     }
 
     /// Makes one family's source trie hold `rules`. The programs look it up only while the
@@ -166,25 +152,44 @@ impl PolicyMaps {
         if rules.is_empty() {
             write_sources_decided(settings, bit, false)?;
         }
+        let changed = self.sync_family(family, rules, true)?;
+        if !rules.is_empty() {
+            write_sources_decided(settings, bit, true)?;
+        }
+        Ok(changed)
+    }
+
+    /// Makes one family's destination trie, or with `sources` its source trie, hold `rules`,
+    /// their entries counted in the one set of decision slots.
+    fn sync_family(
+        &mut self,
+        family: IpFamily,
+        rules: &Rules,
+        sources: bool,
+    ) -> anyhow::Result<bool> {
         let mut counting = Counting {
             slots: &mut self.slots,
             counters: &mut self.decisions,
         };
         let (word, strays) = (&mut self.word, &mut self.strays);
-        let changed = match family {
+        match family {
             IpFamily::Ipv4 => {
-                let desired = prefixes::trie_entries(rules);
-                self.src_v4.sync(desired, word, strays, &mut counting)
+                let tries = if sources {
+                    &mut self.src_v4
+                } else {
+                    &mut self.v4
+                };
+                tries.sync(prefixes::trie_entries(rules), word, strays, &mut counting)
             }
             IpFamily::Ipv6 => {
-                let desired = prefixes::trie_entries(rules);
-                self.src_v6.sync(desired, word, strays, &mut counting)
+                let tries = if sources {
+                    &mut self.src_v6
+                } else {
+                    &mut self.v6
+                };
+                tries.sync(prefixes::trie_entries(rules), word, strays, &mut counting)
             }
-        }?;
-        if !rules.is_empty() {
-            write_sources_decided(settings, bit, true)?;
         }
-        Ok(changed)
     }
 
     /// Makes one family's trie hold `nets`, all non-masquerade. Returns whether it changed.
