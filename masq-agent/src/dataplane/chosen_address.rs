@@ -51,13 +51,12 @@ pub struct ChosenAddressWatch {
 }
 
 impl ChosenAddressWatch {
-    /// Looks at the node's addresses again for `policy`. Returns whether what is in force
-    /// changed.
-    pub fn follow(&mut self, policy: &Policy) -> anyhow::Result<bool> {
+    /// Looks at the node's addresses again for `policy`, and says what changed.
+    pub fn follow(&mut self, policy: &Policy) -> anyhow::Result<()> {
         let now = ChosenAddresses::held(policy, &netdev::local_addresses()?);
         let first = !std::mem::replace(&mut self.looked, true);
         if now == self.in_force && !first {
-            return Ok(false);
+            return Ok(());
         }
         for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
             let (before, after) = (self.in_force.of(family), now.of(family));
@@ -73,9 +72,8 @@ impl ChosenAddressWatch {
                 _ => {}
             }
         }
-        let changed = self.in_force != now;
         self.in_force = now;
-        Ok(changed)
+        Ok(())
     }
 }
 

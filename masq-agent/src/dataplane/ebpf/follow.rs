@@ -51,8 +51,11 @@ impl EbpfDataPlane {
             .retain(|d| !fresh.iter().any(|f| f.name == d.name));
         self.drop_vanished_draining()?;
         self.inherited.clear();
-        // Before the devices: a device that is new now gets the chosen address in force.
-        let chosen_changed = self.chosen.follow(policy)?;
+        // Before the devices: a device that is new now gets the chosen address in force. The
+        // chain beside the programs watches the node's addresses for both, and says each change
+        // once.
+        self.chain.follow_chosen(policy)?;
+        let chosen_changed = self.chain.masquerade_addresses() != self.chosen_written;
         let mut changed = self.take_devices(fresh)?;
         if chosen_changed && !changed {
             self.write_interfaces()?;
@@ -125,8 +128,10 @@ impl EbpfDataPlane {
     /// Makes the `interfaces` map hold the devices carrying the programs and those draining.
     pub(super) fn write_interfaces(&mut self) -> anyhow::Result<()> {
         let all: Vec<Device> = self.translating();
-        let chosen = self.chosen.in_force;
-        write_interfaces(&mut self.maps.interfaces, &all, self.families, chosen)
+        let chosen = self.chain.masquerade_addresses();
+        write_interfaces(&mut self.maps.interfaces, &all, self.families, chosen)?;
+        self.chosen_written = chosen;
+        Ok(())
     }
 
     /// The devices whose programs translate: those carrying them, and those draining.

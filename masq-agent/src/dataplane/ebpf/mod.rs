@@ -52,7 +52,7 @@ use self::{
 };
 use super::{
     ApplyOutcome, DataPlane, Mode, NatUsage, Status,
-    chosen_address::{ChosenAddressWatch, ChosenAddresses},
+    chosen_address::ChosenAddresses,
     iptables::{ChainVariant, IptablesDataPlane},
 };
 use crate::{
@@ -120,8 +120,9 @@ pub struct EbpfDataPlane {
     maps: Maps,
     pins: Pins,
     families: IpFamilies,
-    /// The chosen masquerade addresses in force (`masqueradeAddress`).
-    chosen: ChosenAddressWatch,
+    /// The chosen masquerade addresses the `interfaces` map holds (`masqueradeAddress`), as
+    /// the chain's watch found them.
+    chosen_written: ChosenAddresses,
     selection: Selection,
     /// The devices carrying the programs, as last looked up.
     devices: Vec<Device>,
@@ -170,7 +171,7 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         inherited: pins.linked_devices(),
         pins,
         families: opts.families,
-        chosen: ChosenAddressWatch::default(),
+        chosen_written: ChosenAddresses::default(),
         selection: opts.devices.clone(),
         devices: Vec::new(),
         draining: Vec::new(),
@@ -242,7 +243,7 @@ impl DataPlane for EbpfDataPlane {
     }
 
     fn masquerade_addresses(&self) -> ChosenAddresses {
-        self.chosen.in_force
+        self.chosen_written
     }
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {

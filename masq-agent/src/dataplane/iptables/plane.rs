@@ -45,6 +45,8 @@ pub struct IptablesDataPlane {
     /// applied, to apply again when one comes or goes.
     chosen: ChosenAddressWatch,
     applied: Option<Policy>,
+    /// The chosen addresses the chain was last rendered with.
+    rendered_chosen: ChosenAddresses,
 }
 
 impl Installed {
@@ -75,6 +77,7 @@ impl IptablesDataPlane {
             verify: true,
             chosen: ChosenAddressWatch::default(),
             applied: None,
+            rendered_chosen: ChosenAddresses::default(),
         }
     }
 
@@ -90,6 +93,13 @@ impl IptablesDataPlane {
             reason: Some(reason),
             ..Self::new(opts, ChainVariant::Full, Mode::IptablesFallback)
         }
+    }
+
+    /// Looks at the node's addresses again for `policy`'s chosen masquerade addresses (the
+    /// eBPF data plane asks this chain's watch too, so that each change is said once); the
+    /// next apply or upkeep renders what is in force.
+    pub fn follow_chosen(&mut self, policy: &Policy) -> anyhow::Result<()> {
+        self.chosen.follow(policy)
     }
 
     pub fn chain(&self) -> &str {
@@ -143,6 +153,7 @@ impl IptablesDataPlane {
                 changed => outcome = changed,
             }
         }
+        self.rendered_chosen = self.chosen.in_force;
         Ok(outcome)
     }
 
@@ -244,7 +255,7 @@ impl DataPlane for IptablesDataPlane {
     }
 
     fn apply(&mut self, policy: &Policy) -> anyhow::Result<ApplyOutcome> {
-        self.chosen.follow(policy)?;
+        self.follow_chosen(policy)?;
         let applied = self.apply_families(policy);
         self.applied = Some(policy.clone());
         // What a failed apply left behind is not known.
@@ -259,13 +270,13 @@ impl DataPlane for IptablesDataPlane {
     /// Applies the last policy again when a chosen masquerade address came or went.
     fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
         if let Some(policy) = self.applied.take() {
-            let followed = self
-                .chosen
-                .follow(&policy)
-                .and_then(|changed| match changed {
-                    true => self.apply_families(&policy).map(drop),
-                    false => Ok(()),
-                });
+            // What is in force may have changed since the chain was rendered, whoever looked.
+            let followed = self.follow_chosen(&policy).and_then(|()| {
+                match self.chosen.in_force == self.rendered_chosen {
+                    true => Ok(()),
+                    false => self.apply_families(&policy).map(drop),
+                }
+            });
             self.applied = Some(policy);
             followed?;
         }
