@@ -391,6 +391,11 @@ pub const fn drop_sample_slots(nat_entries: u32) -> u32 {
 /// to drop, as conntrack looks at 8 buckets of its table in a row.
 pub const EARLY_DROP_PROBES: u32 = 8;
 
+/// How many flows a new one may drop from a full table before it is dropped itself: the room
+/// one flow makes can be taken by another CPU's new flow before this one takes it, as nothing
+/// reserves it, and then a second flow makes room again.
+pub const EARLY_DROP_ROUNDS: u32 = 2;
+
 /// For protocols other than TCP, the packets a half saw after the flow's first, in
 /// `NatEntry::tcp_seen`'s two high bits (which TCP's leaves clear): enough to tell a flow never
 /// answered, or answered once, from a stream, as conntrack times UDP. Each is written once in

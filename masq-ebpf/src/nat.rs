@@ -470,7 +470,8 @@ step! {
 /// never answered, or not past its first exchange). Says `NO_ROOM`, or the port the flow
 /// dropped held on the node's address (0 for a flow that left a pod its own port, or a node
 /// flow toward the new flow's destination), free now for the new one. An assured flow of a
-/// pod's is never dropped.
+/// pod's is never dropped. CPUs that find the table full at once may meet at one flow: the one
+/// whose removal of it succeeds has it, and the others look on.
 pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
@@ -479,8 +480,9 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
         let Some(sampled) = F::drop_sample().get_ptr_mut(slot) else {
             continue;
         };
-        // SAFETY: a map value; the key is read where it lies.
-        let key = unsafe { &*sampled };
+        // SAFETY: a map value, copied: another CPU may write a flow of its own into the slot
+        // while this one looks, and the flow looked at is the one to remove.
+        let key = &unsafe { *sampled };
         let Some(egress) = lookup::<F>(key) else {
             continue;
         };
@@ -497,6 +499,10 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
         if !node_flow && is_assured(key.proto, egress_seen, unsafe { (*reply).tcp_seen }) {
             continue;
         }
+        if F::nat().remove(key).is_err() {
+            continue;
+        }
+        let _ = F::nat().remove(reply_key);
         let freed = if node_flow {
             maps::count(Counter::NatNodeFlowDropped);
             // The node's flow goes on without its reservation: its port is free only toward
@@ -510,11 +516,7 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
             maps::count(Counter::NatEarlyDropped);
             EarlyDrop::freed(if kind == nat_kind::SNAT { port } else { 0 })
         };
-        let reply_key = &reply_key;
-        let _ = F::nat().remove(reply_key);
-        let _ = F::nat().remove(key);
-        // SAFETY: as in `remember_for_early_drop`. Last: `key` is this slot, and no longer
-        // read.
+        // SAFETY: as in `remember_for_early_drop`.
         unsafe { *sampled = *new_key };
         return freed;
     }

@@ -11,8 +11,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, Decision, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey, Settings, direction,
-    nat_kind, tcp_seen,
+    Counter, Decision, EARLY_DROP_ROUNDS, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey,
+    Settings, direction, nat_kind, tcp_seen,
 };
 
 use crate::{
@@ -161,8 +161,14 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             } else if made == Masquerading::TABLE_FULL {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
-                if let Some(freed_port) = nat::early_drop::<F>(&key).port() {
+                for _ in 0..EARLY_DROP_ROUNDS {
+                    let Some(freed_port) = nat::early_drop::<F>(&key).port() else {
+                        break;
+                    };
                     made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
+                    if made != Masquerading::TABLE_FULL {
+                        break;
+                    }
                 }
             }
             Egress::done(match made {
