@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::{
     config::{self, CidrList, ConfigOptions, Loaded},
     dataplane::{
-        chosen_address::ChosenAddresses,
+        chosen_address::{self, ChosenAddresses},
         ebpf::{decisions, pins::Pins, prefixes},
         iptables::{self, ChainVerdict},
     },
@@ -48,6 +48,10 @@ pub struct Explanation {
     /// The device the packet leaves by, and the address it is masqueraded to there.
     pub leaves_by: Option<String>,
     pub masqueraded_to: Option<IpAddr>,
+    /// The address the config chooses to masquerade to, when the node does not hold it and
+    /// the packet takes the device's instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chosen_not_held: Option<IpAddr>,
     /// What each installed data plane says for the same packet.
     pub installed: Vec<LiveAnswer>,
 }
@@ -168,6 +172,8 @@ pub fn explain(
         }
         _ => None,
     };
+    let chosen_not_held =
+        chosen_address::not_held(&policy, &local, family).filter(|_| masqueraded_to.is_some());
     let mut installed = Vec::new();
     if matches!(decision, Decision::Masquerade | Decision::KeepsAddress) {
         let device = leaves_by.as_deref().unwrap_or_default();
@@ -187,6 +193,7 @@ pub fn explain(
         source_entry,
         leaves_by,
         masqueraded_to,
+        chosen_not_held,
         installed,
     })
 }
@@ -400,6 +407,12 @@ impl fmt::Display for Explanation {
                 writeln!(f, "  masqueraded to {addr}, leaving by {dev}")?
             }
             (decision, _, _) => writeln!(f, "  {decision}")?,
+        }
+        if let Some(addr) = self.chosen_not_held {
+            writeln!(
+                f,
+                "  not to {addr}, the chosen address: the node does not hold it"
+            )?;
         }
         match (&self.entry, self.decision) {
             (_, Decision::LeftAlone | Decision::NodeSource | Decision::Local) => {}

@@ -14,12 +14,12 @@ use masq_agent::{
     config::{self, ConfigSource},
     dataplane::{
         self,
-        chosen_address::ChosenAddresses,
+        chosen_address::{self, ChosenAddresses},
         ebpf::{devices, expiry, flows},
         iptables::{self, Capabilities, ChainVariant},
     },
     explain, netdev,
-    policy::{IpFamily, Policy},
+    policy::{IpFamilies, IpFamily, Policy},
     telemetry::{self, Telemetry},
 };
 use tracing::{error, warn};
@@ -62,7 +62,10 @@ fn main() -> ExitCode {
             report,
             chain,
             pins,
-        }) => status(&chain, &pins, report.json),
+        }) => {
+            let (config, chain) = as_the_running_agent(cli.flags.config, chain, &pins, &matches);
+            status(&config, &chain, &pins, report.json)
+        }
         Some(Command::Explain {
             destination,
             src,
@@ -243,8 +246,24 @@ fn render_iptables(
     Ok(ExitCode::SUCCESS)
 }
 
-fn status(chain: &ChainFlags, pins: &PinFlags, json: bool) -> anyhow::Result<ExitCode> {
-    let status = dataplane::inspect(&chain.masq_chain, &pins.bpffs)?;
+fn status(
+    config: &ConfigFlags,
+    chain: &ChainFlags,
+    pins: &PinFlags,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mut status = dataplane::inspect(&chain.masq_chain, &pins.bpffs)?;
+    // A chosen address the node does not hold is the config's and the node's to tell, not
+    // what is installed: the programs and the chain then hold the device's address.
+    let opts = agent::config_options(config);
+    if let Ok(loaded) = config::load(&config.path, &opts) {
+        let families = IpFamilies::with_ipv6(opts.enable_ipv6).as_the_file_says(&loaded.config);
+        let policy = Policy::from_config(&loaded.config, families);
+        status.notes.extend(chosen_address::not_held_notes(
+            &policy,
+            &netdev::local_addresses()?,
+        ));
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

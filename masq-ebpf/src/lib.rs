@@ -462,7 +462,8 @@ pub struct Interface {
     /// The first global IPv6 address; all zeros (`::`) when IPv6 is not masqueraded here.
     pub ipv6: [u8; 16],
     /// The address a pod's masqueraded flow takes instead of `ipv4` (`masqueradeAddress`,
-    /// while the node holds it); all zeros: `ipv4`. The node's own flows keep `ipv4`.
+    /// while the node holds it); all zeros: `ipv4`. It is the node's as `ipv4` is: the node's
+    /// own flows from either keep their address.
     pub masquerade_ipv4: [u8; 4],
     /// The same for IPv6 (`masqueradeAddressIPv6`).
     pub masquerade_ipv6: [u8; 16],

@@ -278,18 +278,18 @@ fn rst_acceptable<F: Family>(
 }
 }
 
-/// Gives a new egress flow a port on `node_addr`, creating both halves; the egress half is
-/// left in `egress`.
+/// Gives a new egress flow a port on `to`, one of the node's addresses, creating both halves;
+/// the egress half is left in `egress`.
 #[inline(always)]
 pub fn create_snat<F: Family>(
     ctx: &TcContext,
     egress_key: &NatKey<F::Addr>,
-    node_addr: F::Addr,
+    to: F::Addr,
     settings: &Settings,
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<(), AllocError> {
-    *egress = half(node_addr, 0, nat_kind::SNAT, segment, now_ns());
+    *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
     match reserve_port::<F>(ctx, egress_key, egress, settings) {
         RESERVED => {
             let ingress_key = egress_key.reverse(egress);

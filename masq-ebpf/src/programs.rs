@@ -193,8 +193,9 @@ step_outcome! {
     Masquerading { MASQUERADED = -5, TABLE_FULL = -6 }
 }
 
-/// Whose flow a packet of no known flow starts: a pod's, or the node's own (its source is the
-/// node's address: a node socket's, or netfilter's MASQUERADE before the programs).
+/// Whose flow a packet of no known flow starts: a pod's, or the node's own (its source is one
+/// of the node's addresses on the device: a node socket's, or netfilter's NAT before the
+/// programs).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Source {
     Pod,
@@ -203,8 +204,8 @@ enum Source {
 
 impl Source {
     #[inline(always)]
-    fn of<A: PartialEq>(ip: &Packet<A>, node_addr: A) -> Source {
-        if ip.saddr == node_addr {
+    fn of<F: Family>(ip: &Packet<F::Addr>, device: &Device<F>) -> Source {
+        if device.holds(&ip.saddr) {
             Source::Node
         } else {
             Source::Pod
@@ -223,10 +224,10 @@ fn snat_new_flow<F: Family>(
     l4: &L4,
     segment: &mut Segment,
 ) -> NewFlow {
-    let Some((node_addr, _)) = interface::<F>(ctx) else {
+    let Some(device) = Device::<F>::of(ctx) else {
         return NewFlow::done(Verdict::Keep(Counter::NotInspected).count());
     };
-    let source = Source::of(ip, node_addr);
+    let source = Source::of(ip, &device);
     match snat_needs_masquerade::<F>(ctx, ip, l4, source, segment) {
         Ok(()) if source == Source::Node => NewFlow::NODE_SOURCE,
         Ok(()) => NewFlow::POD_SOURCE,
@@ -247,18 +248,20 @@ fn snat_masquerade_new<F: Family>(
     segment: &Segment,
     entry: &mut NatEntry<F::Addr>,
 ) -> Masquerading {
-    let Some((node_addr, settings)) = interface::<F>(ctx) else {
+    let Some(device) = Device::<F>::of(ctx) else {
         return Masquerading::done(Verdict::Keep(Counter::NotInspected).count());
     };
     // A node flow's clash moves its port, never its address.
-    let to = if key.saddr == node_addr {
-        node_addr
+    let to = if device.holds(&key.saddr) {
+        key.saddr
     } else {
-        masquerade_addr::<F>(ctx, node_addr)
+        device.masquerade_addr()
     };
-    match nat::create_snat::<F>(ctx, key, to, settings, segment, entry) {
+    match nat::create_snat::<F>(ctx, key, to, device.settings, segment, entry) {
         Ok(()) => {
-            if key.saddr == node_addr {
+            // Asked again rather than kept across the call: a value known on each path that
+            // lives through it would have the verifier walk the allocation once per value.
+            if entry.addr == key.saddr {
                 maps::count(Counter::NodePortClash);
             }
             Masquerading::MASQUERADED
@@ -303,17 +306,52 @@ fn packet_key<A: Copy>(ip: &Packet<A>, l4: &L4, dir: u8) -> NatKey<A> {
     nat::key(ip.saddr, ip.daddr, l4.proto, l4.sport, l4.dport, dir)
 }
 
-/// The family's address of the interface the packet crosses, and the NAT settings; `None`
-/// until the agent has configured both. Only packets of no known flow need them, so the packets
-/// of established flows, both ways, skip the lookups.
-#[inline(always)]
-fn interface<F: Family>(ctx: &TcContext) -> Option<(F::Addr, &'static Settings)> {
-    // SAFETY: the context pointer is valid for the program's run.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // SAFETY: the map value lives as long as the program runs; only the address is copied.
-    let node_addr = F::node_addr(unsafe { &*maps::INTERFACES.get_ptr(ifindex)? })?;
-    let settings = maps::settings().filter(|s| s.total_ports != 0)?;
-    Some((node_addr, settings))
+/// The device a packet crosses, as the agent configured it for the family, and the NAT
+/// settings. Only packets of no known flow need them, so the packets of established flows, both
+/// ways, skip the lookups.
+struct Device<F: Family> {
+    iface: &'static Interface,
+    /// The device's own address.
+    addr: F::Addr,
+    settings: &'static Settings,
+}
+
+impl<F: Family> Device<F> {
+    /// `None` until the agent has configured both.
+    #[inline(always)]
+    fn of(ctx: &TcContext) -> Option<Device<F>> {
+        let iface = Self::entry(ctx)?;
+        Some(Device {
+            iface,
+            addr: F::node_addr(iface)?,
+            settings: maps::settings().filter(|s| s.total_ports != 0)?,
+        })
+    }
+
+    /// The `interfaces` entry of the device the packet crosses.
+    #[inline(always)]
+    fn entry(ctx: &TcContext) -> Option<&'static Interface> {
+        // SAFETY: the context pointer is valid for the program's run.
+        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+        // SAFETY: the map value lives as long as the program runs, and is only read.
+        Some(unsafe { &*maps::INTERFACES.get_ptr(ifindex)? })
+    }
+
+    /// Whether `addr` is the node's own on this device: the device's address, or the chosen
+    /// masquerade address while the node holds it. Flows from either are the node's (a
+    /// socket's, or netfilter's NAT before the programs), whose ports pods' flows must not
+    /// take; connections to either are the node's services', not a pod's.
+    #[inline(always)]
+    fn holds(&self, addr: &F::Addr) -> bool {
+        *addr == self.addr || F::is_chosen_addr(self.iface, addr)
+    }
+
+    /// The address a pod's masqueraded flow leaving by this device takes: the one chosen
+    /// (`masqueradeAddress`) while the agent says the node holds it, or else the device's own.
+    #[inline(always)]
+    fn masquerade_addr(&self) -> F::Addr {
+        F::chosen_addr(self.iface).unwrap_or(self.addr)
+    }
 }
 
 /// What happens to a packet, and the counter that records why.
@@ -353,41 +391,6 @@ impl Verdict {
     }
 }
 
-/// The address a pod's masqueraded flow leaving by the packet's device takes: the one chosen
-/// (`masqueradeAddress`) while the agent says the node holds it, or else the device's own,
-/// `node_addr`.
-#[inline(always)]
-fn masquerade_addr<F: Family>(ctx: &TcContext, node_addr: F::Addr) -> F::Addr {
-    device::<F>(ctx)
-        .and_then(F::chosen_addr)
-        .unwrap_or(node_addr)
-}
-
-/// The `interfaces` entry of the device the packet crosses.
-#[inline(always)]
-fn device<F: Family>(ctx: &TcContext) -> Option<&'static Interface> {
-    // SAFETY: the context pointer is valid for the program's run.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // SAFETY: the map value lives as long as the program runs, and is only read.
-    Some(unsafe { &*maps::INTERFACES.get_ptr(ifindex)? })
-}
-
-/// The node's address and the NAT settings, for an egress packet of no known flow; the
-/// verdict instead for the node's own packet, or before the device is configured.
-#[inline(always)]
-fn pod_packet_interface<F: Family>(
-    ctx: &TcContext,
-    ip: &Packet<F::Addr>,
-) -> Result<(F::Addr, &'static Settings), Verdict> {
-    let Some((node_addr, settings)) = interface::<F>(ctx) else {
-        return Err(Verdict::Keep(Counter::NotInspected));
-    };
-    if ip.saddr == node_addr {
-        return Err(Verdict::Keep(Counter::NotMasqNodeSource));
-    }
-    Ok((node_addr, settings))
-}
-
 /// Egress, a packet of no known flow whose ports the programs cannot see: a later fragment
 /// whose first never came, or IPv6 whose L4 header lies past the extension headers walked.
 /// It passes where nothing would have translated it (the node's own, a protocol the chain
@@ -400,8 +403,12 @@ fn snat_untranslatable<F: Family>(
     left_to_chain: Option<Verdict>,
     dropped: Counter,
 ) -> Verdict {
-    if let Err(verdict) = pod_packet_interface::<F>(ctx, ip) {
-        return verdict;
+    match Device::<F>::of(ctx) {
+        None => return Verdict::Keep(Counter::NotInspected),
+        Some(device) if device.holds(&ip.saddr) => {
+            return Verdict::Keep(Counter::NotMasqNodeSource);
+        }
+        Some(_) => {}
     }
     if let Some(verdict) = left_to_chain {
         return verdict;
@@ -495,8 +502,8 @@ fn snat_left_alone<F: Family>(
     ip: &Packet<F::Addr>,
     decision: Decision,
 ) -> Verdict {
-    match interface::<F>(ctx) {
-        Some((node_addr, _)) => keeps_its_address(decision, Source::of(ip, node_addr)),
+    match Device::<F>::of(ctx) {
+        Some(device) => keeps_its_address(decision, Source::of(ip, &device)),
         None => Verdict::Keep(Counter::NotInspected),
     }
 }
@@ -651,8 +658,11 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
             // Called from here rather than from the flow's own step, so that the two frames
             // never stack.
             OfFlow::UNKNOWN_FLOW => {
-                // The chosen masquerade address is the node's, not a pod's.
-                if !device::<F>(ctx).is_some_and(|iface| F::is_chosen_addr(iface, &ip.daddr)) {
+                // The chosen masquerade address is the node's, as the device's is (which
+                // `snat_track_inbound` asks about): no pod's. Asked here, where the frame has
+                // room for it.
+                if !Device::<F>::entry(ctx).is_some_and(|iface| F::is_chosen_addr(iface, &ip.daddr))
+                {
                     snat_track_inbound::<F>(ctx, ip, &l4);
                 }
                 TcAction::PASS
@@ -742,7 +752,7 @@ fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4)
     if l4.proto != F::ICMP
         && (l4.proto != IPPROTO_TCP || segment.opens())
         && F::is_unicast(&ip.daddr)
-        && interface::<F>(ctx).is_some_and(|(node_addr, _)| ip.daddr != node_addr)
+        && Device::<F>::of(ctx).is_some_and(|device| ip.daddr != device.addr)
         && !F::is_non_masq_destination(ip.saddr)
         && nat::track_identity::<F>(
             &nat::egress_key_of(key),

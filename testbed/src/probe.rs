@@ -153,7 +153,22 @@ fn udp_socket(addr: SocketAddr) -> std::io::Result<UdpSocket> {
     if addr.is_ipv6() {
         socket.set_only_v6(true)?;
     }
-    socket.bind(&addr.into())?;
+    // A socket of the same port closed a moment ago can still be bound: a process the tests
+    // spawn meanwhile holds a copy of every descriptor from its fork until its exec closes
+    // them, which takes a while on a loaded machine.
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        match socket.bind(&addr.into()) {
+            Err(err)
+                if err.kind() == std::io::ErrorKind::AddrInUse
+                    && addr.port() != 0
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            result => break result?,
+        }
+    }
     Ok(socket.into())
 }
 

@@ -135,6 +135,12 @@ fn no_reply_reaches_the_wrong_flow_beside_kube_proxys_masquerade(plane: Plane, f
     let bed = Bed::with_pods(plane, family.config(), 2);
     let _agent = bed.start_agent(family.agent_args());
     kube_proxy_masquerades_pod_1(&bed, family);
+    no_reply_reaches_the_wrong_flow(&bed, family);
+}
+
+/// Thousands of UDP flows from pod 0, then from pod 1 (which netfilter translates), then from
+/// pod 0 again, live at once to one server: every one gets its own payload back, none another's.
+pub(crate) fn no_reply_reaches_the_wrong_flow(bed: &Bed, family: IpFamily) {
     let server = SocketAddr::from((family.outside().ip(), 9900));
     let _echo = UdpEcho::start(&bed.topo.ext, server).unwrap();
     let pods = &bed.topo.pods;

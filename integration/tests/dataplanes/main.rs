@@ -562,6 +562,30 @@ impl Conversation {
     }
 }
 
+/// `masq-agent explain DST --src SRC --json` with the agent's flags: whether every data plane
+/// agreed with the config, and what it said.
+fn explain_from(
+    bed: &Bed,
+    family: IpFamily,
+    src: IpAddr,
+    dst: IpAddr,
+) -> (bool, serde_json::Value) {
+    let mut args = vec![
+        "explain".to_string(),
+        dst.to_string(),
+        format!("--src={src}"),
+        "--proto=udp".to_string(),
+        "--json".to_string(),
+    ];
+    args.extend(bed.plane_args());
+    args.extend(family.agent_args().iter().map(|a| a.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = bed.agent_cmd(&args);
+    let json = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.success(), json)
+}
+
 /// The nat table of the node's namespace, through the data plane's iptables backend, as
 /// kube-proxy would write it: one rule per call.
 fn kube_proxy(bed: &Bed, family: IpFamily, rules: &[&str]) {

@@ -1,13 +1,27 @@
 //! A chosen masquerade address (`masqueradeAddress`, `masqueradeAddressIPv6`): masqueraded
 //! traffic takes it while the node holds it, on the uplink or on any other device, and the
-//! outgoing device's address while it does not; flows keep the address they started with.
+//! outgoing device's address while it does not; flows keep the address they started with. The
+//! address stays the node's own: its services and sockets on it, ICMP errors about its flows,
+//! netfilter's NAT to it, and the upgrade, resize and rollback paths work as on the device's.
 
-use std::{net::IpAddr, process::Command};
+use std::{
+    io::{Read as _, Write as _},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    process::Command,
+    time::Duration,
+};
 
 use masq_agent::policy::IpFamily;
-use masq_testbed::topology;
+use masq_testbed::{
+    netns::within,
+    probe::{self, UdpEcho, UdpFlows},
+    topology::{self, Process},
+};
 
-use crate::{Bed, Conversation, FamilyOnTheBed, Plane};
+use crate::{
+    Bed, Conversation, FamilyOnTheBed, Plane, explain_from, icmp_and_fragments, kube_proxy,
+    restarts,
+};
 
 /// What pods see must not depend on the data plane.
 macro_rules! common_cases {
@@ -15,12 +29,19 @@ macro_rules! common_cases {
         family_cases!($plane:
             new_flows_take_the_chosen_address_while_the_uplink_holds_it,
             new_flows_take_the_chosen_address_held_on_another_device,
+            a_service_on_the_chosen_address_answers_from_its_own_port,
+            a_node_socket_on_a_port_a_pods_flow_holds_on_the_chosen_address,
+            icmp_errors_about_flows_on_the_chosen_address_go_both_ways,
+            no_reply_reaches_the_wrong_flow_beside_netfilters_snat_to_the_chosen_address,
         );
     };
 }
 
 mod ebpf {
     common_cases!(Ebpf);
+    family_cases!(Ebpf:
+        the_chosen_address_through_an_upgrade_a_resize_and_a_rollback,
+    );
 }
 
 mod iptables_nft {
@@ -85,6 +106,30 @@ fn the_chosen_address_follows_the_node(
             .unwrap_or_else(|e| panic!("{why}: {e:#}\n{}", agent.log_text()));
     };
     wait(family.node(), "not held yet: the device's address");
+    let not_held = |status: &serde_json::Value| {
+        status["notes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|note| note.to_string().contains(&chosen(family).to_string()))
+    };
+    assert!(
+        not_held(&bed.status_json()),
+        "status says the node does not hold the address: {}",
+        bed.status_json()
+    );
+    let (_, said) = explain_from(&bed, family, family.pod(0), dst.ip());
+    assert_eq!(
+        (
+            said["masqueraded_to"].as_str(),
+            said["chosen_not_held"].as_str()
+        ),
+        (
+            Some(family.node().to_string().as_str()),
+            Some(chosen(family).to_string().as_str())
+        ),
+        "explain says which address and why: {said}"
+    );
     let open_before = Conversation::open(&bed, family, 9781);
     assert_eq!(open_before.node_side.ip(), family.node());
     chosen_on(&bed, family, "add", device);
@@ -99,6 +144,7 @@ fn the_chosen_address_follows_the_node(
         Ok(said.contains(&chosen(family).to_string()))
     })
     .unwrap_or_else(|e| panic!("status never named the chosen address: {e}"));
+    assert!(!not_held(&bed.status_json()), "{}", bed.status_json());
     let open_while_held = Conversation::open(&bed, family, 9782);
     assert_eq!(open_while_held.node_side.ip(), chosen(family));
     open_while_held
@@ -151,4 +197,225 @@ fn new_flows_take_the_chosen_address_held_on_another_device(plane: Plane, family
         ip_in(&bed.topo.node, &["link", "set", OTHER_DEVICE, "up"]);
     };
     the_chosen_address_follows_the_node(plane, family, OTHER_DEVICE, other_device);
+}
+
+/// The family's config with the chosen address.
+fn chosen_config(family: IpFamily) -> String {
+    let key = family.pick("masqueradeAddress", "masqueradeAddressIPv6");
+    format!("{}{key}: {}\n", family.config(), chosen(family))
+}
+
+/// Waits until the pod's new flows reach the outside host from `expect`.
+fn wait_for_flows_from(bed: &Bed, family: IpFamily, agent: &Process, expect: IpAddr) {
+    bed.server
+        .wait_for_udp_from(bed.pod(), family.outside(), expect)
+        .unwrap_or_else(|e| panic!("new flows from {expect}: {e:#}\n{}", agent.log_text()));
+}
+
+/// A bed of `pods` pods whose node holds the chosen address on its uplink before its agent
+/// starts (with `args` besides the family's), once new flows take the address.
+fn holding_the_chosen_address(
+    plane: Plane,
+    family: IpFamily,
+    pods: usize,
+    args: &[&str],
+) -> (Bed, Process) {
+    let bed = Bed::with_pods(plane, &chosen_config(family), pods);
+    chosen_on(&bed, family, "add", topology::UPLINK_IF);
+    let mut all = family.agent_args().to_vec();
+    all.extend(args);
+    let agent = bed.start_agent(&all);
+    wait_for_flows_from(&bed, family, &agent, chosen(family));
+    (bed, agent)
+}
+
+/// A TCP and a UDP service of the node's, bound to the chosen address: what the outside host
+/// sends them is answered from the address and port it sent to, as conntrack answers replies,
+/// never masqueraded as a pod's new flow would be.
+fn a_service_on_the_chosen_address_answers_from_its_own_port(plane: Plane, family: IpFamily) {
+    let (bed, agent) = holding_the_chosen_address(plane, family, 1, &[]);
+    let tcp_service = SocketAddr::new(chosen(family), 9790);
+    let listener = within(&bed.topo.node, move || Ok(TcpListener::bind(tcp_service)?)).unwrap();
+    let client = within(&bed.topo.ext, move || {
+        let stream = TcpStream::connect_timeout(&tcp_service, Duration::from_secs(3))?;
+        stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+        Ok(stream)
+    })
+    .unwrap_or_else(|e| panic!("the TCP service answered: {e:#}\n{}", agent.log_text()));
+    let (mut service_end, _) = listener.accept().unwrap();
+    (&client).write_all(b"ping").unwrap();
+    let mut buf = [0u8; 4];
+    service_end.read_exact(&mut buf).unwrap();
+    service_end.write_all(b"pong").unwrap();
+    (&client).read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"pong", "the TCP service's answer");
+
+    let udp_service = SocketAddr::new(chosen(family), 9791);
+    let service = within(&bed.topo.node, move || Ok(UdpSocket::bind(udp_service)?)).unwrap();
+    service
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    let any = family.any();
+    let host = within(&bed.topo.ext, move || Ok(UdpSocket::bind((any, 0))?)).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    host.send_to(b"query", udp_service).unwrap();
+    let (n, asker) = service.recv_from(&mut buf).unwrap();
+    service.send_to(&buf[..n], asker).unwrap();
+    let (_, answered_from) = host
+        .recv_from(&mut buf)
+        .unwrap_or_else(|e| panic!("the UDP service's answer: {e}\n{}", agent.log_text()));
+    assert_eq!(
+        answered_from, udp_service,
+        "the UDP service answers from its port"
+    );
+}
+
+/// A process on the node binds the very port a pod's connection holds on the chosen address,
+/// and connects to the same server: as conntrack does, the node's connection is given another
+/// port, and both connections work.
+fn a_node_socket_on_a_port_a_pods_flow_holds_on_the_chosen_address(plane: Plane, family: IpFamily) {
+    let (bed, _agent) = holding_the_chosen_address(plane, family, 1, &[]);
+    let conversation = Conversation::open(&bed, family, 9784);
+    let (held, server) = (conversation.node_side, conversation.server);
+    assert_eq!(held.ip(), chosen(family));
+    let node = probe::tcp_connect_from(&bed.topo.node, held, server)
+        .expect("the node's connection from the held port is answered");
+    let (host, seen) = conversation.listener.accept().unwrap();
+    assert_eq!(
+        seen.ip(),
+        chosen(family),
+        "the node's connection keeps its address"
+    );
+    assert_ne!(seen, held, "the node's connection was given another port");
+    let node_conversation = Conversation {
+        pod: node,
+        host,
+        listener: conversation.listener.try_clone().unwrap(),
+        node_side: seen,
+        server,
+    };
+    for stream in [&node_conversation.pod, &node_conversation.host] {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+    }
+    node_conversation
+        .exchange("from the node")
+        .expect("the node's connection works");
+    conversation
+        .exchange("from the pod")
+        .expect("the pod's connection goes on");
+}
+
+/// ICMP errors about flows on the chosen address: the pod's own port unreachable leaves from
+/// the chosen address, about the datagram the outside host sent there, and the hop before a
+/// narrower link tells the pod its MTU through the translation back.
+fn icmp_errors_about_flows_on_the_chosen_address_go_both_ways(plane: Plane, family: IpFamily) {
+    let (bed, _agent) = holding_the_chosen_address(plane, family, 1, &[]);
+    icmp_and_fragments::a_pods_icmp_error_leaves_as(&bed, family, chosen(family));
+    icmp_and_fragments::pod_learns_the_path_mtu(&bed, family);
+}
+
+/// netfilter translates pod 1's flows to the chosen address itself (an SNAT rule ahead of the
+/// agent's, as kube-proxy's MASQUERADE is), with ports from all of 1024-65535, while pod 0's are
+/// masqueraded to it: no reply reaches the wrong flow.
+fn no_reply_reaches_the_wrong_flow_beside_netfilters_snat_to_the_chosen_address(
+    plane: Plane,
+    family: IpFamily,
+) {
+    let (bed, _agent) = holding_the_chosen_address(plane, family, 2, &[]);
+    let mark = format!(
+        "-A PREROUTING -s {} -j MARK --set-xmark 0x4000/0x4000",
+        family.pod(1)
+    );
+    let snat = format!(
+        "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j SNAT --to-source {} --random-fully",
+        chosen(family)
+    );
+    kube_proxy(&bed, family, &[&mark, &snat]);
+    kube_proxy::no_reply_reaches_the_wrong_flow(&bed, family);
+}
+
+/// The chosen address through the eBPF data plane's own changes: an upgrade over an older
+/// agent's `interfaces` map (before the chosen address had its place there), a resize of the
+/// NAT table, and a rollback to upstream's chain. A connection opened on the address goes on
+/// throughout; new flows take the address after each step, and after the rollback, the chain's
+/// flows on it lose nothing to the programs' flows on it.
+fn the_chosen_address_through_an_upgrade_a_resize_and_a_rollback(plane: Plane, family: IpFamily) {
+    let bed = Bed::with_pods(plane, &chosen_config(family), 2);
+    chosen_on(&bed, family, "add", topology::UPLINK_IF);
+    std::fs::create_dir_all(&bed.topo.bpffs).unwrap();
+    let older = bed.topo.bpffs.join(masq_ebpf::map_names::INTERFACES);
+    // The older layout: the device's two addresses, 20 bytes.
+    masq_testbed::netns::run(
+        "bpftool",
+        &[
+            "map",
+            "create",
+            older.to_str().unwrap(),
+            "type",
+            "hash",
+            "key",
+            "4",
+            "value",
+            "20",
+            "entries",
+            "64",
+            "name",
+            "interfaces",
+        ],
+    )
+    .unwrap();
+    let with_capacity = |capacity: &'static str| {
+        let mut args = family.agent_args().to_vec();
+        args.push(capacity);
+        args
+    };
+    let mut agent = bed.start_agent(&with_capacity("--nat-capacity=4096"));
+    assert!(
+        agent.log_text().contains("incompatible layout"),
+        "the older map was replaced\n{}",
+        agent.log_text()
+    );
+    wait_for_flows_from(&bed, family, &agent, chosen(family));
+    let open = Conversation::open(&bed, family, 9785);
+    assert_eq!(open.node_side.ip(), chosen(family));
+    let server = SocketAddr::from((family.outside().ip(), 9920));
+    let _echo = UdpEcho::start(&bed.topo.ext, server).unwrap();
+    let pods = &bed.topo.pods;
+    let translated = UdpFlows::open(&pods[0], server, 1000, "programs").unwrap();
+    assert_eq!(translated.exchange(3).unwrap().lost, 0);
+
+    let capacity = || bed.status_json()["ebpf"]["nat_capacity"].as_u64().unwrap();
+    let before = capacity();
+    agent.stop(libc::SIGTERM).unwrap();
+    let mut agent = bed.start_agent(&with_capacity("--nat-capacity=8192"));
+    assert_eq!(capacity(), 2 * before, "the table was resized");
+    open.exchange("through the bigger table")
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
+    wait_for_flows_from(&bed, family, &agent, chosen(family));
+
+    agent.stop(libc::SIGTERM).unwrap();
+    let upstream = bed.spawn_agent(&restarts::rollback_args(&bed, family), &[]);
+    open.exchange("after the rollback")
+        .unwrap_or_else(|e| panic!("{e}\n{}", upstream.log_text()));
+    let tcp_server = SocketAddr::from((family.outside().ip(), 9786));
+    let chain_conversation = Conversation::between(&pods[1], &bed.topo.ext, tcp_server);
+    assert_eq!(
+        chain_conversation.node_side.ip(),
+        chosen(family),
+        "the chain's SNAT takes the chosen address"
+    );
+    let masqueraded = UdpFlows::open(&pods[1], server, 1000, "chain").unwrap();
+    for (what, flows) in [
+        ("the chain's", &masqueraded),
+        ("the programs'", &translated),
+    ] {
+        let tally = flows.exchange(3).unwrap();
+        assert_eq!(
+            (tally.lost, tally.crossed),
+            (0, 0),
+            "{what} flows: {tally:?}"
+        );
+    }
 }

@@ -341,7 +341,7 @@ fn a_capacity_change_during_a_transfer_loses_nothing(plane: Plane) {
 }
 
 /// The flags of this bed's agent with `--dataplane iptables` instead: upstream's chain.
-fn rollback_args(bed: &Bed, family: IpFamily) -> Vec<String> {
+pub(crate) fn rollback_args(bed: &Bed, family: IpFamily) -> Vec<String> {
     bed.plane_args()
         .into_iter()
         .filter(|a| !a.starts_with("--dataplane") && !a.starts_with("--interface"))

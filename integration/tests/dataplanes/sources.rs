@@ -7,7 +7,10 @@ use std::net::{IpAddr, SocketAddr};
 use masq_agent::policy::IpFamily;
 use masq_testbed::{probe, write_config};
 
-use crate::{Bed, FamilyOnTheBed, Plane, host_prefix, policy::assert_a_change_moves_no_live_flow};
+use crate::{
+    Bed, FamilyOnTheBed, Plane, explain_from, host_prefix,
+    policy::assert_a_change_moves_no_live_flow,
+};
 
 /// What pods see must not depend on the data plane.
 macro_rules! common_cases {
@@ -54,30 +57,6 @@ fn seen_from(bed: &Bed, i: usize, dst: SocketAddr, expect: IpAddr, why: &str) {
         .unwrap_or_else(|e| panic!("{why}, UDP: {e:#}"));
     let tcp = probe::tcp_probe(pod, dst, 0).unwrap_or_else(|e| panic!("{why}, TCP: {e:#}"));
     assert_eq!(tcp.ip(), expect, "{why}, TCP");
-}
-
-/// `masq-agent explain DST --src SRC --json` with the agent's flags: whether every data plane
-/// agreed with the config, and what it said.
-fn explain_from(
-    bed: &Bed,
-    family: IpFamily,
-    src: IpAddr,
-    dst: IpAddr,
-) -> (bool, serde_json::Value) {
-    let mut args = vec![
-        "explain".to_string(),
-        dst.to_string(),
-        format!("--src={src}"),
-        "--proto=udp".to_string(),
-        "--json".to_string(),
-    ];
-    args.extend(bed.plane_args());
-    args.extend(family.agent_args().iter().map(|a| a.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = bed.agent_cmd(&args);
-    let json = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
-    (out.status.success(), json)
 }
 
 /// One pod left alone keeps its address while its neighbour is masqueraded; every source left

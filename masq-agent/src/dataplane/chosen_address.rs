@@ -41,6 +41,28 @@ impl ChosenAddresses {
     }
 }
 
+/// The address `policy` chooses for `family` while the node, holding `held`, does not hold
+/// it: masqueraded traffic then takes the device's address.
+pub fn not_held(policy: &Policy, held: &[IpAddr], family: IpFamily) -> Option<IpAddr> {
+    policy
+        .masquerade_address(family)
+        .filter(|_| ChosenAddresses::held(policy, held).of(family).is_none())
+}
+
+/// What `status` says of each chosen address the node does not hold.
+pub fn not_held_notes(policy: &Policy, held: &[IpAddr]) -> Vec<String> {
+    [IpFamily::Ipv4, IpFamily::Ipv6]
+        .into_iter()
+        .filter_map(|family| not_held(policy, held, family))
+        .map(|addr| {
+            format!(
+                "the config chooses {addr} to masquerade to, but the node does not hold it: \
+                 masqueraded traffic takes the outgoing device's address until it does"
+            )
+        })
+        .collect()
+}
+
 /// Which chosen addresses are in force, followed as the node's addresses change, each change
 /// logged once.
 #[derive(Debug, Default)]
@@ -100,5 +122,20 @@ mod tests {
             ChosenAddresses::held(&policy, &[other]),
             ChosenAddresses::default()
         );
+        assert_eq!(not_held(&policy, &[other, held], IpFamily::Ipv4), None);
+        assert_eq!(
+            not_held(&policy, &[other], IpFamily::Ipv4),
+            Some(held),
+            "configured, not held"
+        );
+        assert!(not_held_notes(&policy, &[other, held]).is_empty());
+        let notes = not_held_notes(&policy, &[other]);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].contains("198.51.100.7"), "{notes:?}");
+        let without = Policy::from_config(
+            &Config::defaults(&ConfigOptions::default()),
+            IpFamilies::IPV4,
+        );
+        assert!(not_held_notes(&without, &[other]).is_empty(), "none chosen");
     }
 }
