@@ -246,12 +246,16 @@ mod tests {
             "0.",
             "1e",
             "_1",
+            "198.51.100.7",
+            "2001:db8::7",
         ]);
         let key = prop::sample::select(vec![
             "nonMasqueradeCIDRs",
             "masqueradeCIDRs",
             "nonMasqueradeSrcCIDRs",
             "masqueradeSrcCIDRs",
+            "masqueradeAddress",
+            "masqueradeAddressIPv6",
             "cidrLimit",
             "masqLinkLocal",
             "a",
