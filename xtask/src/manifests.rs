@@ -116,11 +116,15 @@ fn install() -> anyhow::Result<PathBuf> {
 }
 
 /// Every Kubernetes object file under `dir`: the YAML files, less the kustomization.yaml files,
-/// which are kustomize's input rather than API objects.
+/// which are kustomize's input rather than API objects, and the Helm chart, whose files are
+/// templates and values.
 fn manifests_under(dir: &Path, found: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let path = entry?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path.is_dir() && name == "helm" {
+            continue;
+        }
         if path.is_dir() {
             manifests_under(&path, found)?;
         } else if name.ends_with(".yaml") && name != "kustomization.yaml" {
