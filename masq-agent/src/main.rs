@@ -19,7 +19,7 @@ use masq_agent::{
         iptables::{self, Capabilities, ChainVariant},
     },
     explain, netdev,
-    policy::{IpFamilies, IpFamily, Policy},
+    policy::{IpFamily, Policy},
     telemetry::{self, Telemetry},
 };
 use tracing::{error, warn};
@@ -255,10 +255,9 @@ fn status(
     let mut status = dataplane::inspect(&chain.masq_chain, &pins.bpffs)?;
     // A chosen address the node does not hold is the config's and the node's to tell, not
     // what is installed: the programs and the chain then hold the device's address.
-    let opts = agent::config_options(config);
-    if let Ok(loaded) = config::load(&config.path, &opts) {
-        let families = IpFamilies::with_ipv6(opts.enable_ipv6).as_the_file_says(&loaded.config);
-        let policy = Policy::from_config(&loaded.config, families);
+    if let Ok(loaded) = config::load(&config.path, &agent::config_options(config)) {
+        // The file's enableIPv6 over the flag, as the agent reads it.
+        let policy = Policy::from_config(&loaded.config, config.families());
         status.notes.extend(chosen_address::not_held_notes(
             &policy,
             &netdev::local_addresses()?,

@@ -62,7 +62,9 @@ use std::{
 
 use masq_agent::policy::IpFamily;
 use masq_testbed::{
-    probe::{self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, Observer, RawObserver},
+    probe::{
+        self, BulkSink, IPPROTO_GRE, IPPROTO_ICMP, IPPROTO_ICMPV6, Observer, RawObserver, UdpFlows,
+    },
     topology::{self, Process, Topology},
     wait_for, write_config,
 };
@@ -584,6 +586,19 @@ fn explain_from(
     let json = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
     (out.status.success(), json)
+}
+
+/// Each group of UDP flows (`what` it is, and its flows) exchanges again: every flow gets its
+/// own payload back, none is lost, none gets another's.
+fn assert_no_flow_lost_or_crossed<'a>(groups: impl IntoIterator<Item = (&'a str, &'a UdpFlows)>) {
+    for (what, flows) in groups {
+        let tally = flows.exchange(3).unwrap();
+        assert_eq!(
+            (tally.lost, tally.crossed),
+            (0, 0),
+            "{what} flows: {tally:?}"
+        );
+    }
 }
 
 /// The nat table of the node's namespace, through the data plane's iptables backend, as

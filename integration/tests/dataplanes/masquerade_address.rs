@@ -7,20 +7,19 @@
 use std::{
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    process::Command,
     time::Duration,
 };
 
 use masq_agent::policy::IpFamily;
 use masq_testbed::{
     netns::within,
-    probe::{self, UdpEcho, UdpFlows},
+    probe::{UdpEcho, UdpFlows},
     topology::{self, Process},
 };
 
 use crate::{
-    Bed, Conversation, FamilyOnTheBed, Plane, explain_from, icmp_and_fragments, kube_proxy,
-    restarts,
+    Bed, Conversation, FamilyOnTheBed, Plane, assert_no_flow_lost_or_crossed, explain_from,
+    icmp_and_fragments, kube_proxy, restarts,
 };
 
 /// What pods see must not depend on the data plane.
@@ -61,16 +60,9 @@ const OTHER_DEVICE: &str = "masq-addr";
 
 /// Runs `ip ARGS` in namespace `ns`.
 fn ip_in(ns: &str, args: &[&str]) {
-    let out = Command::new("ip")
-        .args(["-n", ns])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut all = vec!["-n", ns];
+    all.extend(args);
+    masq_testbed::netns::run("ip", &all).unwrap();
 }
 
 /// Gives `device` the chosen address (`op`: `add` or `del`).
@@ -276,35 +268,7 @@ fn a_service_on_the_chosen_address_answers_from_its_own_port(plane: Plane, famil
 fn a_node_socket_on_a_port_a_pods_flow_holds_on_the_chosen_address(plane: Plane, family: IpFamily) {
     let (bed, _agent) = holding_the_chosen_address(plane, family, 1, &[]);
     let conversation = Conversation::open(&bed, family, 9784);
-    let (held, server) = (conversation.node_side, conversation.server);
-    assert_eq!(held.ip(), chosen(family));
-    let node = probe::tcp_connect_from(&bed.topo.node, held, server)
-        .expect("the node's connection from the held port is answered");
-    let (host, seen) = conversation.listener.accept().unwrap();
-    assert_eq!(
-        seen.ip(),
-        chosen(family),
-        "the node's connection keeps its address"
-    );
-    assert_ne!(seen, held, "the node's connection was given another port");
-    let node_conversation = Conversation {
-        pod: node,
-        host,
-        listener: conversation.listener.try_clone().unwrap(),
-        node_side: seen,
-        server,
-    };
-    for stream in [&node_conversation.pod, &node_conversation.host] {
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-    }
-    node_conversation
-        .exchange("from the node")
-        .expect("the node's connection works");
-    conversation
-        .exchange("from the pod")
-        .expect("the pod's connection goes on");
+    kube_proxy::a_node_socket_on_the_port_of(&bed, &conversation, chosen(family));
 }
 
 /// ICMP errors about flows on the chosen address: the pod's own port unreachable leaves from
@@ -407,15 +371,8 @@ fn the_chosen_address_through_an_upgrade_a_resize_and_a_rollback(plane: Plane, f
         "the chain's SNAT takes the chosen address"
     );
     let masqueraded = UdpFlows::open(&pods[1], server, 1000, "chain").unwrap();
-    for (what, flows) in [
+    assert_no_flow_lost_or_crossed([
         ("the chain's", &masqueraded),
         ("the programs'", &translated),
-    ] {
-        let tally = flows.exchange(3).unwrap();
-        assert_eq!(
-            (tally.lost, tally.crossed),
-            (0, 0),
-            "{what} flows: {tally:?}"
-        );
-    }
+    ]);
 }

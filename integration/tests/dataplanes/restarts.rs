@@ -12,7 +12,8 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, PORT, PacedTransfer, Plane,
-    assert_masqueraded, assert_success, dump_pinned, node_ip, outside,
+    assert_masqueraded, assert_no_flow_lost_or_crossed, assert_success, dump_pinned, node_ip,
+    outside,
 };
 
 /// What pods see must not depend on the data plane.
@@ -384,17 +385,10 @@ fn a_rollback_keeps_the_programs_flows_and_loses_no_new_one(plane: Plane, family
     let draining = status["draining_flows"].as_u64().unwrap_or(0);
     assert!(draining >= 3001, "draining {draining}: {status}");
     let masqueraded = UdpFlows::open(&pods[1], server, 1000, "chain").unwrap();
-    for (what, flows) in [
+    assert_no_flow_lost_or_crossed([
         ("the chain's", &masqueraded),
         ("the programs'", &translated),
-    ] {
-        let tally = flows.exchange(3).unwrap();
-        assert_eq!(
-            (tally.lost, tally.crossed),
-            (0, 0),
-            "{what} flows: {tally:?}"
-        );
-    }
+    ]);
     conversation
         .exchange("after the rollback")
         .expect("the programs' connection goes on");
