@@ -56,6 +56,10 @@ pub const FAR_LINK_MTU: u32 = 1280;
 /// Interface name of the node's uplink, inside the node namespace.
 pub const UPLINK_IF: &str = "eth0";
 const CLUSTER_LOCAL_TABLE: &str = "100";
+/// The pods' ephemeral ports (`net.ipv4.ip_local_port_range`, both families): above every fixed
+/// port a test sends from, so that a probe from "any port" never opens, by chance, the conntrack
+/// entry or NAT flow of a port a test later uses as a new flow.
+pub const POD_EPHEMERAL_PORTS: &str = "50000 60999";
 
 /// The pods' IPv6 prefix: pod `i` lives in `fd00:10:244:<i+1>::/64`.
 pub const POD_PREFIX_V6: &str = "fd00:10:244::/48";
@@ -247,6 +251,11 @@ impl Topology {
                 for setting in ["disable_ipv6=0", "accept_dad=0", "accept_ra=0"] {
                     settings.push(format!("net.ipv6.conf.{conf}.{setting}"));
                 }
+            }
+            if self.pods.contains(ns) {
+                settings.push(format!(
+                    "net.ipv4.ip_local_port_range={POD_EPHEMERAL_PORTS}"
+                ));
             }
             sysctls(ns, &settings)?;
             ip(ns, "link set lo up")?;
