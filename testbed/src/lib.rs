@@ -3,6 +3,7 @@
 //! run creates and deletes itself.
 
 pub mod deploy;
+pub mod kube_tools;
 pub mod kubelet;
 pub mod load;
 pub mod netns;

@@ -8,7 +8,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-/// Runs a command to completion; fails with its stderr if it exits non-zero.
+/// Runs a command to completion; fails with what it printed if it exits non-zero (some tools,
+/// `helm lint` among them, say what is wrong on stdout).
 pub fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(program)
         .args(args)
@@ -20,9 +21,10 @@ pub fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
 fn check(program: &str, args: &[&str], out: Output) -> anyhow::Result<String> {
     if !out.status.success() {
         bail!(
-            "{program} {} failed ({}): {}",
+            "{program} {} failed ({}): {}{}",
             args.join(" "),
             out.status,
+            String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }

@@ -5,6 +5,7 @@ mod bench_plan;
 mod budget;
 mod demo;
 mod doc_sections;
+mod kube_tools;
 mod manifests;
 mod node_tables;
 mod report;
@@ -27,7 +28,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install missing prerequisites (apt packages, rust-src, bpf-linker).
+    /// Install missing prerequisites (apt packages, rust-src, bpf-linker, helm and kubectl).
     Setup,
     /// Build, then show masq-agent at work on a self-made namespace topology.
     Demo,

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use masq_testbed::{deploy, netns, workspace_root};
 
-use crate::step;
+use crate::{setup::python_venv, step};
 
 const PACKAGE: &str = "kubernetes-validate";
 /// Pinned, so that a new schema release cannot fail a build that changed nothing. Its schemas
@@ -87,7 +87,7 @@ fn builds() -> anyhow::Result<Vec<PathBuf>> {
 
 /// The validator's path, installed first if it is missing or another version.
 fn install() -> anyhow::Result<PathBuf> {
-    let venv = workspace_root().join("target/venv");
+    let venv = python_venv()?;
     let validator = venv.join("bin").join(PACKAGE);
     if netns::run(validator.to_str().context("venv path")?, &["--version"])
         .is_ok_and(|v| v.trim() == VERSION)
@@ -98,11 +98,6 @@ fn install() -> anyhow::Result<PathBuf> {
         "xtask: installing {PACKAGE} {VERSION} into {}",
         venv.display()
     );
-    // Debian's interpreter, whose venv module setup installs (python3-venv).
-    step(
-        "/usr/bin/python3",
-        &["-m", "venv", venv.to_str().context("venv path")?],
-    )?;
     step(
         venv.join("bin/pip").to_str().context("venv path")?,
         &[

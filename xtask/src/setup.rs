@@ -44,6 +44,7 @@ pub fn run() -> anyhow::Result<()> {
     apt_packages()?;
     toolchain_components()?;
     bpf_linker()?;
+    crate::kube_tools::ensure()?;
     eprintln!("xtask: setup: all prerequisites present");
     Ok(())
 }
@@ -158,4 +159,18 @@ fn bpf_linker() -> anyhow::Result<()> {
         bail!("cargo install bpf-linker failed");
     }
     Ok(())
+}
+
+/// The Python venv under target/ that the Python tools are installed into, made first if it is
+/// missing.
+pub fn python_venv() -> anyhow::Result<std::path::PathBuf> {
+    let venv = masq_testbed::workspace_root().join("target/venv");
+    if !venv.join("bin/pip").exists() {
+        // Debian's interpreter, whose venv module comes with python3-venv.
+        step(
+            "/usr/bin/python3",
+            &["-m", "venv", venv.to_str().context("venv path")?],
+        )?;
+    }
+    Ok(venv)
 }
