@@ -11,8 +11,8 @@ use masq_agent::{
     config,
 };
 use masq_testbed::deploy::{
-    agent_args, agent_container, component, components, dashboard, dashboard_queries,
-    default_objects, example_config, find, manifest, read, series, strings,
+    agent_args, agent_container, component_kustomization, component_names, component_resources,
+    dashboard, dashboard_queries, example_config, find, manifest, read, series, strings,
 };
 use serde_yaml::Value;
 
@@ -48,14 +48,14 @@ fn node_daemonset_pod(ds: &Value) -> &Value {
     pod
 }
 
-/// The DaemonSet of the default install, `kubectl apply -k deploy/`.
+/// The DaemonSet of the default install, `kubectl apply -k deploy/`: the one file it lists.
+/// (tests/manifests.rs of masq-integration builds it with kustomize itself.)
 fn default_daemonset() -> Value {
-    let daemonsets: Vec<Value> = default_objects()
-        .into_iter()
-        .filter(|o| o["kind"] == "DaemonSet")
-        .collect();
-    assert_eq!(daemonsets.len(), 1, "one DaemonSet: {daemonsets:?}");
-    daemonsets.into_iter().next().unwrap()
+    assert_eq!(
+        strings(&manifest("kustomization.yaml")["resources"]),
+        ["daemonset.yaml"]
+    );
+    manifest("daemonset.yaml")
 }
 
 fn yaml(text: &str) -> Value {
@@ -108,57 +108,25 @@ fn the_default_install_creates_and_changes_no_config_map() {
         .filter_map(Value::as_str)
         .collect();
     assert_eq!(keys, ["apiVersion", "kind", "resources"]);
-    let kinds: Vec<String> = default_objects()
-        .iter()
-        .map(|o| o["kind"].as_str().unwrap().to_string())
-        .collect();
-    assert_eq!(kinds, ["DaemonSet"]);
+    assert_eq!(default_daemonset()["kind"], "DaemonSet");
     // Nor do the components: the example ConfigMap is created by hand, where there is none.
-    for component in components() {
+    for name in component_names() {
         assert!(
-            component.resources.iter().all(|o| o["kind"] != "ConfigMap"),
-            "components/{}",
-            component.name
+            component_resources(&name)
+                .iter()
+                .all(|o| o["kind"] != "ConfigMap"),
+            "components/{name}"
         );
     }
     assert!(read("configmap.yaml").contains("kubectl create -f deploy/configmap.yaml"));
 }
 
 #[test]
-fn the_node_label_component_adds_the_addon_label_to_the_default_selector() {
-    let base = default_objects();
-    let with = component("node-label").apply(&base);
-    assert_eq!(with.len(), base.len());
-    let mut ds = with.into_iter().find(|o| o["kind"] == "DaemonSet").unwrap();
-    assert_eq!(
-        ds["spec"]["template"]["spec"]["nodeSelector"],
-        yaml("{kubernetes.io/os: linux, node.kubernetes.io/masq-agent-ds-ready: \"true\"}")
-    );
-    // And nothing else.
-    ds["spec"]["template"]["spec"]["nodeSelector"] = yaml("kubernetes.io/os: linux");
-    assert_eq!(ds, default_daemonset());
-}
-
-#[test]
-fn one_node_first_only_stops_the_rolling_update() {
-    let mut ds = component("one-node-first")
-        .apply(&default_objects())
-        .into_iter()
-        .find(|o| o["kind"] == "DaemonSet")
-        .unwrap();
-    assert_eq!(ds["spec"]["updateStrategy"], yaml("type: OnDelete"));
-    // The pod template is the default's, so that applying deploy/ after it does not replace the
-    // pod tried first.
-    ds["spec"]["updateStrategy"] = default_daemonset()["spec"]["updateStrategy"].clone();
-    assert_eq!(ds, default_daemonset());
-}
-
-#[test]
 fn every_component_is_explained_where_the_layout_is() {
     let layout = read("kustomization.yaml");
     let install = read("../docs/install.md");
-    for component in components() {
-        let path = format!("components/{}", component.name);
+    for name in component_names() {
+        let path = format!("components/{name}");
         assert!(layout.contains(&path), "kustomization.yaml explains {path}");
         assert!(install.contains(&path), "docs/install.md explains {path}");
     }
@@ -488,10 +456,10 @@ fn agent_labels() -> BTreeSet<String> {
 
 /// The one object the component `name` adds, a Prometheus Operator `kind`, with no patches.
 fn prometheus_operator_object(name: &str, kind: &str) -> Value {
-    let component = component(name);
-    assert!(component.patches.is_empty());
-    let [object] = component.resources.as_slice() else {
-        panic!("one {kind}: {:?}", component.resources);
+    assert!(component_kustomization(name)["patches"].is_null());
+    let resources = component_resources(name);
+    let [object] = resources.as_slice() else {
+        panic!("one {kind}: {resources:?}");
     };
     assert_eq!(object["apiVersion"], "monitoring.coreos.com/v1");
     assert_eq!(object["kind"], kind);
@@ -626,7 +594,8 @@ fn the_image_is_labelled_with_the_workspace_s_source_version_and_licence() {
     assert_eq!(label("licenses"), env!("CARGO_PKG_LICENSE"));
     assert_eq!(label("title"), "masq-agent");
     assert!(!label("description").is_empty());
-    // The manifests run the image of this version.
+    // The chart's app is this version, and the manifests run its image.
+    assert_eq!(manifest("helm/masq-agent/Chart.yaml")["appVersion"], arg);
     for file in ["daemonset.yaml", "uninstall.yaml"] {
         assert!(
             read(file).contains(&format!("image: masq-agent:{arg}")),

@@ -1,8 +1,14 @@
 //! The files in deploy/, for the tests that check them and the tests that run what they say.
 
-use std::path::PathBuf;
+use std::{
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicUsize, Ordering},
+};
 
+use anyhow::Context as _;
 use serde_yaml::Value;
+
+use crate::kube_tools::KubeTool;
 
 pub fn deploy_dir() -> PathBuf {
     crate::workspace_root().join("deploy")
@@ -114,153 +120,190 @@ pub fn series(query: &str) -> impl Iterator<Item = (&str, &str)> {
     })
 }
 
-/// The objects of the default install, `kubectl apply -k deploy/`: those of the files
-/// deploy/kustomization.yaml lists.
-pub fn default_objects() -> Vec<Value> {
-    strings(&manifest("kustomization.yaml")["resources"])
-        .iter()
-        .flat_map(|file| objects(&deploy_dir().join(file)))
-        .collect()
-}
-
 /// Every object in a YAML file of one or more documents.
-pub fn objects(path: &std::path::Path) -> Vec<Value> {
-    use serde::Deserialize as _;
+pub fn objects(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml::Deserializer::from_str(&text)
-        .map(|document| {
-            Value::deserialize(document).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        })
-        .collect()
+    parse_objects(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// A kustomize component under deploy/components/, which an operator adds to the default install
-/// with `kustomize edit add component components/NAME`.
-pub struct Component {
-    pub name: String,
-    pub kustomization: Value,
-    /// The objects it adds.
-    pub resources: Vec<Value>,
-    /// Its patches, each naming the object it changes.
-    pub patches: Vec<Value>,
+/// Every object in YAML text of one or more documents; empty documents (a template that
+/// rendered nothing) are left out.
+pub fn parse_objects(text: &str) -> anyhow::Result<Vec<Value>> {
+    use serde::Deserialize as _;
+    let mut objects = Vec::new();
+    for document in serde_yaml::Deserializer::from_str(text) {
+        let object = Value::deserialize(document)?;
+        if !object.is_null() {
+            objects.push(object);
+        }
+    }
+    Ok(objects)
 }
 
-/// Every component under deploy/components/, by name.
-pub fn components() -> Vec<Component> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(deploy_dir().join("components"))
+/// The kustomize components under deploy/components/, which an operator adds to the default
+/// install with `kustomize edit add component components/NAME`, by name.
+pub fn component_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(deploy_dir().join("components"))
         .expect("deploy/components")
         .map(|entry| entry.expect("deploy/components").path())
         .filter(|path| path.is_dir())
+        .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    dirs.sort();
-    dirs.into_iter().map(read_component).collect()
+    names.sort();
+    names
 }
 
-pub fn component(name: &str) -> Component {
-    read_component(deploy_dir().join("components").join(name))
+/// The component's kustomization.yaml.
+pub fn component_kustomization(name: &str) -> Value {
+    manifest(&format!("components/{name}/kustomization.yaml"))
 }
 
-/// Reads the parts of a component that deploy/'s use: resource files in its directory and
-/// inline patches. Anything else panics, so that a component cannot hold what the checks of
-/// deploy/ would not see.
-fn read_component(dir: PathBuf) -> Component {
-    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-    let kustomization: Value = serde_yaml::from_str(
-        &std::fs::read_to_string(dir.join("kustomization.yaml"))
-            .unwrap_or_else(|e| panic!("components/{name}: {e}")),
-    )
-    .unwrap_or_else(|e| panic!("components/{name}: {e}"));
-    assert_eq!(kustomization["kind"], "Component", "components/{name}");
-    for key in kustomization.as_mapping().unwrap().keys() {
-        let key = key.as_str().unwrap_or_default();
-        assert!(
-            ["apiVersion", "kind", "resources", "patches"].contains(&key),
-            "components/{name}: {key} is not read by the checks of deploy/"
-        );
-    }
-    let resources = match &kustomization["resources"] {
+/// The objects of the files a component's kustomization lists as its resources.
+pub fn component_resources(name: &str) -> Vec<Value> {
+    let dir = deploy_dir().join("components").join(name);
+    match &component_kustomization(name)["resources"] {
         Value::Null => Vec::new(),
         list => strings(list)
             .iter()
-            .flat_map(|file| {
-                assert!(
-                    !file.contains('/'),
-                    "components/{name}: {file} is not its own"
-                );
-                objects(&dir.join(file))
-            })
+            .flat_map(|file| objects(&dir.join(file)))
             .collect(),
-    };
-    let patches = match &kustomization["patches"] {
-        Value::Null => Vec::new(),
-        list => list
-            .as_sequence()
-            .expect("patches is a list")
-            .iter()
-            .map(|entry| {
-                let patch = entry["patch"]
-                    .as_str()
-                    .unwrap_or_else(|| panic!("components/{name}: only inline patches are read"));
-                serde_yaml::from_str(patch).unwrap_or_else(|e| panic!("components/{name}: {e}"))
-            })
-            .collect(),
-    };
-    Component {
-        name,
-        kustomization,
-        resources,
-        patches,
     }
 }
 
-impl Component {
-    /// `objects` with this component added, as kustomize builds them: its patches applied to the
-    /// objects they name, and its resources appended.
-    pub fn apply(&self, objects: &[Value]) -> Vec<Value> {
-        let mut out = objects.to_vec();
-        for patch in &self.patches {
-            let id = |o: &Value| {
-                [
-                    &o["kind"],
-                    &o["metadata"]["name"],
-                    &o["metadata"]["namespace"],
-                ]
-                .map(|v| v.as_str().unwrap_or_default().to_string())
-            };
-            let target = out
-                .iter_mut()
-                .find(|o| id(o) == id(patch))
-                .unwrap_or_else(|| panic!("components/{}: patches no object", self.name));
-            merge_patch(target, patch);
+/// The objects `kubectl kustomize` builds from deploy/ with `components` added, as
+/// `kubectl apply -k deploy/` would apply them after `kustomize edit add component` of each.
+pub fn kustomize(components: &[&str]) -> anyhow::Result<Vec<Value>> {
+    static BUILDS: AtomicUsize = AtomicUsize::new(0);
+    // Kustomize loads bases and components by paths relative to the kustomization, within
+    // the tree: the build's directory is under target/, two levels down.
+    let build = crate::workspace_root().join(format!(
+        "target/kustomize/{}-{}",
+        std::process::id(),
+        BUILDS.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&build)?;
+    let mut kustomization = String::from(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources:\n  - ../../../deploy\n",
+    );
+    if !components.is_empty() {
+        kustomization.push_str("components:\n");
+        for component in components {
+            kustomization.push_str(&format!("  - ../../../deploy/components/{component}\n"));
         }
-        out.extend(self.resources.iter().cloned());
-        out
+    }
+    std::fs::write(build.join("kustomization.yaml"), kustomization)?;
+    let built = KubeTool::Kubectl.run(&["kustomize", build.to_str().context("target/ path")?]);
+    std::fs::remove_dir_all(&build)?;
+    parse_objects(&built?)
+}
+
+/// The Helm chart in deploy/helm/.
+pub fn chart_dir() -> PathBuf {
+    deploy_dir().join("helm/masq-agent")
+}
+
+/// The namespace the chart is rendered into, as the DaemonSet it takes over lives there.
+pub const NAMESPACE: &str = "kube-system";
+
+/// `helm template` of the chart into `NAMESPACE`, with `args` (`-f FILE`, `--set K=V`, ...):
+/// the text it prints.
+pub fn helm_template_text(args: &[&str]) -> anyhow::Result<String> {
+    let chart = chart_dir();
+    let mut all = vec![
+        "template",
+        "masq-agent",
+        chart.to_str().context("the chart's path")?,
+        "--namespace",
+        NAMESPACE,
+    ];
+    all.extend(args);
+    KubeTool::Helm.run(&all)
+}
+
+/// The objects `helm template` renders with `args`.
+pub fn helm_template(args: &[&str]) -> anyhow::Result<Vec<Value>> {
+    parse_objects(&helm_template_text(args)?)
+}
+
+/// An object file of deploy/ that is the chart's render: one template with some values set.
+/// The chart is the one source of these objects and of the comments that explain them.
+pub struct Rendered {
+    /// The file, under deploy/.
+    pub file: &'static str,
+    /// The chart's template it is the render of.
+    pub template: &'static str,
+    /// The values it is rendered with, besides the chart's defaults.
+    pub set: &'static [&'static str],
+}
+
+pub const RENDERED: [Rendered; 4] = [
+    Rendered {
+        file: "daemonset.yaml",
+        template: "templates/daemonset.yaml",
+        set: &[],
+    },
+    Rendered {
+        file: "uninstall.yaml",
+        template: "templates/uninstall.yaml",
+        set: &["uninstall=true"],
+    },
+    Rendered {
+        file: "components/podmonitor/podmonitor.yaml",
+        template: "templates/podmonitor.yaml",
+        set: &["podMonitor.enabled=true"],
+    },
+    Rendered {
+        file: "components/alerts/prometheusrule.yaml",
+        template: "templates/prometheusrule.yaml",
+        set: &["prometheusRule.enabled=true"],
+    },
+];
+
+impl Rendered {
+    /// What the file must hold: a line that says where it comes from, then the render.
+    pub fn render(&self) -> anyhow::Result<String> {
+        let mut args = vec!["--show-only", self.template];
+        for value in self.set {
+            args.extend(["--set", value]);
+        }
+        let text = helm_template_text(&args)?;
+        let source = format!("---\n# Source: masq-agent/{}\n", self.template);
+        let body = text
+            .strip_prefix(&source)
+            .with_context(|| format!("helm's render of {} starts {source:?}", self.template))?;
+        let with = match self.set {
+            [] => "its default values".to_string(),
+            set => set.join(" "),
+        };
+        Ok(format!(
+            "# Rendered from the chart's {}, with {with};\n\
+             # change the chart (deploy/helm/masq-agent), then run `cargo xtask render-manifests`.\n\
+             {body}",
+            self.template
+        ))
+    }
+
+    pub fn path(&self) -> PathBuf {
+        deploy_dir().join(self.file)
     }
 }
 
-/// Merges `patch` into `target` as a strategic-merge patch merges maps: key by key, a null
-/// removing the key, any other value replacing it. A list in the patch panics: kustomize merges
-/// some lists by key, which this does not, so such a patch needs another check.
-pub fn merge_patch(target: &mut Value, patch: &Value) {
-    let Value::Mapping(patch) = patch else {
-        panic!("a patch of maps only, not {patch:?}");
-    };
-    if !target.is_mapping() {
-        *target = Value::Mapping(Default::default());
-    }
-    let target = target.as_mapping_mut().unwrap();
-    for (key, value) in patch {
-        match value {
-            Value::Null => {
-                target.remove(key);
-            }
-            Value::Sequence(_) => panic!("a list in a patch, at {key:?}"),
-            Value::Mapping(_) => {
-                merge_patch(target.entry(key.clone()).or_insert(Value::Null), value)
-            }
-            scalar => {
-                target.insert(key.clone(), scalar.clone());
-            }
-        }
-    }
+/// The values files under the chart's ci/ directory, by file name: the renders its checks make
+/// (`default-values.yaml`, empty, is the chart's defaults).
+pub fn chart_values_files() -> Vec<(String, PathBuf)> {
+    let dir = chart_dir().join("ci");
+    let mut files: Vec<(String, PathBuf)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("the chart's ci/").path())
+        .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
+        .map(|path| {
+            (
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                path,
+            )
+        })
+        .collect();
+    files.sort();
+    files
 }

@@ -1,4 +1,4 @@
-//! `cargo xtask setup | demo | test | bench | validate-manifests`.
+//! The developer tasks: `cargo xtask --help` lists them; the README says which to run when.
 
 mod bench;
 mod bench_plan;
@@ -48,6 +48,9 @@ enum Task {
     SoakPod(soak::PodOptions),
     /// Validate the Kubernetes manifests in deploy/ against the API's schemas.
     ValidateManifests,
+    /// Write the object files of deploy/ that are the Helm chart's renders (daemonset.yaml,
+    /// uninstall.yaml, the podmonitor and alerts components' objects).
+    RenderManifests,
     /// Only the last step of `test`: the end-to-end cases on Debian 12's Linux 6.1 kernels,
     /// booted in qemu.
     Vm,
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
+        Task::RenderManifests => manifests::render(),
         Task::Budget {
             json,
             tree,

@@ -2,9 +2,9 @@
 //! unknown or misspelled field fails), with `kubernetes-validate` from PyPI. It is installed
 //! into a venv under target/ on first use, and found there afterwards.
 //!
-//! Validated: every object file under deploy/, components included, and the default install with
-//! each component added, as kustomize builds it (the components' patches change maps only, which
-//! `masq_testbed::deploy::merge_patch` merges as kustomize does).
+//! Validated: every object file under deploy/, components included; the default install with
+//! each component added, as `kubectl kustomize` builds it; and the Helm chart as `helm template`
+//! renders it with each values file under its ci/ directory (its defaults among them).
 
 use std::path::{Path, PathBuf};
 
@@ -28,6 +28,10 @@ const CHECKED_ELSEWHERE: &[(&str, &str)] = &[
     (
         "PrometheusRule",
         "a Prometheus Operator CRD: masq-agent/tests/deploy.rs checks the fields it uses",
+    ),
+    (
+        "ServiceMonitor",
+        "a Prometheus Operator CRD: integration/tests/manifests.rs checks the fields it uses",
     ),
 ];
 
@@ -65,24 +69,44 @@ pub fn validate() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The default install with each component added, written under target/manifests/ for the
-/// validator.
+/// What kustomize and Helm build from deploy/, written under target/manifests/ for the
+/// validator: the default install with each component added, and the chart with each values
+/// file under its ci/ (the defaults among them).
 fn builds() -> anyhow::Result<Vec<PathBuf>> {
     let dir = workspace_root().join("target/manifests");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let base = deploy::default_objects();
+    let mut builds = Vec::new();
+    for component in deploy::component_names() {
+        let objects = deploy::kustomize(&[&component])?;
+        builds.push((format!("with-{component}.yaml"), objects));
+    }
+    for (name, values) in deploy::chart_values_files() {
+        let objects = deploy::helm_template(&["--values", values.to_str().context("path")?])?;
+        builds.push((format!("helm-{name}"), objects));
+    }
     let mut files = Vec::new();
-    for component in deploy::components() {
+    for (name, objects) in builds {
         let mut text = String::new();
-        for object in component.apply(&base) {
+        for object in objects {
             text.push_str("---\n");
             text.push_str(&serde_yaml::to_string(&object)?);
         }
-        let file = dir.join(format!("with-{}.yaml", component.name));
+        let file = dir.join(name);
         std::fs::write(&file, text).with_context(|| format!("writing {}", file.display()))?;
         files.push(file);
     }
     Ok(files)
+}
+
+/// Writes the files of deploy/ that are the chart's renders (`deploy::RENDERED`).
+pub fn render() -> anyhow::Result<()> {
+    for rendered in deploy::RENDERED {
+        let path = rendered.path();
+        std::fs::write(&path, rendered.render()?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("xtask: wrote {}", path.display());
+    }
+    Ok(())
 }
 
 /// The validator's path, installed first if it is missing or another version.

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
+use masq_testbed::deploy;
 use serde::Deserialize as _;
 use serde_yaml::Value;
 
@@ -61,11 +62,12 @@ impl Repo {
                 objects.push(Object::new(doc));
             }
         }
-        // What each component adds or changes: a label only the node-label component selects on
-        // is still deploy/'s.
-        let base = masq_testbed::deploy::default_objects();
-        for component in masq_testbed::deploy::components() {
-            for doc in component.apply(&base) {
+        // What each component adds or changes, as kustomize builds it: a label only the
+        // node-label component selects on is still deploy/'s.
+        let base = deploy::kustomize(&[]).unwrap_or_else(|e| panic!("{e:#}"));
+        for component in deploy::component_names() {
+            let built = deploy::kustomize(&[&component]).unwrap_or_else(|e| panic!("{e:#}"));
+            for doc in built {
                 if !base.contains(&doc) {
                     objects.push(Object::new(doc));
                 }
