@@ -118,9 +118,7 @@ fn the_everything_on_values_file_sets_every_value_the_chart_has() {
         .unwrap();
     let everything: Value = serde_yaml::from_str(&std::fs::read_to_string(everything).unwrap())
         .expect("everything-on-values.yaml");
-    let defaults: Value =
-        serde_yaml::from_str(&std::fs::read_to_string(chart_dir().join("values.yaml")).unwrap())
-            .unwrap();
+    let defaults = chart_defaults();
     // Every value but `uninstall`, which renders something else in place of all of them.
     for key in keys_of(&defaults, "") {
         if key == "uninstall" {
@@ -132,6 +130,22 @@ fn the_everything_on_values_file_sets_every_value_the_chart_has() {
             .is_some_and(|v| !v.is_null());
         assert!(set, "everything-on-values.yaml sets {key}");
     }
+}
+
+#[test]
+fn the_chart_s_readme_lists_every_value() {
+    let readme = std::fs::read_to_string(chart_dir().join("README.md")).unwrap();
+    for key in keys_of(&chart_defaults(), "") {
+        assert!(
+            readme.contains(&format!("| `{key}` |")),
+            "the chart's README.md lists {key}"
+        );
+    }
+}
+
+fn chart_defaults() -> Value {
+    serde_yaml::from_str(&std::fs::read_to_string(chart_dir().join("values.yaml")).unwrap())
+        .expect("values.yaml")
 }
 
 /// The dotted paths of a values tree's leaves, and of its maps that hold user-given maps.

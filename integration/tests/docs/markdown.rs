@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 
 /// The files whose commands are exercised: the README and every page under docs/.
 pub fn doc_files(root: &Path) -> Vec<PathBuf> {
-    let mut files = vec![root.join("README.md")];
+    let mut files = vec![
+        root.join("README.md"),
+        root.join("deploy/helm/masq-agent/README.md"),
+    ];
     let mut pages: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
         .expect("docs/")
         .flatten()

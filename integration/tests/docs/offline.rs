@@ -1,13 +1,13 @@
 //! Commands that need a cluster, a container engine or a developer's checkout: `kubectl`,
-//! `kustomize`, `docker` and `cargo xtask`. They are checked as far as they can be without
-//! running them: the files they name exist, the Kubernetes objects, labels and images they name
-//! are the ones deploy/ defines (with any of its components added), and every flag is one the
-//! tool takes as the docs use it. What `kubectl exec` runs inside the agent's container is
+//! `kustomize`, `helm`, `docker` and `cargo xtask`. They are checked as far as they can be
+//! without running them: the files they name exist, the Kubernetes objects, labels and images
+//! they name are the ones deploy/ defines (with any of its components added), a Helm install's
+//! values render (by `helm template`), and every flag is one the tool takes as the docs use it. What `kubectl exec` runs inside the agent's container is
 //! handed back to be run in the test bed.
 
 use std::path::{Path, PathBuf};
 
-use masq_testbed::deploy;
+use masq_testbed::{deploy, kube_tools::KubeTool};
 use serde::Deserialize as _;
 use serde_yaml::Value;
 
@@ -191,12 +191,21 @@ pub fn check(repo: &Repo, words: &[String]) -> Result<Offline, String> {
     let (program, args) = words.split_first().ok_or("an empty command")?;
     match program.as_str() {
         "kubectl" => kubectl(repo, args),
+        "helm" => helm(repo, args).map(|()| Offline::Checked),
         "kustomize" => kustomize(repo, args).map(|()| Offline::Checked),
         "docker" => docker(repo, args).map(|()| Offline::Checked),
         "cargo" => cargo_xtask(repo, args).map(|()| Offline::Checked),
         other => Err(format!(
             "the docs test does not know how to exercise {other}"
         )),
+    }
+}
+
+/// `--flag=value` as the flag and its value; any other word as itself.
+fn split_flag(arg: &str) -> (&str, Option<&str>) {
+    match arg.split_once('=') {
+        Some((flag, value)) if flag.starts_with('-') => (flag, Some(value)),
+        _ => (arg, None),
     }
 }
 
@@ -235,10 +244,7 @@ fn kubectl(repo: &Repo, args: &[String]) -> Result<Offline, String> {
     let mut in_container: Option<Vec<String>> = None;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((flag, value)) if flag.starts_with('-') => (flag, Some(value)),
-            _ => (arg.as_str(), None),
-        };
+        let (flag, inline) = split_flag(arg);
         match flag {
             "--" => in_container = Some(iter.by_ref().cloned().collect()),
             "-n" | "--namespace" => namespace = flag_value(flag, inline, &mut iter)?,
@@ -251,7 +257,7 @@ fn kubectl(repo: &Repo, args: &[String]) -> Result<Offline, String> {
                 manifests += 1;
             }
             "-l" | "--selector" => selectors.push(flag_value(flag, inline, &mut iter)?),
-            "-o" | "--output" | "--tail" | "--timeout" | "--to-revision" => {
+            "-o" | "--output" | "--tail" | "--timeout" | "--to-revision" | "--cascade" => {
                 flag_value(flag, inline, &mut iter)?;
             }
             "--overwrite" | "--all-containers" => {}
@@ -269,9 +275,8 @@ fn kubectl(repo: &Repo, args: &[String]) -> Result<Offline, String> {
             }
             _ => return Err(format!("kubectl rollout {rest:?}")),
         },
-        "apply" | "create" | "delete" | "get" | "describe" | "edit" | "logs" | "exec" | "label" => {
-            rest
-        }
+        "apply" | "create" | "delete" | "get" | "describe" | "edit" | "logs" | "exec" | "label"
+        | "annotate" => rest,
         other => return Err(format!("kubectl {other} is not known to the docs test")),
     };
     let (references, labels) = references(verb, rest)?;
@@ -295,7 +300,9 @@ fn kubectl(repo: &Repo, args: &[String]) -> Result<Offline, String> {
             ));
         }
     }
-    for label in labels {
+    // A node's label must be one a workload selects on; an object of deploy/ takes any.
+    let on_nodes = references.iter().any(|r| r.kind == "Node");
+    for label in labels.into_iter().filter(|_| on_nodes) {
         let (key, value) = label.split_once('=').unwrap_or((label, ""));
         let selected = repo.workloads(None).any(|w| {
             text_at(&w.doc, &["spec", "template", "spec", "nodeSelector", key]) == Some(value)
@@ -362,6 +369,65 @@ fn check_reference(repo: &Repo, reference: &Reference, namespace: &str) -> Resul
     }
 }
 
+/// `helm install|upgrade RELEASE CHART` and `helm uninstall RELEASE`, into deploy/'s
+/// namespace. An install or upgrade is rendered for real, by `helm template` with the same
+/// values, so that the chart's schema and templates take what the docs give them.
+fn helm(repo: &Repo, args: &[String]) -> Result<(), String> {
+    let (verb, rest) = args.split_first().ok_or("helm without a verb")?;
+    let mut namespace = None;
+    let mut positionals: Vec<&str> = Vec::new();
+    let mut values: Vec<String> = Vec::new();
+    let mut iter = rest.iter();
+    while let Some(arg) = iter.next() {
+        let (flag, inline) = split_flag(arg);
+        match (verb.as_str(), flag) {
+            (_, "-n" | "--namespace") => namespace = Some(flag_value(flag, inline, &mut iter)?),
+            ("install" | "upgrade", "--set" | "--set-string" | "--set-json") => {
+                values.push(flag.to_string());
+                values.push(flag_value(flag, inline, &mut iter)?.to_string());
+            }
+            ("install" | "upgrade", "-f" | "--values") => {
+                let file = repo.existing(flag_value(flag, inline, &mut iter)?)?;
+                values.extend(["--values".to_string(), file.display().to_string()]);
+            }
+            ("upgrade", "--reuse-values") | ("install" | "upgrade" | "uninstall", "--wait") => {}
+            ("uninstall", "--cascade") => {
+                let how = flag_value(flag, inline, &mut iter)?;
+                if !["background", "foreground", "orphan"].contains(&how) {
+                    return Err(format!("helm uninstall --cascade {how}"));
+                }
+            }
+            (_, flag) if flag.starts_with('-') => {
+                return Err(format!("helm {verb} {flag} is not known to the docs test"));
+            }
+            _ => positionals.push(arg),
+        }
+    }
+    if namespace != Some(deploy::NAMESPACE) {
+        return Err(format!(
+            "helm {verb} into {namespace:?}: the agent's DaemonSet lives in {}",
+            deploy::NAMESPACE
+        ));
+    }
+    match (verb.as_str(), positionals.as_slice()) {
+        ("install" | "upgrade", [release, chart]) => {
+            let chart = repo.existing(chart)?;
+            if chart != deploy::chart_dir() {
+                return Err(format!("{} is not the chart", chart.display()));
+            }
+            let mut template = vec!["template", release, chart.to_str().unwrap()];
+            template.extend(["--namespace", deploy::NAMESPACE]);
+            template.extend(values.iter().map(String::as_str));
+            KubeTool::Helm
+                .run(&template)
+                .map(drop)
+                .map_err(|e| format!("{e:#}"))
+        }
+        ("uninstall", [_release]) => Ok(()),
+        _ => Err(format!("helm {args:?} is not known to the docs test")),
+    }
+}
+
 /// `kustomize edit set image NAME=NEW` and `kustomize edit add component PATH`, run in deploy/.
 fn kustomize(repo: &Repo, args: &[String]) -> Result<(), String> {
     let words: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -390,10 +456,7 @@ fn docker(repo: &Repo, args: &[String]) -> Result<(), String> {
     let mut positionals = Vec::new();
     let mut iter = rest.iter();
     while let Some(arg) = iter.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((flag, value)) if flag.starts_with('-') => (flag, Some(value)),
-            _ => (arg.as_str(), None),
-        };
+        let (flag, inline) = split_flag(arg);
         match (verb.as_str(), flag) {
             ("build", "-f" | "--file") => {
                 repo.existing(flag_value(flag, inline, &mut iter)?)?;
@@ -591,6 +654,32 @@ mod tests {
             panic!("exec hands its command to the bed");
         };
         assert_eq!(inner, ["masq-agent", "status"]);
+    }
+
+    #[test]
+    fn helm_commands_render_the_chart_with_their_values() {
+        for right in [
+            "helm install masq-agent deploy/helm/masq-agent -n kube-system",
+            "helm upgrade masq-agent deploy/helm/masq-agent -n kube-system --reuse-values \
+             --set oneNodeFirst=false",
+            "helm install x deploy/helm/masq-agent -n kube-system --set-json \
+             'config.nonMasqueradeCIDRs=[\"10.0.0.0/8\"]'",
+            "helm uninstall masq-agent -n kube-system --cascade foreground --wait",
+        ] {
+            assert!(check_words(right).is_ok(), "{right}");
+        }
+        for wrong in [
+            // The schema refuses the value.
+            "helm install masq-agent deploy/helm/masq-agent -n kube-system --set dataplane=xdp",
+            // No such value.
+            "helm install masq-agent deploy/helm/masq-agent -n kube-system --set oneNode=true",
+            "helm install masq-agent deploy/helm/masq-agent",
+            "helm install masq-agent deploy/ -n kube-system",
+            "helm install masq-agent deploy/helm/masq-agent -n kube-system --atomic",
+            "helm uninstall masq-agent -n kube-system --cascade sideways",
+        ] {
+            assert!(check_words(wrong).is_err(), "{wrong}");
+        }
     }
 
     #[test]
