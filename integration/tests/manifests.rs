@@ -484,3 +484,59 @@ fn the_service_monitor_scrapes_every_agent_by_node_through_a_headless_service() 
     assert_eq!(endpoint["path"], pod_endpoint["path"]);
     assert_eq!(endpoint["relabelings"], pod_endpoint["relabelings"]);
 }
+
+/// With more ConfigMaps, the projected volume lays their files where the agent reads them, under
+/// names it reads, and the agent joins their lists: the chart's own ConfigMap and two of the
+/// cluster's, one under another key.
+#[test]
+fn the_projected_config_maps_are_files_the_agent_joins() {
+    let objects = helm(&[
+        "--set",
+        "config.create=true",
+        "--set-json",
+        r#"config.nonMasqueradeCIDRs=["10.0.0.0/8"]"#,
+        "--set-json",
+        r#"config.extraConfigMaps=[{"name":"pool-a"},{"name":"ip-masq-pool-b","key":"pools"}]"#,
+    ]);
+    let ds = the(&objects, "DaemonSet");
+    let (container, flags) = agent_of(ds);
+    let mount = find(&container["volumeMounts"], "config")["mountPath"]
+        .as_str()
+        .unwrap();
+    assert_eq!(flags.config.path.to_str(), Some(mount), "the directory");
+    // Each ConfigMap's data, by name and key, as the cluster would hold them.
+    let chart_config = the(&objects, "ConfigMap")["data"]["config"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let data = |name: &str, key: &str| -> String {
+        match (name, key) {
+            ("ip-masq-agent", "config") => chart_config.clone(),
+            ("pool-a", "config") => "nonMasqueradeCIDRs: [192.0.2.0/24]\n".into(),
+            ("ip-masq-pool-b", "pools") => "nonMasqueradeCIDRs: [198.51.100.0/24]\n".into(),
+            other => panic!("no ConfigMap {other:?}"),
+        }
+    };
+    // Projected as kubelet projects them: each item's key at its path in the mount.
+    let dir = tempfile::tempdir().unwrap();
+    let volume = find(&ds["spec"]["template"]["spec"]["volumes"], "config");
+    for source in volume["projected"]["sources"].as_sequence().unwrap() {
+        let map = &source["configMap"];
+        let item = &map["items"][0];
+        let text = data(map["name"].as_str().unwrap(), item["key"].as_str().unwrap());
+        std::fs::write(dir.path().join(item["path"].as_str().unwrap()), text).unwrap();
+    }
+    let out = std::process::Command::new(masq_testbed::agent_binary())
+        .args([
+            "check-config",
+            &format!("--config={}", dir.path().display()),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let effective: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        effective["nonMasqueradeCIDRs"],
+        serde_json::json!(["10.0.0.0/8", "192.0.2.0/24", "198.51.100.0/24"])
+    );
+}
