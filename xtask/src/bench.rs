@@ -23,7 +23,10 @@ use masq_testbed::{
 };
 
 use crate::{
-    bench_plan::{ControlPlane, DatapathCase, Metric, Mode, Options, Plan, Sample, median},
+    bench_plan::{
+        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Options, Plan, Sample, median,
+    },
+    cost_meter::{Meter, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
     report, step,
 };
@@ -56,18 +59,31 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
         datapath(&root.join("target/release/examples/datapath_bench"), &plan)?
     };
+    // Held for the whole run: each measurement reads the programs' run time before and after.
+    let _stats = RunTimeStats::enable()?;
     eprintln!("xtask: bench: end to end in namespaces");
     let samples = end_to_end(&agent, &plan)?;
+    let churn = (!options.end_to_end_only).then(|| {
+        eprintln!("xtask: bench: the agent under a churn of new connections");
+        kept_on_failure(
+            "churn",
+            || churn(&agent, &plan),
+            |error| Churn {
+                error: Some(error),
+                ..Churn::default()
+            },
+        )
+    });
     let control = (!options.end_to_end_only).then(|| {
         eprintln!("xtask: bench: the control plane");
-        // A failure here must not throw away the end-to-end figures measured above.
-        control_plane(&agent, &plan).unwrap_or_else(|err| {
-            eprintln!("xtask: bench: control plane failed: {err:#}");
-            ControlPlane {
-                error: Some(format!("{err:#}")),
+        kept_on_failure(
+            "control plane",
+            || control_plane(&agent, &plan),
+            |error| ControlPlane {
+                error: Some(error),
                 ..ControlPlane::default()
-            }
-        })
+            },
+        )
     });
 
     // The verifier's figures: the running kernel's, and in a full run the VMs' too. A failure
@@ -105,10 +121,24 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
             datapath: &datapath,
             samples: &samples,
             control: control.as_ref(),
+            churn: churn.as_ref(),
             budget: &budget,
         },
         started.elapsed(),
     )
+}
+
+/// One part of the run: a failure becomes its figures' error (`failed`), so that it does not
+/// throw away what the parts before it measured.
+fn kept_on_failure<T>(
+    part: &str,
+    measure: impl FnOnce() -> anyhow::Result<T>,
+    failed: impl FnOnce(String) -> T,
+) -> T {
+    measure().unwrap_or_else(|err| {
+        eprintln!("xtask: bench: {part} failed: {err:#}");
+        failed(format!("{err:#}"))
+    })
 }
 
 fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
@@ -169,11 +199,11 @@ impl Bed {
             format!("--bpffs={}", self.topo.bpffs.display()),
             "--log-format=json".to_string(),
         ];
-        args.push(match mode {
-            Mode::Ebpf => "--dataplane=ebpf".into(),
-            _ => "--dataplane=iptables".into(),
+        args.push(match mode.is_ebpf() {
+            true => "--dataplane=ebpf".into(),
+            false => "--dataplane=iptables".into(),
         });
-        if mode == Mode::Ebpf {
+        if mode.is_ebpf() {
             args.extend([
                 "--fallback-to-iptables=false".into(),
                 "--interface=eth0".into(),
@@ -255,6 +285,31 @@ impl Bed {
             }
         }
         self.restore(mode, &[], node_tables::EMPTY_TABLES)
+    }
+
+    /// What to read of `mode`'s data plane while it is measured: the programs the agent
+    /// attached in an eBPF mode, and the agent itself.
+    fn meter(&self, mode: Mode, agent: Option<&Process>) -> anyhow::Result<Meter> {
+        let Some(agent) = agent else {
+            return Ok(Meter::none());
+        };
+        let status = self.agent_status(mode)?;
+        Ok(Meter::of_agent(&status, agent.child.id()))
+    }
+
+    /// The running agent's `status --json`.
+    fn agent_status(&self, mode: Mode) -> anyhow::Result<serde_json::Value> {
+        let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
+        let out = self
+            .topo
+            .node_command(self.agent.to_str().context("path")?)
+            .args(["status", "--json", &bpffs])
+            .env("PATH", self.path_env(mode.backend()))
+            .output()?;
+        if !out.status.success() {
+            bail!("status: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        serde_json::from_slice(&out.stdout).context("the agent's status")
     }
 
     /// Writes the tables `mode`'s node holds besides its data plane (see `Node`) into tables
@@ -344,10 +399,12 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
                     // starts from an empty connection table.
                     let agent = bed.activate(mode, cidrs)?;
                     std::thread::sleep(plan.settle);
-                    let measured = measure(&bed.topo.pods[0], shape, plan)
+                    let measured = bed
+                        .meter(mode, agent.as_ref())
+                        .and_then(|meter| measure(&bed.topo.pods[0], shape, plan, &meter))
                         .and_then(|measured| bed.check_postrouting(mode).map(|()| measured));
                     bed.deactivate(mode, agent)?;
-                    for (metric, value) in measured? {
+                    for (metric, value, cost) in measured? {
                         samples.push(Sample {
                             mode,
                             shape,
@@ -355,6 +412,7 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
                             metric,
                             round,
                             value,
+                            cost,
                         });
                     }
                 }
@@ -364,7 +422,47 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
     Ok(samples)
 }
 
-fn measure(pod: &str, shape: Shape, plan: &Plan) -> anyhow::Result<Vec<(Metric, f64)>> {
+/// The agent's CPU under a sustained churn of new connections, on the eBPF data plane at 4
+/// CIDRs, over a window that holds several of the NAT table's sweeps: the sweep's cost grows
+/// with the table, which the churn keeps full of closing flows.
+fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
+    let bed = Bed::new(agent, 1)?;
+    write_config(&bed.config, &prefixes::config(4))?;
+    let daemon = bed.activate(Mode::Ebpf, 4)?.context("agent")?;
+    let measured = (|| {
+        std::thread::sleep(plan.settle);
+        let meter = bed.meter(Mode::Ebpf, Some(&daemon))?;
+        let before = meter.read()?;
+        let rate = Load {
+            ns: &bed.topo.pods[0],
+            server: topology::EXT_ADDR,
+            shape: Shape::Unpinned,
+            duration: plan.churn,
+        }
+        .new_connections()?;
+        let after = meter.read()?;
+        let cost = meter.cost(before, after, rate * plan.churn.as_secs_f64());
+        Ok(Churn {
+            error: None,
+            seconds: plan.churn.as_secs_f64(),
+            connections_per_second: rate,
+            agent_cpu_percent: Meter::agent_share(before, after),
+            agent_ns_per_connection: cost.agent_ns.unwrap_or_default(),
+            programs_ns_per_connection: cost.programs_ns.unwrap_or_default(),
+        })
+    })();
+    bed.deactivate(Mode::Ebpf, Some(daemon))?;
+    measured
+}
+
+/// Each of the plan's metrics in turn: its rate, and what each operation cost the programs and
+/// the agent (none for the bulk transfer, which has no operations to count).
+fn measure(
+    pod: &str,
+    shape: Shape,
+    plan: &Plan,
+    meter: &Meter,
+) -> anyhow::Result<Vec<(Metric, f64, Cost)>> {
     let load = Load {
         ns: pod,
         server: topology::EXT_ADDR,
@@ -375,18 +473,24 @@ fn measure(pod: &str, shape: Shape, plan: &Plan) -> anyhow::Result<Vec<(Metric, 
         .metrics
         .iter()
         .map(|&metric| {
+            let before = meter.read()?;
             let value = match metric {
                 Metric::NewConnections => load.new_connections()?,
                 Metric::Transactions => load.transactions()?,
                 Metric::Throughput => load.throughput()? / 1e9,
                 Metric::UdpNewFlows => load.udp_new_flows()?,
             };
-            Ok((metric, value))
+            let after = meter.read()?;
+            let cost = match metric {
+                Metric::Throughput => Cost::default(),
+                _ => meter.cost(before, after, value * plan.seconds.as_secs_f64()),
+            };
+            Ok((metric, value, cost))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     // The outside host only answers translated traffic (or, without NAT, over its route back):
     // nothing measured means nothing came back.
-    if let Some((metric, _)) = measured.iter().find(|(_, value)| *value <= 0.0) {
+    if let Some((metric, ..)) = measured.iter().find(|(_, value, _)| *value <= 0.0) {
         bail!("no {} at all: the replies never came back", metric.name());
     }
     Ok(measured)

@@ -19,15 +19,19 @@ pub enum Mode {
     IptablesNft,
     IptablesLegacy,
     Ebpf,
+    /// The eBPF data plane on a node whose tables (kube-proxy's, and the agent's reduced
+    /// chain) are in the legacy backend: what `IptablesLegacy` is measured against.
+    EbpfLegacy,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 5] = [
+    pub const ALL: [Mode; 6] = [
         Mode::NoNatBare,
         Mode::NoNat,
         Mode::IptablesNft,
         Mode::IptablesLegacy,
         Mode::Ebpf,
+        Mode::EbpfLegacy,
     ];
 
     pub fn name(self) -> &'static str {
@@ -37,6 +41,21 @@ impl Mode {
             Mode::IptablesNft => "iptables (nft)",
             Mode::IptablesLegacy => "iptables (legacy)",
             Mode::Ebpf => "ebpf",
+            Mode::EbpfLegacy => "ebpf (legacy node)",
+        }
+    }
+
+    /// Whether the eBPF programs translate in this mode.
+    pub fn is_ebpf(self) -> bool {
+        matches!(self, Mode::Ebpf | Mode::EbpfLegacy)
+    }
+
+    /// The iptables mode of the same backend, which an eBPF mode is measured against fairly:
+    /// the node's own tables cost the same in both.
+    pub fn same_backend_iptables(self) -> Mode {
+        match self.backend() {
+            "legacy" => Mode::IptablesLegacy,
+            _ => Mode::IptablesNft,
         }
     }
 
@@ -66,7 +85,7 @@ impl Mode {
     /// namespace never holds both backends' tables.
     pub fn backend(self) -> &'static str {
         match self {
-            Mode::IptablesLegacy => "legacy",
+            Mode::IptablesLegacy | Mode::EbpfLegacy => "legacy",
             _ => "nft",
         }
     }
@@ -107,6 +126,29 @@ pub struct Sample {
     pub metric: Metric,
     pub round: usize,
     pub value: f64,
+    /// What one operation (a connection, a transaction, a flow) cost while it was measured.
+    pub cost: Cost,
+}
+
+/// CPU time per operation of a measurement, in nanoseconds: the eBPF programs' (from the
+/// kernel's BPF run-time statistics, in the eBPF modes), and the agent's (all its threads).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Cost {
+    pub programs_ns: Option<f64>,
+    pub agent_ns: Option<f64>,
+}
+
+/// The agent under a sustained churn of new connections, over a window that holds several of
+/// its NAT table's sweeps.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Churn {
+    pub error: Option<String>,
+    pub seconds: f64,
+    pub connections_per_second: f64,
+    /// The agent's CPU time over the window, as a share of the whole machine's.
+    pub agent_cpu_percent: f64,
+    pub agent_ns_per_connection: f64,
+    pub programs_ns_per_connection: f64,
 }
 
 /// One line of the data-path benchmark's output.
@@ -247,6 +289,8 @@ pub struct Plan {
     pub large: usize,
     /// How long the agent's idle CPU use is measured.
     pub idle: Duration,
+    /// How long the agent is measured under a churn of new connections.
+    pub churn: Duration,
 }
 
 impl Plan {
@@ -265,6 +309,7 @@ impl Plan {
                 runs: 20_000,
                 large: 20_000,
                 idle: Duration::from_secs(10),
+                churn: Duration::from_secs(20),
             }
         } else {
             Plan {
@@ -283,6 +328,8 @@ impl Plan {
                 runs: 100_000,
                 large: 100_000,
                 idle: Duration::from_secs(60),
+                // Six of the NAT table's sweeps.
+                churn: Duration::from_secs(60),
             }
         };
         if !options.sizes.is_empty() {

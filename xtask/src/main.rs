@@ -3,6 +3,7 @@
 mod bench;
 mod bench_plan;
 mod budget;
+mod cost_meter;
 mod demo;
 mod doc_sections;
 mod kube_tools;

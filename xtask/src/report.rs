@@ -8,7 +8,7 @@ use masq_testbed::load::Shape;
 use plotters::prelude::*;
 
 use crate::{
-    bench_plan::{ControlPlane, DatapathCase, Metric, Mode, Plan, Sample, median},
+    bench_plan::{Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Plan, Sample, median},
     doc_sections::{today, update_section},
     node_tables::Node,
     verifier_figures::{self, ProgramFigures},
@@ -22,13 +22,15 @@ struct Point {
     cidrs: usize,
 }
 
-/// The samples of one run, per point and mode, round by round.
+/// The samples of one run, per point and mode, round by round, with what each operation cost.
 struct Medians {
     by_round: BTreeMap<(Point, Mode), BTreeMap<usize, f64>>,
+    costs: BTreeMap<(Point, Mode), Vec<Cost>>,
 }
 
 fn medians(samples: &[Sample]) -> Medians {
     let mut by_round: BTreeMap<_, BTreeMap<usize, f64>> = BTreeMap::new();
+    let mut costs: BTreeMap<_, Vec<Cost>> = BTreeMap::new();
     for s in samples {
         let point = Point {
             metric: s.metric,
@@ -39,11 +41,23 @@ fn medians(samples: &[Sample]) -> Medians {
             .entry((point, s.mode))
             .or_default()
             .insert(s.round, s.value);
+        costs.entry((point, s.mode)).or_default().push(s.cost);
     }
-    Medians { by_round }
+    Medians { by_round, costs }
 }
 
 impl Medians {
+    /// The median over rounds of one part of each operation's cost.
+    fn cost(&self, point: Point, mode: Mode, part: fn(&Cost) -> Option<f64>) -> Option<f64> {
+        median(
+            self.costs
+                .get(&(point, mode))?
+                .iter()
+                .filter_map(part)
+                .collect(),
+        )
+    }
+
     /// The median over rounds.
     fn get(&self, point: Point, mode: Mode) -> Option<f64> {
         median(
@@ -129,51 +143,41 @@ impl Target {
 
 /// The end-to-end targets, each in every load shape: `a` ÷ `b` of a metric, at least `bound`,
 /// at one number of CIDRs or (`None`) at every size measured.
-const END_TO_END_TARGETS: [(Metric, Mode, Mode, Option<usize>, f64); 7] = [
-    (Metric::NewConnections, Mode::Ebpf, Mode::NoNat, None, 0.95),
-    (
-        Metric::NewConnections,
-        Mode::Ebpf,
-        Mode::IptablesNft,
-        Some(4),
-        1.15,
-    ),
-    (
-        Metric::NewConnections,
-        Mode::Ebpf,
-        Mode::IptablesNft,
-        Some(10_000),
-        1.5,
-    ),
-    // Issue 16: never slower than the chain it replaces, at the sizes most clusters run.
-    (
-        Metric::NewConnections,
-        Mode::Ebpf,
-        Mode::IptablesNft,
-        Some(4),
-        1.0,
-    ),
-    (Metric::Transactions, Mode::Ebpf, Mode::NoNat, None, 0.97),
-    (
-        Metric::Transactions,
-        Mode::Ebpf,
-        Mode::IptablesNft,
-        Some(4),
-        1.0,
-    ),
-    (
-        Metric::UdpNewFlows,
-        Mode::Ebpf,
-        Mode::IptablesNft,
-        Some(4),
-        1.0,
-    ),
-];
+fn end_to_end_target_list() -> Vec<(Metric, Mode, Mode, Option<usize>, f64)> {
+    let mut list = vec![
+        // Issue 27: near the no-NAT ceiling at every size, for what NAT costs most.
+        (Metric::NewConnections, Mode::Ebpf, Mode::NoNat, None, 0.98),
+        (Metric::UdpNewFlows, Mode::Ebpf, Mode::NoNat, None, 0.98),
+        (Metric::Transactions, Mode::Ebpf, Mode::NoNat, None, 0.97),
+        (
+            Metric::NewConnections,
+            Mode::Ebpf,
+            Mode::IptablesNft,
+            Some(4),
+            1.15,
+        ),
+        (
+            Metric::NewConnections,
+            Mode::Ebpf,
+            Mode::IptablesNft,
+            Some(10_000),
+            1.5,
+        ),
+    ];
+    // Issues 16 and 27: never slower than the chain it replaces at the sizes most clusters
+    // run, measured on a node of the same backend.
+    for metric in Metric::ALL {
+        for ebpf in [Mode::Ebpf, Mode::EbpfLegacy] {
+            list.push((metric, ebpf, ebpf.same_backend_iptables(), Some(4), 1.0));
+        }
+    }
+    list
+}
 
 fn end_to_end_targets(m: &Medians, shapes: &[Shape], sizes: &[usize]) -> Vec<Target> {
     let mut out = Vec::new();
     for &shape in shapes {
-        for (metric, a, b, at, bound) in END_TO_END_TARGETS {
+        for (metric, a, b, at, bound) in end_to_end_target_list() {
             for cidrs in sizes
                 .iter()
                 .copied()
@@ -228,6 +232,7 @@ fn targets(
     m: &Medians,
     datapath: &[DatapathCase],
     cp: Option<&ControlPlane>,
+    churn: Option<&Churn>,
     plan: &Plan,
 ) -> Vec<Target> {
     let mut out = end_to_end_targets(m, &plan.shapes, &plan.sizes);
@@ -257,17 +262,34 @@ fn targets(
             cost(case, 100_000).zip(cost(case, 4)).map(|(a, b)| a / b),
         ));
     }
-    // A translation's own cost, above the test runner's.
+    // A translation's own cost, above the test runner's (issue 27: 60 ns).
     for case in ["snat_established", "rev_snat"]
         .into_iter()
         .filter(|_| !datapath.is_empty())
     {
         out.push(Target::new(
             format!("data-path cost, {case} above ignored_floor, ns, 4 prefixes"),
-            Bound::AtMost(100.0),
+            Bound::AtMost(60.0),
             cost(case, 4)
                 .zip(cost("ignored_floor", 4))
                 .map(|(a, b)| a - b),
+        ));
+    }
+    if !datapath.is_empty() {
+        out.push(Target::new(
+            "data-path cost, snat_new_flow (a first packet), ns, 4 prefixes".into(),
+            Bound::AtMost(400.0),
+            cost("snat_new_flow", 4),
+        ));
+    }
+    if let Some(churn) = churn {
+        out.push(Target::new(
+            format!(
+                "agent CPU under {:.0} new connections/s for {:.0} s (several NAT sweeps), % of the machine",
+                churn.connections_per_second, churn.seconds
+            ),
+            Bound::AtMost(0.3),
+            churn.error.is_none().then_some(churn.agent_cpu_percent),
         ));
     }
     let Some(cp) = cp else {
@@ -330,6 +352,7 @@ fn summary(
     plan: &Plan,
     datapath: &[DatapathCase],
     cp: Option<&ControlPlane>,
+    churn: Option<&Churn>,
 ) -> String {
     let mut s = String::new();
     for metric in Metric::ALL {
@@ -366,8 +389,12 @@ fn summary(
     for &shape in &plan.shapes {
         ratios(&mut s, m, shape, &plan.sizes);
     }
+    costs_table(&mut s, m, plan);
     if !datapath.is_empty() {
         datapath_table(&mut s, datapath);
+    }
+    if let Some(churn) = churn {
+        churn_table(&mut s, churn);
     }
     if let Some(cp) = cp {
         control_plane_table(&mut s, cp);
@@ -376,7 +403,7 @@ fn summary(
         s,
         "\n| target | wanted | measured | | ceiling |\n|---|---|---:|---|---|"
     );
-    for t in targets(m, datapath, cp, plan) {
+    for t in targets(m, datapath, cp, churn, plan) {
         let measured = t.measured.map_or("–".into(), |v| format!("{v:.2}"));
         let _ = writeln!(
             s,
@@ -393,12 +420,15 @@ fn summary(
 /// In one load shape, what kube-proxy's table costs, and each mode's ratio to no NAT and to
 /// iptables, per metric and table size.
 fn ratios(s: &mut String, m: &Medians, shape: Shape, sizes: &[usize]) {
+    // Each eBPF mode against the chain on a node of its own backend; the cross-backend ratio
+    // last, as context only: it also compares the two backends' kube-proxy tables.
     let pairs = [
         (Mode::NoNat, Mode::NoNatBare),
         (Mode::IptablesNft, Mode::NoNat),
         (Mode::IptablesLegacy, Mode::NoNat),
         (Mode::Ebpf, Mode::NoNat),
         (Mode::Ebpf, Mode::IptablesNft),
+        (Mode::EbpfLegacy, Mode::IptablesLegacy),
         (Mode::Ebpf, Mode::IptablesLegacy),
     ];
     let heads: Vec<String> = pairs
@@ -426,6 +456,86 @@ fn ratios(s: &mut String, m: &Medians, shape: Shape, sizes: &[usize]) {
             let _ = writeln!(s, "| {} | {cidrs} | {} |", metric.name(), cells.join(" | "));
         }
     }
+}
+
+/// What one operation cost the programs and the agent, per mode, from the kernel's BPF
+/// run-time statistics and the agent's threads' CPU time, read around each measurement.
+fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
+    let modes: Vec<Mode> = Mode::ALL
+        .into_iter()
+        .filter(|mode| mode.masquerades())
+        .collect();
+    let mut heads = Vec::new();
+    for mode in &modes {
+        if mode.is_ebpf() {
+            heads.push(format!("{}: programs", mode.name()));
+        }
+        heads.push(format!("{}: agent", mode.name()));
+    }
+    let _ = writeln!(
+        s,
+        "
+What one operation (a connection, a transaction, a UDP flow) cost, in ns of CPU, the median over rounds: the eBPF programs' run time from the kernel's BPF run-time statistics (`run_time_ns` of both programs), and the agent's from its threads' scheduler accounts, each read before and after the measurement. The statistics are on in every mode, and cost only the eBPF modes (two clock reads per run of a program), so that their rates carry that cost too. netfilter's own cost has no such counter; [the profiles](profiles.md) compare it.
+
+| cost per operation, ns | CIDRs | load shape | {} |
+|---|---:|---|{}",
+        heads.join(" | "),
+        "---:|".repeat(heads.len())
+    );
+    for metric in Metric::ALL.into_iter().filter(|m| *m != Metric::Throughput) {
+        for &cidrs in &plan.sizes {
+            for &shape in &plan.shapes {
+                let point = Point {
+                    metric,
+                    shape,
+                    cidrs,
+                };
+                let cell = |v: Option<f64>| v.map_or("–".into(), |v| format!("{v:.0}"));
+                let mut cells = Vec::new();
+                for &mode in &modes {
+                    if mode.is_ebpf() {
+                        cells.push(cell(m.cost(point, mode, |c| c.programs_ns)));
+                    }
+                    cells.push(cell(m.cost(point, mode, |c| c.agent_ns)));
+                }
+                let _ = writeln!(
+                    s,
+                    "| {} | {cidrs} | {} | {} |",
+                    metric.name(),
+                    shape.name(),
+                    cells.join(" | ")
+                );
+            }
+        }
+    }
+}
+
+fn churn_table(s: &mut String, churn: &Churn) {
+    if let Some(error) = &churn.error {
+        let _ = writeln!(
+            s,
+            "
+The churn measurement failed: {error}"
+        );
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "
+The agent under churn: new TCP connections for {:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps.
+
+| under churn | measured |
+|---|---:|
+| new TCP connections/s | {:.0} |
+| agent CPU, % of the machine | {:.2} % |
+| agent CPU per connection | {:.0} ns |
+| the programs' run time per connection | {:.0} ns |",
+        churn.seconds,
+        churn.connections_per_second,
+        churn.agent_cpu_percent,
+        churn.agent_ns_per_connection,
+        churn.programs_ns_per_connection
+    );
 }
 
 fn datapath_table(s: &mut String, datapath: &[DatapathCase]) {
@@ -517,7 +627,14 @@ fn plot(path: &Path, m: &Medians, shapes: &[Shape], sizes: &[usize]) -> anyhow::
         .filter_map(|&(point, mode)| m.get(point, mode))
         .fold(1.0, f64::max);
     let x_max = *sizes.iter().max().unwrap_or(&4) as f64 * 2.0;
-    let colors = [RGBColor(150, 150, 150), BLACK, BLUE, MAGENTA, RED];
+    let colors = [
+        RGBColor(150, 150, 150),
+        BLACK,
+        BLUE,
+        MAGENTA,
+        RED,
+        RGBColor(230, 140, 0),
+    ];
     for (&shape, area) in shapes.iter().zip(root.split_evenly((1, panels))) {
         let mut chart = ChartBuilder::on(&area)
             .caption(
@@ -596,6 +713,7 @@ pub struct Measured<'a> {
     pub datapath: &'a [DatapathCase],
     pub samples: &'a [Sample],
     pub control: Option<&'a ControlPlane>,
+    pub churn: Option<&'a Churn>,
     /// The verifier's figures, on each kernel the run measured.
     pub budget: &'a [ProgramFigures],
 }
@@ -611,6 +729,7 @@ pub fn write(
         datapath,
         samples,
         control: cp,
+        churn,
         budget,
     } = *measured;
     std::fs::create_dir_all(dir)?;
@@ -625,7 +744,7 @@ pub fn write(
         took.as_secs_f64(),
         what_ran(plan)?
     );
-    let table = summary(&m, plan, datapath, cp);
+    let table = summary(&m, plan, datapath, cp, churn);
     plot(
         &dir.join("new-connections.svg"),
         &m,
@@ -637,6 +756,7 @@ pub fn write(
         "datapath": datapath,
         "samples": samples,
         "control_plane": cp,
+        "churn": churn,
         "verifier": budget,
     });
     std::fs::write(
@@ -700,6 +820,7 @@ mod tests {
             Mode::IptablesNft => 0.8,
             Mode::IptablesLegacy => 0.5,
             Mode::Ebpf => 0.9,
+            Mode::EbpfLegacy => 0.6,
         };
         let shape_factor = |shape: Shape| match shape {
             Shape::PinnedLanes => 1.0,
@@ -717,6 +838,7 @@ mod tests {
                             metric,
                             round,
                             value: 10_000.0 * mode_factor(mode) * shape_factor(shape),
+                            cost: Cost::default(),
                         });
                     }
                 }
@@ -738,15 +860,15 @@ mod tests {
             runs: 1,
             large: 1,
             idle: Duration::ZERO,
+            churn: Duration::ZERO,
         }
     }
 
     #[test]
     fn every_metric_table_has_a_row_per_shape() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], None);
-        let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 |";
-        let unpinned =
-            "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 |";
+        let text = summary(&medians(&samples(3)), &plan(), &[], None, None);
+        let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 | 6000 |";
+        let unpinned = "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 | 12000 |";
         assert_eq!(text.matches(pinned).count(), 3, "{text}");
         assert_eq!(text.matches(unpinned).count(), 3, "{text}");
         assert!(
@@ -758,7 +880,7 @@ mod tests {
 
     #[test]
     fn ratio_tables_come_one_per_shape_with_kube_proxys_cost_first() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], None, None);
         for shape in Shape::ALL {
             assert!(
                 text.contains(&format!("Ratios in the load shape {}", shape.name())),
@@ -770,13 +892,14 @@ mod tests {
                 "| ratio | CIDRs | no NAT ÷ no NAT, bare node | iptables (nft) ÷ no NAT |"
             )
         );
-        // no NAT ÷ bare is 0.80, then nft ÷ no NAT 0.80, legacy 0.50, ebpf 0.90, ebpf ÷ nft 1.12.
-        let row = "| new TCP connections/s | 4 | 0.80 | 0.80 | 0.50 | 0.90 | 1.12 | 1.80 |";
+        // no NAT ÷ bare is 0.80, then nft ÷ no NAT 0.80, legacy 0.50, ebpf 0.90, ebpf ÷ nft
+        // 1.12, ebpf ÷ legacy on the legacy node 1.20, and across backends 1.80.
+        let row = "| new TCP connections/s | 4 | 0.80 | 0.80 | 0.50 | 0.90 | 1.12 | 1.20 | 1.80 |";
         assert_eq!(text.matches(row).count(), 2, "{text}");
     }
 
     #[test]
-    fn issue_16s_targets_are_in_the_table_for_both_shapes() {
+    fn never_slower_than_the_chain_on_either_backend_is_a_target_in_both_shapes() {
         let m = medians(&samples(3));
         let targets = end_to_end_targets(&m, &Shape::ALL, &[4, 10_000]);
         for shape in Shape::ALL {
@@ -785,17 +908,23 @@ mod tests {
                 Metric::Transactions,
                 Metric::UdpNewFlows,
             ] {
-                let figure = format!(
-                    "{}, ebpf ÷ iptables (nft), 4 CIDRs, {}",
-                    metric.name(),
-                    shape.name()
-                );
-                let target = targets
-                    .iter()
-                    .find(|t| t.figure == figure && t.bound.describe() == "≥ 1")
-                    .unwrap_or_else(|| panic!("no target {figure}"));
-                assert_eq!(target.measured.map(|v| (v * 1000.0).round()), Some(1125.0));
-                assert_eq!(target.verdict(), "met");
+                // On each backend's node, against the chain in that backend.
+                for (ebpf, iptables, ratio) in [
+                    ("ebpf", "iptables (nft)", 1125.0),
+                    ("ebpf (legacy node)", "iptables (legacy)", 1200.0),
+                ] {
+                    let figure = format!(
+                        "{}, {ebpf} ÷ {iptables}, 4 CIDRs, {}",
+                        metric.name(),
+                        shape.name()
+                    );
+                    let target = targets
+                        .iter()
+                        .find(|t| t.figure == figure && t.bound.describe() == "≥ 1")
+                        .unwrap_or_else(|| panic!("no target {figure}"));
+                    assert_eq!(target.measured.map(|v| (v * 1000.0).round()), Some(ratio));
+                    assert_eq!(target.verdict(), "met");
+                }
             }
         }
         // Not measured at 10 000: the row is there, and says so.
@@ -832,6 +961,32 @@ mod tests {
         assert_eq!(
             versus_no_nat.ceiling.as_deref(),
             Some("ebpf ÷ no NAT, bare node is 0.72")
+        );
+    }
+
+    #[test]
+    fn each_operation_s_cost_is_the_median_of_the_rounds_and_the_programs_only_in_ebpf() {
+        let mut samples = samples(3);
+        for s in samples.iter_mut() {
+            s.cost = Cost {
+                programs_ns: s.mode.is_ebpf().then_some(1000.0 + s.round as f64),
+                agent_ns: s.mode.masquerades().then_some(7.0),
+            };
+        }
+        let mut text = String::new();
+        costs_table(&mut text, &medians(&samples), &plan());
+        assert!(
+            text.contains(
+                "| cost per operation, ns | CIDRs | load shape | iptables (nft): agent |"
+            ),
+            "{text}"
+        );
+        // iptables (nft), iptables (legacy): the agent only; ebpf, ebpf (legacy node): both.
+        let row = "| new TCP connections/s | 4 | pinned lanes | 7 | 7 | 1001 | 7 | 1001 | 7 |";
+        assert!(text.contains(row), "{text}");
+        assert!(
+            !text.contains("TCP bulk"),
+            "no operations to count in bulk: {text}"
         );
     }
 
