@@ -9,7 +9,7 @@
 
 use std::{net::Ipv4Addr, time::Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use ipnet::Ipv4Net;
 use masq_agent::{
     dataplane::ebpf::{
@@ -40,11 +40,7 @@ fn options() -> anyhow::Result<Options> {
         rounds: 5,
         sizes: vec![4, 10_000, 100_000],
     };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let value = args
-            .next()
-            .with_context(|| format!("{arg} needs a value"))?;
+    for (arg, value) in masq_testbed::flag_pairs()? {
         match arg.as_str() {
             "--runs" => opts.runs = value.parse()?,
             "--rounds" => opts.rounds = value.parse()?,

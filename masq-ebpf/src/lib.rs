@@ -114,6 +114,11 @@ pub mod global_names {
 pub const NON_MASQ_MAX_ENTRIES: u32 = 262_144;
 /// Default NAT table size in entries; each flow takes two (one per direction).
 pub const NAT_DEFAULT_ENTRIES: u32 = 2 * 262_144;
+/// How often at most the programs refresh a NAT entry's `last_seen_ns`, to keep per-packet
+/// writes to shared cache lines rare: an entry's time lags its flow's last packet by up to this
+/// much, which the agent's sweep allows for. Expiry works in seconds to hours, so this costs no
+/// precision that matters.
+pub const LAST_SEEN_REFRESH_NS: u64 = 1_000_000_000;
 /// Interfaces the programs may be attached to at once.
 pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 

@@ -8,8 +8,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Address, Counter, EARLY_DROP_PROBES, IPPROTO_TCP, NatEntry, NatKey, Settings, direction,
-    is_assured, nat_kind, packets_seen,
+    Address, Counter, EARLY_DROP_PROBES, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey,
+    Settings, direction, is_assured, nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -22,9 +22,6 @@ use crate::{
 };
 
 const EEXIST: i32 = -17;
-/// Entries are refreshed at most this often, to keep per-packet writes to shared cache lines
-/// rare; expiry works in seconds to hours, so this costs no precision that matters.
-const REFRESH_NS: u64 = 1_000_000_000;
 
 /// `global_names::COARSE_CLOCK`: 0 (the precise clock, which every kernel has) unless the
 /// agent says the kernel has the coarse one.
@@ -182,7 +179,7 @@ pub fn refresh<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, 
     // recent time).
     unsafe {
         let now = now_ns();
-        if now.wrapping_sub((*entry).last_seen_ns) > REFRESH_NS {
+        if now.wrapping_sub((*entry).last_seen_ns) > LAST_SEEN_REFRESH_NS {
             (*entry).last_seen_ns = now;
         }
     }

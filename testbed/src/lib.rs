@@ -130,3 +130,16 @@ pub fn keeps_address_v4(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
         .with_context(|| format!("no value in {entry}"))?;
     Ok(value == masq_ebpf::prefix_action::NON_MASQUERADE)
 }
+
+/// The `--flag value` pairs a benchmark binary was given, in order.
+pub fn flag_pairs() -> anyhow::Result<Vec<(String, String)>> {
+    let mut pairs = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args
+            .next()
+            .with_context(|| format!("{flag} needs a value"))?;
+        pairs.push((flag, value));
+    }
+    Ok(pairs)
+}

@@ -24,7 +24,8 @@ use masq_testbed::{
 
 use crate::{
     bench_plan::{
-        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Options, Plan, Sample, median,
+        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Options, Plan, Sample, SweepCase,
+        median,
     },
     cost_meter::{Meter, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
@@ -58,6 +59,12 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     } else {
         eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
         datapath(&root.join("target/release/examples/datapath_bench"), &plan)?
+    };
+    let sweeps = if options.end_to_end_only {
+        Vec::new()
+    } else {
+        eprintln!("xtask: bench: the NAT table's sweep");
+        sweeps(&root.join("target/release/examples/sweep_bench"), &plan)?
     };
     // Held for the whole run: each measurement reads the programs' run time before and after.
     let _stats = RunTimeStats::enable()?;
@@ -119,6 +126,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         &plan,
         &report::Measured {
             datapath: &datapath,
+            sweeps: &sweeps,
             samples: &samples,
             control: control.as_ref(),
             churn: churn.as_ref(),
@@ -142,23 +150,41 @@ fn kept_on_failure<T>(
 }
 
 fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
-    let out = Command::new(binary)
-        .args([
+    let runs = plan.runs.to_string();
+    json_lines(
+        binary,
+        &[
             "--runs",
-            &plan.runs.to_string(),
+            &runs,
             "--rounds",
             "5",
             "--sizes",
             "4,10000,100000",
-        ])
+        ],
+    )
+}
+
+fn sweeps(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<SweepCase>> {
+    let rounds = plan.rounds.to_string();
+    json_lines(binary, &["--rounds", &rounds])
+}
+
+/// Runs a benchmark binary and reads the JSON line it prints per case.
+fn json_lines<T: serde::de::DeserializeOwned>(
+    binary: &Path,
+    args: &[&str],
+) -> anyhow::Result<Vec<T>> {
+    let name = binary.file_name().unwrap_or_default().to_string_lossy();
+    let out = Command::new(binary)
+        .args(args)
         .output()
-        .context("running the data-path benchmark")?;
+        .with_context(|| format!("running {name}"))?;
     if !out.status.success() {
-        bail!("datapath_bench: {}", String::from_utf8_lossy(&out.stderr));
+        bail!("{name}: {}", String::from_utf8_lossy(&out.stderr));
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .map(|l| serde_json::from_str(l).with_context(|| format!("datapath_bench line {l:?}")))
+        .map(|l| serde_json::from_str(l).with_context(|| format!("{name} line {l:?}")))
         .collect()
 }
 

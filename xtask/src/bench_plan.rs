@@ -138,6 +138,15 @@ pub struct Cost {
     pub agent_ns: Option<f64>,
 }
 
+/// One line of the sweep benchmark's output: what a sweep of a NAT table holding `flows` costs
+/// when none of them is over, and when all of them are.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct SweepCase {
+    pub flows: usize,
+    pub none_expired_ms: f64,
+    pub all_expired_ms: f64,
+}
+
 /// The agent under a sustained churn of new connections, over a window that holds several of
 /// its NAT table's sweeps.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -309,7 +318,8 @@ impl Plan {
                 runs: 20_000,
                 large: 20_000,
                 idle: Duration::from_secs(10),
-                churn: Duration::from_secs(20),
+                // Long enough for sweeps that find flows over (a reset's 10 s, and the lag).
+                churn: Duration::from_secs(30),
             }
         } else {
             Plan {

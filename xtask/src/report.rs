@@ -8,7 +8,9 @@ use masq_testbed::load::Shape;
 use plotters::prelude::*;
 
 use crate::{
-    bench_plan::{Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Plan, Sample, median},
+    bench_plan::{
+        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Plan, Sample, SweepCase, median,
+    },
     doc_sections::{today, update_section},
     node_tables::Node,
     verifier_figures::{self, ProgramFigures},
@@ -351,6 +353,7 @@ fn summary(
     m: &Medians,
     plan: &Plan,
     datapath: &[DatapathCase],
+    sweeps: &[SweepCase],
     cp: Option<&ControlPlane>,
     churn: Option<&Churn>,
 ) -> String {
@@ -392,6 +395,9 @@ fn summary(
     costs_table(&mut s, m, plan);
     if !datapath.is_empty() {
         datapath_table(&mut s, datapath);
+    }
+    if !sweeps.is_empty() {
+        sweeps_table(&mut s, sweeps);
     }
     if let Some(churn) = churn {
         churn_table(&mut s, churn);
@@ -507,6 +513,23 @@ What one operation (a connection, a transaction, a UDP flow) cost, in ns of CPU,
                 );
             }
         }
+    }
+}
+
+fn sweeps_table(s: &mut String, sweeps: &[SweepCase]) {
+    let _ = writeln!(
+        s,
+        "\nThe agent's sweep of the NAT table, every ten seconds: the table (the default size) filled through the egress program, then swept with none of its flows over, and with all of them over (removed, both halves). Median ms of the rounds.\n\n| sweep | flows | none over, ms | all over, ms | all over, ns per flow |\n|---|---:|---:|---:|---:|"
+    );
+    for sweep in sweeps {
+        let _ = writeln!(
+            s,
+            "| NAT table | {} | {:.0} | {:.0} | {:.0} |",
+            sweep.flows,
+            sweep.none_expired_ms,
+            sweep.all_expired_ms,
+            sweep.all_expired_ms * 1e6 / sweep.flows as f64
+        );
     }
 }
 
@@ -711,6 +734,7 @@ fn what_ran(plan: &Plan) -> anyhow::Result<String> {
 /// Everything a run measured.
 pub struct Measured<'a> {
     pub datapath: &'a [DatapathCase],
+    pub sweeps: &'a [SweepCase],
     pub samples: &'a [Sample],
     pub control: Option<&'a ControlPlane>,
     pub churn: Option<&'a Churn>,
@@ -727,6 +751,7 @@ pub fn write(
 ) -> anyhow::Result<()> {
     let Measured {
         datapath,
+        sweeps,
         samples,
         control: cp,
         churn,
@@ -744,7 +769,7 @@ pub fn write(
         took.as_secs_f64(),
         what_ran(plan)?
     );
-    let table = summary(&m, plan, datapath, cp, churn);
+    let table = summary(&m, plan, datapath, sweeps, cp, churn);
     plot(
         &dir.join("new-connections.svg"),
         &m,
@@ -754,6 +779,7 @@ pub fn write(
     let json = serde_json::json!({
         "header": header,
         "datapath": datapath,
+        "sweeps": sweeps,
         "samples": samples,
         "control_plane": cp,
         "churn": churn,
@@ -866,7 +892,7 @@ mod tests {
 
     #[test]
     fn every_metric_table_has_a_row_per_shape() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], None, None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], &[], None, None);
         let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 | 6000 |";
         let unpinned = "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 | 12000 |";
         assert_eq!(text.matches(pinned).count(), 3, "{text}");
@@ -880,7 +906,7 @@ mod tests {
 
     #[test]
     fn ratio_tables_come_one_per_shape_with_kube_proxys_cost_first() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], None, None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], &[], None, None);
         for shape in Shape::ALL {
             assert!(
                 text.contains(&format!("Ratios in the load shape {}", shape.name())),

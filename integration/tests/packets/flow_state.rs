@@ -6,7 +6,7 @@ use std::time::Duration;
 use masq_agent::dataplane::{
     NatUsage,
     ebpf::{
-        expiry::Timeouts,
+        expiry::{self, Timeouts},
         testbed::{TC_ACT_OK, TestBed},
     },
 };
@@ -28,6 +28,12 @@ in_both_families!(
 fn sweep_after<F: HarnessFamily>(h: &TestBed, idle: Duration) -> NatUsage {
     let newest = F::nat(h).iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     F::expire(h, &Timeouts::default(), newest + idle.as_nanos() as u64)
+}
+
+/// Idle long enough to be past `timeout`: by more than a last packet's time may lag it, and a
+/// second.
+fn past(timeout: Duration) -> Duration {
+    timeout + expiry::LAST_SEEN_LAG + Duration::from_secs(1)
 }
 
 /// The same sweep, `idle` after the oldest entry's last packet: no entry has been idle longer.
@@ -52,21 +58,22 @@ fn expiry_removes_both_halves_of_idle_flows_only<F: HarnessFamily>() {
     assert_eq!(F::other_family_entries(&h), 0, "the other table holds none");
 
     let timeouts = Timeouts::default();
-    let second = Duration::from_secs(1);
+    // Never early: a last packet's time may lag it by up to LAST_SEEN_LAG, so a flow idle
+    // that much past its timeout, by the time the table holds, may not be past it yet.
     assert_eq!(
-        sweep_after_the_oldest::<F>(&h, timeouts.udp).expired_flows,
+        sweep_after_the_oldest::<F>(&h, timeouts.udp + expiry::LAST_SEEN_LAG).expired_flows,
         0
     );
     assert_eq!(pod_ports::<F>(&h), [2001, 2002, 2003]);
     // Past UDP's: the UDP flow no reply crossed goes, both halves.
-    let run = sweep_after::<F>(&h, timeouts.udp + second);
+    let run = sweep_after::<F>(&h, past(timeouts.udp));
     assert_eq!((run.pod_flows, run.expired_flows), (3, 1));
     assert_eq!(pod_ports::<F>(&h), [2002, 2003]);
     // Past a SYN's: the half-open flow goes; the established one stays for days.
-    sweep_after::<F>(&h, timeouts.tcp_syn_sent + second);
+    sweep_after::<F>(&h, past(timeouts.tcp_syn_sent));
     assert_eq!(pod_ports::<F>(&h), [2002]);
     assert_eq!(F::nat(&h).len(), 2, "no half of an expired flow is left");
-    sweep_after::<F>(&h, timeouts.tcp_established + second);
+    sweep_after::<F>(&h, past(timeouts.tcp_established));
     assert!(F::nat(&h).is_empty());
 
     // A flow on an address the node no longer has is forgotten at once.
@@ -209,8 +216,7 @@ fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: HarnessFamily>(
     c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
     c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
     c.remote_sends(&mut h, RST, 5001 + 1_000_000, 0, &[]);
-    let idle = Timeouts::default().tcp_syn_sent + Duration::from_secs(1);
-    let run = sweep_after::<F>(&h, idle);
+    let run = sweep_after::<F>(&h, past(Timeouts::default().tcp_syn_sent));
     assert_eq!(run.expired_flows, 0, "established: kept for hours");
     assert_eq!(F::nat(&h).len(), 2);
 }
@@ -232,8 +238,7 @@ fn a_flow_no_reply_crossed_is_not_established<F: HarnessFamily>() {
         .collect();
     assert_eq!(unseen.iter().filter(|&&s| s == 0).count(), 2, "{unseen:?}");
 
-    let idle = Timeouts::default().tcp_syn_sent + Duration::from_secs(1);
-    let run = sweep_after::<F>(&h, idle);
+    let run = sweep_after::<F>(&h, past(Timeouts::default().tcp_syn_sent));
     assert_eq!(run.expired_flows, 2, "the lone ACK's flow and the SYN's");
     assert_eq!(
         pod_ports::<F>(&h),
@@ -252,7 +257,7 @@ fn an_orphaned_reply_half_is_removed<F: HarnessFamily>() {
         .unwrap();
     F::remove(&mut h, egress_key);
     let timeouts = Timeouts::default();
-    let later = (timeouts.orphan + Duration::from_secs(1)).as_nanos() as u64;
+    let later = past(timeouts.orphan).as_nanos() as u64;
     let run = F::expire(&h, &timeouts, egress.last_seen_ns + later);
     assert_eq!(run.orphans_removed, 1);
     assert!(F::nat(&h).is_empty());
@@ -264,7 +269,6 @@ fn an_orphaned_reply_half_is_removed<F: HarnessFamily>() {
 fn udp_and_echo_expire_as_conntrack_times_them<F: HarnessFamily>() {
     let mut h = harness::<F>();
     let timeouts = Timeouts::default();
-    let second = Duration::from_secs(1);
     let exchange = |h: &mut TestBed, pod_port: u16, queries: usize, answers: usize| {
         let mut node_port = 0;
         for _ in 0..queries {
@@ -280,8 +284,8 @@ fn udp_and_echo_expire_as_conntrack_times_them<F: HarnessFamily>() {
     exchange(&mut h, 4003, 2, 1);
     exchange(&mut h, 4004, 3, 3);
     h.egress(&ping(F::POD, F::REMOTE, F::ECHO_REQUEST, 7));
-    sweep_after::<F>(&h, timeouts.udp + second);
+    sweep_after::<F>(&h, past(timeouts.udp));
     assert_eq!(pod_ports::<F>(&h), [4004], "only the stream is left");
-    sweep_after::<F>(&h, timeouts.udp_stream + second);
+    sweep_after::<F>(&h, past(timeouts.udp_stream));
     assert!(F::nat(&h).is_empty());
 }

@@ -161,7 +161,9 @@ where
         translated_to: (translated != source).then_some(translated),
         state: state.name(),
         idle_seconds: idle.as_secs(),
-        expires_in_seconds: timeouts.of(state).saturating_sub(idle).as_secs(),
+        expires_in_seconds: (timeouts.of(state) + expiry::LAST_SEEN_LAG)
+            .saturating_sub(idle)
+            .as_secs(),
     }
 }
 
@@ -209,21 +211,23 @@ impl fmt::Display for Flow {
     }
 }
 
-/// `4d23h59m`, `2m5s`, `12s`: the two largest units.
+/// `4d23h`, `2m5s`, `2m0s`, `12s`: the largest unit and the next, as Go's durations print
+/// (so that two times read the same way whichever side of a minute they fall).
 fn short(seconds: u64) -> String {
     let units = [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
-    let mut parts = Vec::new();
-    let mut rest = seconds;
-    for (name, size) in units {
-        if rest >= size || (parts.is_empty() && size == 1) {
-            parts.push(format!("{}{name}", rest / size));
-            rest %= size;
-        }
-        if parts.len() == 2 {
-            break;
-        }
-    }
-    parts.concat()
+    let largest = units
+        .iter()
+        .position(|&(_, size)| seconds >= size)
+        .unwrap_or(units.len() - 1);
+    units[largest..]
+        .iter()
+        .take(2)
+        .scan(seconds, |rest, &(name, size)| {
+            let part = format!("{}{name}", *rest / size);
+            *rest %= size;
+            Some(part)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -235,7 +239,8 @@ mod tests {
         assert_eq!(short(0), "0s");
         assert_eq!(short(12), "12s");
         assert_eq!(short(125), "2m5s");
-        assert_eq!(short(3_600), "1h");
+        assert_eq!(short(120), "2m0s");
+        assert_eq!(short(3_600), "1h0m");
         assert_eq!(short(431_999), "4d23h");
     }
 }

@@ -1,0 +1,93 @@
+//! What one sweep of the NAT table costs the agent, at the table sizes a node reaches: the
+//! table filled through the real egress program (a SYN per flow, both halves inserted), then
+//! swept as the agent sweeps it, once with nothing to expire and once with every flow expired.
+//! One JSON line per table size, for `cargo xtask bench`.
+
+use std::{net::Ipv4Addr, time::Instant};
+
+use anyhow::bail;
+use masq_agent::dataplane::ebpf::{
+    EbpfOptions,
+    expiry::{self, Timeouts},
+    testbed::{TC_ACT_OK, TestBed},
+};
+use masq_testbed::packet::{self, SYN};
+
+const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+/// The first of the pods the flows come from, 50 000 flows each.
+const FIRST_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
+const FLOWS_PER_POD: u32 = 50_000;
+
+fn main() -> anyhow::Result<()> {
+    // A quarter and three quarters of the default table (524 288 entries, two a flow).
+    let mut flows: Vec<u32> = vec![65_536, 196_608];
+    let mut rounds = 3;
+    for (arg, value) in masq_testbed::flag_pairs()? {
+        match arg.as_str() {
+            "--flows" => flows = value.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            "--rounds" => rounds = value.parse()?,
+            _ => bail!("unknown argument {arg}"),
+        }
+    }
+    let timeouts = Timeouts::default();
+    for &count in &flows {
+        let mut bed = TestBed::new(
+            EbpfOptions::DEFAULT_NAT_CAPACITY,
+            &[(1024, 65535)],
+            true,
+            NODE,
+            &["10.0.0.0/8".parse()?],
+        )?;
+        let (mut kept, mut expired) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            fill(&mut bed, count)?;
+            // Every flow a SYN just sent: none has been idle for its timeout.
+            let started = Instant::now();
+            let run = expiry::expire(&bed.maps.nat.v4, &timeouts, expiry::monotonic_now_ns())?;
+            kept.push(started.elapsed().as_secs_f64() * 1e3);
+            if run.expired_flows != 0 || run.entries != 2 * count as usize {
+                bail!("a sweep of fresh flows expired {run:?}");
+            }
+            // Past every flow's timeout: all of them go.
+            let later = expiry::monotonic_now_ns() + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
+            let started = Instant::now();
+            let run = expiry::expire(&bed.maps.nat.v4, &timeouts, later)?;
+            expired.push(started.elapsed().as_secs_f64() * 1e3);
+            if run.expired_flows != count as usize {
+                bail!("a sweep of idle flows expired {run:?}");
+            }
+        }
+        println!(
+            "{}",
+            serde_json::json!({
+                "flows": count,
+                "none_expired_ms": median(kept.clone()),
+                "all_expired_ms": median(expired.clone()),
+                "none_expired_samples": kept,
+                "all_expired_samples": expired,
+            })
+        );
+    }
+    Ok(())
+}
+
+/// `count` new flows, each a SYN from a pod port of its own, to 200 remotes in turn: few
+/// enough flows per remote that none runs short of node ports.
+fn fill(bed: &mut TestBed, count: u32) -> anyhow::Result<()> {
+    for i in 0..count {
+        let pod = Ipv4Addr::from(u32::from(FIRST_POD) + i / FLOWS_PER_POD);
+        let sport = 1024 + (i % FLOWS_PER_POD) as u16;
+        let remote = Ipv4Addr::new(198, 51, 100, (i % 200) as u8);
+        let syn = packet::tcp(pod, sport, remote, 443, SYN);
+        let (verdict, out) = bed.egress(&syn);
+        if verdict != TC_ACT_OK || packet::src(&out) != NODE {
+            bail!("flow {i} was not masqueraded");
+        }
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
