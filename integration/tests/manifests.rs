@@ -540,3 +540,40 @@ fn the_projected_config_maps_are_files_the_agent_joins() {
         serde_json::json!(["10.0.0.0/8", "192.0.2.0/24", "198.51.100.0/24"])
     );
 }
+
+/// What `helm install` prints after installing, in each of the chart's two roles.
+fn notes(values: &[&str]) -> String {
+    let chart = chart_dir();
+    let mut args = vec![
+        "install",
+        "masq-agent",
+        chart.to_str().unwrap(),
+        "--namespace",
+        deploy::NAMESPACE,
+        "--dry-run=client",
+    ];
+    args.extend(values.iter().flat_map(|v| ["--set", v]));
+    let out = KubeTool::Helm
+        .run(&args)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    out.split_once("NOTES:")
+        .map(|(_, notes)| notes.to_string())
+        .unwrap_or_else(|| panic!("no notes in {out}"))
+}
+
+#[test]
+fn the_notes_say_what_to_watch_next_in_each_role() {
+    let agent = notes(&[]);
+    assert!(
+        agent.contains("rollout status daemonset/ip-masq-agent\n"),
+        "{agent}"
+    );
+    assert!(agent.contains("config.create=false"), "{agent}");
+    assert!(notes(&["config.create=true"]).contains("that this release created"));
+    let cleanup = notes(&["uninstall=true"]);
+    assert!(
+        cleanup.contains("rollout status daemonset/ip-masq-agent-cleanup"),
+        "{cleanup}"
+    );
+    assert!(cleanup.contains("helm uninstall masq-agent"), "{cleanup}");
+}
