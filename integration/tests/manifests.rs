@@ -16,7 +16,7 @@ use masq_agent::{
 use masq_testbed::{
     deploy::{
         self, RENDERED, chart_dir, chart_values_files, component_names, find, helm_template,
-        helm_template_text, kustomize, strings,
+        helm_template_text, kustomize, set_args, strings,
     },
     kube_tools::KubeTool,
 };
@@ -40,8 +40,7 @@ fn kustomized(components: &[&str]) -> Vec<Value> {
 
 /// The chart rendered with one `--set` per value.
 fn helm_with(values: &[&str]) -> Vec<Value> {
-    let args: Vec<&str> = values.iter().flat_map(|v| ["--set", v]).collect();
-    helm(&args)
+    helm(&set_args(values))
 }
 
 fn the<'a>(objects: &'a [Value], kind: &str) -> &'a Value {
@@ -552,7 +551,7 @@ fn notes(values: &[&str]) -> String {
         deploy::NAMESPACE,
         "--dry-run=client",
     ];
-    args.extend(values.iter().flat_map(|v| ["--set", v]));
+    args.extend(set_args(values));
     let out = KubeTool::Helm
         .run(&args)
         .unwrap_or_else(|e| panic!("{e:#}"));

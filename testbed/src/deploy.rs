@@ -221,6 +221,11 @@ pub fn helm_template_text(args: &[&str]) -> anyhow::Result<String> {
     KubeTool::Helm.run(&all)
 }
 
+/// `--set VALUE` for each of `values` (`key=value`), as helm takes them.
+pub fn set_args<'a>(values: &[&'a str]) -> Vec<&'a str> {
+    values.iter().flat_map(|value| ["--set", value]).collect()
+}
+
 /// The objects `helm template` renders with `args`.
 pub fn helm_template(args: &[&str]) -> anyhow::Result<Vec<Value>> {
     parse_objects(&helm_template_text(args)?)
@@ -264,9 +269,7 @@ impl Rendered {
     /// What the file must hold: a line that says where it comes from, then the render.
     pub fn render(&self) -> anyhow::Result<String> {
         let mut args = vec!["--show-only", self.template];
-        for value in self.set {
-            args.extend(["--set", value]);
-        }
+        args.extend(set_args(self.set));
         let text = helm_template_text(&args)?;
         let source = format!("---\n# Source: masq-agent/{}\n", self.template);
         let body = text

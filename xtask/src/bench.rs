@@ -8,7 +8,7 @@ use std::{
     collections::BTreeMap,
     net::Ipv4Addr,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Output},
     time::{Duration, Instant},
 };
 
@@ -27,7 +27,7 @@ use crate::{
         Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Options, Plan, Sample, SweepCase,
         median,
     },
-    cost_meter::{Meter, RunTimeStats},
+    cost_meter::{self, Meter, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
     report, step,
 };
@@ -299,16 +299,7 @@ impl Bed {
         self.topo.node_run("conntrack", &["-F"])?;
         if mode.masquerades() {
             let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
-            let path = self.path_env(mode.backend());
-            let out = self
-                .topo
-                .node_command(self.agent.to_str().context("path")?)
-                .args(["cleanup", &bpffs])
-                .env("PATH", path)
-                .output()?;
-            if !out.status.success() {
-                bail!("cleanup: {}", String::from_utf8_lossy(&out.stderr));
-            }
+            self.run_agent(mode, "cleanup", &["cleanup", &bpffs])?;
         }
         self.restore(mode, &[], node_tables::EMPTY_TABLES)
     }
@@ -326,16 +317,23 @@ impl Bed {
     /// The running agent's `status --json`.
     fn agent_status(&self, mode: Mode) -> anyhow::Result<serde_json::Value> {
         let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
+        let out = self.run_agent(mode, "status", &["status", "--json", &bpffs])?;
+        serde_json::from_slice(&out.stdout).context("the agent's status")
+    }
+
+    /// Runs the agent binary in the node with `args`, on `mode`'s iptables backend, to
+    /// completion; fails with what it said on stderr, `what` naming the run.
+    fn run_agent(&self, mode: Mode, what: &str, args: &[&str]) -> anyhow::Result<Output> {
         let out = self
             .topo
             .node_command(self.agent.to_str().context("path")?)
-            .args(["status", "--json", &bpffs])
+            .args(args)
             .env("PATH", self.path_env(mode.backend()))
             .output()?;
         if !out.status.success() {
-            bail!("status: {}", String::from_utf8_lossy(&out.stderr));
+            bail!("{what}: {}", String::from_utf8_lossy(&out.stderr));
         }
-        serde_json::from_slice(&out.stdout).context("the agent's status")
+        Ok(out)
     }
 
     /// Writes the tables `mode`'s node holds besides its data plane (see `Node`) into tables
@@ -552,15 +550,8 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
         let mut args = bed.agent_args(Mode::Ebpf);
         args.push("--once".into());
         args.extend(extra.iter().map(|s| s.to_string()));
-        let out = bed
-            .topo
-            .node_command(agent.to_str().context("path")?)
-            .args(&args)
-            .env("PATH", bed.path_env("nft"))
-            .output()?;
-        if !out.status.success() {
-            bail!("--once: {}", String::from_utf8_lossy(&out.stderr));
-        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = bed.run_agent(Mode::Ebpf, "--once", &args)?;
         Ok(String::from_utf8_lossy(&out.stderr).into_owned())
     };
 
@@ -633,12 +624,11 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     let pid = daemon.child.id();
     cp.rss_mib = proc_status_kib(pid, "VmHWM")? / 1024.0;
     cp.idle_seconds = plan.idle.as_secs();
-    let before = cpu_ticks(pid)?;
-    std::thread::sleep(Duration::from_secs(cp.idle_seconds));
-    let ticks = cpu_ticks(pid)? - before;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    cp.idle_cpu_percent = ticks as f64 / hz / cp.idle_seconds as f64 * 100.0;
+    let before = cost_meter::cpu_ns(pid)?;
+    std::thread::sleep(plan.idle);
+    let used = cost_meter::cpu_ns(pid)?.saturating_sub(before);
+    // Of one CPU.
+    cp.idle_cpu_percent = used as f64 / plan.idle.as_nanos() as f64 * 100.0;
     cp.apply_one_change_ms =
         median(one_change_latency(&bed, &prefixes::config(plan.large))?).unwrap_or_default();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
@@ -752,15 +742,6 @@ pub fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<f64> {
         .find_map(|l| l.strip_prefix(&format!("{field}:")))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .with_context(|| format!("{field} of {pid}"))
-}
-
-fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name, which sits in parentheses and may hold spaces.
-    let rest = stat.rsplit_once(')').context("stat")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
-    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
 }
 
 #[cfg(test)]

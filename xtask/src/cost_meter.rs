@@ -111,7 +111,7 @@ impl Meter {
 /// thread's `schedstat`, the scheduler's own account, which is exact where `stat`'s ticks are
 /// ten milliseconds coarse. The agent's threads live as long as it does (one runtime thread,
 /// the HTTP server's, the file watcher's), so none of its time leaves with a thread.
-fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
+pub fn cpu_ns(pid: u32) -> anyhow::Result<u64> {
     let tasks = format!("/proc/{pid}/task");
     let mut total = 0;
     for task in std::fs::read_dir(&tasks).with_context(|| format!("reading {tasks}"))? {

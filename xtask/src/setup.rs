@@ -174,3 +174,14 @@ pub fn python_venv() -> anyhow::Result<std::path::PathBuf> {
     }
     Ok(venv)
 }
+
+/// The SHA-256 of a file, in hex, as `sha256sum` computes it.
+pub fn sha256(path: &std::path::Path) -> anyhow::Result<String> {
+    let path = path.to_str().context("a path that is not UTF-8")?;
+    let out = netns::run("sha256sum", &[path])?;
+    Ok(out
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string())
+}

@@ -287,9 +287,7 @@ fn kernel(flavour: Flavour) -> anyhow::Result<Kernel> {
             &url,
         ],
     )?;
-    let sum = Command::new("sha256sum").arg(&deb).output()?;
-    let sum = String::from_utf8_lossy(&sum.stdout);
-    if sum.split_whitespace().next() != Some(sha256.as_str()) {
+    if crate::setup::sha256(&deb)? != sha256 {
         let _ = std::fs::remove_file(&deb);
         bail!("{url}: its SHA-256 is not the archive index's ({sha256})");
     }
