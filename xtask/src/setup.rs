@@ -35,6 +35,9 @@ const APT_PACKAGES: &[&str] = &[
     "kmod",
     "busybox-static",
     "xz-utils",
+    // virtiofsd, built by `cargo install` for the cloud kernel, links against these two.
+    "libseccomp-dev",
+    "libcap-ng-dev",
 ];
 const NIGHTLY: &str = "nightly";
 /// Pinned, and built against the LLVM that matches nightly's rustc (LLVM 22).
