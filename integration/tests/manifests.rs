@@ -11,6 +11,7 @@ use masq_agent::{
     agent::config_options,
     cli::{Cli, Flags},
     config,
+    dataplane::state,
     privileges::{FOR_THE_CHAIN, FOR_THE_PROGRAMS},
 };
 use masq_testbed::{
@@ -233,6 +234,8 @@ fn check_agent_daemonset(what: &str, ds: &Value) {
         "{what}"
     );
 
+    check_state_from_the_node(what, pod, container);
+
     // The config volume puts the cluster's ConfigMap where the agent reads it: the file, or
     // in the directory it reads, beside the other ConfigMaps' files.
     let mount = find(&container["volumeMounts"], "config")["mountPath"]
@@ -269,6 +272,16 @@ fn check_agent_daemonset(what: &str, ds: &Value) {
     }
 }
 
+/// The agent's record and verifier logs sit on the node, where a later container, or
+/// `status` run on the node, finds what an exited one left.
+fn check_state_from_the_node(what: &str, pod: &Value, container: &Value) {
+    let mount = find(&container["volumeMounts"], "state");
+    assert_eq!(mount["mountPath"], state::STATE_DIR, "{what}");
+    let volume = find(&pod["volumes"], "state");
+    assert_eq!(volume["hostPath"]["path"], state::STATE_DIR, "{what}");
+    assert_eq!(volume["hostPath"]["type"], "DirectoryOrCreate", "{what}");
+}
+
 /// A ConfigMap the chart created parses as the agent parses it under the DaemonSet's flags.
 fn check_config_map(what: &str, objects: &[Value], flags: &Flags) {
     let map = the(objects, "ConfigMap");
@@ -292,6 +305,10 @@ fn every_values_file_renders_what_the_takeover_and_the_agent_need() {
                 objects[0]["metadata"]["name"], "ip-masq-agent-cleanup",
                 "{name}"
             );
+            // The cleanup removes the agent's record with the rest.
+            let pod = &objects[0]["spec"]["template"]["spec"];
+            let cleanup = find(&pod["initContainers"], "cleanup");
+            check_state_from_the_node(&name, pod, cleanup);
             continue;
         }
         let ds = the(&objects, "DaemonSet");

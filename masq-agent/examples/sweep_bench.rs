@@ -41,9 +41,16 @@ fn main() -> anyhow::Result<()> {
         let (mut kept, mut expired) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
             fill(&mut bed, count)?;
+            // As the agent sweeps: with the drop sample, which a table under pressure refills.
+            let sample = Some(&bed.maps.drop_samples.v4);
             // Every flow a SYN just sent: none has been idle for its timeout.
             let started = Instant::now();
-            let run = expiry::expire(&bed.maps.nat.v4, &timeouts, expiry::monotonic_now_ns())?;
+            let run = expiry::expire(
+                &bed.maps.nat.v4,
+                sample,
+                &timeouts,
+                expiry::monotonic_now_ns(),
+            )?;
             kept.push(started.elapsed().as_secs_f64() * 1e3);
             if run.expired_flows != 0 || run.entries != 2 * count as usize {
                 bail!("a sweep of fresh flows expired {run:?}");
@@ -51,7 +58,7 @@ fn main() -> anyhow::Result<()> {
             // Past every flow's timeout: all of them go.
             let later = expiry::monotonic_now_ns() + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
             let started = Instant::now();
-            let run = expiry::expire(&bed.maps.nat.v4, &timeouts, later)?;
+            let run = expiry::expire(&bed.maps.nat.v4, sample, &timeouts, later)?;
             expired.push(started.elapsed().as_secs_f64() * 1e3);
             if run.expired_flows != count as usize {
                 bail!("a sweep of idle flows expired {run:?}");

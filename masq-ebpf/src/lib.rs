@@ -378,6 +378,17 @@ pub const fn is_assured(proto: u8, egress: u8, ingress: u8) -> bool {
     }
 }
 
+/// Whether a full NAT table may drop a flow to make room for a new one, as conntrack may: a flow
+/// it would not count as assured, or a TCP connection that is closing or reset, which
+/// conntrack's collector drops from a table past 95 % full (`tcp_can_early_drop`: FIN_WAIT,
+/// CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE). `egress` and `ingress` are its halves' `tcp_seen`.
+#[inline(always)]
+pub const fn can_drop_early(proto: u8, egress: u8, ingress: u8) -> bool {
+    let ending = tcp_seen::CLOSING | tcp_seen::RESET;
+    !is_assured(proto, egress, ingress)
+        || (proto == IPPROTO_TCP && (egress | ingress) & ending != 0)
+}
+
 /// Slots of a family's drop sample for a NAT table of `nat_entries` entries: one per flow the
 /// table holds (two entries each), rounded up to a power of two, so that a random slot is a
 /// mask away. Each new flow writes its egress key into a random slot; a full table looks at
@@ -646,10 +657,10 @@ counters! {
     /// Packets dropped: the NAT table is full, and none of the flows it looked at could go.
     DropNatTableFull = "dropped_nat_table_full" in DROPPED, reason = "nat_table_full";
     /// Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops
-    /// early: never answered, or not past their first exchange.
+    /// early: never answered, not past their first exchange, or TCP connections closing.
     NatEarlyDropped = "nat_early_dropped" in CounterMetric::of(
         "nat_early_drops",
-        "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, or not past their first exchange",
+        "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, not past their first exchange, or TCP connections closing",
     );
     /// Flows of the node's own address dropped from a full NAT table to make room for a pod's
     /// new one: reservations of its tuple, which its next packet makes again.

@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     Address, Counter, EARLY_DROP_PROBES, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey,
-    Settings, direction, is_assured, nat_kind, packets_seen,
+    Settings, can_drop_early, direction, nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -463,8 +463,9 @@ step! {
 /// random one, for a flow to drop, both halves, and gives its slot to `new_key`. (Flows take
 /// random slots, so slots in a row are a random sample too; a sample that small is seen
 /// whole.) A flow of the node's own (`NODE`), a reservation its next packet makes again, goes
-/// whatever its state; any other only if conntrack would drop it early (`is_assured` says no:
-/// never answered, or not past its first exchange). Says `NO_ROOM`, or the port the flow
+/// whatever its state; any other only if conntrack would drop it from a full table
+/// (`can_drop_early`: never answered, not past its first exchange, or a TCP connection closing
+/// or reset). Says `NO_ROOM`, or the port the flow
 /// dropped held on the node's address (0 for a flow that left a pod its own port, or a node
 /// flow toward the new flow's destination), free now for the new one. An assured flow of a
 /// pod's is never dropped. CPUs that find the table full at once may meet at one flow: the one
@@ -493,7 +494,7 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
         };
         let node_flow = kind == nat_kind::NODE;
         // SAFETY: as above.
-        if !node_flow && is_assured(key.proto, egress_seen, unsafe { (*reply).tcp_seen }) {
+        if !node_flow && !can_drop_early(key.proto, egress_seen, unsafe { (*reply).tcp_seen }) {
             continue;
         }
         if F::nat().remove(key).is_err() {

@@ -10,6 +10,7 @@
 //! across runs.
 
 use std::{
+    collections::BTreeSet,
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -204,8 +205,13 @@ fn cache_dir() -> PathBuf {
     base.join("masq-agent")
 }
 
+/// virtme-ng's venv's bin directory.
+fn venv_bin() -> PathBuf {
+    cache_dir().join("virtme-ng/bin")
+}
+
 fn vng() -> PathBuf {
-    cache_dir().join("virtme-ng/bin/vng")
+    venv_bin().join("vng")
 }
 
 fn cargo_bin() -> PathBuf {
@@ -380,6 +386,7 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
     // The frames, for the stack as each kernel counts it, from the host's verbose log.
     let (host, frames) = verifier_figures::measure_here(&object)?;
     print!("{}", verifier_figures::describe(&host));
+    check_cases_exist(binaries)?;
     let mut failures = Vec::new();
     for flavour in Flavour::ALL {
         let kernel = kernel(flavour)?;
@@ -429,6 +436,36 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Fails when a case the VMs are to run is not a test of its binary: `--exact` with a name
+/// that matches nothing runs no test and passes, so a renamed case would leave the VMs quietly.
+fn check_cases_exist(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
+    for (target, binary) in binaries {
+        let listed = Command::new(binary)
+            .args(["--list", "--format", "terse"])
+            .output()
+            .with_context(|| format!("listing the tests of {}", binary.display()))?;
+        let listed = String::from_utf8_lossy(&listed.stdout);
+        let tests: BTreeSet<&str> = listed
+            .lines()
+            .filter_map(|line| line.strip_suffix(": test"))
+            .collect();
+        let unknown: Vec<&str> = Flavour::ALL
+            .iter()
+            .flat_map(|f| f.suites())
+            .filter(|suite| suite.target == target)
+            .flat_map(|suite| suite.cases.iter().copied())
+            .filter(|case| !tests.contains(case))
+            .collect();
+        if !unknown.is_empty() {
+            bail!(
+                "the VMs' cases name no test of {target}: {} (renamed? update vm::CASES)",
+                unknown.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
 /// What each VM's kernel said of the programs when it loaded them, by release; no case runs.
 pub fn verifier_said(object: &Path) -> anyhow::Result<Vec<(String, Vec<Budget>)>> {
     let xtask = std::env::current_exe().context("finding xtask's own binary")?;
@@ -469,8 +506,10 @@ fn boot(
     for run in runs {
         guest.extend(["--run".to_string(), run.clone()]);
     }
+    // vng runs virtme-run, its sibling in the venv, by name: the venv's bin comes first.
     let path = format!(
-        "{}:{}",
+        "{}:{}:{}",
+        venv_bin().display(),
         cargo_bin().display(),
         std::env::var("PATH").unwrap_or_default()
     );

@@ -188,6 +188,9 @@ fn status_says_what_an_exited_agent_left_and_when_it_cannot_tell(plane: Plane) {
         text.contains("nothing is pinned under") && text.contains("cannot be told from here"),
         "{text}"
     );
+    // The device's line says as much, rather than that nothing masquerades it.
+    let uplink = format!("  {}: ipv4 unknown,", topology::UPLINK_IF);
+    assert!(text.contains(&uplink), "{text}");
 }
 
 /// No BPF filesystem where `--bpffs` points: the agent mounts one, or says clearly why it

@@ -78,7 +78,14 @@ fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
     );
 
     let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
-    assert_success(&bed.agent_cmd(&["cleanup", &bpffs]));
+    let cleaned = bed.agent_cmd(&["cleanup", &bpffs]);
+    assert_success(&cleaned);
+    // It reports on stdout what it found and removed.
+    let said = String::from_utf8_lossy(&cleaned.stdout);
+    assert!(
+        said.contains("removed") && said.contains("chain"),
+        "cleanup's report: {said}"
+    );
     assert!(bed.chain().is_none());
     let rules = |t: &str| {
         t.lines()
@@ -104,7 +111,11 @@ fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
         probe::tcp_probe(bed.pod(), outside(), 0).is_err(),
         "without masquerading the server cannot answer"
     );
-    assert_success(&bed.agent_cmd(&["cleanup", &bpffs]));
+    // On a node with nothing installed it says so, and removes nothing.
+    let again = bed.agent_cmd(&["cleanup", &bpffs]);
+    assert_success(&again);
+    let said = String::from_utf8_lossy(&again.stdout);
+    assert!(said.starts_with("nothing to remove"), "{said}");
 }
 
 /// The prefixes in `text`'s policy, as the trie keys them.

@@ -94,6 +94,8 @@ pub trait HarnessFamily: FrameAddress {
     fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage;
     /// The agent forgetting the flows on a node address it no longer has.
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
+    /// The drop sample, slot by slot.
+    fn drop_sample(bed: &TestBed) -> Vec<NatKey<Self::Octets>>;
 }
 
 /// `HarnessFamily`'s NAT table methods for the family whose table holds `$octets`.
@@ -117,11 +119,18 @@ macro_rules! nat_table_of {
         }
         fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {
             let table = <$octets as NatFamily>::table(&bed.maps.nat);
-            expiry::expire(table, timeouts, now_ns).unwrap()
+            let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
+            expiry::expire(table, Some(sample), timeouts, now_ns).unwrap()
         }
         fn forget_address(bed: &TestBed, addr: Self) -> usize {
             let table = <$octets as NatFamily>::table(&bed.maps.nat);
             expiry::forget_address(table, addr.octets()).unwrap()
+        }
+        fn drop_sample(bed: &TestBed) -> Vec<NatKey<$octets>> {
+            let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
+            (0..sample.len())
+                .map(|slot| sample.get(&slot, 0).unwrap())
+                .collect()
         }
     };
 }

@@ -19,6 +19,8 @@ in_both_families!(
     without_random_fully_the_pods_port_is_kept_when_free,
     exhausted_ports_drop_and_count_never_mistranslate,
     a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow,
+    a_full_nat_table_drops_a_closing_connection_and_never_an_open_one,
+    a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
     a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried,
     a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
@@ -226,6 +228,74 @@ fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F
         let restored = udp(F::REMOTE, 53, F::POD, pod_port);
         assert_frame(&back, &restored, &checksums::<F>(F::L4 + 6));
     }
+}
+
+/// A TCP connection that is closing makes room in a full table, as conntrack's collector drops
+/// such entries from a table past 95 % full; an open one never does, however many new flows
+/// come.
+fn a_full_nat_table_drops_a_closing_connection_and_never_an_open_one<F: HarnessFamily>() {
+    let mut h = F::bed(4, &[(1024, 65535)], true);
+    let open = connect::<F>(&mut h, 2001);
+    let closing = connect::<F>(&mut h, 2002);
+    h.egress(&tcp(F::POD, 2002, F::REMOTE, 80, FIN | ACK));
+    h.ingress(&tcp(F::REMOTE, 80, F::NODE, closing, FIN | ACK));
+    assert_eq!(
+        F::nat(&h).len(),
+        4,
+        "two connections fill a four-entry table"
+    );
+    let (verdict, _) = h.egress(&udp(F::POD, 2003, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_OK, "the closing connection makes room");
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 1);
+    assert_eq!(pod_ports::<F>(&h), [2001, 2003]);
+    let (verdict, _) = h.egress(&udp(F::POD, 2004, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_OK, "the unanswered datagram makes room");
+    assert_eq!(pod_ports::<F>(&h), [2001, 2004]);
+    let (_, back) = h.ingress(&tcp(F::REMOTE, 80, F::NODE, open, ACK));
+    assert_frame(
+        &back,
+        &tcp(F::REMOTE, 80, F::POD, 2001, ACK),
+        &checksums::<F>(F::L4 + 16),
+    );
+}
+
+/// A pod's TCP connection to the remote's port 80, through its handshake both ways; the
+/// node's port it got.
+fn connect<F: HarnessFamily>(h: &mut TestBed, pod_port: u16) -> u16 {
+    let (_, syn) = h.egress(&tcp(F::POD, pod_port, F::REMOTE, 80, SYN));
+    let port = word(&syn, F::L4);
+    h.ingress(&tcp(F::REMOTE, 80, F::NODE, port, SYN | ACK));
+    h.egress(&tcp(F::POD, pod_port, F::REMOTE, 80, ACK));
+    h.ingress(&tcp(F::REMOTE, 80, F::NODE, port, ACK));
+    port
+}
+
+/// New flows write random slots of the drop sample, so it forgets flows; a sweep that leaves
+/// the table three quarters full or more points every slot at a flow a full table may drop,
+/// and the next new flow that finds the table full drops one of those.
+fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F: HarnessFamily>() {
+    let mut h = F::bed(8, &[(1024, 65535)], true);
+    for pod_port in [3001, 3002, 3003] {
+        connect::<F>(&mut h, pod_port);
+    }
+    h.egress(&udp(F::POD, 3004, F::REMOTE, 53));
+    let table = F::nat(&h);
+    assert_eq!(table.len(), 8, "the table is full");
+    let (unanswered, _) = *table
+        .iter()
+        .find(|(k, _)| k.direction == direction::EGRESS && u16::from_be(k.sport) == 3004)
+        .unwrap();
+    let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    let run = F::expire(&h, &expiry::Timeouts::default(), newest);
+    assert_eq!(run.expired_flows, 0);
+    let sample = F::drop_sample(&h);
+    assert!(
+        !sample.is_empty() && sample.iter().all(|k| *k == unanswered),
+        "every slot holds the one flow that may go: {sample:?}"
+    );
+    let (verdict, _) = h.egress(&tcp(F::POD, 3005, F::REMOTE, 80, SYN));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(pod_ports::<F>(&h), [3001, 3002, 3003, 3005]);
 }
 
 /// When the port a new flow found no room for is one the node holds, the new flow takes the

@@ -18,6 +18,9 @@ pub enum Coverage {
     /// Nothing does: no chain is in force for the family, or the chain returns the traffic to
     /// programs that do not translate it.
     None,
+    /// The chain returns the traffic to programs whose pins `status` did not find (another
+    /// `--bpffs`, or the programs gone): whether they translate it cannot be told.
+    Unknown,
 }
 
 impl std::fmt::Display for Coverage {
@@ -26,6 +29,7 @@ impl std::fmt::Display for Coverage {
             Coverage::Ebpf => "ebpf",
             Coverage::Iptables => "iptables",
             Coverage::None => "none",
+            Coverage::Unknown => "unknown",
         })
     }
 }
@@ -91,11 +95,10 @@ fn coverage(
     let Some(chain) = chains.iter().find(|c| c.family == family && c.in_force()) else {
         return Coverage::None;
     };
-    if !chain.returns_to_programs(device) {
-        Coverage::Iptables
-    } else if ebpf.is_some_and(|e| e.translates(device, index, family)) {
-        Coverage::Ebpf
-    } else {
-        Coverage::None
+    match ebpf {
+        _ if !chain.returns_to_programs(device) => Coverage::Iptables,
+        None => Coverage::Unknown,
+        Some(e) if e.translates(device, index, family) => Coverage::Ebpf,
+        Some(_) => Coverage::None,
     }
 }

@@ -225,21 +225,29 @@ fn read_back(chain: &str, bpffs: Option<&std::path::Path>) -> anyhow::Result<Sta
 pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
     let mut status = read_back(chain, Some(bpffs))?;
     match state::read_last(bpffs) {
-        Some((record, true)) => {
+        Some((record, state::Liveness::Running)) => {
             status.mode = Some(record.mode);
             status.mode_reason = record.reason;
         }
-        // What an agent that exited left: its record says why, where the kernel still holds
-        // what it says.
-        Some((record, false)) if status.mode.is_some() => {
+        // What an agent that exited left, or one whose pid means nothing here: its record says
+        // why, where the kernel still holds what it says.
+        Some((record, liveness)) if status.mode.is_some() => {
             if agrees(record.mode, status.mode) {
                 status.mode = Some(record.mode);
                 status.mode_reason = record.reason;
             }
-            status.notes.push(format!(
-                "no agent runs: the one that installed this (pid {}, {}) has exited",
-                record.pid, record.mode
-            ));
+            status.notes.push(match liveness {
+                state::Liveness::Exited => format!(
+                    "no agent runs: the one that installed this (pid {}, {}) has exited",
+                    record.pid, record.mode
+                ),
+                _ => format!(
+                    "the agent that installed this ({}) has pid {} in another pid namespace \
+                     (its container's, or the node's): whether it still runs cannot be told \
+                     from here",
+                    record.mode, record.pid
+                ),
+            });
         }
         _ => {}
     }

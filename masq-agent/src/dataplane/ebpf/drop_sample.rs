@@ -35,3 +35,25 @@ where
     batch::fill_array(sample.map(), &flows)?;
     Ok(flows.len())
 }
+
+/// Points every slot of `sample` at one of `droppable` (egress keys of flows a full table may
+/// drop), in turn; leaves it as it is when there is none. Says how many slots it wrote.
+pub fn point_at<A: Address>(
+    sample: &DropSample<A>,
+    droppable: &[NatKey<A>],
+) -> anyhow::Result<usize>
+where
+    NatKey<A>: Pod,
+{
+    if droppable.is_empty() {
+        return Ok(0);
+    }
+    let keys: Vec<NatKey<A>> = droppable
+        .iter()
+        .cycle()
+        .take(sample.len() as usize)
+        .copied()
+        .collect();
+    batch::fill_array(sample.map(), &keys)?;
+    Ok(keys.len())
+}

@@ -12,11 +12,14 @@ use anyhow::Context as _;
 use aya::Pod;
 use aya::maps::IterableMap as _;
 use masq_ebpf::{
-    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, packets_seen,
-    tcp_seen,
+    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, can_drop_early, direction, nat_kind,
+    packets_seen, tcp_seen,
 };
 
-use super::{batch, map_types::NatTable};
+use super::{
+    batch, drop_sample,
+    map_types::{DropSample, NatTable},
+};
 use crate::dataplane::NatUsage;
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
@@ -312,7 +315,18 @@ pub fn translated_by_address<A: Address + Ord>(
 /// flow between the read and its removal is one conntrack would have started anew too, and the
 /// flow goes without a second look (which cost a system call per half: most of a sweep under
 /// churn, where most flows a sweep finds are over).
-pub fn expire<A>(nat: &NatTable<A>, timeouts: &Timeouts, now_ns: u64) -> anyhow::Result<NatUsage>
+///
+/// A table left under pressure (`UNDER_PRESSURE_PERCENT` full or more) gets its drop
+/// `sample`, if given, pointed at the flows a full table may drop: new flows write random
+/// slots, so between sweeps a sample forgets flows (and never had those the agent wrote into
+/// the table), and a full table that looks at 8 slots could miss the droppable flows it holds.
+/// Right after such a sweep every slot holds one, for as long as the table has any.
+pub fn expire<A>(
+    nat: &NatTable<A>,
+    sample: Option<&DropSample<A>>,
+    timeouts: &Timeouts,
+    now_ns: u64,
+) -> anyhow::Result<NatUsage>
 where
     A: Address,
     NatKey<A>: Pod,
@@ -320,19 +334,42 @@ where
 {
     let entries = read_table(nat)?;
     let mut run = usage(&entries);
-    let over = over(entries, timeouts, now_ns);
+    let capacity = match sample {
+        Some(_) => nat.map().info()?.max_entries() as usize,
+        None => 0,
+    };
+    let pressed = |entries: usize| entries * 100 >= capacity * UNDER_PRESSURE_PERCENT;
+    let over = over(
+        entries,
+        timeouts,
+        now_ns,
+        sample.is_some() && pressed(run.entries),
+    );
     run.orphans_removed = prune(nat, &over.orphans)?;
     run.expired_flows = prune(nat, &over.flows)? / 2;
+    let left = run.entries - over.flows.len() - over.orphans.len();
+    if let Some(sample) = sample.filter(|_| pressed(left)) {
+        let pointed = drop_sample::point_at(sample, &over.droppable)?;
+        tracing::debug!(left, capacity, pointed, "NAT table under pressure");
+    }
     Ok(run)
 }
 
-/// The keys of what a sweep removes.
+/// How full a table left by a sweep is when the sweep points its drop sample at what a full
+/// table may drop: well before it is full, so that the first new flow that finds it full
+/// already finds one.
+pub const UNDER_PRESSURE_PERCENT: usize = 75;
+
+/// The keys of what a sweep removes, and of what a full table may drop.
 #[derive(Debug, Default)]
 struct Over<A> {
     /// Both halves of each flow idle past its timeout.
     flows: Vec<NatKey<A>>,
     /// Halves without their other half, idle past theirs.
     orphans: Vec<NatKey<A>>,
+    /// The egress halves of the flows left that a full table may drop (the node's, and those
+    /// `can_drop_early` allows), when asked for.
+    droppable: Vec<NatKey<A>>,
 }
 
 /// How far a half's `last_seen_ns` may lag its last packet (the programs refresh it at most
@@ -340,8 +377,14 @@ struct Over<A> {
 /// before.
 pub const LAST_SEEN_LAG: Duration = Duration::from_nanos(masq_ebpf::LAST_SEEN_REFRESH_NS);
 
-/// What of `entries` was over at `now_ns`.
-fn over<A: Address>(entries: Table<A>, timeouts: &Timeouts, now_ns: u64) -> Over<A> {
+/// What of `entries` was over at `now_ns`, and, if `find_droppable`, what of the rest a full
+/// table may drop.
+fn over<A: Address>(
+    entries: Table<A>,
+    timeouts: &Timeouts,
+    now_ns: u64,
+    find_droppable: bool,
+) -> Over<A> {
     let past = |last_seen_ns: u64, timeout: Duration| {
         Duration::from_nanos(now_ns.saturating_sub(last_seen_ns)) > timeout + LAST_SEEN_LAG
     };
@@ -368,6 +411,11 @@ fn over<A: Address>(entries: Table<A>, timeouts: &Timeouts, now_ns: u64) -> Over
                 let last = entry.last_seen_ns.max(reply.last_seen_ns);
                 if past(last, timeouts.for_flow(key, entry, &reply)) {
                     over.flows.extend([*key, reply_key]);
+                } else if find_droppable
+                    && (entry.kind == nat_kind::NODE
+                        || can_drop_early(key.proto, entry.tcp_seen, reply.tcp_seen))
+                {
+                    over.droppable.push(*key);
                 }
             }
             // An egress half alone cannot translate replies; let it go with its timeout.

@@ -78,7 +78,8 @@ impl Leftovers {
             return Ok(Default::default());
         }
         let table: NatTable<A> = pins.open(name)?;
-        let run = expiry::expire::<A>(&table, &self.timeouts, now)?;
+        // Old programs' tables: nothing new is written into them, so nothing to make room for.
+        let run = expiry::expire::<A>(&table, None, &self.timeouts, now)?;
         let left = expiry::usage(&expiry::read_table(&table)?);
         Ok((run, left))
     }

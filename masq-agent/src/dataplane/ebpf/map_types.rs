@@ -34,6 +34,9 @@ pub struct DropSamples {
 pub trait NatFamily: Address {
     fn table(tables: &NatTables) -> &NatTable<Self>;
     fn table_mut(tables: &mut NatTables) -> &mut NatTable<Self>;
+    fn drop_sample(samples: &DropSamples) -> &DropSample<Self>
+    where
+        NatKey<Self>: aya::Pod;
 }
 
 impl NatFamily for [u8; 4] {
@@ -43,6 +46,9 @@ impl NatFamily for [u8; 4] {
     fn table_mut(tables: &mut NatTables) -> &mut NatTable<Self> {
         &mut tables.v4
     }
+    fn drop_sample(samples: &DropSamples) -> &DropSample<Self> {
+        &samples.v4
+    }
 }
 
 impl NatFamily for [u8; 16] {
@@ -51,6 +57,9 @@ impl NatFamily for [u8; 16] {
     }
     fn table_mut(tables: &mut NatTables) -> &mut NatTable<Self> {
         &mut tables.v6
+    }
+    fn drop_sample(samples: &DropSamples) -> &DropSample<Self> {
+        &samples.v6
     }
 }
 

@@ -319,8 +319,9 @@ impl DataPlane for EbpfDataPlane {
         let now = expiry::monotonic_now_ns();
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
-        let v4 = expiry::expire(&self.maps.nat.v4, &self.timeouts, now)?;
-        let v6 = expiry::expire(&self.maps.nat.v6, &self.timeouts, now)?;
+        let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);
+        let v4 = expiry::expire(&nat.v4, Some(&samples.v4), &self.timeouts, now)?;
+        let v6 = expiry::expire(&nat.v6, Some(&samples.v6), &self.timeouts, now)?;
         let run = v4 + v6;
         if run.expired_flows + run.orphans_removed > 0 {
             tracing::debug!(?run, "expired NAT entries");
