@@ -36,7 +36,8 @@ impl TcAction {
 
 /// A step's answer, in one `i32` as a register carries it back from a call of its own: what tc
 /// is to do with the packet (`done`), or one of the step's own answers, each negative and so
-/// apart from every `TC_ACT_*`, which the caller goes on with. An enum with data would come
+/// apart from the `TC_ACT_*` a step gives (`TcAction`: `PASS` or `DROP`; `-1` is also
+/// `TC_ACT_UNSPEC`, which no step gives), which the caller goes on with. An enum with data would come
 /// back through the stack, which the verifier's 512 bytes cannot spare.
 macro_rules! step_outcome {
     (

@@ -9,7 +9,7 @@ use anyhow::{Context as _, bail};
 use masq_testbed::kube_tools::{KubeTool, tools_dir};
 
 use crate::{
-    setup::{python_venv, sha256},
+    install_kit::{python_venv, sha256},
     step,
 };
 

@@ -6,6 +6,7 @@ mod budget;
 mod cost_meter;
 mod demo;
 mod doc_sections;
+mod install_kit;
 mod kube_tools;
 mod manifests;
 mod node_tables;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use masq_testbed::{deploy, netns, workspace_root};
 
-use crate::{setup::python_venv, step};
+use crate::{install_kit::python_venv, step};
 
 const PACKAGE: &str = "kubernetes-validate";
 /// Pinned, so that a new schema release cannot fail a build that changed nothing. Its schemas

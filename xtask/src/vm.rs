@@ -293,7 +293,7 @@ fn kernel(flavour: Flavour) -> anyhow::Result<Kernel> {
             &url,
         ],
     )?;
-    if crate::setup::sha256(&deb)? != sha256 {
+    if crate::install_kit::sha256(&deb)? != sha256 {
         let _ = std::fs::remove_file(&deb);
         bail!("{url}: its SHA-256 is not the archive index's ({sha256})");
     }

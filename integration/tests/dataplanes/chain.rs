@@ -136,24 +136,10 @@ fn restores_a_flushed_chain(plane: Plane) {
     wait_for(|| Ok(bed.chain().as_deref() == Some(before.as_str())))
         .unwrap_or_else(|e| panic!("chain not restored: {e}\n{}", agent.log_text()));
     // A deleted jump is put back too.
-    let jump_args = [
-        "-t",
-        "nat",
-        "-D",
-        "POSTROUTING",
-        "-m",
-        "comment",
-        "--comment",
-        "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom IP-MASQ-AGENT chain",
-        "-m",
-        "addrtype",
-        "!",
-        "--dst-type",
-        "LOCAL",
-        "-j",
-        CHAIN,
-    ];
-    bed.iptables(&jump_args).unwrap();
+    let jump = masq_agent::dataplane::iptables::jump_rule(CHAIN);
+    let mut delete_jump = vec!["-t", "nat", "-D", "POSTROUTING"];
+    delete_jump.extend(jump.iter().map(String::as_str));
+    bed.iptables(&delete_jump).unwrap();
     wait_for(|| Ok(bed.nat_table().contains("-A POSTROUTING"))).expect("jump restored");
     assert_masqueraded(&bed);
     let table = bed.nat_table();

@@ -4,11 +4,17 @@ use aya::programs::TcAttachType;
 use masq_ebpf::program_names;
 use serde::Serialize;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Hook {
     Egress,
     Ingress,
+}
+
+/// In `status --json` and wherever it is written out: its one spelling, `name()`.
+impl Serialize for Hook {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
 }
 
 impl Hook {

@@ -33,7 +33,7 @@ use crate::policy::IpFamily;
 #[derive(Debug, Clone, Serialize)]
 pub struct AttachmentStatus {
     pub device: String,
-    pub hook: String,
+    pub hook: Hook,
     /// The TCX link; none for a clsact filter (kernels before 6.6), which has no link.
     pub link_id: Option<u32>,
     pub program_id: u32,
@@ -93,7 +93,7 @@ impl EbpfStatus {
         let runs = |hook: Hook| {
             self.attachments
                 .iter()
-                .any(|a| a.device == device && a.hook == hook.name() && a.running)
+                .any(|a| a.device == device && a.hook == hook && a.running)
         };
         let attached = Hook::BOTH.into_iter().all(runs);
         let addressed = match family {
@@ -262,7 +262,9 @@ impl std::fmt::Display for EbpfStatus {
             writeln!(
                 f,
                 "  attached: {} {} ({how}, program {})",
-                a.device, a.hook, a.program_id
+                a.device,
+                a.hook.name(),
+                a.program_id
             )?;
         }
         let v4 = self.interfaces.iter().map(|(i, a)| (i, IpAddr::from(*a)));
@@ -325,7 +327,7 @@ impl std::fmt::Display for EbpfStatus {
 fn read_attachments(pins: &Pins) -> Vec<AttachmentStatus> {
     let mut out = read_links(pins);
     out.extend(read_filters());
-    out.sort_by(|a, b| (&a.device, &a.hook).cmp(&(&b.device, &b.hook)));
+    out.sort_by(|a, b| (&a.device, a.hook).cmp(&(&b.device, b.hook)));
     out
 }
 
@@ -339,7 +341,7 @@ fn read_links(pins: &Pins) -> Vec<AttachmentStatus> {
             Some(AttachmentStatus {
                 running: attach::runs(info.program_id(), &device, hook).unwrap_or(false),
                 device,
-                hook: hook.name().to_string(),
+                hook,
                 link_id: Some(info.id()),
                 program_id: info.program_id(),
             })
@@ -360,7 +362,7 @@ fn read_filters() -> Vec<AttachmentStatus> {
                     .filter(move |f| f.name == hook.program())
                     .map(move |f| AttachmentStatus {
                         device: device.clone(),
-                        hook: hook.name().to_string(),
+                        hook,
                         link_id: None,
                         program_id: f.program_id,
                         running: true,

@@ -187,7 +187,7 @@ impl Iptables {
 }
 
 /// The rule that sends non-local traffic from POSTROUTING into our chain, as argv words.
-pub(super) fn jump_rule(chain: &str) -> Vec<String> {
+pub fn jump_rule(chain: &str) -> Vec<String> {
     let comment = format!(
         "ip-masq-agent: ensure nat POSTROUTING directs all non-LOCAL destination traffic to our custom {chain} chain"
     );

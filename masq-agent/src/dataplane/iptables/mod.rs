@@ -9,7 +9,7 @@ mod plane;
 mod readback;
 mod render;
 
-pub use command::Capabilities;
+pub use command::{Capabilities, jump_rule};
 pub use evaluate::{ChainVerdict, chain_verdict};
 pub use plane::{IptablesDataPlane, cleanup};
 pub use readback::{ChainStatus, read_chains};
