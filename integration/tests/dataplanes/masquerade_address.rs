@@ -32,6 +32,7 @@ macro_rules! common_cases {
             a_node_socket_on_a_port_a_pods_flow_holds_on_the_chosen_address,
             icmp_errors_about_flows_on_the_chosen_address_go_both_ways,
             no_reply_reaches_the_wrong_flow_beside_netfilters_snat_to_the_chosen_address,
+            snat_with_to_ports_loads_into_real_iptables,
         );
     };
 }
@@ -45,6 +46,13 @@ mod ebpf {
 
 mod iptables_nft {
     common_cases!(IptablesNft);
+}
+
+// How the rules are stored differs between the backends: each must load the chain's own.
+mod iptables_legacy {
+    family_cases!(IptablesLegacy:
+        snat_with_to_ports_loads_into_real_iptables,
+    );
 }
 
 /// An address of the uplink's prefix that no one holds at first.
@@ -219,6 +227,46 @@ fn holding_the_chosen_address(
     let agent = bed.start_agent(&all);
     wait_for_flows_from(&bed, family, &agent, chosen(family));
     (bed, agent)
+}
+
+/// With `--to-ports`, the chain SNATs to the chosen address by one rule per protocol and range
+/// (beside the programs too, for what they leave to it): iptables takes the ports only from a
+/// rule that names its protocol before the target, and refuses the whole chain otherwise. A
+/// pod's connection leaves from the chosen address, on a port of the ranges.
+fn snat_with_to_ports_loads_into_real_iptables(plane: Plane, family: IpFamily) {
+    let ranges = [(1024, 29999), (32768, 65535)];
+    let (bed, _agent) =
+        holding_the_chosen_address(plane, family, 1, &["--to-ports=1024-29999,32768-65535"]);
+    let list = ["-t", "nat", "-S", crate::CHAIN];
+    let chain = match family {
+        IpFamily::Ipv4 => bed.iptables(&list),
+        IpFamily::Ipv6 => bed.ip6tables(&list),
+    }
+    .unwrap();
+    let to_source = match chosen(family) {
+        IpAddr::V4(addr) => addr.to_string(),
+        IpAddr::V6(addr) => format!("[{addr}]"),
+    };
+    for (lo, hi) in ranges {
+        let snat = format!("-j SNAT --to-source {to_source}:{lo}-{hi}");
+        let rules: Vec<&str> = chain.lines().filter(|l| l.contains(&snat)).collect();
+        assert_eq!(
+            rules.len(),
+            3,
+            "a rule per protocol for {lo}-{hi}:\n{chain}"
+        );
+        for (rule, proto) in rules.iter().zip(["tcp", "udp", "sctp"]) {
+            assert!(rule.contains(&format!("-p {proto} ")), "{rule}");
+        }
+    }
+    let seen = masq_testbed::probe::tcp_probe(bed.pod(), family.outside(), 0).unwrap();
+    assert_eq!(seen.ip(), chosen(family));
+    assert!(
+        ranges
+            .iter()
+            .any(|&(lo, hi)| (lo..=hi).contains(&seen.port())),
+        "{seen}"
+    );
 }
 
 /// A TCP and a UDP service of the node's, bound to the chosen address: what the outside host

@@ -160,12 +160,15 @@ pub fn render(
                     let statistic = probability
                         .map(|p| format!(" -m statistic --mode random --probability {p}"))
                         .unwrap_or_default();
+                    // Upstream's MASQUERADE rules name the protocol after the target, which
+                    // MASQUERADE allows; SNAT reads its ports as it parses `--to-source`, and
+                    // refuses them unless `-p` came first.
                     rules.push(match to_source {
                         None => format!(
                             "-A {chain} {comment}{dst} -j MASQUERADE{random_fully} -p {proto}{statistic} --to-ports {range}"
                         ),
                         Some(addr) => format!(
-                            "-A {chain} {comment}{dst} {} -p {proto}{statistic}",
+                            "-A {chain} {comment}{dst} -p {proto}{statistic} {}",
                             snat(addr, Some(&range.to_string()))
                         ),
                     });

@@ -232,13 +232,22 @@ fn chain_name_follows_the_flag() {
 
 /// The MASQUERADE lines that `--to-ports` adds, in order, without the chain prefix.
 fn port_rules(to_ports: &str, random_fully: bool) -> Vec<String> {
+    port_rules_to(to_ports, random_fully, None)
+}
+
+/// The masquerade lines with `--to-ports`, to `to_source` where a chosen address is in force.
+fn port_rules_to(
+    to_ports: &str,
+    random_fully: bool,
+    to_source: Option<std::net::IpAddr>,
+) -> Vec<String> {
     let text = render(
         IpFamily::Ipv4,
         &policy(&[], true, true),
         &opts(random_fully, Some(to_ports)),
         MODERN,
         &ChainVariant::Full,
-        None,
+        to_source,
     )
     .unwrap();
     let prefix = format!("-A IP-MASQ-AGENT {MASQ} ");
@@ -805,10 +814,20 @@ fn a_chosen_address_held_by_the_node_is_snat_to_it_keeping_random_fully_and_port
         "{plain}"
     );
     assert!(!plain.contains("MASQUERADE --"), "{plain}");
-    let ported = text(Some("40000-40999"));
-    assert!(
-        ported.contains("-j SNAT --to-source 198.51.100.7:40000-40999 --random-fully -p tcp"),
-        "{ported}"
+    // SNAT takes its ports only from a rule whose protocol comes before the target.
+    let statistic = "-m statistic --mode random --probability 0.469292562840114";
+    let to = "-j SNAT --to-source 198.51.100.7";
+    assert_eq!(
+        port_rules_to("1024-29999,32768-65535", true, Some(chosen)),
+        [
+            format!("-p tcp {statistic} {to}:1024-29999 --random-fully"),
+            format!("-p tcp {to}:32768-65535 --random-fully"),
+            format!("-p udp {statistic} {to}:1024-29999 --random-fully"),
+            format!("-p udp {to}:32768-65535 --random-fully"),
+            format!("-p sctp {statistic} {to}:1024-29999 --random-fully"),
+            format!("-p sctp {to}:32768-65535 --random-fully"),
+            format!("{to} --random-fully"),
+        ]
     );
     // What the chain does with it, and what is read back of it.
     let packet = Packet {
@@ -827,4 +846,36 @@ fn a_chosen_address_held_by_the_node_is_snat_to_it_keeping_random_fully_and_port
     })
     .unwrap();
     assert_eq!(status.masquerade_rules, 1);
+}
+
+/// `iptables -S` of a chain that SNATs to a chosen address with `--to-ports` of two ranges (TCP
+/// alone shown), as iptables lists it: the protocol first, the options of SNAT last.
+const LISTED_SNAT: &str = r#"-N IP-MASQ-AGENT
+-A IP-MASQ-AGENT -d 10.0.0.0/8 -m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE" -j RETURN
+-A IP-MASQ-AGENT -p tcp -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -m statistic --mode random --probability 0.46929256284 -j SNAT --to-source 198.51.100.7:1024-29999 --random-fully
+-A IP-MASQ-AGENT -p tcp -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j SNAT --to-source 198.51.100.7:32768-65535 --random-fully
+-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j SNAT --to-source 198.51.100.7 --random-fully
+"#;
+
+#[test]
+fn a_chain_snat_to_a_chosen_address_with_ports_is_read_back_and_followed() {
+    let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(LISTED_SNAT), |_| {
+        Ok(Vec::new())
+    })
+    .unwrap();
+    assert_eq!(status.masquerade_rules, 3);
+    assert_eq!(status.snat_to.as_deref(), Some("198.51.100.7"));
+    assert_eq!(status.non_masquerade, nets(&["10.0.0.0/8"]));
+    assert!(status.ebpf_protocols_returned.is_empty(), "{status:?}");
+    use ChainVerdict::*;
+    for protocol in [6, 17, 47] {
+        assert_eq!(
+            verdict(LISTED_SNAT, "203.0.113.9", protocol, "eth0", false),
+            Masquerades
+        );
+    }
+    assert_eq!(
+        verdict(LISTED_SNAT, "10.1.2.3", 6, "eth0", false),
+        KeepsAddress
+    );
 }
