@@ -135,6 +135,15 @@ pub fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
         .collect())
 }
 
+/// The addresses of device `name` (none, if there is no such device).
+pub fn device_addresses(name: &str) -> anyhow::Result<Vec<IpAddr>> {
+    Ok(nix::ifaddrs::getifaddrs()
+        .context("getifaddrs")?
+        .filter(|a| a.interface_name == name)
+        .filter_map(|a| ip_of(&a.address?))
+        .collect())
+}
+
 /// The IP address of a socket address of either family.
 fn ip_of(address: &nix::sys::socket::SockaddrStorage) -> Option<IpAddr> {
     address

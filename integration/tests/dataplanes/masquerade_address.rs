@@ -13,7 +13,7 @@ use std::{
 use masq_agent::policy::IpFamily;
 use masq_testbed::{
     netns::within,
-    probe::{UdpEcho, UdpFlows},
+    probe::{self, UdpEcho, UdpFlows},
     topology::{self, Process},
 };
 
@@ -33,6 +33,7 @@ macro_rules! common_cases {
             icmp_errors_about_flows_on_the_chosen_address_go_both_ways,
             no_reply_reaches_the_wrong_flow_beside_netfilters_snat_to_the_chosen_address,
             snat_with_to_ports_loads_into_real_iptables,
+            the_nodes_own_flows_keep_the_devices_address,
         );
     };
 }
@@ -52,6 +53,7 @@ mod iptables_nft {
 mod iptables_legacy {
     family_cases!(IptablesLegacy:
         snat_with_to_ports_loads_into_real_iptables,
+        the_nodes_own_flows_keep_the_devices_address,
     );
 }
 
@@ -259,7 +261,7 @@ fn snat_with_to_ports_loads_into_real_iptables(plane: Plane, family: IpFamily) {
             assert!(rule.contains(&format!("-p {proto} ")), "{rule}");
         }
     }
-    let seen = masq_testbed::probe::tcp_probe(bed.pod(), family.outside(), 0).unwrap();
+    let seen = probe::tcp_probe(bed.pod(), family.outside(), 0).unwrap();
     assert_eq!(seen.ip(), chosen(family));
     assert!(
         ranges
@@ -308,6 +310,25 @@ fn a_service_on_the_chosen_address_answers_from_its_own_port(plane: Plane, famil
         answered_from, udp_service,
         "the UDP service answers from its port"
     );
+}
+
+/// The node's own connections keep the address they have while pods' take the chosen address,
+/// whichever plane: a socket bound to the device's address, and one bound to none, which the
+/// kernel gives an address of the device (IPv6 prefers the chosen one, the longer match).
+fn the_nodes_own_flows_keep_the_devices_address(plane: Plane, family: IpFamily) {
+    let (bed, agent) = holding_the_chosen_address(plane, family, 1, &[]);
+    let pods = Conversation::open(&bed, family, 9787);
+    assert_eq!(pods.node_side.ip(), chosen(family), "a pod's connection");
+    for bound in [family.node(), family.any()] {
+        let node = probe::tcp_connect_from(&bed.topo.node, SocketAddr::new(bound, 0), pods.server)
+            .unwrap_or_else(|e| panic!("from {bound}: {e:#}\n{}", agent.log_text()));
+        let (_, seen) = pods.listener.accept().unwrap();
+        assert_eq!(
+            seen.ip(),
+            node.local_addr().unwrap().ip(),
+            "the node's connection bound to {bound} arrives from its own address"
+        );
+    }
 }
 
 /// A process on the node binds the very port a pod's connection holds on the chosen address,

@@ -626,6 +626,7 @@ fn verdict(text: &str, dst: &str, protocol: u8, device: &str, set_holds: bool) -
         dst: dst.parse().unwrap(),
         protocol,
         device,
+        src_on_device: false,
     };
     evaluate(text, &packet, |set, addr| {
         assert_eq!(set, "IP-MASQ-AGENT-v4");
@@ -633,6 +634,17 @@ fn verdict(text: &str, dst: &str, protocol: u8, device: &str, set_holds: bool) -
         Ok(set_holds)
     })
     .unwrap()
+}
+
+/// A TCP packet to the outside host leaving by eth0, from `src` (`None`: not known).
+fn tcp_to_outside(src: Option<&str>) -> Packet<'static> {
+    Packet {
+        src: src.map(|s| s.parse().unwrap()),
+        dst: "203.0.113.9".parse().unwrap(),
+        protocol: 6,
+        device: "eth0",
+        src_on_device: false,
+    }
 }
 
 #[test]
@@ -674,12 +686,7 @@ fn the_chain_is_asked_rule_by_rule_as_the_kernel_would() {
 
 #[test]
 fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
-    let packet = Packet {
-        src: None,
-        dst: "203.0.113.9".parse().unwrap(),
-        protocol: 6,
-        device: "eth0",
-    };
+    let packet = tcp_to_outside(None);
     for rule in [
         "-A IP-MASQ-AGENT ! -d 10.0.0.0/8 -j MASQUERADE",
         "-A IP-MASQ-AGENT -s 10.244.0.0/16 -j RETURN",
@@ -738,12 +745,7 @@ fn the_source_set_gives_the_longest_prefix_its_say() {
 fn the_chain_asks_the_source_set_about_the_source() {
     let text = full(IpFamily::Ipv4, &pods_only(), true);
     let ask = |src: Option<&str>, in_source_set: bool| {
-        let packet = Packet {
-            src: src.map(|s| s.parse().unwrap()),
-            dst: "203.0.113.9".parse().unwrap(),
-            protocol: 6,
-            device: "eth0",
-        };
+        let packet = tcp_to_outside(src);
         evaluate(&text, &packet, |set, addr| {
             assert_eq!(set, "IP-MASQ-AGENT-s4");
             assert_eq!(Some(addr), packet.src);
@@ -830,12 +832,7 @@ fn a_chosen_address_held_by_the_node_is_snat_to_it_keeping_random_fully_and_port
         ]
     );
     // What the chain does with it, and what is read back of it.
-    let packet = Packet {
-        src: None,
-        dst: "203.0.113.9".parse().unwrap(),
-        protocol: 6,
-        device: "eth0",
-    };
+    let packet = tcp_to_outside(None);
     let listed = plain.replace("*nat\n", "").replace("COMMIT\n", "");
     assert_eq!(
         evaluate(&listed, &packet, |_, _| Ok(false)).unwrap(),
@@ -878,4 +875,69 @@ fn a_chain_snat_to_a_chosen_address_with_ports_is_read_back_and_followed() {
         verdict(LISTED_SNAT, "10.1.2.3", 6, "eth0", false),
         KeepsAddress
     );
+}
+
+/// What the chain beside the programs and the full chain hold before any masquerade rule, with
+/// a chosen address: the node's own traffic from the device's address returns.
+#[test]
+fn with_a_chosen_address_the_nodes_traffic_from_the_devices_address_returns_first() {
+    let p = with_exceptions(&["10.0.0.0/8"], &["10.100.10.0/24"]);
+    let node_rule = r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: node traffic from an address of the outgoing device is not subject to SNAT" -m addrtype --src-type LOCAL --limit-iface-out -j RETURN"#;
+    for variant in [
+        ChainVariant::Full,
+        ChainVariant::beside_programs(vec!["eth0".into()]),
+    ] {
+        let text = |to_source| {
+            render(
+                IpFamily::Ipv4,
+                &p,
+                &opts(true, None),
+                MODERN,
+                &variant,
+                to_source,
+            )
+            .unwrap()
+        };
+        let snat = text(Some("198.51.100.7".parse().unwrap()));
+        let lines: Vec<&str> = snat.lines().collect();
+        let node = lines.iter().position(|l| *l == node_rule);
+        let first_masquerade = lines.iter().position(|l| l.contains("-j SNAT"));
+        assert!(
+            node.is_some() && node < first_masquerade,
+            "{variant:?}:\n{snat}"
+        );
+        assert!(!text(None).contains("addrtype"), "{variant:?}");
+    }
+}
+
+#[test]
+fn the_nodes_traffic_from_the_devices_address_is_left_alone_by_the_chain() {
+    // As `iptables -S` lists the full chain with a chosen address.
+    let listed = format!(
+        "-N IP-MASQ-AGENT\n\
+         -A IP-MASQ-AGENT -m comment --comment \"ip-masq-agent: node traffic from an address of the outgoing device is not subject to SNAT\" -m addrtype --src-type LOCAL --limit-iface-out -j RETURN\n\
+         -A IP-MASQ-AGENT -d 10.0.0.0/8 {RET} -j RETURN\n\
+         -A IP-MASQ-AGENT {MASQ} -j SNAT --to-source 198.51.100.7 --random-fully\n"
+    );
+    let ask = |src: &str, src_on_device| {
+        let packet = Packet {
+            src_on_device,
+            ..tcp_to_outside(Some(src))
+        };
+        evaluate(&listed, &packet, |_, _| Ok(false)).unwrap()
+    };
+    assert_eq!(ask("203.0.113.1", true), ChainVerdict::KeepsAddress);
+    assert_eq!(ask("10.244.1.2", false), ChainVerdict::Masquerades);
+    let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(&listed), |_| {
+        Ok(Vec::new())
+    })
+    .unwrap();
+    assert_eq!(
+        (status.non_masquerade, status.masquerade_rules),
+        (nets(&["10.0.0.0/8"]), 1)
+    );
+    // Any other use of addrtype is not the agent's, and not followed.
+    let other = listed.replace("--src-type LOCAL --limit-iface-out", "--dst-type LOCAL");
+    let packet = tcp_to_outside(None);
+    assert!(evaluate(&other, &packet, |_, _| Ok(false)).is_err());
 }
