@@ -28,6 +28,7 @@ macro_rules! common_cases {
         family_cases!($plane:
             new_flows_take_the_chosen_address_while_the_uplink_holds_it,
             new_flows_take_the_chosen_address_held_on_another_device,
+            new_flows_take_the_chosen_address_held_on_loopback,
             a_service_on_the_chosen_address_answers_from_its_own_port,
             a_node_socket_on_a_port_a_pods_flow_holds_on_the_chosen_address,
             icmp_errors_about_flows_on_the_chosen_address_go_both_ways,
@@ -35,6 +36,7 @@ macro_rules! common_cases {
             snat_with_to_ports_loads_into_real_iptables,
             the_nodes_own_flows_keep_the_devices_address,
         );
+        cases!($plane: a_tentative_chosen_ipv6_address_is_held_once_detection_is_done);
     };
 }
 
@@ -108,15 +110,8 @@ fn the_chosen_address_follows_the_node(
             .unwrap_or_else(|e| panic!("{why}: {e:#}\n{}", agent.log_text()));
     };
     wait(family.node(), "not held yet: the device's address");
-    let not_held = |status: &serde_json::Value| {
-        status["notes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|note| note.to_string().contains(&chosen(family).to_string()))
-    };
     assert!(
-        not_held(&bed.status_json()),
+        says_not_held(&bed, family),
         "status says the node does not hold the address: {}",
         bed.status_json()
     );
@@ -146,7 +141,7 @@ fn the_chosen_address_follows_the_node(
         Ok(said.contains(&chosen(family).to_string()))
     })
     .unwrap_or_else(|e| panic!("status never named the chosen address: {e}"));
-    assert!(!not_held(&bed.status_json()), "{}", bed.status_json());
+    assert!(!says_not_held(&bed, family), "{}", bed.status_json());
     let open_while_held = Conversation::open(&bed, family, 9782);
     assert_eq!(open_while_held.node_side.ip(), chosen(family));
     open_while_held
@@ -176,29 +171,99 @@ fn new_flows_take_the_chosen_address_while_the_uplink_holds_it(plane: Plane, fam
 /// the uplink, where the programs translate them back.
 fn new_flows_take_the_chosen_address_held_on_another_device(plane: Plane, family: IpFamily) {
     let other_device = |bed: &Bed| {
-        // The outside host's router sends the address to the node, as a VIP's would: the
-        // node answers neighbour discovery only for its uplink's own addresses.
-        let via = family.node().to_string();
-        let to = format!("{}/{}", chosen(family), family.pick(32, 128));
-        ip_in(&bed.topo.ext, &["route", "add", &to, "via", &via]);
-        // A veth whose peer carries nothing: this kernel may have no dummy devices.
-        let peer = format!("{OTHER_DEVICE}-p");
-        ip_in(
-            &bed.topo.node,
-            &[
-                "link",
-                "add",
-                OTHER_DEVICE,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &peer,
-            ],
-        );
+        route_the_chosen_address_to_the_node(bed, family);
+        add_the_other_device(bed);
         ip_in(&bed.topo.node, &["link", "set", OTHER_DEVICE, "up"]);
     };
     the_chosen_address_follows_the_node(plane, family, OTHER_DEVICE, other_device);
+}
+
+/// The address on loopback, a common way to hold a VIP: it is the node's as much as on any
+/// other device.
+fn new_flows_take_the_chosen_address_held_on_loopback(plane: Plane, family: IpFamily) {
+    let on_loopback = |bed: &Bed| route_the_chosen_address_to_the_node(bed, family);
+    the_chosen_address_follows_the_node(plane, family, "lo", on_loopback);
+}
+
+/// An IPv6 address in duplicate address detection is not the node's yet: the kernel neither
+/// accepts packets for it nor sends from it. On a device without carrier the chosen address
+/// stays tentative, and new flows keep the device's address; once the link is up and the
+/// detection done, they take the chosen one.
+fn a_tentative_chosen_ipv6_address_is_held_once_detection_is_done(plane: Plane) {
+    let family = IpFamily::Ipv6;
+    let bed = Bed::new(plane, &chosen_config(family));
+    route_the_chosen_address_to_the_node(&bed, family);
+    add_the_other_device(&bed);
+    let detecting = format!("net.ipv6.conf.{OTHER_DEVICE}.accept_dad=1");
+    masq_testbed::netns::run_in(&bed.topo.node, "sysctl", &["-qw", &detecting]).unwrap();
+    ip_in(&bed.topo.node, &["link", "set", OTHER_DEVICE, "up"]);
+    let agent = bed.start_agent(family.agent_args());
+    let prefix = format!("{}/128", chosen(family));
+    ip_in(
+        &bed.topo.node,
+        &["addr", "add", &prefix, "dev", OTHER_DEVICE],
+    );
+    let shown = [
+        "-n",
+        &bed.topo.node,
+        "-6",
+        "addr",
+        "show",
+        "dev",
+        OTHER_DEVICE,
+    ];
+    let shown = masq_testbed::netns::run("ip", &shown).unwrap();
+    assert!(shown.contains("tentative"), "{shown}");
+    // Long enough for the agent, which looks every second, to have taken it if it would.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        says_not_held(&bed, family),
+        "a tentative address is not held: {}",
+        bed.status_json()
+    );
+    wait_for_flows_from(&bed, family, &agent, family.node());
+    ip_in(&bed.topo.node, &["link", "set", &other_device_peer(), "up"]);
+    wait_for_flows_from(&bed, family, &agent, chosen(family));
+    assert!(!says_not_held(&bed, family), "{}", bed.status_json());
+}
+
+/// The outside host's router sends the chosen address to the node, as a VIP's would: the node
+/// answers neighbour discovery only for its uplink's own addresses.
+fn route_the_chosen_address_to_the_node(bed: &Bed, family: IpFamily) {
+    let via = family.node().to_string();
+    let to = format!("{}/{}", chosen(family), family.pick(32, 128));
+    ip_in(&bed.topo.ext, &["route", "add", &to, "via", &via]);
+}
+
+/// The other device's peer, which stays down unless a case brings it up: no carrier.
+fn other_device_peer() -> String {
+    format!("{OTHER_DEVICE}-p")
+}
+
+/// The node's other device, down: a veth whose peer carries nothing, as this kernel may have
+/// no dummy devices.
+fn add_the_other_device(bed: &Bed) {
+    let peer = other_device_peer();
+    let add = [
+        "link",
+        "add",
+        OTHER_DEVICE,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &peer,
+    ];
+    ip_in(&bed.topo.node, &add);
+}
+
+/// Whether `status` notes that the node does not hold the chosen address.
+fn says_not_held(bed: &Bed, family: IpFamily) -> bool {
+    bed.status_json()["notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|note| note.to_string().contains(&chosen(family).to_string()))
 }
 
 /// The family's config with the chosen address.
