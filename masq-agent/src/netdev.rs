@@ -126,13 +126,78 @@ pub fn names_and_indexes() -> anyhow::Result<Vec<(String, u32)>> {
         .collect())
 }
 
-/// Every address of the network namespace's devices, loopback's aside.
+/// Every address the node holds, on any device: those it accepts packets for and may send
+/// from.
 pub fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
-    Ok(nix::ifaddrs::getifaddrs()
-        .context("getifaddrs")?
-        .filter(|a| a.interface_name != LOOPBACK)
-        .filter_map(|a| ip_of(&a.address?))
+    Ok(held_addresses()?
+        .into_iter()
+        .map(|(_, addr)| addr)
         .collect())
+}
+
+/// The addresses device `name` holds (none, if there is no such device).
+pub fn device_addresses(name: &str) -> anyhow::Result<Vec<IpAddr>> {
+    Ok(held_addresses()?
+        .into_iter()
+        .filter(|(device, _)| device == name)
+        .map(|(_, addr)| addr)
+        .collect())
+}
+
+/// Each address the network namespace's devices hold, with its device. Loopback's count (an
+/// address on `lo` is a common way to hold a VIP), but not the loopback range itself, which
+/// never leaves the node.
+fn held_addresses() -> anyhow::Result<Vec<(String, IpAddr)>> {
+    let ipv4 = nix::ifaddrs::getifaddrs()
+        .context("getifaddrs")?
+        .filter_map(|a| {
+            let addr = a.address?.as_sockaddr_in()?.ip();
+            Some((a.interface_name, IpAddr::V4(addr)))
+        });
+    // getifaddrs gives no IPv6 address's flags; the kernel's own list does.
+    let ipv6 = match std::fs::read_to_string(IF_INET6) {
+        Ok(table) => held_ipv6_addresses(&table),
+        // No IPv6 in this kernel: no IPv6 address either.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {IF_INET6}")),
+    };
+    Ok(ipv4
+        .chain(
+            ipv6.into_iter()
+                .map(|(device, addr)| (device, IpAddr::V6(addr))),
+        )
+        .filter(|(_, addr)| !addr.is_loopback())
+        .collect())
+}
+
+/// The IPv6 addresses of the network namespace of the thread that reads it: a thread may have
+/// entered another namespace than its process's.
+const IF_INET6: &str = "/proc/thread-self/net/if_inet6";
+
+/// `ifa_flags` bits, from include/uapi/linux/if_addr.h.
+const IFA_F_OPTIMISTIC: u32 = 0x04;
+const IFA_F_DADFAILED: u32 = 0x08;
+const IFA_F_TENTATIVE: u32 = 0x40;
+
+/// The addresses of `/proc/net/if_inet6` (address, index, prefix length, scope and flags in
+/// hex, then the device) that the node holds: not one that failed duplicate address detection,
+/// nor one still in it, which the kernel neither accepts packets for nor sends from (unless it
+/// is optimistic, which it uses meanwhile).
+fn held_ipv6_addresses(table: &str) -> Vec<(String, Ipv6Addr)> {
+    table
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let [hex, _, _, _, flags, device] = fields.as_slice() else {
+                return None;
+            };
+            let addr = Ipv6Addr::from(u128::from_str_radix(hex, 16).ok()?);
+            let flags = u32::from_str_radix(flags, 16).ok()?;
+            let tentative = flags & IFA_F_TENTATIVE != 0 && flags & IFA_F_OPTIMISTIC == 0;
+            let held = flags & IFA_F_DADFAILED == 0 && !tentative;
+            held.then(|| (device.to_string(), addr))
+        })
+        .collect()
 }
 
 /// The IP address of a socket address of either family.
@@ -209,5 +274,34 @@ mod tests {
 00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 00000400 00000001 00000000 00000201     eth1
 ";
         assert_eq!(ipv6_default_route_devices(table), ["eth0", "up1"]);
+    }
+
+    #[test]
+    fn ipv6_addresses_in_duplicate_address_detection_or_failed_by_it_are_not_held() {
+        let table = "\
+00000000000000000000000000000001 01 80 10 80       lo
+20010db8000000000000000000000007 01 80 00 80       lo
+20010db8000100000000000000000001 02 40 00 80     eth0
+20010db8000100000000000000000050 02 80 00 40     eth0
+20010db8000100000000000000000051 02 80 00 48     eth0
+20010db8000100000000000000000052 02 80 00 44     eth0
+20010db8000100000000000000000053 02 80 00 4c     eth0
+fe800000000000000000000000000001 02 40 20 80     eth0
+";
+        let held: Vec<String> = held_ipv6_addresses(table)
+            .iter()
+            .map(|(device, addr)| format!("{device} {addr}"))
+            .collect();
+        assert_eq!(
+            held,
+            [
+                "lo ::1",
+                "lo 2001:db8::7",
+                "eth0 2001:db8:1::1",
+                "eth0 2001:db8:1::52",
+                "eth0 fe80::1",
+            ],
+            "tentative (::50) and failed (::51, and ::53 though optimistic) left out"
+        );
     }
 }

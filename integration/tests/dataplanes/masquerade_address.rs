@@ -13,7 +13,7 @@ use std::{
 use masq_agent::policy::IpFamily;
 use masq_testbed::{
     netns::within,
-    probe::{UdpEcho, UdpFlows},
+    probe::{self, UdpEcho, UdpFlows},
     topology::{self, Process},
 };
 
@@ -28,11 +28,15 @@ macro_rules! common_cases {
         family_cases!($plane:
             new_flows_take_the_chosen_address_while_the_uplink_holds_it,
             new_flows_take_the_chosen_address_held_on_another_device,
+            new_flows_take_the_chosen_address_held_on_loopback,
             a_service_on_the_chosen_address_answers_from_its_own_port,
             a_node_socket_on_a_port_a_pods_flow_holds_on_the_chosen_address,
             icmp_errors_about_flows_on_the_chosen_address_go_both_ways,
             no_reply_reaches_the_wrong_flow_beside_netfilters_snat_to_the_chosen_address,
+            snat_with_to_ports_loads_into_real_iptables,
+            the_nodes_own_flows_keep_the_devices_address,
         );
+        cases!($plane: a_tentative_chosen_ipv6_address_is_held_once_detection_is_done);
     };
 }
 
@@ -45,6 +49,14 @@ mod ebpf {
 
 mod iptables_nft {
     common_cases!(IptablesNft);
+}
+
+// How the rules are stored differs between the backends: each must load the chain's own.
+mod iptables_legacy {
+    family_cases!(IptablesLegacy:
+        snat_with_to_ports_loads_into_real_iptables,
+        the_nodes_own_flows_keep_the_devices_address,
+    );
 }
 
 /// An address of the uplink's prefix that no one holds at first.
@@ -98,15 +110,8 @@ fn the_chosen_address_follows_the_node(
             .unwrap_or_else(|e| panic!("{why}: {e:#}\n{}", agent.log_text()));
     };
     wait(family.node(), "not held yet: the device's address");
-    let not_held = |status: &serde_json::Value| {
-        status["notes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|note| note.to_string().contains(&chosen(family).to_string()))
-    };
     assert!(
-        not_held(&bed.status_json()),
+        says_not_held(&bed, family),
         "status says the node does not hold the address: {}",
         bed.status_json()
     );
@@ -136,7 +141,7 @@ fn the_chosen_address_follows_the_node(
         Ok(said.contains(&chosen(family).to_string()))
     })
     .unwrap_or_else(|e| panic!("status never named the chosen address: {e}"));
-    assert!(!not_held(&bed.status_json()), "{}", bed.status_json());
+    assert!(!says_not_held(&bed, family), "{}", bed.status_json());
     let open_while_held = Conversation::open(&bed, family, 9782);
     assert_eq!(open_while_held.node_side.ip(), chosen(family));
     open_while_held
@@ -166,29 +171,99 @@ fn new_flows_take_the_chosen_address_while_the_uplink_holds_it(plane: Plane, fam
 /// the uplink, where the programs translate them back.
 fn new_flows_take_the_chosen_address_held_on_another_device(plane: Plane, family: IpFamily) {
     let other_device = |bed: &Bed| {
-        // The outside host's router sends the address to the node, as a VIP's would: the
-        // node answers neighbour discovery only for its uplink's own addresses.
-        let via = family.node().to_string();
-        let to = format!("{}/{}", chosen(family), family.pick(32, 128));
-        ip_in(&bed.topo.ext, &["route", "add", &to, "via", &via]);
-        // A veth whose peer carries nothing: this kernel may have no dummy devices.
-        let peer = format!("{OTHER_DEVICE}-p");
-        ip_in(
-            &bed.topo.node,
-            &[
-                "link",
-                "add",
-                OTHER_DEVICE,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &peer,
-            ],
-        );
+        route_the_chosen_address_to_the_node(bed, family);
+        add_the_other_device(bed);
         ip_in(&bed.topo.node, &["link", "set", OTHER_DEVICE, "up"]);
     };
     the_chosen_address_follows_the_node(plane, family, OTHER_DEVICE, other_device);
+}
+
+/// The address on loopback, a common way to hold a VIP: it is the node's as much as on any
+/// other device.
+fn new_flows_take_the_chosen_address_held_on_loopback(plane: Plane, family: IpFamily) {
+    let on_loopback = |bed: &Bed| route_the_chosen_address_to_the_node(bed, family);
+    the_chosen_address_follows_the_node(plane, family, "lo", on_loopback);
+}
+
+/// An IPv6 address in duplicate address detection is not the node's yet: the kernel neither
+/// accepts packets for it nor sends from it. On a device without carrier the chosen address
+/// stays tentative, and new flows keep the device's address; once the link is up and the
+/// detection done, they take the chosen one.
+fn a_tentative_chosen_ipv6_address_is_held_once_detection_is_done(plane: Plane) {
+    let family = IpFamily::Ipv6;
+    let bed = Bed::new(plane, &chosen_config(family));
+    route_the_chosen_address_to_the_node(&bed, family);
+    add_the_other_device(&bed);
+    let detecting = format!("net.ipv6.conf.{OTHER_DEVICE}.accept_dad=1");
+    masq_testbed::netns::run_in(&bed.topo.node, "sysctl", &["-qw", &detecting]).unwrap();
+    ip_in(&bed.topo.node, &["link", "set", OTHER_DEVICE, "up"]);
+    let agent = bed.start_agent(family.agent_args());
+    let prefix = format!("{}/128", chosen(family));
+    ip_in(
+        &bed.topo.node,
+        &["addr", "add", &prefix, "dev", OTHER_DEVICE],
+    );
+    let shown = [
+        "-n",
+        &bed.topo.node,
+        "-6",
+        "addr",
+        "show",
+        "dev",
+        OTHER_DEVICE,
+    ];
+    let shown = masq_testbed::netns::run("ip", &shown).unwrap();
+    assert!(shown.contains("tentative"), "{shown}");
+    // Long enough for the agent, which looks every second, to have taken it if it would.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        says_not_held(&bed, family),
+        "a tentative address is not held: {}",
+        bed.status_json()
+    );
+    wait_for_flows_from(&bed, family, &agent, family.node());
+    ip_in(&bed.topo.node, &["link", "set", &other_device_peer(), "up"]);
+    wait_for_flows_from(&bed, family, &agent, chosen(family));
+    assert!(!says_not_held(&bed, family), "{}", bed.status_json());
+}
+
+/// The outside host's router sends the chosen address to the node, as a VIP's would: the node
+/// answers neighbour discovery only for its uplink's own addresses.
+fn route_the_chosen_address_to_the_node(bed: &Bed, family: IpFamily) {
+    let via = family.node().to_string();
+    let to = format!("{}/{}", chosen(family), family.pick(32, 128));
+    ip_in(&bed.topo.ext, &["route", "add", &to, "via", &via]);
+}
+
+/// The other device's peer, which stays down unless a case brings it up: no carrier.
+fn other_device_peer() -> String {
+    format!("{OTHER_DEVICE}-p")
+}
+
+/// The node's other device, down: a veth whose peer carries nothing, as this kernel may have
+/// no dummy devices.
+fn add_the_other_device(bed: &Bed) {
+    let peer = other_device_peer();
+    let add = [
+        "link",
+        "add",
+        OTHER_DEVICE,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &peer,
+    ];
+    ip_in(&bed.topo.node, &add);
+}
+
+/// Whether `status` notes that the node does not hold the chosen address.
+fn says_not_held(bed: &Bed, family: IpFamily) -> bool {
+    bed.status_json()["notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|note| note.to_string().contains(&chosen(family).to_string()))
 }
 
 /// The family's config with the chosen address.
@@ -219,6 +294,46 @@ fn holding_the_chosen_address(
     let agent = bed.start_agent(&all);
     wait_for_flows_from(&bed, family, &agent, chosen(family));
     (bed, agent)
+}
+
+/// With `--to-ports`, the chain SNATs to the chosen address by one rule per protocol and range
+/// (beside the programs too, for what they leave to it): iptables takes the ports only from a
+/// rule that names its protocol before the target, and refuses the whole chain otherwise. A
+/// pod's connection leaves from the chosen address, on a port of the ranges.
+fn snat_with_to_ports_loads_into_real_iptables(plane: Plane, family: IpFamily) {
+    let ranges = [(1024, 29999), (32768, 65535)];
+    let (bed, _agent) =
+        holding_the_chosen_address(plane, family, 1, &["--to-ports=1024-29999,32768-65535"]);
+    let list = ["-t", "nat", "-S", crate::CHAIN];
+    let chain = match family {
+        IpFamily::Ipv4 => bed.iptables(&list),
+        IpFamily::Ipv6 => bed.ip6tables(&list),
+    }
+    .unwrap();
+    let to_source = match chosen(family) {
+        IpAddr::V4(addr) => addr.to_string(),
+        IpAddr::V6(addr) => format!("[{addr}]"),
+    };
+    for (lo, hi) in ranges {
+        let snat = format!("-j SNAT --to-source {to_source}:{lo}-{hi}");
+        let rules: Vec<&str> = chain.lines().filter(|l| l.contains(&snat)).collect();
+        assert_eq!(
+            rules.len(),
+            3,
+            "a rule per protocol for {lo}-{hi}:\n{chain}"
+        );
+        for (rule, proto) in rules.iter().zip(["tcp", "udp", "sctp"]) {
+            assert!(rule.contains(&format!("-p {proto} ")), "{rule}");
+        }
+    }
+    let seen = probe::tcp_probe(bed.pod(), family.outside(), 0).unwrap();
+    assert_eq!(seen.ip(), chosen(family));
+    assert!(
+        ranges
+            .iter()
+            .any(|&(lo, hi)| (lo..=hi).contains(&seen.port())),
+        "{seen}"
+    );
 }
 
 /// A TCP and a UDP service of the node's, bound to the chosen address: what the outside host
@@ -260,6 +375,25 @@ fn a_service_on_the_chosen_address_answers_from_its_own_port(plane: Plane, famil
         answered_from, udp_service,
         "the UDP service answers from its port"
     );
+}
+
+/// The node's own connections keep the address they have while pods' take the chosen address,
+/// whichever plane: a socket bound to the device's address, and one bound to none, which the
+/// kernel gives an address of the device (IPv6 prefers the chosen one, the longer match).
+fn the_nodes_own_flows_keep_the_devices_address(plane: Plane, family: IpFamily) {
+    let (bed, agent) = holding_the_chosen_address(plane, family, 1, &[]);
+    let pods = Conversation::open(&bed, family, 9787);
+    assert_eq!(pods.node_side.ip(), chosen(family), "a pod's connection");
+    for bound in [family.node(), family.any()] {
+        let node = probe::tcp_connect_from(&bed.topo.node, SocketAddr::new(bound, 0), pods.server)
+            .unwrap_or_else(|e| panic!("from {bound}: {e:#}\n{}", agent.log_text()));
+        let (_, seen) = pods.listener.accept().unwrap();
+        assert_eq!(
+            seen.ip(),
+            node.local_addr().unwrap().ip(),
+            "the node's connection bound to {bound} arrives from its own address"
+        );
+    }
 }
 
 /// A process on the node binds the very port a pod's connection holds on the chosen address,

@@ -224,6 +224,16 @@ impl<'a> FileFields<'a> {
         }
     }
 
+    /// The setting of an address key (`masqueradeAddress`, `masqueradeAddressIPv6`); `None`
+    /// for any other field.
+    pub(super) fn address(&self, field: Field) -> Option<&Setting<'a, &'a String>> {
+        match field {
+            Field::MasqAddress => self.masq_address.as_ref(),
+            Field::MasqAddressIpv6 => self.masq_address_ipv6.as_ref(),
+            _ => None,
+        }
+    }
+
     pub(super) fn set(
         &mut self,
         field: Field,

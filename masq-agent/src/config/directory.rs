@@ -17,7 +17,8 @@ use ipnet::IpNet;
 
 use super::{
     CidrList, Config, ConfigError, ConfigOptions, ConfigSource, Explicit, Loaded, Standing,
-    cidr_line, parse_with_keys, read_bounded, unreadable, validate::first_in_both,
+    address_line, cidr_line, decode::Field, parse_with_keys, read_bounded, unreadable,
+    validate::first_in_both,
 };
 
 /// Only the files whose names start with this are read: kubelet's `..data` and its timestamped
@@ -144,8 +145,8 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
         masquerade_cidrs: nets(masq),
         non_masquerade_src_cidrs: nets(non_masq_src),
         masquerade_src_cidrs: nets(masq_src),
-        masquerade_address: one_value(parts, "masqueradeAddress", |c| c.masquerade_address)?,
-        masquerade_address_ipv6: one_value(parts, "masqueradeAddressIPv6", |c| {
+        masquerade_address: one_address(parts, Field::MasqAddress, |c| c.masquerade_address)?,
+        masquerade_address_ipv6: one_address(parts, Field::MasqAddressIpv6, |c| {
             c.masquerade_address_ipv6
         })?,
         cidr_limit: configs()
@@ -176,11 +177,12 @@ fn merge(parts: &[Part], opts: &ConfigOptions) -> Result<Loaded, ConfigError> {
     })
 }
 
-/// The value of `key` among the files, which may set it alike or leave it out: masqueraded
-/// traffic takes one address, and two files that name two are an error naming both.
-fn one_value<T: PartialEq + Copy + std::fmt::Display>(
+/// The address the files set with the address key `field`, which they may set alike or leave
+/// out: masqueraded traffic takes one address, and two files that name two are an error on
+/// the later one's line, naming where the other sets it.
+fn one_address<T: PartialEq + Copy + std::fmt::Display>(
     parts: &[Part],
-    key: &str,
+    field: Field,
     of: impl Fn(&Config) -> Option<T>,
 ) -> Result<Option<T>, ConfigError> {
     let mut found: Option<(T, &Part)> = None;
@@ -190,12 +192,15 @@ fn one_value<T: PartialEq + Copy + std::fmt::Display>(
         };
         match found {
             Some((first, other)) if first != value => {
+                let line = |part: &Part| address_line(&part.text, field);
+                let at = line(other).map_or(String::new(), |n| format!(" at line {n}"));
                 return Err(ConfigError::new(
                     &part.path.display().to_string(),
-                    None,
+                    line(part),
                     format!(
-                        "{key} is {value} here and {first} in {}: masqueraded traffic takes \
+                        "{} is {value} here and {first} in {}{at}: masqueraded traffic takes \
                          one address",
+                        field.name(),
                         other.path.display()
                     ),
                 ));

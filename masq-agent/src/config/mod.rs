@@ -386,5 +386,13 @@ pub fn cidr_line(text: &[u8], opts: &ConfigOptions, list: CidrList, net: IpNet) 
     locate(text, &root, format, item)
 }
 
+/// The line of the valid config `text` that sets the address key `field`, where it can be found
+/// for sure: for an error about two files.
+fn address_line(text: &[u8], field: Field) -> Option<usize> {
+    let (root, format) = read_tree(text, "", &mut Vec::new()).ok()?;
+    let fields = decode(&root, format, "", &mut Vec::new()).ok()?;
+    locate(text, &root, format, fields.address(field)?.key)
+}
+
 #[cfg(test)]
 mod tests;

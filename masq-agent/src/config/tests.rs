@@ -1527,16 +1527,38 @@ fn files_that_name_two_masquerade_addresses_are_an_error_naming_both() {
         c.config.masquerade_address,
         Some("198.51.100.7".parse().unwrap())
     );
-    let dir = projected(&[
-        ("ip-masq-agent", "masqueradeAddress: 198.51.100.7\n"),
-        ("ip-masq-user", "masqueradeAddress: 198.51.100.8\n"),
-    ]);
-    let e = load(dir.path(), &V4_ONLY).expect_err("two addresses");
-    assert!(e.origin.ends_with("ip-masq-user"), "{e}");
+    // The error is on the later file's line, and names the earlier file's.
+    let clash = |agent: &str, user: &str, opts| {
+        let dir = projected(&[("ip-masq-agent", agent), ("ip-masq-user", user)]);
+        let e = load(dir.path(), opts).expect_err("two addresses");
+        let agent = dir.path().join("ip-masq-agent").display().to_string();
+        assert!(e.origin.ends_with("ip-masq-user"), "{e}");
+        (e.line, e.message.replace(&agent, "AGENT"))
+    };
+    assert_eq!(
+        clash(
+            "resyncInterval: 1s\nmasqueradeAddress: 198.51.100.7\n",
+            "nonMasqueradeCIDRs: [10.0.0.0/8]\n\nmasqueradeAddress: 198.51.100.8\n",
+            &V4_ONLY
+        ),
+        (
+            Some(3),
+            "masqueradeAddress is 198.51.100.8 here and 198.51.100.7 in AGENT at line 2: \
+             masqueraded traffic takes one address"
+                .to_string()
+        )
+    );
+    // JSON, and the IPv6 key as Go matches it.
+    let (line, message) = clash(
+        "{\"masqueradeAddressIPv6\": \"2001:db8::7\"}\n",
+        "{\n  \"resyncInterval\": \"1s\",\n  \"MASQUERADEADDRESSIPV6\": \"2001:db8::8\"\n}\n",
+        &WITH_V6,
+    );
+    assert_eq!(line, Some(3), "{message}");
     assert!(
-        e.message
-            .starts_with("masqueradeAddress is 198.51.100.8 here and 198.51.100.7 in")
-            && e.message.contains("ip-masq-agent"),
-        "{e}"
+        message.starts_with(
+            "masqueradeAddressIPv6 is 2001:db8::8 here and 2001:db8::7 in AGENT at line 1:"
+        ),
+        "{message}"
     );
 }

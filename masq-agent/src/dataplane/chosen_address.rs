@@ -63,39 +63,79 @@ pub fn not_held_notes(policy: &Policy, held: &[IpAddr]) -> Vec<String> {
         .collect()
 }
 
-/// Which chosen addresses are in force, followed as the node's addresses change, each change
-/// logged once.
+/// Which chosen addresses are in force, followed as the config and the node's addresses
+/// change, each change said once.
 #[derive(Debug, Default)]
 pub struct ChosenAddressWatch {
     pub in_force: ChosenAddresses,
-    /// Whether the node's addresses were looked at yet: the first look says what it found.
-    looked: bool,
+    /// Per family (IPv4, IPv6), the address the config chose and whether the node held it, at
+    /// the last look; `None` before the first.
+    seen: Option<[Option<(IpAddr, bool)>; 2]>,
+}
+
+/// What changed for one family's chosen address, said once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChosenAddressChange {
+    /// The node holds the address the config chooses: masqueraded traffic takes it.
+    Taken(IpAddr),
+    /// The config chooses an address the node does not hold: the device's it is, meanwhile.
+    NotHeld(IpAddr),
+    /// The config chooses no address any more, where it chose this one.
+    Dropped(IpAddr),
+}
+
+impl ChosenAddressChange {
+    fn log(self) {
+        match self {
+            ChosenAddressChange::Taken(addr) => {
+                info!(%addr, "masqueraded traffic takes the chosen address, which the node holds")
+            }
+            ChosenAddressChange::NotHeld(addr) => warn!(
+                %addr,
+                "the node does not hold the chosen masquerade address: masqueraded traffic \
+                 takes the outgoing device's address until it does"
+            ),
+            ChosenAddressChange::Dropped(addr) => info!(
+                %addr,
+                "the config chooses no masquerade address any more: masqueraded traffic takes \
+                 the outgoing device's address"
+            ),
+        }
+    }
 }
 
 impl ChosenAddressWatch {
     /// Looks at the node's addresses again for `policy`, and says what changed.
     pub fn follow(&mut self, policy: &Policy) -> anyhow::Result<()> {
-        let now = ChosenAddresses::held(policy, &netdev::local_addresses()?);
-        let first = !std::mem::replace(&mut self.looked, true);
-        if now == self.in_force && !first {
-            return Ok(());
+        for change in self.look(policy, &netdev::local_addresses()?) {
+            change.log();
         }
-        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
-            let (before, after) = (self.in_force.of(family), now.of(family));
-            match (before, after, policy.masquerade_address(family)) {
-                (_, Some(addr), _) if before != after || first => {
-                    info!(%addr, "masqueraded traffic takes the chosen address, which the node holds")
-                }
-                (_, None, Some(addr)) if before.is_some() || first => warn!(
-                    %addr,
-                    "the node does not hold the chosen masquerade address: masqueraded traffic \
-                     takes the outgoing device's address until it does"
-                ),
-                _ => {}
-            }
-        }
-        self.in_force = now;
         Ok(())
+    }
+
+    /// Takes in force what `policy` chooses of `held`, and returns what changed since the last
+    /// look, in what the config chooses or in whether the node holds it: one change per family
+    /// at most, however often it is asked.
+    fn look(&mut self, policy: &Policy, held: &[IpAddr]) -> Vec<ChosenAddressChange> {
+        let families = [IpFamily::Ipv4, IpFamily::Ipv6];
+        let now = families.map(|family| {
+            policy
+                .masquerade_address(family)
+                .map(|addr| (addr, held.contains(&addr)))
+        });
+        let before = self.seen.replace(now).unwrap_or_default();
+        self.in_force = ChosenAddresses::held(policy, held);
+        before
+            .into_iter()
+            .zip(now)
+            .filter(|(before, now)| before != now)
+            .filter_map(|(before, now)| match (before, now) {
+                (_, Some((addr, true))) => Some(ChosenAddressChange::Taken(addr)),
+                (_, Some((addr, false))) => Some(ChosenAddressChange::NotHeld(addr)),
+                (Some((addr, _)), None) => Some(ChosenAddressChange::Dropped(addr)),
+                (None, None) => None,
+            })
+            .collect()
     }
 }
 
@@ -137,5 +177,40 @@ mod tests {
             IpFamilies::IPV4,
         );
         assert!(not_held_notes(&without, &[other]).is_empty(), "none chosen");
+    }
+
+    #[test]
+    fn each_change_of_the_chosen_address_or_of_its_holding_is_said_once() {
+        use ChosenAddressChange::*;
+        let ip = |text: &str| -> IpAddr { text.parse().unwrap() };
+        let (a, b, a6) = ("198.51.100.7", "198.51.100.8", "2001:db8::7");
+        let device = ip("203.0.113.1");
+        let choosing = |v4: Option<&str>, v6: Option<&str>| {
+            let mut config = Config::defaults(&ConfigOptions::default());
+            config.masquerade_address = v4.map(|addr| addr.parse().unwrap());
+            config.masquerade_address_ipv6 = v6.map(|addr| addr.parse().unwrap());
+            Policy::from_config(&config, IpFamilies::DUAL_STACK)
+        };
+        let mut watch = ChosenAddressWatch::default();
+        let mut look = |v4, v6, held: &[IpAddr]| watch.look(&choosing(v4, v6), held);
+        assert_eq!(look(None, None, &[device]), [], "none chosen");
+        // A live edit of the config chooses an address the node does not hold, then another.
+        assert_eq!(look(Some(a), None, &[device]), [NotHeld(ip(a))]);
+        assert_eq!(look(Some(a), None, &[device]), []);
+        assert_eq!(look(Some(b), None, &[device]), [NotHeld(ip(b))]);
+        // The node's addresses change, but not whether it holds the chosen one.
+        assert_eq!(look(Some(b), None, &[device, ip(a)]), []);
+        // The node gains it, loses it; the config switches to one it holds, then drops it.
+        assert_eq!(look(Some(b), None, &[device, ip(b)]), [Taken(ip(b))]);
+        assert_eq!(look(Some(b), None, &[device, ip(a)]), [NotHeld(ip(b))]);
+        assert_eq!(look(Some(a), None, &[device, ip(a)]), [Taken(ip(a))]);
+        assert_eq!(look(None, None, &[device, ip(a)]), [Dropped(ip(a))]);
+        // Each family for itself.
+        assert_eq!(
+            look(Some(a), Some(a6), &[device, ip(a)]),
+            [Taken(ip(a)), NotHeld(ip(a6))]
+        );
+        assert_eq!(look(Some(a), Some(a6), &[ip(a), ip(a6)]), [Taken(ip(a6))]);
+        assert_eq!(watch.in_force.of(IpFamily::Ipv6), Some(ip(a6)));
     }
 }

@@ -8,6 +8,7 @@ use super::{
     command::Iptables,
     ipset,
     readback::{destination, device_matches, flag_value, set_match},
+    render::SOURCE_ON_THE_DEVICE,
 };
 use crate::policy::IpFamily;
 
@@ -40,11 +41,13 @@ pub fn chain_verdict(
     if !iptables.jump_present(chain)? {
         return Ok(Some(ChainVerdict::NotJumpedTo));
     }
+    let device_addresses = crate::netdev::device_addresses(device)?;
     let packet = Packet {
         src,
         dst,
         protocol,
         device,
+        src_on_device: src.is_some_and(|src| device_addresses.contains(&src)),
     };
     evaluate(&listing, &packet, ipset::contains).map(Some)
 }
@@ -56,12 +59,14 @@ pub(super) struct Packet<'a> {
     pub(super) dst: std::net::IpAddr,
     pub(super) protocol: u8,
     pub(super) device: &'a str,
+    /// Whether the source is an address of `device`: the node's own traffic from it.
+    pub(super) src_on_device: bool,
 }
 
 /// Whether a rule uses only what the agent's own chains use, which `evaluate` follows: no
-/// negation, no source match, and no match module but comment, set and statistic (which picks
-/// among masquerade rules, all of which masquerade).
-fn understood(words: &[&str]) -> bool {
+/// negation, no source match, and no match module but comment, set, statistic (which picks
+/// among masquerade rules, all of which masquerade) and addrtype as `SOURCE_ON_THE_DEVICE`.
+fn understood(line: &str, words: &[&str]) -> bool {
     let mut modules = words
         .windows(2)
         .filter(|pair| pair[0] == "-m")
@@ -69,7 +74,11 @@ fn understood(words: &[&str]) -> bool {
     !words
         .iter()
         .any(|w| matches!(*w, "!" | "-s" | "--source" | "-i" | "-g" | "--goto"))
-        && modules.all(|m| matches!(m, "comment" | "set" | "statistic"))
+        && modules.all(|m| match m {
+            "comment" | "set" | "statistic" => true,
+            "addrtype" => line.contains(SOURCE_ON_THE_DEVICE),
+            _ => false,
+        })
 }
 
 /// The verdict of the first rule of `listing` (as `iptables -S` prints the chain) that
@@ -81,7 +90,7 @@ pub(super) fn evaluate(
 ) -> anyhow::Result<ChainVerdict> {
     for line in listing.lines().filter(|l| l.starts_with("-A ")) {
         let words: Vec<&str> = line.split_whitespace().collect();
-        if !understood(&words) {
+        if !understood(line, &words) {
             bail!("the chain holds a rule this reading cannot follow: {line}");
         }
         let after = |flag: &str| flag_value(&words, flag);
@@ -90,7 +99,8 @@ pub(super) fn evaluate(
             after("-p").is_none_or(|p| crate::protocols::number(p) == Some(packet.protocol));
         let dst_matches =
             after("-d").is_none_or(|d| destination(d).is_ok_and(|net| net.contains(&packet.dst)));
-        if !(on_device && protocol_matches && dst_matches) {
+        let src_matches = !line.contains(SOURCE_ON_THE_DEVICE) || packet.src_on_device;
+        if !(on_device && protocol_matches && dst_matches && src_matches) {
             continue;
         }
         if let Some((set, by_source)) = set_match(&words) {

@@ -12,6 +12,10 @@ const MASQ_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: outbound traf
 const MASQ_EXCEPTION_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic to a masqueradeCIDRs entry is subject to MASQUERADE""#;
 const SWITCHED_OFF_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: IPv6 switched off by the config; what is open stays translated""#;
 const NON_MASQ_SRC_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: traffic from a nonMasqueradeSrcCIDRs source is not subject to MASQUERADE""#;
+const NODE_SOURCE_COMMENT: &str = r#"-m comment --comment "ip-masq-agent: node traffic from an address of the outgoing device is not subject to SNAT""#;
+/// The match of packets whose source is an address of the device they leave by: the node's
+/// own traffic, as the eBPF programs tell it apart.
+pub(super) const SOURCE_ON_THE_DEVICE: &str = "-m addrtype --src-type LOCAL --limit-iface-out";
 const EBPF_RETURN_COMMENT: &str =
     r#"-m comment --comment "ip-masq-agent: translated by the eBPF data plane""#;
 /// MASQUERADE's `--to-ports` applies to these protocols, one rule per range each.
@@ -122,6 +126,14 @@ pub fn render(
             }
         }
     }
+    // MASQUERADE leaves the node's own traffic from the device's address with that address;
+    // SNAT to a chosen address would move it, where the programs leave it alone. Without a
+    // chosen address the chain stays upstream's, byte for byte.
+    if to_source.is_some() {
+        lines.push(format!(
+            "-A {chain} {NODE_SOURCE_COMMENT} {SOURCE_ON_THE_DEVICE} -j RETURN"
+        ));
+    }
     // Sources the policy leaves alone return before any destination is looked at; the set
     // holds the exceptions as `nomatch`, so that their longest prefix decides as the programs'
     // trie does. Without source entries the chain is upstream's, byte for byte.
@@ -160,12 +172,15 @@ pub fn render(
                     let statistic = probability
                         .map(|p| format!(" -m statistic --mode random --probability {p}"))
                         .unwrap_or_default();
+                    // Upstream's MASQUERADE rules name the protocol after the target, which
+                    // MASQUERADE allows; SNAT reads its ports as it parses `--to-source`, and
+                    // refuses them unless `-p` came first.
                     rules.push(match to_source {
                         None => format!(
                             "-A {chain} {comment}{dst} -j MASQUERADE{random_fully} -p {proto}{statistic} --to-ports {range}"
                         ),
                         Some(addr) => format!(
-                            "-A {chain} {comment}{dst} {} -p {proto}{statistic}",
+                            "-A {chain} {comment}{dst} -p {proto}{statistic} {}",
                             snat(addr, Some(&range.to_string()))
                         ),
                     });

@@ -232,13 +232,22 @@ fn chain_name_follows_the_flag() {
 
 /// The MASQUERADE lines that `--to-ports` adds, in order, without the chain prefix.
 fn port_rules(to_ports: &str, random_fully: bool) -> Vec<String> {
+    port_rules_to(to_ports, random_fully, None)
+}
+
+/// The masquerade lines with `--to-ports`, to `to_source` where a chosen address is in force.
+fn port_rules_to(
+    to_ports: &str,
+    random_fully: bool,
+    to_source: Option<std::net::IpAddr>,
+) -> Vec<String> {
     let text = render(
         IpFamily::Ipv4,
         &policy(&[], true, true),
         &opts(random_fully, Some(to_ports)),
         MODERN,
         &ChainVariant::Full,
-        None,
+        to_source,
     )
     .unwrap();
     let prefix = format!("-A IP-MASQ-AGENT {MASQ} ");
@@ -617,6 +626,7 @@ fn verdict(text: &str, dst: &str, protocol: u8, device: &str, set_holds: bool) -
         dst: dst.parse().unwrap(),
         protocol,
         device,
+        src_on_device: false,
     };
     evaluate(text, &packet, |set, addr| {
         assert_eq!(set, "IP-MASQ-AGENT-v4");
@@ -624,6 +634,17 @@ fn verdict(text: &str, dst: &str, protocol: u8, device: &str, set_holds: bool) -
         Ok(set_holds)
     })
     .unwrap()
+}
+
+/// A TCP packet to the outside host leaving by eth0, from `src` (`None`: not known).
+fn tcp_to_outside(src: Option<&str>) -> Packet<'static> {
+    Packet {
+        src: src.map(|s| s.parse().unwrap()),
+        dst: "203.0.113.9".parse().unwrap(),
+        protocol: 6,
+        device: "eth0",
+        src_on_device: false,
+    }
 }
 
 #[test]
@@ -665,12 +686,7 @@ fn the_chain_is_asked_rule_by_rule_as_the_kernel_would() {
 
 #[test]
 fn a_rule_the_reading_cannot_follow_is_an_error_not_a_guess() {
-    let packet = Packet {
-        src: None,
-        dst: "203.0.113.9".parse().unwrap(),
-        protocol: 6,
-        device: "eth0",
-    };
+    let packet = tcp_to_outside(None);
     for rule in [
         "-A IP-MASQ-AGENT ! -d 10.0.0.0/8 -j MASQUERADE",
         "-A IP-MASQ-AGENT -s 10.244.0.0/16 -j RETURN",
@@ -729,12 +745,7 @@ fn the_source_set_gives_the_longest_prefix_its_say() {
 fn the_chain_asks_the_source_set_about_the_source() {
     let text = full(IpFamily::Ipv4, &pods_only(), true);
     let ask = |src: Option<&str>, in_source_set: bool| {
-        let packet = Packet {
-            src: src.map(|s| s.parse().unwrap()),
-            dst: "203.0.113.9".parse().unwrap(),
-            protocol: 6,
-            device: "eth0",
-        };
+        let packet = tcp_to_outside(src);
         evaluate(&text, &packet, |set, addr| {
             assert_eq!(set, "IP-MASQ-AGENT-s4");
             assert_eq!(Some(addr), packet.src);
@@ -805,18 +816,23 @@ fn a_chosen_address_held_by_the_node_is_snat_to_it_keeping_random_fully_and_port
         "{plain}"
     );
     assert!(!plain.contains("MASQUERADE --"), "{plain}");
-    let ported = text(Some("40000-40999"));
-    assert!(
-        ported.contains("-j SNAT --to-source 198.51.100.7:40000-40999 --random-fully -p tcp"),
-        "{ported}"
+    // SNAT takes its ports only from a rule whose protocol comes before the target.
+    let statistic = "-m statistic --mode random --probability 0.469292562840114";
+    let to = "-j SNAT --to-source 198.51.100.7";
+    assert_eq!(
+        port_rules_to("1024-29999,32768-65535", true, Some(chosen)),
+        [
+            format!("-p tcp {statistic} {to}:1024-29999 --random-fully"),
+            format!("-p tcp {to}:32768-65535 --random-fully"),
+            format!("-p udp {statistic} {to}:1024-29999 --random-fully"),
+            format!("-p udp {to}:32768-65535 --random-fully"),
+            format!("-p sctp {statistic} {to}:1024-29999 --random-fully"),
+            format!("-p sctp {to}:32768-65535 --random-fully"),
+            format!("{to} --random-fully"),
+        ]
     );
     // What the chain does with it, and what is read back of it.
-    let packet = Packet {
-        src: None,
-        dst: "203.0.113.9".parse().unwrap(),
-        protocol: 6,
-        device: "eth0",
-    };
+    let packet = tcp_to_outside(None);
     let listed = plain.replace("*nat\n", "").replace("COMMIT\n", "");
     assert_eq!(
         evaluate(&listed, &packet, |_, _| Ok(false)).unwrap(),
@@ -827,4 +843,101 @@ fn a_chosen_address_held_by_the_node_is_snat_to_it_keeping_random_fully_and_port
     })
     .unwrap();
     assert_eq!(status.masquerade_rules, 1);
+}
+
+/// `iptables -S` of a chain that SNATs to a chosen address with `--to-ports` of two ranges (TCP
+/// alone shown), as iptables lists it: the protocol first, the options of SNAT last.
+const LISTED_SNAT: &str = r#"-N IP-MASQ-AGENT
+-A IP-MASQ-AGENT -d 10.0.0.0/8 -m comment --comment "ip-masq-agent: local traffic is not subject to MASQUERADE" -j RETURN
+-A IP-MASQ-AGENT -p tcp -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -m statistic --mode random --probability 0.46929256284 -j SNAT --to-source 198.51.100.7:1024-29999 --random-fully
+-A IP-MASQ-AGENT -p tcp -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j SNAT --to-source 198.51.100.7:32768-65535 --random-fully
+-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: outbound traffic is subject to MASQUERADE (must be last in chain)" -j SNAT --to-source 198.51.100.7 --random-fully
+"#;
+
+#[test]
+fn a_chain_snat_to_a_chosen_address_with_ports_is_read_back_and_followed() {
+    let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(LISTED_SNAT), |_| {
+        Ok(Vec::new())
+    })
+    .unwrap();
+    assert_eq!(status.masquerade_rules, 3);
+    assert_eq!(status.snat_to.as_deref(), Some("198.51.100.7"));
+    assert_eq!(status.non_masquerade, nets(&["10.0.0.0/8"]));
+    assert!(status.ebpf_protocols_returned.is_empty(), "{status:?}");
+    use ChainVerdict::*;
+    for protocol in [6, 17, 47] {
+        assert_eq!(
+            verdict(LISTED_SNAT, "203.0.113.9", protocol, "eth0", false),
+            Masquerades
+        );
+    }
+    assert_eq!(
+        verdict(LISTED_SNAT, "10.1.2.3", 6, "eth0", false),
+        KeepsAddress
+    );
+}
+
+/// What the chain beside the programs and the full chain hold before any masquerade rule, with
+/// a chosen address: the node's own traffic from the device's address returns.
+#[test]
+fn with_a_chosen_address_the_nodes_traffic_from_the_devices_address_returns_first() {
+    let p = with_exceptions(&["10.0.0.0/8"], &["10.100.10.0/24"]);
+    let node_rule = r#"-A IP-MASQ-AGENT -m comment --comment "ip-masq-agent: node traffic from an address of the outgoing device is not subject to SNAT" -m addrtype --src-type LOCAL --limit-iface-out -j RETURN"#;
+    for variant in [
+        ChainVariant::Full,
+        ChainVariant::beside_programs(vec!["eth0".into()]),
+    ] {
+        let text = |to_source| {
+            render(
+                IpFamily::Ipv4,
+                &p,
+                &opts(true, None),
+                MODERN,
+                &variant,
+                to_source,
+            )
+            .unwrap()
+        };
+        let snat = text(Some("198.51.100.7".parse().unwrap()));
+        let lines: Vec<&str> = snat.lines().collect();
+        let node = lines.iter().position(|l| *l == node_rule);
+        let first_masquerade = lines.iter().position(|l| l.contains("-j SNAT"));
+        assert!(
+            node.is_some() && node < first_masquerade,
+            "{variant:?}:\n{snat}"
+        );
+        assert!(!text(None).contains("addrtype"), "{variant:?}");
+    }
+}
+
+#[test]
+fn the_nodes_traffic_from_the_devices_address_is_left_alone_by_the_chain() {
+    // As `iptables -S` lists the full chain with a chosen address.
+    let listed = format!(
+        "-N IP-MASQ-AGENT\n\
+         -A IP-MASQ-AGENT -m comment --comment \"ip-masq-agent: node traffic from an address of the outgoing device is not subject to SNAT\" -m addrtype --src-type LOCAL --limit-iface-out -j RETURN\n\
+         -A IP-MASQ-AGENT -d 10.0.0.0/8 {RET} -j RETURN\n\
+         -A IP-MASQ-AGENT {MASQ} -j SNAT --to-source 198.51.100.7 --random-fully\n"
+    );
+    let ask = |src: &str, src_on_device| {
+        let packet = Packet {
+            src_on_device,
+            ..tcp_to_outside(Some(src))
+        };
+        evaluate(&listed, &packet, |_, _| Ok(false)).unwrap()
+    };
+    assert_eq!(ask("203.0.113.1", true), ChainVerdict::KeepsAddress);
+    assert_eq!(ask("10.244.1.2", false), ChainVerdict::Masquerades);
+    let status = ChainStatus::read(IpFamily::Ipv4, "IP-MASQ-AGENT", Some(&listed), |_| {
+        Ok(Vec::new())
+    })
+    .unwrap();
+    assert_eq!(
+        (status.non_masquerade, status.masquerade_rules),
+        (nets(&["10.0.0.0/8"]), 1)
+    );
+    // Any other use of addrtype is not the agent's, and not followed.
+    let other = listed.replace("--src-type LOCAL --limit-iface-out", "--dst-type LOCAL");
+    let packet = tcp_to_outside(None);
+    assert!(evaluate(&other, &packet, |_, _| Ok(false)).is_err());
 }
