@@ -125,6 +125,17 @@ pub struct EntryDecisions {
     pub decisions: Option<u64>,
 }
 
+/// An entry as `status` names it: a source entry says so, as the same prefix may be both.
+impl std::fmt::Display for EntryDecisions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.source {
+            write!(f, "source {}", self.prefix)
+        } else {
+            write!(f, "{}", self.prefix)
+        }
+    }
+}
+
 /// The decisions taken, by action; masquerade counts those no entry took.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct DecisionTotals {
@@ -305,7 +316,7 @@ impl std::fmt::Display for PolicyDecisions {
             .collect();
         for e in busiest {
             let n = e.decisions.unwrap_or(0);
-            writeln!(f, "  busiest: {} ({}): {n}", e.prefix, e.action)?;
+            writeln!(f, "  busiest: {e} ({}): {n}", e.action)?;
         }
         list(f, "never matched", self.never_matched())?;
         let uncounted = list(f, "uncounted", self.uncounted())?;
@@ -327,7 +338,7 @@ fn list<'a>(
     what: &str,
     entries: impl Iterator<Item = &'a EntryDecisions>,
 ) -> Result<usize, std::fmt::Error> {
-    let all: Vec<String> = entries.map(|e| e.prefix.to_string()).collect();
+    let all: Vec<String> = entries.map(ToString::to_string).collect();
     if all.is_empty() {
         return Ok(0);
     }
@@ -381,6 +392,28 @@ mod tests {
         slots.give_back(decision_slot::UNCOUNTED);
         slots.give_back(99);
         assert_eq!(slots.used, [4]);
+    }
+
+    #[test]
+    fn status_names_a_source_entry_as_one() {
+        let entry = |source, decisions| EntryDecisions {
+            prefix: "10.244.0.0/16".parse().unwrap(),
+            source,
+            action: "non-masquerade",
+            decisions: Some(decisions),
+        };
+        let decisions = PolicyDecisions {
+            slots: 8,
+            by_default: 0,
+            totals: DecisionTotals::default(),
+            entries: vec![entry(true, 3), entry(false, 0)],
+        };
+        let text = decisions.to_string();
+        assert!(
+            text.contains("  busiest: source 10.244.0.0/16 (non-masquerade): 3\n"),
+            "{text}"
+        );
+        assert!(text.contains("  never matched: 10.244.0.0/16\n"), "{text}");
     }
 
     #[test]
