@@ -26,6 +26,7 @@ macro_rules! common_cases {
             an_exception_inside_a_non_masquerade_range_is_masqueraded,
             an_allow_list_masquerades_only_its_exceptions,
             a_policy_change_moves_no_live_flow,
+            a_change_made_while_no_agent_runs_moves_no_live_flow,
         );
         cases!($plane:
             link_local_is_exempt_unless_masq_link_local,
@@ -275,6 +276,32 @@ fn a_policy_change_moves_no_live_flow(plane: Plane, family: IpFamily) {
         let port = 41000 + 2 * i as u16;
         assert_a_change_moves_no_live_flow(&bed, family, dst, (&left_alone, masquerading), port);
     }
+}
+
+/// A change the agent finds when it starts (the config edited while it was down, or a new
+/// version rolled out with a new ConfigMap) moves no live flow either: the programs kept
+/// deciding by the policy they were given, which the pinned tries still hold.
+fn a_change_made_while_no_agent_runs_moves_no_live_flow(plane: Plane, family: IpFamily) {
+    const PORT: u16 = 41200;
+    let (range, _) = family.outside_prefixes();
+    let dst = family.routable_client();
+    let (pod, node) = (family.pod(0), family.node());
+    let bed = Bed::new(plane, &family.config_with(&[range], &[]));
+    let mut agent = bed.start_agent(family.agent_args());
+    wait_for_udp_source(&bed, dst, pod);
+    assert_eq!(udp_source_from(&bed, dst, PORT), pod);
+    let ping = LivePing::start(&bed, family, dst.ip());
+    agent.stop(libc::SIGTERM).unwrap();
+    write_config(&bed.config, &family.config_with(&[], &[])).unwrap();
+    let _restarted = bed.start_agent(family.agent_args());
+    wait_for_udp_source(&bed, dst, node);
+    assert_eq!(
+        udp_source_from(&bed, dst, PORT),
+        pod,
+        "the live UDP flow keeps the pod's address"
+    );
+    ping.assert_leaves_with(pod, "the live ping");
+    assert_eq!(udp_source_from(&bed, dst, PORT + 1), node, "a new flow");
 }
 
 /// `masqLinkLocal` turned on moves no live flow to link-local, and turned off again none it

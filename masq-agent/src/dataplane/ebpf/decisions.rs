@@ -13,6 +13,7 @@ use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_acti
 use serde::Serialize;
 
 use super::{batch, pins::Pins, policy_word::PolicyWord, prefixes};
+use crate::policy::Policy;
 
 /// The per-CPU decision counters, a slot per policy entry.
 pub type DecisionCounters = PerCpuArray<MapData, u64>;
@@ -224,6 +225,30 @@ impl TrieEntries {
     fn all(&self) -> impl Iterator<Item = (&(IpNet, PolicyEntry), bool)> {
         let destinations = self.destinations.iter().map(|e| (e, false));
         destinations.chain(self.sources.iter().map(|e| (e, true)))
+    }
+
+    /// The policy the tries hold, as the programs decide by it: what an earlier agent left
+    /// them, for the first change this agent makes to compare with. IPv6 with no entry reads
+    /// as left alone; a flow that was masqueraded holds its NAT entries whatever this says.
+    pub fn as_policy(&self) -> Policy {
+        fn nets<N: TryFrom<IpNet>>(list: Vec<IpNet>) -> Vec<N> {
+            list.into_iter().filter_map(|n| N::try_from(n).ok()).collect()
+        }
+        let (non_masq, masq) = (prefix_action::NON_MASQUERADE, prefix_action::MASQUERADE);
+        let non_masq_v6: Vec<ipnet::Ipv6Net> = nets(self.with_action(false, true, non_masq));
+        Policy {
+            non_masq_v4: nets(self.with_action(false, false, non_masq)),
+            non_masq_v6: (!non_masq_v6.is_empty()).then_some(non_masq_v6),
+            masq_v4: nets(self.with_action(false, false, masq)),
+            masq_v6: nets(self.with_action(false, true, masq)),
+            ipv6_switched_off: false,
+            non_masq_src_v4: nets(self.with_action(true, false, non_masq)),
+            masq_src_v4: nets(self.with_action(true, false, masq)),
+            non_masq_src_v6: nets(self.with_action(true, true, non_masq)),
+            masq_src_v6: nets(self.with_action(true, true, masq)),
+            masquerade_address_v4: None,
+            masquerade_address_v6: None,
+        }
     }
 
     /// The prefixes of one family's list: the destinations' or the sources', with `action`.

@@ -254,14 +254,29 @@ impl DataPlane for EbpfDataPlane {
             self.maps.policy.lower_strays_cleared()?;
         }
         let for_the_programs = self.for_the_programs(policy);
-        if let Some(before) = self.applied.take() {
-            let programs_before = self.for_the_programs(&before);
-            if programs_before.may_masquerade_more(&for_the_programs) {
-                conntrack::keep_pod_flows(&mut self.maps.nat, &programs_before, &for_the_programs);
-            }
-            drop(programs_before);
-            self.applied = Some(before);
+        // What the programs decided by until now: this agent's last policy, or, at its first
+        // apply, the one an earlier agent left in the pinned tries (a change made while no
+        // agent ran moves no live flow either).
+        let applied = self.applied.take();
+        let left_in_the_tries = match applied {
+            Some(_) => None,
+            None => decisions::TrieEntries::read(&self.pins)
+                .ok()
+                .filter(|tries| !tries.destinations.is_empty())
+                .map(|tries| tries.as_policy()),
+        };
+        let programs_before = match (&applied, &left_in_the_tries) {
+            (Some(before), _) => Some(self.for_the_programs(before)),
+            (None, Some(left)) => Some(std::borrow::Cow::Borrowed(left)),
+            (None, None) => None,
+        };
+        if let Some(before) = &programs_before
+            && before.may_masquerade_more(&for_the_programs)
+        {
+            conntrack::keep_pod_flows(&mut self.maps.nat, before, &for_the_programs);
         }
+        drop(programs_before);
+        self.applied = applied;
         let changed = self
             .maps
             .policy
