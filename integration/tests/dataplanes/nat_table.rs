@@ -175,7 +175,7 @@ fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
     );
     let status = bed.status_json();
     assert!(status["ebpf"]["counters"]["dropped_nat_table_full"].as_u64() >= Some(1));
-    assert_eq!(status["ebpf"]["nat_pod_flows"], 2);
+    assert_eq!(status["ebpf"]["nat"]["ipv4"]["pod_flows"], 2);
     assert_eq!(
         probe::udp_probe(bed.pod(), outside(), 5001).unwrap(),
         first,
@@ -266,7 +266,9 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(
     family.assert_masqueraded(&bed);
     if plane == Plane::Ebpf {
         let status = bed.status_json();
-        let node_flows = status["ebpf"]["nat_node_flows"].as_u64().unwrap();
+        let node_flows = status["ebpf"]["nat"][family.label()]["node_flows"]
+            .as_u64()
+            .unwrap();
         assert!(
             node_flows < 10,
             "{node_flows} node flows held: {}",
@@ -413,7 +415,8 @@ fn a_table_filled_before_a_restart_still_makes_room(plane: Plane, family: IpFami
     if plane == Plane::Ebpf {
         let status = bed.status_json();
         assert_eq!(
-            status["ebpf"]["nat_entries"], 128,
+            status["ebpf"]["nat"][family.label()]["entries"],
+            128,
             "the test filled the table: {status:#}"
         );
     }

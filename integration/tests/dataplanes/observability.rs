@@ -5,7 +5,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use masq_agent::policy::IpFamily;
-use masq_testbed::{probe, write_config};
+use masq_testbed::{probe, wait_for, write_config};
 
 use crate::{
     Bed, CHAIN, DEFAULT_CONFIG, FamilyOnTheBed, METRICS_ADDR, Plane, assert_masqueraded,
@@ -118,7 +118,7 @@ fn once_applies_and_exits_and_status_reports(plane: Plane) {
             ebpf["non_masquerade_v4"],
             serde_json::json!(["10.0.0.0/8", "169.254.0.0/16"])
         );
-        assert_eq!(ebpf["nat_pod_flows"], 1, "the probe's flow");
+        assert_eq!(ebpf["nat"]["ipv4"]["pod_flows"], 1, "the probe's flow");
         assert!(ebpf["counters"]["masqueraded"].as_u64().unwrap() >= 2);
         assert!(ebpf["counters"]["reverse_translated"].as_u64().unwrap() >= 2);
         assert_eq!(
@@ -188,10 +188,24 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
             series("masq_agent_packets_dropped_total{reason=\"nat_table_full\"}"),
             Some(0.0)
         );
+        // Each family's table has its own series; IPv6 is off here, and has none.
         assert_eq!(
-            series("masq_agent_nat_capacity_entries"),
+            series("masq_agent_nat_capacity_entries{family=\"ipv4\"}"),
             Some(2.0 * 262_144.0)
         );
+        assert_eq!(
+            series("masq_agent_nat_capacity_entries{family=\"ipv6\"}"),
+            None
+        );
+        let swept = |metrics: &str, family: &str| {
+            metric(
+                metrics,
+                &format!("masq_agent_nat_entries{{family=\"{family}\"}}"),
+            )
+        };
+        wait_for(|| Ok(swept(&http_get(&bed, "/metrics").1, "ipv4").is_some()))
+            .expect("the first sweep gives IPv4's table a series");
+        assert_eq!(swept(&http_get(&bed, "/metrics").1, "ipv6"), None);
         // Counters that cannot be read raise the error metric and a warning, rather than
         // leaving the alerts on them without data.
         let pin = bed.topo.bpffs.join("counters");
