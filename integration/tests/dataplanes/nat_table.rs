@@ -17,7 +17,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, KUBE_PROXY_MASQUERADE, Plane, host_prefix,
-    kube_proxy, node_ip, outside, pod_ip,
+    kube_proxy, node_ip, outside, pod_ip, unanswered_queries,
 };
 
 /// What pods see must not depend on the data plane.
@@ -366,36 +366,6 @@ fn assert_made_room(bed: &Bed, dropped: &str) {
         assert!(counters[dropped].as_u64().unwrap() > 0, "{counters:#}");
         assert_eq!(counters["dropped_nat_table_full"], 0, "{counters:#}");
     }
-}
-
-/// `count` queries from the pod, each from a fresh port, to `port` of the outside host, where a
-/// server reads nothing and, its socket bound, sends no port unreachable either: flows never
-/// answered. They are sent by `QUERYING_THREADS` at once, so that CPUs meet in a full table as
-/// a busy pod's do. The server, to keep while it should stay silent.
-fn unanswered_queries(bed: &Bed, family: IpFamily, port: u16, count: usize) -> UdpSocket {
-    const QUERYING_THREADS: usize = 4;
-    let silent = SocketAddr::from((family.outside().ip(), port));
-    let server =
-        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
-    let any = family.any();
-    let queriers: Vec<_> = (0..QUERYING_THREADS)
-        .map(|thread| {
-            let share = count / QUERYING_THREADS + usize::from(thread < count % QUERYING_THREADS);
-            let pod = bed.pod().to_string();
-            std::thread::spawn(move || {
-                masq_testbed::netns::within(&pod, move || {
-                    for _ in 0..share {
-                        UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
-                    }
-                    Ok(())
-                })
-            })
-        })
-        .collect();
-    for querier in queriers {
-        querier.join().unwrap().unwrap();
-    }
-    server
 }
 
 /// An agent restarted over a NAT table that pods filled with flows never answered: its programs
