@@ -18,11 +18,23 @@ pub const LINK_LOCAL_V6: Ipv6Net =
         Err(_) => panic!("valid prefix"),
     };
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum IpFamily {
     Ipv4,
     Ipv6,
+}
+
+impl IpFamily {
+    /// The family as `status` and the metrics' `family` label spell it, as serde does.
+    pub fn label(self) -> &'static str {
+        match self {
+            IpFamily::Ipv4 => "ipv4",
+            IpFamily::Ipv6 => "ipv6",
+        }
+    }
 }
 
 /// The address families the agent masquerades: IPv4 always, and IPv6 once enabled (by
@@ -337,6 +349,13 @@ mod tests {
                 nomasq_all_reserved_ranges: false,
                 enable_ipv6: true,
             })
+        }
+    }
+
+    #[test]
+    fn a_familys_label_is_how_json_spells_it() {
+        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+            assert_eq!(serde_json::to_value(family).unwrap(), family.label());
         }
     }
 

@@ -12,7 +12,7 @@ use masq_agent::{
 };
 use masq_testbed::deploy::{
     agent_args, agent_container, component_kustomization, component_names, component_resources,
-    dashboard, dashboard_queries, example_config, find, manifest, read, series, strings,
+    dashboard, dashboard_queries, example_config, find, groupings, manifest, read, series, strings,
 };
 use serde_yaml::Value;
 
@@ -366,6 +366,35 @@ const METRICS: [&str; 20] = [
     "masq_agent_build_info",
 ];
 
+/// The series of how full the NAT tables are. Each family's table fills on its own, and a pod's
+/// new flow is refused when its own family's is full: summed over the families, a full IPv4
+/// table beside an empty IPv6 one would read half full.
+const NAT_FULLNESS: [&str; 2] = ["masq_agent_nat_entries", "masq_agent_nat_capacity_entries"];
+
+/// A query on how full the NAT tables are keeps each family's series apart.
+fn assert_keeps_the_families_apart(query: &str) {
+    if series(query).any(|(name, _)| NAT_FULLNESS.contains(&name)) {
+        let groupings = groupings(query);
+        assert!(
+            !groupings.is_empty() && groupings.iter().all(|by| by.contains(&"family")),
+            "split by family: {query}"
+        );
+    }
+}
+
+#[test]
+fn the_dashboard_reads_each_familys_nat_table_on_its_own() {
+    let queries = dashboard_queries();
+    let reads_fullness = |q: &String| series(q).any(|(name, _)| NAT_FULLNESS.contains(&name));
+    assert!(
+        queries.iter().any(reads_fullness),
+        "a panel shows how full the NAT tables are"
+    );
+    for query in &queries {
+        assert_keeps_the_families_apart(query);
+    }
+}
+
 #[test]
 fn the_dashboard_shows_every_metric_and_no_other() {
     let queries = dashboard_queries();
@@ -642,7 +671,12 @@ fn the_alerts_watch_what_the_agent_exports_by_node() {
             for name in named {
                 assert!(exported.contains(name), "{name} is not exported: {expr}");
             }
-            assert!(expr.contains("by (node)"), "split by node: {expr}");
+            let groupings = groupings(expr);
+            assert!(
+                !groupings.is_empty() && groupings.iter().all(|by| by.contains(&"node")),
+                "split by node: {expr}"
+            );
+            assert_keeps_the_families_apart(expr);
             for annotation in ["summary", "description"] {
                 assert!(alert["annotations"][annotation].is_string(), "{alert:?}");
             }

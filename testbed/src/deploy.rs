@@ -120,6 +120,19 @@ pub fn series(query: &str) -> impl Iterator<Item = (&str, &str)> {
     })
 }
 
+/// The labels of each `by (...)` clause of a query, in order: `max by (node, family) (x)` ->
+/// [[node, family]].
+pub fn groupings(query: &str) -> Vec<Vec<&str>> {
+    query
+        .match_indices("by (")
+        .map(|(at, clause)| {
+            let rest = &query[at + clause.len()..];
+            let labels = &rest[..rest.find(')').expect("a closed `by (...)`")];
+            labels.split(',').map(str::trim).collect()
+        })
+        .collect()
+}
+
 /// Every object in a YAML file of one or more documents.
 pub fn objects(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

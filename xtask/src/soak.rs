@@ -144,8 +144,8 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         println!(
             "| {:.1} | {mib:.1} | {} | {} | {drops} |",
             started.elapsed().as_secs_f64() / 60.0,
-            ebpf["nat_pod_flows"],
-            ebpf["nat_entries"],
+            ebpf["nat"]["ipv4"]["pod_flows"],
+            ebpf["nat"]["ipv4"]["entries"],
         );
     }
     let tally = Tally::default();

@@ -270,7 +270,7 @@ fn replaces_an_incompatible_pinned_map(plane: Plane) {
     assert_eq!(replaced, 3, "{}", agent.log_text());
     assert_masqueraded(&bed);
     let status = bed.status_json();
-    assert_eq!(status["ebpf"]["nat_capacity"], 2 * 262_144);
+    assert_eq!(status["ebpf"]["nat"]["ipv4"]["capacity"], 2 * 262_144);
     assert_eq!(status["ebpf"]["decisions"]["slots"], 1024, "{status:#}");
     assert!(decisions_of(&status, "10.0.0.0/8").is_some(), "{status:#}");
     assert!(status["ebpf"]["decisions"]["totals"]["masquerade"].as_u64() >= Some(1));

@@ -54,7 +54,7 @@ mod sources;
 mod uplinks;
 
 use std::{
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     path::PathBuf,
     process::Output,
     time::Duration,
@@ -621,6 +621,36 @@ fn kube_proxy(bed: &Bed, family: IpFamily, rules: &[&str]) {
 /// address, with ports from the whole range, NAT's among them.
 const KUBE_PROXY_MASQUERADE: &str =
     "-I POSTROUTING 1 -m mark --mark 0x4000/0x4000 -j MASQUERADE --random-fully";
+
+/// `count` queries from the pod, each from a fresh port, to `port` of the outside host, where a
+/// server reads nothing and, its socket bound, sends no port unreachable either: flows never
+/// answered. They are sent by `QUERYING_THREADS` at once, so that CPUs meet in a full table as
+/// a busy pod's do. The server, to keep while it should stay silent.
+fn unanswered_queries(bed: &Bed, family: IpFamily, port: u16, count: usize) -> UdpSocket {
+    const QUERYING_THREADS: usize = 4;
+    let silent = SocketAddr::from((family.outside().ip(), port));
+    let server =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
+    let any = family.any();
+    let queriers: Vec<_> = (0..QUERYING_THREADS)
+        .map(|thread| {
+            let share = count / QUERYING_THREADS + usize::from(thread < count % QUERYING_THREADS);
+            let pod = bed.pod().to_string();
+            std::thread::spawn(move || {
+                masq_testbed::netns::within(&pod, move || {
+                    for _ in 0..share {
+                        UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
+                    }
+                    Ok(())
+                })
+            })
+        })
+        .collect();
+    for querier in queriers {
+        querier.join().unwrap().unwrap();
+    }
+    server
+}
 
 const METRICS_ADDR: &str = "127.0.0.1:9830";
 

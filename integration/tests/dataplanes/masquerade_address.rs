@@ -484,7 +484,12 @@ fn the_chosen_address_through_an_upgrade_a_resize_and_a_rollback(plane: Plane, f
     let translated = UdpFlows::open(&pods[0], server, 1000, "programs").unwrap();
     assert_eq!(translated.exchange(3).unwrap().lost, 0);
 
-    let capacity = || bed.status_json()["ebpf"]["nat_capacity"].as_u64().unwrap();
+    let capacity = || {
+        let status = bed.status_json();
+        status["ebpf"]["nat"][family.label()]["capacity"]
+            .as_u64()
+            .unwrap()
+    };
     let before = capacity();
     agent.stop(libc::SIGTERM).unwrap();
     let mut agent = bed.start_agent(&with_capacity("--nat-capacity=8192"));

@@ -17,7 +17,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, KUBE_PROXY_MASQUERADE, Plane, host_prefix,
-    kube_proxy, node_ip, outside, pod_ip,
+    kube_proxy, node_ip, outside, pod_ip, unanswered_queries,
 };
 
 /// What pods see must not depend on the data plane.
@@ -176,7 +176,7 @@ fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
     );
     let status = bed.status_json();
     assert!(status["ebpf"]["counters"]["dropped_nat_table_full"].as_u64() >= Some(1));
-    assert_eq!(status["ebpf"]["nat_pod_flows"], 2);
+    assert_eq!(status["ebpf"]["nat"]["ipv4"]["pod_flows"], 2);
     assert_eq!(
         probe::udp_probe(bed.pod(), outside(), 5001).unwrap(),
         first,
@@ -267,7 +267,9 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(
     family.assert_masqueraded(&bed);
     if plane == Plane::Ebpf {
         let status = bed.status_json();
-        let node_flows = status["ebpf"]["nat_node_flows"].as_u64().unwrap();
+        let node_flows = status["ebpf"]["nat"][family.label()]["node_flows"]
+            .as_u64()
+            .unwrap();
         assert!(
             node_flows < 10,
             "{node_flows} node flows held: {}",
@@ -367,36 +369,6 @@ fn assert_made_room(bed: &Bed, dropped: &str) {
     }
 }
 
-/// `count` queries from the pod, each from a fresh port, to `port` of the outside host, where a
-/// server reads nothing and, its socket bound, sends no port unreachable either: flows never
-/// answered. They are sent by `QUERYING_THREADS` at once, so that CPUs meet in a full table as
-/// a busy pod's do. The server, to keep while it should stay silent.
-fn unanswered_queries(bed: &Bed, family: IpFamily, port: u16, count: usize) -> UdpSocket {
-    const QUERYING_THREADS: usize = 4;
-    let silent = SocketAddr::from((family.outside().ip(), port));
-    let server =
-        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
-    let any = family.any();
-    let queriers: Vec<_> = (0..QUERYING_THREADS)
-        .map(|thread| {
-            let share = count / QUERYING_THREADS + usize::from(thread < count % QUERYING_THREADS);
-            let pod = bed.pod().to_string();
-            std::thread::spawn(move || {
-                masq_testbed::netns::within(&pod, move || {
-                    for _ in 0..share {
-                        UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
-                    }
-                    Ok(())
-                })
-            })
-        })
-        .collect();
-    for querier in queriers {
-        querier.join().unwrap().unwrap();
-    }
-    server
-}
-
 /// An agent restarted over a NAT table that pods filled with flows never answered: its programs
 /// find those flows to drop (the agent hands them the table's flows when it loads them), and
 /// pods keep connecting.
@@ -414,7 +386,8 @@ fn a_table_filled_before_a_restart_still_makes_room(plane: Plane, family: IpFami
     if plane == Plane::Ebpf {
         let status = bed.status_json();
         assert_eq!(
-            status["ebpf"]["nat_entries"], 128,
+            status["ebpf"]["nat"][family.label()]["entries"],
+            128,
             "the test filled the table: {status:#}"
         );
     }

@@ -4,12 +4,12 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use masq_agent::policy::IpFamily;
-use masq_testbed::{probe, write_config};
+use masq_agent::{dataplane::ebpf::expiry::SWEEP_INTERVAL, policy::IpFamily};
+use masq_testbed::{probe, wait_for, wait_for_long, write_config};
 
 use crate::{
     Bed, CHAIN, DEFAULT_CONFIG, FamilyOnTheBed, METRICS_ADDR, Plane, assert_masqueraded,
-    assert_success, decisions_of, http_get,
+    assert_success, decisions_of, http_get, unanswered_queries,
 };
 
 /// What pods see must not depend on the data plane.
@@ -29,6 +29,7 @@ mod ebpf {
     family_cases!(Ebpf:
         flows_says_which_port_a_pod_got_and_why_it_is_held,
         the_entries_that_decide_traffic_are_counted,
+        a_full_nat_table_reads_full_beside_the_other_familys_empty_one,
     );
 }
 
@@ -118,7 +119,7 @@ fn once_applies_and_exits_and_status_reports(plane: Plane) {
             ebpf["non_masquerade_v4"],
             serde_json::json!(["10.0.0.0/8", "169.254.0.0/16"])
         );
-        assert_eq!(ebpf["nat_pod_flows"], 1, "the probe's flow");
+        assert_eq!(ebpf["nat"]["ipv4"]["pod_flows"], 1, "the probe's flow");
         assert!(ebpf["counters"]["masqueraded"].as_u64().unwrap() >= 2);
         assert!(ebpf["counters"]["reverse_translated"].as_u64().unwrap() >= 2);
         assert_eq!(
@@ -188,10 +189,24 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
             series("masq_agent_packets_dropped_total{reason=\"nat_table_full\"}"),
             Some(0.0)
         );
+        // Each family's table has its own series; IPv6 is off here, and has none.
         assert_eq!(
-            series("masq_agent_nat_capacity_entries"),
+            series("masq_agent_nat_capacity_entries{family=\"ipv4\"}"),
             Some(2.0 * 262_144.0)
         );
+        assert_eq!(
+            series("masq_agent_nat_capacity_entries{family=\"ipv6\"}"),
+            None
+        );
+        let swept = |metrics: &str, family: &str| {
+            metric(
+                metrics,
+                &format!("masq_agent_nat_entries{{family=\"{family}\"}}"),
+            )
+        };
+        wait_for(|| Ok(swept(&http_get(&bed, "/metrics").1, "ipv4").is_some()))
+            .expect("the first sweep gives IPv4's table a series");
+        assert_eq!(swept(&http_get(&bed, "/metrics").1, "ipv6"), None);
         // Counters that cannot be read raise the error metric and a warning, rather than
         // leaving the alerts on them without data.
         let pin = bed.topo.bpffs.join("counters");
@@ -467,4 +482,55 @@ fn the_entries_that_decide_traffic_are_counted(plane: Plane, family: IpFamily) {
         "a restart keeps the counts: {after:#}"
     );
     assert!(decisions_of(&after, range) >= Some(range_now));
+}
+
+/// Pods fill one family's NAT table on a dual-stack node while the other's stays empty:
+/// `status` and the metrics read the full one as full, as that family's pods find it, and the
+/// other as empty; never half full over both.
+fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, family: IpFamily) {
+    // IPv6's config holds both families' pods.
+    let bed = Bed::new(plane, IpFamily::Ipv6.config());
+    let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
+    // 64 flows: 128 entries in each family's table.
+    let _agent = bed.start_agent(&["--enable-ipv6", "--nat-capacity=64", &metrics_addr]);
+    family.assert_masqueraded(&bed);
+    let _silent = unanswered_queries(&bed, family, 9709, 100);
+    let other = family.pick(IpFamily::Ipv6, IpFamily::Ipv4);
+    // Each table: its entries and how full it reads.
+    let tables = [(family, 128, 100), (other, 0, 0)];
+
+    let status = bed.status_json();
+    let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
+    let text = String::from_utf8(bed.agent_cmd(&["status", &bpffs]).stdout).unwrap();
+    for (table, entries, percent) in tables {
+        let nat = &status["ebpf"]["nat"][table.label()];
+        let read = ["entries", "capacity", "percent_full"].map(|field| nat[field].as_u64());
+        let expected = [entries, 128, percent].map(Some);
+        assert_eq!(read, expected, "{status:#}");
+        let line = format!(
+            "  NAT table {}: {entries} of 128 entries ({percent}% full)",
+            table.label()
+        );
+        assert!(
+            text.lines().any(|l| l.starts_with(&line)),
+            "{line:?} in:\n{text}"
+        );
+    }
+
+    // The entries are counted at each sweep; the capacities at each scrape.
+    let series = |metrics: &str, name: &str, table: IpFamily| {
+        let label = table.label();
+        metric(metrics, &format!("{name}{{family=\"{label}\"}}"))
+    };
+    let mut metrics = String::new();
+    wait_for_long(2 * SWEEP_INTERVAL, || {
+        metrics = http_get(&bed, "/metrics").1;
+        Ok(series(&metrics, "masq_agent_nat_entries", family) == Some(128.0))
+    })
+    .unwrap_or_else(|e| panic!("{e}: a sweep counts the full table:\n{metrics}"));
+    for (table, entries, _) in tables {
+        let read = ["masq_agent_nat_entries", "masq_agent_nat_capacity_entries"]
+            .map(|name| series(&metrics, name, table));
+        assert_eq!(read, [Some(entries as f64), Some(128.0)], "{metrics}");
+    }
 }

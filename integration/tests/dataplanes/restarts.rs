@@ -326,7 +326,10 @@ fn a_new_nat_capacity_keeps_open_connections(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let mut agent = bed.start_agent(&["--nat-capacity=4096"]);
     let conversation = Conversation::open(&bed, IpFamily::Ipv4, 9730);
-    let capacity = || bed.status_json()["ebpf"]["nat_capacity"].as_u64().unwrap();
+    let capacity = || {
+        let status = bed.status_json();
+        status["ebpf"]["nat"]["ipv4"]["capacity"].as_u64().unwrap()
+    };
     let before = capacity();
     agent.stop(libc::SIGTERM).unwrap();
     let _agent = bed.start_agent(&["--nat-capacity=8192"]);

@@ -167,9 +167,9 @@ impl Agent {
     /// Periodic upkeep of the data plane (re-attachment, NAT expiry).
     pub fn maintain(&mut self) {
         match self.dataplane.maintain() {
-            Ok(usage) => {
-                if let Some(usage) = usage {
-                    self.telemetry.nat_swept(usage);
+            Ok(sweep) => {
+                if let Some(sweep) = sweep {
+                    self.telemetry.nat_swept(&sweep);
                 }
                 self.record_check(Check::Upkeep, None);
             }
@@ -190,9 +190,9 @@ impl Agent {
             return;
         };
         match leftovers.maintain() {
-            Ok(Drain::Draining(usage)) => {
-                if let Some(usage) = usage {
-                    self.telemetry.nat_swept(usage);
+            Ok(Drain::Draining(sweep)) => {
+                if let Some(sweep) = sweep {
+                    self.telemetry.nat_swept(&sweep);
                 }
             }
             Ok(Drain::Done) => self.leftovers = None,

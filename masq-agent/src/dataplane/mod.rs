@@ -8,9 +8,14 @@ pub mod ebpf;
 pub mod iptables;
 pub mod state;
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
-use crate::{netdev, policy::Policy};
+use crate::{
+    netdev,
+    policy::{IpFamily, Policy},
+};
 
 /// Which mechanism enforces the policy. Its one spelling, `label`, is what the status text,
 /// the JSON, the state file and the metrics all say.
@@ -126,8 +131,8 @@ pub trait DataPlane {
     fn verify_next_apply(&mut self) {}
 
     /// Periodic upkeep between applies: puts back programs someone detached, and expires
-    /// idle NAT entries. Returns what the NAT table holds, for data planes that have one.
-    fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
+    /// idle NAT entries. Returns what the NAT tables hold, for data planes that have them.
+    fn maintain(&mut self) -> anyhow::Result<Option<NatSweep>> {
         Ok(None)
     }
 
@@ -142,7 +147,7 @@ pub trait DataPlane {
     fn cleanup(&mut self) -> anyhow::Result<()>;
 }
 
-/// What one NAT upkeep run found in the table and removed from it.
+/// What one NAT upkeep run found in one family's table and removed from it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NatUsage {
     pub entries: usize,
@@ -161,20 +166,32 @@ pub struct NatUsage {
     pub orphans_removed: usize,
 }
 
-/// Both families' tables together.
-impl std::ops::Add for NatUsage {
-    type Output = NatUsage;
+/// What one NAT upkeep run found, table by table: the tables of the families in use (a family
+/// that is off has none). Each family has a table of its own, and a pod's new flow is refused
+/// when its own family's is full, so their entries are never added up: a full IPv4 table
+/// beside an empty IPv6 one would read half full.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatSweep {
+    pub tables: BTreeMap<IpFamily, NatUsage>,
+}
 
-    fn add(self, other: NatUsage) -> NatUsage {
-        NatUsage {
-            entries: self.entries + other.entries,
-            pod_flows: self.pod_flows + other.pod_flows,
-            kept_flows: self.kept_flows + other.kept_flows,
-            node_flows: self.node_flows + other.node_flows,
-            translated_flows: self.translated_flows + other.translated_flows,
-            expired_flows: self.expired_flows + other.expired_flows,
-            orphans_removed: self.orphans_removed + other.orphans_removed,
-        }
+impl NatSweep {
+    /// The sweep of both families' tables, `v4` and `v6`, of which those `in_use` are kept.
+    pub fn of_tables_in_use(
+        v4: NatUsage,
+        v6: NatUsage,
+        in_use: impl Fn(IpFamily) -> bool,
+    ) -> NatSweep {
+        let tables = [(IpFamily::Ipv4, v4), (IpFamily::Ipv6, v6)]
+            .into_iter()
+            .filter(|(family, _)| in_use(*family))
+            .collect();
+        NatSweep { tables }
+    }
+
+    /// Idle flows removed from all the tables: removals, which add up, unlike entries.
+    pub fn expired_flows(&self) -> usize {
+        self.tables.values().map(|usage| usage.expired_flows).sum()
     }
 }
 
@@ -263,7 +280,7 @@ pub fn inspect(chain: &str, bpffs: &std::path::Path) -> anyhow::Result<Status> {
         .ebpf
         .as_ref()
         .filter(|_| status.mode != Some(Mode::Ebpf))
-        .map(|ebpf| ebpf.nat_translated_flows);
+        .map(|ebpf| ebpf.translated_flows());
     Ok(status)
 }
 
@@ -287,7 +304,7 @@ pub struct Cleaned {
     pub chain: String,
     pub ebpf: ebpf::cleanup::Removed,
     /// The families whose chain (or a jump to it) was there.
-    pub chains: Vec<crate::policy::IpFamily>,
+    pub chains: Vec<IpFamily>,
 }
 
 /// Removes everything either data plane installed, and says what it found.
@@ -321,8 +338,8 @@ impl std::fmt::Display for Cleaned {
         }
         for family in &self.chains {
             let tool = match family {
-                crate::policy::IpFamily::Ipv4 => "iptables",
-                crate::policy::IpFamily::Ipv6 => "ip6tables",
+                IpFamily::Ipv4 => "iptables",
+                IpFamily::Ipv6 => "ip6tables",
             };
             removed.push(format!(
                 "{tool} chain {} with its POSTROUTING jump",

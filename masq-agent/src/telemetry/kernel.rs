@@ -1,9 +1,10 @@
 //! The eBPF data plane's own counters, read from the pinned maps at each scrape: the packet
-//! counters, the NAT table's capacity, and the policy's decisions per action. A read that fails,
+//! counters, the NAT tables' capacities, and the policy's decisions per action. A read that fails,
 //! or finds nothing pinned while the eBPF data plane is in force, is counted and logged: an
 //! alert on these series must fire, not go quiet.
 
 use std::{
+    collections::BTreeMap,
     path::PathBuf,
     sync::{
         Arc, Mutex,
@@ -18,9 +19,9 @@ use prometheus_client::{
     metrics::{counter::ConstCounter, gauge::ConstGauge},
 };
 
-use crate::dataplane::ebpf;
+use crate::{dataplane::ebpf, policy::IpFamily};
 
-/// The eBPF programs' per-CPU packet counters, summed, the NAT table's capacity and the
+/// The eBPF programs' per-CPU packet counters, summed, the NAT tables' capacities and the
 /// decisions per action, read from the pinned maps at each scrape. Absent while another data
 /// plane is in force.
 #[derive(Debug)]
@@ -103,7 +104,7 @@ impl Collector for KernelCounters {
     }
 }
 
-/// The packet counters, and the NAT table's capacity.
+/// The packet counters, and the NAT tables' capacities.
 fn encode_packets(
     counters: &ebpf::status::KernelCounters,
     encoder: &mut DescriptorEncoder,
@@ -141,13 +142,27 @@ fn encode_packets(
             }
         }
     }
-    let capacity = ConstGauge::new(i64::from(counters.nat_capacity));
-    capacity.encode(encoder.encode_descriptor(
+    encode_nat_capacities(&counters.nat_capacities, encoder)
+}
+
+/// The capacity of each family's NAT table in use, a series each: a pod's new flow is refused
+/// when its own family's table is full. A family that is off has no series.
+fn encode_nat_capacities(
+    capacities: &BTreeMap<IpFamily, u32>,
+    encoder: &mut DescriptorEncoder,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstGauge::new(0i64);
+    let mut family = encoder.encode_descriptor(
         "nat_capacity_entries",
-        "Entries the NAT table holds (two per flow)",
+        "Entries each address family's NAT table holds (two per flow)",
         None,
-        capacity.metric_type(),
-    )?)
+        metric.metric_type(),
+    )?;
+    for (ip_family, capacity) in capacities {
+        let label = [("family", ip_family.label())];
+        ConstGauge::new(i64::from(*capacity)).encode(family.encode_family(&label)?)?;
+    }
+    Ok(())
 }
 
 /// The policy's decisions per action: per prefix, 100 000 prefixes would be as many series;
@@ -175,7 +190,41 @@ fn encode_decisions(
 
 #[cfg(test)]
 mod tests {
+    use prometheus_client::registry::Registry;
+
     use super::*;
+
+    /// The capacities as a scrape shows them.
+    #[derive(Debug)]
+    struct Capacities(BTreeMap<IpFamily, u32>);
+
+    impl Collector for Capacities {
+        fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            encode_nat_capacities(&self.0, &mut encoder)
+        }
+    }
+
+    fn scrape(capacities: &[(IpFamily, u32)]) -> String {
+        let mut registry = Registry::default();
+        let capacities = Capacities(capacities.iter().copied().collect());
+        registry.register_collector(Box::new(capacities));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    #[test]
+    fn each_familys_nat_capacity_is_a_series_of_its_own() {
+        let dual_stack = scrape(&[(IpFamily::Ipv4, 128), (IpFamily::Ipv6, 256)]);
+        for series in [
+            "nat_capacity_entries{family=\"ipv4\"} 128",
+            "nat_capacity_entries{family=\"ipv6\"} 256",
+        ] {
+            assert!(dual_stack.lines().any(|l| l == series), "{dual_stack}");
+        }
+        let ipv4_only = scrape(&[(IpFamily::Ipv4, 128)]);
+        assert!(!ipv4_only.contains("ipv6"), "IPv6 off: {ipv4_only}");
+    }
 
     #[test]
     fn every_kernel_counter_has_a_series_of_its_own() {

@@ -28,7 +28,7 @@ use prometheus_client::{
 };
 
 use self::{kernel::KernelCounters, process::ProcessMetrics};
-use crate::dataplane::{Mode, NatUsage};
+use crate::dataplane::{Mode, NatSweep};
 
 pub use http::{Endpoints, serve};
 
@@ -52,7 +52,8 @@ struct ModeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabel {
+struct FamilyKindLabel {
+    family: &'static str,
     kind: &'static str,
 }
 
@@ -88,8 +89,8 @@ pub struct Telemetry {
     fallbacks: PromCounter,
     gc_runs: PromCounter,
     gc_expired: PromCounter,
-    nat_entries: Gauge,
-    nat_flows: Family<KindLabel, Gauge>,
+    nat_entries: Family<FamilyLabel, Gauge>,
+    nat_flows: Family<FamilyKindLabel, Gauge>,
     apply_duration: Histogram,
     masquerade_address_in_use: Family<FamilyLabel, Gauge>,
     /// Whether the eBPF data plane is in force, for the collector of its counters.
@@ -152,16 +153,16 @@ impl Telemetry {
             "Idle flows the sweeps removed",
             gc_expired.clone(),
         );
-        let nat_entries = Gauge::default();
+        let nat_entries = Family::<FamilyLabel, Gauge>::default();
         registry.register(
             "nat_entries",
-            "Entries in the NAT table at the last sweep (two per flow)",
+            "Entries in each address family's NAT table at the last sweep (two per flow)",
             nat_entries.clone(),
         );
-        let nat_flows = Family::<KindLabel, Gauge>::default();
+        let nat_flows = Family::<FamilyKindLabel, Gauge>::default();
         registry.register(
             "nat_flows",
-            "Flows in the NAT table at the last sweep, by kind: the pods' masqueraded, the pods' that keep their address, the node's own",
+            "Flows in each address family's NAT table at the last sweep, by kind: the pods' masqueraded, the pods' that keep their address, the node's own",
             nat_flows.clone(),
         );
         let build_info = Family::<VersionLabel, Gauge>::default();
@@ -260,18 +261,25 @@ impl Telemetry {
         }
     }
 
-    pub fn nat_swept(&self, usage: NatUsage) {
+    /// Records a sweep of the NAT tables: each family's table has series of its own, as a
+    /// pod's new flow is refused when its own family's is full.
+    pub fn nat_swept(&self, sweep: &NatSweep) {
         self.gc_runs.inc();
-        self.gc_expired.inc_by(usage.expired_flows as u64);
-        self.nat_entries.set(usage.entries as i64);
-        for (kind, flows) in [
-            ("pod", usage.pod_flows),
-            ("kept", usage.kept_flows),
-            ("node", usage.node_flows),
-        ] {
-            self.nat_flows
-                .get_or_create(&KindLabel { kind })
-                .set(flows as i64);
+        self.gc_expired.inc_by(sweep.expired_flows() as u64);
+        for (family, usage) in &sweep.tables {
+            let family = family.label();
+            self.nat_entries
+                .get_or_create(&FamilyLabel { family })
+                .set(usage.entries as i64);
+            for (kind, flows) in [
+                ("pod", usage.pod_flows),
+                ("kept", usage.kept_flows),
+                ("node", usage.node_flows),
+            ] {
+                self.nat_flows
+                    .get_or_create(&FamilyKindLabel { family, kind })
+                    .set(flows as i64);
+            }
         }
     }
 
@@ -532,31 +540,61 @@ mod tests {
     }
 
     #[test]
-    fn nat_sweeps_set_the_table_gauges_and_add_up_expiries() {
+    fn nat_sweeps_set_each_familys_table_gauges_and_add_up_expiries() {
+        use crate::{dataplane::NatUsage, policy::IpFamily};
+
         let t = telemetry();
-        let usage = NatUsage {
-            entries: 10,
-            pod_flows: 4,
+        // IPv4's table full (64 flows of a 128-entry table), IPv6's empty.
+        let full = NatUsage {
+            entries: 128,
+            pod_flows: 60,
             kept_flows: 1,
             node_flows: 3,
-            translated_flows: 4,
+            translated_flows: 60,
             expired_flows: 2,
             orphans_removed: 0,
         };
-        t.nat_swept(usage);
-        t.nat_swept(NatUsage {
-            expired_flows: 3,
-            ..usage
-        });
+        let empty = NatUsage {
+            expired_flows: 1,
+            ..NatUsage::default()
+        };
+        let sweep = NatSweep::of_tables_in_use(full, empty, |_| true);
+        t.nat_swept(&sweep);
+        t.nat_swept(&sweep);
         let m = t.encode();
         assert_eq!(value(&m, "masq_agent_nat_gc_runs_total"), Some(2.0));
         assert_eq!(
             value(&m, "masq_agent_nat_gc_expired_flows_total"),
-            Some(5.0)
+            Some(6.0)
         );
-        assert_eq!(value(&m, "masq_agent_nat_entries"), Some(10.0));
-        assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"pod\"}"), Some(4.0));
-        assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"kept\"}"), Some(1.0));
-        assert_eq!(value(&m, "masq_agent_nat_flows{kind=\"node\"}"), Some(3.0));
+        let entries = |family: &str| {
+            value(
+                &m,
+                &format!("masq_agent_nat_entries{{family=\"{family}\"}}"),
+            )
+        };
+        assert_eq!(entries("ipv4"), Some(128.0), "{m}");
+        assert_eq!(entries("ipv6"), Some(0.0), "{m}");
+        assert!(
+            value(&m, "masq_agent_nat_entries").is_none(),
+            "no series over both families: {m}"
+        );
+        let flows = |family: &str, kind: &str| {
+            let series = format!("masq_agent_nat_flows{{family=\"{family}\",kind=\"{kind}\"}}");
+            value(&m, &series)
+        };
+        assert_eq!(flows("ipv4", "pod"), Some(60.0));
+        assert_eq!(flows("ipv4", "kept"), Some(1.0));
+        assert_eq!(flows("ipv4", "node"), Some(3.0));
+        assert_eq!(flows("ipv6", "pod"), Some(0.0));
+
+        // A family that is off has no series.
+        let t = telemetry();
+        t.nat_swept(&NatSweep::of_tables_in_use(full, empty, |family| {
+            family == IpFamily::Ipv4
+        }));
+        let m = t.encode();
+        let ipv6_nat = |line: &&str| line.starts_with("masq_agent_nat_") && line.contains("ipv6");
+        assert_eq!(m.lines().find(ipv6_nat), None, "{m}");
     }
 }

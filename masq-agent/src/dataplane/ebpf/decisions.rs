@@ -231,21 +231,33 @@ impl TrieEntries {
     /// them, for the first change this agent makes to compare with. IPv6 with no entry reads
     /// as left alone; a flow that was masqueraded holds its NAT entries whatever this says.
     pub fn as_policy(&self) -> Policy {
-        fn nets<N: TryFrom<IpNet>>(list: Vec<IpNet>) -> Vec<N> {
-            list.into_iter().filter_map(|n| N::try_from(n).ok()).collect()
-        }
+        // One list's prefixes with `action`, by family.
+        let split = |sources, action| {
+            let (mut v4, mut v6) = (Vec::new(), Vec::new());
+            let both = [false, true].map(|ipv6| self.with_action(sources, ipv6, action));
+            for net in both.into_iter().flatten() {
+                match net {
+                    IpNet::V4(net) => v4.push(net),
+                    IpNet::V6(net) => v6.push(net),
+                }
+            }
+            (v4, v6)
+        };
         let (non_masq, masq) = (prefix_action::NON_MASQUERADE, prefix_action::MASQUERADE);
-        let non_masq_v6: Vec<ipnet::Ipv6Net> = nets(self.with_action(false, true, non_masq));
+        let (non_masq_v4, non_masq_v6) = split(false, non_masq);
+        let (masq_v4, masq_v6) = split(false, masq);
+        let (non_masq_src_v4, non_masq_src_v6) = split(true, non_masq);
+        let (masq_src_v4, masq_src_v6) = split(true, masq);
         Policy {
-            non_masq_v4: nets(self.with_action(false, false, non_masq)),
+            non_masq_v4,
             non_masq_v6: (!non_masq_v6.is_empty()).then_some(non_masq_v6),
-            masq_v4: nets(self.with_action(false, false, masq)),
-            masq_v6: nets(self.with_action(false, true, masq)),
+            masq_v4,
+            masq_v6,
             ipv6_switched_off: false,
-            non_masq_src_v4: nets(self.with_action(true, false, non_masq)),
-            masq_src_v4: nets(self.with_action(true, false, masq)),
-            non_masq_src_v6: nets(self.with_action(true, true, non_masq)),
-            masq_src_v6: nets(self.with_action(true, true, masq)),
+            non_masq_src_v4,
+            masq_src_v4,
+            non_masq_src_v6,
+            masq_src_v6,
             masquerade_address_v4: None,
             masquerade_address_v6: None,
         }

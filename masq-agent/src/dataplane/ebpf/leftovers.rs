@@ -14,8 +14,9 @@ use super::{
     expiry::{self, SweepClock},
     map_types::NatTable,
     pins::Pins,
+    status,
 };
-use crate::dataplane::NatUsage;
+use crate::dataplane::{NatSweep, NatUsage};
 
 /// An earlier eBPF data plane's programs and tables, draining.
 pub struct Leftovers {
@@ -27,7 +28,7 @@ pub struct Leftovers {
 /// Where draining stands after an upkeep run.
 pub enum Drain {
     /// Translated flows are left; the sweep (when one ran) found this.
-    Draining(Option<NatUsage>),
+    Draining(Option<NatSweep>),
     /// None was left: programs and pins are gone.
     Done,
 }
@@ -55,8 +56,11 @@ impl Leftovers {
         let now = expiry::monotonic_now_ns();
         let (run_v4, left_v4) = self.sweep::<[u8; 4]>(&pins, map_names::NAT_V4, now)?;
         let (run_v6, left_v6) = self.sweep::<[u8; 16]>(&pins, map_names::NAT_V6, now)?;
-        if (left_v4 + left_v6).translated_flows > 0 {
-            return Ok(Drain::Draining(Some(run_v4 + run_v6)));
+        if left_v4.translated_flows + left_v6.translated_flows > 0 {
+            let in_use = status::nat_capacities(&pins)?;
+            let run =
+                NatSweep::of_tables_in_use(run_v4, run_v6, |family| in_use.contains_key(&family));
+            return Ok(Drain::Draining(Some(run)));
         }
         cleanup(&self.bpffs)?;
         info!(

@@ -51,7 +51,7 @@ use self::{
     pins::Pins,
 };
 use super::{
-    ApplyOutcome, DataPlane, Mode, NatUsage, Status,
+    ApplyOutcome, DataPlane, Mode, NatSweep, Status,
     chosen_address::ChosenAddresses,
     iptables::{ChainVariant, IptablesDataPlane},
 };
@@ -311,7 +311,7 @@ impl DataPlane for EbpfDataPlane {
         self.chain.verify_next_apply();
     }
 
-    fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
+    fn maintain(&mut self) -> anyhow::Result<Option<NatSweep>> {
         // Nothing is attached before the first apply has filled the non-masquerade tries.
         if let Some(policy) = self.applied.take() {
             let followed = self.follow_devices(&policy);
@@ -337,10 +337,13 @@ impl DataPlane for EbpfDataPlane {
         let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);
         let v4 = expiry::expire(&nat.v4, Some(&samples.v4), &self.timeouts, now)?;
         let v6 = expiry::expire(&nat.v6, Some(&samples.v6), &self.timeouts, now)?;
-        let run = v4 + v6;
-        if run.expired_flows + run.orphans_removed > 0 {
-            tracing::debug!(?run, "expired NAT entries");
+        if [v4, v6]
+            .iter()
+            .any(|run| run.expired_flows + run.orphans_removed > 0)
+        {
+            tracing::debug!(?v4, ?v6, "expired NAT entries");
         }
+        let run = NatSweep::of_tables_in_use(v4, v6, |family| self.families.contains(family));
         self.release_drained()?;
         self.clashes.say_new(&self.maps.counters);
         Ok(Some(run))

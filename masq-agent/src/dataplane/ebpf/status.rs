@@ -27,7 +27,7 @@ use super::{
     policy_word::PolicyWord,
     tc_filters,
 };
-use crate::policy::IpFamily;
+use crate::{dataplane::NatUsage, policy::IpFamily};
 
 /// One attachment, as read back from its pinned link.
 #[derive(Debug, Clone, Serialize)]
@@ -65,18 +65,10 @@ pub struct EbpfStatus {
     pub non_masquerade_src: Vec<IpNet>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub masquerade_src: Vec<IpNet>,
-    /// Flows in the NAT table (each takes two entries) by whose they are (`FlowOwner`): the
-    /// pods' masqueraded; the pods' that keep their address (opened from outside, or kept
-    /// across a policy change); the node's own, whose tuple the table holds.
-    pub nat_pod_flows: usize,
-    pub nat_kept_flows: usize,
-    pub nat_node_flows: usize,
-    /// Flows the programs translate: those that need them to go on.
-    pub nat_translated_flows: usize,
-    /// The same, by the node address they are translated to.
+    /// The NAT table of each family in use (`nat_capacities`).
+    pub nat: BTreeMap<IpFamily, NatTableStatus>,
+    /// The flows the programs translate, by the node address they are translated to.
     pub translated_by_address: BTreeMap<IpAddr, usize>,
-    pub nat_entries: usize,
-    pub nat_capacity: u32,
     /// No flow outlived the policy: packets toward destinations it leaves alone skip the NAT
     /// table (see `strays`).
     pub strays_cleared: bool,
@@ -86,7 +78,48 @@ pub struct EbpfStatus {
     pub decisions: Option<PolicyDecisions>,
 }
 
+/// One family's NAT table: how full it is, and whose its flows are. A pod's new flow is
+/// refused when its own family's table is full, so each table's fullness is its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct NatTableStatus {
+    /// Two per flow, one per direction.
+    pub entries: usize,
+    pub capacity: u32,
+    /// `entries` of `capacity` in whole percent, rounded up: a table with one entry in it is
+    /// not "0% full".
+    pub percent_full: u64,
+    /// Flows by whose they are (`FlowOwner`): the pods' masqueraded; the pods' that keep their
+    /// address (opened from outside, or kept across a policy change); the node's own, whose
+    /// tuple the table holds.
+    pub pod_flows: usize,
+    pub kept_flows: usize,
+    pub node_flows: usize,
+    /// Flows the programs translate: those that need them to go on.
+    pub translated_flows: usize,
+}
+
+impl NatTableStatus {
+    /// A table of `capacity` entries that holds `usage`.
+    pub fn new(usage: &NatUsage, capacity: u32) -> NatTableStatus {
+        NatTableStatus {
+            entries: usage.entries,
+            capacity,
+            percent_full: (usage.entries as u64 * 100).div_ceil(u64::from(capacity.max(1))),
+            pod_flows: usage.pod_flows,
+            kept_flows: usage.kept_flows,
+            node_flows: usage.node_flows,
+            translated_flows: usage.translated_flows,
+        }
+    }
+}
+
 impl EbpfStatus {
+    /// The flows the programs translate, in every family's table: while they last, the
+    /// programs must stay.
+    pub fn translated_flows(&self) -> usize {
+        self.nat.values().map(|table| table.translated_flows).sum()
+    }
+
     /// Whether the programs translate `family` leaving by `device`: they run at both its
     /// hooks, with its address in the `interfaces` map.
     pub fn translates(&self, device: &str, index: u32, family: IpFamily) -> bool {
@@ -137,7 +170,6 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         true => expiry::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
         false => Vec::new(),
     };
-    let nat = expiry::usage(&table_v4) + expiry::usage(&table_v6);
     let translated_by_address = expiry::translated_by_address(&table_v4)
         .into_iter()
         .map(|(addr, flows)| (IpAddr::from(addr), flows))
@@ -150,6 +182,17 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
     let decisions = decisions::read(&pins, &tries)?;
     let interfaces: Interfaces = pins.open(map_names::INTERFACES)?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
+    let nat = kernel
+        .nat_capacities
+        .iter()
+        .map(|(family, capacity)| {
+            let usage = match family {
+                IpFamily::Ipv4 => expiry::usage(&table_v4),
+                IpFamily::Ipv6 => expiry::usage(&table_v6),
+            };
+            (*family, NatTableStatus::new(&usage, *capacity))
+        })
+        .collect();
     let counters = kernel
         .packets
         .iter()
@@ -197,23 +240,18 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .into_iter()
             .flat_map(|v6| tries.with_action(true, v6, prefix_action::MASQUERADE))
             .collect(),
-        nat_pod_flows: nat.pod_flows,
-        nat_kept_flows: nat.kept_flows,
-        nat_node_flows: nat.node_flows,
-        nat_translated_flows: nat.translated_flows,
+        nat,
         translated_by_address,
-        nat_entries: nat.entries,
-        nat_capacity: kernel.nat_capacity,
         strays_cleared: PolicyWord(pins.open(map_names::POLICY_GENERATION)?).strays_cleared()?,
         counters,
         decisions,
     }))
 }
 
-/// The programs' packet counters (summed over CPUs) and the NAT tables' capacity.
+/// The programs' packet counters (summed over CPUs) and the NAT tables' capacities.
 pub struct KernelCounters {
     pub packets: Vec<(Counter, u64)>,
-    pub nat_capacity: u32,
+    pub nat_capacities: BTreeMap<IpFamily, u32>,
 }
 
 /// Reads the counters from the maps pinned in `bpffs`; `None` if nothing is pinned there.
@@ -223,18 +261,7 @@ pub fn read_kernel_counters(bpffs: &Path) -> anyhow::Result<Option<KernelCounter
     if !pins.map(map_names::COUNTERS).exists() {
         return Ok(None);
     }
-    let capacity = |name: &str| -> anyhow::Result<u32> {
-        if !pins.map(name).exists() {
-            return Ok(0);
-        }
-        Ok(match pins.open_map(name)? {
-            Map::HashMap(data) => data.info()?.max_entries(),
-            _ => 0,
-        })
-    };
-    // `nat_v6` takes a single entry while IPv6 is off: no capacity to speak of.
-    let v6 = capacity(map_names::NAT_V6)?;
-    let nat_capacity = capacity(map_names::NAT_V4)? + if v6 > 1 { v6 } else { 0 };
+    let nat_capacities = nat_capacities(&pins)?;
     let counters: Counters = pins.open(map_names::COUNTERS)?;
     let packets = Counter::ALL
         .iter()
@@ -243,8 +270,31 @@ pub fn read_kernel_counters(bpffs: &Path) -> anyhow::Result<Option<KernelCounter
         .collect();
     Ok(Some(KernelCounters {
         packets,
-        nat_capacity,
+        nat_capacities,
     }))
+}
+
+/// The capacity in entries of each family's NAT table pinned under `pins`, for the families
+/// in use: `nat_v6` takes a single entry while IPv6 is off, and an agent from before IPv6
+/// pinned none, so neither has a table to fill.
+pub(super) fn nat_capacities(pins: &Pins) -> anyhow::Result<BTreeMap<IpFamily, u32>> {
+    let mut capacities = BTreeMap::new();
+    for (family, name) in [
+        (IpFamily::Ipv4, map_names::NAT_V4),
+        (IpFamily::Ipv6, map_names::NAT_V6),
+    ] {
+        if !pins.map(name).exists() {
+            continue;
+        }
+        let capacity = match pins.open_map(name)? {
+            Map::HashMap(data) => data.info()?.max_entries(),
+            _ => 0,
+        };
+        if capacity > 1 {
+            capacities.insert(family, capacity);
+        }
+    }
+    Ok(capacities)
 }
 
 impl std::fmt::Display for EbpfStatus {
@@ -293,16 +343,19 @@ impl std::fmt::Display for EbpfStatus {
                 "  from a source masqueraded although inside what is not: {prefix}"
             )?;
         }
-        writeln!(
-            f,
-            "  NAT table: {} of {} entries ({}% full): {} pod flows masqueraded, {} kept, {} the node's",
-            self.nat_entries,
-            self.nat_capacity,
-            percent(self.nat_entries, self.nat_capacity),
-            self.nat_pod_flows,
-            self.nat_kept_flows,
-            self.nat_node_flows,
-        )?;
+        for (family, table) in &self.nat {
+            writeln!(
+                f,
+                "  NAT table {}: {} of {} entries ({}% full): {} pod flows masqueraded, {} kept, {} the node's",
+                family.label(),
+                table.entries,
+                table.capacity,
+                table.percent_full,
+                table.pod_flows,
+                table.kept_flows,
+                table.node_flows,
+            )?;
+        }
         if self.strays_cleared {
             writeln!(f, "  packets left alone skip the NAT table")?;
         } else {
@@ -372,7 +425,72 @@ fn read_filters() -> Vec<AttachmentStatus> {
         .collect()
 }
 
-/// `part` of `whole` in whole percent, rounded up: a table with one entry in it is not "0% full".
-fn percent(part: usize, whole: u32) -> u64 {
-    (part as u64 * 100).div_ceil(u64::from(whole.max(1)))
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dual-stack node's status with `nat` its tables and nothing else.
+    fn with_tables(nat: BTreeMap<IpFamily, NatTableStatus>) -> EbpfStatus {
+        EbpfStatus {
+            bpffs: PathBuf::from("/sys/fs/bpf/ip-masq-agent"),
+            attachments: Vec::new(),
+            interfaces: BTreeMap::new(),
+            interfaces_v6: BTreeMap::new(),
+            chosen_addresses: Vec::new(),
+            non_masquerade_v4: Vec::new(),
+            non_masquerade_v6: Vec::new(),
+            masquerade_v4: Vec::new(),
+            masquerade_v6: Vec::new(),
+            non_masquerade_src: Vec::new(),
+            masquerade_src: Vec::new(),
+            nat,
+            translated_by_address: BTreeMap::new(),
+            strays_cleared: true,
+            counters: BTreeMap::new(),
+            decisions: None,
+        }
+    }
+
+    #[test]
+    fn a_full_table_reads_full_whatever_the_other_familys_holds() {
+        let full = NatUsage {
+            entries: 128,
+            pod_flows: 63,
+            node_flows: 1,
+            translated_flows: 63,
+            ..NatUsage::default()
+        };
+        let ipv4 = NatTableStatus::new(&full, 128);
+        let ipv6 = NatTableStatus::new(&NatUsage::default(), 128);
+        assert_eq!((ipv4.percent_full, ipv6.percent_full), (100, 0));
+        let one = NatUsage {
+            entries: 1,
+            ..NatUsage::default()
+        };
+        assert_eq!(NatTableStatus::new(&one, 524_288).percent_full, 1);
+        assert_eq!(
+            NatTableStatus::new(&NatUsage::default(), 0).percent_full,
+            0,
+            "no table, no division by zero"
+        );
+
+        let status = with_tables(BTreeMap::from([
+            (IpFamily::Ipv4, ipv4),
+            (IpFamily::Ipv6, ipv6),
+        ]));
+        let text = status.to_string();
+        for line in [
+            "  NAT table ipv4: 128 of 128 entries (100% full): 63 pod flows masqueraded, 0 kept, 1 the node's",
+            "  NAT table ipv6: 0 of 128 entries (0% full): 0 pod flows masqueraded, 0 kept, 0 the node's",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} in:\n{text}");
+        }
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["nat"]["ipv4"]["entries"], 128, "{json:#}");
+        assert_eq!(json["nat"]["ipv4"]["capacity"], 128, "{json:#}");
+        assert_eq!(json["nat"]["ipv4"]["percent_full"], 100, "{json:#}");
+        assert_eq!(json["nat"]["ipv4"]["pod_flows"], 63, "{json:#}");
+        assert_eq!(json["nat"]["ipv6"]["percent_full"], 0, "{json:#}");
+        assert_eq!(status.translated_flows(), 63);
+    }
 }

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::{
     dataplane::{
-        ApplyOutcome, DataPlane, Mode, NatUsage, Status,
+        ApplyOutcome, DataPlane, Mode, NatSweep, Status,
         chosen_address::{ChosenAddressWatch, ChosenAddresses},
     },
     policy::{IpFamily, MasqueradeOptions, Policy},
@@ -268,7 +268,7 @@ impl DataPlane for IptablesDataPlane {
     }
 
     /// Applies the last policy again when a chosen masquerade address came or went.
-    fn maintain(&mut self) -> anyhow::Result<Option<NatUsage>> {
+    fn maintain(&mut self) -> anyhow::Result<Option<NatSweep>> {
         if let Some(policy) = self.applied.take() {
             // What is in force may have changed since the chain was rendered, whoever looked.
             let followed = self.follow_chosen(&policy).and_then(|()| {
