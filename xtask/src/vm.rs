@@ -27,8 +27,9 @@ use crate::verifier_figures;
 const VIRTME_NG: &str = "virtme-ng==1.42";
 /// The cloud kernel has no 9p: the root is shared over virtio-fs, served by this.
 const VIRTIOFSD_VERSION: &str = "1.14.0";
-/// What each VM may take before it is stopped and the step fails: the three run at once on an
-/// emulated CPU, and the largest set takes about five minutes on a quiet machine of two cores.
+/// What each VM may take before it is stopped and the step fails: the largest set takes five to
+/// seven minutes on an emulated CPU. (The VMs run one after another: at once, each agent's start
+/// took over 50 s, as the emulated CPUs only share the machine's.)
 const VM_TIMEOUT: Duration = Duration::from_secs(600);
 /// How many times longer the cases' waits may last in a VM than on the host: the emulated CPU
 /// runs the agent's start (the verifier's pass over the programs, above all) some ten times
@@ -388,9 +389,10 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
     let (host, frames) = verifier_figures::measure_here(&object)?;
     print!("{}", verifier_figures::describe(&host));
     check_cases_exist(binaries)?;
-    let mut boots = Vec::new();
+    let mut failures = Vec::new();
     for flavour in Flavour::ALL {
         let kernel = kernel(flavour)?;
+        let started = Instant::now();
         let mut runs = Vec::new();
         for suite in flavour.suites() {
             let binary = binaries
@@ -404,48 +406,32 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
             "xtask: vm: booting {} under qemu (emulated CPU) for {cases} cases",
             kernel.release
         );
-        boots.push((kernel, runs));
-    }
-    // The VMs at once: much of a case is waiting (for an agent to start, a sweep, a timeout),
-    // which the others' cases fill; one after another they took twice as long.
-    let started = Instant::now();
-    let results: Vec<(String, anyhow::Result<GuestReport>)> = std::thread::scope(|scope| {
-        let running: Vec<_> = boots
-            .iter()
-            .map(|(kernel, runs)| {
-                let (xtask, object) = (&xtask, &object);
-                scope.spawn(move || (kernel.release.clone(), boot(kernel, xtask, object, runs)))
-            })
-            .collect();
-        running
-            .into_iter()
-            .map(|vm| vm.join().expect("a VM's thread panicked"))
-            .collect()
-    });
-    let mut failures = Vec::new();
-    for (release, result) in results {
-        match result {
+        match boot(&kernel, &xtask, &object, &runs) {
             Ok(report) => {
                 let figures = verifier_figures::figures(&report.kernel, &report.verifier, &frames);
                 print!("{}", verifier_figures::describe(&figures));
                 if let Some(err) = &report.verifier_error {
-                    failures.push(format!("{release}: loading the programs: {err}"));
+                    failures.push(format!("{}: loading the programs: {err}", kernel.release));
                 }
                 if figures.iter().any(|f| f.error.is_some()) {
-                    failures.push(format!("{release}: the verifier refused a program"));
+                    failures.push(format!(
+                        "{}: the verifier refused a program",
+                        kernel.release
+                    ));
                 }
                 if !report.passed() {
-                    failures.push(format!("{release}: end-to-end cases failed"));
+                    failures.push(format!("{}: end-to-end cases failed", kernel.release));
                 }
-                eprintln!("xtask: vm: {release}: cases took {:.0} s", report.seconds);
+                eprintln!(
+                    "xtask: vm: {} done in {:.0} s (cases {:.0} s)",
+                    kernel.release,
+                    started.elapsed().as_secs_f64(),
+                    report.seconds
+                );
             }
-            Err(err) => failures.push(format!("{release}: {err:#}")),
+            Err(err) => failures.push(format!("{}: {err:#}", kernel.release)),
         }
     }
-    eprintln!(
-        "xtask: vm: all done in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
     if !failures.is_empty() {
         bail!("in the VMs:\n  {}", failures.join("\n  "));
     }

@@ -15,11 +15,12 @@ use masq_testbed::{
     netns::within,
     probe::{self, UdpEcho, UdpFlows},
     topology::{self, Process},
+    write_config,
 };
 
 use crate::{
-    Bed, Conversation, FamilyOnTheBed, Plane, assert_no_flow_lost_or_crossed, explain_from,
-    icmp_and_fragments, kube_proxy, restarts,
+    Bed, Conversation, FamilyOnTheBed, PacedTransfer, Plane, assert_no_flow_lost_or_crossed,
+    explain_from, icmp_and_fragments, kube_proxy, restarts,
 };
 
 /// What pods see must not depend on the data plane.
@@ -35,6 +36,7 @@ macro_rules! common_cases {
             no_reply_reaches_the_wrong_flow_beside_netfilters_snat_to_the_chosen_address,
             snat_with_to_ports_loads_into_real_iptables,
             the_nodes_own_flows_keep_the_devices_address,
+            editing_the_chosen_address_moves_no_connection,
         );
         cases!($plane: a_tentative_chosen_ipv6_address_is_held_once_detection_is_done);
     };
@@ -277,6 +279,28 @@ fn wait_for_flows_from(bed: &Bed, family: IpFamily, agent: &Process, expect: IpA
     bed.server
         .wait_for_udp_from(bed.pod(), family.outside(), expect)
         .unwrap_or_else(|e| panic!("new flows from {expect}: {e:#}\n{}", agent.log_text()));
+}
+
+/// The chosen address named in the file, then dropped from it, while transfers are under way:
+/// new flows take what the file says, and each transfer keeps the address it began with, as
+/// conntrack keeps a connection's NAT (a moved source would end it).
+fn editing_the_chosen_address_moves_no_connection(plane: Plane, family: IpFamily) {
+    let bed = Bed::new(plane, family.config());
+    // On loopback: on the uplink, an IPv6 address would be MASQUERADE's own pick of the
+    // device's addresses too.
+    route_the_chosen_address_to_the_node(&bed, family);
+    chosen_on(&bed, family, "add", "lo");
+    let agent = bed.start_agent(family.agent_args());
+    wait_for_flows_from(&bed, family, &agent, family.node());
+    let sink = |port: u16| SocketAddr::from((family.outside().ip(), port));
+    let begun_on_the_device = PacedTransfer::start(&bed, sink(9783), 300);
+    write_config(&bed.config, &chosen_config(family)).unwrap();
+    wait_for_flows_from(&bed, family, &agent, chosen(family));
+    let begun_on_the_chosen = PacedTransfer::start(&bed, sink(9784), 300);
+    write_config(&bed.config, family.config()).unwrap();
+    wait_for_flows_from(&bed, family, &agent, family.node());
+    begun_on_the_device.assert_complete("begun with the device's address, through both edits");
+    begun_on_the_chosen.assert_complete("begun with the chosen address, through its removal");
 }
 
 /// A bed of `pods` pods whose node holds the chosen address on its uplink before its agent

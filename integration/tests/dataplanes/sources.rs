@@ -8,8 +8,8 @@ use masq_agent::policy::IpFamily;
 use masq_testbed::{probe, write_config};
 
 use crate::{
-    Bed, FamilyOnTheBed, Plane, explain_from, host_prefix,
-    policy::assert_a_change_moves_no_live_flow,
+    Bed, FamilyOnTheBed, PacedTransfer, Plane, explain_from, host_prefix,
+    policy::assert_a_change_moves_no_live_flow, wait_for_udp_source,
 };
 
 /// What pods see must not depend on the data plane.
@@ -142,11 +142,19 @@ fn a_source_change_moves_no_live_flow(plane: Plane, family: IpFamily) {
         with_sources(family, &[], (&[], &[])),
         with_sources(family, &[], (&[any.to_string()], &[pod])),
     ];
+    // A TCP transfer with the pod's own address, under way through every change: a moved
+    // source would end it (the outside host knows no connection from the node's address).
+    wait_for_udp_source(&bed, dst, family.pod(0));
+    let transfer = PacedTransfer::start(&bed, (dst.ip(), TRANSFER_PORT).into(), 600);
     for (i, masquerading) in changes.iter().enumerate() {
         let port = 42000 + 2 * i as u16;
         assert_a_change_moves_no_live_flow(&bed, family, dst, (&left_alone, masquerading), port);
     }
+    transfer.assert_complete("the transfer under way through the changes");
 }
+
+/// The port of the outside host's sink for the transfer under way through the changes.
+const TRANSFER_PORT: u16 = 42100;
 
 /// A file of source lists beside the cluster's own, as kubelet projects two ConfigMaps: the
 /// lists are joined, and the file's removal takes its sources away, live.
