@@ -1,6 +1,8 @@
 //! The chain read back from the kernel, as `iptables -S` lists it: what `status` shows, and
 //! what tells the agent that someone else changed the chain.
 
+use std::net::IpAddr;
+
 use anyhow::Context as _;
 use ipnet::IpNet;
 use serde::Serialize;
@@ -43,6 +45,17 @@ pub(super) fn flag_value<'a>(words: &[&'a str], flag: &str) -> Option<&'a str> {
     words.get(at + 1).copied()
 }
 
+/// The address of SNAT's `--to-source`: `A`, `A:PORTS`, or IPv6's `[A]:PORTS`.
+pub(super) fn snat_address(to_source: &str) -> Option<IpAddr> {
+    if let Some(bracketed) = to_source.strip_prefix('[') {
+        return bracketed.split_once(']')?.0.parse().ok();
+    }
+    to_source.parse().ok().or_else(|| {
+        let (address, _ports) = to_source.rsplit_once(':')?;
+        address.parse().ok()
+    })
+}
+
 /// A rule's `--match-set NAME src|dst`: the set, and whether it matches on the source.
 pub(super) fn set_match<'a>(words: &[&'a str]) -> Option<(&'a str, bool)> {
     let at = words.iter().position(|w| *w == "--match-set")?;
@@ -70,10 +83,9 @@ pub struct ChainStatus {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub masquerade_src_exceptions: Vec<IpNet>,
     pub masquerade_rules: usize,
-    /// The chosen address the masquerade rules SNAT to (`masqueradeAddress`), as
-    /// `--to-source` writes it.
+    /// The chosen address the masquerade rules SNAT to (`masqueradeAddress`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub snat_to: Option<String>,
+    pub snat_to: Option<IpAddr>,
 }
 
 impl ChainStatus {
@@ -105,7 +117,9 @@ impl ChainStatus {
             if line.contains("-j MASQUERADE") || line.contains("-j SNAT") {
                 status.masquerade_rules += 1;
                 if let Some(to) = after("--to-source") {
-                    status.snat_to = Some(to);
+                    let address = snat_address(&to)
+                        .with_context(|| format!("--to-source {to} names no address"))?;
+                    status.snat_to = Some(address);
                 }
                 if let Some(dst) = after("-d") {
                     push_new(&mut status.masquerade_exceptions, destination(&dst)?);

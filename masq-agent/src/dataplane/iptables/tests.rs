@@ -861,7 +861,7 @@ fn a_chain_snat_to_a_chosen_address_with_ports_is_read_back_and_followed() {
     })
     .unwrap();
     assert_eq!(status.masquerade_rules, 3);
-    assert_eq!(status.snat_to.as_deref(), Some("198.51.100.7"));
+    assert_eq!(status.snat_to, Some("198.51.100.7".parse().unwrap()));
     assert_eq!(status.non_masquerade, nets(&["10.0.0.0/8"]));
     assert!(status.ebpf_protocols_returned.is_empty(), "{status:?}");
     use ChainVerdict::*;
@@ -940,4 +940,19 @@ fn the_nodes_traffic_from_the_devices_address_is_left_alone_by_the_chain() {
     let other = listed.replace("--src-type LOCAL --limit-iface-out", "--dst-type LOCAL");
     let packet = tcp_to_outside(None);
     assert!(evaluate(&other, &packet, |_, _| Ok(false)).is_err());
+}
+
+#[test]
+fn snat_s_to_source_is_read_as_its_address_with_or_without_ports() {
+    use super::readback::snat_address;
+    let address = |text: &str| text.parse::<std::net::IpAddr>().ok();
+    for (to_source, expect) in [
+        ("198.51.100.7", "198.51.100.7"),
+        ("198.51.100.7:1024-29999", "198.51.100.7"),
+        ("2001:db8::7", "2001:db8::7"),
+        ("[2001:db8::7]:1024-29999", "2001:db8::7"),
+    ] {
+        assert_eq!(snat_address(to_source), address(expect), "{to_source}");
+    }
+    assert_eq!(snat_address("not-an-address"), None);
 }
