@@ -98,23 +98,31 @@ fn keeps_the_policy_while_the_config_file_cannot_be_read(plane: Plane) {
     );
     let agent = bed.start_agent(&[]);
     wait_for_udp_source(&bed, second_outside(), pod_ip(0));
+    // Each change replaces what is at the path in one rename, as kubelet swaps a ConfigMap's
+    // link: a path missing for a moment is no config file, whose defaults the agent would
+    // rightly apply.
+    let replace_with_link_to = |target: &std::path::Path| {
+        let link = bed.config.with_extension("link");
+        std::os::unix::fs::symlink(target, &link).unwrap();
+        std::fs::rename(&link, &bed.config).unwrap();
+    };
     // A directory at the path is read as config files: one of them a looping link.
-    std::fs::remove_file(&bed.config).unwrap();
-    std::fs::create_dir(&bed.config).unwrap();
     let inner = bed.config.join("ip-masq-agent");
-    std::os::unix::fs::symlink(&inner, &inner).unwrap();
+    let staged = bed.config.with_extension("staged");
+    std::fs::create_dir(&staged).unwrap();
+    std::os::unix::fs::symlink(&inner, staged.join("ip-masq-agent")).unwrap();
+    replace_with_link_to(&staged);
     wait_for(|| Ok(agent.log_text().contains(&*inner.to_string_lossy()))).unwrap();
     wait_for_udp_source(&bed, second_outside(), pod_ip(0));
 
-    std::fs::remove_file(&inner).unwrap();
-    std::fs::remove_dir(&bed.config).unwrap();
-    std::os::unix::fs::symlink(&bed.config, &bed.config).unwrap();
+    // The path a link to itself.
+    replace_with_link_to(&bed.config);
     wait_for(|| Ok(agent.log_text().contains("symbolic links"))).unwrap();
     wait_for_udp_source(&bed, second_outside(), pod_ip(0));
 
-    std::fs::remove_file(&bed.config).unwrap();
     write_config(&bed.config, DEFAULT_CONFIG).unwrap();
     wait_for_udp_source(&bed, second_outside(), node_ip());
+    std::fs::remove_dir_all(&staged).unwrap();
 }
 
 /// For a minute the config file flips between valid and invalid every 100 ms: outside traffic
