@@ -334,23 +334,21 @@ where
 {
     let entries = read_table(nat)?;
     let mut run = usage(&entries);
+    // Asked only where there is a sample to point.
     let capacity = match sample {
-        Some(_) => nat.map().info()?.max_entries() as usize,
-        None => 0,
+        Some(_) => Some(nat.map().info()?.max_entries() as usize),
+        None => None,
     };
-    let pressed = |entries: usize| entries * 100 >= capacity * UNDER_PRESSURE_PERCENT;
-    let over = over(
-        entries,
-        timeouts,
-        now_ns,
-        sample.is_some() && pressed(run.entries),
-    );
+    let pressed = |entries: usize| {
+        capacity.is_some_and(|capacity| entries * 100 >= capacity * UNDER_PRESSURE_PERCENT)
+    };
+    let over = over(entries, timeouts, now_ns, pressed(run.entries));
     run.orphans_removed = prune(nat, &over.orphans)?;
     run.expired_flows = prune(nat, &over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
     if let Some(sample) = sample.filter(|_| pressed(left)) {
         let pointed = drop_sample::point_at(sample, &over.droppable)?;
-        tracing::debug!(left, capacity, pointed, "NAT table under pressure");
+        tracing::debug!(left, ?capacity, pointed, "NAT table under pressure");
     }
     Ok(run)
 }
