@@ -261,6 +261,12 @@ impl DataPlane for EbpfDataPlane {
         let left_in_the_tries = match applied {
             Some(_) => None,
             None => decisions::TrieEntries::read(&self.pins)
+                .inspect_err(|err| {
+                    tracing::warn!(
+                        "reading the policy an earlier agent left, to keep the flows it left \
+                         alone: {err:#}"
+                    )
+                })
                 .ok()
                 .filter(|tries| !tries.destinations.is_empty())
                 .map(|tries| tries.as_policy()),
