@@ -8,6 +8,7 @@ use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sour
 use crate::{
     csum::{self, AddrField, L4Checksum},
     maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie},
+    nat,
     parse::{self, Packet},
     policy,
 };
@@ -30,6 +31,11 @@ pub trait Family {
     const IP_CSUM_OFF: Option<usize>;
     /// Whether the steps declared with `step!` run as functions of their own.
     const OWN_FRAMES: bool;
+    /// The family's `nat::early_drop`, a global BPF function.
+    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64;
+
+    /// An address in two words, as a global BPF function takes it (IPv4's in the first).
+    fn words(addr: &Self::Addr) -> [u64; 2];
 
     /// Parses the IP header at `offset`: the packet's own, or one quoted in an ICMP error.
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<Self::Addr>>;
@@ -106,6 +112,12 @@ impl Family for V4 {
     const DADDR_OFF: usize = parse::IPV4_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
+    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v4;
+
+    #[inline(always)]
+    fn words(addr: &[u8; 4]) -> [u64; 2] {
+        [u64::from(u32::from_ne_bytes(*addr)), 0]
+    }
 
     #[inline(always)]
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 4]>> {
@@ -205,6 +217,16 @@ impl Family for V6 {
     const DADDR_OFF: usize = parse::IPV6_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
+    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v6;
+
+    #[inline(always)]
+    fn words(addr: &[u8; 16]) -> [u64; 2] {
+        let (high, low) = addr.split_at(8);
+        [
+            u64::from_ne_bytes(high.try_into().unwrap_or_default()),
+            u64::from_ne_bytes(low.try_into().unwrap_or_default()),
+        ]
+    }
 
     #[inline(always)]
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {

@@ -435,20 +435,20 @@ pub fn remember_for_early_drop<F: Family>(egress_key: &NatKey<F::Addr>) {
     }
 }
 
-/// What `early_drop` says: the port the flow it dropped held on the node's address (0 when it
-/// held none the new flow could take), or `NO_ROOM`. One `i32`, as a register carries it back
-/// from the step's call of its own.
+/// What `early_drop` says: `NO_ROOM`, or the slot of the drop sample the flow it dropped held
+/// and the port that flow held on the node's address (0 when it held none the new flow could
+/// take). One `i64`, as a register carries it back from a BPF function.
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
-pub struct EarlyDrop(i32);
+pub struct EarlyDrop(i64);
 
 impl EarlyDrop {
     /// No flow in the slots looked at could be dropped.
     pub const NO_ROOM: EarlyDrop = EarlyDrop(-1);
 
     #[inline(always)]
-    fn freed(port: u16) -> EarlyDrop {
-        EarlyDrop(i32::from(port))
+    fn freed(slot: u32, port: u16) -> EarlyDrop {
+        EarlyDrop(i64::from(slot) << 16 | i64::from(port))
     }
 
     /// The port freed, if a flow was dropped.
@@ -456,26 +456,41 @@ impl EarlyDrop {
     pub fn port(self) -> Option<u16> {
         (self != EarlyDrop::NO_ROOM).then_some(self.0 as u16)
     }
+
+    /// The slot of the drop sample the dropped flow held.
+    #[inline(always)]
+    fn slot(self) -> u32 {
+        (self.0 >> 16) as u32
+    }
 }
 
-step! {
 /// The table is full: looks at `EARLY_DROP_PROBES` slots of the drop sample in a row, from a
-/// random one, for a flow to drop, both halves, and gives its slot to `new_key`. (Flows take
-/// random slots, so slots in a row are a random sample too; a sample that small is seen
-/// whole.) A flow of the node's own (`NODE`), a reservation its next packet makes again, goes
-/// whatever its state; any other only if conntrack would drop it from a full table
-/// (`can_drop_early`: never answered, not past its first exchange, or a TCP connection closing
-/// or reset). Says `NO_ROOM`, or the port the flow
-/// dropped held on the node's address (0 for a flow that left a pod its own port, or a node
-/// flow toward the new flow's destination), free now for the new one. An assured flow of a
-/// pod's is never dropped. CPUs that find the table full at once may meet at one flow: the one
-/// whose removal of it succeeds has it, and the others look on.
+/// random one, for a flow to drop, both halves. (Flows take random slots, so slots in a row
+/// are a random sample too; a sample that small is seen whole.) A flow of the node's own
+/// (`NODE`), a reservation its next packet makes again, goes whatever its state; any other
+/// only if conntrack would drop it from a full table (`can_drop_early`: never answered, not
+/// past its first exchange, or a TCP connection closing or reset). Says `NO_ROOM`, or the slot
+/// the flow dropped held, for the new flow once it is made (`remember_in`), and the port the
+/// flow held on the node's address (0 for a flow that left a pod its own port, or a node flow
+/// toward the new flow's destination `new_dest`:`new_dport`), free now for the new one. An
+/// assured flow of a pod's is never dropped. CPUs that find the table full at once may meet at
+/// one flow: the one whose removal of it succeeds has it, and the others look on.
+#[inline(always)]
 pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
+    let [high, low] = F::words(&new_key.daddr);
+    EarlyDrop((F::EARLY_DROP)(high, low, u32::from(new_key.dport)))
+}
+
+/// `early_drop`'s body, run by each family's global BPF function (`masq_early_drop_v4` and
+/// `_v6`): the verifier walks a global function once, on its own, where it walks a static one
+/// again at every call, in every state its caller reaches it with.
+#[inline(always)]
+fn early_drop_global<F: Family>(new_dest: [u64; 2], new_dport: u16) -> i64 {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
     for probe in 0..EARLY_DROP_PROBES {
         let slot = first.wrapping_add(probe) & (F::drop_sample_slots() - 1);
-        let Some(sampled) = F::drop_sample().get_ptr_mut(slot) else {
+        let Some(sampled) = F::drop_sample().get_ptr(slot) else {
             continue;
         };
         // SAFETY: a map value, copied: another CPU may write a flow of its own into the slot
@@ -505,21 +520,41 @@ pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
             maps::count(Counter::NatNodeFlowDropped);
             // The node's flow goes on without its reservation: its port is free only toward
             // other destinations. (A node flow holds a port of NAT's spans, or none.)
-            if key.daddr == new_key.daddr && key.dport == new_key.dport {
-                EarlyDrop::freed(0)
+            if F::words(&key.daddr) == new_dest && key.dport == new_dport {
+                0
             } else {
-                EarlyDrop::freed(port)
+                port
             }
         } else {
             maps::count(Counter::NatEarlyDropped);
-            EarlyDrop::freed(if kind == nat_kind::SNAT { port } else { 0 })
+            if kind == nat_kind::SNAT { port } else { 0 }
         };
-        // SAFETY: as in `remember_for_early_drop`.
-        unsafe { *sampled = *new_key };
-        return freed;
+        return EarlyDrop::freed(slot, freed).0;
     }
-    EarlyDrop::NO_ROOM
+    EarlyDrop::NO_ROOM.0
 }
+
+/// `early_drop` for IPv4, a global BPF function (`early_drop_global`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_early_drop_v4(high: u64, low: u64, dport: u32) -> i64 {
+    early_drop_global::<crate::family::V4>([high, low], dport as u16)
+}
+
+/// `early_drop` for IPv6, a global BPF function (`early_drop_global`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_early_drop_v6(high: u64, low: u64, dport: u32) -> i64 {
+    early_drop_global::<crate::family::V6>([high, low], dport as u16)
+}
+
+/// Writes a flow made in the room `early_drop` made into the slot of the flow it dropped.
+#[inline(always)]
+pub fn remember_in<F: Family>(room: EarlyDrop, egress_key: &NatKey<F::Addr>) {
+    if let Some(sampled) = F::drop_sample().get_ptr_mut(room.slot()) {
+        // SAFETY: as in `remember_for_early_drop`.
+        unsafe { *sampled = *egress_key };
+    }
 }
 
 /// Why a flow could not be remembered as one to leave alone.

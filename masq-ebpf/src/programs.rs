@@ -163,10 +163,14 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
-                    let Some(freed_port) = nat::early_drop::<F>(&key).port() else {
+                    let room = nat::early_drop::<F>(&key);
+                    let Some(freed_port) = room.port() else {
                         break;
                     };
                     made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
+                    if made == Masquerading::MASQUERADED {
+                        nat::remember_in::<F>(room, &key);
+                    }
                     if made != Masquerading::TABLE_FULL {
                         break;
                     }

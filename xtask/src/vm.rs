@@ -13,6 +13,10 @@ use std::{
     collections::BTreeSet,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::{
+        Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -35,6 +39,9 @@ const VM_TIMEOUT: Duration = Duration::from_secs(600);
 /// runs the agent's start (the verifier's pass over the programs, above all) some ten times
 /// slower, and a wait sized for the host ran out there.
 const GUEST_SLOWDOWN: u32 = 5;
+/// How many cases a VM runs at once, one per emulated CPU: a case waits on the agent's start,
+/// which is the verifier's pass on one CPU, so two run in about the time of one.
+const GUEST_WORKERS: usize = 2;
 
 /// A kernel the step boots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,14 +190,32 @@ pub struct GuestReport {
     /// What the verifier said of each program when the guest loaded them.
     pub verifier: Vec<Budget>,
     pub verifier_error: Option<String>,
-    /// Each suite's test binary and its exit code.
-    pub suites: Vec<(String, Option<i32>)>,
+    /// Each case run.
+    pub runs: Vec<CaseRun>,
+    pub seconds: f64,
+}
+
+/// One case run in the guest, and what it took.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CaseRun {
+    pub binary: String,
+    pub case: String,
+    pub code: Option<i32>,
     pub seconds: f64,
 }
 
 impl GuestReport {
     fn passed(&self) -> bool {
-        self.suites.iter().all(|(_, code)| *code == Some(0))
+        self.runs.iter().all(|run| run.code == Some(0))
+    }
+
+    /// What each case took, slowest first: where the VM step's minutes go.
+    fn timings(&self) -> String {
+        let mut runs: Vec<&CaseRun> = self.runs.iter().collect();
+        runs.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        runs.iter()
+            .map(|run| format!("  {:>5.1} s  {}\n", run.seconds, run.case))
+            .collect()
     }
 }
 
@@ -394,14 +419,18 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
         let kernel = kernel(flavour)?;
         let started = Instant::now();
         let mut runs = Vec::new();
+        let mut cases = 0;
         for suite in flavour.suites() {
-            let binary = binaries
+            let (_, binary) = binaries
                 .iter()
                 .find(|(target, _)| target == suite.target)
                 .with_context(|| format!("the {} test binary was not built", suite.target))?;
-            runs.push(format!("{}={}", binary.1.display(), suite.cases.join(",")));
+            runs.push(format!("{}={}", binary.display(), suite.cases.join(",")));
+            cases += match suite.cases.len() {
+                0 => tests_of(binary)?.len(),
+                listed => listed,
+            };
         }
-        let cases: usize = flavour.suites().iter().map(|s| s.cases.len().max(1)).sum();
         eprintln!(
             "xtask: vm: booting {} under qemu (emulated CPU) for {cases} cases",
             kernel.release
@@ -422,11 +451,12 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
                 if !report.passed() {
                     failures.push(format!("{}: end-to-end cases failed", kernel.release));
                 }
-                eprintln!(
-                    "xtask: vm: {} done in {:.0} s (cases {:.0} s)",
+                eprint!(
+                    "xtask: vm: {} done in {:.0} s (in the guest {:.0} s), its cases:\n{}",
                     kernel.release,
                     started.elapsed().as_secs_f64(),
-                    report.seconds
+                    report.seconds,
+                    report.timings()
                 );
             }
             Err(err) => failures.push(format!("{}: {err:#}", kernel.release)),
@@ -442,21 +472,13 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
 /// that matches nothing runs no test and passes, so a renamed case would leave the VMs quietly.
 fn check_cases_exist(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
     for (target, binary) in binaries {
-        let listed = Command::new(binary)
-            .args(["--list", "--format", "terse"])
-            .output()
-            .with_context(|| format!("listing the tests of {}", binary.display()))?;
-        let listed = String::from_utf8_lossy(&listed.stdout);
-        let tests: BTreeSet<&str> = listed
-            .lines()
-            .filter_map(|line| line.strip_suffix(": test"))
-            .collect();
+        let tests = tests_of(binary)?;
         let unknown: Vec<&str> = Flavour::ALL
             .iter()
             .flat_map(|f| f.suites())
             .filter(|suite| suite.target == target)
             .flat_map(|suite| suite.cases.iter().copied())
-            .filter(|case| !tests.contains(case))
+            .filter(|case| !tests.contains(*case))
             .collect();
         if !unknown.is_empty() {
             bail!(
@@ -466,6 +488,19 @@ fn check_cases_exist(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The names of the tests of a test binary.
+fn tests_of(binary: &Path) -> anyhow::Result<BTreeSet<String>> {
+    let listed = Command::new(binary)
+        .args(["--list", "--format", "terse"])
+        .output()
+        .with_context(|| format!("listing the tests of {}", binary.display()))?;
+    Ok(String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|line| line.strip_suffix(": test"))
+        .map(str::to_string)
+        .collect())
 }
 
 /// What each VM's kernel said of the programs when it loaded them, by release; no case runs.
@@ -586,37 +621,85 @@ fn tail_of(path: &Path, lines: usize) -> String {
 pub fn guest(out: &Path, object: &Path, runs: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     let kernel = verifier_figures::kernel_release()?;
-    let (said, verifier_error) = match verifier::load_quick(object) {
-        Ok(said) => (said, None),
-        Err(err) => (Vec::new(), Some(format!("{err:#}"))),
-    };
-    let log = std::fs::File::create(out.join(TEST_LOG))?;
-    let mut suites = Vec::new();
+    // Each case on its own, so that they run side by side: a suite that names none is all of
+    // its binary's.
+    let mut cases: Vec<(&str, String)> = Vec::new();
     for run in runs {
-        let (binary, cases) = run.split_once('=').unwrap_or((run, ""));
-        let cases: Vec<&str> = cases.split(',').filter(|c| !c.is_empty()).collect();
-        let mut command = Command::new(binary);
-        command
-            .args(["--test-threads", "1"])
-            .env(masq_testbed::SLOWDOWN_ENV, GUEST_SLOWDOWN.to_string());
-        if !cases.is_empty() {
-            command.arg("--exact").args(&cases);
+        let (binary, listed) = run.split_once('=').unwrap_or((run, ""));
+        let listed: Vec<String> = match listed {
+            "" => tests_of(Path::new(binary))?.into_iter().collect(),
+            listed => listed.split(',').map(str::to_string).collect(),
+        };
+        cases.extend(listed.into_iter().map(|case| (binary, case)));
+    }
+    let next = AtomicUsize::new(0);
+    let done: Mutex<Vec<(usize, anyhow::Result<CaseRun>)>> = Mutex::default();
+    let loaded = std::thread::scope(|scope| {
+        let loaded = scope.spawn(|| verifier::load_quick(object));
+        for _ in 0..GUEST_WORKERS {
+            scope.spawn(|| {
+                loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((binary, case)) = cases.get(index) else {
+                        break;
+                    };
+                    let run = run_case(&out.join(format!("case-{index}.log")), binary, case);
+                    done.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((index, run));
+                }
+            });
         }
-        let status = command
-            .current_dir(masq_testbed::workspace_root().join("integration"))
-            .stdout(log.try_clone()?)
-            .stderr(log.try_clone()?)
-            .status()
-            .with_context(|| format!("running {binary}"))?;
-        suites.push((binary.to_string(), status.code()));
+        loaded.join()
+    });
+    let (said, verifier_error) = match loaded {
+        Ok(Ok(said)) => (said, None),
+        Ok(Err(err)) => (Vec::new(), Some(format!("{err:#}"))),
+        Err(_) => (
+            Vec::new(),
+            Some("loading the programs panicked".to_string()),
+        ),
+    };
+    let mut done = done.into_inner().unwrap_or_else(|e| e.into_inner());
+    done.sort_by_key(|(index, _)| *index);
+    // The cases' output in their order, as one run would have printed it.
+    let mut log = std::fs::File::create(out.join(TEST_LOG))?;
+    let mut case_runs = Vec::new();
+    for (index, run) in done {
+        let case_log = out.join(format!("case-{index}.log"));
+        if let Ok(mut text) = std::fs::File::open(&case_log) {
+            std::io::copy(&mut text, &mut log)?;
+        }
+        let _ = std::fs::remove_file(case_log);
+        case_runs.push(run?);
     }
     let report = GuestReport {
         kernel,
         verifier: said,
         verifier_error,
-        suites,
+        runs: case_runs,
         seconds: started.elapsed().as_secs_f64(),
     };
     std::fs::write(out.join(REPORT), serde_json::to_vec_pretty(&report)?)?;
     Ok(())
+}
+
+/// Runs one case of `binary`, its output into `log`.
+fn run_case(log: &Path, binary: &str, case: &str) -> anyhow::Result<CaseRun> {
+    let log = std::fs::File::create(log)?;
+    let started = Instant::now();
+    let status = Command::new(binary)
+        .args(["--test-threads", "1", "--exact", case])
+        .env(masq_testbed::SLOWDOWN_ENV, GUEST_SLOWDOWN.to_string())
+        .current_dir(masq_testbed::workspace_root().join("integration"))
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .status()
+        .with_context(|| format!("running {binary}"))?;
+    Ok(CaseRun {
+        binary: binary.to_string(),
+        case: case.to_string(),
+        code: status.code(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
 }

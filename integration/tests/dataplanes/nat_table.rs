@@ -28,6 +28,7 @@ macro_rules! common_cases {
             connections_to_the_nodes_services_leave_the_pods_their_nat_table,
             nodeport_connections_to_another_node_leave_the_pods_their_nat_table,
             a_pods_unanswered_queries_leave_room_for_new_flows,
+            a_pods_closed_connections_leave_room_for_new_flows,
             a_table_filled_before_a_restart_still_makes_room,
             a_smaller_table_carries_the_pods_flows_first,
         );
@@ -460,5 +461,36 @@ fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: IpFa
 
     family.assert_masqueraded(&bed);
     exchange_a_byte(&mut pod_end, &mut host_end);
+    assert_made_room(&bed, "nat_early_dropped");
+}
+
+/// A pod that opens and closes connections one after another (a client without keep-alive)
+/// fills a small NAT table with closed connections, which conntrack keeps as long as TIME_WAIT
+/// lasts (two minutes) and drops from a table past 95 % full. So do the programs: with room for
+/// 64 flows, 150 connections closed one after another leave the pod connecting, and a
+/// connection established before them still carries data.
+fn a_pods_closed_connections_leave_room_for_new_flows(plane: Plane, family: IpFamily) {
+    const SERVER: u16 = 9709;
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(&small_table_args(family));
+    let server = SocketAddr::from((family.outside().ip(), SERVER));
+    let listener =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(server)?)).unwrap();
+    let connect = || {
+        let pod_end = masq_testbed::netns::within(bed.pod(), move || {
+            Ok(TcpStream::connect_timeout(&server, Duration::from_secs(3))?)
+        })
+        .expect("the pod connects");
+        (pod_end, listener.accept().unwrap().0)
+    };
+    let (mut held_pod_end, mut held_host_end) = connect();
+    exchange_a_byte(&mut held_pod_end, &mut held_host_end);
+    for _ in 0..150 {
+        let (mut pod_end, mut host_end) = connect();
+        exchange_a_byte(&mut pod_end, &mut host_end);
+        // Both ends close: a FIN each way, as a client and server without keep-alive do.
+    }
+    family.assert_masqueraded(&bed);
+    exchange_a_byte(&mut held_pod_end, &mut held_host_end);
     assert_made_room(&bed, "nat_early_dropped");
 }

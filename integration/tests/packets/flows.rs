@@ -6,7 +6,7 @@ use masq_agent::dataplane::ebpf::{
     node_ports::NodePorts,
     testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
 };
-use masq_ebpf::{Counter, direction, nat_kind};
+use masq_ebpf::{Counter, NatKey, direction, nat_kind};
 use masq_testbed::packet::*;
 
 use crate::family::*;
@@ -205,10 +205,21 @@ fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F
     let a = stream(&mut h, 1001);
     h.egress(&udp(F::POD, 1002, F::REMOTE, 53));
     assert_eq!(F::nat(&h).len(), 4, "two flows fill a four-entry table");
+    let unanswered = egress_key::<F>(&h, 1002);
     let (verdict, _) = h.egress(&udp(F::POD, 1003, F::REMOTE, 53));
     assert_eq!(verdict, TC_ACT_OK, "the unanswered flow makes room");
     assert_eq!(h.counter(Counter::NatEarlyDropped), 1);
     assert_eq!(pod_ports::<F>(&h), [1001, 1003]);
+    let made = egress_key::<F>(&h, 1003);
+    let sample = F::drop_sample(&h);
+    assert_eq!(
+        (
+            sample.iter().filter(|k| **k == made).count(),
+            sample.contains(&unanswered)
+        ),
+        (1, false),
+        "the new flow takes the dropped flow's slot, and no other: {sample:?}"
+    );
     let c = stream(&mut h, 1003);
     let (verdict, _) = h.egress(&udp(F::POD, 1004, F::REMOTE, 53));
     assert_eq!(
@@ -259,6 +270,15 @@ fn a_full_nat_table_drops_a_closing_connection_and_never_an_open_one<F: HarnessF
     );
 }
 
+/// The egress key of the pod's flow from `pod_port`.
+fn egress_key<F: HarnessFamily>(h: &TestBed, pod_port: u16) -> NatKey<F::Octets> {
+    F::nat(h)
+        .into_iter()
+        .map(|(key, _)| key)
+        .find(|k| k.direction == direction::EGRESS && u16::from_be(k.sport) == pod_port)
+        .expect("the pod's flow is in the table")
+}
+
 /// A pod's TCP connection to the remote's port 80, through its handshake both ways; the
 /// node's port it got.
 fn connect<F: HarnessFamily>(h: &mut TestBed, pod_port: u16) -> u16 {
@@ -281,10 +301,7 @@ fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F
     h.egress(&udp(F::POD, 3004, F::REMOTE, 53));
     let table = F::nat(&h);
     assert_eq!(table.len(), 8, "the table is full");
-    let (unanswered, _) = *table
-        .iter()
-        .find(|(k, _)| k.direction == direction::EGRESS && u16::from_be(k.sport) == 3004)
-        .unwrap();
+    let unanswered = egress_key::<F>(&h, 3004);
     let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     let run = F::expire(&h, &expiry::Timeouts::default(), newest);
     assert_eq!(run.expired_flows, 0);

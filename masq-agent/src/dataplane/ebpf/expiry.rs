@@ -319,7 +319,7 @@ pub fn translated_by_address<A: Address + Ord>(
 /// A table left under pressure (`UNDER_PRESSURE_PERCENT` full or more) gets its drop
 /// `sample`, if given, pointed at the flows a full table may drop: new flows write random
 /// slots, so between sweeps a sample forgets flows (and never had those the agent wrote into
-/// the table), and a full table that looks at 8 slots could miss the droppable flows it holds.
+/// the table), and a full table that looks at 16 slots could miss the droppable flows it holds.
 /// Right after such a sweep every slot holds one, for as long as the table has any.
 pub fn expire<A>(
     nat: &NatTable<A>,
