@@ -7,7 +7,7 @@ use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sour
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
-    maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie},
+    maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests},
     nat,
     parse::{self, Packet},
     policy,
@@ -31,8 +31,12 @@ pub trait Family {
     const IP_CSUM_OFF: Option<usize>;
     /// Whether the steps declared with `step!` run as functions of their own.
     const OWN_FRAMES: bool;
-    /// The family's `nat::early_drop`, a global BPF function.
+    /// The family's global BPF functions, which the verifier walks once each:
+    /// `nat::early_drop`'s and `nat::reserve_port`'s.
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64;
+    const RESERVE_PORT: extern "C" fn() -> i64;
+    /// Where `nat::reserve_port` leaves the flow for `RESERVE_PORT`.
+    fn port_request() -> &'static PortRequests<Self::Addr>;
 
     /// An address in two words, as a global BPF function takes it (IPv4's in the first).
     fn words(addr: &Self::Addr) -> [u64; 2];
@@ -113,6 +117,12 @@ impl Family for V4 {
     const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v4;
+    const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
+
+    #[inline(always)]
+    fn port_request() -> &'static PortRequests<[u8; 4]> {
+        &maps::PORT_REQUEST_V4
+    }
 
     #[inline(always)]
     fn words(addr: &[u8; 4]) -> [u64; 2] {
@@ -218,6 +228,12 @@ impl Family for V6 {
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v6;
+    const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
+
+    #[inline(always)]
+    fn port_request() -> &'static PortRequests<[u8; 16]> {
+        &maps::PORT_REQUEST_V6
+    }
 
     #[inline(always)]
     fn words(addr: &[u8; 16]) -> [u64; 2] {

@@ -46,6 +46,10 @@ pub mod map_names {
     /// table when it loads the programs.
     pub const DROP_SAMPLE_V4: &str = "nat_drop_sample_v4";
     pub const DROP_SAMPLE_V6: &str = "nat_drop_sample_v6";
+    /// Per CPU, the flow a new flow's port is searched for, handed to the search's global BPF
+    /// function and back; not pinned.
+    pub const PORT_REQUEST_V4: &str = "nat_port_request_v4";
+    pub const PORT_REQUEST_V6: &str = "nat_port_request_v6";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 13] = [

@@ -5,9 +5,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use masq_ebpf::{
-    COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES, Interface,
-    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
-    Settings, decision_slot, node_ports, policy_word, verdict_slot,
+    Address, COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES,
+    Interface, NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
+    PolicyEntry, Settings, decision_slot, node_ports, policy_word, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -92,6 +92,26 @@ pub static DROP_SAMPLE_V4: DropSample<[u8; 4]> = Array::new();
 
 #[btf_map(name = "nat_drop_sample_v6")]
 pub static DROP_SAMPLE_V6: DropSample<[u8; 16]> = Array::new();
+
+/// What `nat::reserve_port` hands its family's global BPF function, which takes no pointer
+/// before Linux 5.12, and what it gets back: this CPU's slot. Not pinned.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct PortRequest<A: Address> {
+    pub egress_key: NatKey<A>,
+    /// The egress half of the flow; the function writes the port into it.
+    pub egress: NatEntry<A>,
+    /// Where `verifier::forget_in` writes a value and reads it back.
+    pub unknown: u32,
+}
+
+pub type PortRequests<A> = PerCpuArray<PortRequest<A>, 1>;
+
+#[btf_map(name = "nat_port_request_v4")]
+pub static PORT_REQUEST_V4: PortRequests<[u8; 4]> = PerCpuArray::new();
+
+#[btf_map(name = "nat_port_request_v6")]
+pub static PORT_REQUEST_V6: PortRequests<[u8; 16]> = PerCpuArray::new();
 
 #[btf_map(name = "node_ports")]
 pub static NODE_PORTS: Array<u64, { node_ports::WORDS as usize }> = Array::new();

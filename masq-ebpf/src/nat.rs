@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     Address, Counter, EARLY_DROP_PROBES, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey,
-    Settings, can_drop_early, direction, nat_kind, packets_seen,
+    can_drop_early, direction, nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -279,15 +279,13 @@ fn rst_acceptable<F: Family>(
 /// the egress half is left in `egress`.
 #[inline(always)]
 pub fn create_snat<F: Family>(
-    ctx: &TcContext,
     egress_key: &NatKey<F::Addr>,
     to: F::Addr,
-    settings: &Settings,
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<(), AllocError> {
     *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
-    match reserve_port::<F>(ctx, egress_key, egress, settings) {
+    match reserve_port::<F>(egress_key, egress) {
         RESERVED => {
             let ingress_key = egress_key.reverse(egress);
             publish_egress::<F>(egress_key, &ingress_key, egress)
@@ -340,31 +338,58 @@ const RESERVED: u32 = 0;
 const PORTS_EXHAUSTED: u32 = 1;
 const TABLE_FULL: u32 = 2;
 
-step! {
-/// Finds `egress` a free port and reserves it by inserting the flow's reply half. A function
-/// of its own, taking references and returning a plain code: a BPF function gets five
-/// registers and no stack arguments, and its frame is not added to its callers' all at once.
-fn reserve_port<F: Family>(
-    ctx: &TcContext,
-    egress_key: &NatKey<F::Addr>,
-    egress: &mut NatEntry<F::Addr>,
-    settings: &Settings,
-) -> u32 {
+/// Finds `egress` a free port and reserves it by inserting the flow's reply half. Says
+/// `RESERVED` (the port in `egress`), `PORTS_EXHAUSTED` or `TABLE_FULL` (the port it could not
+/// reserve in `egress`). The search runs in the family's global BPF function
+/// (`masq_reserve_port_v4` or `_v6`), which the verifier walks once, where it walks a static
+/// one again in every state its callers reach it with (eight, for the first packets of the
+/// protocols and of pods and the node). A global function takes no pointer before Linux 5.12:
+/// the flow goes in and its port comes back through this CPU's `PortRequest`.
+#[inline(always)]
+fn reserve_port<F: Family>(egress_key: &NatKey<F::Addr>, egress: &mut NatEntry<F::Addr>) -> u32 {
+    let Some(request) = F::port_request().get_ptr_mut(0) else {
+        return TABLE_FULL;
+    };
+    // SAFETY: this CPU's slot of a per-CPU map; a tc program runs to its end on one CPU, and
+    // none of ours runs inside another there.
+    unsafe {
+        (*request).egress_key = *egress_key;
+        (*request).egress = *egress;
+    }
+    let code = (F::RESERVE_PORT)();
+    // SAFETY: as above.
+    egress.port = unsafe { (*request).egress.port };
+    code as u32
+}
+
+/// `reserve_port`'s search, in each family's global BPF function.
+#[inline(always)]
+fn reserve_port_global<F: Family>() -> i64 {
+    let (Some(request), Some(settings)) = (F::port_request().get_ptr_mut(0), maps::settings())
+    else {
+        return i64::from(TABLE_FULL);
+    };
+    // SAFETY: as in `reserve_port`, which filled it.
+    let request = unsafe { &mut *request };
+    let egress_key = &request.egress_key;
     // The reply half differs from one attempt to the next only in its port. No reply has
     // crossed it yet: established means both ways seen.
-    let mut ingress_key = egress_key.reverse(egress);
+    let mut ingress_key = egress_key.reverse(&request.egress);
     let ingress = unseen(
         egress_key.saddr,
         egress_key.sport,
-        egress.kind,
-        egress.last_seen_ns,
+        request.egress.kind,
+        request.egress.last_seen_ns,
     );
     // Each span a port may come from is a path of its own for the verifier, and every attempt
     // would multiply them.
-    let start = verifier::forget(ctx, ports::first_offset(settings, egress_key.sport));
+    let start = verifier::forget_in(
+        &mut request.unknown,
+        ports::first_offset(settings, egress_key.sport),
+    );
     for attempt in 0..ports::MAX_ATTEMPTS {
         let port = ports::candidate(settings, start, attempt);
-        ingress_key.dport = verifier::forget(ctx, u32::from(port)) as u16;
+        ingress_key.dport = verifier::forget_in(&mut request.unknown, u32::from(port)) as u16;
         // By reference: copies for the helper would take the frame past the verifier's limit.
         let (key, value) = (&ingress_key, &ingress);
         match F::nat().insert(key, value, BPF_NOEXIST as u64) {
@@ -374,26 +399,39 @@ fn reserve_port<F: Family>(
             // moment the reservation stands, only a reply from the very remote address and
             // port the pod asked for could meet it, on a port the node listens on: a client's
             // port, which no pod connects to.
-            Ok(()) if ports::held_by_node(egress_key.proto, ingress_key.dport) => {
+            Ok(()) if ports::held_by_node(request.egress_key.proto, ingress_key.dport) => {
                 let _ = F::nat().remove(key);
                 continue;
             }
             Ok(()) => {
-                egress.port = ingress_key.dport;
-                return RESERVED;
+                request.egress.port = ingress_key.dport;
+                return i64::from(RESERVED);
             }
             Err(EEXIST) => continue,
             Err(_) => {
                 // The port it could not reserve: `create_snat_again` tries it once more. Not
                 // asked whether the node holds it: on this path too that doubles what the
                 // verifier walks; `create_snat_again` asks.
-                egress.port = ingress_key.dport;
-                return TABLE_FULL;
+                request.egress.port = ingress_key.dport;
+                return i64::from(TABLE_FULL);
             }
         }
     }
-    PORTS_EXHAUSTED
+    i64::from(PORTS_EXHAUSTED)
 }
+
+/// `reserve_port` for IPv4, a global BPF function.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_reserve_port_v4() -> i64 {
+    reserve_port_global::<crate::family::V4>()
+}
+
+/// `reserve_port` for IPv6, a global BPF function.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_reserve_port_v6() -> i64 {
+    reserve_port_global::<crate::family::V6>()
 }
 
 /// Inserts the egress half once its port is reserved. If another CPU translated the same flow

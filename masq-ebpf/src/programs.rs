@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     Counter, Decision, EARLY_DROP_ROUNDS, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey,
-    Settings, direction, nat_kind, tcp_seen,
+    direction, nat_kind, tcp_seen,
 };
 
 use crate::{
@@ -262,7 +262,7 @@ fn snat_masquerade_new<F: Family>(
     } else {
         device.masquerade_addr()
     };
-    match nat::create_snat::<F>(ctx, key, to, device.settings, segment, entry) {
+    match nat::create_snat::<F>(key, to, segment, entry) {
         Ok(()) => {
             // Asked again rather than kept across the call: a value known on each path that
             // lives through it would have the verifier walk the allocation once per value.
@@ -311,25 +311,24 @@ fn packet_key<A: Copy>(ip: &Packet<A>, l4: &L4, dir: u8) -> NatKey<A> {
     nat::key(ip.saddr, ip.daddr, l4.proto, l4.sport, l4.dport, dir)
 }
 
-/// The device a packet crosses, as the agent configured it for the family, and the NAT
-/// settings. Only packets of no known flow need them, so the packets of established flows, both
-/// ways, skip the lookups.
+/// The device a packet crosses, as the agent configured it for the family. Only packets of no
+/// known flow need it, so the packets of established flows, both ways, skip the lookups.
 struct Device<F: Family> {
     iface: &'static Interface,
     /// The device's own address.
     addr: F::Addr,
-    settings: &'static Settings,
 }
 
 impl<F: Family> Device<F> {
-    /// `None` until the agent has configured both.
+    /// `None` until the agent has configured both the device and NAT's settings (which the
+    /// port search reads).
     #[inline(always)]
     fn of(ctx: &TcContext) -> Option<Device<F>> {
         let iface = Self::entry(ctx)?;
+        maps::settings().filter(|s| s.total_ports != 0)?;
         Some(Device {
             iface,
             addr: F::node_addr(iface)?,
-            settings: maps::settings().filter(|s| s.total_ports != 0)?,
         })
     }
 

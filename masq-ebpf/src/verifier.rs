@@ -61,9 +61,20 @@ pub fn forget(ctx: &TcContext, value: u32) -> u32 {
     unsafe {
         let cb = &raw mut (*ctx.skb.skb).cb[0];
         let saved = cb.read_volatile();
-        cb.write_volatile(value);
-        let forgotten = cb.read_volatile();
+        let forgotten = forget_in(&mut *cb, value);
         cb.write_volatile(saved);
         forgotten
+    }
+}
+
+/// `forget`, through `cell`: memory whose contents the verifier does not track, as a map
+/// value's (where a global BPF function, which has no skb, keeps one).
+#[inline(always)]
+pub fn forget_in(cell: &mut u32, value: u32) -> u32 {
+    let cell: *mut u32 = cell;
+    // SAFETY: a valid, exclusive reference; volatile, so that the compiler keeps the round trip.
+    unsafe {
+        cell.write_volatile(value);
+        cell.read_volatile()
     }
 }

@@ -416,6 +416,8 @@ mod tests {
             map_names::NODE_PORTS,
             map_names::DROP_SAMPLE_V4,
             map_names::DROP_SAMPLE_V6,
+            map_names::PORT_REQUEST_V4,
+            map_names::PORT_REQUEST_V6,
         ];
         for name in map_names::PINNED.iter().chain(&unpinned) {
             assert!(
