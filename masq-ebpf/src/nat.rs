@@ -460,15 +460,36 @@ fn publish_egress<F: Family>(
     }
 }
 
-/// Writes a flow just created, by its egress key, into a random slot of the drop sample, where
-/// a full table may find it. CPUs that write one slot at once race harmlessly: the sample loses
-/// a flow (which expires as any other), or holds a key torn by two writers, which is no flow's.
+/// Where a flow just made goes in the drop sample, where a full table may find it: a random
+/// slot (`RANDOM`), or the slot of the flow `early_drop` dropped to make room for it
+/// (`freed`). One register, as a step's argument must be. CPUs that write one slot at once
+/// race harmlessly: the sample loses a flow (which expires as any other), or holds a key torn
+/// by two writers, which is no flow's.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct SampleSlot(EarlyDrop);
+
+impl SampleSlot {
+    pub const RANDOM: SampleSlot = SampleSlot(EarlyDrop::NO_ROOM);
+
+    #[inline(always)]
+    pub fn freed(room: EarlyDrop) -> SampleSlot {
+        SampleSlot(room)
+    }
+}
+
+/// Writes a flow just made, by its egress key, into the drop sample, once.
 #[inline(always)]
-pub fn remember_for_early_drop<F: Family>(egress_key: &NatKey<F::Addr>) {
-    // SAFETY: the helper has no preconditions.
-    let slot = unsafe { bpf_get_prandom_u32() } & (F::drop_sample_slots() - 1);
+pub fn remember<F: Family>(slot: SampleSlot, egress_key: &NatKey<F::Addr>) {
+    let slot = if slot.0 == EarlyDrop::NO_ROOM {
+        // SAFETY: the helper has no preconditions.
+        let random = unsafe { bpf_get_prandom_u32() };
+        random & (F::drop_sample_slots() - 1)
+    } else {
+        slot.0.slot()
+    };
     if let Some(sampled) = F::drop_sample().get_ptr_mut(slot) {
-        // SAFETY: a map value, written whole; see above for other CPUs.
+        // SAFETY: a map value, written whole; see `SampleSlot` for other CPUs.
         unsafe { *sampled = *egress_key };
     }
 }
@@ -508,15 +529,15 @@ impl EarlyDrop {
 /// (`NODE`), a reservation its next packet makes again, goes whatever its state; any other
 /// only if conntrack would drop it from a full table (`can_drop_early`: never answered, not
 /// past its first exchange, or a TCP connection closing or reset). Says `NO_ROOM`, or the slot
-/// the flow dropped held, for the new flow once it is made (`remember_in`), and the port the
+/// the flow dropped held, for the new flow once it is made (`SampleSlot::freed`), and the port the
 /// flow held on the node's address (0 for a flow that left a pod its own port, or a node flow
 /// toward the new flow's destination `new_dest`:`new_dport`), free now for the new one. An
 /// assured flow of a pod's is never dropped. CPUs that find the table full at once may meet at
 /// one flow: the one whose removal of it succeeds has it, and the others look on.
 #[inline(always)]
-pub fn early_drop<F: Family>(new_key: &NatKey<F::Addr>) -> EarlyDrop {
-    let [high, low] = F::words(&new_key.daddr);
-    EarlyDrop((F::EARLY_DROP)(high, low, u32::from(new_key.dport)))
+pub fn early_drop<F: Family>(new_dest: &F::Addr, new_dport: u16) -> EarlyDrop {
+    let [high, low] = F::words(new_dest);
+    EarlyDrop((F::EARLY_DROP)(high, low, u32::from(new_dport)))
 }
 
 /// `early_drop`'s body, run by each family's global BPF function (`masq_early_drop_v4` and
@@ -586,21 +607,14 @@ pub extern "C" fn masq_early_drop_v6(high: u64, low: u64, dport: u32) -> i64 {
     early_drop_global::<crate::family::V6>([high, low], dport as u16)
 }
 
-/// Writes a flow made in the room `early_drop` made into the slot of the flow it dropped.
-#[inline(always)]
-pub fn remember_in<F: Family>(room: EarlyDrop, egress_key: &NatKey<F::Addr>) {
-    if let Some(sampled) = F::drop_sample().get_ptr_mut(room.slot()) {
-        // SAFETY: as in `remember_for_early_drop`.
-        unsafe { *sampled = *egress_key };
-    }
-}
-
 /// Why a flow could not be remembered as one to leave alone.
 pub enum IdentityError {
     /// The other half's key (the flow's tuple as replies carry it) is another flow's: on the
     /// node's address, a masqueraded flow holds the same port.
     Taken,
-    /// The table is full, or another CPU remembered the same flow first.
+    /// The table is full (`early_drop` may make room).
+    TableFull,
+    /// Another CPU remembered the same flow first.
     NotRecorded,
 }
 
@@ -640,14 +654,14 @@ pub fn track_identity<F: Family>(
     match nat.insert(ingress_key, ingress, BPF_NOEXIST as u64) {
         Ok(()) => {}
         Err(EEXIST) => return Err(IdentityError::Taken),
-        Err(_) => return Err(IdentityError::NotRecorded),
+        Err(_) => return Err(IdentityError::TableFull),
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it.
     if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {
         let _ = nat.remove(ingress_key);
         return Err(IdentityError::NotRecorded);
     }
-    remember_for_early_drop::<F>(egress_key);
+    remember::<F>(SampleSlot::RANDOM, egress_key);
     Ok(())
 }
 

@@ -19,7 +19,7 @@ use crate::{
     csum::{self, AddrField, L4Checksum},
     family::{Family, V4, V6},
     frag, maps,
-    nat::{self, AllocError, IdentityError, Segment},
+    nat::{self, AllocError, IdentityError, SampleSlot, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
 };
@@ -158,18 +158,18 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             let mut entry = NatEntry::default();
             let mut made = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
             if made == Masquerading::MASQUERADED {
-                nat::remember_for_early_drop::<F>(&key);
+                nat::remember::<F>(SampleSlot::RANDOM, &key);
             } else if made == Masquerading::TABLE_FULL {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
-                    let room = nat::early_drop::<F>(&key);
+                    let room = nat::early_drop::<F>(&key.daddr, key.dport);
                     let Some(freed_port) = room.port() else {
                         break;
                     };
                     made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
                     if made == Masquerading::MASQUERADED {
-                        nat::remember_in::<F>(room, &key);
+                        nat::remember::<F>(SampleSlot::freed(room), &key);
                     }
                     if made != Masquerading::TABLE_FULL {
                         break;
@@ -665,11 +665,24 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 // The chosen masquerade address is the node's, as the device's is (which
                 // `snat_track_inbound` asks about): no pod's. Asked here, where the frame has
                 // room for it.
-                if !Device::<F>::entry(ctx).is_some_and(|iface| F::is_chosen_addr(iface, &ip.daddr))
+                if Device::<F>::entry(ctx).is_some_and(|iface| F::is_chosen_addr(iface, &ip.daddr))
                 {
-                    snat_track_inbound::<F>(ctx, ip, &l4);
+                    return TcAction::PASS;
                 }
-                TcAction::PASS
+                // A full table makes room for a connection toward a pod as for a pod's own new
+                // flow, as conntrack does for any; called from here, where the frame of
+                // `snat_track_inbound` is not on the stack. One round, not `egress`'s four:
+                // every call of the step is one more walk of it for the verifier, and a
+                // connection that loses the room to another CPU's flow is retransmitted.
+                if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
+                    || (nat::early_drop::<F>(&ip.saddr, l4.sport).port().is_some()
+                        && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
+                {
+                    return TcAction::PASS;
+                }
+                // Untracked, its replies would leave masqueraded: conntrack too drops what it
+                // has no room for.
+                Verdict::Drop(Counter::DropNatTableFull).count()
             }
             done => done.action(),
         }
@@ -746,11 +759,19 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
 }
 }
 
+/// What `snat_track_inbound` says of the table: it had room for the connection (or the packet
+/// opens none), or it had none (`early_drop` may make some). Either way the packet may pass.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inbound {
+    Room,
+    TableFull,
+}
+
 step! {
 /// Ingress, a packet of no known flow: a connection opened from outside toward a pod's own
 /// address is remembered, so that the pod's replies keep that address. A TCP connection opens
 /// with a SYN: stray segments (to an address the node no longer has, say) open nothing.
-fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) {
+fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> Inbound {
     let key = &ingress_key(ip, l4, F::ICMP);
     let segment = Segment::read::<F>(ctx, ip, l4);
     if l4.proto != F::ICMP
@@ -758,16 +779,19 @@ fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4)
         && F::is_unicast(&ip.daddr)
         && Device::<F>::of(ctx).is_some_and(|device| ip.daddr != device.addr)
         && !F::is_non_masq_destination(ip.saddr)
-        && nat::track_identity::<F>(
+    {
+        match nat::track_identity::<F>(
             &nat::egress_key_of(key),
             nat_kind::PASSTHROUGH,
             direction::INGRESS,
             &segment,
-        )
-        .is_ok()
-    {
-        maps::count(Counter::InboundTracked);
+        ) {
+            Ok(()) => maps::count(Counter::InboundTracked),
+            Err(IdentityError::TableFull) => return Inbound::TableFull,
+            Err(_) => {}
+        }
     }
+    Inbound::Room
 }
 }
 

@@ -1,7 +1,7 @@
 //! The NAT table: what keeps a flow in it (a blind RST does not end one, a lone ACK does not
 //! establish one), what fills it, and what a full one gives up so that pods keep connecting:
-//! the node's services and NodePorts under floods, a pod's unanswered queries, a table filled
-//! before a restart, a smaller table after one.
+//! the node's services and NodePorts under floods, a pod's unanswered queries, a connection from
+//! outside to a pod, a table filled before a restart, a smaller table after one.
 
 use std::{
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -11,7 +11,7 @@ use std::{
 use masq_agent::policy::IpFamily;
 use masq_testbed::{
     packet::{ACK, RST, Tcp},
-    probe::{self, IPPROTO_TCP, Proto},
+    probe::{self, IPPROTO_TCP, Observer, Proto},
     wait_for,
 };
 
@@ -29,6 +29,7 @@ macro_rules! common_cases {
             nodeport_connections_to_another_node_leave_the_pods_their_nat_table,
             a_pods_unanswered_queries_leave_room_for_new_flows,
             a_pods_closed_connections_leave_room_for_new_flows,
+            a_connection_from_outside_to_a_pod_makes_room_too,
             a_table_filled_before_a_restart_still_makes_room,
             a_smaller_table_carries_the_pods_flows_first,
         );
@@ -461,6 +462,25 @@ fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: IpFa
 
     family.assert_masqueraded(&bed);
     exchange_a_byte(&mut pod_end, &mut host_end);
+    assert_made_room(&bed, "nat_early_dropped");
+}
+
+/// A connection from outside toward a pod needs an entry of its own, or the pod's SYN-ACK
+/// would leave masqueraded and the handshake fail: in a table that a pod's unanswered queries
+/// filled, it makes room as the pod's own new flows do, as conntrack's early drop makes room for
+/// any new connection.
+fn a_connection_from_outside_to_a_pod_makes_room_too(plane: Plane, family: IpFamily) {
+    const SERVER: u16 = 9711;
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(&small_table_args(family));
+    let pod = family.pod(0);
+    let in_pod = Observer::start(bed.pod(), &[pod], SERVER).unwrap();
+    let _silent = unanswered_queries(&bed, family, 9710, 300);
+    let client = SocketAddr::new(family.routable_client().ip(), 0);
+    let seen = probe::tcp_probe_from(&bed.topo.ext, client, (pod, SERVER).into())
+        .expect("the connection from outside completes its handshake");
+    assert_eq!(seen.ip(), client.ip());
+    assert_eq!(in_pod.sources(Proto::Tcp), [client.ip()]);
     assert_made_room(&bed, "nat_early_dropped");
 }
 
