@@ -50,6 +50,9 @@ pub mod map_names {
     /// function and back; not pinned.
     pub const PORT_REQUEST_V4: &str = "nat_port_request_v4";
     pub const PORT_REQUEST_V6: &str = "nat_port_request_v6";
+    /// Per CPU, the IPv6 packet the programs' IPv6 parser (a global BPF function) parsed last;
+    /// not pinned.
+    pub const IPV6_WALK: &str = "ipv6_walk";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 13] = [

@@ -1,5 +1,6 @@
 //! The maps the programs share with the agent. Names match `masq_ebpf::map_names`.
 
+use crate::parse::Packet;
 use aya_ebpf::{
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
@@ -112,6 +113,10 @@ pub static PORT_REQUEST_V4: PortRequests<[u8; 4]> = PerCpuArray::new();
 
 #[btf_map(name = "nat_port_request_v6")]
 pub static PORT_REQUEST_V6: PortRequests<[u8; 16]> = PerCpuArray::new();
+
+/// Where `parse::masq_walk_ipv6` leaves the IPv6 packet it parsed, this CPU's slot. Not pinned.
+#[btf_map(name = "ipv6_walk")]
+pub static IPV6_WALK: PerCpuArray<Packet<[u8; 16]>, 1> = PerCpuArray::new();
 
 #[btf_map(name = "node_ports")]
 pub static NODE_PORTS: Array<u64, { node_ports::WORDS as usize }> = Array::new();

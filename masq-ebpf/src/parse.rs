@@ -5,10 +5,10 @@
 //! Reads never write: a program that writes packet data directly has every cloned skb
 //! unshared at entry, translated or not, so all writes go through the store helpers instead.
 
-use aya_ebpf::{helpers::bpf_skb_load_bytes, programs::TcContext};
+use aya_ebpf::{bindings::__sk_buff, helpers::bpf_skb_load_bytes, programs::TcContext};
 use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::verifier;
+use crate::{maps, verifier};
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -213,31 +213,39 @@ pub fn datagram_end(ctx: &TcContext, ip_off: usize, len_off: usize, uncounted: u
 /// header. `None` for a chain cut short; a chain too long comes back not `walked_whole`.
 #[inline(always)]
 pub fn ipv6_at(ctx: &TcContext, offset: usize) -> Option<Packet<[u8; 16]>> {
-    let mut packet = core::mem::MaybeUninit::uninit();
-    if !walk_ipv6(ctx, offset, &mut packet) {
+    if offset > MAX_IP_OFF || masq_walk_ipv6(ctx.skb.skb, offset as u32) == 0 {
         return None;
     }
-    // SAFETY: `walk_ipv6` filled `packet` whole.
-    let packet: Packet<[u8; 16]> = unsafe { packet.assume_init() };
-    // Copied back through memory, the offset has lost its bound for the verifier: give it
-    // back, or no read at it passes.
+    let mut packet = *maps::IPV6_WALK.get(0)?;
+    // Copied back through memory, the offsets have lost their bounds for the verifier: give
+    // them back, or no read at them passes.
+    packet.ip_off = offset;
     (packet.l4_off <= MAX_L4_OFF).then_some(packet)
 }
 
-/// The walk behind `ipv6_at`, a function of its own so that its temporaries take no room in
-/// the callers' stack frames. It fills `out`, since a BPF function cannot return an aggregate.
+/// Where an IPv6 header may start: the frame's own, or one an ICMPv6 error quotes.
+const MAX_IP_OFF: usize = MAX_L4_OFF + 8;
+
+/// The walk behind `ipv6_at`, a global BPF function: the verifier walks it once, on its own,
+/// where it walked a static one again at each of the fifteen places and states the programs
+/// parse an IPv6 header in. A global function returns one register and takes no pointer but
+/// the skb before Linux 5.12: the packet comes back in this CPU's slot of `ipv6_walk`.
+#[unsafe(no_mangle)]
 #[inline(never)]
-fn walk_ipv6(
-    ctx: &TcContext,
-    offset: usize,
-    out: &mut core::mem::MaybeUninit<Packet<[u8; 16]>>,
-) -> bool {
-    match ipv6_headers(ctx, offset) {
-        Some(packet) => {
-            out.write(packet);
-            true
+pub extern "C" fn masq_walk_ipv6(skb: *mut __sk_buff, offset: u32) -> i64 {
+    let ctx = TcContext::new(skb);
+    let offset = offset as usize;
+    if offset > MAX_IP_OFF {
+        return 0;
+    }
+    match (ipv6_headers(&ctx, offset), maps::IPV6_WALK.get_ptr_mut(0)) {
+        (Some(packet), Some(slot)) => {
+            // SAFETY: this CPU's slot of a per-CPU map, read back by `ipv6_at` before any
+            // other walk on this CPU.
+            unsafe { *slot = packet };
+            1
         }
-        None => false,
+        _ => 0,
     }
 }
 

@@ -31,9 +31,10 @@ use crate::verifier_figures;
 const VIRTME_NG: &str = "virtme-ng==1.42";
 /// The cloud kernel has no 9p: the root is shared over virtio-fs, served by this.
 const VIRTIOFSD_VERSION: &str = "1.14.0";
-/// What each VM may take before it is stopped and the step fails: the largest set takes five to
-/// seven minutes on an emulated CPU. (The VMs run one after another: at once, each agent's start
-/// took over 50 s, as the emulated CPUs only share the machine's.)
+/// What each VM may take before it is stopped and the step fails: the largest set takes about
+/// two minutes on an emulated CPU, and took five to seven before the verifier's work halved.
+/// (The VMs run one after another: at once, each agent's start took over 50 s, as the emulated
+/// CPUs only share the machine's.)
 const VM_TIMEOUT: Duration = Duration::from_secs(600);
 /// How many times longer the cases' waits may last in a VM than on the host: the emulated CPU
 /// runs the agent's start (the verifier's pass over the programs, above all) some ten times
@@ -41,8 +42,9 @@ const VM_TIMEOUT: Duration = Duration::from_secs(600);
 const GUEST_SLOWDOWN: u32 = 5;
 /// How many cases a VM runs at once, one per emulated CPU: a case waits on the agent's start,
 /// which is the verifier's pass on one CPU, so two run in little more than the time of one
-/// (10 cases of the generic 6.1: 290 s one at a time, 160–190 s two at a time; three at a time
-/// on two cores took no less).
+/// (the 10 cases of the generic 6.1, measured on programs the verifier took twice as long
+/// over: 290 s one at a time, 160–190 s two at a time; three at a time on two cores took no
+/// less).
 const GUEST_WORKERS: usize = 2;
 
 /// A kernel the step boots.
@@ -121,7 +123,7 @@ impl Flavour {
     /// What it runs: the whole set on the generic 6.1; on the cloud kernel, which differs in
     /// drivers and options and not in its verifier, what loads, attaches and translates each
     /// family; on 5.10, that, and what an operator reads when the kernel refuses the programs
-    /// or their maps. The three take about as long as the VM step may (five minutes).
+    /// or their maps. The three take about four minutes, of the five the VM step may.
     fn suites(self) -> &'static [Suite] {
         match self {
             Flavour::Generic61 => &[Suite {

@@ -418,6 +418,7 @@ mod tests {
             map_names::DROP_SAMPLE_V6,
             map_names::PORT_REQUEST_V4,
             map_names::PORT_REQUEST_V6,
+            map_names::IPV6_WALK,
         ];
         for name in map_names::PINNED.iter().chain(&unpinned) {
             assert!(
