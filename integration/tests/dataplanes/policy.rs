@@ -16,7 +16,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, DEFAULT_CONFIG, FamilyOnTheBed, PORT, Plane, assert_gre_leaves_with, host_prefix, node_ip,
-    pod_ip, second_outside, wait_for_udp_source,
+    pod_ip, second_outside, unanswered_queries, wait_for_udp_source,
 };
 
 /// What pods see must not depend on the data plane.
@@ -39,6 +39,7 @@ macro_rules! common_cases {
 mod ebpf {
     common_cases!(Ebpf);
     cases!(Ebpf: a_flow_stranded_by_a_change_stays_translated);
+    family_cases!(Ebpf: a_change_that_finds_the_table_full_says_what_it_could_not_keep);
 }
 
 mod iptables_nft {
@@ -302,6 +303,33 @@ fn a_change_made_while_no_agent_runs_moves_no_live_flow(plane: Plane, family: Ip
     );
     ping.assert_leaves_with(pod, "the live ping");
     assert_eq!(udp_source_from(&bed, dst, PORT + 1), node, "a new flow");
+}
+
+/// A change that finds the NAT table full has no room to keep a live flow that left with the
+/// pod's address: the agent says so, with how many, rather than let the flow move unsaid.
+fn a_change_that_finds_the_table_full_says_what_it_could_not_keep(plane: Plane, family: IpFamily) {
+    const PORT: u16 = 41300;
+    let dst = family.routable_client();
+    let host = host_prefix(dst.ip());
+    let bed = Bed::new(plane, &family.config_with(&[&host], &[]));
+    let mut args = family.agent_args().to_vec();
+    args.push("--nat-capacity=64");
+    let agent = bed.start_agent(&args);
+    wait_for_udp_source(&bed, dst, family.pod(0));
+    assert_eq!(udp_source_from(&bed, dst, PORT), family.pod(0));
+    // Masqueraded and never answered: they fill the table.
+    let _silent = unanswered_queries(&bed, family, 9712, 300);
+    write_config(&bed.config, &family.config_with(&[], &[])).unwrap();
+    wait_for(|| Ok(agent.log_text().contains("could not keep")))
+        .unwrap_or_else(|e| panic!("no word of the flow not kept: {e}\n{}", agent.log_text()));
+    let log = agent.log_text();
+    let said = log.lines().find(|l| l.contains("could not keep")).unwrap();
+    // This case's flow, and those of the probes that waited for the policy.
+    let flows: usize = said
+        .rsplit_once("flows=")
+        .and_then(|(_, n)| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("how many is not said: {said}"));
+    assert!(flows >= 1, "{said}");
 }
 
 /// `masqLinkLocal` turned on moves no live flow to link-local, and turned off again none it

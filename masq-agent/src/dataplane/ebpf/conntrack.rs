@@ -159,7 +159,7 @@ pub fn hold_known_node_flows(
         info!("conntrack's table is not listed here: the node's own flows are held as they send");
         return;
     };
-    let held = netdev::local_addresses().and_then(|addresses| {
+    let held = netdev::local_addresses().map(|addresses| {
         let flows: Vec<Flow> = node_flows(&table, |addr| addresses.contains(&addr))
             .into_iter()
             .filter(|flow| !policy.exempts(flow.remote))
@@ -168,8 +168,21 @@ pub fn hold_known_node_flows(
         record(nat, &flows, nat_kind::NODE)
     });
     match held {
-        Ok(0) => {}
-        Ok(flows) => info!(flows, "the node's own flows conntrack knew of are held"),
+        Ok(held) => {
+            if held.flows > 0 {
+                info!(
+                    flows = held.flows,
+                    "the node's own flows conntrack knew of are held"
+                );
+            }
+            if held.no_room > 0 {
+                warn!(
+                    flows = held.no_room,
+                    "the NAT table is full: node flows conntrack knew of are not held; the \
+                     programs hold each at its next packet, if there is room then"
+                );
+            }
+        }
         Err(err) => warn!("holding the node's own flows conntrack knew of: {err:#}"),
     }
 }
@@ -183,7 +196,7 @@ pub fn keep_pod_flows(nat: &mut NatTables, before: &Policy, after: &Policy) {
     let Some(table) = read_table() else {
         return;
     };
-    let kept = netdev::local_addresses().and_then(|addresses| {
+    let kept = netdev::local_addresses().map(|addresses| {
         let flows: Vec<Flow> = pod_flows(&table, |addr| addresses.contains(&addr))
             .into_iter()
             .filter(|flow| {
@@ -194,34 +207,82 @@ pub fn keep_pod_flows(nat: &mut NatTables, before: &Policy, after: &Policy) {
         record(nat, &flows, nat_kind::PASSTHROUGH)
     });
     match kept {
-        Ok(0) => {}
-        Ok(flows) => info!(
-            flows,
-            "the pods' flows the change would masquerade keep their address, as conntrack keeps them"
-        ),
+        Ok(kept) => {
+            if kept.flows > 0 {
+                info!(
+                    flows = kept.flows,
+                    "the pods' flows the change would masquerade keep their address, as \
+                     conntrack keeps them"
+                );
+            }
+            if kept.no_room > 0 {
+                warn!(
+                    flows = kept.no_room,
+                    "the NAT table is full: pods' flows the change masquerades could not keep \
+                     their address, and take the node's from their next packet"
+                );
+            }
+        }
         Err(err) => warn!("keeping the pods' flows across the change: {err:#}"),
+    }
+}
+
+/// What `record` did with the flows it was given.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// Recorded.
+    pub flows: usize,
+    /// Not recorded: the table was full.
+    pub no_room: usize,
+}
+
+/// How recording one flow went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recording {
+    Recorded,
+    /// Its tuple is held already, by a flow of the programs' own: it stays as it is.
+    HeldAlready,
+    NoRoom,
+}
+
+impl Recording {
+    /// What an insert that failed with `err` says: the tuple was taken (`EEXIST`, as
+    /// `BPF_NOEXIST` reports it), or the table had no room for it (`E2BIG` when full).
+    fn of_insert_error(err: &aya::maps::MapError) -> Recording {
+        match err {
+            aya::maps::MapError::SyscallError(aya::sys::SyscallError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Recording::HeldAlready
+            }
+            _ => Recording::NoRoom,
+        }
     }
 }
 
 /// Records `flows` in the NAT tables as the programs record a flow they leave alone: identity
 /// entries of `kind`. A tuple held already (by a flow of the programs' own) stays as it is.
-/// Returns how many were recorded.
-fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> anyhow::Result<usize> {
+fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> Recorded {
     let now = expiry::monotonic_now_ns();
-    let mut recorded = 0;
+    let mut recorded = Recorded::default();
     for flow in flows {
         let ends = (flow.local, flow.remote);
-        recorded += match ends {
+        let recording = match ends {
             (IpAddr::V4(l), IpAddr::V4(r)) => {
-                record_one(&mut nat.v4, flow, (l.octets(), r.octets()), kind, now)?
+                record_one(&mut nat.v4, flow, (l.octets(), r.octets()), kind, now)
             }
             (IpAddr::V6(l), IpAddr::V6(r)) => {
-                record_one(&mut nat.v6, flow, (l.octets(), r.octets()), kind, now)?
+                record_one(&mut nat.v6, flow, (l.octets(), r.octets()), kind, now)
             }
-            _ => 0,
+            _ => continue,
         };
+        match recording {
+            Recording::Recorded => recorded.flows += 1,
+            Recording::NoRoom => recorded.no_room += 1,
+            Recording::HeldAlready => {}
+        }
     }
-    Ok(recorded)
+    recorded
 }
 
 fn record_one<A>(
@@ -230,7 +291,7 @@ fn record_one<A>(
     (local, remote): (A, A),
     kind: u8,
     now: u64,
-) -> anyhow::Result<usize>
+) -> Recording
 where
     A: Address,
     NatKey<A>: aya::Pod,
@@ -267,19 +328,39 @@ where
     let ingress = identity(ingress_seen);
     // BPF_NOEXIST (include/uapi/linux/bpf.h): a tuple held already stays as it is.
     const BPF_NOEXIST: u64 = 1;
-    if nat.insert(ingress_key, ingress, BPF_NOEXIST).is_err() {
-        return Ok(0);
+    if let Err(err) = nat.insert(ingress_key, ingress, BPF_NOEXIST) {
+        return Recording::of_insert_error(&err);
     }
-    if nat.insert(egress_key, egress, BPF_NOEXIST).is_err() {
+    if let Err(err) = nat.insert(egress_key, egress, BPF_NOEXIST) {
         let _ = nat.remove(&ingress_key);
-        return Ok(0);
+        return Recording::of_insert_error(&err);
     }
-    Ok(1)
+    Recording::Recorded
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tuple another flow holds stays as it is, and is no flow lost; anything else the kernel
+    /// refuses an insert for (a full table: `E2BIG`) is one the agent says it could not keep.
+    #[test]
+    fn an_insert_refused_for_a_held_tuple_is_not_a_full_table() {
+        let refused = |errno| {
+            aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_map_update_elem",
+                io_error: std::io::Error::from_raw_os_error(errno),
+            })
+        };
+        assert_eq!(
+            Recording::of_insert_error(&refused(libc::EEXIST)),
+            Recording::HeldAlready
+        );
+        assert_eq!(
+            Recording::of_insert_error(&refused(libc::E2BIG)),
+            Recording::NoRoom
+        );
+    }
 
     /// The node's addresses in `TABLE`.
     const NODE: [&str; 2] = ["203.0.113.1", "2001:db8:1::1"];
