@@ -347,8 +347,10 @@ const TABLE_FULL: u32 = 2;
 /// the flow goes in and its port comes back through this CPU's `PortRequest`.
 #[inline(always)]
 fn reserve_port<F: Family>(egress_key: &NatKey<F::Addr>, egress: &mut NatEntry<F::Addr>) -> u32 {
+    // No slot (which a per-CPU array of one always has) gives no port: never `TABLE_FULL`,
+    // which would have `create_snat_again` try the port `egress` holds, 0.
     let Some(request) = F::port_request().get_ptr_mut(0) else {
-        return TABLE_FULL;
+        return PORTS_EXHAUSTED;
     };
     // SAFETY: this CPU's slot of a per-CPU map; a tc program runs to its end on one CPU, and
     // none of ours runs inside another there.
@@ -365,9 +367,10 @@ fn reserve_port<F: Family>(egress_key: &NatKey<F::Addr>, egress: &mut NatEntry<F
 /// `reserve_port`'s search, in each family's global BPF function.
 #[inline(always)]
 fn reserve_port_global<F: Family>() -> i64 {
+    // As in `reserve_port`: no port without them.
     let (Some(request), Some(settings)) = (F::port_request().get_ptr_mut(0), maps::settings())
     else {
-        return i64::from(TABLE_FULL);
+        return i64::from(PORTS_EXHAUSTED);
     };
     // SAFETY: as in `reserve_port`, which filled it.
     let request = unsafe { &mut *request };
