@@ -77,6 +77,7 @@ const BULLSEYE_SECURITY: Archive = Archive {
 /// A test binary of `integration/tests/` and the cases of it a VM runs.
 pub struct Suite {
     pub target: &'static str,
+    /// None named: every case of the binary.
     pub cases: &'static [&'static str],
 }
 
@@ -429,11 +430,14 @@ pub fn run(binaries: &[(String, PathBuf)]) -> anyhow::Result<()> {
                 .iter()
                 .find(|(target, _)| target == suite.target)
                 .with_context(|| format!("the {} test binary was not built", suite.target))?;
-            runs.push(format!("{}={}", binary.display(), suite.cases.join(",")));
-            cases += match suite.cases.len() {
-                0 => tests_of(binary)?.len(),
-                listed => listed,
+            // Named one by one, so that the guest runs them side by side: a suite that names
+            // none is all of its binary's.
+            let named: Vec<String> = match suite.cases {
+                [] => tests_of(binary)?.into_iter().collect(),
+                listed => listed.iter().map(|case| case.to_string()).collect(),
             };
+            cases += named.len();
+            runs.push(format!("{}={}", binary.display(), named.join(",")));
         }
         eprintln!(
             "xtask: vm: booting {} under qemu (emulated CPU) for {cases} cases",
@@ -524,7 +528,7 @@ pub fn verifier_said(object: &Path) -> anyhow::Result<Vec<(String, Vec<Budget>)>
 }
 
 /// Boots `kernel` with xtask's guest side as the command, and reads what it reported. `runs`:
-/// `BINARY=CASE,CASE` for each suite (no case: all of the binary's).
+/// `BINARY=CASE,CASE` for each suite, every case named.
 fn boot(
     kernel: &Kernel,
     xtask: &Path,
@@ -625,17 +629,16 @@ fn tail_of(path: &Path, lines: usize) -> String {
 pub fn guest(out: &Path, object: &Path, runs: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     let kernel = verifier_figures::kernel_release()?;
-    // Each case on its own, so that they run side by side: a suite that names none is all of
-    // its binary's.
-    let mut cases: Vec<(&str, String)> = Vec::new();
-    for run in runs {
-        let (binary, listed) = run.split_once('=').unwrap_or((run, ""));
-        let listed: Vec<String> = match listed {
-            "" => tests_of(Path::new(binary))?.into_iter().collect(),
-            listed => listed.split(',').map(str::to_string).collect(),
-        };
-        cases.extend(listed.into_iter().map(|case| (binary, case)));
-    }
+    let cases: Vec<(&str, &str)> = runs
+        .iter()
+        .flat_map(|run| {
+            let (binary, named) = run.split_once('=').unwrap_or((run, ""));
+            named
+                .split(',')
+                .filter(|case| !case.is_empty())
+                .map(move |case| (binary, case))
+        })
+        .collect();
     let next = AtomicUsize::new(0);
     let done: Mutex<Vec<(usize, anyhow::Result<CaseRun>)>> = Mutex::default();
     let loaded = std::thread::scope(|scope| {

@@ -335,10 +335,9 @@ where
     let entries = read_table(nat)?;
     let mut run = usage(&entries);
     // Asked only where there is a sample to point.
-    let capacity = match sample {
-        Some(_) => Some(nat.map().info()?.max_entries() as usize),
-        None => None,
-    };
+    let capacity = sample
+        .map(|_| nat.map().info().map(|info| info.max_entries() as usize))
+        .transpose()?;
     let pressed = |entries: usize| {
         capacity.is_some_and(|capacity| entries * 100 >= capacity * UNDER_PRESSURE_PERCENT)
     };
