@@ -28,6 +28,7 @@ mod ebpf {
     common_cases!(Ebpf);
     family_cases!(Ebpf:
         flows_says_which_port_a_pod_got_and_why_it_is_held,
+        a_closing_connection_is_timed_as_conntrack_times_it,
         the_entries_that_decide_traffic_are_counted,
         a_full_nat_table_reads_full_beside_the_other_familys_empty_one,
     );
@@ -287,6 +288,81 @@ fn flows_says_which_port_a_pod_got_and_why_it_is_held(plane: Plane, family: IpFa
     };
     assert!(text.contains(&translated), "{text}");
     assert!(text.ends_with("\n1 flow\n"), "{text}");
+}
+
+/// A pod's connection closing, one end then the other, is in the state the node's conntrack
+/// has it in at each step (conntrack still sees the pods' own tuples here), and expires when
+/// conntrack's entry does: CLOSE_WAIT's 60 s once the pod's FIN is acknowledged, TIME_WAIT's
+/// 120 s once both are.
+fn a_closing_connection_is_timed_as_conntrack_times_it(plane: Plane, family: IpFamily) {
+    use std::{
+        io::{Read as _, Write as _},
+        net::{Shutdown, TcpListener, TcpStream},
+    };
+    let (bed, _agent) = Bed::with_agent(plane, family);
+    let server_addr = SocketAddr::from((family.outside().ip(), 9708));
+    let listener =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(server_addr)?))
+            .unwrap();
+    let mut client =
+        masq_testbed::netns::within(bed.pod(), move || Ok(TcpStream::connect(server_addr)?))
+            .unwrap();
+    let (mut server, _) = listener.accept().unwrap();
+    client.write_all(b"q").unwrap();
+    server.read_exact(&mut [0]).unwrap();
+    let pod_port = client.local_addr().unwrap().port();
+
+    // The pod's flow as `flows` and conntrack show it: the state's name, and seconds left.
+    let states = || {
+        let pod = family.pod(0).to_string();
+        let flows = bed.flows_json(&["--pod", &pod, "--proto", "tcp"]);
+        let flow = flows
+            .iter()
+            .find(|f| f["source"]["port"] == pod_port)
+            .unwrap_or_else(|| panic!("the pod's connection: {flows:#?}"));
+        let port = pod_port.to_string();
+        let listed = bed
+            .topo
+            .node_run("conntrack", &["-L", "-p", "tcp", "--orig-port-src", &port])
+            .unwrap();
+        // `tcp 6 SECONDS STATE src=...`
+        let fields: Vec<&str> = listed.split_whitespace().collect();
+        assert!(fields.len() > 3, "conntrack lists the flow: {listed:?}");
+        let mine = (
+            flow["state"].as_str().unwrap().to_string(),
+            flow["expires_in_seconds"].as_u64().unwrap(),
+        );
+        let conntracks = (fields[3].to_lowercase(), fields[2].parse::<u64>().unwrap());
+        (mine, conntracks)
+    };
+    let lag = masq_agent::dataplane::ebpf::expiry::LAST_SEEN_LAG.as_secs();
+    let same_as_conntrack = |step: &str, want: &str| {
+        let mut last = None;
+        wait_for(|| {
+            let ((state, left), (ct_state, ct_left)) = states();
+            last = Some(format!(
+                "{state} {left} s, conntrack {ct_state} {ct_left} s"
+            ));
+            // As long as conntrack's entry, and no more than the second a last packet's time
+            // may lag it and the second each rounds to.
+            Ok(state == want
+                && ct_state == want
+                && left + 1 >= ct_left
+                && left <= ct_left + lag + 1)
+        })
+        .unwrap_or_else(|e| panic!("{step}: want {want}: {}: {e}", last.unwrap_or_default()));
+    };
+
+    client.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(server.read(&mut [0]).unwrap(), 0, "the pod's FIN arrived");
+    same_as_conntrack("the pod closed", "close_wait");
+    server.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(
+        client.read(&mut [0]).unwrap(),
+        0,
+        "the server's FIN arrived"
+    );
+    same_as_conntrack("both closed", "time_wait");
 }
 
 /// `explain` says what the outside host sees, with the entry that decides it, and the data

@@ -6,7 +6,7 @@ use std::time::Duration;
 use masq_agent::dataplane::{
     NatUsage,
     ebpf::{
-        expiry::{self, Timeouts},
+        expiry::{self, FlowState, Timeouts},
         testbed::{TC_ACT_OK, TestBed},
     },
 };
@@ -22,6 +22,7 @@ in_both_families!(
     a_flow_no_reply_crossed_is_not_established,
     an_orphaned_reply_half_is_removed,
     udp_and_echo_expire_as_conntrack_times_them,
+    tcp_closes_expire_as_conntrack_times_each_state,
 );
 
 /// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
@@ -138,6 +139,19 @@ impl<F: HarnessFamily> Connection<F> {
         assert_eq!(verdict, TC_ACT_OK);
         let delivered = (F::at(&back, F::DST), word(&back, F::L4 + 2));
         assert_eq!(delivered, (F::POD, self.pod_port));
+    }
+
+    /// Where the flow is in its life, as the agent's sweep judges it.
+    fn state(&self, h: &TestBed) -> FlowState {
+        let table = F::nat(h);
+        let (key, egress) = table
+            .iter()
+            .find(|(k, _)| {
+                k.direction == direction::EGRESS && u16::from_be(k.sport) == self.pod_port
+            })
+            .expect("the flow's egress half");
+        let ingress = F::nat_entry(h, &key.reverse(egress)).expect("its reply half");
+        FlowState::of(key, egress, &ingress)
     }
 
     /// Whether either half of the flow took an RST.
@@ -287,5 +301,60 @@ fn udp_and_echo_expire_as_conntrack_times_them<F: HarnessFamily>() {
     sweep_after::<F>(&h, past(timeouts.udp));
     assert_eq!(pod_ports::<F>(&h), [4004], "only the stream is left");
     sweep_after::<F>(&h, past(timeouts.udp_stream));
+    assert!(F::nat(&h).is_empty());
+}
+
+/// A closing connection is timed by the state conntrack has it in, from the FINs and their
+/// acknowledgments the programs saw: a FIN unanswered is `FIN_WAIT` (120 s), a FIN acknowledged
+/// with the other end still open `CLOSE_WAIT` (60 s), FINs both ways acknowledged `TIME_WAIT`
+/// (120 s), and FINs both ways with the later unacknowledged `LAST_ACK`, kept as long as
+/// `TIME_WAIT` since conntrack moves on at any ACK.
+fn tcp_closes_expire_as_conntrack_times_each_state<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    let established = |h: &mut TestBed, pod_port: u16| {
+        let c = Connection::<F>::open(h, pod_port, 1000);
+        c.remote_sends(h, SYN | ACK, 5000, 1001, &[]);
+        c.pod_sends(h, ACK, 1001, 5001, &[]);
+        c
+    };
+    let fin_wait = established(&mut h, 41001);
+    fin_wait.pod_sends(&mut h, FIN | ACK, 1001, 5001, &[]);
+    let close_wait = established(&mut h, 41002);
+    close_wait.pod_sends(&mut h, FIN | ACK, 1001, 5001, &[]);
+    close_wait.remote_sends(&mut h, ACK, 5001, 1002, &[]);
+    // The outside host closes first, and the pod's data crosses its FIN.
+    let closed_by_remote = established(&mut h, 41003);
+    closed_by_remote.remote_sends(&mut h, FIN | ACK, 5001, 1001, &[]);
+    closed_by_remote.pod_sends(&mut h, ACK | PSH, 1001, 5002, &[0x64; 10]);
+    let time_wait = established(&mut h, 41004);
+    time_wait.pod_sends(&mut h, FIN | ACK, 1001, 5001, &[]);
+    time_wait.remote_sends(&mut h, FIN | ACK, 5001, 1002, &[]);
+    time_wait.pod_sends(&mut h, ACK, 1002, 5002, &[]);
+    let last_ack = established(&mut h, 41005);
+    last_ack.pod_sends(&mut h, FIN | ACK, 1001, 5001, &[]);
+    last_ack.remote_sends(&mut h, FIN | ACK, 5001, 1002, &[]);
+
+    let states = [
+        &fin_wait,
+        &close_wait,
+        &closed_by_remote,
+        &time_wait,
+        &last_ack,
+    ]
+    .map(|c| c.state(&h));
+    use FlowState::*;
+    assert_eq!(states, [FinWait, CloseWait, CloseWait, TimeWait, LastAck]);
+
+    let timeouts = Timeouts::default();
+    assert_eq!(
+        sweep_after_the_oldest::<F>(&h, timeouts.tcp_close_wait + expiry::LAST_SEEN_LAG)
+            .expired_flows,
+        0,
+        "never early"
+    );
+    let run = sweep_after::<F>(&h, past(timeouts.tcp_close_wait));
+    assert_eq!(run.expired_flows, 2, "the two in CLOSE_WAIT");
+    assert_eq!(pod_ports::<F>(&h), [41001, 41004, 41005]);
+    sweep_after::<F>(&h, past(timeouts.tcp_last_ack.max(timeouts.tcp_time_wait)));
     assert!(F::nat(&h).is_empty());
 }

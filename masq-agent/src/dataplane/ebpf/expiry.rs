@@ -56,8 +56,14 @@ pub struct Timeouts {
     /// A SYN answered, the handshake not done (`SYN_RECV`).
     pub tcp_syn_recv: Duration,
     pub tcp_established: Duration,
-    /// A FIN seen one way or both (`FIN_WAIT`, `CLOSE_WAIT`, `TIME_WAIT`: the longest of them).
-    pub tcp_closing: Duration,
+    /// A FIN one way, not acknowledged yet (`FIN_WAIT`).
+    pub tcp_fin_wait: Duration,
+    /// A FIN one way, acknowledged; the other end has not closed (`CLOSE_WAIT`).
+    pub tcp_close_wait: Duration,
+    /// FINs both ways, the later not acknowledged yet (`LAST_ACK`).
+    pub tcp_last_ack: Duration,
+    /// FINs both ways, each acknowledged (`TIME_WAIT`).
+    pub tcp_time_wait: Duration,
     /// An acceptable RST (`CLOSE`): over, and gone quickly so that churn does not fill the
     /// table.
     pub tcp_reset: Duration,
@@ -79,7 +85,10 @@ impl Default for Timeouts {
             tcp_syn_sent: secs(120),
             tcp_syn_recv: secs(60),
             tcp_established: secs(432_000),
-            tcp_closing: secs(120),
+            tcp_fin_wait: secs(120),
+            tcp_close_wait: secs(60),
+            tcp_last_ack: secs(30),
+            tcp_time_wait: secs(120),
             tcp_reset: secs(10),
             udp: secs(30),
             udp_stream: secs(120),
@@ -103,20 +112,14 @@ impl Timeouts {
                 .map_or(default, Duration::from_secs)
         };
         let d = Timeouts::default();
-        let closing = [
-            "nf_conntrack_tcp_timeout_fin_wait",
-            "nf_conntrack_tcp_timeout_close_wait",
-            "nf_conntrack_tcp_timeout_time_wait",
-        ]
-        .map(|name| read(name, d.tcp_closing))
-        .into_iter()
-        .max()
-        .unwrap_or(d.tcp_closing);
         Timeouts {
             tcp_syn_sent: read("nf_conntrack_tcp_timeout_syn_sent", d.tcp_syn_sent),
             tcp_syn_recv: read("nf_conntrack_tcp_timeout_syn_recv", d.tcp_syn_recv),
             tcp_established: read("nf_conntrack_tcp_timeout_established", d.tcp_established),
-            tcp_closing: closing,
+            tcp_fin_wait: read("nf_conntrack_tcp_timeout_fin_wait", d.tcp_fin_wait),
+            tcp_close_wait: read("nf_conntrack_tcp_timeout_close_wait", d.tcp_close_wait),
+            tcp_last_ack: read("nf_conntrack_tcp_timeout_last_ack", d.tcp_last_ack),
+            tcp_time_wait: read("nf_conntrack_tcp_timeout_time_wait", d.tcp_time_wait),
             tcp_reset: read("nf_conntrack_tcp_timeout_close", d.tcp_reset),
             udp: read("nf_conntrack_udp_timeout", d.udp),
             udp_stream: read("nf_conntrack_udp_timeout_stream", d.udp_stream),
@@ -141,7 +144,13 @@ impl Timeouts {
             FlowState::SynSent => self.tcp_syn_sent,
             FlowState::SynRecv => self.tcp_syn_recv,
             FlowState::Established => self.tcp_established,
-            FlowState::Closing => self.tcp_closing,
+            FlowState::FinWait => self.tcp_fin_wait,
+            FlowState::CloseWait => self.tcp_close_wait,
+            // Conntrack moves on to TIME_WAIT at any ACK after the later FIN, and an ACK of an
+            // earlier segment that crosses the FIN looks here like one before it: the flow may
+            // be in TIME_WAIT for conntrack already, and must not go before it.
+            FlowState::LastAck => self.tcp_last_ack.max(self.tcp_time_wait),
+            FlowState::TimeWait => self.tcp_time_wait,
             FlowState::Reset => self.tcp_reset,
             FlowState::Unreplied | FlowState::Replied => self.udp,
             FlowState::Stream => self.udp_stream,
@@ -159,8 +168,15 @@ pub enum FlowState {
     SynRecv,
     /// TCP: a segment past the handshake's first step seen both ways.
     Established,
-    /// TCP: a FIN seen one way or both.
-    Closing,
+    /// TCP: a FIN one way, not acknowledged yet (or not known to be: a half without sequence
+    /// numbers).
+    FinWait,
+    /// TCP: a FIN one way, acknowledged; the other end has not closed.
+    CloseWait,
+    /// TCP: FINs both ways, not both acknowledged.
+    LastAck,
+    /// TCP: FINs both ways, each acknowledged.
+    TimeWait,
     /// TCP: an acceptable RST seen.
     Reset,
     /// UDP never answered.
@@ -183,7 +199,7 @@ impl FlowState {
                 if seen & tcp_seen::RESET != 0 {
                     FlowState::Reset
                 } else if seen & tcp_seen::CLOSING != 0 {
-                    FlowState::Closing
+                    FlowState::closing(egress, ingress)
                 } else if both_ways && seen & tcp_seen::PAST_OPENING != 0 {
                     FlowState::Established
                 } else if both_ways {
@@ -209,13 +225,35 @@ impl FlowState {
         }
     }
 
+    /// Of a TCP flow that sent a FIN one way or both, as conntrack's state machine has it by the
+    /// time the FINs are acknowledged. Where conntrack moves on at any ACK, this waits for the
+    /// one that acknowledges the FIN: a state whose timeout is never shorter than conntrack's.
+    fn closing<A: Address>(egress: &NatEntry<A>, ingress: &NatEntry<A>) -> Self {
+        let closed = |half: &NatEntry<A>| half.tcp_seen & tcp_seen::CLOSING != 0;
+        let acknowledged =
+            |fin: &NatEntry<A>, other: &NatEntry<A>| closed(fin) && fin_acknowledged(fin, other);
+        match (closed(egress), closed(ingress)) {
+            (true, true) if acknowledged(egress, ingress) && acknowledged(ingress, egress) => {
+                FlowState::TimeWait
+            }
+            (true, true) => FlowState::LastAck,
+            _ if acknowledged(egress, ingress) || acknowledged(ingress, egress) => {
+                FlowState::CloseWait
+            }
+            _ => FlowState::FinWait,
+        }
+    }
+
     /// Its name, as `masq-agent flows` shows it.
     pub fn name(self) -> &'static str {
         match self {
             FlowState::SynSent => "syn_sent",
             FlowState::SynRecv => "syn_recv",
             FlowState::Established => "established",
-            FlowState::Closing => "closing",
+            FlowState::FinWait => "fin_wait",
+            FlowState::CloseWait => "close_wait",
+            FlowState::LastAck => "last_ack",
+            FlowState::TimeWait => "time_wait",
             FlowState::Reset => "reset",
             FlowState::Unreplied => "unreplied",
             FlowState::Replied => "replied",
@@ -223,6 +261,14 @@ impl FlowState {
             FlowState::Echo => "echo",
         }
     }
+}
+
+/// Whether `other` acknowledged everything `sent` sent, its FIN included: the FIN counts in
+/// `tcp_next_seq`. Halves without sequence numbers (an older agent's) never say so.
+fn fin_acknowledged<A: Address>(sent: &NatEntry<A>, other: &NatEntry<A>) -> bool {
+    sent.tcp_seen & tcp_seen::SEQ != 0
+        && other.tcp_seen & tcp_seen::ACKED != 0
+        && (other.tcp_max_ack.wrapping_sub(sent.tcp_next_seq) as i32) >= 0
 }
 
 /// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`, or
@@ -482,15 +528,80 @@ mod tests {
         let secs = Duration::from_secs;
         assert_eq!(timeouts.udp, secs(10));
         assert_eq!(timeouts.tcp_established, secs(7200));
-        assert_eq!(
-            timeouts.tcp_closing,
-            secs(300),
-            "the longest of the closing states"
-        );
+        assert_eq!(timeouts.tcp_close_wait, secs(300));
+        assert_eq!(timeouts.tcp_fin_wait, Timeouts::default().tcp_fin_wait);
         assert_eq!(timeouts.udp_stream, Timeouts::default().udp_stream);
         assert_eq!(
             Timeouts::of_conntrack(std::path::Path::new("/nonexistent")),
             Timeouts::default()
         );
+    }
+
+    /// A TCP half that sent up to `next_seq` (a FIN, when `fin`) and acknowledged `max_ack`.
+    fn half(fin: bool, next_seq: u32, max_ack: u32) -> NatEntry<[u8; 4]> {
+        let fin = if fin { tcp_seen::CLOSING } else { 0 };
+        NatEntry {
+            tcp_seen: tcp_seen::PAST_OPENING | tcp_seen::SEQ | tcp_seen::ACKED | fin,
+            tcp_next_seq: next_seq,
+            tcp_max_ack: max_ack,
+            ..NatEntry::default()
+        }
+    }
+
+    #[test]
+    fn a_closing_connection_is_in_conntracks_state_once_its_fins_are_acknowledged() {
+        let key = NatKey::<[u8; 4]> {
+            proto: IPPROTO_TCP,
+            ..NatKey::default()
+        };
+        let state = |egress, ingress| FlowState::of(&key, &egress, &ingress);
+        // The pod's FIN ends its data at 1001; the outside host's own data ends at 5001.
+        assert_eq!(
+            state(half(true, 1001, 5001), half(false, 5001, 1000)),
+            FlowState::FinWait
+        );
+        assert_eq!(
+            state(half(true, 1001, 5001), half(false, 5001, 1001)),
+            FlowState::CloseWait
+        );
+        // Acknowledged past the wrap of the sequence space.
+        assert_eq!(
+            state(half(true, u32::MAX, 5001), half(false, 5001, 3)),
+            FlowState::CloseWait
+        );
+        // The outside host closed first; the pod acknowledged.
+        assert_eq!(
+            state(half(false, 1001, 5001), half(true, 5001, 1001)),
+            FlowState::CloseWait
+        );
+        // FINs both ways: the later acknowledged, or not.
+        assert_eq!(
+            state(half(true, 1001, 5001), half(true, 5001, 1001)),
+            FlowState::TimeWait
+        );
+        assert_eq!(
+            state(half(true, 1001, 5000), half(true, 5001, 1001)),
+            FlowState::LastAck
+        );
+        assert_eq!(
+            state(half(true, 1001, 5000), half(true, 5001, 1000)),
+            FlowState::LastAck
+        );
+        // Halves an older agent made, without sequence numbers, are taken at their longest.
+        let unnumbered = |mut half: NatEntry<[u8; 4]>| {
+            half.tcp_seen &= !tcp_seen::SEQ;
+            half
+        };
+        assert_eq!(
+            state(unnumbered(half(true, 1001, 5001)), half(false, 5001, 1001)),
+            FlowState::FinWait
+        );
+    }
+
+    #[test]
+    fn last_ack_is_kept_as_long_as_time_wait_would_be() {
+        let timeouts = Timeouts::default();
+        assert_eq!(timeouts.of(FlowState::LastAck), timeouts.tcp_time_wait);
+        assert_eq!(timeouts.of(FlowState::CloseWait), Duration::from_secs(60));
     }
 }
