@@ -35,6 +35,8 @@ pub trait Family {
     /// `nat::early_drop`'s and `nat::reserve_port`'s.
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64;
     const RESERVE_PORT: extern "C" fn() -> i64;
+    /// The family's slot of `maps::DROP_VACANCY`.
+    const DROP_VACANCY: u32;
     /// Where `nat::reserve_port` leaves the flow for `RESERVE_PORT`.
     fn port_request() -> &'static PortRequests<Self::Addr>;
 
@@ -118,6 +120,7 @@ impl Family for V4 {
     const OWN_FRAMES: bool = false;
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
+    const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
 
     #[inline(always)]
     fn port_request() -> &'static PortRequests<[u8; 4]> {
@@ -229,6 +232,7 @@ impl Family for V6 {
     const OWN_FRAMES: bool = true;
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
+    const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
 
     #[inline(always)]
     fn port_request() -> &'static PortRequests<[u8; 16]> {

@@ -46,6 +46,9 @@ pub mod map_names {
     /// table when it loads the programs.
     pub const DROP_SAMPLE_V4: &str = "nat_drop_sample_v4";
     pub const DROP_SAMPLE_V6: &str = "nat_drop_sample_v6";
+    /// Per family, the slot of the drop sample a full table is freeing, for the new flow that
+    /// takes the room; not pinned.
+    pub const DROP_VACANCY: &str = "nat_drop_vacancy";
     /// Per CPU, the flow a new flow's port is searched for, handed to the search's global BPF
     /// function and back; not pinned.
     pub const PORT_REQUEST_V4: &str = "nat_port_request_v4";
@@ -396,6 +399,12 @@ pub const fn can_drop_early(proto: u8, egress: u8, ingress: u8) -> bool {
         || (proto == IPPROTO_TCP && (egress | ingress) & ending != 0)
 }
 
+/// Each family's slot of the map `nat_drop_vacancy` (`map_names::DROP_VACANCY`).
+pub mod drop_vacancy {
+    pub const V4: u32 = 0;
+    pub const V6: u32 = 1;
+}
+
 /// Slots of a family's drop sample for a NAT table of `nat_entries` entries: one per flow the
 /// table holds (two entries each), rounded up to a power of two, so that a random slot is a
 /// mask away. Each new flow writes its egress key into a random slot; a full table looks at
@@ -410,8 +419,9 @@ pub const fn drop_sample_slots(nat_entries: u32) -> u32 {
     }
 }
 
-/// Slots of the drop sample, in a row from a random one, that a full table looks at for a flow
-/// to drop, where conntrack looks at 8 buckets of its table in a row. A bucket holds several
+/// Slots of the drop sample, in a row from a random one, that a full table looks at for the
+/// flow to drop (the one idle longest of those it may drop), where conntrack looks at 8
+/// buckets of its table in a row. A bucket holds several
 /// entries and a slot one, and a sample that new flows filled at random slots leaves about a
 /// third of them empty (each new flow writes one, and some write the same). In a table of
 /// closed connections and one open one, 8 slots in a row all miss once in some 2 500 new flows
@@ -422,7 +432,8 @@ pub const EARLY_DROP_PROBES: u32 = 16;
 
 /// How many flows a new one may drop from a full table before it is dropped itself: the room
 /// one flow makes can be taken by another CPU's new flow before this one takes it, as nothing
-/// reserves it, and then another flow makes room again. With two rounds, four threads of new
+/// reserves it, and then another flow makes room again; or another CPU takes the flow it chose
+/// before it removes it (`nat::EarlyDrop::LOST_RACE`). With two rounds, four threads of new
 /// flows into a full table on two CPUs still lost one flow in about four runs of the flood
 /// test; with four, none in twelve. The rounds cost the verifier little: each is a call of
 /// `early_drop`'s global function, which it walks once, not once per round.

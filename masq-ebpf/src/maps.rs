@@ -94,6 +94,11 @@ pub static DROP_SAMPLE_V4: DropSample<[u8; 4]> = Array::new();
 #[btf_map(name = "nat_drop_sample_v6")]
 pub static DROP_SAMPLE_V6: DropSample<[u8; 16]> = Array::new();
 
+/// Per family (`masq_ebpf::drop_vacancy`), the slot of the drop sample whose flow a full table
+/// dropped and no new flow took yet, plus one (0: none): see `nat::remember`.
+#[btf_map(name = "nat_drop_vacancy")]
+pub static DROP_VACANCY: Array<u32, 2> = Array::new();
+
 /// What `nat::reserve_port` hands its family's global BPF function, which takes no pointer
 /// before Linux 5.12, and what it gets back: this CPU's slot. Not pinned.
 #[repr(C)]

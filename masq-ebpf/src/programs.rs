@@ -19,7 +19,7 @@ use crate::{
     csum::{self, AddrField, L4Checksum},
     family::{Family, V4, V6},
     frag, maps,
-    nat::{self, AllocError, IdentityError, SampleSlot, Segment},
+    nat::{self, AllocError, EarlyDrop, IdentityError, SampleSlot, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
 };
@@ -164,6 +164,9 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
                     let room = nat::early_drop::<F>(&key.daddr, key.dport);
+                    if room == EarlyDrop::LOST_RACE {
+                        continue;
+                    }
                     let Some(freed_port) = room.port() else {
                         break;
                     };

@@ -624,22 +624,28 @@ const KUBE_PROXY_MASQUERADE: &str =
 
 /// `count` queries from the pod, each from a fresh port, to `port` of the outside host, where a
 /// server reads nothing and, its socket bound, sends no port unreachable either: flows never
-/// answered. They are sent by `QUERYING_THREADS` at once, so that CPUs meet in a full table as
-/// a busy pod's do. The server, to keep while it should stay silent.
+/// answered. The server, to keep while it should stay silent.
 fn unanswered_queries(bed: &Bed, family: IpFamily, port: u16, count: usize) -> UdpSocket {
-    const QUERYING_THREADS: usize = 4;
     let silent = SocketAddr::from((family.outside().ip(), port));
     let server =
         masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
+    queries_from_fresh_ports(bed.pod(), family, silent, count);
+    server
+}
+
+/// `count` queries from namespace `pod` to `server`, each from a fresh port, sent by
+/// `QUERYING_THREADS` at once, so that CPUs meet in a full table as a busy pod's do.
+fn queries_from_fresh_ports(pod: &str, family: IpFamily, server: SocketAddr, count: usize) {
+    const QUERYING_THREADS: usize = 4;
     let any = family.any();
     let queriers: Vec<_> = (0..QUERYING_THREADS)
         .map(|thread| {
             let share = count / QUERYING_THREADS + usize::from(thread < count % QUERYING_THREADS);
-            let pod = bed.pod().to_string();
+            let pod = pod.to_string();
             std::thread::spawn(move || {
                 masq_testbed::netns::within(&pod, move || {
                     for _ in 0..share {
-                        UdpSocket::bind((any, 0))?.send_to(b"query", silent)?;
+                        UdpSocket::bind((any, 0))?.send_to(b"query", server)?;
                     }
                     Ok(())
                 })
@@ -649,7 +655,6 @@ fn unanswered_queries(bed: &Bed, family: IpFamily, port: u16, count: usize) -> U
     for querier in queriers {
         querier.join().unwrap().unwrap();
     }
-    server
 }
 
 const METRICS_ADDR: &str = "127.0.0.1:9830";

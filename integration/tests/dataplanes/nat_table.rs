@@ -17,7 +17,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, KUBE_PROXY_MASQUERADE, Plane, host_prefix,
-    kube_proxy, node_ip, outside, pod_ip, unanswered_queries,
+    kube_proxy, node_ip, outside, pod_ip, queries_from_fresh_ports, unanswered_queries,
 };
 
 /// What pods see must not depend on the data plane.
@@ -194,23 +194,70 @@ fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
 
 /// Sources no one has, off the outside host's links, so that the node's answers go out by its
 /// uplink (where the programs see them) and reach no one.
-fn spoofed(family: IpFamily, i: u16) -> IpAddr {
+fn spoofed(family: IpFamily, i: u32) -> IpAddr {
     family.pick(
         std::net::Ipv4Addr::new(192, 0, 2, 100 + (i % 100) as u8).into(),
-        std::net::Ipv6Addr::new(0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 1 + i).into(),
+        std::net::Ipv6Addr::new(0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 1 + (i % 1000) as u16).into(),
     )
 }
 
-/// SYNs from `count` spoofed sources to the node's `port`.
-fn spoofed_syns(family: IpFamily, port: u16, count: u16) -> Vec<Vec<u8>> {
+/// SYNs to the node's `port`, `count` of them: the flood's `round`th, each from a spoofed
+/// source and port no earlier round used (until some 64 000 SYNs wrap around).
+fn spoofed_syns(family: IpFamily, port: u16, round: usize, count: u32) -> Vec<Vec<u8>> {
     use masq_testbed::packet::{SYN, tcp};
-    (0..count)
-        .map(|i| match (spoofed(family, i), family.node()) {
-            (IpAddr::V4(src), IpAddr::V4(node)) => tcp(src, 40000 + i, node, port, SYN),
-            (IpAddr::V6(src), IpAddr::V6(node)) => tcp(src, 40000 + i, node, port, SYN),
-            _ => unreachable!("one family"),
+    let first = round as u32 * count;
+    (first..first + count)
+        .map(|i| {
+            let sport = 1024 + (i % 64_000) as u16;
+            match (spoofed(family, i), family.node()) {
+                (IpAddr::V4(src), IpAddr::V4(node)) => tcp(src, sport, node, port, SYN),
+                (IpAddr::V6(src), IpAddr::V6(node)) => tcp(src, sport, node, port, SYN),
+                _ => unreachable!("one family"),
+            }
         })
         .collect()
+}
+
+/// Between a flood's rounds: a flood of new flows faster than a handshake's round trip turns
+/// a small table over before a pod's handshake is done, and any early drop (conntrack's too)
+/// can take a connection not yet established. Rounds every few milliseconds turn the tests'
+/// 64-flow table over at most a hundred times a second.
+const FLOOD_PAUSE: Duration = Duration::from_millis(5);
+
+/// A pod's connections out, each masqueraded, made while a flood goes on: enough to outlast
+/// the half second in which a churn on two CPUs left the drop sample pointing at nothing
+/// (`nat::remember`).
+const PROBES_DURING_A_FLOOD: usize = 100;
+
+/// Runs `flood` round after round on a thread of its own (`flood` is told which round), and,
+/// once its first round is in, has a pod connect out `PROBES_DURING_A_FLOOD` times while
+/// the later rounds go on: each connection must be masqueraded. Pods must keep connecting
+/// throughout a flood, not only once it is over. The flood stops after the last connection;
+/// a panic on its thread fails the test.
+fn pods_connect_throughout(bed: &Bed, family: IpFamily, mut flood: impl FnMut(usize) + Send) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    /// Stops the flood however the probes end, so that the scope can join its thread.
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Relaxed);
+        }
+    }
+    let (rounds, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    std::thread::scope(|scope| {
+        let flooding = scope.spawn(|| {
+            while !stop.load(Relaxed) {
+                flood(rounds.load(Relaxed));
+                rounds.fetch_add(1, Relaxed);
+                std::thread::sleep(FLOOD_PAUSE);
+            }
+        });
+        let _stop = StopOnDrop(&stop);
+        wait_for(|| Ok(rounds.load(Relaxed) > 0 || flooding.is_finished())).unwrap();
+        for _ in 0..PROBES_DURING_A_FLOOD {
+            family.assert_masqueraded(bed);
+        }
+    });
 }
 
 /// Connections from outside to the node's own services, real or spoofed, to a port it listens
@@ -224,61 +271,55 @@ fn connections_to_the_nodes_services_leave_the_pods_their_nat_table(
     const SERVICE: u16 = 20080;
     const CLOSED: u16 = 20081;
     let bed = Bed::new(plane, family.config());
-    // A node service, listening before the agent starts, that holds every connection open.
+    // A node service, listening before the agent starts.
     let listener =
         masq_testbed::netns::within(&bed.topo.node, || Ok(TcpListener::bind(("::", SERVICE))?))
             .unwrap();
-    let accepted = std::thread::spawn(move || {
-        let mut held = Vec::new();
-        for stream in listener.incoming().take(200) {
-            held.push(stream);
-        }
-        held
-    });
-    let agent = bed.start_agent(&small_table_args(family));
+    let _agent = bed.start_agent(&small_table_args(family));
     family.assert_masqueraded(&bed);
 
-    // Real connections from outside, held open.
+    // Real connections from outside, the service holding the last 200 open.
     let node = SocketAddr::from((family.node(), SERVICE));
-    let clients: Vec<TcpStream> = (0..200)
-        .map(|_| {
-            masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpStream::connect(node)?))
-                .unwrap()
-        })
-        .collect();
-    assert_eq!(accepted.join().unwrap().len(), 200);
-    family.assert_masqueraded(&bed);
+    let ext = bed.topo.ext.clone();
+    let mut held = std::collections::VecDeque::new();
+    pods_connect_throughout(&bed, family, |round| {
+        for _ in 0..if round == 0 { 200 } else { 20 } {
+            let ext = ext.clone();
+            let client =
+                masq_testbed::netns::within(&ext, move || Ok(TcpStream::connect(node)?)).unwrap();
+            held.push_back((client, accept_soon(&listener)));
+        }
+        while held.len() > 200 {
+            held.pop_front();
+        }
+    });
     // Spoofed SYNs to the service (the node answers each with a SYN-ACK) and to a closed port
     // (with a reset).
-    let mut flood = spoofed_syns(family, SERVICE, 300);
-    flood.extend(spoofed_syns(family, CLOSED, 300));
-    probe::send_frames(&bed.topo.ext, flood).unwrap();
-    for _ in 0..3 {
-        family.assert_masqueraded(&bed);
-    }
+    pods_connect_throughout(&bed, family, |round| {
+        let mut flood = spoofed_syns(family, SERVICE, round, 300);
+        flood.extend(spoofed_syns(family, CLOSED, round, 300));
+        probe::send_frames(&ext, flood).unwrap();
+    });
     // The node's clients, each from a fresh port of its ephemeral range.
     let (outside, any) = (family.outside(), family.any());
-    masq_testbed::netns::within(&bed.topo.node, move || {
-        for _ in 0..300 {
-            UdpSocket::bind((any, 0))?.send_to(b"query", outside)?;
-        }
-        Ok(())
-    })
-    .unwrap();
-    family.assert_masqueraded(&bed);
+    let node_ns = bed.topo.node.clone();
+    pods_connect_throughout(&bed, family, |_| {
+        masq_testbed::netns::within(&node_ns, move || {
+            for _ in 0..300 {
+                UdpSocket::bind((any, 0))?.send_to(b"query", outside)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    });
     if plane == Plane::Ebpf {
         let status = bed.status_json();
         let node_flows = status["ebpf"]["nat"][family.label()]["node_flows"]
             .as_u64()
             .unwrap();
-        assert!(
-            node_flows < 10,
-            "{node_flows} node flows held: {}",
-            agent.log_text()
-        );
+        assert!(node_flows < 10, "{node_flows} node flows held: {status:#}");
         assert_eq!(status["ebpf"]["counters"]["dropped_nat_table_full"], 0);
     }
-    drop(clients);
 }
 
 /// kube-proxy's NodePort in the tests.
@@ -334,16 +375,32 @@ fn nodeport_connections_to_another_node_leave_the_pods_their_nat_table(
     let _agent = bed.start_agent(&small_table_args(family));
     family.assert_masqueraded(&bed);
     let mut connections = nodeport_connections_to_another_node(&bed, family, 100);
-    probe::send_frames(&bed.topo.ext, spoofed_syns(family, NODE_PORT, 300)).unwrap();
-
-    for _ in 0..5 {
-        family.assert_masqueraded(&bed);
-    }
+    let ext = bed.topo.ext.clone();
+    pods_connect_throughout(&bed, family, |round| {
+        probe::send_frames(&ext, spoofed_syns(family, NODE_PORT, round, 300)).unwrap();
+    });
     // The node's connections keep working.
     for (client, server) in &mut connections {
         exchange_a_byte(client, server);
     }
     assert_made_room(&bed, "nat_node_flow_dropped");
+}
+
+/// The next connection `listener` accepts, within the tests' usual wait: a handshake the NAT
+/// broke (the client's end established, the server's never) fails the test rather than hang it
+/// in a blocking accept.
+fn accept_soon(listener: &TcpListener) -> TcpStream {
+    listener.set_nonblocking(true).unwrap();
+    let mut accepted = None;
+    wait_for(|| match listener.accept() {
+        Ok((stream, _)) => Ok(accepted.replace(stream).is_none()),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(e.into()),
+    })
+    .unwrap_or_else(|e| panic!("the server end of a connection the client made: {e:#}"));
+    let stream = accepted.unwrap();
+    stream.set_nonblocking(false).unwrap();
+    stream
 }
 
 /// A byte from `client` to `server` and one back, within three seconds each.
@@ -458,9 +515,13 @@ fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: IpFa
         .unwrap();
     exchange_a_byte(&mut pod_end, &mut host_end);
 
-    let _server = unanswered_queries(&bed, family, SILENT, 300);
-
-    family.assert_masqueraded(&bed);
+    let silent = SocketAddr::from((outside, SILENT));
+    let _server =
+        masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
+    let pod = bed.pod().to_string();
+    pods_connect_throughout(&bed, family, |round| {
+        queries_from_fresh_ports(&pod, family, silent, if round == 0 { 300 } else { 50 });
+    });
     exchange_a_byte(&mut pod_end, &mut host_end);
     assert_made_room(&bed, "nat_early_dropped");
 }
@@ -496,21 +557,24 @@ fn a_pods_closed_connections_leave_room_for_new_flows(plane: Plane, family: IpFa
     let server = SocketAddr::from((family.outside().ip(), SERVER));
     let listener =
         masq_testbed::netns::within(&bed.topo.ext, move || Ok(TcpListener::bind(server)?)).unwrap();
+    let pod = bed.pod().to_string();
     let connect = || {
-        let pod_end = masq_testbed::netns::within(bed.pod(), move || {
+        let pod = pod.clone();
+        let pod_end = masq_testbed::netns::within(&pod, move || {
             Ok(TcpStream::connect_timeout(&server, Duration::from_secs(3))?)
         })
         .expect("the pod connects");
-        (pod_end, listener.accept().unwrap().0)
+        (pod_end, accept_soon(&listener))
     };
     let (mut held_pod_end, mut held_host_end) = connect();
     exchange_a_byte(&mut held_pod_end, &mut held_host_end);
-    for _ in 0..150 {
-        let (mut pod_end, mut host_end) = connect();
-        exchange_a_byte(&mut pod_end, &mut host_end);
-        // Both ends close: a FIN each way, as a client and server without keep-alive do.
-    }
-    family.assert_masqueraded(&bed);
+    pods_connect_throughout(&bed, family, |round| {
+        for _ in 0..if round == 0 { 150 } else { 10 } {
+            let (mut pod_end, mut host_end) = connect();
+            exchange_a_byte(&mut pod_end, &mut host_end);
+            // Both ends close: a FIN each way, as a client and server without keep-alive do.
+        }
+    });
     exchange_a_byte(&mut held_pod_end, &mut held_host_end);
     assert_made_room(&bed, "nat_early_dropped");
 }

@@ -96,6 +96,10 @@ pub trait HarnessFamily: FrameAddress {
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
     /// The drop sample, slot by slot.
     fn drop_sample(bed: &TestBed) -> Vec<NatKey<Self::Octets>>;
+    /// The slot of the drop sample a drop freed and no new flow took yet.
+    fn drop_vacancy(bed: &TestBed) -> Option<u32>;
+    /// Names `slot` as such a slot, as a drop on another CPU would.
+    fn set_drop_vacancy(bed: &mut TestBed, slot: Option<u32>);
 }
 
 /// `HarnessFamily`'s NAT table methods for the family whose table holds `$octets`.
@@ -131,6 +135,20 @@ macro_rules! nat_table_of {
             (0..sample.len())
                 .map(|slot| sample.get(&slot, 0).unwrap())
                 .collect()
+        }
+        fn drop_vacancy(bed: &TestBed) -> Option<u32> {
+            let vacancies = &bed.maps.drop_samples.vacancies;
+            let named = vacancies
+                .get(&<$octets as NatFamily>::DROP_VACANCY, 0)
+                .unwrap();
+            named.checked_sub(1)
+        }
+        fn set_drop_vacancy(bed: &mut TestBed, slot: Option<u32>) {
+            let vacancies = &mut bed.maps.drop_samples.vacancies;
+            let named = slot.map_or(0, |slot| slot + 1);
+            vacancies
+                .set(<$octets as NatFamily>::DROP_VACANCY, named, 0)
+                .unwrap();
         }
     };
 }

@@ -20,6 +20,8 @@ in_both_families!(
     exhausted_ports_drop_and_count_never_mistranslate,
     a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow,
     a_full_nat_table_drops_a_closing_connection_and_never_an_open_one,
+    a_flow_made_in_the_room_of_another_cpus_drop_takes_its_slot,
+    a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake,
     a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
     a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried,
     a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
@@ -241,6 +243,55 @@ fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F
     }
 }
 
+/// CPUs that find a table full at once can have one's new flow take the room another's drop
+/// made, and the dropper drop another flow: the first drop's slot of the drop sample must not
+/// be left pointing at a flow that is gone, or a churn on several CPUs leaves a sample with
+/// nothing to drop (see `nat::remember`). A drop names its slot until a new flow takes it.
+/// Replayed one step at a time, another CPU's drop as it leaves the maps.
+fn a_flow_made_in_the_room_of_another_cpus_drop_takes_its_slot<F: HarnessFamily>() {
+    let mut h = F::bed(4, &[(1024, 65535)], true);
+    h.egress(&udp(F::POD, 1001, F::REMOTE, 53));
+    h.egress(&udp(F::POD, 1002, F::REMOTE, 53));
+    assert_eq!(F::drop_vacancy(&h), None);
+    // Another CPU named the slot of flow 1002 and removed the flow, both halves.
+    let gone = egress_key::<F>(&h, 1002);
+    let slot = F::drop_sample(&h).iter().position(|k| *k == gone).unwrap() as u32;
+    let reply = gone.reverse(&F::nat_entry(&h, &gone).unwrap());
+    F::set_drop_vacancy(&mut h, Some(slot));
+    F::remove(&mut h, &gone);
+    F::remove(&mut h, &reply);
+    // A new flow takes the room before that CPU's own does, and the slot with it.
+    let (verdict, _) = h.egress(&udp(F::POD, 1003, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 0, "there was room");
+    let sample = F::drop_sample(&h);
+    assert_eq!(
+        sample[slot as usize],
+        egress_key::<F>(&h, 1003),
+        "{sample:?}"
+    );
+    assert_eq!(F::drop_vacancy(&h), None, "taken");
+
+    // A drop whose own flow takes the room withdraws the slot it named.
+    let (verdict, _) = h.egress(&udp(F::POD, 1004, F::REMOTE, 53));
+    assert_eq!(
+        (verdict, h.counter(Counter::NatEarlyDropped)),
+        (TC_ACT_OK, 1)
+    );
+    assert_eq!(F::drop_vacancy(&h), None, "withdrawn");
+    // One named and not taken yet stays named through other drops: the flow that takes its
+    // room is still to come. (Named past the sample's end, so that no drop here frees it.)
+    let elsewhere = F::drop_sample(&h).len() as u32;
+    F::set_drop_vacancy(&mut h, Some(elsewhere));
+    let (verdict, _) = h.egress(&udp(F::POD, 1005, F::REMOTE, 53));
+    assert_eq!(
+        (verdict, h.counter(Counter::NatEarlyDropped)),
+        (TC_ACT_OK, 2)
+    );
+    assert_eq!(F::drop_vacancy(&h), Some(elsewhere));
+    assert_eq!(pod_ports::<F>(&h).len(), 2);
+}
+
 /// A TCP connection that is closing makes room in a full table, as conntrack's collector drops
 /// such entries from a table past 95 % full; an open one never does, however many new flows
 /// come.
@@ -313,6 +364,45 @@ fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F
     let (verdict, _) = h.egress(&tcp(F::POD, 3005, F::REMOTE, 80, SYN));
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(pod_ports::<F>(&h), [3001, 3002, 3003, 3005]);
+}
+
+/// Of the flows a full table may drop, it drops the one idle longest, so that a flow just made
+/// (a pod's connection in its handshake, say) outlives a churn as long as older flows it may
+/// drop are in the slots it looks at. Ages are written into the table; a sweep under pressure
+/// points every slot at the four flows, all of which the 16 slots looked at cover.
+fn a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake<F: HarnessFamily>() {
+    let mut h = F::bed(8, &[(1024, 65535)], true);
+    for pod_port in [3001, 3002, 3003] {
+        h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+    }
+    h.egress(&tcp(F::POD, 3004, F::REMOTE, 80, SYN));
+    let table = F::nat(&h);
+    assert_eq!(table.len(), 8, "the table is full");
+    let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    // Idle 5 s and 9 s (within UDP's 30 s), both halves; the rest as they were made.
+    let second = 1_000_000_000;
+    for (pod_port, idle) in [(3001, 5 * second), (3003, 9 * second)] {
+        let key = egress_key::<F>(&h, pod_port);
+        let mut egress = F::nat_entry(&h, &key).unwrap();
+        let reply_key = key.reverse(&egress);
+        let mut reply = F::nat_entry(&h, &reply_key).unwrap();
+        egress.last_seen_ns = newest - idle;
+        reply.last_seen_ns = newest - idle;
+        F::plant(&mut h, &key, egress);
+        F::plant(&mut h, &reply_key, reply);
+    }
+    assert_eq!(
+        F::expire(&h, &expiry::Timeouts::default(), newest).expired_flows,
+        0
+    );
+    for (new_port, dropped) in [(3005, 3003), (3006, 3001)] {
+        let (verdict, _) = h.egress(&udp(F::POD, new_port, F::REMOTE, 53));
+        assert_eq!(verdict, TC_ACT_OK);
+        let left = pod_ports::<F>(&h);
+        assert!(!left.contains(&dropped), "{dropped} idle longest: {left:?}");
+        assert!(left.contains(&3004), "the handshake goes on: {left:?}");
+    }
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 2);
 }
 
 /// When the port a new flow found no room for is one the node holds, the new flow takes the

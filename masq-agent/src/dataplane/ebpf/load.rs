@@ -416,6 +416,7 @@ mod tests {
             map_names::NODE_PORTS,
             map_names::DROP_SAMPLE_V4,
             map_names::DROP_SAMPLE_V6,
+            map_names::DROP_VACANCY,
             map_names::PORT_REQUEST_V4,
             map_names::PORT_REQUEST_V6,
             map_names::IPV6_WALK,

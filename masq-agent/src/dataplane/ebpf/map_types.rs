@@ -28,6 +28,9 @@ pub type DropSample<A> = Array<MapData, NatKey<A>>;
 pub struct DropSamples {
     pub v4: DropSample<[u8; 4]>,
     pub v6: DropSample<[u8; 16]>,
+    /// Per family (`masq_ebpf::drop_vacancy`), the slot a drop freed and no new flow took yet,
+    /// plus one: the programs' own, which the agent leaves alone (the packet tests read it).
+    pub vacancies: Array<MapData, u32>,
 }
 
 /// Picks a family's NAT table by its address type, for code written once over both families.
@@ -37,6 +40,8 @@ pub trait NatFamily: Address {
     fn drop_sample(samples: &DropSamples) -> &DropSample<Self>
     where
         NatKey<Self>: aya::Pod;
+    /// The family's slot of `DropSamples::vacancies`.
+    const DROP_VACANCY: u32;
 }
 
 impl NatFamily for [u8; 4] {
@@ -49,6 +54,7 @@ impl NatFamily for [u8; 4] {
     fn drop_sample(samples: &DropSamples) -> &DropSample<Self> {
         &samples.v4
     }
+    const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
 }
 
 impl NatFamily for [u8; 16] {
@@ -61,6 +67,7 @@ impl NatFamily for [u8; 16] {
     fn drop_sample(samples: &DropSamples) -> &DropSample<Self> {
         &samples.v6
     }
+    const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
 }
 
 /// A counter's total over the CPUs; 0 for a slot the map lacks (an older agent's).

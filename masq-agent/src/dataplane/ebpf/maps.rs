@@ -63,6 +63,7 @@ impl Maps {
             drop_samples: DropSamples {
                 v4: take(ebpf, map_names::DROP_SAMPLE_V4)?,
                 v6: take(ebpf, map_names::DROP_SAMPLE_V6)?,
+                vacancies: take(ebpf, map_names::DROP_VACANCY)?,
             },
         })
     }
