@@ -9,6 +9,7 @@ use anyhow::bail;
 use masq_agent::dataplane::ebpf::{
     EbpfOptions,
     expiry::{self, Timeouts},
+    map_types,
     testbed::{TC_ACT_OK, TestBed},
 };
 use masq_testbed::packet::{self, SYN};
@@ -49,14 +50,14 @@ fn main() -> anyhow::Result<()> {
                 &bed.maps.nat.v4,
                 sample,
                 &timeouts,
-                expiry::monotonic_now_ns(),
+                map_types::monotonic_now_ns(),
             )?;
             kept.push(started.elapsed().as_secs_f64() * 1e3);
             if run.expired_flows != 0 || run.entries != 2 * count as usize {
                 bail!("a sweep of fresh flows expired {run:?}");
             }
             // Past every flow's timeout: all of them go.
-            let later = expiry::monotonic_now_ns() + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
+            let later = map_types::monotonic_now_ns() + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
             let started = Instant::now();
             let run = expiry::expire(&bed.maps.nat.v4, sample, &timeouts, later)?;
             expired.push(started.elapsed().as_secs_f64() * 1e3);

@@ -12,8 +12,8 @@ use masq_agent::{
     dataplane::{
         NatUsage,
         ebpf::{
-            expiry::{self, Table, Timeouts},
-            map_types::NatFamily,
+            expiry::{self, Timeouts},
+            map_types::{NatFamily, Table},
             testbed::TestBed,
         },
     },

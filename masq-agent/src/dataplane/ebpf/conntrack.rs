@@ -23,10 +23,7 @@ use masq_ebpf::{
 };
 use tracing::{info, warn};
 
-use super::{
-    expiry,
-    map_types::{NatTable, NatTables},
-};
+use super::map_types::{self, NatTable, NatTables};
 use crate::{netdev, policy::Policy};
 
 /// Where the kernel lists the namespace's conntrack entries.
@@ -263,7 +260,7 @@ impl Recording {
 /// Records `flows` in the NAT tables as the programs record a flow they leave alone: identity
 /// entries of `kind`. A tuple held already (by a flow of the programs' own) stays as it is.
 fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> Recorded {
-    let now = expiry::monotonic_now_ns();
+    let now = map_types::monotonic_now_ns();
     let mut recorded = Recorded::default();
     for flow in flows {
         let ends = (flow.local, flow.remote);

@@ -9,7 +9,10 @@ use std::collections::BTreeMap;
 use masq_ebpf::{Address, NatEntry, NatKey};
 use tracing::info;
 
-use super::{EbpfDataPlane, expiry, map_types::NatTable};
+use super::{
+    EbpfDataPlane, expiry,
+    map_types::{self, NatTable},
+};
 use crate::netdev::{self, DeviceState};
 
 impl EbpfDataPlane {
@@ -91,5 +94,5 @@ where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
-    Ok(expiry::translated_by_address(&expiry::read_table(nat)?))
+    Ok(expiry::translated_by_address(&map_types::read_table(nat)?))
 }

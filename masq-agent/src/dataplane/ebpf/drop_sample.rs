@@ -8,8 +8,8 @@ use aya::{Pod, maps::IterableMap as _};
 use masq_ebpf::{Address, NatEntry, NatKey, direction};
 
 use super::{
-    batch, expiry,
-    map_types::{DropSample, NatTable},
+    batch,
+    map_types::{self, DropSample, NatTable},
     maps::Maps,
 };
 
@@ -24,7 +24,7 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let entries = expiry::read_table(table)?;
+    let entries = map_types::read_table(table)?;
     let slots = sample.len() as usize;
     let flows: Vec<NatKey<A>> = entries
         .into_iter()

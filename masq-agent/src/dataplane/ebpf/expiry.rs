@@ -18,7 +18,7 @@ use masq_ebpf::{
 
 use super::{
     batch, drop_sample,
-    map_types::{DropSample, NatTable},
+    map_types::{DropSample, NatTable, Table, read_table},
 };
 use crate::dataplane::NatUsage;
 
@@ -269,27 +269,6 @@ fn fin_acknowledged<A: Address>(sent: &NatEntry<A>, other: &NatEntry<A>) -> bool
     sent.tcp_seen & tcp_seen::SEQ != 0
         && other.tcp_seen & tcp_seen::ACKED != 0
         && (other.tcp_max_ack.wrapping_sub(sent.tcp_next_seq) as i32) >= 0
-}
-
-/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`, or
-/// before 5.11 `bpf_ktime_get_ns`: the same clock).
-pub fn monotonic_now_ns() -> u64 {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .expect("CLOCK_MONOTONIC is always available");
-    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
-}
-
-/// A family's NAT table, entry by entry.
-pub type Table<A> = Vec<(NatKey<A>, NatEntry<A>)>;
-
-/// A NAT table's entries, read whole with batch commands.
-pub fn read_table<A>(nat: &NatTable<A>) -> anyhow::Result<Table<A>>
-where
-    A: Address,
-    NatKey<A>: Pod,
-    NatEntry<A>: Pod,
-{
-    batch::lookup_all(nat.map()).context("reading the NAT table")
 }
 
 /// Whose a flow is, and what the programs do with it; in the order a smaller table takes

@@ -12,7 +12,8 @@ use masq_ebpf::{Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, 
 use serde::Serialize;
 
 use super::{
-    expiry::{self, FlowOwner, FlowState, Table, Timeouts},
+    expiry::{self, FlowOwner, FlowState, Timeouts},
+    map_types::{self, Table},
     pins::Pins,
 };
 
@@ -99,9 +100,9 @@ pub fn read(
     if !pins.map(map_names::NAT_V4).exists() {
         return Ok(None);
     }
-    let v4 = expiry::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
+    let v4 = map_types::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
     let v6 = match pins.map(map_names::NAT_V6).exists() {
-        true => expiry::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
+        true => map_types::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
         false => Vec::new(),
     };
     let mut flows: Vec<Flow> = flows_of(&v4, timeouts, now_ns)

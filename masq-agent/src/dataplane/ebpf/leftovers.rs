@@ -12,7 +12,7 @@ use tracing::info;
 use super::{
     cleanup::cleanup,
     expiry::{self, SweepClock},
-    map_types::NatTable,
+    map_types::{self, NatTable},
     pins::Pins,
     status,
 };
@@ -53,7 +53,7 @@ impl Leftovers {
             return Ok(Drain::Draining(None));
         }
         let pins = Pins::new(&self.bpffs);
-        let now = expiry::monotonic_now_ns();
+        let now = map_types::monotonic_now_ns();
         let (run_v4, left_v4) = self.sweep::<[u8; 4]>(&pins, map_names::NAT_V4, now)?;
         let (run_v6, left_v6) = self.sweep::<[u8; 16]>(&pins, map_names::NAT_V6, now)?;
         if left_v4.translated_flows + left_v6.translated_flows > 0 {
@@ -84,7 +84,7 @@ impl Leftovers {
         let table: NatTable<A> = pins.open(name)?;
         // Old programs' tables: nothing new is written into them, so nothing to make room for.
         let run = expiry::expire::<A>(&table, None, &self.timeouts, now)?;
-        let left = expiry::usage(&expiry::read_table(&table)?);
+        let left = expiry::usage(&map_types::read_table(&table)?);
         Ok((run, left))
     }
 }

@@ -1,9 +1,15 @@
 //! The types the agent reads the programs' maps with: a layout this build does not expect fails
-//! when the map is taken (see `maps`).
+//! when the map is taken (see `maps`). And how a NAT table is read whole, with the clock its
+//! entries are stamped by.
 
 use anyhow::Context as _;
-use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
+use aya::{
+    Pod,
+    maps::{Array, HashMap as BpfHashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray},
+};
 use masq_ebpf::{Address, Counter, Interface, NatEntry, NatKey};
+
+use super::batch;
 
 /// A family's NAT table: both halves of every flow the programs know.
 pub type NatTable<A> = BpfHashMap<MapData, NatKey<A>, NatEntry<A>>;
@@ -80,4 +86,25 @@ pub fn counter_total(counters: &Counters, counter: Counter) -> u64 {
 /// `map` as the type the agent reads it with, if its kind and layout are that type's.
 pub fn typed<M: TryFrom<Map, Error = MapError>>(map: Map, name: &str) -> anyhow::Result<M> {
     M::try_from(map).with_context(|| format!("map {name}"))
+}
+
+/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`, or
+/// before 5.11 `bpf_ktime_get_ns`: the same clock).
+pub fn monotonic_now_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is always available");
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+/// A family's NAT table, entry by entry.
+pub type Table<A> = Vec<(NatKey<A>, NatEntry<A>)>;
+
+/// A NAT table's entries, read whole with batch commands.
+pub fn read_table<A>(nat: &NatTable<A>) -> anyhow::Result<Table<A>>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
+    batch::lookup_all(nat.map()).context("reading the NAT table")
 }

@@ -337,7 +337,7 @@ impl DataPlane for EbpfDataPlane {
             return Ok(None);
         }
         self.hold_node_ports()?;
-        let now = expiry::monotonic_now_ns();
+        let now = map_types::monotonic_now_ns();
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
         let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);

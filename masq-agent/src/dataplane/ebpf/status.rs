@@ -22,7 +22,7 @@ use super::{
     decisions::{self, PolicyDecisions, TrieEntries},
     expiry,
     hook::Hook,
-    map_types::{Counters, Interfaces, counter_total},
+    map_types::{self, Counters, Interfaces, counter_total},
     pins::Pins,
     policy_word::PolicyWord,
     tc_filters,
@@ -164,10 +164,10 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         return Ok(None);
     }
     let tries = TrieEntries::read(&pins)?;
-    let table_v4 = expiry::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
+    let table_v4 = map_types::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
     // An agent from before IPv6 pinned no `nat_v6`.
     let table_v6 = match pins.map(map_names::NAT_V6).exists() {
-        true => expiry::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
+        true => map_types::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
         false => Vec::new(),
     };
     let translated_by_address = expiry::translated_by_address(&table_v4)

@@ -18,8 +18,7 @@ use aya::{
 use masq_ebpf::{Address, Decision, NatEntry, NatKey, direction};
 
 use super::{
-    expiry,
-    map_types::{NatTable, NatTables},
+    map_types::{self, NatTable, NatTables},
     policy_word::PolicyWord,
     prefixes::PolicyTrie,
 };
@@ -99,7 +98,7 @@ where
     NatKey<[u8; N]>: Pod,
     NatEntry<[u8; N]>: Pod,
 {
-    let entries = expiry::read_table(nat)?;
+    let entries = map_types::read_table(nat)?;
     // Flows share destinations: each is asked about once, a system call each.
     let destinations: HashSet<[u8; N], foldhash::fast::RandomState> = entries
         .iter()

@@ -17,10 +17,9 @@ use masq_ebpf::{Counter, NatEntry, NatKey, program_names};
 
 use super::{
     batch, decisions,
-    expiry::{self, Table},
     follow::write_interfaces,
     load::{self, Programs, write_settings},
-    map_types::{NatFamily, counter_total},
+    map_types::{self, NatFamily, Table, counter_total},
     maps::Maps,
     prefixes,
 };
@@ -263,7 +262,7 @@ impl TestBed {
         NatEntry<A>: Pod,
     {
         let table = A::table(&self.maps.nat);
-        let doomed: Vec<NatKey<A>> = expiry::read_table(table)?
+        let doomed: Vec<NatKey<A>> = map_types::read_table(table)?
             .into_iter()
             .map(|(key, _)| key)
             .filter(|key| expired(key))

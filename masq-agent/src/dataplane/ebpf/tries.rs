@@ -17,8 +17,7 @@ use masq_ebpf::{
 
 use super::{
     decisions::{DecisionCounters, DecisionSlots},
-    expiry,
-    map_types::NatTables,
+    map_types::{self, NatTables},
     policy_word::PolicyWord,
     prefixes::{self, PolicyTrie, Prefix},
     strays::StrayWatch,
@@ -270,7 +269,7 @@ impl<const N: usize> FamilyTries<N> {
             strays.lower(word)?;
         }
         let change = DrainingChange::between(&current, &difference);
-        let now = prefixes::seconds(expiry::monotonic_now_ns());
+        let now = prefixes::seconds(map_types::monotonic_now_ns());
         if let Some(draining) = &mut self.draining {
             for (len, data) in &change.start {
                 draining.insert(&Key::new(*len, *data), now, 0)?;
