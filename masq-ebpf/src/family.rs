@@ -7,6 +7,7 @@ use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sour
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
+    early_drop,
     maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests},
     nat,
     parse::{self, Packet},
@@ -32,7 +33,7 @@ pub trait Family {
     /// Whether the steps declared with `step!` run as functions of their own.
     const OWN_FRAMES: bool;
     /// The family's global BPF functions, which the verifier walks once each:
-    /// `nat::early_drop`'s and `nat::reserve_port`'s.
+    /// `early_drop::early_drop`'s and `nat::reserve_port`'s.
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64;
     const RESERVE_PORT: extern "C" fn() -> i64;
     /// The family's slot of `maps::DROP_VACANCY`.
@@ -118,7 +119,7 @@ impl Family for V4 {
     const DADDR_OFF: usize = parse::IPV4_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
-    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v4;
+    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = early_drop::masq_early_drop_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
 
@@ -230,7 +231,7 @@ impl Family for V6 {
     const DADDR_OFF: usize = parse::IPV6_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
-    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = nat::masq_early_drop_v6;
+    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = early_drop::masq_early_drop_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
 

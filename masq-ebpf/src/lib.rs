@@ -433,7 +433,7 @@ pub const EARLY_DROP_PROBES: u32 = 16;
 /// How many flows a new one may drop from a full table before it is dropped itself: the room
 /// one flow makes can be taken by another CPU's new flow before this one takes it, as nothing
 /// reserves it, and then another flow makes room again; or another CPU takes the flow it chose
-/// before it removes it (`nat::EarlyDrop::LOST_RACE`). With two rounds, four threads of new
+/// before it removes it (`early_drop::EarlyDrop::LOST_RACE`). With two rounds, four threads of new
 /// flows into a full table on two CPUs still lost one flow in about four runs of the flood
 /// test; with four, none in twelve. The rounds cost the verifier little: each is a call of
 /// `early_drop`'s global function, which it walks once, not once per round.

@@ -9,6 +9,8 @@ mod verifier;
 #[cfg(target_arch = "bpf")]
 mod csum;
 #[cfg(target_arch = "bpf")]
+mod early_drop;
+#[cfg(target_arch = "bpf")]
 mod family;
 #[cfg(target_arch = "bpf")]
 mod frag;

@@ -95,7 +95,7 @@ pub static DROP_SAMPLE_V4: DropSample<[u8; 4]> = Array::new();
 pub static DROP_SAMPLE_V6: DropSample<[u8; 16]> = Array::new();
 
 /// Per family (`masq_ebpf::drop_vacancy`), the slot of the drop sample whose flow a full table
-/// dropped and no new flow took yet, plus one (0: none): see `nat::remember`.
+/// dropped and no new flow took yet, plus one (0: none): see `early_drop::remember`.
 #[btf_map(name = "nat_drop_vacancy")]
 pub static DROP_VACANCY: Array<u32, 2> = Array::new();
 

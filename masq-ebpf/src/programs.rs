@@ -17,9 +17,10 @@ use masq_ebpf::{
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
+    early_drop::{self, EarlyDrop, SampleSlot},
     family::{Family, V4, V6},
     frag, maps,
-    nat::{self, AllocError, EarlyDrop, IdentityError, SampleSlot, Segment},
+    nat::{self, AllocError, IdentityError, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
 };
@@ -158,12 +159,12 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             let mut entry = NatEntry::default();
             let mut made = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
             if made == Masquerading::MASQUERADED {
-                nat::remember::<F>(SampleSlot::RANDOM, &key);
+                early_drop::remember::<F>(SampleSlot::RANDOM, &key);
             } else if made == Masquerading::TABLE_FULL {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
-                    let room = nat::early_drop::<F>(&key.daddr, key.dport);
+                    let room = early_drop::early_drop::<F>(&key.daddr, key.dport);
                     if room == EarlyDrop::LOST_RACE {
                         continue;
                     }
@@ -172,7 +173,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                     };
                     made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
                     if made == Masquerading::MASQUERADED {
-                        nat::remember::<F>(SampleSlot::freed(room), &key);
+                        early_drop::remember::<F>(SampleSlot::freed(room), &key);
                     }
                     if made != Masquerading::TABLE_FULL {
                         break;
@@ -678,7 +679,9 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 // every call of the step is one more walk of it for the verifier, and a
                 // connection that loses the room to another CPU's flow is retransmitted.
                 if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
-                    || (nat::early_drop::<F>(&ip.saddr, l4.sport).port().is_some()
+                    || (early_drop::early_drop::<F>(&ip.saddr, l4.sport)
+                        .port()
+                        .is_some()
                         && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
                 {
                     return TcAction::PASS;

@@ -226,7 +226,7 @@ const FLOOD_PAUSE: Duration = Duration::from_millis(5);
 
 /// A pod's connections out, each masqueraded, made while a flood goes on: enough to outlast
 /// the half second in which a churn on two CPUs left the drop sample pointing at nothing
-/// (`nat::remember`).
+/// (`early_drop::remember`).
 const PROBES_DURING_A_FLOOD: usize = 100;
 
 /// Runs `flood` round after round on a thread of its own (`flood` is told which round), and,

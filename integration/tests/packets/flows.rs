@@ -246,7 +246,7 @@ fn a_full_nat_table_drops_early_what_conntrack_would_and_never_an_assured_flow<F
 /// CPUs that find a table full at once can have one's new flow take the room another's drop
 /// made, and the dropper drop another flow: the first drop's slot of the drop sample must not
 /// be left pointing at a flow that is gone, or a churn on several CPUs leaves a sample with
-/// nothing to drop (see `nat::remember`). A drop names its slot until a new flow takes it.
+/// nothing to drop (see `early_drop::remember`). A drop names its slot until a new flow takes it.
 /// Replayed one step at a time, another CPU's drop as it leaves the maps.
 fn a_flow_made_in_the_room_of_another_cpus_drop_takes_its_slot<F: HarnessFamily>() {
     let mut h = F::bed(4, &[(1024, 65535)], true);
