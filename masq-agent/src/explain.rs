@@ -18,7 +18,7 @@ use crate::{
         iptables::{self, ChainVerdict},
     },
     netdev,
-    policy::{Action, IpFamilies, IpFamily, LINK_LOCAL_V4, LINK_LOCAL_V6, Policy},
+    policy::{Action, IpFamily, LINK_LOCAL_V4, LINK_LOCAL_V6, Policy},
 };
 
 /// The list name of the implicit link-local entry.
@@ -113,11 +113,8 @@ pub fn explain(
 ) -> anyhow::Result<Explanation> {
     // IPv6 as the file has it, `enableIPv6` over the flag, as the agent reads it: the place
     // of an IPv6 entry is found only where IPv6 is on.
-    let families = IpFamilies::with_ipv6(opts.enable_ipv6).as_the_file_says(&loaded.config);
-    let opts = &ConfigOptions {
-        enable_ipv6: families.contains(IpFamily::Ipv6),
-        ..*opts
-    };
+    let families = opts.families.as_the_file_says(loaded.config.enable_ipv6);
+    let opts = &ConfigOptions { families, ..*opts };
     let policy = Policy::from_config(&loaded.config, families);
     let dst = packet.destination;
     // `--proto icmp` toward an IPv6 address means ICMPv6.

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod dataplane;
 pub mod explain;
+pub mod families;
 pub mod netdev;
 pub mod policy;
 pub mod ports;

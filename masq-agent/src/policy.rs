@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+pub use crate::families::{IpFamilies, IpFamily};
 use crate::{config::Config, ports::PortRanges};
 
 /// Link-local destinations are never masqueraded unless the config says so.
@@ -17,54 +18,6 @@ pub const LINK_LOCAL_V6: Ipv6Net =
         Ok(net) => net,
         Err(_) => panic!("valid prefix"),
     };
-
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum IpFamily {
-    Ipv4,
-    Ipv6,
-}
-
-impl IpFamily {
-    /// The family as `status` and the metrics' `family` label spell it, as serde does.
-    pub fn label(self) -> &'static str {
-        match self {
-            IpFamily::Ipv4 => "ipv4",
-            IpFamily::Ipv6 => "ipv6",
-        }
-    }
-}
-
-/// The address families the agent masquerades: IPv4 always, and IPv6 once enabled (by
-/// `--enable-ipv6`, or by the file's `enableIPv6`, which wins).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct IpFamilies {
-    ipv6: bool,
-}
-
-impl IpFamilies {
-    pub const IPV4: IpFamilies = IpFamilies { ipv6: false };
-    pub const DUAL_STACK: IpFamilies = IpFamilies { ipv6: true };
-
-    /// IPv4, and IPv6 if `ipv6`: what a flag or a file's `enableIPv6` says.
-    pub fn with_ipv6(ipv6: bool) -> IpFamilies {
-        IpFamilies { ipv6 }
-    }
-
-    /// These, unless the file's `enableIPv6` says otherwise: the file wins over the flag.
-    pub fn as_the_file_says(self, config: &Config) -> IpFamilies {
-        config.enable_ipv6.map_or(self, IpFamilies::with_ipv6)
-    }
-
-    pub fn contains(self, family: IpFamily) -> bool {
-        match family {
-            IpFamily::Ipv4 => true,
-            IpFamily::Ipv6 => self.ipv6,
-        }
-    }
-}
 
 /// What happens to traffic to a destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -238,7 +191,9 @@ impl Policy {
     /// The policy `config` asks for, with IPv6 masqueraded if the file's `enableIPv6` (or, when
     /// the file does not say, the `families` of the flag) says so.
     pub fn from_config(config: &Config, families: IpFamilies) -> Policy {
-        let enable_ipv6 = families.as_the_file_says(config).contains(IpFamily::Ipv6);
+        let enable_ipv6 = families
+            .as_the_file_says(config.enable_ipv6)
+            .contains(IpFamily::Ipv6);
         let (mut non_masq_v4, mut non_masq_v6) = (Vec::new(), Vec::new());
         let (mut masq_v4, mut masq_v6) = (Vec::new(), Vec::new());
         for cidr in &config.masquerade_cidrs {
@@ -347,7 +302,7 @@ mod tests {
             masq_link_local_ipv6: masq_ll6,
             ..Config::defaults(&ConfigOptions {
                 nomasq_all_reserved_ranges: false,
-                enable_ipv6: true,
+                families: IpFamilies::DUAL_STACK,
             })
         }
     }

@@ -13,7 +13,7 @@ use proptest::prelude::*;
 const ORIGIN: &str = "/etc/config/ip-masq-agent";
 const OPTS: ConfigOptions = ConfigOptions {
     nomasq_all_reserved_ranges: false,
-    enable_ipv6: true,
+    families: masq_agent::families::IpFamilies::DUAL_STACK,
 };
 
 /// Parses `text`: a valid config or an error that names the file and says something.

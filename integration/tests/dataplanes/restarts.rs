@@ -122,7 +122,7 @@ fn sigterm_leaves_everything_and_cleanup_leaves_no_trace(plane: Plane) {
 fn policy_keys(text: &str) -> BTreeSet<(u32, [u8; 4])> {
     let opts = masq_agent::config::ConfigOptions {
         nomasq_all_reserved_ranges: false,
-        enable_ipv6: false,
+        families: masq_agent::families::IpFamilies::IPV4,
     };
     let loaded = masq_agent::config::parse(text.as_bytes(), "test", &opts).unwrap();
     masq_agent::policy::Policy::from_config(&loaded.config, masq_agent::policy::IpFamilies::IPV4)

@@ -42,7 +42,7 @@ pub fn policy_flags(flags: &Flags) -> state::PolicyFlags {
 pub fn config_options(config: &ConfigFlags) -> ConfigOptions {
     ConfigOptions {
         nomasq_all_reserved_ranges: config.nomasq_all_reserved_ranges,
-        enable_ipv6: config.enable_ipv6,
+        families: config.families(),
     }
 }
 
@@ -61,7 +61,9 @@ impl Start {
         let mut policy_entries = 0;
         let config = &mut flags.config;
         if let Ok(loaded) = config::load(&config.path, &config_options(config)) {
-            let families = config.families().as_the_file_says(&loaded.config);
+            let families = config
+                .families()
+                .as_the_file_says(loaded.config.enable_ipv6);
             config.enable_ipv6 = families.contains(IpFamily::Ipv6);
             let policy = Policy::from_config(&loaded.config, families);
             policy_entries = [IpFamily::Ipv4, IpFamily::Ipv6]

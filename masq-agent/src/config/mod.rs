@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 
+use crate::families::IpFamilies;
+
 mod decode;
 mod directory;
 mod go_format;
@@ -39,7 +41,7 @@ pub struct ConfigOptions {
     /// `--nomasq-all-reserved-ranges`: the default CIDR list covers all reserved IPv4 ranges.
     pub nomasq_all_reserved_ranges: bool,
     /// `--enable-ipv6`: IPv6 CIDRs are allowed in the list.
-    pub enable_ipv6: bool,
+    pub families: IpFamilies,
 }
 
 /// The effective configuration.

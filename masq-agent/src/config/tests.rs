@@ -6,11 +6,11 @@ use crate::policy::{IpFamilies, IpFamily};
 
 const V4_ONLY: ConfigOptions = ConfigOptions {
     nomasq_all_reserved_ranges: false,
-    enable_ipv6: false,
+    families: IpFamilies::IPV4,
 };
 const WITH_V6: ConfigOptions = ConfigOptions {
     nomasq_all_reserved_ranges: false,
-    enable_ipv6: true,
+    families: IpFamilies::DUAL_STACK,
 };
 const ORIGIN: &str = "/etc/config/ip-masq-agent";
 
@@ -212,7 +212,7 @@ fn missing_file_means_defaults() {
     let dir = tempfile::tempdir().expect("tempdir");
     let opts = ConfigOptions {
         nomasq_all_reserved_ranges: true,
-        enable_ipv6: false,
+        families: IpFamilies::IPV4,
     };
     let loaded = load(&dir.path().join("absent"), &opts).expect("defaults");
     assert_eq!(loaded.source, ConfigSource::Missing);
@@ -480,7 +480,7 @@ fn empty_cidr_list_means_masquerade_everything() {
 fn all_reserved_ranges_default() {
     let opts = ConfigOptions {
         nomasq_all_reserved_ranges: true,
-        enable_ipv6: false,
+        families: IpFamilies::IPV4,
     };
     let expected = nets(&[
         "10.0.0.0/8",
@@ -1300,7 +1300,7 @@ fn enable_ipv6_in_the_file_overrides_the_flag() {
     assert_eq!(c.enable_ipv6, Some(true));
     assert!(
         IpFamilies::IPV4
-            .as_the_file_says(&c)
+            .as_the_file_says(c.enable_ipv6)
             .contains(IpFamily::Ipv6)
     );
     // And off, over the flag: then they are not.
@@ -1312,12 +1312,15 @@ fn enable_ipv6_in_the_file_overrides_the_flag() {
     let c = accept_with("enableIPv6: false\n", &WITH_V6).config;
     assert!(
         !IpFamilies::DUAL_STACK
-            .as_the_file_says(&c)
+            .as_the_file_says(c.enable_ipv6)
             .contains(IpFamily::Ipv6)
     );
     // Absent, the flag decides, and the printed config has no such key.
     assert_eq!(defaults().enable_ipv6, None);
-    let ipv6 = |flag: IpFamilies| flag.as_the_file_says(&defaults()).contains(IpFamily::Ipv6);
+    let ipv6 = |flag: IpFamilies| {
+        flag.as_the_file_says(defaults().enable_ipv6)
+            .contains(IpFamily::Ipv6)
+    };
     assert!(ipv6(IpFamilies::DUAL_STACK) && !ipv6(IpFamilies::IPV4));
     assert!(defaults().to_upstream_json().get("enableIPv6").is_none());
     assert_eq!(c.to_upstream_json()["enableIPv6"], false);

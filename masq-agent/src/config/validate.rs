@@ -12,6 +12,7 @@ use super::{
     format_go_duration,
     go_format::{format_go_nanos, go_quote},
 };
+use crate::families::IpFamily;
 
 /// The config `fields` set, every other key at its default. `Standing::InDirectory`: the file is
 /// one of several, whose lists are merged afterwards, so a list it leaves out is empty here
@@ -28,7 +29,7 @@ pub(super) fn build_config<'a>(
     }
     // The file's `enableIPv6` decides whether its IPv6 CIDRs are allowed.
     let opts = &ConfigOptions {
-        enable_ipv6: fields.enable_ipv6.unwrap_or(opts.enable_ipv6),
+        families: opts.families.as_the_file_says(fields.enable_ipv6),
         ..*opts
     };
     let cidr_limit = fields
@@ -213,7 +214,7 @@ pub(super) fn check_cidr<'a>(
         )));
     }
     let as_go_sees_it = ipv4_mapped_as_ipv4(net);
-    if as_go_sees_it.addr().is_ipv6() && !opts.enable_ipv6 {
+    if as_go_sees_it.addr().is_ipv6() && !opts.families.contains(IpFamily::Ipv6) {
         return Err(problem(format!(
             "ipv6 is not enabled, but ipv6 cidr {text} provided. \
              Enable ipv6 using --enable-ipv6 agent flag"
@@ -267,7 +268,7 @@ fn check_address_v6<'a>(
             )));
         }
     };
-    if !opts.enable_ipv6 {
+    if !opts.families.contains(IpFamily::Ipv6) {
         return Err(problem(format!(
             "ipv6 is not enabled, but masqueradeAddressIPv6 {text} provided. \
              Enable ipv6 using --enable-ipv6 agent flag"
