@@ -89,10 +89,11 @@ fn the_layout_names_every_source_file_and_no_other() {
 #[test]
 fn the_layout_names_every_method_of_the_data_plane_interface() {
     let source =
-        std::fs::read_to_string(workspace_root().join("masq-agent/src/dataplane/mod.rs")).unwrap();
+        std::fs::read_to_string(workspace_root().join("masq-agent/src/dataplane/interface.rs"))
+            .unwrap();
     let start = source
         .find("pub trait DataPlane")
-        .expect("dataplane/mod.rs declares the interface");
+        .expect("dataplane/interface.rs declares the interface");
     let body = &source[start..start + source[start..].find("\n}\n").unwrap()];
     let methods: Vec<&str> = body
         .lines()

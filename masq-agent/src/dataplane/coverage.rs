@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::{ebpf::status::EbpfStatus, iptables::ChainStatus};
+use super::{ebpf::status::EbpfStatus, iptables::readback::ChainStatus};
 use crate::policy::IpFamily;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::Mode;
+use super::mode::Mode;
 
 /// Where the agent keeps its record and a refused program's verifier log.
 pub const STATE_DIR: &str = "/run/masq-agent";

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use tracing::{info, warn};
 
 use crate::{
-    dataplane::iptables::ChainVariant,
+    dataplane::iptables::render::ChainVariant,
     netdev::{self, Device, DeviceState},
     policy::{IpFamilies, IpFamily},
 };

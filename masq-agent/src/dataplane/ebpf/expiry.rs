@@ -20,7 +20,7 @@ use super::{
     batch, drop_sample,
     map_types::{DropSample, NatTable, Table, read_table},
 };
-use crate::dataplane::NatUsage;
+use crate::dataplane::nat_usage::NatUsage;
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
 /// catch a changed address or a detached program quickly.

@@ -14,7 +14,7 @@ use super::{
     map_types::Interfaces,
 };
 use crate::{
-    dataplane::{DataPlane as _, chosen_address::ChosenAddresses},
+    dataplane::{chosen_address::ChosenAddresses, interface::DataPlane as _},
     netdev::Device,
     policy::{IpFamilies, IpFamily, Policy},
 };

@@ -16,7 +16,7 @@ use super::{
     pins::Pins,
     status,
 };
-use crate::dataplane::{NatSweep, NatUsage};
+use crate::dataplane::nat_usage::{NatSweep, NatUsage};
 
 /// An earlier eBPF data plane's programs and tables, draining.
 pub struct Leftovers {

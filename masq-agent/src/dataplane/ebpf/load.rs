@@ -20,11 +20,11 @@ use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, pro
 use aya_obj::generated::bpf_map_type;
 
 use super::{
-    EbpfOptions,
     carry::Carried,
     drop_sample,
     hook::Hook,
     maps::Maps,
+    options::EbpfOptions,
     pins::{MapSpec, Pins},
 };
 use crate::ports::PortRange;

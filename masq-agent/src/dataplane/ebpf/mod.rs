@@ -22,6 +22,7 @@ mod load;
 pub mod map_types;
 pub mod maps;
 pub mod node_ports;
+mod options;
 pub mod pins;
 pub mod policy_word;
 pub mod prefixes;
@@ -34,11 +35,6 @@ pub mod testbed;
 pub mod trie_diff;
 pub mod tries;
 
-use std::path::PathBuf;
-
-use masq_ebpf::NAT_DEFAULT_ENTRIES;
-
-pub use self::load::COARSE_CLOCK_ENV;
 use self::{
     attach::Attachment,
     carry::Carried,
@@ -50,14 +46,18 @@ use self::{
     maps::Maps,
     pins::Pins,
 };
+pub use self::{load::COARSE_CLOCK_ENV, options::EbpfOptions};
 use super::{
-    ApplyOutcome, DataPlane, Mode, NatSweep, Status,
     chosen_address::ChosenAddresses,
-    iptables::{ChainVariant, IptablesDataPlane},
+    interface::{ApplyOutcome, DataPlane},
+    iptables::{plane::IptablesDataPlane, render::ChainVariant},
+    mode::Mode,
+    nat_usage::NatSweep,
+    status::{Status, read_back},
 };
 use crate::{
     netdev::Device,
-    policy::{IpFamilies, IpFamily, MasqueradeOptions, Policy},
+    policy::{IpFamilies, IpFamily, Policy},
     ports::PortRange,
 };
 
@@ -69,51 +69,6 @@ use crate::{
 #[derive(Debug, thiserror::Error)]
 #[error("eBPF data plane unavailable: {0:#}")]
 pub struct Unavailable(pub anyhow::Error);
-
-/// What the eBPF data plane needs from the flags and the node.
-#[derive(Debug, Clone)]
-pub struct EbpfOptions {
-    pub bpffs: PathBuf,
-    pub devices: Selection,
-    pub nat_capacity: u32,
-    pub port_spans: Vec<PortRange>,
-    pub random_fully: bool,
-    pub masquerade: MasqueradeOptions,
-    /// The families the programs masquerade: IPv6 too with `--enable-ipv6`.
-    pub families: IpFamilies,
-    /// The entries of the policy the agent starts with, in both families' tries: the decision
-    /// counters are sized for it.
-    pub policy_entries: usize,
-    /// kube-proxy's NodePort range, which NAT leaves to the node.
-    pub node_port_range: Option<PortRange>,
-}
-
-impl EbpfOptions {
-    pub const DEFAULT_NAT_CAPACITY: u32 = NAT_DEFAULT_ENTRIES;
-
-    /// The size of `nat_v6`: a table that is never used takes one entry, not megabytes.
-    pub fn nat_v6_capacity(&self) -> u32 {
-        if self.families.contains(IpFamily::Ipv6) {
-            self.nat_capacity
-        } else {
-            1
-        }
-    }
-
-    /// The slots of `policy_decisions`: one per entry of the starting policy and for the
-    /// default, with a quarter more for the policy to grow into, in whole thousands of slots.
-    /// Each slot takes eight bytes per CPU, so the array is sized by the policy, not by the
-    /// tries' capacity: entries past it go uncounted until the agent restarts.
-    pub fn decision_slots(&self) -> u32 {
-        const STEP: u32 = masq_ebpf::decision_slot::AT_LEAST;
-        let entries = u32::try_from(self.policy_entries).unwrap_or(u32::MAX);
-        let wanted = entries.saturating_add(entries / 4).saturating_add(1);
-        wanted
-            .div_ceil(STEP)
-            .saturating_mul(STEP)
-            .clamp(STEP, 2 * masq_ebpf::NON_MASQ_MAX_ENTRIES + STEP)
-    }
-}
 
 pub struct EbpfDataPlane {
     programs: Programs,
@@ -364,7 +319,7 @@ impl DataPlane for EbpfDataPlane {
     }
 
     fn status(&self) -> anyhow::Result<Status> {
-        let mut status = super::read_back(self.chain.chain(), Some(&self.pins.dir))?;
+        let mut status = read_back(self.chain.chain(), Some(&self.pins.dir))?;
         status.mode = Some(Mode::Ebpf);
         Ok(status)
     }

@@ -27,7 +27,7 @@ use super::{
     policy_word::PolicyWord,
     tc_filters,
 };
-use crate::{dataplane::NatUsage, policy::IpFamily};
+use crate::{dataplane::nat_usage::NatUsage, policy::IpFamily};
 
 /// One attachment, as read back from its pinned link.
 #[derive(Debug, Clone, Serialize)]

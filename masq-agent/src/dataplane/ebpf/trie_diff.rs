@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use masq_ebpf::{PolicyEntry, PrefixAction, prefix_action};
 
 use super::prefixes::Prefix;
-use crate::dataplane::walk_sorted;
+use crate::dataplane::sorted::walk_sorted;
 
 /// What a policy change does to the draining trie.
 pub struct DrainingChange<const N: usize> {

@@ -83,8 +83,10 @@ pub fn update<'a>(
 ) -> anyhow::Result<()> {
     let (mut adds, mut dels) = (String::new(), String::new());
     let by_net = |members: &'a [Member]| members.iter().map(|m| (m.net, m.nomatch));
-    crate::dataplane::walk_sorted(by_net(installed), by_net(members), |net, old, new| {
-        match (old, new) {
+    crate::dataplane::sorted::walk_sorted(
+        by_net(installed),
+        by_net(members),
+        |net, old, new| match (old, new) {
             (Some(was), Some(is)) if was == is => {}
             (_, Some(nomatch)) => {
                 let _ = writeln!(adds, "add {name} {} -exist", Member { net, nomatch });
@@ -92,8 +94,8 @@ pub fn update<'a>(
             (_, None) => {
                 let _ = writeln!(dels, "del {name} {net} -exist");
             }
-        }
-    });
+        },
+    );
     adds.push_str(&dels);
     if adds.is_empty() {
         return Ok(());

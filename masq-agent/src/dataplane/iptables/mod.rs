@@ -5,9 +5,9 @@
 mod command;
 mod evaluate;
 pub mod ipset;
-mod plane;
-mod readback;
-mod render;
+pub(in crate::dataplane) mod plane;
+pub(in crate::dataplane) mod readback;
+pub(in crate::dataplane) mod render;
 
 pub use command::{Capabilities, jump_rule};
 pub use evaluate::{ChainVerdict, chain_verdict};

@@ -12,8 +12,11 @@ use super::{
 };
 use crate::{
     dataplane::{
-        ApplyOutcome, DataPlane, Mode, NatSweep, Status,
         chosen_address::{ChosenAddressWatch, ChosenAddresses},
+        interface::{ApplyOutcome, DataPlane},
+        mode::Mode,
+        nat_usage::NatSweep,
+        status::{self, Status},
     },
     policy::{IpFamily, MasqueradeOptions, Policy},
 };
@@ -284,7 +287,7 @@ impl DataPlane for IptablesDataPlane {
     }
 
     fn status(&self) -> anyhow::Result<Status> {
-        let mut status = crate::dataplane::read_back(&self.opts.chain, None)?;
+        let mut status = status::read_back(&self.opts.chain, None)?;
         if status.mode.is_some() {
             status.mode = Some(self.mode);
             status.mode_reason = self.reason.clone();
