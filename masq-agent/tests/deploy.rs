@@ -9,6 +9,7 @@ use masq_agent::{
     agent::config_options,
     cli::{Cli, LogFormat},
     config,
+    telemetry::Answers as _,
 };
 use masq_testbed::deploy::{
     agent_args, agent_container, component_kustomization, component_names, component_resources,

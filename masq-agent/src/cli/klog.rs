@@ -5,7 +5,7 @@
 
 use clap::{Arg, ArgMatches, parser::ValueSource};
 
-use super::parse_go_bool;
+use crate::config::parse_go_bool;
 use Effect::{Ignored, Stderr};
 use Value::{Bool, Megabytes, Severity, Text};
 

@@ -10,6 +10,7 @@ use clap::{
 };
 
 use crate::{
+    config::parse_go_bool,
     policy::{IpFamilies, IpFamily},
     ports::PortRanges,
 };
@@ -348,15 +349,6 @@ fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
         None => s
             .parse()
             .map_err(|_| format!("{s:?} is not ADDR:PORT or :PORT")),
-    }
-}
-
-/// Parses a boolean the way Go's `strconv.ParseBool` (and so upstream's flags) does.
-pub fn parse_go_bool(s: &str) -> Result<bool, String> {
-    match s {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
-        _ => Err(format!("invalid boolean value {s:?}")),
     }
 }
 

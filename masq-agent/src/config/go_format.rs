@@ -1,9 +1,19 @@
-//! Go's formats the messages and `check-config` follow: time.Duration and strconv quoting.
+//! Go's formats the messages, `check-config` and the flags follow: time.Duration, strconv
+//! quoting and strconv.ParseBool.
 
 use std::fmt::Write as _;
 use std::time::Duration;
 
 pub(super) const NANOS_PER_SECOND: u128 = 1_000_000_000;
+
+/// Parses a boolean the way Go's `strconv.ParseBool` (and so upstream's flags) does.
+pub fn parse_go_bool(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        _ => Err(format!("invalid boolean value {s:?}")),
+    }
+}
 
 /// Go's `time.ParseDuration`: `[-+]?([0-9]*(\.[0-9]*)?[a-z]+)+`, e.g. `1m30s`, `1.5h`, `-1s`,
 /// or `0` alone. Returns signed nanoseconds within Go's int64 range; the error text is Go's.

@@ -27,7 +27,7 @@ mod tree;
 mod validate;
 
 pub use self::directory::FILE_PREFIX;
-pub use self::go_format::{format_go_duration, parse_go_duration};
+pub use self::go_format::{format_go_duration, parse_go_bool, parse_go_duration};
 use self::{
     decode::{Field, decode},
     locate::locate,

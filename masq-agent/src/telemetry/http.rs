@@ -11,7 +11,15 @@ use hyper::{Request, Response, StatusCode, body::Bytes, server::conn::http1, ser
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-use super::Telemetry;
+/// What the endpoints answer from (the agent's `Telemetry`): all this module knows of it.
+pub trait Answers: Send + Sync + 'static {
+    /// `/metrics`: the metrics in OpenMetrics text.
+    fn encode(&self) -> String;
+    /// `/healthz`: why the agent is not live, if it is not.
+    fn liveness_problem(&self) -> Option<String>;
+    /// `/readyz`: whether a sync has succeeded.
+    fn is_ready(&self) -> bool;
+}
 use crate::cli::DaemonFlags;
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -75,7 +83,7 @@ impl Endpoints {
 pub fn serve(
     addr: SocketAddr,
     endpoints: Endpoints,
-    telemetry: Arc<Telemetry>,
+    telemetry: Arc<impl Answers>,
 ) -> anyhow::Result<()> {
     let flag = if endpoints.metrics {
         "--metrics-addr"
@@ -120,7 +128,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 async fn accept_each(
     listener: std::net::TcpListener,
     endpoints: Endpoints,
-    telemetry: Arc<Telemetry>,
+    telemetry: Arc<impl Answers>,
 ) {
     let listener = match TcpListener::from_std(listener) {
         Ok(listener) => listener,
@@ -137,7 +145,7 @@ async fn accept_each(
         tokio::spawn(async move {
             let service = service_fn(move |request| {
                 let telemetry = telemetry.clone();
-                async move { Ok::<_, Infallible>(respond(&telemetry, endpoints, &request)) }
+                async move { Ok::<_, Infallible>(respond(&*telemetry, endpoints, &request)) }
             });
             let _ = http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
@@ -147,7 +155,7 @@ async fn accept_each(
 }
 
 fn respond<B>(
-    telemetry: &Telemetry,
+    telemetry: &(impl Answers + ?Sized),
     endpoints: Endpoints,
     request: &Request<B>,
 ) -> Response<Full<Bytes>> {

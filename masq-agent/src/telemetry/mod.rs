@@ -30,7 +30,7 @@ use prometheus_client::{
 use self::{kernel::KernelCounters, process::ProcessMetrics};
 use crate::dataplane::{Mode, NatSweep};
 
-pub use http::{Endpoints, serve};
+pub use http::{Answers, Endpoints, serve};
 
 /// The sync loop wakes every second for upkeep, and the longest apply (100 000 prefixes) takes
 /// about a second: a loop silent for this long is stuck.
@@ -297,11 +297,6 @@ impl Telemetry {
         *slot.lock().unwrap_or_else(|e| e.into_inner()) = problem;
     }
 
-    /// `None` when live; otherwise why not.
-    pub fn liveness_problem(&self) -> Option<String> {
-        self.liveness_problem_at(Instant::now())
-    }
-
     fn liveness_problem_at(&self, now: Instant) -> Option<String> {
         let silent = self.health.since_beat(now);
         if silent > STUCK_AFTER {
@@ -314,18 +309,25 @@ impl Telemetry {
             .iter()
             .find_map(|slot| slot.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
+}
 
-    pub fn is_ready(&self) -> bool {
-        self.health.ready.load(Ordering::Relaxed)
-    }
-
+impl Answers for Telemetry {
     /// The metrics in the OpenMetrics text format.
-    pub fn encode(&self) -> String {
+    fn encode(&self) -> String {
         let mut out = String::new();
         if let Err(err) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::warn!("encoding metrics: {err}");
         }
         out
+    }
+
+    /// `None` when live; otherwise why not.
+    fn liveness_problem(&self) -> Option<String> {
+        self.liveness_problem_at(Instant::now())
+    }
+
+    fn is_ready(&self) -> bool {
+        self.health.ready.load(Ordering::Relaxed)
     }
 }
 
