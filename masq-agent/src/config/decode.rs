@@ -4,10 +4,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    CidrList,
-    go_format::go_quote,
+    go_format::{go_quote, parse_go_duration},
     node::{Format, Node},
-    parse_go_duration,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -489,5 +487,53 @@ mod tests {
         assert_eq!(go_json_float(1e21), "1e+21");
         assert_eq!(go_json_float(1e-7), "1e-7");
         assert_eq!(go_json_float(-0.0), "-0");
+    }
+}
+
+/// Which list of the config an entry is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CidrList {
+    NonMasquerade,
+    Masquerade,
+    NonMasqueradeSrc,
+    MasqueradeSrc,
+}
+
+impl CidrList {
+    /// The key, as the file writes it.
+    pub fn key(self) -> &'static str {
+        self.field().name()
+    }
+
+    fn field(self) -> Field {
+        match self {
+            CidrList::NonMasquerade => Field::Cidrs,
+            CidrList::Masquerade => Field::MasqCidrs,
+            CidrList::NonMasqueradeSrc => Field::SrcCidrs,
+            CidrList::MasqueradeSrc => Field::MasqSrcCidrs,
+        }
+    }
+
+    pub const ALL: [CidrList; 4] = [
+        CidrList::NonMasquerade,
+        CidrList::Masquerade,
+        CidrList::NonMasqueradeSrc,
+        CidrList::MasqueradeSrc,
+    ];
+
+    /// The list of exceptions to this one's prefixes.
+    pub fn exceptions(self) -> CidrList {
+        match self {
+            CidrList::NonMasquerade | CidrList::Masquerade => CidrList::Masquerade,
+            CidrList::NonMasqueradeSrc | CidrList::MasqueradeSrc => CidrList::MasqueradeSrc,
+        }
+    }
+
+    /// What the list's prefixes hold: destinations, or sources.
+    pub fn holds(self) -> &'static str {
+        match self {
+            CidrList::NonMasquerade | CidrList::Masquerade => "destination",
+            CidrList::NonMasqueradeSrc | CidrList::MasqueradeSrc => "source",
+        }
     }
 }

@@ -16,8 +16,9 @@ use std::{
 use ipnet::IpNet;
 
 use super::{
-    CidrList, Config, ConfigError, ConfigOptions, ConfigSource, Explicit, Loaded, Standing,
-    address_line, cidr_line, decode::Field, parse_with_keys, read_bounded, unreadable,
+    decode::{CidrList, Field},
+    file::{address_line, cidr_line, parse_with_keys, read_bounded, unreadable},
+    model::{Config, ConfigError, ConfigOptions, ConfigSource, Explicit, Loaded, Standing},
     validate::first_in_both,
 };
 

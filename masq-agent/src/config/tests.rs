@@ -1,6 +1,10 @@
 //! The config file as upstream reads it: each case checked through `parse`, with upstream's
 //! messages.
 
+use std::time::Duration;
+
+use ipnet::IpNet;
+
 use super::{decode::suggest_key, go_format::go_quote, tree::MERGE_ERROR, *};
 use crate::policy::{IpFamilies, IpFamily};
 

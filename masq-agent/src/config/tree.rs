@@ -7,7 +7,7 @@ use yaml_rust2::parser::{Event, Parser};
 use yaml_rust2::scanner::{Marker, TScalarStyle};
 
 use super::{
-    ConfigError,
+    model::ConfigError,
     node::{Format, Node, yaml11_scalar},
     plain_yaml,
 };

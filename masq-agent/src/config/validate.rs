@@ -7,10 +7,9 @@ use std::time::Duration;
 use ipnet::{IpNet, Ipv4Net};
 
 use super::{
-    CidrList, Config, ConfigOptions, MIN_RESYNC_INTERVAL, Standing,
-    decode::{CidrItems, FileFields, Problem, Setting},
-    format_go_duration,
-    go_format::{format_go_nanos, go_quote},
+    decode::{CidrItems, CidrList, FileFields, Problem, Setting},
+    go_format::{format_go_duration, format_go_nanos, go_quote},
+    model::{Config, ConfigOptions, MIN_RESYNC_INTERVAL, Standing},
 };
 use crate::families::IpFamily;
 

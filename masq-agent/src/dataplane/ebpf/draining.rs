@@ -10,8 +10,9 @@ use masq_ebpf::{Address, NatEntry, NatKey};
 use tracing::info;
 
 use super::{
-    EbpfDataPlane, expiry,
+    expiry,
     map_types::{self, NatTable},
+    plane::EbpfDataPlane,
 };
 use crate::netdev::{self, DeviceState};
 

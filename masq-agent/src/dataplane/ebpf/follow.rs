@@ -7,11 +7,12 @@ use masq_ebpf::Interface;
 use tracing::{info, warn};
 
 use super::{
-    EbpfDataPlane, Unavailable, attach,
+    attach,
     devices::{self, Returned},
     expiry,
     hook::Hook,
     map_types::Interfaces,
+    plane::{EbpfDataPlane, Unavailable},
 };
 use crate::{
     dataplane::{chosen_address::ChosenAddresses, interface::DataPlane as _},
