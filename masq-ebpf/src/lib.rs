@@ -717,7 +717,10 @@ pub const COUNTER_SLOTS: u32 = Counter::ALL.len() as u32;
 mod layout {
     use core::mem::{align_of, offset_of, size_of};
 
-    use super::*;
+    use super::{
+        FragmentKey, Interface, MAX_PORT_SPANS, NatEntryV4, NatEntryV6, NatKeyV4, NatKeyV6,
+        PolicyEntry, PortSpan, Settings, verdict_slot,
+    };
 
     const _: () = assert!(size_of::<NatKeyV4>() == 16 && align_of::<NatKeyV4>() == 2);
     const _: () = assert!(size_of::<NatKeyV6>() == 40 && align_of::<NatKeyV6>() == 2);

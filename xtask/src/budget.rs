@@ -28,7 +28,7 @@ pub fn everywhere(object: &Path) -> anyhow::Result<Vec<ProgramFigures>> {
 /// `vms`: also boot the VMs' kernels, and write the figures into docs/install.md.
 pub fn run(json: bool, tree: bool, as_release: Option<&str>, vms: bool) -> anyhow::Result<()> {
     if vms {
-        crate::vm::setup()?;
+        crate::vm_kit::setup()?;
         crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
         let figures = everywhere(&built_object()?)?;
         print!("{}", describe(&figures));

@@ -15,6 +15,7 @@ mod setup;
 mod soak;
 mod verifier_figures;
 mod vm;
+mod vm_kit;
 
 use std::process::{Command, ExitCode};
 
@@ -90,13 +91,13 @@ enum Task {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().task {
-        Task::Setup => setup::run().and_then(|()| vm::setup()),
+        Task::Setup => setup::run().and_then(|()| vm_kit::setup()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Test { cargo_test_args } => setup::run()
-            .and_then(|()| vm::setup())
+            .and_then(|()| vm_kit::setup())
             .and_then(|()| test(&cargo_test_args)),
         Task::Bench(options) => setup::run()
-            .and_then(|()| vm::setup())
+            .and_then(|()| vm_kit::setup())
             .and_then(|()| bench::run(&options)),
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
@@ -109,7 +110,7 @@ fn main() -> ExitCode {
             vms,
         } => budget::run(json, tree, r#as.as_deref(), vms),
         Task::Vm => setup::run()
-            .and_then(|()| vm::setup())
+            .and_then(|()| vm_kit::setup())
             .and_then(|()| vm_cases()),
         Task::VmGuest { out, object, runs } => vm::guest(&out, &object, &runs),
     };

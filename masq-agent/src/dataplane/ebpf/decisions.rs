@@ -13,7 +13,7 @@ use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_acti
 use serde::Serialize;
 
 use super::{batch, pins::Pins, policy_word::PolicyWord, prefixes};
-use crate::policy::Policy;
+use crate::policy::{IpFamily, Policy};
 
 /// The per-CPU decision counters, a slot per policy entry.
 pub type DecisionCounters = PerCpuArray<MapData, u64>;
@@ -232,9 +232,9 @@ impl TrieEntries {
     /// as left alone; a flow that was masqueraded holds its NAT entries whatever this says.
     pub fn as_policy(&self) -> Policy {
         // One list's prefixes with `action`, by family.
-        let split = |sources, action| {
+        let split = |side, action| {
             let (mut v4, mut v6) = (Vec::new(), Vec::new());
-            let both = [false, true].map(|ipv6| self.with_action(sources, ipv6, action));
+            let both = [IpFamily::Ipv4, IpFamily::Ipv6].map(|f| self.with_action(side, f, action));
             for net in both.into_iter().flatten() {
                 match net {
                     IpNet::V4(net) => v4.push(net),
@@ -244,10 +244,10 @@ impl TrieEntries {
             (v4, v6)
         };
         let (non_masq, masq) = (prefix_action::NON_MASQUERADE, prefix_action::MASQUERADE);
-        let (non_masq_v4, non_masq_v6) = split(false, non_masq);
-        let (masq_v4, masq_v6) = split(false, masq);
-        let (non_masq_src_v4, non_masq_src_v6) = split(true, non_masq);
-        let (masq_src_v4, masq_src_v6) = split(true, masq);
+        let (non_masq_v4, non_masq_v6) = split(Side::Destinations, non_masq);
+        let (masq_v4, masq_v6) = split(Side::Destinations, masq);
+        let (non_masq_src_v4, non_masq_src_v6) = split(Side::Sources, non_masq);
+        let (masq_src_v4, masq_src_v6) = split(Side::Sources, masq);
         Policy {
             non_masq_v4,
             non_masq_v6: (!non_masq_v6.is_empty()).then_some(non_masq_v6),
@@ -263,18 +263,28 @@ impl TrieEntries {
         }
     }
 
-    /// The prefixes of one family's list: the destinations' or the sources', with `action`.
-    pub fn with_action(&self, sources: bool, ipv6: bool, action: PrefixAction) -> Vec<IpNet> {
-        let list = if sources {
-            &self.sources
-        } else {
-            &self.destinations
+    /// The prefixes of `family` in the destinations' or the sources' entries, with `action`.
+    pub fn with_action(&self, side: Side, family: IpFamily, action: PrefixAction) -> Vec<IpNet> {
+        let list = match side {
+            Side::Destinations => &self.destinations,
+            Side::Sources => &self.sources,
+        };
+        let of_family = |net: &IpNet| match net {
+            IpNet::V4(_) => family == IpFamily::Ipv4,
+            IpNet::V6(_) => family == IpFamily::Ipv6,
         };
         list.iter()
-            .filter(|(net, entry)| entry.action == action && matches!(net, IpNet::V6(_)) == ipv6)
+            .filter(|(net, entry)| entry.action == action && of_family(net))
             .map(|(net, _)| *net)
             .collect()
     }
+}
+
+/// Which of a packet's addresses a policy entry is matched against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Destinations,
+    Sources,
 }
 
 /// Each entry's slot and action.

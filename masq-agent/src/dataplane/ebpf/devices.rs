@@ -142,7 +142,7 @@ pub struct Notes {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Note {
-    Carrying { ipv6: bool },
+    Carrying { has_global_ipv6: bool },
     Missing,
     NoIpv4Address,
 }
@@ -159,7 +159,7 @@ impl Notes {
         for (device, state) in states {
             let note = match state {
                 DeviceState::Usable(d) => Note::Carrying {
-                    ipv6: d.ipv6.is_some(),
+                    has_global_ipv6: d.ipv6.is_some(),
                 },
                 DeviceState::Missing => Note::Missing,
                 DeviceState::NoIpv4Address => Note::NoIpv4Address,
@@ -193,7 +193,9 @@ fn say(device: &str, note: Note, families: IpFamilies) {
             device,
             "device has no IPv4 address, so no programs: the iptables chain masquerades what leaves it"
         ),
-        Note::Carrying { ipv6: false } if families.contains(IpFamily::Ipv6) => warn!(
+        Note::Carrying {
+            has_global_ipv6: false,
+        } if families.contains(IpFamily::Ipv6) => warn!(
             device,
             "device has no global IPv6 address: ip6tables masquerades the IPv6 that leaves it"
         ),

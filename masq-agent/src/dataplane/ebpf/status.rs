@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::{
     attach,
-    decisions::{self, PolicyDecisions, TrieEntries},
+    decisions::{self, PolicyDecisions, Side, TrieEntries},
     expiry,
     hook::Hook,
     map_types::{self, Counters, Interfaces, counter_total},
@@ -164,6 +164,13 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         return Ok(None);
     }
     let tries = TrieEntries::read(&pins)?;
+    let destinations = |family, action| tries.with_action(Side::Destinations, family, action);
+    let sources = |action| {
+        [IpFamily::Ipv4, IpFamily::Ipv6]
+            .into_iter()
+            .flat_map(|family| tries.with_action(Side::Sources, family, action))
+            .collect()
+    };
     let table_v4 = map_types::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
     // An agent from before IPv6 pinned no `nat_v6`.
     let table_v6 = match pins.map(map_names::NAT_V6).exists() {
@@ -228,18 +235,12 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             chosen.dedup();
             chosen
         },
-        non_masquerade_v4: tries.with_action(false, false, prefix_action::NON_MASQUERADE),
-        non_masquerade_v6: tries.with_action(false, true, prefix_action::NON_MASQUERADE),
-        masquerade_v4: tries.with_action(false, false, prefix_action::MASQUERADE),
-        masquerade_v6: tries.with_action(false, true, prefix_action::MASQUERADE),
-        non_masquerade_src: [false, true]
-            .into_iter()
-            .flat_map(|v6| tries.with_action(true, v6, prefix_action::NON_MASQUERADE))
-            .collect(),
-        masquerade_src: [false, true]
-            .into_iter()
-            .flat_map(|v6| tries.with_action(true, v6, prefix_action::MASQUERADE))
-            .collect(),
+        non_masquerade_v4: destinations(IpFamily::Ipv4, prefix_action::NON_MASQUERADE),
+        non_masquerade_v6: destinations(IpFamily::Ipv6, prefix_action::NON_MASQUERADE),
+        masquerade_v4: destinations(IpFamily::Ipv4, prefix_action::MASQUERADE),
+        masquerade_v6: destinations(IpFamily::Ipv6, prefix_action::MASQUERADE),
+        non_masquerade_src: sources(prefix_action::NON_MASQUERADE),
+        masquerade_src: sources(prefix_action::MASQUERADE),
         nat,
         translated_by_address,
         strays_cleared: PolicyWord(pins.open(map_names::POLICY_GENERATION)?).strays_cleared()?,
