@@ -18,16 +18,16 @@ use crate::{
 // The chain beside the programs masquerades other protocols as the full chain does: on every
 // data plane.
 mod ebpf {
+    family_cases!(Ebpf: other_protocols_are_masqueraded_by_the_chain);
     cases!(Ebpf:
-        other_protocols_are_masqueraded_by_the_chain,
-        ipv6_is_translated_by_the_programs_and_the_rest_by_the_chain,
+        the_ipv6_chain_beside_the_programs_leaves_them_what_they_translate,
         ipv6_keeps_the_full_chain_while_the_uplink_has_no_ipv6_address,
     );
 }
 
 mod iptables_nft {
+    family_cases!(IptablesNft: other_protocols_are_masqueraded_by_the_chain);
     cases!(IptablesNft:
-        other_protocols_are_masqueraded_by_the_chain,
         restores_a_flushed_chain,
         to_ports_rules_load_into_real_iptables,
         ipv6_chain_follows_enable_ipv6,
@@ -43,19 +43,20 @@ mod iptables_legacy {
     );
 }
 
-fn other_protocols_are_masqueraded_by_the_chain(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let gre = IpFamily::Ipv4.observe(&bed.topo.ext, IPPROTO_GRE);
-    let _agent = bed.start_agent(&[]);
-    assert_gre_leaves_with(&bed, &gre, topology::EXT_ADDR.into(), node_ip());
+/// GRE, which the programs leave alone, leaves masqueraded by the chain: the full chain, or
+/// the one beside the programs.
+fn other_protocols_are_masqueraded_by_the_chain(plane: Plane, family: IpFamily) {
+    let bed = Bed::new(plane, family.config());
+    let gre = family.observe(&bed.topo.ext, IPPROTO_GRE);
+    let _agent = bed.start_agent(family.agent_args());
+    assert_gre_leaves_with(&bed, &gre, family.outside().ip(), family.node());
 }
 
 /// Beside the programs, the IPv6 chain too is reduced to the protocols they leave alone, and
-/// what they translate they count; GRE over IPv6 is masqueraded by the chain.
-fn ipv6_is_translated_by_the_programs_and_the_rest_by_the_chain(plane: Plane) {
+/// what they translate they count.
+fn the_ipv6_chain_beside_the_programs_leaves_them_what_they_translate(plane: Plane) {
     let v6 = IpFamily::Ipv6;
     let bed = Bed::new(plane, IPV6_CONFIG);
-    let gre = v6.observe(&bed.topo.ext, IPPROTO_GRE);
     let _agent = bed.start_agent(v6.agent_args());
     let chain = bed.ip6tables(&["-t", "nat", "-S", CHAIN]).unwrap();
     let rules: Vec<&str> = chain.lines().filter(|l| l.starts_with("-A")).collect();
@@ -91,8 +92,6 @@ fn ipv6_is_translated_by_the_programs_and_the_rest_by_the_chain(plane: Plane) {
         Some(&serde_json::json!(topology::NODE_UPLINK_V6.to_string())),
         "{status}"
     );
-
-    assert_gre_leaves_with(&bed, &gre, v6.outside().ip(), v6.node());
 }
 
 /// Without a global IPv6 address on the uplink the programs have nothing to give IPv6 flows,
