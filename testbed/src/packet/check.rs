@@ -1,8 +1,8 @@
 //! Comparing what came out of a program with what should have.
 
-use std::ops::Range;
+use super::segment::{same_checksum, word};
 
-use super::*;
+use std::ops::Range;
 
 /// The byte offsets at which two frames of one length differ.
 pub fn diff(a: &[u8], b: &[u8]) -> Vec<usize> {

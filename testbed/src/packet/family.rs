@@ -1,8 +1,10 @@
 //! The builders and checks written once over the address family.
 
-use std::{fmt, net::IpAddr};
+use super::segment::{
+    ICMP, TCP, UDP, checksum, l4_checksum_offset, segment_without_checksum, word,
+};
 
-use super::*;
+use std::{fmt, net::IpAddr};
 
 /// An address family as the frames built here lay it out, implemented by the family's address
 /// type: a builder's family follows from the addresses it is given, and a test written once

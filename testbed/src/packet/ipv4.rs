@@ -1,8 +1,11 @@
 //! IPv4 as the frames built here lay it out: an option-less header behind Ethernet.
 
-use std::net::Ipv4Addr;
+use super::{
+    family::{FragmentAt, FrameAddress, IP, IpPacket},
+    segment::{ICMP, checksum, word},
+};
 
-use super::*;
+use std::net::Ipv4Addr;
 
 /// Where the L4 header starts in the frames built here (Ethernet, option-less IPv4).
 pub const L4: usize = <Ipv4Addr as FrameAddress>::L4;

@@ -1,9 +1,12 @@
 //! IPv6 as the frames built here lay it out: the fixed header, extension header chains and
 //! their walk, and the ICMPv6 types the tests send.
 
-use std::net::Ipv6Addr;
+use super::{
+    family::{FragmentAt, FrameAddress, IP, IpPacket},
+    segment::word,
+};
 
-use super::*;
+use std::net::Ipv6Addr;
 
 pub const ICMPV6: u8 = 58;
 pub const ETHERTYPE_IPV6: u16 = 0x86dd;
