@@ -3,8 +3,8 @@
 //! nothing with the eBPF programs' incremental checksum updates is the point: a test that checks
 //! a translation with this code checks it independently.
 //!
-//! What both families share sits in `segment`; `family` writes the builders and checks once over the
-//! family, and `ipv4` and `ipv6` say how each lays its headers out.
+//! What both families share sits in `segment`; `family` writes the builders and checks once
+//! over the family, and `ipv4` and `ipv6` say how each lays its headers out.
 
 mod check;
 mod family;
