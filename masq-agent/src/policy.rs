@@ -20,12 +20,33 @@ pub const LINK_LOCAL_V6: Ipv6Net =
     };
 
 /// What happens to traffic to a destination.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
     /// The pod's address is kept.
     NonMasquerade,
     Masquerade,
+}
+
+impl Action {
+    /// Its one spelling: `status`, its JSON, `explain` and the metrics' `action` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Action::NonMasquerade => "non-masquerade",
+            Action::Masquerade => "masquerade",
+        }
+    }
+}
+
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+impl serde::Serialize for Action {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.label())
+    }
 }
 
 /// The entries that decide a family's destinations, each with its action.

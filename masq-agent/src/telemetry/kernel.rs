@@ -12,14 +12,17 @@ use std::{
     },
 };
 
-use masq_ebpf::{Counter, prefix_action};
+use masq_ebpf::Counter;
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _},
     metrics::{counter::ConstCounter, gauge::ConstGauge},
 };
 
-use crate::{dataplane::ebpf, policy::IpFamily};
+use crate::{
+    dataplane::ebpf,
+    policy::{Action, IpFamily},
+};
 
 /// The eBPF programs' per-CPU packet counters, summed, the NAT tables' capacities and the
 /// decisions per action, read from the pinned maps at each scrape. Absent while another data
@@ -178,12 +181,11 @@ fn encode_decisions(
         None,
         metric.metric_type(),
     )?;
-    let name = ebpf::decisions::action_name;
     for (action, total) in [
-        (name(prefix_action::MASQUERADE), totals.masquerade),
-        (name(prefix_action::NON_MASQUERADE), totals.non_masquerade),
+        (Action::Masquerade, totals.masquerade),
+        (Action::NonMasquerade, totals.non_masquerade),
     ] {
-        ConstCounter::new(total).encode(family.encode_family(&[("action", action)])?)?;
+        ConstCounter::new(total).encode(family.encode_family(&[("action", action.label())])?)?;
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use masq_ebpf::{PolicyEntry, PrefixAction, decision_slot, map_names, prefix_acti
 use serde::Serialize;
 
 use super::{batch, pins::Pins, policy_word::PolicyWord, prefixes};
-use crate::policy::{IpFamily, Policy};
+use crate::policy::{Action, IpFamily, Policy};
 
 /// The per-CPU decision counters, a slot per policy entry.
 pub type DecisionCounters = PerCpuArray<MapData, u64>;
@@ -120,8 +120,7 @@ pub struct EntryDecisions {
     /// A source entry (`nonMasqueradeSrcCIDRs`, `masqueradeSrcCIDRs`), not a destination's.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub source: bool,
-    /// `masquerade` or `non-masquerade`.
-    pub action: &'static str,
+    pub action: Action,
     /// `None` when the counters had no slot for it.
     pub decisions: Option<u64>,
 }
@@ -318,7 +317,7 @@ impl PolicyDecisions {
             .map(|((prefix, entry), source)| EntryDecisions {
                 prefix: *prefix,
                 source,
-                action: action_name(entry.action),
+                action: prefixes::action_of(entry.action),
                 decisions: decisions(entry),
             })
             .collect();
@@ -398,14 +397,6 @@ fn list<'a>(
     Ok(all.len())
 }
 
-pub fn action_name(action: masq_ebpf::PrefixAction) -> &'static str {
-    if action == prefix_action::NON_MASQUERADE {
-        "non-masquerade"
-    } else {
-        "masquerade"
-    }
-}
-
 /// Reads what each entry of the tries pinned under `pins` decided; `None` if no counters are
 /// pinned.
 pub fn read(pins: &Pins, tries: &TrieEntries) -> anyhow::Result<Option<PolicyDecisions>> {
@@ -446,7 +437,7 @@ mod tests {
         let entry = |source, decisions| EntryDecisions {
             prefix: "10.244.0.0/16".parse().unwrap(),
             source,
-            action: "non-masquerade",
+            action: Action::NonMasquerade,
             decisions: Some(decisions),
         };
         let decisions = PolicyDecisions {

@@ -23,6 +23,16 @@ pub fn action_value(action: Action) -> PrefixAction {
     }
 }
 
+/// The action a trie's value stands for (any value but non-masquerade masquerades, as the
+/// programs read it).
+pub fn action_of(value: PrefixAction) -> Action {
+    if value == prefix_action::NON_MASQUERADE {
+        Action::NonMasquerade
+    } else {
+        Action::Masquerade
+    }
+}
+
 /// A family's rules as trie entries; the rules of the other family are left out.
 pub fn trie_entries<const N: usize>(rules: &Rules) -> BTreeMap<Prefix<N>, PrefixAction> {
     rules
