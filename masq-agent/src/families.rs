@@ -1,17 +1,16 @@
 //! The address families: IPv4, and IPv6 where it is enabled. A leaf, which the config, the
 //! policy and the data planes all take their families from.
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
 pub enum IpFamily {
     Ipv4,
     Ipv6,
 }
 
 impl IpFamily {
-    /// The family as `status` and the metrics' `family` label spell it, as serde does.
+    pub const ALL: [IpFamily; 2] = [IpFamily::Ipv4, IpFamily::Ipv6];
+
+    /// The family as `status`, its JSON and the metrics' `family` label spell it.
     pub fn label(self) -> &'static str {
         match self {
             IpFamily::Ipv4 => "ipv4",
@@ -19,6 +18,8 @@ impl IpFamily {
         }
     }
 }
+
+spelled_by_label!(IpFamily);
 
 /// The address families the agent masquerades: IPv4 always, and IPv6 once enabled (by
 /// `--enable-ipv6`, or by the file's `enableIPv6`, which wins).

@@ -37,17 +37,7 @@ impl Action {
     }
 }
 
-impl std::fmt::Display for Action {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.label())
-    }
-}
-
-impl serde::Serialize for Action {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.label())
-    }
-}
+spelled_by_label!(Action);
 
 /// The entries that decide a family's destinations, each with its action.
 pub type Rules = Vec<(IpNet, Action)>;

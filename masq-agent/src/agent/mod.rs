@@ -176,9 +176,9 @@ impl Agent {
             Err(err) => self.record_check(Check::Upkeep, Some(&err)),
         }
         let in_force = self.dataplane.masquerade_addresses();
-        for (family, label) in [(IpFamily::Ipv4, "ipv4"), (IpFamily::Ipv6, "ipv6")] {
+        for family in IpFamily::ALL {
             let in_use = in_force.of(family).is_some();
-            self.telemetry.masquerade_address(label, in_use);
+            self.telemetry.masquerade_address(family, in_use);
         }
         self.drain_leftovers();
     }

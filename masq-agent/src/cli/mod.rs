@@ -112,7 +112,7 @@ pub enum Command {
         destination: Option<ipnet::IpNet>,
         /// Only the flows of this kind.
         #[arg(long, value_enum)]
-        kind: Option<crate::dataplane::ebpf::flows::FlowKind>,
+        kind: Option<crate::dataplane::FlowKind>,
         /// Only the flows of this protocol: tcp, udp, icmp, or a protocol number.
         #[arg(long, value_parser = parse_protocol)]
         proto: Option<u8>,

@@ -475,21 +475,6 @@ pub(super) fn suggest_key(key: &str) -> Option<&'static str> {
         .map(|(name, _)| name)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn go_json_float_text() {
-        assert_eq!(go_json_float(64.5), "64.5");
-        assert_eq!(go_json_float(64.0), "64");
-        assert_eq!(go_json_float(1e20), "100000000000000000000");
-        assert_eq!(go_json_float(1e21), "1e+21");
-        assert_eq!(go_json_float(1e-7), "1e-7");
-        assert_eq!(go_json_float(-0.0), "-0");
-    }
-}
-
 /// Which list of the config an entry is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CidrList {
@@ -505,7 +490,7 @@ impl CidrList {
         self.field().name()
     }
 
-    fn field(self) -> Field {
+    pub(super) fn field(self) -> Field {
         match self {
             CidrList::NonMasquerade => Field::Cidrs,
             CidrList::Masquerade => Field::MasqCidrs,
@@ -535,5 +520,20 @@ impl CidrList {
             CidrList::NonMasquerade | CidrList::Masquerade => "destination",
             CidrList::NonMasqueradeSrc | CidrList::MasqueradeSrc => "source",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_json_float_text() {
+        assert_eq!(go_json_float(64.5), "64.5");
+        assert_eq!(go_json_float(64.0), "64");
+        assert_eq!(go_json_float(1e20), "100000000000000000000");
+        assert_eq!(go_json_float(1e21), "1e+21");
+        assert_eq!(go_json_float(1e-7), "1e-7");
+        assert_eq!(go_json_float(-0.0), "-0");
     }
 }

@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net};
 
-use super::{decode::CidrList, go_format::format_go_duration};
+use super::{
+    decode::{CidrList, Field},
+    go_format::format_go_duration,
+};
 use crate::families::IpFamilies;
 
 /// Command-line flags that change how the config file is read.
@@ -109,32 +112,37 @@ impl Config {
     pub fn to_upstream_json(&self) -> serde_json::Value {
         let strings =
             |cidrs: &[IpNet]| -> Vec<String> { cidrs.iter().map(ToString::to_string).collect() };
-        let mut json = serde_json::json!({
-            "nonMasqueradeCIDRs": strings(&self.non_masquerade_cidrs),
-            "cidrLimit": self.cidr_limit,
-            "masqLinkLocal": self.masq_link_local,
-            "masqLinkLocalIPv6": self.masq_link_local_ipv6,
-            "resyncInterval": format_go_duration(self.resync_interval),
-        });
+        let mut json = serde_json::Map::new();
+        let mut set = |field: Field, value: serde_json::Value| {
+            json.insert(field.name().to_string(), value);
+        };
+        set(Field::Cidrs, strings(&self.non_masquerade_cidrs).into());
+        set(Field::CidrLimit, self.cidr_limit.into());
+        set(Field::MasqLinkLocal, self.masq_link_local.into());
+        set(Field::MasqLinkLocalIpv6, self.masq_link_local_ipv6.into());
+        set(
+            Field::ResyncInterval,
+            format_go_duration(self.resync_interval).into(),
+        );
         for (list, cidrs) in [
             (CidrList::Masquerade, &self.masquerade_cidrs),
             (CidrList::NonMasqueradeSrc, &self.non_masquerade_src_cidrs),
             (CidrList::MasqueradeSrc, &self.masquerade_src_cidrs),
         ] {
             if !cidrs.is_empty() {
-                json[list.key()] = strings(cidrs).into();
+                set(list.field(), strings(cidrs).into());
             }
         }
         if let Some(addr) = self.masquerade_address {
-            json["masqueradeAddress"] = addr.to_string().into();
+            set(Field::MasqAddress, addr.to_string().into());
         }
         if let Some(addr) = self.masquerade_address_ipv6 {
-            json["masqueradeAddressIPv6"] = addr.to_string().into();
+            set(Field::MasqAddressIpv6, addr.to_string().into());
         }
         if let Some(enable) = self.enable_ipv6 {
-            json["enableIPv6"] = enable.into();
+            set(Field::EnableIpv6, enable.into());
         }
-        json
+        serde_json::Value::Object(json)
     }
 }
 

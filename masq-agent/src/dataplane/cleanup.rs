@@ -1,6 +1,10 @@
 //! `masq-agent cleanup`: everything either data plane installed, removed.
 
-use super::{ebpf, iptables::plane, state};
+use super::{
+    ebpf,
+    iptables::{command, plane},
+    state,
+};
 use crate::policy::IpFamily;
 
 /// What `cleanup` found and removed.
@@ -43,10 +47,7 @@ impl std::fmt::Display for Cleaned {
             ));
         }
         for family in &self.chains {
-            let tool = match family {
-                IpFamily::Ipv4 => "iptables",
-                IpFamily::Ipv6 => "ip6tables",
-            };
+            let tool = command::binary(*family);
             removed.push(format!(
                 "{tool} chain {} with its POSTROUTING jump",
                 self.chain

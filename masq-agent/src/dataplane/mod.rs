@@ -18,7 +18,7 @@ pub use self::{
     cleanup::{Cleaned, cleanup_all},
     interface::{ApplyOutcome, DataPlane},
     mode::Mode,
-    nat_usage::{NatSweep, NatUsage},
+    nat_usage::{FlowKind, NatSweep, NatUsage},
     sorted::walk_sorted,
     status::{Status, inspect},
 };

@@ -1,6 +1,6 @@
 //! Which data plane enforces the policy, in its one spelling.
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 /// Which mechanism enforces the policy. Its one spelling, `label`, is what the status text,
 /// the JSON, the state file and the metrics all say.
@@ -24,17 +24,7 @@ impl Mode {
     }
 }
 
-impl std::fmt::Display for Mode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.label())
-    }
-}
-
-impl Serialize for Mode {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.label())
-    }
-}
+spelled_by_label!(Mode);
 
 impl<'de> Deserialize<'de> for Mode {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Mode, D::Error> {

@@ -52,3 +52,28 @@ impl NatSweep {
         self.tables.values().map(|usage| usage.expired_flows).sum()
     }
 }
+
+/// Whose a flow is, as `status`, the metrics' `kind` label and `masq-agent flows --kind` name
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum FlowKind {
+    /// A pod's, masqueraded.
+    Pod,
+    /// A pod's that keeps its address: opened from outside, or kept across a policy change.
+    Kept,
+    /// The node's own: its tuple held, or translated to another port for a clash.
+    Node,
+}
+
+impl FlowKind {
+    /// Its one spelling, which clap's `--kind` takes from the variant's name too.
+    pub fn label(self) -> &'static str {
+        match self {
+            FlowKind::Pod => "pod",
+            FlowKind::Kept => "kept",
+            FlowKind::Node => "node",
+        }
+    }
+}
+
+spelled_by_label!(FlowKind);

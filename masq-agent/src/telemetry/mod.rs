@@ -28,7 +28,10 @@ use prometheus_client::{
 };
 
 use self::{kernel::KernelCounters, process::ProcessMetrics};
-use crate::dataplane::{Mode, NatSweep};
+use crate::{
+    dataplane::{FlowKind, Mode, NatSweep},
+    policy::IpFamily,
+};
 
 pub use http::{Answers, Endpoints, serve};
 
@@ -185,9 +188,11 @@ impl Telemetry {
             "By address family: 1 while masqueraded traffic takes the chosen masqueradeAddress, 0 while it takes the outgoing device's (no address named, or the node does not hold it)",
             masquerade_address_in_use.clone(),
         );
-        for family in ["ipv4", "ipv6"] {
+        for family in IpFamily::ALL {
             masquerade_address_in_use
-                .get_or_create(&FamilyLabel { family })
+                .get_or_create(&FamilyLabel {
+                    family: family.label(),
+                })
                 .set(0);
         }
         let ebpf_in_force = Arc::new(AtomicBool::new(false));
@@ -211,9 +216,11 @@ impl Telemetry {
     }
 
     /// Records whether `family`'s masqueraded traffic takes a chosen masquerade address.
-    pub fn masquerade_address(&self, family: &'static str, in_use: bool) {
+    pub fn masquerade_address(&self, family: IpFamily, in_use: bool) {
         self.masquerade_address_in_use
-            .get_or_create(&FamilyLabel { family })
+            .get_or_create(&FamilyLabel {
+                family: family.label(),
+            })
             .set(i64::from(in_use));
     }
 
@@ -232,9 +239,11 @@ impl Telemetry {
             self.health.ready.store(true, Ordering::Relaxed);
         }
         if let Some((v4, v6)) = prefixes {
-            for (family, count) in [("ipv4", v4), ("ipv6", v6)] {
+            for (family, count) in [(IpFamily::Ipv4, v4), (IpFamily::Ipv6, v6)] {
                 self.prefixes
-                    .get_or_create(&FamilyLabel { family })
+                    .get_or_create(&FamilyLabel {
+                        family: family.label(),
+                    })
                     .set(count as i64);
             }
         }
@@ -272,10 +281,11 @@ impl Telemetry {
                 .get_or_create(&FamilyLabel { family })
                 .set(usage.entries as i64);
             for (kind, flows) in [
-                ("pod", usage.pod_flows),
-                ("kept", usage.kept_flows),
-                ("node", usage.node_flows),
+                (FlowKind::Pod, usage.pod_flows),
+                (FlowKind::Kept, usage.kept_flows),
+                (FlowKind::Node, usage.node_flows),
             ] {
+                let kind = kind.label();
                 self.nat_flows
                     .get_or_create(&FamilyKindLabel { family, kind })
                     .set(flows as i64);
@@ -517,9 +527,9 @@ mod tests {
             Some(0.0),
             "from the start"
         );
-        t.masquerade_address("ipv4", true);
+        t.masquerade_address(IpFamily::Ipv4, true);
         assert_eq!(value(&t.encode(), &series("ipv4")), Some(1.0));
-        t.masquerade_address("ipv4", false);
+        t.masquerade_address(IpFamily::Ipv4, false);
         assert_eq!(value(&t.encode(), &series("ipv4")), Some(0.0));
     }
 

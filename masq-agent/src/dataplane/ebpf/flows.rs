@@ -16,18 +16,7 @@ use super::{
     map_types::{self, Table},
     pins::Pins,
 };
-
-/// Whose a flow is, as `--kind` picks it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum FlowKind {
-    /// A pod's, masqueraded.
-    Pod,
-    /// A pod's that keeps its address: opened from outside, or kept across a policy change.
-    Kept,
-    /// The node's own: its tuple held, or translated to another port for a clash.
-    Node,
-}
+use crate::dataplane::nat_usage::FlowKind;
 
 impl From<FlowOwner> for FlowKind {
     fn from(owner: FlowOwner) -> FlowKind {
@@ -186,11 +175,7 @@ impl Flow {
 /// `udp  pod  10.244.1.2:5353 -> 203.0.113.10:53 as 203.0.113.1:33000 replied idle 2s expires in 28s`.
 impl fmt::Display for Flow {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.kind {
-            FlowKind::Pod => "pod",
-            FlowKind::Kept => "kept",
-            FlowKind::Node => "node",
-        };
+        let kind = self.kind;
         let destination = if self.is_echo() {
             self.destination.addr.to_string()
         } else {

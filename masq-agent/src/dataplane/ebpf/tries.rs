@@ -16,7 +16,7 @@ use masq_ebpf::{
 };
 
 use super::{
-    decisions::{DecisionCounters, DecisionSlots},
+    decisions::{DecisionCounters, DecisionSlots, Side},
     map_types::{self, NatTables},
     policy_word::PolicyWord,
     prefixes::{self, PolicyTrie, Prefix},
@@ -132,7 +132,7 @@ impl PolicyMaps {
 
     /// Makes one family's trie hold `rules`. Returns whether it changed.
     pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
-        self.sync_family(family, rules, false)
+        self.sync_family(family, rules, Side::Destinations)
     }
 
     /// Makes one family's source trie hold `rules`. The programs look it up only while the
@@ -151,21 +151,16 @@ impl PolicyMaps {
         if rules.is_empty() {
             write_sources_decided(settings, bit, false)?;
         }
-        let changed = self.sync_family(family, rules, true)?;
+        let changed = self.sync_family(family, rules, Side::Sources)?;
         if !rules.is_empty() {
             write_sources_decided(settings, bit, true)?;
         }
         Ok(changed)
     }
 
-    /// Makes one family's destination trie, or with `sources` its source trie, hold `rules`,
-    /// their entries counted in the one set of decision slots.
-    fn sync_family(
-        &mut self,
-        family: IpFamily,
-        rules: &Rules,
-        sources: bool,
-    ) -> anyhow::Result<bool> {
+    /// Makes one family's trie of `side` hold `rules`, their entries counted in the one set of
+    /// decision slots.
+    fn sync_family(&mut self, family: IpFamily, rules: &Rules, side: Side) -> anyhow::Result<bool> {
         let mut counting = Counting {
             slots: &mut self.slots,
             counters: &mut self.decisions,
@@ -173,18 +168,16 @@ impl PolicyMaps {
         let (word, strays) = (&mut self.word, &mut self.strays);
         match family {
             IpFamily::Ipv4 => {
-                let tries = if sources {
-                    &mut self.src_v4
-                } else {
-                    &mut self.v4
+                let tries = match side {
+                    Side::Destinations => &mut self.v4,
+                    Side::Sources => &mut self.src_v4,
                 };
                 tries.sync(prefixes::trie_entries(rules), word, strays, &mut counting)
             }
             IpFamily::Ipv6 => {
-                let tries = if sources {
-                    &mut self.src_v6
-                } else {
-                    &mut self.v6
+                let tries = match side {
+                    Side::Destinations => &mut self.v6,
+                    Side::Sources => &mut self.src_v6,
                 };
                 tries.sync(prefixes::trie_entries(rules), word, strays, &mut counting)
             }

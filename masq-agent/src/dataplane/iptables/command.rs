@@ -42,7 +42,8 @@ pub(super) fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
     ))
 }
 
-fn binary(family: IpFamily) -> &'static str {
+/// The iptables binary of `family`, as commands and messages name it.
+pub(in crate::dataplane) fn binary(family: IpFamily) -> &'static str {
     match family {
         IpFamily::Ipv4 => "iptables",
         IpFamily::Ipv6 => "ip6tables",

@@ -2,7 +2,7 @@
 //! `iptables-restore --noflush` so that only this chain changes, atomically. Beside the eBPF
 //! programs, the chain matches the non-masquerade CIDRs through an ipset.
 
-mod command;
+pub(in crate::dataplane) mod command;
 mod evaluate;
 pub mod ipset;
 pub(in crate::dataplane) mod plane;

@@ -8,7 +8,7 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use super::{
-    command::{Iptables, available_families},
+    command::{Iptables, available_families, binary},
     ipset,
 };
 use crate::{policy::IpFamily, protocols::Protocol};
@@ -172,10 +172,7 @@ impl ChainStatus {
 
 impl std::fmt::Display for ChainStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let family = match self.family {
-            IpFamily::Ipv4 => "iptables",
-            IpFamily::Ipv6 => "ip6tables",
-        };
+        let family = binary(self.family);
         if !self.installed {
             return writeln!(f, "{family} nat chain {}: not installed", self.chain);
         }
