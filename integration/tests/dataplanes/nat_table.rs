@@ -218,11 +218,14 @@ fn spoofed_syns(family: IpFamily, port: u16, round: usize, count: u32) -> Vec<Ve
         .collect()
 }
 
-/// Between a flood's rounds: a flood of new flows faster than a handshake's round trip turns
-/// a small table over before a pod's handshake is done, and any early drop (conntrack's too)
-/// can take a connection not yet established. Rounds every few milliseconds turn the tests'
-/// 64-flow table over at most a hundred times a second.
-const FLOOD_PAUSE: Duration = Duration::from_millis(5);
+/// Between a flood's rounds. A flood of new flows that turns a table over faster than a
+/// handshake's round trip makes every flow it may drop younger than a pod's connection in its
+/// handshake, which is then the one to go: any early drop (conntrack's too) takes it. The
+/// tests' table holds 64 flows and runs beside the rest of the suite, where a handshake can
+/// take some milliseconds: a round of new flows every 20 ms turns it over a few times a second
+/// at most. (The default table, 262 144 flows, takes a flood of 100 000 new flows a second
+/// for over two seconds to turn over.)
+const FLOOD_PAUSE: Duration = Duration::from_millis(20);
 
 /// A pod's connections out, each masqueraded, made while a flood goes on: enough to outlast
 /// the half second in which a churn on two CPUs left the drop sample pointing at nothing
@@ -520,7 +523,7 @@ fn a_pods_unanswered_queries_leave_room_for_new_flows(plane: Plane, family: IpFa
         masq_testbed::netns::within(&bed.topo.ext, move || Ok(UdpSocket::bind(silent)?)).unwrap();
     let pod = bed.pod().to_string();
     pods_connect_throughout(&bed, family, |round| {
-        queries_from_fresh_ports(&pod, family, silent, if round == 0 { 300 } else { 50 });
+        queries_from_fresh_ports(&pod, family, silent, if round == 0 { 300 } else { 20 });
     });
     exchange_a_byte(&mut pod_end, &mut host_end);
     assert_made_room(&bed, "nat_early_dropped");
