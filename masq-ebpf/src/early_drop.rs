@@ -132,7 +132,8 @@ fn early_drop_global<F: Family>(new_dest: [u64; 2], new_dport: u16) -> i64 {
     if oldest_slot == NO_SLOT {
         return EarlyDrop::NO_ROOM.0;
     }
-    flow.drop_in::<F>(oldest_slot, new_dest, new_dport).0
+    flow.drop_in::<F>(oldest_slot, oldest_seen, new_dest, new_dport)
+        .0
 }
 
 /// No slot of the drop sample: more than any sample has.
@@ -172,17 +173,20 @@ impl<A: Address + 'static> SampledFlow<A> {
         may_drop.then_some(egress.last_seen_ns.max(reply.last_seen_ns))
     }
 
-    /// Drops the flow in the drop sample's `slot`, both halves, if it is still one to drop:
-    /// the slot was looked at before, and another CPU may have taken the flow, or the flow may
-    /// have been answered, since.
+    /// Drops the flow in the drop sample's `slot`, both halves, if it is still the one looked
+    /// at (its last packet at `last_seen`) and still one to drop: another CPU may have taken
+    /// the flow, or the flow may have been answered, since.
     #[inline(always)]
     fn drop_in<F: Family<Addr = A>>(
         &mut self,
         slot: u32,
+        last_seen: u64,
         new_dest: [u64; 2],
         new_dport: u16,
     ) -> EarlyDrop {
-        if self.look_at::<F>(slot).is_none() {
+        // The flow judged, by the time of its last packet: another CPU may have dropped it
+        // and written its own new flow into the slot since, which must not go in its place.
+        if self.look_at::<F>(slot) != Some(last_seen) {
             return EarlyDrop::LOST_RACE;
         }
         vacate::<F>(slot);
