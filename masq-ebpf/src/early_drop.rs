@@ -4,7 +4,9 @@
 //! flow to drop (`early_drop`), in a global BPF function of each family.
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
-use masq_ebpf::{Address, Counter, EARLY_DROP_PROBES, NatKey, can_drop_early, nat_kind};
+use masq_ebpf::{
+    Address, Counter, EARLY_DROP_PROBES, NatKey, can_drop_early, drop_vacancy, nat_kind,
+};
 
 use crate::{family::Family, maps, nat::lookup};
 
@@ -222,8 +224,8 @@ fn vacate<F: Family>(slot: u32) {
     if let Some(vacant) = maps::DROP_VACANCY.get_ptr_mut(F::DROP_VACANCY) {
         // SAFETY: a map value, read and written whole.
         unsafe {
-            if *vacant == 0 {
-                *vacant = slot + 1;
+            if *vacant == drop_vacancy::NONE {
+                *vacant = drop_vacancy::naming(slot);
             }
         }
     }
@@ -237,12 +239,9 @@ fn take_vacancy<F: Family>() -> Option<u32> {
     let vacant = maps::DROP_VACANCY.get_ptr_mut(F::DROP_VACANCY)?;
     // SAFETY: a map value, read and written whole.
     unsafe {
-        let named = *vacant;
-        if named == 0 {
-            return None;
-        }
-        *vacant = 0;
-        Some(named - 1)
+        let slot = drop_vacancy::named(*vacant)?;
+        *vacant = drop_vacancy::NONE;
+        Some(slot)
     }
 }
 
@@ -252,8 +251,8 @@ fn withdraw_vacancy<F: Family>(slot: u32) {
     if let Some(vacant) = maps::DROP_VACANCY.get_ptr_mut(F::DROP_VACANCY) {
         // SAFETY: a map value, read and written whole.
         unsafe {
-            if *vacant == slot + 1 {
-                *vacant = 0;
+            if *vacant == drop_vacancy::naming(slot) {
+                *vacant = drop_vacancy::NONE;
             }
         }
     }

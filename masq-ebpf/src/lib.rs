@@ -400,9 +400,25 @@ pub const fn can_drop_early(proto: u8, egress: u8, ingress: u8) -> bool {
 }
 
 /// Each family's slot of the map `nat_drop_vacancy` (`map_names::DROP_VACANCY`).
+/// Each word holds a slot of the drop sample plus one: 0 names none.
 pub mod drop_vacancy {
     pub const V4: u32 = 0;
     pub const V6: u32 = 1;
+
+    /// The word that names no slot.
+    pub const NONE: u32 = 0;
+
+    /// The word that names `slot`.
+    #[inline(always)]
+    pub const fn naming(slot: u32) -> u32 {
+        slot + 1
+    }
+
+    /// The slot `word` names, if any.
+    #[inline(always)]
+    pub const fn named(word: u32) -> Option<u32> {
+        word.checked_sub(1)
+    }
 }
 
 /// Slots of a family's drop sample for a NAT table of `nat_entries` entries: one per flow the

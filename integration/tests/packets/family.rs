@@ -141,11 +141,14 @@ macro_rules! nat_table_of {
             let named = vacancies
                 .get(&<$octets as NatFamily>::DROP_VACANCY, 0)
                 .unwrap();
-            named.checked_sub(1)
+            masq_ebpf::drop_vacancy::named(named)
         }
         fn set_drop_vacancy(bed: &mut TestBed, slot: Option<u32>) {
             let vacancies = &mut bed.maps.drop_samples.vacancies;
-            let named = slot.map_or(0, |slot| slot + 1);
+            let named = slot.map_or(
+                masq_ebpf::drop_vacancy::NONE,
+                masq_ebpf::drop_vacancy::naming,
+            );
             vacancies
                 .set(<$octets as NatFamily>::DROP_VACANCY, named, 0)
                 .unwrap();
