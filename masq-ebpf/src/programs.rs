@@ -17,7 +17,7 @@ use masq_ebpf::{
 
 use crate::{
     csum::{self, AddrField, L4Checksum},
-    early_drop::{self, EarlyDrop, SampleSlot},
+    early_drop::{self, SampleSlot},
     family::{Family, V4, V6},
     frag, maps,
     nat::{self, AllocError, IdentityError, Segment},
@@ -165,11 +165,10 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
                     let room = early_drop::early_drop::<F>(&key.daddr, key.dport);
-                    if room == EarlyDrop::LOST_RACE {
-                        continue;
-                    }
+                    // No flow dropped (none to drop in the slots looked at, or another CPU
+                    // took the one chosen): the next round looks at other slots.
                     let Some(freed_port) = room.port() else {
-                        break;
+                        continue;
                     };
                     made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
                     if made == Masquerading::MASQUERADED {

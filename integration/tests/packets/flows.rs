@@ -342,8 +342,9 @@ fn connect<F: HarnessFamily>(h: &mut TestBed, pod_port: u16) -> u16 {
 }
 
 /// New flows write random slots of the drop sample, so it forgets flows; a sweep that leaves
-/// the table three quarters full or more points every slot at a flow a full table may drop,
-/// and the next new flow that finds the table full drops one of those.
+/// the table three quarters full or more points its slots at the table's flows, each once (the
+/// one a full table may drop among the rest), and the next new flow that finds the table full
+/// drops that one.
 fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F: HarnessFamily>() {
     let mut h = F::bed(8, &[(1024, 65535)], true);
     for pod_port in [3001, 3002, 3003] {
@@ -357,9 +358,13 @@ fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F
     let run = F::expire(&h, &expiry::Timeouts::default(), newest);
     assert_eq!(run.expired_flows, 0);
     let sample = F::drop_sample(&h);
-    assert!(
-        !sample.is_empty() && sample.iter().all(|k| *k == unanswered),
-        "every slot holds the one flow that may go: {sample:?}"
+    let flows = [3001, 3002, 3003, 3004].map(|pod_port| egress_key::<F>(&h, pod_port));
+    assert_eq!(sample.len(), flows.len());
+    let sampled: std::collections::HashSet<_> = sample.iter().collect();
+    assert_eq!(
+        sampled,
+        flows.iter().collect(),
+        "every flow once, {unanswered:?} among them"
     );
     let (verdict, _) = h.egress(&tcp(F::POD, 3005, F::REMOTE, 80, SYN));
     assert_eq!(verdict, TC_ACT_OK);

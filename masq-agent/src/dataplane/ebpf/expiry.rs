@@ -342,10 +342,11 @@ pub fn translated_by_address<A: Address + Ord>(
 /// churn, where most flows a sweep finds are over).
 ///
 /// A table left under pressure (`UNDER_PRESSURE_PERCENT` full or more) gets its drop
-/// `sample`, if given, pointed at the flows a full table may drop: new flows write random
-/// slots, so between sweeps a sample forgets flows (and never had those the agent wrote into
-/// the table), and a full table that looks at 16 slots could miss the droppable flows it holds.
-/// Right after such a sweep every slot holds one, for as long as the table has any.
+/// `sample`, if given, pointed at its flows, those a full table may drop spread among the
+/// rest: new flows write random slots, so between sweeps a sample forgets flows (and never had
+/// those the agent wrote into the table), and a full table that looks at 16 slots could miss
+/// the droppable flows it holds. Right after such a sweep it holds every flow it has room
+/// for, and every 16 slots in a row one a full table may drop, while a sixteenth of them are.
 pub fn expire<A>(
     nat: &NatTable<A>,
     sample: Option<&DropSample<A>>,
@@ -371,7 +372,7 @@ where
     run.expired_flows = prune(nat, &over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
     if let Some(sample) = sample.filter(|_| pressed(left)) {
-        let pointed = drop_sample::point_at(sample, &over.droppable)?;
+        let pointed = drop_sample::point_at(sample, &over.droppable, &over.kept)?;
         tracing::debug!(left, ?capacity, pointed, "NAT table under pressure");
     }
     Ok(run)
@@ -392,6 +393,8 @@ struct Over<A> {
     /// The egress halves of the flows left that a full table may drop (the node's, and those
     /// `can_drop_early` allows), when asked for.
     droppable: Vec<NatKey<A>>,
+    /// The egress halves of the other flows left, when asked for.
+    kept: Vec<NatKey<A>>,
 }
 
 /// How far a half's `last_seen_ns` may lag its last packet (the programs refresh it at most
@@ -399,8 +402,8 @@ struct Over<A> {
 /// before.
 pub const LAST_SEEN_LAG: Duration = Duration::from_nanos(masq_ebpf::LAST_SEEN_REFRESH_NS);
 
-/// What of `entries` was over at `now_ns`, and, if `find_droppable`, what of the rest a full
-/// table may drop.
+/// What of `entries` was over at `now_ns`, and, if `find_droppable`, which of the rest a full
+/// table may drop and which not.
 fn over<A: Address>(
     entries: Table<A>,
     timeouts: &Timeouts,
@@ -433,11 +436,15 @@ fn over<A: Address>(
                 let last = entry.last_seen_ns.max(reply.last_seen_ns);
                 if past(last, timeouts.for_flow(key, entry, &reply)) {
                     over.flows.extend([*key, reply_key]);
-                } else if find_droppable
-                    && (entry.kind == nat_kind::NODE
-                        || can_drop_early(key.proto, entry.tcp_seen, reply.tcp_seen))
-                {
-                    over.droppable.push(*key);
+                } else if find_droppable {
+                    let may_drop = entry.kind == nat_kind::NODE
+                        || can_drop_early(key.proto, entry.tcp_seen, reply.tcp_seen);
+                    let list = if may_drop {
+                        &mut over.droppable
+                    } else {
+                        &mut over.kept
+                    };
+                    list.push(*key);
                 }
             }
             // An egress half alone cannot translate replies; let it go with its timeout.
