@@ -29,7 +29,7 @@ use crate::{family::Family, maps, nat::lookup};
 pub struct SampleSlot(EarlyDrop);
 
 impl SampleSlot {
-    pub const RANDOM: SampleSlot = SampleSlot(EarlyDrop::NO_ROOM);
+    pub const RANDOM: SampleSlot = SampleSlot(EarlyDrop::NOTHING_DROPPED);
 
     #[inline(always)]
     pub fn freed(room: EarlyDrop) -> SampleSlot {
@@ -41,7 +41,7 @@ impl SampleSlot {
 /// vacant one a drop named, or a random one.
 #[inline(always)]
 pub fn remember<F: Family>(slot: SampleSlot, egress_key: &NatKey<F::Addr>) {
-    let slot = if slot.0 == EarlyDrop::NO_ROOM {
+    let slot = if slot.0 == EarlyDrop::NOTHING_DROPPED {
         take_vacancy::<F>().unwrap_or_else(|| {
             // SAFETY: the helper has no preconditions.
             let random = unsafe { bpf_get_prandom_u32() };
@@ -58,19 +58,18 @@ pub fn remember<F: Family>(slot: SampleSlot, egress_key: &NatKey<F::Addr>) {
     }
 }
 
-/// What `early_drop` says: `NO_ROOM`, or the slot of the drop sample the flow it dropped held
-/// and the port that flow held on the node's address (0 when it held none the new flow could
-/// take). One `i64`, as a register carries it back from a BPF function.
+/// What `early_drop` says: `NOTHING_DROPPED`, or the slot of the drop sample the flow it
+/// dropped held and the port that flow held on the node's address (0 when it held none the new
+/// flow could take). One `i64`, as a register carries it back from a BPF function.
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct EarlyDrop(i64);
 
 impl EarlyDrop {
-    /// No flow in the slots looked at could be dropped.
-    pub const NO_ROOM: EarlyDrop = EarlyDrop(-1);
-    /// The flow chosen was gone, or no longer one to drop, by the time it was to be removed:
-    /// another CPU took it.
-    pub const LOST_RACE: EarlyDrop = EarlyDrop(-2);
+    /// No flow was dropped: none in the slots looked at could be, or the one chosen was gone,
+    /// or no longer one to drop, by the time it was to be removed (another CPU took it). The
+    /// caller may look again, at other slots.
+    pub const NOTHING_DROPPED: EarlyDrop = EarlyDrop(-1);
 
     #[inline(always)]
     fn freed(slot: u32, port: u16) -> EarlyDrop {
@@ -100,9 +99,8 @@ impl EarlyDrop {
 /// a flow just made, a pod's connection in its handshake say, goes only when every other flow
 /// it may drop in the slots is as young, where conntrack drops whichever it finds first.
 ///
-/// Says `NO_ROOM`; or `LOST_RACE` when another CPU removed the flow first (the caller may try
-/// again); or the slot the flow dropped held, for the new flow once it is made
-/// (`SampleSlot::freed`), and the port the flow held on the node's address (0 for a flow that
+/// Says `NOTHING_DROPPED` (also when another CPU removed the flow first); or the slot the flow
+/// dropped held, for the new flow once it is made (`SampleSlot::freed`), and the port the flow held on the node's address (0 for a flow that
 /// left a pod its own port, or a node flow toward the new flow's destination
 /// `new_dest`:`new_dport`), free now for the new one.
 #[inline(always)]
@@ -132,7 +130,7 @@ fn early_drop_global<F: Family>(new_dest: [u64; 2], new_dport: u16) -> i64 {
         }
     }
     if oldest_slot == NO_SLOT {
-        return EarlyDrop::NO_ROOM.0;
+        return EarlyDrop::NOTHING_DROPPED.0;
     }
     flow.drop_in::<F>(oldest_slot, oldest_seen, new_dest, new_dport)
         .0
@@ -189,11 +187,11 @@ impl<A: Address + 'static> SampledFlow<A> {
         // The flow judged, by the time of its last packet: another CPU may have dropped it
         // and written its own new flow into the slot since, which must not go in its place.
         if self.look_at::<F>(slot) != Some(last_seen) {
-            return EarlyDrop::LOST_RACE;
+            return EarlyDrop::NOTHING_DROPPED;
         }
         vacate::<F>(slot);
         if F::nat().remove(self.key).is_err() {
-            return EarlyDrop::LOST_RACE;
+            return EarlyDrop::NOTHING_DROPPED;
         }
         let _ = F::nat().remove(self.reply_key);
         let freed = if self.kind == nat_kind::NODE {

@@ -448,15 +448,15 @@ pub const fn drop_sample_slots(nat_entries: u32) -> u32 {
 pub const EARLY_DROP_PROBES: u32 = 16;
 
 /// How many rounds of early drop a new flow may take in a full table before it is dropped
-/// itself. A round drops one flow, or finds none in its `EARLY_DROP_PROBES` slots (the next
-/// looks at others), or loses the flow it chose to another CPU that took it first
-/// (`early_drop::EarlyDrop::LOST_RACE`). The room one flow makes can be taken by another CPU's
-/// new flow before this one takes it, as nothing reserves it, and then another flow makes room
-/// again. With two rounds, four threads of new flows into a full table on two CPUs still lost
-/// one flow in about four runs of the flood test; with four, none in twelve. A table full of
-/// flows it may not drop costs each new flow's packet all four rounds, 64 lookups. The rounds
-/// cost the verifier little: each is a call of `early_drop`'s global function, which it walks
-/// once, not once per round.
+/// itself. A round drops one flow, or finds none in its `EARLY_DROP_PROBES` slots, or loses the
+/// flow it chose to another CPU that took it first; either way the next looks again, at other
+/// slots (`early_drop::EarlyDrop::NOTHING_DROPPED`). The room one flow makes can be taken by
+/// another CPU's new flow before this one takes it, as nothing reserves it, and then another
+/// flow makes room again. With two rounds, four threads of new flows into a full table on two
+/// CPUs still lost one flow in about four runs of the flood test; with four, none in twelve. A
+/// table full of flows it may not drop costs each new flow's packet all four rounds, 64
+/// lookups. The rounds cost the verifier little: each is a call of `early_drop`'s global
+/// function, which it walks once, not once per round.
 pub const EARLY_DROP_ROUNDS: u32 = 4;
 
 /// For protocols other than TCP, the packets a half saw after the flow's first, in

@@ -540,48 +540,64 @@ mod tests {
             proto: IPPROTO_TCP,
             ..NatKey::default()
         };
-        let state = |egress, ingress| FlowState::of(&key, &egress, &ingress);
-        // The pod's FIN ends its data at 1001; the outside host's own data ends at 5001.
-        assert_eq!(
-            state(half(true, 1001, 5001), half(false, 5001, 1000)),
-            FlowState::FinWait
-        );
-        assert_eq!(
-            state(half(true, 1001, 5001), half(false, 5001, 1001)),
-            FlowState::CloseWait
-        );
-        // Acknowledged past the wrap of the sequence space.
-        assert_eq!(
-            state(half(true, u32::MAX, 5001), half(false, 5001, 3)),
-            FlowState::CloseWait
-        );
-        // The outside host closed first; the pod acknowledged.
-        assert_eq!(
-            state(half(false, 1001, 5001), half(true, 5001, 1001)),
-            FlowState::CloseWait
-        );
-        // FINs both ways: the later acknowledged, or not.
-        assert_eq!(
-            state(half(true, 1001, 5001), half(true, 5001, 1001)),
-            FlowState::TimeWait
-        );
-        assert_eq!(
-            state(half(true, 1001, 5000), half(true, 5001, 1001)),
-            FlowState::LastAck
-        );
-        assert_eq!(
-            state(half(true, 1001, 5000), half(true, 5001, 1000)),
-            FlowState::LastAck
-        );
         // Halves an older agent made, without sequence numbers, are taken at their longest.
         let unnumbered = |mut half: NatEntry<[u8; 4]>| {
             half.tcp_seen &= !tcp_seen::SEQ;
             half
         };
-        assert_eq!(
-            state(unnumbered(half(true, 1001, 5001)), half(false, 5001, 1001)),
-            FlowState::FinWait
-        );
+        // The pod's FIN ends its data at 1001; the outside host's own data ends at 5001.
+        let cases = [
+            (
+                half(true, 1001, 5001),
+                half(false, 5001, 1000),
+                FlowState::FinWait,
+            ),
+            (
+                half(true, 1001, 5001),
+                half(false, 5001, 1001),
+                FlowState::CloseWait,
+            ),
+            // Acknowledged past the wrap of the sequence space.
+            (
+                half(true, u32::MAX, 5001),
+                half(false, 5001, 3),
+                FlowState::CloseWait,
+            ),
+            // The outside host closed first; the pod acknowledged.
+            (
+                half(false, 1001, 5001),
+                half(true, 5001, 1001),
+                FlowState::CloseWait,
+            ),
+            // FINs both ways: the later acknowledged, or not.
+            (
+                half(true, 1001, 5001),
+                half(true, 5001, 1001),
+                FlowState::TimeWait,
+            ),
+            (
+                half(true, 1001, 5000),
+                half(true, 5001, 1001),
+                FlowState::LastAck,
+            ),
+            (
+                half(true, 1001, 5000),
+                half(true, 5001, 1000),
+                FlowState::LastAck,
+            ),
+            (
+                unnumbered(half(true, 1001, 5001)),
+                half(false, 5001, 1001),
+                FlowState::FinWait,
+            ),
+        ];
+        for (egress, ingress, expected) in cases {
+            assert_eq!(
+                FlowState::of(&key, &egress, &ingress),
+                expected,
+                "{egress:?} {ingress:?}"
+            );
+        }
     }
 
     #[test]
