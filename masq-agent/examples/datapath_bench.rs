@@ -32,6 +32,9 @@ struct Options {
     runs: u32,
     rounds: usize,
     sizes: Vec<usize>,
+    capacity: u32,
+    /// Only the cases named, for a profile of one of them; every case when empty.
+    cases: Vec<String>,
 }
 
 fn options() -> anyhow::Result<Options> {
@@ -39,12 +42,16 @@ fn options() -> anyhow::Result<Options> {
         runs: 100_000,
         rounds: 5,
         sizes: vec![4, 10_000, 100_000],
+        capacity: EbpfOptions::DEFAULT_NAT_CAPACITY,
+        cases: Vec::new(),
     };
     for (arg, value) in masq_testbed::flag_pairs()? {
         match arg.as_str() {
             "--runs" => opts.runs = value.parse()?,
             "--rounds" => opts.rounds = value.parse()?,
             "--sizes" => opts.sizes = value.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            "--capacity" => opts.capacity = value.parse()?,
+            "--cases" => opts.cases = value.split(',').map(String::from).collect(),
             _ => bail!("unknown argument {arg}"),
         }
     }
@@ -141,13 +148,7 @@ fn main() -> anyhow::Result<()> {
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     for size in &opts.sizes {
         let started = Instant::now();
-        let mut bed = TestBed::new(
-            EbpfOptions::DEFAULT_NAT_CAPACITY,
-            &spans,
-            true,
-            NODE,
-            &prefixes(*size),
-        )?;
+        let mut bed = TestBed::new(opts.capacity, &spans, true, NODE, &prefixes(*size))?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.
         let (verdict, translated) = bed.egress(&outbound);
@@ -182,6 +183,9 @@ fn main() -> anyhow::Result<()> {
         // Interleaved, so that a noisy moment hits every case alike.
         for _ in 0..opts.rounds {
             for (i, (name, program, frame)) in cases.iter().enumerate() {
+                if !opts.cases.is_empty() && !opts.cases.iter().any(|c| c == name) {
+                    continue;
+                }
                 let sources = *name == SOURCES_CASE;
                 if sources {
                     set_sources(&mut bed, &[SOURCE_ELSEWHERE])?;
@@ -202,6 +206,9 @@ fn main() -> anyhow::Result<()> {
             }
         }
         for ((name, _, _), values) in cases.iter().zip(samples) {
+            if values.is_empty() {
+                continue;
+            }
             println!(
                 "{}",
                 serde_json::json!({
