@@ -40,6 +40,11 @@ mod ebpf {
     common_cases!(Ebpf);
     family_cases!(Ebpf: a_lone_ack_opens_no_established_flow);
     cases!(Ebpf: a_full_nat_table_keeps_its_flows_and_drops_new_ones);
+
+    #[test]
+    fn the_node_holds_its_listening_and_unconnected_ports_read_either_way() {
+        super::the_node_holds_its_listening_and_unconnected_ports_read_either_way();
+    }
 }
 
 mod iptables_nft {
@@ -580,4 +585,37 @@ fn a_pods_closed_connections_leave_room_for_new_flows(plane: Plane, family: IpFa
     });
     exchange_a_byte(&mut held_pod_end, &mut held_host_end);
     assert_made_room(&bed, "nat_early_dropped");
+}
+
+/// The ports NAT never hands out are those of the node's listening TCP sockets and unconnected
+/// UDP ones, of both families, and not a connection's own port: as the kernel's socket
+/// diagnostics list them, and as `/proc/net` does, which the agent reads where those are
+/// missing.
+fn the_node_holds_its_listening_and_unconnected_ports_read_either_way() {
+    use masq_agent::dataplane::ebpf::node_ports::NodePorts;
+    let topo = masq_testbed::topology::Topology::new(0).unwrap();
+    let (read, expected) = masq_testbed::netns::within(&topo.node, || {
+        let v4 = TcpListener::bind("0.0.0.0:0")?;
+        let v6 = TcpListener::bind("[::]:0")?;
+        let unconnected = UdpSocket::bind("[::]:0")?;
+        let connected = UdpSocket::bind("127.0.0.1:0")?;
+        connected.connect(("127.0.0.1", unconnected.local_addr()?.port()))?;
+        let client = TcpStream::connect(("127.0.0.1", v4.local_addr()?.port()))?;
+        let _served = v4.accept()?;
+        let expected = NodePorts {
+            tcp: [&v4, &v6].map(|l| l.local_addr().unwrap().port()).into(),
+            udp: [unconnected.local_addr()?.port()].into(),
+        };
+        assert!(!expected.tcp.contains(&client.local_addr()?.port()));
+        assert!(!expected.udp.contains(&connected.local_addr()?.port()));
+        let read = [
+            NodePorts::from_socket_diagnostics(None)?,
+            NodePorts::from_proc(None),
+        ];
+        Ok((read, expected))
+    })
+    .unwrap();
+    let [diagnostics, proc] = read;
+    assert_eq!(diagnostics, expected, "from the socket diagnostics");
+    assert_eq!(proc, expected, "from /proc/net");
 }

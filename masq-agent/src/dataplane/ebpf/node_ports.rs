@@ -3,14 +3,25 @@
 //! node's flows on them then need no reservation in the NAT table: replies to connections from
 //! outside to the node's services, however many, take no entry.
 //!
-//! Read from the namespace's `/proc/net/{tcp,tcp6,udp,udp6}` when the programs are loaded and
-//! at every sweep: a service that starts in between has its first connections' replies
-//! reserved, as before.
+//! Asked of the kernel's socket diagnostics (`NETLINK_SOCK_DIAG`) for the agent's namespace
+//! when the programs are loaded and at every sweep: a service that starts in between has its
+//! first connections' replies reserved, as before. A dump of listening TCP sockets walks the
+//! listening table alone, where `/proc/net/tcp` walks every connection of every namespace on
+//! the machine, a busy node's pods' included, to find them. Read from
+//! `/proc/net/{tcp,tcp6,udp,udp6}` instead where the kernel has no socket diagnostics.
 
 use std::collections::BTreeSet;
 
 use aya::maps::{Array, MapData};
 use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, node_ports};
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_sock_diag::{
+    AF_INET, AF_INET6, SockDiagMessage,
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
 use crate::ports::PortRange;
 
@@ -21,33 +32,60 @@ pub struct NodePorts {
     pub udp: BTreeSet<u16>,
 }
 
-/// `/proc/net/tcp`'s state of a listening socket.
-const TCP_LISTEN: &str = "0A";
-/// `/proc/net/udp`'s state of a socket without a peer.
-const UDP_UNCONNECTED: &str = "07";
+/// The sockets that hold a port for the node, by protocol: TCP's listening ones, and UDP's
+/// without a peer (in `TCP_CLOSE`, as the kernel keeps an unconnected UDP socket). With their
+/// state's number, as `/proc/net/{tcp,udp}` writes it in hex.
+const HOLDING: [(u8, StateFlags, &str, [&str; 2]); 2] = [
+    (
+        IPPROTO_TCP,
+        StateFlags::LISTEN,
+        "0A",
+        ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"],
+    ),
+    (
+        IPPROTO_UDP,
+        StateFlags::CLOSE,
+        "07",
+        ["/proc/thread-self/net/udp", "/proc/thread-self/net/udp6"],
+    ),
+];
 
 impl NodePorts {
     /// What the node holds now: its listening and unconnected sockets, and `node_port_range`.
+    /// From the socket diagnostics, or where the kernel has none, from `/proc/net`.
     pub fn read(node_port_range: Option<PortRange>) -> NodePorts {
-        let held = |files: [&str; 2], state: &str| -> BTreeSet<u16> {
-            files
-                .iter()
-                // A kernel without IPv6 has no tcp6: nothing held there.
-                .filter_map(|file| std::fs::read_to_string(file).ok())
-                .flat_map(|text| local_ports(&text, state).collect::<Vec<_>>())
-                .collect()
-        };
-        let mut ports = NodePorts {
-            tcp: held(["/proc/net/tcp", "/proc/net/tcp6"], TCP_LISTEN),
-            udp: held(["/proc/net/udp", "/proc/net/udp6"], UDP_UNCONNECTED),
-        };
+        Self::from_socket_diagnostics(node_port_range).unwrap_or_else(|err| {
+            tracing::debug!("socket diagnostics: {err}; reading /proc/net instead");
+            Self::from_proc(node_port_range)
+        })
+    }
+
+    /// `read`, from the kernel's socket diagnostics.
+    pub fn from_socket_diagnostics(
+        node_port_range: Option<PortRange>,
+    ) -> std::io::Result<NodePorts> {
+        let [tcp, udp] = HOLDING.map(|(proto, states, ..)| diag_ports(proto, &states));
+        Ok(NodePorts {
+            tcp: tcp?,
+            udp: udp?,
+        }
+        .with_node_port_range(node_port_range))
+    }
+
+    /// `read`, from `/proc/net` of the calling thread's namespace.
+    pub fn from_proc(node_port_range: Option<PortRange>) -> NodePorts {
+        let [tcp, udp] = HOLDING.map(|(_, _, state, files)| proc_ports(files, state));
+        NodePorts { tcp, udp }.with_node_port_range(node_port_range)
+    }
+
+    fn with_node_port_range(mut self, node_port_range: Option<PortRange>) -> NodePorts {
         if let Some(range) = node_port_range {
             for port in range.first..=range.last {
-                ports.tcp.insert(port);
-                ports.udp.insert(port);
+                self.tcp.insert(port);
+                self.udp.insert(port);
             }
         }
-        ports
+        self
     }
 
     /// Whether a flow of the node's on `port` of `proto` needs its tuple held in the NAT table:
@@ -74,6 +112,75 @@ impl NodePorts {
         }
         words
     }
+}
+
+/// The local ports of the namespace's sockets of `proto` in `states`, both families, from
+/// the kernel's socket diagnostics.
+fn diag_ports(proto: u8, states: &StateFlags) -> std::io::Result<BTreeSet<u16>> {
+    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    let mut ports = BTreeSet::new();
+    for (family, any) in [
+        (AF_INET, SocketId::new_v4()),
+        (AF_INET6, SocketId::new_v6()),
+    ] {
+        let request = InetRequest {
+            family,
+            protocol: proto,
+            extensions: ExtensionFlags::empty(),
+            states: states.clone(),
+            socket_id: any,
+        };
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+        message.finalize();
+        let mut bytes = vec![0; message.buffer_len()];
+        message.serialize(&mut bytes);
+        socket.send(&bytes, 0)?;
+        dump_into(&socket, &mut ports)?;
+    }
+    Ok(ports)
+}
+
+/// Receives one dump's answers on `socket`, to its end, and adds each socket's local port to
+/// `ports`.
+fn dump_into(socket: &Socket, ports: &mut BTreeSet<u16>) -> std::io::Result<()> {
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        let size = socket.recv(&mut &mut buffer[..], 0)?;
+        let mut offset = 0;
+        while offset < size {
+            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buffer[offset..size])
+                .map_err(|err| invalid(format!("an answer that does not parse: {err}")))?;
+            match message.payload {
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
+                    ports.insert(response.header.socket_id.source_port);
+                }
+                NetlinkPayload::Done(_) => return Ok(()),
+                NetlinkPayload::Error(err) => return Err(err.to_io()),
+                _ => {}
+            }
+            let length = message.header.length as usize;
+            if length == 0 {
+                return Err(invalid("an empty answer".into()));
+            }
+            offset += length;
+        }
+    }
+}
+
+/// The local ports of the sockets `files` (`/proc/net/{tcp,udp}` and their IPv6 twins, of the
+/// calling thread's namespace: `/proc/net` is the process's first thread's) list in `state`. A
+/// kernel without IPv6 has no tcp6: nothing held there.
+fn proc_ports(files: [&str; 2], state: &str) -> BTreeSet<u16> {
+    files
+        .iter()
+        .filter_map(|file| std::fs::read_to_string(file).ok())
+        .flat_map(|text| local_ports(&text, state).collect::<Vec<_>>())
+        .collect()
 }
 
 /// The local ports of `/proc/net/{tcp,udp}*`'s sockets in `state`.
@@ -123,8 +230,9 @@ mod tests {
 
     #[test]
     fn listening_sockets_of_both_families_are_read_and_connected_ones_are_not() {
-        let ports: Vec<u16> = local_ports(TCP, TCP_LISTEN)
-            .chain(local_ports(TCP6, TCP_LISTEN))
+        let listening = HOLDING[0].2;
+        let ports: Vec<u16> = local_ports(TCP, listening)
+            .chain(local_ports(TCP6, listening))
             .collect();
         assert_eq!(ports, [10245, 22, 8080]);
     }
