@@ -134,6 +134,9 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             return Egress::done(snat_left_alone::<F>(ctx, &ip, decision).count());
         }
     }
+    if from_node_socket_without_entry::<F>(ctx, &ip, &l4) {
+        return Egress::done(Verdict::Keep(Counter::NotMasqNodeSource).count());
+    }
     let key = packet_key(&ip, &l4, direction::EGRESS);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
     // upstream's chain: policy changes affect new flows only.
@@ -552,6 +555,45 @@ fn snat_keeps_its_address<F: Family>(
 }
 }
 
+/// Whether no NAT table entry can be keyed by `port` (network byte order) on the node's side
+/// of a flow: it is outside NAT's spans. Masqueraded flows take ports NAT hands out, and the
+/// node's own flows take entries only on ports it could (`node_port_reservable`).
+#[inline(always)]
+fn outside_nat_spans(port: u16) -> bool {
+    maps::settings().is_some_and(|settings| !ports::in_spans(settings, port))
+}
+
+/// Egress: a packet one of the node's sockets sent from one of its addresses, on a port
+/// outside NAT's spans (a client's ephemeral port, say). No entry holds it, so it leaves as a
+/// packet of no known flow would, without the NAT table's lookup: a cold one, for every packet
+/// of the node's own connections. Asked first whether a socket sent it (`skb->sk`), which costs
+/// one load: a pod's packets reach the node through their veth without one, and go to the
+/// table's lookup at once.
+#[inline(always)]
+fn from_node_socket_without_entry<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    l4: &L4,
+) -> bool {
+    // SAFETY: the context pointer is valid for the program's run; the socket pointer is only
+    // compared with null, never followed.
+    let sent_by_a_socket = unsafe { !(*ctx.skb.skb).__bindgen_anon_2.sk.is_null() };
+    sent_by_a_socket
+        && outside_nat_spans(l4.sport)
+        && Device::<F>::of(ctx).is_some_and(|device| device.holds(&ip.saddr))
+}
+
+/// Ingress: a TCP or UDP packet to one of the node's addresses, on a port outside NAT's spans (a
+/// reply to one of the node's clients, or a connection to a service of its there). No entry
+/// holds it, so it passes as a packet of no known flow would, without the NAT table's lookup.
+/// The spans are asked first: every reply to a masqueraded flow is to a port inside them, and
+/// goes to its lookup at once.
+#[inline(always)]
+fn to_node_without_entry<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
+    outside_nat_spans(l4.dport)
+        && Device::<F>::of(ctx).is_some_and(|device| device.holds(&ip.daddr))
+}
+
 /// Whether a node flow leaving as `key` needs its tuple held: NAT could give its port to a
 /// masqueraded flow. Not a port outside the spans (the node's ephemeral range, below 1024), nor
 /// one the node holds for its sockets or NodePorts, which NAT skips; nor a TCP reset, which
@@ -661,6 +703,9 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
         || l4.proto == IPPROTO_UDP
         || (l4.proto == F::ICMP && l4.icmp_type == F::ECHO_REPLY)
     {
+        if l4.proto != F::ICMP && to_node_without_entry::<F>(ctx, ip, &l4) {
+            return TcAction::PASS;
+        }
         match snat_rev_nat_flow::<F>(ctx, ip, &l4) {
             // Called from here rather than from the flow's own step, so that the two frames
             // never stack.

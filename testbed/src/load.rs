@@ -1,5 +1,6 @@
-//! Load for the end-to-end benchmark: servers on the outside host, and clients in a pod that
-//! count completed operations for a fixed time. Every kind of load runs in either `Shape`.
+//! Load for the end-to-end benchmark: servers in one namespace (the outside host's, or the
+//! node's), and clients in another (a pod's, the node's, or the outside host's) that count
+//! completed operations for a fixed time. Every kind of load runs in either `Shape`.
 //!
 //! Pinned lanes: one lane per CPU. A lane's client, its server and the node's forwarding all
 //! stay on that CPU: a veth hands a packet to the next namespace on the CPU that sent it, so
@@ -142,7 +143,7 @@ impl Shape {
         }
     }
 
-    /// The shape's lanes, each a client thread in the pod and a server thread outside.
+    /// The shape's lanes, each a client thread and the server thread it talks to.
     fn lanes(self) -> anyhow::Result<Vec<Lane>> {
         Ok(match self {
             Shape::PinnedLanes => cpus()?
@@ -199,9 +200,9 @@ fn lane_runtime(ns: &str, lane: Lane) -> anyhow::Result<tokio::runtime::Runtime>
         .build()?)
 }
 
-/// The outside host's half, a server thread for every lane of every shape: connect-request-
-/// response servers, a request-response server, a bulk sink and UDP echo servers. Stops when
-/// dropped.
+/// The servers' half, in one namespace, a server thread for every lane of every shape:
+/// connect-request-response servers, a request-response server, a bulk sink and UDP echo
+/// servers, each on a port of its own. Stops when dropped.
 pub struct Servers {
     lanes: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
@@ -356,8 +357,8 @@ async fn connect(server: Ipv4Addr, port: u16) -> io::Result<TcpStream> {
     Ok(stream)
 }
 
-/// One measurement: clients in the pod namespace `ns` against `server`, laid out as `shape`,
-/// for `duration`. Each kind of load is a method.
+/// One measurement: clients in the namespace `ns` against `server`, laid out as `shape`, for
+/// `duration`. Each kind of load is a method.
 #[derive(Clone, Copy)]
 pub struct Load<'a> {
     pub ns: &'a str,

@@ -24,8 +24,8 @@ use masq_testbed::{
 
 use crate::{
     bench_plan::{
-        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Options, Plan, Sample, SweepCase,
-        median,
+        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Options, Plan,
+        Sample, SweepCase, Traffic, median,
     },
     cost_meter::{self, Meter, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
@@ -65,6 +65,15 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     } else {
         eprintln!("xtask: bench: the NAT table's sweep");
         sweeps(&root.join("target/release/examples/sweep_bench"), &plan)?
+    };
+    let node_ports = if options.end_to_end_only {
+        Vec::new()
+    } else {
+        eprintln!("xtask: bench: reading the ports the node holds");
+        node_ports(
+            &root.join("target/release/examples/node_ports_bench"),
+            &plan,
+        )?
     };
     // Held for the whole run: each measurement reads the programs' run time before and after.
     let _stats = RunTimeStats::enable()?;
@@ -127,6 +136,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         &report::Measured {
             datapath: &datapath,
             sweeps: &sweeps,
+            node_ports: &node_ports,
             samples: &samples,
             control: control.as_ref(),
             churn: churn.as_ref(),
@@ -164,6 +174,11 @@ fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
     )
 }
 
+fn node_ports(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<NodePortsCase>> {
+    let rounds = plan.rounds.to_string();
+    json_lines(binary, &["--rounds", &rounds])
+}
+
 fn sweeps(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<SweepCase>> {
     let rounds = plan.rounds.to_string();
     json_lines(binary, &["--rounds", &rounds])
@@ -188,12 +203,15 @@ fn json_lines<T: serde::de::DeserializeOwned>(
         .collect()
 }
 
-/// The namespace test bed, set up for load: servers on the outside host, and one `iptables`
-/// directory per backend for the agent's PATH. Each mode finds its node's tables (`Node`)
-/// written when it starts, and leaves none behind.
+/// The namespace test bed, set up for load: servers on the outside host and in the node, and one
+/// `iptables` directory per backend for the agent's PATH. Each mode finds its node's tables
+/// (`Node`) written when it starts, and leaves none behind.
 pub struct Bed {
     pub topo: Topology,
-    _servers: Servers,
+    _outside_servers: Servers,
+    /// Listening before any agent starts, as a node's services are: the eBPF data plane reads
+    /// the ports the node listens on when it loads, and its NAT never hands them out.
+    _node_servers: Servers,
     agent: PathBuf,
     pub config: PathBuf,
 }
@@ -202,15 +220,32 @@ impl Bed {
     /// A bed with `pods` pod namespaces.
     pub fn new(agent: &Path, pods: usize) -> anyhow::Result<Bed> {
         let topo = Topology::new(pods)?;
-        let servers = Servers::start(&topo.ext)?;
+        let outside_servers = Servers::start(&topo.ext)?;
+        let node_servers = Servers::start(&topo.node)?;
         let config_dir = topo.path("config");
         std::fs::create_dir_all(&config_dir)?;
         Ok(Bed {
             config: config_dir.join("ip-masq-agent"),
             topo,
-            _servers: servers,
+            _outside_servers: outside_servers,
+            _node_servers: node_servers,
             agent: agent.to_path_buf(),
         })
+    }
+
+    /// A load of `traffic`'s clients against its servers, laid out as `shape`, for `duration`.
+    pub fn load(&self, traffic: Traffic, shape: Shape, duration: Duration) -> Load<'_> {
+        let (ns, server) = match traffic {
+            Traffic::PodToOutside => (&self.topo.pods[0], topology::EXT_ADDR),
+            Traffic::NodeToOutside => (&self.topo.node, topology::EXT_ADDR),
+            Traffic::OutsideToNode => (&self.topo.ext, topology::NODE_UPLINK),
+        };
+        Load {
+            ns,
+            server,
+            shape,
+            duration,
+        }
     }
 
     pub fn path_env(&self, backend: &str) -> String {
@@ -344,11 +379,15 @@ impl Bed {
     }
 
     /// Fails unless the node's nat POSTROUTING is what `mode` needs: kube-proxy's jump first on
-    /// a kube-proxy node, and the agent's chain reached by the traffic just measured (an
+    /// a kube-proxy node, and the agent's chain reached by the traffic of `measured` (an
     /// agent's jump that nothing reaches would leave its masquerading untested).
-    fn check_postrouting(&self, mode: Mode) -> anyhow::Result<()> {
+    fn check_postrouting(&self, mode: Mode, measured: &[Metric]) -> anyhow::Result<()> {
         let kube_proxy_first = mode.node() == Node::KubeProxy;
-        if !kube_proxy_first && !mode.masquerades() {
+        let reaches_chain = mode.masquerades()
+            && measured
+                .iter()
+                .any(|metric| metric.traffic().leaves_through_postrouting());
+        if !kube_proxy_first && !reaches_chain {
             // Nothing to check, and listing would make the nat table a bare node lacks.
             return Ok(());
         }
@@ -374,7 +413,7 @@ impl Bed {
                 mode.name()
             );
         }
-        if mode.masquerades()
+        if reaches_chain
             && !rules
                 .iter()
                 .any(|&(packets, target)| target == CHAIN && packets > 0)
@@ -408,6 +447,10 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
             .copied()
             .filter(|m| m.runs_at(cidrs))
             .collect();
+        let metrics = plan.metrics_at(cidrs);
+        if metrics.is_empty() {
+            continue;
+        }
         for round in 0..plan.rounds {
             // Shapes outside modes: the modes a ratio compares run close together.
             for &shape in &plan.shapes {
@@ -425,8 +468,10 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
                     std::thread::sleep(plan.settle);
                     let measured = bed
                         .meter(mode, agent.as_ref())
-                        .and_then(|meter| measure(&bed.topo.pods[0], shape, plan, &meter))
-                        .and_then(|measured| bed.check_postrouting(mode).map(|()| measured));
+                        .and_then(|meter| measure(bed, &metrics, shape, plan, &meter))
+                        .and_then(|measured| {
+                            bed.check_postrouting(mode, &metrics).map(|()| measured)
+                        });
                     bed.deactivate(mode, agent)?;
                     for (metric, value, cost) in measured? {
                         samples.push(Sample {
@@ -457,13 +502,9 @@ fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
         std::thread::sleep(plan.settle);
         let meter = bed.meter(Mode::Ebpf, Some(&daemon))?;
         let before = meter.read()?;
-        let rate = Load {
-            ns: &bed.topo.pods[0],
-            server: topology::EXT_ADDR,
-            shape: Shape::Unpinned,
-            duration: plan.churn,
-        }
-        .new_connections()?;
+        let rate = bed
+            .load(Traffic::PodToOutside, Shape::Unpinned, plan.churn)
+            .new_connections()?;
         let after = meter.read()?;
         let cost = meter.cost(before, after, rate * plan.churn.as_secs_f64());
         Ok(Churn {
@@ -479,27 +520,24 @@ fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
     measured
 }
 
-/// Each of the plan's metrics in turn: its rate, and what each operation cost the programs and
-/// the agent (none for the bulk transfer, which has no operations to count).
+/// Each of `metrics` in turn: its rate, and what each operation cost the programs and the agent
+/// (none for the bulk transfer, which has no operations to count).
 fn measure(
-    pod: &str,
+    bed: &Bed,
+    metrics: &[Metric],
     shape: Shape,
     plan: &Plan,
     meter: &Meter,
 ) -> anyhow::Result<Vec<(Metric, f64, Cost)>> {
-    let load = Load {
-        ns: pod,
-        server: topology::EXT_ADDR,
-        shape,
-        duration: plan.seconds,
-    };
-    let measured = plan
-        .metrics
+    let measured = metrics
         .iter()
         .map(|&metric| {
+            let load = bed.load(metric.traffic(), shape, plan.seconds);
             let before = meter.read()?;
             let value = match metric {
-                Metric::NewConnections => load.new_connections()?,
+                Metric::NewConnections
+                | Metric::NodeOutboundConnections
+                | Metric::NodeInboundConnections => load.new_connections()?,
                 Metric::Transactions => load.transactions()?,
                 Metric::Throughput => load.throughput()? / 1e9,
                 Metric::UdpNewFlows => load.udp_new_flows()?,
@@ -512,8 +550,9 @@ fn measure(
             Ok((metric, value, cost))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    // The outside host only answers translated traffic (or, without NAT, over its route back):
-    // nothing measured means nothing came back.
+    // The outside host only answers a pod's translated traffic (or, without NAT, over its route
+    // back), and the node and the outside host answer each other over the uplink: nothing
+    // measured means nothing came back.
     if let Some((metric, ..)) = measured.iter().find(|(_, value, _)| *value <= 0.0) {
         bail!("no {} at all: the replies never came back", metric.name());
     }
@@ -761,14 +800,15 @@ mod tests {
         );
     }
 
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        options: Options,
+    }
+
     #[test]
     fn the_command_line_names_the_shapes_it_was_given() {
         use clap::Parser as _;
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            options: Options,
-        }
         let cli = Cli::parse_from([
             "bench",
             "--shapes",
@@ -783,5 +823,44 @@ mod tests {
             "cargo xtask bench --modes no-nat-bare,ebpf --shapes unpinned"
         );
         assert!(Cli::try_parse_from(["bench", "--shapes", "pinned-lanes"]).is_err());
+    }
+
+    #[test]
+    fn the_nodes_own_connections_are_measured_at_the_smallest_size_alone() {
+        use clap::Parser as _;
+        let cli = Cli::parse_from([
+            "bench",
+            "--sizes",
+            "10000,4",
+            "--metrics",
+            "new-connections,node-outbound-connections,node-inbound-connections",
+        ]);
+        assert_eq!(
+            cli.options.command(),
+            "cargo xtask bench --sizes 10000,4 --metrics new-connections,node-outbound-connections,node-inbound-connections"
+        );
+        let plan = Plan::new(&cli.options);
+        assert_eq!(plan.metrics_at(10_000), [Metric::NewConnections]);
+        assert_eq!(
+            plan.metrics_at(4),
+            [
+                Metric::NewConnections,
+                Metric::NodeOutboundConnections,
+                Metric::NodeInboundConnections
+            ]
+        );
+        assert_eq!(plan.sizes_of(Metric::NodeInboundConnections), [4]);
+        assert_eq!(plan.sizes_of(Metric::NewConnections), [10_000, 4]);
+        // Only what leaves by the uplink passes the jump to the agent's chain.
+        assert!(
+            Metric::NodeOutboundConnections
+                .traffic()
+                .leaves_through_postrouting()
+        );
+        assert!(
+            !Metric::NodeInboundConnections
+                .traffic()
+                .leaves_through_postrouting()
+        );
     }
 }

@@ -98,14 +98,18 @@ pub enum Metric {
     Transactions,
     Throughput,
     UdpNewFlows,
+    NodeOutboundConnections,
+    NodeInboundConnections,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 4] = [
+    pub const ALL: [Metric; 6] = [
         Metric::NewConnections,
         Metric::Transactions,
         Metric::Throughput,
         Metric::UdpNewFlows,
+        Metric::NodeOutboundConnections,
+        Metric::NodeInboundConnections,
     ];
 
     pub fn name(self) -> &'static str {
@@ -114,6 +118,63 @@ impl Metric {
             Metric::Transactions => "TCP transactions/s",
             Metric::Throughput => "TCP bulk Gbit/s",
             Metric::UdpNewFlows => "UDP new flows/s",
+            Metric::NodeOutboundConnections => "node's own new TCP connections/s, outbound",
+            Metric::NodeInboundConnections => "new TCP connections/s to a node server, inbound",
+        }
+    }
+
+    pub fn traffic(self) -> Traffic {
+        match self {
+            Metric::NodeOutboundConnections => Traffic::NodeToOutside,
+            Metric::NodeInboundConnections => Traffic::OutsideToNode,
+            _ => Traffic::PodToOutside,
+        }
+    }
+}
+
+/// Where a metric's clients run, and whose servers they connect to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Traffic {
+    /// A pod's clients to the outside host's servers: what the agent is there to masquerade.
+    PodToOutside,
+    /// The node's own clients, from its ephemeral ports, to the outside host's servers.
+    NodeToOutside,
+    /// The outside host's clients to servers in the node's namespace, on its uplink address.
+    OutsideToNode,
+}
+
+impl Traffic {
+    pub const ALL: [Traffic; 3] = [
+        Traffic::PodToOutside,
+        Traffic::NodeToOutside,
+        Traffic::OutsideToNode,
+    ];
+
+    /// Whether each new connection leaves by the uplink through nat POSTROUTING, whose jump to
+    /// the agent's chain then counts it. A reply to a connection from outside is no new
+    /// connection there.
+    pub fn leaves_through_postrouting(self) -> bool {
+        self != Traffic::OutsideToNode
+    }
+
+    /// Whether it is measured at every size of the plan, or only at the smallest, to keep the
+    /// run short: what a larger policy costs shows in the pods' figures.
+    pub fn at_every_size(self) -> bool {
+        self == Traffic::PodToOutside
+    }
+
+    /// What the report says of it: who talks to whom, and what each data plane does with it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Traffic::PodToOutside => {
+                "clients in a pod, servers on the outside host: the node forwards the traffic, and every NAT mode masquerades it"
+            }
+            Traffic::NodeToOutside => {
+                "clients in the node's own namespace, from its ephemeral ports, servers on the outside host: in the iptables modes the chain MASQUERADEs each connection (to a random port, `--random-fully`); in the eBPF modes the programs leave it its address and port, and hold no entry for it, its port being outside NAT's spans"
+            }
+            Traffic::OutsideToNode => {
+                "clients on the outside host, servers in the node's own namespace on its uplink address: no mode translates them, and in the eBPF modes the programs hold no entry for them, their ports being ones the node listens on"
+            }
         }
     }
 }
@@ -145,6 +206,16 @@ pub struct SweepCase {
     pub flows: usize,
     pub none_expired_ms: f64,
     pub all_expired_ms: f64,
+}
+
+/// One line of the node-ports benchmark's output: what reading the ports the node holds costs,
+/// at every sweep, from the kernel's socket diagnostics and from `/proc/net`, while another
+/// namespace on the machine holds `connections_elsewhere` connections.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct NodePortsCase {
+    pub connections_elsewhere: usize,
+    pub diagnostics_ms: f64,
+    pub proc_ms: f64,
 }
 
 /// The agent under a sustained churn of new connections, over a window that holds several of
@@ -326,7 +397,8 @@ impl Plan {
                 command,
                 sizes: vec![4, 10_000, 100_000],
                 // Twice the measurements of a run of one shape and four modes: five rounds of
-                // 1.5 s keep the whole run under half an hour.
+                // 1.5 s keep the whole run about half an hour, the node's own connections
+                // (at the smallest size alone) adding some three minutes.
                 rounds: 5,
                 seconds: Duration::from_millis(1500),
                 modes: Mode::ALL.to_vec(),
@@ -361,6 +433,28 @@ impl Plan {
             plan.seconds = Duration::from_secs_f64(seconds);
         }
         plan
+    }
+
+    /// The size the node's own traffic is measured at (see `Traffic::at_every_size`).
+    pub fn smallest_size(&self) -> Option<usize> {
+        self.sizes.iter().copied().min()
+    }
+
+    /// Whether `metric` is measured at `cidrs`.
+    pub fn measures(&self, metric: Metric, cidrs: usize) -> bool {
+        metric.traffic().at_every_size() || self.smallest_size() == Some(cidrs)
+    }
+
+    /// The plan's metrics measured at `cidrs`, in the plan's order.
+    pub fn metrics_at(&self, cidrs: usize) -> Vec<Metric> {
+        let measured = |metric: &&Metric| self.measures(**metric, cidrs);
+        self.metrics.iter().filter(measured).copied().collect()
+    }
+
+    /// The plan's sizes at which `metric` is measured, in the plan's order.
+    pub fn sizes_of(&self, metric: Metric) -> Vec<usize> {
+        let measured = |cidrs: &&usize| self.measures(metric, **cidrs);
+        self.sizes.iter().filter(measured).copied().collect()
     }
 }
 

@@ -9,7 +9,8 @@ use plotters::prelude::*;
 
 use crate::{
     bench_plan::{
-        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, Plan, Sample, SweepCase, median,
+        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Plan, Sample,
+        SweepCase, Traffic, median,
     },
     doc_sections::{today, update_section},
     node_tables::Node,
@@ -167,8 +168,12 @@ fn end_to_end_target_list() -> Vec<(Metric, Mode, Mode, Option<usize>, f64)> {
         ),
     ];
     // Issues 16 and 27: never slower than the chain it replaces at the sizes most clusters
-    // run, measured on a node of the same backend.
-    for metric in Metric::ALL {
+    // run, measured on a node of the same backend; for the pods' traffic, what the chain is
+    // there to masquerade.
+    let pods_traffic = Metric::ALL
+        .into_iter()
+        .filter(|metric| metric.traffic() == Traffic::PodToOutside);
+    for metric in pods_traffic {
         for ebpf in [Mode::Ebpf, Mode::EbpfLegacy] {
             list.push((metric, ebpf, ebpf.same_backend_iptables(), Some(4), 1.0));
         }
@@ -354,6 +359,7 @@ fn summary(
     plan: &Plan,
     datapath: &[DatapathCase],
     sweeps: &[SweepCase],
+    node_ports: &[NodePortsCase],
     cp: Option<&ControlPlane>,
     churn: Option<&Churn>,
 ) -> String {
@@ -367,7 +373,7 @@ fn summary(
         );
         let _ = writeln!(s, "|---|---|{}", "---:|".repeat(Mode::ALL.len()));
         for &shape in &plan.shapes {
-            for &cidrs in &plan.sizes {
+            for cidrs in plan.sizes_of(metric) {
                 let point = Point {
                     metric,
                     shape,
@@ -390,7 +396,7 @@ fn summary(
         }
     }
     for &shape in &plan.shapes {
-        ratios(&mut s, m, shape, &plan.sizes);
+        ratios(&mut s, m, shape, plan);
     }
     costs_table(&mut s, m, plan);
     if !datapath.is_empty() {
@@ -398,6 +404,9 @@ fn summary(
     }
     if !sweeps.is_empty() {
         sweeps_table(&mut s, sweeps);
+    }
+    if !node_ports.is_empty() {
+        node_ports_table(&mut s, node_ports);
     }
     if let Some(churn) = churn {
         churn_table(&mut s, churn);
@@ -425,7 +434,7 @@ fn summary(
 
 /// In one load shape, what kube-proxy's table costs, and each mode's ratio to no NAT and to
 /// iptables, per metric and table size.
-fn ratios(s: &mut String, m: &Medians, shape: Shape, sizes: &[usize]) {
+fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
     // Each eBPF mode against the chain on a node of its own backend; the cross-backend ratio
     // last, as context only: it also compares the two backends' kube-proxy tables.
     let pairs = [
@@ -449,7 +458,7 @@ fn ratios(s: &mut String, m: &Medians, shape: Shape, sizes: &[usize]) {
         "---:|".repeat(pairs.len())
     );
     for metric in Metric::ALL {
-        for &cidrs in sizes {
+        for cidrs in plan.sizes_of(metric) {
             let point = Point {
                 metric,
                 shape,
@@ -485,7 +494,7 @@ fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
         "---:|".repeat(heads.len())
     );
     for metric in Metric::ALL.into_iter().filter(|m| *m != Metric::Throughput) {
-        for &cidrs in &plan.sizes {
+        for cidrs in plan.sizes_of(metric) {
             for &shape in &plan.shapes {
                 let point = Point {
                     metric,
@@ -525,6 +534,23 @@ fn sweeps_table(s: &mut String, sweeps: &[SweepCase]) {
             sweep.none_expired_ms,
             sweep.all_expired_ms,
             sweep.all_expired_ms * 1e6 / sweep.flows as f64
+        );
+    }
+}
+
+fn node_ports_table(s: &mut String, cases: &[NodePortsCase]) {
+    let _ = writeln!(
+        s,
+        "\nWith every sweep the agent reads the ports the node holds (its listening and unconnected sockets): from the kernel's socket diagnostics, or where it has none from `/proc/net`, which walks every connection of every namespace on the machine. Both read in the node's namespace, in turn, while another namespace holds none or many connections. Median ms of the rounds.\n\n| connections elsewhere | socket diagnostics, ms | /proc/net, ms | /proc/net ÷ socket diagnostics |\n|---:|---:|---:|---:|"
+    );
+    for case in cases {
+        let _ = writeln!(
+            s,
+            "| {} | {:.3} | {:.3} | {:.0} |",
+            case.connections_elsewhere,
+            case.diagnostics_ms,
+            case.proc_ms,
+            case.proc_ms / case.diagnostics_ms
         );
     }
 }
@@ -700,6 +726,7 @@ fn what_ran(plan: &Plan) -> anyhow::Result<String> {
     for shape in &plan.shapes {
         text += &format!("- **{}**: {}.\n", shape.name(), shape.describe()?);
     }
+    text += &whose_traffic(plan);
     let on_kube_proxys_node: Vec<&str> = Mode::ALL
         .iter()
         .filter(|mode| mode.node() == Node::KubeProxy)
@@ -715,10 +742,43 @@ fn what_ran(plan: &Plan) -> anyhow::Result<String> {
     Ok(text)
 }
 
+/// Whose traffic each of the plan's metrics is, and at which sizes it was measured.
+fn whose_traffic(plan: &Plan) -> String {
+    let smallest = plan.smallest_size();
+    let other_sizes = plan.sizes.iter().any(|&n| Some(n) != smallest);
+    let mut text = "\nWhose traffic each figure is:\n".to_string();
+    for traffic in Traffic::ALL {
+        let names: Vec<&str> = plan
+            .metrics
+            .iter()
+            .filter(|metric| metric.traffic() == traffic)
+            .map(|metric| metric.name())
+            .collect();
+        if names.is_empty() {
+            continue;
+        }
+        let sizes = match smallest {
+            Some(n) if !traffic.at_every_size() && other_sizes => {
+                format!(
+                    "; measured at {n} CIDRs only, the plan's smallest size, to keep the run short"
+                )
+            }
+            _ => String::new(),
+        };
+        text += &format!(
+            "- **{}**: {}{sizes}.\n",
+            names.join(", "),
+            traffic.describe()
+        );
+    }
+    text
+}
+
 /// Everything a run measured.
 pub struct Measured<'a> {
     pub datapath: &'a [DatapathCase],
     pub sweeps: &'a [SweepCase],
+    pub node_ports: &'a [NodePortsCase],
     pub samples: &'a [Sample],
     pub control: Option<&'a ControlPlane>,
     pub churn: Option<&'a Churn>,
@@ -736,6 +796,7 @@ pub fn write(
     let Measured {
         datapath,
         sweeps,
+        node_ports,
         samples,
         control: cp,
         churn,
@@ -753,7 +814,7 @@ pub fn write(
         took.as_secs_f64(),
         what_ran(plan)?
     );
-    let table = summary(&m, plan, datapath, sweeps, cp, churn);
+    let table = summary(&m, plan, datapath, sweeps, node_ports, cp, churn);
     plot(
         &dir.join("new-connections.svg"),
         &m,
@@ -764,6 +825,7 @@ pub fn write(
         "header": header,
         "datapath": datapath,
         "sweeps": sweeps,
+        "node_ports": node_ports,
         "samples": samples,
         "control_plane": cp,
         "churn": churn,
@@ -821,9 +883,15 @@ fn update_readme(path: &Path, section: &str) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    /// Samples of one round where every figure is `base` times a factor per mode and per shape,
-    /// so that each table cell and ratio tells which mode and shape it came from.
+    /// `plan()`'s samples: see `samples_of`.
     fn samples(rounds: usize) -> Vec<Sample> {
+        samples_of(&plan(), rounds)
+    }
+
+    /// Samples of each round where every figure is `base` times a factor per mode and per shape,
+    /// so that each table cell and ratio tells which mode and shape it came from; each metric
+    /// at the sizes `plan` measures it at.
+    fn samples_of(plan: &Plan, rounds: usize) -> Vec<Sample> {
         let mode_factor = |mode: Mode| match mode {
             Mode::NoNatBare => 1.25,
             Mode::NoNat => 1.0,
@@ -840,16 +908,18 @@ mod tests {
         for round in 0..rounds {
             for shape in Shape::ALL {
                 for mode in Mode::ALL {
-                    for metric in Metric::ALL {
-                        out.push(Sample {
-                            mode,
-                            shape,
-                            cidrs: 4,
-                            metric,
-                            round,
-                            value: 10_000.0 * mode_factor(mode) * shape_factor(shape),
-                            cost: Cost::default(),
-                        });
+                    for &cidrs in &plan.sizes {
+                        for metric in plan.metrics_at(cidrs) {
+                            out.push(Sample {
+                                mode,
+                                shape,
+                                cidrs,
+                                metric,
+                                round,
+                                value: 10_000.0 * mode_factor(mode) * shape_factor(shape),
+                                cost: Cost::default(),
+                            });
+                        }
                     }
                 }
             }
@@ -876,11 +946,13 @@ mod tests {
 
     #[test]
     fn every_metric_table_has_a_row_per_shape() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], &[], None, None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, None);
         let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 | 6000 |";
         let unpinned = "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 | 12000 |";
-        assert_eq!(text.matches(pinned).count(), 3, "{text}");
-        assert_eq!(text.matches(unpinned).count(), 3, "{text}");
+        // Every metric's but the bulk one, whose figures have decimals.
+        let counted = Metric::ALL.len() - 1;
+        assert_eq!(text.matches(pinned).count(), counted, "{text}");
+        assert_eq!(text.matches(unpinned).count(), counted, "{text}");
         assert!(
             text.contains("| new TCP connections/s | load shape | no NAT, bare node | no NAT |")
         );
@@ -889,8 +961,48 @@ mod tests {
     }
 
     #[test]
+    fn the_nodes_own_traffic_has_rows_at_the_smallest_size_only_and_no_targets() {
+        let plan = Plan {
+            sizes: vec![10_000, 4],
+            ..plan()
+        };
+        let mut samples = samples_of(&plan, 3);
+        for s in samples.iter_mut() {
+            s.cost.agent_ns = s.mode.masquerades().then_some(7.0);
+        }
+        let m = medians(&samples);
+        let text = summary(&m, &plan, &[], &[], &[], None, None);
+        for metric in [
+            Metric::NodeOutboundConnections,
+            Metric::NodeInboundConnections,
+        ] {
+            let name = metric.name();
+            // Its rate table, one ratio row per shape, and a cost row per shape.
+            let table = format!("| {name} | load shape | no NAT, bare node |");
+            assert!(text.contains(&table), "{text}");
+            let ratio_row =
+                format!("| {name} | 4 | 0.80 | 0.80 | 0.50 | 0.90 | 1.12 | 1.20 | 1.80 |");
+            assert_eq!(text.matches(&ratio_row).count(), 2, "{text}");
+            for shape in Shape::ALL {
+                let cost_row = format!("| {name} | 4 | {} | 7 |", shape.name());
+                assert!(text.contains(&cost_row), "{text}");
+            }
+            assert!(!text.contains(&format!("| {name} | 10000 |")), "{text}");
+            assert!(!text.contains(&format!("{name}, ")), "no target: {text}");
+        }
+        // The pods' traffic at every size.
+        assert!(text.contains("| new TCP connections/s | 10000 |"), "{text}");
+        let said = whose_traffic(&plan);
+        assert!(
+            said.contains("measured at 4 CIDRs only, the plan's smallest size"),
+            "{said}"
+        );
+        assert_eq!(said.matches("CIDRs only").count(), 2, "{said}");
+    }
+
+    #[test]
     fn ratio_tables_come_one_per_shape_with_kube_proxys_cost_first() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], &[], None, None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, None);
         for shape in Shape::ALL {
             assert!(
                 text.contains(&format!("Ratios in the load shape {}", shape.name())),
