@@ -327,6 +327,8 @@ struct Task {
     lane: usize,
     index: usize,
     deadline: Instant,
+    /// When a paced task starts its first operation, and the time between its starts.
+    pace: Option<(Instant, Duration)>,
 }
 
 impl Task {
@@ -338,6 +340,14 @@ impl Task {
     ) -> u64 {
         let (mut done, mut seq) = (0, 0);
         while Instant::now() < self.deadline {
+            if let Some((first, period)) = self.pace {
+                // Behind its schedule, a task goes on at once: the rate is at most the pace.
+                let due = first + period.mul_f64(seq as f64);
+                if due >= self.deadline {
+                    break;
+                }
+                tokio::time::sleep_until(due.into()).await;
+            }
             if let Ok(Ok(units)) = timeout(OP_TIMEOUT, op(seq)).await {
                 done += units;
             }
@@ -365,6 +375,9 @@ pub struct Load<'a> {
     pub server: Ipv4Addr,
     pub shape: Shape,
     pub duration: Duration,
+    /// At most this many operations a second, over all lanes, spread evenly over the tasks and
+    /// the time; `None`: as many as the tasks complete.
+    pub pace: Option<f64>,
 }
 
 impl Load<'_> {
@@ -381,11 +394,22 @@ impl Load<'_> {
         let started = Instant::now();
         let deadline = started + self.duration;
         let in_flight = in_flight * self.shape.in_flight_factor();
-        let threads: Vec<_> = self
-            .shape
-            .lanes()?
+        let lanes = self.shape.lanes()?;
+        let tasks = lanes.len() * in_flight;
+        // Each task starts an operation every `period`, the tasks staggered across it.
+        let period = self
+            .pace
+            .map(|rate| Duration::from_secs_f64(tasks as f64 / rate));
+        let pace_of = move |lane_at: usize, index: usize| {
+            period.map(|period| {
+                let nth = (lane_at * in_flight + index) as f64 / tasks as f64;
+                (started + period.mul_f64(nth), period)
+            })
+        };
+        let threads: Vec<_> = lanes
             .into_iter()
-            .map(|lane| {
+            .enumerate()
+            .map(|(lane_at, lane)| {
                 let (ns, task) = (self.ns.to_string(), task.clone());
                 std::thread::spawn(move || -> anyhow::Result<u64> {
                     let runtime = lane_runtime(&ns, lane)?;
@@ -397,6 +421,7 @@ impl Load<'_> {
                                     lane: lane.id,
                                     index,
                                     deadline,
+                                    pace: pace_of(lane_at, index),
                                 }))
                             })
                             .collect();
@@ -497,6 +522,36 @@ impl Load<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A paced task starts no operation before its turn, nor one whose turn falls past the
+    /// deadline: never more than the pace, however fast its operations.
+    #[test]
+    fn a_paced_task_never_runs_ahead_of_its_schedule() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let first = Instant::now();
+        let period = Duration::from_millis(10);
+        let task = Task {
+            lane: 0,
+            index: 0,
+            deadline: first + period * 5 + period / 2,
+            pace: Some((first, period)),
+        };
+        let started: std::rc::Rc<std::cell::RefCell<Vec<Instant>>> = Default::default();
+        let log = started.clone();
+        let done = runtime.block_on(task.repeat(move |_| {
+            log.borrow_mut().push(Instant::now());
+            async { Ok(1) }
+        }));
+        let started = started.borrow();
+        assert_eq!(done, started.len() as u64);
+        assert!(started.len() <= 6, "{} operations in 5.5 periods", started.len());
+        for (nth, at) in started.iter().enumerate() {
+            assert!(*at >= first + period * nth as u32, "operation {nth} ran early");
+        }
+    }
 
     #[test]
     fn the_shapes_lanes_never_share_a_server_port() {

@@ -24,8 +24,8 @@ use masq_testbed::{
 
 use crate::{
     bench_plan::{
-        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Options, Plan,
-        Sample, SweepCase, Traffic, median,
+        CHURN_RATE, Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Options,
+        Plan, Sample, SweepCase, Traffic, median,
     },
     cost_meter::{self, Meter, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
@@ -245,6 +245,7 @@ impl Bed {
             server,
             shape,
             duration,
+            pace: None,
         }
     }
 
@@ -502,9 +503,11 @@ fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
         std::thread::sleep(plan.settle);
         let meter = bed.meter(Mode::Ebpf, Some(&daemon))?;
         let before = meter.read()?;
-        let rate = bed
-            .load(Traffic::PodToOutside, Shape::Unpinned, plan.churn)
-            .new_connections()?;
+        let rate = Load {
+            pace: Some(CHURN_RATE),
+            ..bed.load(Traffic::PodToOutside, Shape::Unpinned, plan.churn)
+        }
+        .new_connections()?;
         let after = meter.read()?;
         let cost = meter.cost(before, after, rate * plan.churn.as_secs_f64());
         Ok(Churn {

@@ -9,8 +9,8 @@ use plotters::prelude::*;
 
 use crate::{
     bench_plan::{
-        Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Plan, Sample,
-        SweepCase, Traffic, median,
+        CHURN_RATE, Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Plan,
+        Sample, SweepCase, Traffic, median,
     },
     doc_sections::{today, update_section},
     node_tables::Node,
@@ -562,7 +562,7 @@ fn churn_table(s: &mut String, churn: &Churn) {
     }
     let _ = writeln!(
         s,
-        "\nThe agent under churn: new TCP connections for {:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps.\n\n| under churn | measured |\n|---|---:|\n| new TCP connections/s | {:.0} |\n| agent CPU, % of the machine | {:.2} % |\n| agent CPU per connection | {:.0} ns |\n| the programs' run time per connection | {:.0} ns |",
+        "\nThe agent under churn: new TCP connections for {:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps, paced at {CHURN_RATE:.0} a second (a machine that cannot reach that runs flat out).\n\n| under churn | measured |\n|---|---:|\n| new TCP connections/s | {:.0} |\n| agent CPU, % of the machine | {:.2} % |\n| agent CPU per connection | {:.0} ns |\n| the programs' run time per connection | {:.0} ns |",
         churn.seconds,
         churn.connections_per_second,
         churn.agent_cpu_percent,
