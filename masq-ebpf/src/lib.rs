@@ -41,6 +41,11 @@ pub mod map_names {
     /// The node's own ports (`node_ports`), which NAT never hands out; filled by the agent
     /// before the programs run, not pinned.
     pub const NODE_PORTS: &str = "node_ports";
+    /// 1 once the agent found no NAT entry holding a port on the node's side outside NAT's
+    /// spans, as the programs never make one: a packet of the node's own, or to it, on a port
+    /// outside them then has no entry to look up. 0 until then: a table reused or carried from
+    /// an agent with other spans may hold such entries. Not pinned.
+    pub const NAT_PORTS_IN_SPANS: &str = "nat_ports_in_spans";
     /// A sample of each NAT table's flows, by egress key, from which a full table picks the
     /// flows it drops early (`drop_sample_slots`); not pinned: the agent fills it from the
     /// table when it loads the programs.

@@ -126,6 +126,16 @@ pub static IPV6_WALK: PerCpuArray<Packet<[u8; 16]>, 1> = PerCpuArray::new();
 #[btf_map(name = "node_ports")]
 pub static NODE_PORTS: Array<u64, { node_ports::WORDS as usize }> = Array::new();
 
+#[btf_map(name = "nat_ports_in_spans")]
+pub static NAT_PORTS_IN_SPANS: Array<u32, 1> = Array::new();
+
+/// Whether the agent found every NAT entry's port on the node's side inside NAT's spans (see
+/// `map_names::NAT_PORTS_IN_SPANS`).
+#[inline(always)]
+pub fn nat_ports_in_spans() -> bool {
+    NAT_PORTS_IN_SPANS.get(0).is_some_and(|word| *word != 0)
+}
+
 #[btf_map(name = "counters")]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
 

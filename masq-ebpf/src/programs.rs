@@ -557,10 +557,13 @@ fn snat_keeps_its_address<F: Family>(
 
 /// Whether no NAT table entry can be keyed by `port` (network byte order) on the node's side
 /// of a flow: it is outside NAT's spans. Masqueraded flows take ports NAT hands out, and the
-/// node's own flows take entries only on ports it could (`node_port_reservable`).
+/// node's own flows take entries only on ports it could (`node_port_reservable`); a table an
+/// agent with other spans filled may hold others, until the agent says it holds none
+/// (`maps::nat_ports_in_spans`).
 #[inline(always)]
 fn outside_nat_spans(port: u16) -> bool {
-    maps::settings().is_some_and(|settings| !ports::in_spans(settings, port))
+    maps::nat_ports_in_spans()
+        && maps::settings().is_some_and(|settings| !ports::in_spans(settings, port))
 }
 
 /// Egress: a packet one of the node's sockets sent from one of its addresses, on a port

@@ -547,9 +547,16 @@ mod tests {
         }));
         let started = started.borrow();
         assert_eq!(done, started.len() as u64);
-        assert!(started.len() <= 6, "{} operations in 5.5 periods", started.len());
+        assert!(
+            started.len() <= 6,
+            "{} operations in 5.5 periods",
+            started.len()
+        );
         for (nth, at) in started.iter().enumerate() {
-            assert!(*at >= first + period * nth as u32, "operation {nth} ran early");
+            assert!(
+                *at >= first + period * nth as u32,
+                "operation {nth} ran early"
+            );
         }
     }
 

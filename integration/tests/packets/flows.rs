@@ -34,6 +34,7 @@ in_both_families!(
     a_policy_change_affects_new_flows_only,
     an_exception_inside_a_non_masquerade_prefix_is_masqueraded,
     nothing_is_translated_before_the_agent_configures_ports,
+    replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port,
 );
 
 fn tcp_egress_then_reply_ingress<F: HarnessFamily>() {
@@ -806,4 +807,43 @@ fn nothing_is_translated_before_the_agent_configures_ports<F: HarnessFamily>() {
     let (verdict, out) = h.egress(&packet);
     assert_eq!((verdict, out), (TC_ACT_OK, packet));
     assert_eq!(h.counter(Counter::NotInspected), 1);
+}
+
+/// A table reused or carried from an agent with other spans may hold a flow whose port on the
+/// node is outside this agent's spans. Until the agent raises `nat_ports_in_spans`, which it
+/// does only once no flow holds such a port, replies to the node on a port outside the spans
+/// are looked up and reach the pod; raised, they pass as the node's own, unlooked-up.
+fn replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port<F: HarnessFamily>() {
+    let mut h = F::bed(64, &[(1024, 32767)], false);
+    h.egress(&udp(F::POD, 30000, F::REMOTE, 53));
+    // The flow as an agent whose spans held 45678 left it.
+    let key = egress_key::<F>(&h, 30000);
+    let mut egress = F::nat_entry(&h, &key).unwrap();
+    let reply = F::nat_entry(&h, &key.reverse(&egress)).unwrap();
+    F::remove(&mut h, &key.reverse(&egress));
+    egress.port = 45678u16.to_be();
+    let reply_key = key.reverse(&egress);
+    F::plant(&mut h, &key, egress);
+    F::plant(&mut h, &reply_key, reply);
+    assert_eq!(
+        expiry::node_side_port(&reply_key, &reply),
+        Some(45678),
+        "the port the agent finds outside the spans"
+    );
+    assert_eq!(expiry::node_side_port(&key, &egress), None, "a pod's");
+
+    let answer = udp(F::REMOTE, 53, F::NODE, 45678);
+    let (verdict, back) = h.ingress(&answer);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        F::at(&back, F::DST),
+        F::POD,
+        "looked up, and back to the pod"
+    );
+    h.maps.nat_ports_in_spans.set(0, 1, 0).unwrap();
+    assert_eq!(
+        h.ingress(&answer),
+        (TC_ACT_OK, answer.clone()),
+        "the node's own port, as the programs take it once the flag is up"
+    );
 }

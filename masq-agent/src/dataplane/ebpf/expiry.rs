@@ -298,6 +298,22 @@ impl FlowOwner {
     }
 }
 
+/// The port a half holds on the node's side, if it holds one there (host byte order): a reply
+/// half's destination port (the port a masqueraded flow was given, or a node flow's own), and a
+/// node flow's egress half's source port. A flow that keeps a pod's address holds none.
+pub fn node_side_port<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> Option<u16> {
+    if entry.kind == nat_kind::PASSTHROUGH {
+        return None;
+    }
+    if key.direction == direction::INGRESS {
+        return Some(u16::from_be(key.dport));
+    }
+    match FlowOwner::of(key, entry) {
+        FlowOwner::NodeTranslated | FlowOwner::NodeReserved => Some(u16::from_be(key.sport)),
+        FlowOwner::Pod | FlowOwner::PodKept => None,
+    }
+}
+
 /// What `entries` hold: entries, and flows by kind (each flow has one egress half).
 pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     let mut usage = NatUsage {

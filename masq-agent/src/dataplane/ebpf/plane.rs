@@ -79,6 +79,8 @@ pub struct EbpfDataPlane {
     pub(super) node_ports_written: Vec<u64>,
     /// The ports NAT hands out.
     pub(super) port_spans: Vec<PortRange>,
+    /// `nat_ports_in_spans` raised: no entry holds a port on the node's side outside the spans.
+    nat_ports_in_spans: bool,
 }
 
 /// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
@@ -116,6 +118,7 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         node_ports: node_ports::NodePorts::default(),
         node_ports_written: Vec::new(),
         port_spans: opts.port_spans.clone(),
+        nat_ports_in_spans: false,
     };
     // Before any program runs: none may hand out a port of the node's.
     plane.hold_node_ports().map_err(Unavailable)?;
@@ -131,6 +134,31 @@ impl EbpfDataPlane {
             &self.node_ports,
             &mut self.node_ports_written,
         )
+    }
+
+    /// Raises `nat_ports_in_spans` once neither table holds a port on the node's side outside
+    /// NAT's spans, and no old table's flows are still to be carried: the programs make no such
+    /// entry, so it stays raised, and the node's own packets on ports outside the spans skip the
+    /// table's lookup. Until then every sweep reads the tables once more to see.
+    fn raise_nat_ports_in_spans(&mut self) -> anyhow::Result<()> {
+        if self.nat_ports_in_spans || self.carried.is_pending() {
+            return Ok(());
+        }
+        let spans = &self.port_spans;
+        let inside = |port: Option<u16>| {
+            port.is_none_or(|port| spans.iter().any(|s| (s.first..=s.last).contains(&port)))
+        };
+        let every_inside = map_types::read_table(&self.maps.nat.v4)?
+            .iter()
+            .all(|(key, entry)| inside(expiry::node_side_port(key, entry)))
+            && map_types::read_table(&self.maps.nat.v6)?
+                .iter()
+                .all(|(key, entry)| inside(expiry::node_side_port(key, entry)));
+        if every_inside {
+            self.maps.nat_ports_in_spans.set(0, 1, 0)?;
+            self.nat_ports_in_spans = true;
+        }
+        Ok(())
     }
 
     /// What the programs enforce of `policy`. IPv6 is the programs' only when they were loaded
@@ -277,6 +305,7 @@ impl DataPlane for EbpfDataPlane {
             tracing::debug!(?v4, ?v6, "expired NAT entries");
         }
         let run = NatSweep::of_tables_in_use(v4, v6, |family| self.families.contains(family));
+        self.raise_nat_ports_in_spans()?;
         self.release_drained()?;
         self.clashes.say_new(&self.maps.counters);
         Ok(Some(run))
