@@ -115,6 +115,11 @@ pub fn nat_port_spans(to_ports: Option<&PortRanges>, ephemeral: (u16, u16)) -> V
 
 /// Parses `--node-port-range`: one range (`30000-32767`, as kube-proxy's
 /// `--service-node-port-range` writes it), or `none`.
+/// Whether one of `spans` (NAT's) holds `port`.
+pub fn in_spans(spans: &[PortRange], port: u16) -> bool {
+    spans.iter().any(|s| (s.first..=s.last).contains(&port))
+}
+
 pub fn parse_node_port_range(s: &str) -> Result<NodePortRange, String> {
     if s == "none" {
         return Ok(NodePortRange(None));

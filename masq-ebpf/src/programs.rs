@@ -581,9 +581,7 @@ fn from_node_socket_without_entry<F: Family>(
     // SAFETY: the context pointer is valid for the program's run; the socket pointer is only
     // compared with null, never followed.
     let sent_by_a_socket = unsafe { !(*ctx.skb.skb).__bindgen_anon_2.sk.is_null() };
-    sent_by_a_socket
-        && outside_nat_spans(l4.sport)
-        && Device::<F>::of(ctx).is_some_and(|device| device.holds(&ip.saddr))
+    sent_by_a_socket && node_end_without_entry::<F>(ctx, &ip.saddr, l4.sport)
 }
 
 /// Ingress: a TCP or UDP packet to one of the node's addresses, on a port outside NAT's spans (a
@@ -593,8 +591,15 @@ fn from_node_socket_without_entry<F: Family>(
 /// goes to its lookup at once.
 #[inline(always)]
 fn to_node_without_entry<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
-    outside_nat_spans(l4.dport)
-        && Device::<F>::of(ctx).is_some_and(|device| device.holds(&ip.daddr))
+    node_end_without_entry::<F>(ctx, &ip.daddr, l4.dport)
+}
+
+/// Whether `addr`:`port` (network byte order), a flow's end on the node's side, is one of the
+/// node's addresses on a port outside NAT's spans: an end no entry holds. The spans are asked
+/// first, the cheaper question.
+#[inline(always)]
+fn node_end_without_entry<F: Family>(ctx: &TcContext, addr: &F::Addr, port: u16) -> bool {
+    outside_nat_spans(port) && Device::<F>::of(ctx).is_some_and(|device| device.holds(addr))
 }
 
 /// Whether a node flow leaving as `key` needs its tuple held: NAT could give its port to a

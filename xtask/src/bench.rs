@@ -64,13 +64,13 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         Vec::new()
     } else {
         eprintln!("xtask: bench: the NAT table's sweep");
-        sweeps(&root.join("target/release/examples/sweep_bench"), &plan)?
+        in_rounds::<SweepCase>(&root.join("target/release/examples/sweep_bench"), &plan)?
     };
     let node_ports = if options.end_to_end_only {
         Vec::new()
     } else {
         eprintln!("xtask: bench: reading the ports the node holds");
-        node_ports(
+        in_rounds::<NodePortsCase>(
             &root.join("target/release/examples/node_ports_bench"),
             &plan,
         )?
@@ -174,12 +174,8 @@ fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
     )
 }
 
-fn node_ports(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<NodePortsCase>> {
-    let rounds = plan.rounds.to_string();
-    json_lines(binary, &["--rounds", &rounds])
-}
-
-fn sweeps(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<SweepCase>> {
+/// Runs a benchmark binary that takes only the plan's rounds.
+fn in_rounds<T: serde::de::DeserializeOwned>(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<T>> {
     let rounds = plan.rounds.to_string();
     json_lines(binary, &["--rounds", &rounds])
 }

@@ -23,7 +23,7 @@ use netlink_packet_sock_diag::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
-use crate::ports::PortRange;
+use crate::ports::{self, PortRange};
 
 /// The ports the node holds, by protocol.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -32,22 +32,33 @@ pub struct NodePorts {
     pub udp: BTreeSet<u16>,
 }
 
-/// The sockets that hold a port for the node, by protocol: TCP's listening ones, and UDP's
-/// without a peer (in `TCP_CLOSE`, as the kernel keeps an unconnected UDP socket). With their
-/// state's number, as `/proc/net/{tcp,udp}` writes it in hex.
-const HOLDING: [(u8, StateFlags, &str, [&str; 2]); 2] = [
-    (
-        IPPROTO_TCP,
-        StateFlags::LISTEN,
-        "0A",
-        ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"],
-    ),
-    (
-        IPPROTO_UDP,
-        StateFlags::CLOSE,
-        "07",
-        ["/proc/thread-self/net/udp", "/proc/thread-self/net/udp6"],
-    ),
+/// The sockets of one protocol that hold a port for the node, as each source names them.
+struct Holding {
+    proto: u8,
+    /// Their states, for the socket diagnostics.
+    states: StateFlags,
+    /// Their state's number, as `/proc/net` writes it in hex.
+    proc_state: &'static str,
+    /// The protocol's `/proc/net` files, both families, of the calling thread's namespace
+    /// (`/proc/net` is the process's first thread's).
+    proc_files: [&'static str; 2],
+}
+
+/// TCP's listening sockets, and UDP's without a peer (in `TCP_CLOSE`, as the kernel keeps an
+/// unconnected UDP socket).
+const HOLDING: [Holding; 2] = [
+    Holding {
+        proto: IPPROTO_TCP,
+        states: StateFlags::LISTEN,
+        proc_state: "0A",
+        proc_files: ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"],
+    },
+    Holding {
+        proto: IPPROTO_UDP,
+        states: StateFlags::CLOSE,
+        proc_state: "07",
+        proc_files: ["/proc/thread-self/net/udp", "/proc/thread-self/net/udp6"],
+    },
 ];
 
 impl NodePorts {
@@ -64,7 +75,7 @@ impl NodePorts {
     pub fn from_socket_diagnostics(
         node_port_range: Option<PortRange>,
     ) -> std::io::Result<NodePorts> {
-        let [tcp, udp] = HOLDING.map(|(proto, states, ..)| diag_ports(proto, &states));
+        let [tcp, udp] = HOLDING.map(|holding| diag_ports(holding.proto, &holding.states));
         Ok(NodePorts {
             tcp: tcp?,
             udp: udp?,
@@ -74,7 +85,7 @@ impl NodePorts {
 
     /// `read`, from `/proc/net` of the calling thread's namespace.
     pub fn from_proc(node_port_range: Option<PortRange>) -> NodePorts {
-        let [tcp, udp] = HOLDING.map(|(_, _, state, files)| proc_ports(files, state));
+        let [tcp, udp] = HOLDING.map(|holding| proc_ports(holding.proc_files, holding.proc_state));
         NodePorts { tcp, udp }.with_node_port_range(node_port_range)
     }
 
@@ -97,7 +108,7 @@ impl NodePorts {
             IPPROTO_UDP => self.udp.contains(&port),
             _ => false,
         };
-        !held && spans.iter().any(|s| (s.first..=s.last).contains(&port))
+        !held && ports::in_spans(spans, port)
     }
 
     /// The map's words: a bit per port held, TCP's words, then UDP's.
@@ -172,9 +183,8 @@ fn dump_into(socket: &Socket, ports: &mut BTreeSet<u16>) -> std::io::Result<()> 
     }
 }
 
-/// The local ports of the sockets `files` (`/proc/net/{tcp,udp}` and their IPv6 twins, of the
-/// calling thread's namespace: `/proc/net` is the process's first thread's) list in `state`. A
-/// kernel without IPv6 has no tcp6: nothing held there.
+/// The local ports of the sockets `files` list in `state`. A kernel without IPv6 has no tcp6:
+/// nothing held there.
 fn proc_ports(files: [&str; 2], state: &str) -> BTreeSet<u16> {
     files
         .iter()
@@ -230,7 +240,7 @@ mod tests {
 
     #[test]
     fn listening_sockets_of_both_families_are_read_and_connected_ones_are_not() {
-        let listening = HOLDING[0].2;
+        let listening = HOLDING[0].proc_state;
         let ports: Vec<u16> = local_ports(TCP, listening)
             .chain(local_ports(TCP6, listening))
             .collect();

@@ -30,7 +30,7 @@ use crate::dataplane::{
 use crate::{
     netdev::Device,
     policy::{IpFamilies, IpFamily, Policy},
-    ports::PortRange,
+    ports::{self, PortRange},
 };
 
 /// The eBPF data plane cannot run here: what it needs from the node cannot be read, its object
@@ -145,9 +145,7 @@ impl EbpfDataPlane {
             return Ok(());
         }
         let spans = &self.port_spans;
-        let inside = |port: Option<u16>| {
-            port.is_none_or(|port| spans.iter().any(|s| (s.first..=s.last).contains(&port)))
-        };
+        let inside = |port: Option<u16>| port.is_none_or(|port| ports::in_spans(spans, port));
         let every_inside = map_types::read_table(&self.maps.nat.v4)?
             .iter()
             .all(|(key, entry)| inside(expiry::node_side_port(key, entry)))
