@@ -50,8 +50,26 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     )?;
     let root = workspace_root();
     let agent = root.join("target/release/masq-agent");
+    if options.agent.is_some() && !options.one_change_only && !options.churn_only {
+        bail!("--agent measures one part alone: add --one-change-only or --churn-only");
+    }
+    let agent = options.agent.clone().unwrap_or(agent);
     if options.one_change_only {
-        return one_change_only(options.agent.as_deref().unwrap_or(&agent), &plan);
+        return one_change_only(&agent, &plan);
+    }
+    if options.churn_only {
+        let _stats = RunTimeStats::enable()?;
+        let churn = churn(&agent, &plan)?;
+        println!(
+            "churn of {:.0} new connections/s for {:.0} s: agent {:.3} % of the machine, \
+             {:.0} ns a connection; programs {:.0} ns a connection",
+            churn.connections_per_second,
+            churn.seconds,
+            churn.agent_cpu_percent,
+            churn.agent_ns_per_connection,
+            churn.programs_ns_per_connection
+        );
+        return Ok(());
     }
 
     let datapath = if options.end_to_end_only {

@@ -293,9 +293,13 @@ pub struct Options {
     /// reported: the quick loop for working on that figure (about a minute).
     #[arg(long)]
     pub one_change_only: bool,
-    /// With `--one-change-only`: measure this agent binary instead of the one just built, to
-    /// compare a change with its baseline in the same sitting.
-    #[arg(long, requires = "one_change_only")]
+    /// Only the agent under a churn of new connections (a minute, or `--seconds`), printed and
+    /// not reported: the quick loop for working on the sweep's cost.
+    #[arg(long, conflicts_with = "one_change_only")]
+    pub churn_only: bool,
+    /// With `--one-change-only` or `--churn-only`: measure this agent binary instead of the one
+    /// just built, to compare a change with its baseline in the same sitting.
+    #[arg(long)]
     pub agent: Option<PathBuf>,
 }
 
@@ -305,6 +309,8 @@ impl Options {
         !self.quick
             && !self.end_to_end_only
             && !self.one_change_only
+            && !self.churn_only
+            && self.agent.is_none()
             && self.sizes.is_empty()
             && self.rounds.is_none()
             && self.modes.is_empty()
@@ -324,6 +330,9 @@ impl Options {
         }
         if self.one_change_only {
             command += " --one-change-only";
+        }
+        if self.churn_only {
+            command += " --churn-only";
         }
         if !self.sizes.is_empty() {
             let sizes: Vec<String> = self.sizes.iter().map(usize::to_string).collect();
@@ -436,6 +445,9 @@ impl Plan {
         }
         if let Some(seconds) = options.seconds {
             plan.seconds = Duration::from_secs_f64(seconds);
+            if options.churn_only {
+                plan.churn = plan.seconds;
+            }
         }
         plan
     }

@@ -3,11 +3,12 @@
 //! removed together.
 
 use std::{
-    collections::HashMap,
+    hash::BuildHasher as _,
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
+use hashbrown::HashTable;
 
 use aya::Pod;
 use aya::maps::IterableMap as _;
@@ -18,9 +19,9 @@ use masq_ebpf::{
 
 use super::{
     batch, drop_sample,
-    map_types::{DropSample, NatTable, Table, read_table},
+    map_types::{DropSample, NatTable, read_table},
 };
-use crate::dataplane::nat_usage::NatUsage;
+use crate::{dataplane::nat_usage::NatUsage, ports::PortRange};
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
 /// catch a changed address or a detached program quickly.
@@ -314,6 +315,19 @@ pub fn node_side_port<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> Optio
     }
 }
 
+/// Whether, `inside` so far, a table is still inside NAT's `spans` with this half: whether its
+/// node-side port, if it holds one, is in them. Asked until the answer is no.
+pub fn still_inside<A: Address>(
+    inside: &mut bool,
+    spans: &[PortRange],
+    key: &NatKey<A>,
+    entry: &NatEntry<A>,
+) {
+    if *inside {
+        *inside = node_side_port(key, entry).is_none_or(|port| crate::ports::in_spans(spans, port));
+    }
+}
+
 /// What `entries` hold: entries, and flows by kind (each flow has one egress half).
 pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
     let mut usage = NatUsage {
@@ -374,7 +388,26 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
+    expire_seeing(nat, sample, timeouts, now_ns, |_, _| {})
+}
+
+/// `expire`, which also shows `seen` every entry the table held when read, those it then
+/// removes included: what else the agent asks of the whole table is asked of the read the
+/// sweep makes anyway.
+pub fn expire_seeing<A>(
+    nat: &NatTable<A>,
+    sample: Option<&DropSample<A>>,
+    timeouts: &Timeouts,
+    now_ns: u64,
+    mut seen: impl FnMut(&NatKey<A>, &NatEntry<A>),
+) -> anyhow::Result<NatUsage>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
     let entries = read_table(nat)?;
+    entries.iter().for_each(|(key, entry)| seen(key, entry));
     let mut run = usage(&entries);
     // Asked only where there is a sample to point.
     let capacity = sample
@@ -383,7 +416,7 @@ where
     let pressed = |entries: usize| {
         capacity.is_some_and(|capacity| entries * 100 >= capacity * UNDER_PRESSURE_PERCENT)
     };
-    let over = over(entries, timeouts, now_ns, pressed(run.entries));
+    let over = over(&entries, timeouts, now_ns, pressed(run.entries));
     run.orphans_removed = prune(nat, &over.orphans)?;
     run.expired_flows = prune(nat, &over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
@@ -421,7 +454,7 @@ pub const LAST_SEEN_LAG: Duration = Duration::from_nanos(masq_ebpf::LAST_SEEN_RE
 /// What of `entries` was over at `now_ns`, and, if `find_droppable`, which of the rest a full
 /// table may drop and which not.
 fn over<A: Address>(
-    entries: Table<A>,
+    entries: &[(NatKey<A>, NatEntry<A>)],
     timeouts: &Timeouts,
     now_ns: u64,
     find_droppable: bool,
@@ -429,28 +462,34 @@ fn over<A: Address>(
     let past = |last_seen_ns: u64, timeout: Duration| {
         Duration::from_nanos(now_ns.saturating_sub(last_seen_ns)) > timeout + LAST_SEEN_LAG
     };
-    // The reply halves by key, which each egress half finds its other half by; the egress
-    // halves in a list. Up to half a million entries every ten seconds: sized at once, and
-    // hashed with foldhash, whose per-process random seed still keeps an outside host that
-    // picks its ports from aiming at collisions.
-    let mut replies: HashMap<NatKey<A>, NatEntry<A>, foldhash::fast::RandomState> =
-        HashMap::with_capacity_and_hasher(entries.len() / 2, Default::default());
-    let mut egress = Vec::with_capacity(entries.len() / 2);
-    for (key, entry) in entries {
-        match key.direction {
-            direction::INGRESS => {
-                replies.insert(key, entry);
-            }
-            _ => egress.push((key, entry)),
+    // Each egress half finds its reply half by key. Up to half a million entries every ten
+    // seconds: the reply halves are indexed by their place in `entries`, four bytes each, so
+    // that the index stays in the caches where copies of the halves would not, and hashed with
+    // foldhash, whose per-process random seed still keeps an outside host that picks its ports
+    // from aiming at collisions.
+    let hasher = foldhash::fast::RandomState::default();
+    let hash = |key: &NatKey<A>| hasher.hash_one(key);
+    let key_at = |index: &u32| &entries[*index as usize].0;
+    let mut replies: HashTable<u32> = HashTable::with_capacity(entries.len() / 2);
+    for (index, (key, _)) in entries.iter().enumerate() {
+        if key.direction == direction::INGRESS {
+            replies.insert_unique(hash(key), index as u32, |index| hash(key_at(index)));
         }
     }
+    let egress = entries
+        .iter()
+        .filter(|(key, _)| key.direction != direction::INGRESS);
     let mut over = Over::default();
-    for (key, entry) in &egress {
+    for (key, entry) in egress {
         let reply_key = key.reverse(entry);
-        match replies.remove(&reply_key) {
+        let paired = replies
+            .find_entry(hash(&reply_key), |index| *key_at(index) == reply_key)
+            .ok()
+            .map(|found| &entries[found.remove().0 as usize].1);
+        match paired {
             Some(reply) => {
                 let last = entry.last_seen_ns.max(reply.last_seen_ns);
-                if past(last, timeouts.for_flow(key, entry, &reply)) {
+                if past(last, timeouts.for_flow(key, entry, reply)) {
                     over.flows.extend([*key, reply_key]);
                 } else if find_droppable {
                     let may_drop = entry.kind == nat_kind::NODE
@@ -472,9 +511,10 @@ fn over<A: Address>(
         }
     }
     // The reply halves no egress half claimed.
-    for (key, reply) in replies {
+    for index in replies {
+        let (key, reply) = &entries[index as usize];
         if past(reply.last_seen_ns, timeouts.orphan) {
-            over.orphans.push(key);
+            over.orphans.push(*key);
         }
     }
     over
@@ -621,5 +661,41 @@ mod tests {
         let timeouts = Timeouts::default();
         assert_eq!(timeouts.of(FlowState::LastAck), timeouts.tcp_time_wait);
         assert_eq!(timeouts.of(FlowState::CloseWait), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_table_is_inside_the_spans_until_a_half_holds_a_node_side_port_outside_them() {
+        let spans = [PortRange {
+            first: 20_000,
+            last: 29_999,
+        }];
+        let half = |direction, sport: u16, dport: u16, kind| {
+            let key = NatKey::<[u8; 4]> {
+                direction,
+                sport: sport.to_be(),
+                dport: dport.to_be(),
+                ..NatKey::default()
+            };
+            let entry = NatEntry {
+                kind,
+                ..NatEntry::default()
+            };
+            (key, entry)
+        };
+        let reply_in_spans = half(direction::INGRESS, 80, 20_001, nat_kind::SNAT);
+        let reply_outside = half(direction::INGRESS, 80, 40_000, nat_kind::SNAT);
+        let kept_reply_outside = half(direction::INGRESS, 80, 40_000, nat_kind::PASSTHROUGH);
+        let mut inside = true;
+        for (key, entry) in [&reply_in_spans, &kept_reply_outside] {
+            still_inside(&mut inside, &spans, key, entry);
+        }
+        assert!(inside, "no half holds a node-side port outside the spans");
+        still_inside(&mut inside, &spans, &reply_outside.0, &reply_outside.1);
+        assert!(!inside, "a reply half holds port 40 000 on the node's side");
+        still_inside(&mut inside, &spans, &reply_in_spans.0, &reply_in_spans.1);
+        assert!(
+            !inside,
+            "once outside, the table stays outside for this read"
+        );
     }
 }

@@ -30,7 +30,7 @@ use crate::dataplane::{
 use crate::{
     netdev::Device,
     policy::{IpFamilies, IpFamily, Policy},
-    ports::{self, PortRange},
+    ports::PortRange,
 };
 
 /// The eBPF data plane cannot run here: what it needs from the node cannot be read, its object
@@ -136,26 +136,13 @@ impl EbpfDataPlane {
         )
     }
 
-    /// Raises `nat_ports_in_spans` once neither table holds a port on the node's side outside
-    /// NAT's spans, and no old table's flows are still to be carried: the programs make no such
-    /// entry, so it stays raised, and the node's own packets on ports outside the spans skip the
-    /// table's lookup. Until then every sweep reads the tables once more to see.
+    /// Raises `nat_ports_in_spans`, once a sweep's read of both tables found no entry holding a
+    /// port on the node's side outside NAT's spans while no old table's flows were still to be
+    /// carried: the programs make no such entry, so it stays raised, and the node's own packets
+    /// on ports outside the spans skip the table's lookup.
     fn raise_nat_ports_in_spans(&mut self) -> anyhow::Result<()> {
-        if self.nat_ports_in_spans || self.carried.is_pending() {
-            return Ok(());
-        }
-        let spans = &self.port_spans;
-        let inside = |port: Option<u16>| port.is_none_or(|port| ports::in_spans(spans, port));
-        let every_inside = map_types::read_table(&self.maps.nat.v4)?
-            .iter()
-            .all(|(key, entry)| inside(expiry::node_side_port(key, entry)))
-            && map_types::read_table(&self.maps.nat.v6)?
-                .iter()
-                .all(|(key, entry)| inside(expiry::node_side_port(key, entry)));
-        if every_inside {
-            self.maps.nat_ports_in_spans.set(0, 1, 0)?;
-            self.nat_ports_in_spans = true;
-        }
+        self.maps.nat_ports_in_spans.set(0, 1, 0)?;
+        self.nat_ports_in_spans = true;
         Ok(())
     }
 
@@ -294,8 +281,16 @@ impl DataPlane for EbpfDataPlane {
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
         let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);
-        let v4 = expiry::expire(&nat.v4, Some(&samples.v4), &self.timeouts, now)?;
-        let v6 = expiry::expire(&nat.v6, Some(&samples.v6), &self.timeouts, now)?;
+        // Whether every entry holds its node-side port inside the spans, asked of the sweep's
+        // read until `nat_ports_in_spans` is raised. A carried flow may still bring one.
+        let mut every_inside = !self.nat_ports_in_spans && !self.carried.is_pending();
+        let spans = &self.port_spans;
+        let v4 = expiry::expire_seeing(&nat.v4, Some(&samples.v4), &self.timeouts, now, |k, e| {
+            expiry::still_inside(&mut every_inside, spans, k, e)
+        })?;
+        let v6 = expiry::expire_seeing(&nat.v6, Some(&samples.v6), &self.timeouts, now, |k, e| {
+            expiry::still_inside(&mut every_inside, spans, k, e)
+        })?;
         if [v4, v6]
             .iter()
             .any(|run| run.expired_flows + run.orphans_removed > 0)
@@ -303,7 +298,9 @@ impl DataPlane for EbpfDataPlane {
             tracing::debug!(?v4, ?v6, "expired NAT entries");
         }
         let run = NatSweep::of_tables_in_use(v4, v6, |family| self.families.contains(family));
-        self.raise_nat_ports_in_spans()?;
+        if every_inside {
+            self.raise_nat_ports_in_spans()?;
+        }
         self.release_drained()?;
         self.clashes.say_new(&self.maps.counters);
         Ok(Some(run))
