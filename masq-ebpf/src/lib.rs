@@ -46,6 +46,12 @@ pub mod map_names {
     /// outside them then has no entry to look up. 0 until then: a table reused or carried from
     /// an agent with other spans may hold such entries. Not pinned.
     pub const NAT_PORTS_IN_SPANS: &str = "nat_ports_in_spans";
+    /// The ports of `node_ports`, laid out alike, on which the agent found no NAT entry on the
+    /// node's side, after they had been held long enough that no program could still give one
+    /// out: a packet of the node's own, or to it, on such a port has no entry to look up (the
+    /// kubelet's, an exporter's, inside NAT's spans). The agent clears a port's bit before it
+    /// stops holding the port. Not pinned.
+    pub const ENTRYLESS_PORTS: &str = "entryless_ports";
     /// A sample of each NAT table's flows, by egress key, from which a full table picks the
     /// flows it drops early (`drop_sample_slots`); not pinned: the agent fills it from the
     /// table when it loads the programs.

@@ -123,8 +123,14 @@ pub static PORT_REQUEST_V6: PortRequests<[u8; 16]> = PerCpuArray::new();
 #[btf_map(name = "ipv6_walk")]
 pub static IPV6_WALK: PerCpuArray<Packet<[u8; 16]>, 1> = PerCpuArray::new();
 
+/// A bit per port of each protocol with ports, laid out as `node_ports::slot` says.
+pub type PortBits = Array<u64, { node_ports::WORDS as usize }>;
+
 #[btf_map(name = "node_ports")]
-pub static NODE_PORTS: Array<u64, { node_ports::WORDS as usize }> = Array::new();
+pub static NODE_PORTS: PortBits = Array::new();
+
+#[btf_map(name = "entryless_ports")]
+pub static ENTRYLESS_PORTS: PortBits = Array::new();
 
 #[btf_map(name = "nat_ports_in_spans")]
 pub static NAT_PORTS_IN_SPANS: Array<u32, 1> = Array::new();

@@ -3,7 +3,7 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use masq_ebpf::{MAX_PORT_SPANS, Settings, node_ports};
 
-use crate::maps;
+use crate::maps::{self, PortBits};
 
 /// How many candidate ports a new flow tries before its packet is dropped. Bounded, so that a
 /// nearly exhausted range costs a fixed amount of work per packet.
@@ -36,12 +36,23 @@ pub fn candidate(settings: &Settings, start: u32, attempt: u32) -> u16 {
 /// NodePorts: NAT never hands it out, and the node's flows on it need no reservation.
 #[inline(always)]
 pub fn held_by_node(proto: u8, port: u16) -> bool {
+    port_bit(&maps::NODE_PORTS, proto, port)
+}
+
+/// Whether the node holds `port` (network byte order) of `proto` and no NAT entry holds it on
+/// the node's side, as the agent found (`map_names::ENTRYLESS_PORTS`).
+#[inline(always)]
+pub fn held_without_entry(proto: u8, port: u16) -> bool {
+    port_bit(&maps::ENTRYLESS_PORTS, proto, port)
+}
+
+/// `port`'s (network byte order) bit of `proto` in a map laid out as `node_ports`.
+#[inline(always)]
+fn port_bit(map: &PortBits, proto: u8, port: u16) -> bool {
     let Some((word, bit)) = node_ports::slot(proto, u16::from_be(port)) else {
         return false;
     };
-    maps::NODE_PORTS
-        .get(word)
-        .is_some_and(|held| held & bit != 0)
+    map.get(word).is_some_and(|held| held & bit != 0)
 }
 
 /// Whether NAT could ever hand `port` (network byte order) out: it is in the spans.

@@ -566,8 +566,8 @@ fn outside_nat_spans(port: u16) -> bool {
         && maps::settings().is_some_and(|settings| !ports::in_spans(settings, port))
 }
 
-/// Egress: a packet one of the node's sockets sent from one of its addresses, on a port
-/// outside NAT's spans (a client's ephemeral port, say). No entry holds it, so it leaves as a
+/// Egress: a packet one of the node's sockets sent from one of its addresses, on a port no
+/// entry holds (`node_end_without_entry`: a client's ephemeral port, a service's). None does, so it leaves as a
 /// packet of no known flow would, without the NAT table's lookup: a cold one, for every packet
 /// of the node's own connections. Asked first whether a socket sent it (`skb->sk`), which costs
 /// one load: a pod's packets reach the node through their veth without one, and go to the
@@ -581,25 +581,30 @@ fn from_node_socket_without_entry<F: Family>(
     // SAFETY: the context pointer is valid for the program's run; the socket pointer is only
     // compared with null, never followed.
     let sent_by_a_socket = unsafe { !(*ctx.skb.skb).__bindgen_anon_2.sk.is_null() };
-    sent_by_a_socket && node_end_without_entry::<F>(ctx, &ip.saddr, l4.sport)
+    sent_by_a_socket && node_end_without_entry::<F>(ctx, &ip.saddr, l4.proto, l4.sport)
 }
 
-/// Ingress: a TCP or UDP packet to one of the node's addresses, on a port outside NAT's spans (a
-/// reply to one of the node's clients, or a connection to a service of its there). No entry
-/// holds it, so it passes as a packet of no known flow would, without the NAT table's lookup.
-/// The spans are asked first: every reply to a masqueraded flow is to a port inside them, and
-/// goes to its lookup at once.
+/// Ingress: a TCP or UDP packet to one of the node's addresses, on a port no entry holds
+/// (`node_end_without_entry`: a reply to one of the node's clients, a connection to one of its
+/// services). It passes as a packet of no known flow would, without the NAT table's lookup.
 #[inline(always)]
 fn to_node_without_entry<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
-    node_end_without_entry::<F>(ctx, &ip.daddr, l4.dport)
+    node_end_without_entry::<F>(ctx, &ip.daddr, l4.proto, l4.dport)
 }
 
-/// Whether `addr`:`port` (network byte order), a flow's end on the node's side, is one of the
-/// node's addresses on a port outside NAT's spans: an end no entry holds. The spans are asked
+/// Whether `addr`:`port` (network byte order) of `proto`, a flow's end on the node's side, is
+/// one of the node's addresses on a port no entry holds: outside NAT's spans, or one the node
+/// holds where the agent found no entry (a service's inside the spans). The port is asked
 /// first, the cheaper question.
 #[inline(always)]
-fn node_end_without_entry<F: Family>(ctx: &TcContext, addr: &F::Addr, port: u16) -> bool {
-    outside_nat_spans(port) && Device::<F>::of(ctx).is_some_and(|device| device.holds(addr))
+fn node_end_without_entry<F: Family>(
+    ctx: &TcContext,
+    addr: &F::Addr,
+    proto: u8,
+    port: u16,
+) -> bool {
+    (outside_nat_spans(port) || ports::held_without_entry(proto, port))
+        && Device::<F>::of(ctx).is_some_and(|device| device.holds(addr))
 }
 
 /// Whether a node flow leaving as `key` needs its tuple held: NAT could give its port to a

@@ -3,7 +3,7 @@
 
 use masq_agent::dataplane::ebpf::{
     expiry,
-    node_ports::NodePorts,
+    node_ports::{self, HeldPorts, NodePorts, NodeSidePorts},
     testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
 };
 use masq_ebpf::{Counter, NatKey, direction, nat_kind};
@@ -35,6 +35,7 @@ in_both_families!(
     an_exception_inside_a_non_masquerade_prefix_is_masqueraded,
     nothing_is_translated_before_the_agent_configures_ports,
     replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port,
+    a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow,
 );
 
 fn tcp_egress_then_reply_ingress<F: HarnessFamily>() {
@@ -845,5 +846,101 @@ fn replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port<F: Ha
         h.ingress(&answer),
         (TC_ACT_OK, answer.clone()),
         "the node's own port, as the programs take it once the flag is up"
+    );
+}
+
+/// A port the node holds inside NAT's spans (a service's: 10250) may have been given to a
+/// masqueraded flow before the node held it. The agent sets its entryless bit, with which the
+/// node's packets on it skip the NAT table's lookup, only from a read of the table that found
+/// no flow on it, `GRACE` after the port was held; and clears it as the node stops holding the
+/// port. Each step is shown by a flow planted where the agent found none, as no program would:
+/// a reply looked up reaches the pod, one that skips the lookup does not.
+fn a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow<F: HarnessFamily>() {
+    let spans = [(1024, 32767)];
+    let mut h = F::bed(64, &spans, false);
+    h.egress(&udp(F::POD, 10250, F::REMOTE, 53));
+    let key = egress_key::<F>(&h, 10250);
+    let egress = F::nat_entry(&h, &key).unwrap();
+    assert_eq!(u16::from_be(egress.port), 10250, "the pod's port, kept");
+    let (reply_key, reply) = (
+        key.reverse(&egress),
+        F::nat_entry(&h, &key.reverse(&egress)),
+    );
+    let reply = reply.unwrap();
+    let answer = udp(F::REMOTE, 53, F::NODE, 10250);
+    let looked_up = |h: &mut TestBed| {
+        let (verdict, back) = h.ingress(&answer);
+        assert_eq!(verdict, TC_ACT_OK);
+        F::at(&back, F::DST) == F::POD
+    };
+    let (span_ranges, settled) = (
+        spans.map(|(first, last)| masq_agent::ports::PortRange { first, last }),
+        Some(std::time::Instant::now()),
+    );
+    let seen = |h: &TestBed| {
+        let mut node_side = NodeSidePorts::new(&span_ranges);
+        F::nat(h).iter().for_each(|(k, e)| node_side.look(k, e));
+        node_side.seen
+    };
+    let service = NodePorts {
+        udp: [10250].into(),
+        ..NodePorts::default()
+    };
+    let mut held = HeldPorts::default();
+    held.hold(h.port_maps(), service.clone()).unwrap();
+    held.hold(h.port_maps(), service.clone()).unwrap();
+    let (now, later) = (
+        std::time::Instant::now(),
+        std::time::Instant::now() + 2 * node_ports::GRACE,
+    );
+    let mut mark = |h: &mut TestBed, read_at, settled| {
+        let seen = seen(h);
+        held.mark_entryless(&mut h.maps.entryless_ports, &seen, read_at, settled)
+            .unwrap();
+    };
+
+    mark(&mut h, later, settled);
+    assert!(
+        looked_up(&mut h),
+        "a flow holds the port: its replies are looked up"
+    );
+    let (remove, plant) = (
+        |h: &mut TestBed| {
+            F::remove(h, &key);
+            F::remove(h, &reply_key);
+        },
+        |h: &mut TestBed| {
+            F::plant(h, &key, egress);
+            F::plant(h, &reply_key, reply);
+        },
+    );
+    remove(&mut h);
+    for (read_at, settled, why) in [
+        (
+            now,
+            settled,
+            "a read less than GRACE after the port was held",
+        ),
+        (
+            later,
+            None,
+            "a read while an earlier agent's programs may run",
+        ),
+    ] {
+        mark(&mut h, read_at, settled);
+        plant(&mut h);
+        assert!(looked_up(&mut h), "no bit from {why}");
+        remove(&mut h);
+    }
+    mark(&mut h, later, settled);
+    plant(&mut h);
+    assert!(
+        !looked_up(&mut h),
+        "held a while, no flow on it: the node's port skips the lookup"
+    );
+    held.hold(h.port_maps(), NodePorts::default()).unwrap();
+    assert!(
+        looked_up(&mut h),
+        "no longer held, NAT may hand it out again: looked up at once"
     );
 }

@@ -21,7 +21,7 @@ use super::{
     batch, drop_sample,
     map_types::{DropSample, NatTable, read_table},
 };
-use crate::{dataplane::nat_usage::NatUsage, ports::PortRange};
+use crate::dataplane::nat_usage::NatUsage;
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
 /// catch a changed address or a detached program quickly.
@@ -312,19 +312,6 @@ pub fn node_side_port<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> Optio
     match FlowOwner::of(key, entry) {
         FlowOwner::NodeTranslated | FlowOwner::NodeReserved => Some(u16::from_be(key.sport)),
         FlowOwner::Pod | FlowOwner::PodKept => None,
-    }
-}
-
-/// Whether, `inside` so far, a table is still inside NAT's `spans` with this half: whether its
-/// node-side port, if it holds one, is in them. Asked until the answer is no.
-pub fn still_inside<A: Address>(
-    inside: &mut bool,
-    spans: &[PortRange],
-    key: &NatKey<A>,
-    entry: &NatEntry<A>,
-) {
-    if *inside {
-        *inside = node_side_port(key, entry).is_none_or(|port| crate::ports::in_spans(spans, port));
     }
 }
 
@@ -661,41 +648,5 @@ mod tests {
         let timeouts = Timeouts::default();
         assert_eq!(timeouts.of(FlowState::LastAck), timeouts.tcp_time_wait);
         assert_eq!(timeouts.of(FlowState::CloseWait), Duration::from_secs(60));
-    }
-
-    #[test]
-    fn a_table_is_inside_the_spans_until_a_half_holds_a_node_side_port_outside_them() {
-        let spans = [PortRange {
-            first: 20_000,
-            last: 29_999,
-        }];
-        let half = |direction, sport: u16, dport: u16, kind| {
-            let key = NatKey::<[u8; 4]> {
-                direction,
-                sport: sport.to_be(),
-                dport: dport.to_be(),
-                ..NatKey::default()
-            };
-            let entry = NatEntry {
-                kind,
-                ..NatEntry::default()
-            };
-            (key, entry)
-        };
-        let reply_in_spans = half(direction::INGRESS, 80, 20_001, nat_kind::SNAT);
-        let reply_outside = half(direction::INGRESS, 80, 40_000, nat_kind::SNAT);
-        let kept_reply_outside = half(direction::INGRESS, 80, 40_000, nat_kind::PASSTHROUGH);
-        let mut inside = true;
-        for (key, entry) in [&reply_in_spans, &kept_reply_outside] {
-            still_inside(&mut inside, &spans, key, entry);
-        }
-        assert!(inside, "no half holds a node-side port outside the spans");
-        still_inside(&mut inside, &spans, &reply_outside.0, &reply_outside.1);
-        assert!(!inside, "a reply half holds port 40 000 on the node's side");
-        still_inside(&mut inside, &spans, &reply_in_spans.0, &reply_in_spans.1);
-        assert!(
-            !inside,
-            "once outside, the table stays outside for this read"
-        );
     }
 }

@@ -10,10 +10,13 @@
 //! the machine, a busy node's pods' included, to find them. Read from
 //! `/proc/net/{tcp,tcp6,udp,udp6}` instead where the kernel has no socket diagnostics.
 
-use std::collections::BTreeSet;
+use std::{
+    collections::BTreeSet,
+    time::{Duration, Instant},
+};
 
 use aya::maps::{Array, MapData};
-use masq_ebpf::{IPPROTO_TCP, IPPROTO_UDP, node_ports};
+use masq_ebpf::{Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, node_ports};
 use netlink_packet_core::{
     NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
@@ -23,6 +26,7 @@ use netlink_packet_sock_diag::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
+use super::expiry;
 use crate::ports::{self, PortRange};
 
 /// The ports the node holds, by protocol.
@@ -214,7 +218,16 @@ pub fn write(
     ports: &NodePorts,
     written: &mut Vec<u64>,
 ) -> anyhow::Result<()> {
-    let words = ports.words();
+    write_words(map, &ports.words(), written)
+}
+
+/// Makes `map` hold `words`, writing only those that differ from `written`, which then holds
+/// what the map holds, a failed write's words included.
+fn write_words(
+    map: &mut Array<MapData, u64>,
+    words: &[u64],
+    written: &mut Vec<u64>,
+) -> anyhow::Result<()> {
     written.resize(words.len(), 0);
     for (index, (&new, old)) in words.iter().zip(written.iter_mut()).enumerate() {
         if new != *old {
@@ -223,6 +236,129 @@ pub fn write(
         }
     }
     Ok(())
+}
+
+/// The programs' maps of the node's ports: `node_ports`, and which of them no NAT entry holds
+/// on the node's side (`entryless_ports`).
+pub struct PortMaps<'a> {
+    pub held: &'a mut Array<MapData, u64>,
+    pub entryless: &'a mut Array<MapData, u64>,
+}
+
+/// The node's ports as the agent wrote them into `PortMaps`.
+///
+/// A port's entryless bit lets the node's packets on it skip the NAT table's lookup, so it is
+/// set only where no entry can hold the port: held (NAT hands it out no more) since before a
+/// read of the table that found no entry on it, with `GRACE` between, as a program that judged
+/// a new flow before the port was held may insert its entry just after. It is cleared before
+/// the port stops being held, when NAT may hand it out again.
+#[derive(Debug, Default)]
+pub struct HeldPorts {
+    /// As last read.
+    pub ports: NodePorts,
+    /// `node_ports`' words as written, and when last written.
+    held: Vec<u64>,
+    held_at: Option<Instant>,
+    /// The ports held at every write since `held_since`, an earlier write.
+    held_throughout: Vec<u64>,
+    held_since: Option<Instant>,
+    /// `entryless_ports`' words as written.
+    entryless: Vec<u64>,
+}
+
+/// How long after a port is held a read of the NAT table may find it without an entry: a
+/// program that judged a new flow before may still insert its entry just after, but programs
+/// run for microseconds.
+pub const GRACE: Duration = Duration::from_secs(1);
+
+impl HeldPorts {
+    /// Makes the maps hold `ports`: a port no longer held loses its entryless bit first.
+    pub fn hold(&mut self, maps: PortMaps, ports: NodePorts) -> anyhow::Result<()> {
+        let words = ports.words();
+        let entryless = and(&self.entryless, &words, false);
+        write_words(maps.entryless, &entryless, &mut self.entryless)?;
+        let (before, since) = (std::mem::take(&mut self.held), self.held_at);
+        self.held.clone_from(&before);
+        // The time of the attempt: a failed write may have left some of the words written.
+        self.held_at = Some(Instant::now());
+        self.ports = ports;
+        let written = write_words(maps.held, &words, &mut self.held);
+        self.held_throughout = and(&before, &self.held, false);
+        self.held_since = since;
+        written
+    }
+
+    /// After a read of the NAT tables, started at `read_at`, in which `seen` has the bit of
+    /// every port an entry holds on the node's side: sets the entryless bit of every port held
+    /// since `GRACE` before the read that no entry holds, and clears that of every port an entry
+    /// holds. `settled`: since when no program that judges by other held ports (an earlier
+    /// agent's) runs and no flow is left to carry in; `None` while some may, and no bit is set.
+    pub fn mark_entryless(
+        &mut self,
+        map: &mut Array<MapData, u64>,
+        seen: &[u64],
+        read_at: Instant,
+        settled: Option<Instant>,
+    ) -> anyhow::Result<()> {
+        let long_enough =
+            |since: Option<Instant>| since.is_some_and(|at| read_at.duration_since(at) >= GRACE);
+        let candidates = if long_enough(settled) && long_enough(self.held_since) {
+            &self.held_throughout
+        } else {
+            &self.entryless
+        };
+        let entryless = and(candidates, seen, true);
+        write_words(map, &entryless, &mut self.entryless)
+    }
+
+    /// Whether a flow of the node's on `port` of `proto` needs its tuple held in the NAT table
+    /// (see `NodePorts::reservable`).
+    pub fn reservable(&self, spans: &[PortRange], proto: u8, port: u16) -> bool {
+        self.ports.reservable(spans, proto, port)
+    }
+}
+
+/// `a` and `b` (or not `b`, if `negate_b`) word by word, a missing word taken as zero; as long
+/// as the map.
+fn and(a: &[u64], b: &[u64], negate_b: bool) -> Vec<u64> {
+    (0..node_ports::WORDS as usize)
+        .map(|i| {
+            let b = b.get(i).copied().unwrap_or_default();
+            a.get(i).copied().unwrap_or_default() & if negate_b { !b } else { b }
+        })
+        .collect()
+}
+
+/// What a sweep's read of the NAT tables finds of the ports entries hold on the node's side
+/// (`expiry::node_side_port`).
+#[derive(Debug)]
+pub struct NodeSidePorts<'a> {
+    spans: &'a [PortRange],
+    /// Whether every such port is inside NAT's `spans`.
+    pub all_in_spans: bool,
+    /// A bit for each, by protocol, in `node_ports`' layout.
+    pub seen: Vec<u64>,
+}
+
+impl NodeSidePorts<'_> {
+    pub fn new(spans: &[PortRange]) -> NodeSidePorts<'_> {
+        NodeSidePorts {
+            spans,
+            all_in_spans: true,
+            seen: vec![0; node_ports::WORDS as usize],
+        }
+    }
+
+    /// Takes in one half of a flow.
+    pub fn look<A: Address>(&mut self, key: &NatKey<A>, entry: &NatEntry<A>) {
+        let Some(port) = expiry::node_side_port(key, entry) else {
+            return;
+        };
+        self.all_in_spans &= ports::in_spans(self.spans, port);
+        if let Some((word, bit)) = node_ports::slot(key.proto, port) {
+            self.seen[word as usize] |= bit;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -280,5 +416,65 @@ mod tests {
         let udp = node_ports::WORDS_PER_PROTOCOL as usize;
         assert_eq!(words[udp], 1 << 53);
         assert_eq!(words.iter().map(|w| w.count_ones()).sum::<u32>(), 3);
+    }
+
+    #[test]
+    fn a_read_sees_the_node_side_ports_of_its_halves_and_whether_all_are_in_the_spans() {
+        use masq_ebpf::{direction, nat_kind};
+        let spans = [PortRange {
+            first: 20_000,
+            last: 29_999,
+        }];
+        let half = |proto, direction, dport: u16, kind| {
+            let key = NatKey::<[u8; 4]> {
+                proto,
+                direction,
+                sport: 80u16.to_be(),
+                dport: dport.to_be(),
+                ..NatKey::default()
+            };
+            let entry = NatEntry {
+                kind,
+                ..NatEntry::default()
+            };
+            (key, entry)
+        };
+        let mut read = NodeSidePorts::new(&spans);
+        for (key, entry) in [
+            half(IPPROTO_TCP, direction::INGRESS, 20_001, nat_kind::SNAT),
+            // A pod's flow that keeps its address holds no port of the node's.
+            half(
+                IPPROTO_UDP,
+                direction::INGRESS,
+                40_000,
+                nat_kind::PASSTHROUGH,
+            ),
+        ] {
+            read.look(&key, &entry);
+        }
+        assert!(read.all_in_spans);
+        let (word, bit) = node_ports::slot(IPPROTO_TCP, 20_001).unwrap();
+        assert_eq!(
+            read.seen[word as usize], bit,
+            "the reply half's port, TCP's"
+        );
+        assert_eq!(read.seen.iter().map(|w| w.count_ones()).sum::<u32>(), 1);
+        let (key, entry) = half(IPPROTO_UDP, direction::INGRESS, 40_000, nat_kind::SNAT);
+        read.look(&key, &entry);
+        assert!(
+            !read.all_in_spans,
+            "a reply half holds port 40 000 on the node's side"
+        );
+        let (word, bit) = node_ports::slot(IPPROTO_UDP, 40_000).unwrap();
+        assert_eq!(read.seen[word as usize] & bit, bit);
+    }
+
+    #[test]
+    fn words_combine_word_by_word_and_a_missing_word_is_zero() {
+        assert_eq!(and(&[0b1100], &[0b1010], false)[0], 0b1000);
+        assert_eq!(and(&[0b1100], &[0b1010], true)[0], 0b0100);
+        let words = and(&[], &[u64::MAX], true);
+        assert_eq!(words.len(), node_ports::WORDS as usize);
+        assert!(words.iter().all(|&w| w == 0));
     }
 }

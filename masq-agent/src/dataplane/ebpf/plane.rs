@@ -74,9 +74,11 @@ pub struct EbpfDataPlane {
     /// IPv6 was turned on by the config after the programs were loaded without it.
     ipv6_by_the_chain: bool,
     pub(super) node_port_range: Option<PortRange>,
-    /// The node's ports as last read, and `node_ports`' words as last written.
-    pub(super) node_ports: node_ports::NodePorts,
-    pub(super) node_ports_written: Vec<u64>,
+    /// The node's ports as last read and written.
+    pub(super) node_ports: node_ports::HeldPorts,
+    /// When the first apply took the links over from an earlier agent's programs and carried
+    /// its flows in.
+    pub(super) settled: Option<std::time::Instant>,
     /// The ports NAT hands out.
     pub(super) port_spans: Vec<PortRange>,
     /// `nat_ports_in_spans` raised: no entry holds a port on the node's side outside the spans.
@@ -115,8 +117,8 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         carried,
         ipv6_by_the_chain: false,
         node_port_range: opts.node_port_range,
-        node_ports: node_ports::NodePorts::default(),
-        node_ports_written: Vec::new(),
+        node_ports: node_ports::HeldPorts::default(),
+        settled: None,
         port_spans: opts.port_spans.clone(),
         nat_ports_in_spans: false,
     };
@@ -128,12 +130,12 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
 impl EbpfDataPlane {
     /// Writes the ports the node holds now into `node_ports`.
     fn hold_node_ports(&mut self) -> anyhow::Result<()> {
-        self.node_ports = node_ports::NodePorts::read(self.node_port_range);
-        node_ports::write(
-            &mut self.maps.node_ports,
-            &self.node_ports,
-            &mut self.node_ports_written,
-        )
+        let maps = node_ports::PortMaps {
+            held: &mut self.maps.node_ports,
+            entryless: &mut self.maps.entryless_ports,
+        };
+        let ports = node_ports::NodePorts::read(self.node_port_range);
+        self.node_ports.hold(maps, ports)
     }
 
     /// Raises `nat_ports_in_spans`, once a sweep's read of both tables found no entry holding a
@@ -242,6 +244,9 @@ impl DataPlane for EbpfDataPlane {
         // The reduced chain goes in only once the programs run, so that no new flow is left
         // untranslated in between.
         let chain = self.chain.apply(policy)?;
+        if first {
+            self.settled = Some(std::time::Instant::now());
+        }
         self.applied = Some(policy.clone());
         Ok(if first || changed || followed.devices_changed {
             ApplyOutcome::Applied
@@ -281,15 +286,14 @@ impl DataPlane for EbpfDataPlane {
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
         let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);
-        // Whether every entry holds its node-side port inside the spans, asked of the sweep's
-        // read until `nat_ports_in_spans` is raised. A carried flow may still bring one.
-        let mut every_inside = !self.nat_ports_in_spans && !self.carried.is_pending();
-        let spans = &self.port_spans;
+        // The ports entries hold on the node's side, asked of the sweep's read.
+        let mut node_side = node_ports::NodeSidePorts::new(&self.port_spans);
+        let read_at = std::time::Instant::now();
         let v4 = expiry::expire_seeing(&nat.v4, Some(&samples.v4), &self.timeouts, now, |k, e| {
-            expiry::still_inside(&mut every_inside, spans, k, e)
+            node_side.look(k, e)
         })?;
         let v6 = expiry::expire_seeing(&nat.v6, Some(&samples.v6), &self.timeouts, now, |k, e| {
-            expiry::still_inside(&mut every_inside, spans, k, e)
+            node_side.look(k, e)
         })?;
         if [v4, v6]
             .iter()
@@ -298,9 +302,19 @@ impl DataPlane for EbpfDataPlane {
             tracing::debug!(?v4, ?v6, "expired NAT entries");
         }
         let run = NatSweep::of_tables_in_use(v4, v6, |family| self.families.contains(family));
-        if every_inside {
+        let node_ports::NodeSidePorts {
+            all_in_spans, seen, ..
+        } = node_side;
+        // A carried flow may still bring a port outside the spans.
+        if all_in_spans && !self.nat_ports_in_spans && !self.carried.is_pending() {
             self.raise_nat_ports_in_spans()?;
         }
+        self.node_ports.mark_entryless(
+            &mut self.maps.entryless_ports,
+            &seen,
+            read_at,
+            self.settled,
+        )?;
         self.release_drained()?;
         self.clashes.say_new(&self.maps.counters);
         Ok(Some(run))

@@ -213,6 +213,14 @@ impl TestBed {
         super::node_ports::write(&mut self.maps.node_ports, ports, &mut Vec::new()).unwrap();
     }
 
+    /// The maps of the node's ports, for `node_ports::HeldPorts` to write as the agent does.
+    pub fn port_maps(&mut self) -> super::node_ports::PortMaps<'_> {
+        super::node_ports::PortMaps {
+            held: &mut self.maps.node_ports,
+            entryless: &mut self.maps.entryless_ports,
+        }
+    }
+
     /// The decisions no entry took.
     pub fn decided_by_default(&self) -> u64 {
         let slot = masq_ebpf::decision_slot::BY_DEFAULT;
