@@ -14,9 +14,11 @@ use ipnet::Ipv4Net;
 use masq_agent::{
     dataplane::ebpf::{
         EbpfOptions,
+        node_ports::{self, HeldPorts, NodePorts, NodeSidePorts},
         testbed::{TC_ACT_OK, TestBed},
     },
     policy::{Action, IpFamily, Rules},
+    ports::PortRange,
 };
 use masq_ebpf::program_names;
 use masq_testbed::packet::{self, ACK, L4, SYN, word};
@@ -25,6 +27,8 @@ const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// A service of the node's on a port inside NAT's spans (the kubelet's).
+const SERVICE_PORT: u16 = 10250;
 /// The /24 of the new-flow case's remotes, whose flows it expires before each measurement.
 const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
 
@@ -117,9 +121,33 @@ fn set_sources(bed: &mut TestBed, left_alone: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Holds `SERVICE_PORT` for the node as the agent does once the port has been held a while and
+/// a sweep found no entry on it.
+fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<()> {
+    let service = NodePorts {
+        tcp: [SERVICE_PORT].into(),
+        ..NodePorts::default()
+    };
+    let mut held = HeldPorts::default();
+    held.hold(bed.port_maps(), service.clone())?;
+    held.hold(bed.port_maps(), service)?;
+    let mut node_side = NodeSidePorts::new(spans);
+    bed.nat()
+        .iter()
+        .for_each(|(key, entry)| node_side.look(key, entry));
+    let (settled, later) = (Instant::now(), Instant::now() + 2 * node_ports::GRACE);
+    held.mark_entryless(
+        &mut bed.maps.entryless_ports,
+        &node_side.seen,
+        later,
+        Some(settled),
+    )
+}
+
 fn main() -> anyhow::Result<()> {
     let opts = options()?;
     let spans = [(1024, 65535)];
+    let span_ranges = spans.map(|(first, last)| PortRange { first, last });
     let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
     let to_cluster = packet::tcp(POD, 40001, CLUSTER, 443, ACK);
     // More destinations than the per-CPU verdict cache has slots: most runs walk the trie.
@@ -164,8 +192,11 @@ fn main() -> anyhow::Result<()> {
         bed.maps.nat_ports_in_spans.set(0, 1, 0)?;
         // A packet to the node that belongs to no translated flow: the ingress lookup alone.
         let to_node = packet::tcp(REMOTE, 80, NODE, 22, ACK);
+        // A packet to a service of the node's on a port inside the spans, held a while.
+        hold_node_service(&mut bed, &span_ranges)?;
+        let to_service = packet::tcp(REMOTE, 40000, NODE, SERVICE_PORT, ACK);
         let one = |frame: &Vec<u8>| vec![frame.clone()];
-        let cases: [(&str, &str, Vec<Vec<u8>>); 8] = [
+        let cases: [(&str, &str, Vec<Vec<u8>>); 9] = [
             ("non_masq_hit", program_names::EGRESS, one(&to_cluster)),
             (
                 "non_masq_uncached",
@@ -179,6 +210,11 @@ fn main() -> anyhow::Result<()> {
             (SOURCES_CASE, program_names::EGRESS, new_flows.clone()),
             ("rev_snat", program_names::INGRESS, one(&reply)),
             ("ingress_no_flow", program_names::INGRESS, one(&to_node)),
+            (
+                "ingress_node_service",
+                program_names::INGRESS,
+                one(&to_service),
+            ),
             ("ignored_floor", program_names::EGRESS, one(&arp)),
         ];
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];

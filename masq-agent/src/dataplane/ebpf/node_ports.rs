@@ -266,6 +266,10 @@ pub struct HeldPorts {
     entryless: Vec<u64>,
 }
 
+/// What the agent logs when the ports whose packets skip the lookup change, with their number.
+pub const ENTRYLESS_CHANGED: &str =
+    "ports the node holds without a NAT entry changed: the node's packets on them skip the lookup";
+
 /// How long after a port is held a read of the NAT table may find it without an entry: a
 /// program that judged a new flow before may still insert its entry just after, but programs
 /// run for microseconds.
@@ -308,7 +312,14 @@ impl HeldPorts {
             &self.entryless
         };
         let entryless = and(candidates, seen, true);
-        write_words(map, &entryless, &mut self.entryless)
+        let count = |words: &[u64]| words.iter().map(|w| w.count_ones()).sum::<u32>();
+        let before = count(&self.entryless);
+        let written = write_words(map, &entryless, &mut self.entryless);
+        let after = count(&self.entryless);
+        if after != before {
+            tracing::info!(ports = after, "{ENTRYLESS_CHANGED}");
+        }
+        written
     }
 
     /// Whether a flow of the node's on `port` of `proto` needs its tuple held in the NAT table
