@@ -281,8 +281,7 @@ impl HeldPorts {
         let words = ports.words();
         let entryless = and(&self.entryless, &words, false);
         write_words(maps.entryless, &entryless, &mut self.entryless)?;
-        let (before, since) = (std::mem::take(&mut self.held), self.held_at);
-        self.held.clone_from(&before);
+        let (before, since) = (self.held.clone(), self.held_at);
         // The time of the attempt: a failed write may have left some of the words written.
         self.held_at = Some(Instant::now());
         self.ports = ports;
