@@ -14,7 +14,7 @@ use ipnet::Ipv4Net;
 use masq_agent::{
     dataplane::ebpf::{
         EbpfOptions,
-        node_ports::{self, HeldPorts, NodePorts, NodeSidePorts},
+        node_ports::{self, HeldPorts, NodePorts},
         testbed::{TC_ACT_OK, TestBed},
     },
     policy::{Action, IpFamily, Rules},
@@ -131,17 +131,9 @@ fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<(
     let mut held = HeldPorts::default();
     held.hold(bed.port_maps(), service.clone())?;
     held.hold(bed.port_maps(), service)?;
-    let mut node_side = NodeSidePorts::new(spans);
-    bed.nat()
-        .iter()
-        .for_each(|(key, entry)| node_side.look(key, entry));
+    let seen = bed.node_side_ports(spans);
     let (settled, later) = (Instant::now(), Instant::now() + 2 * node_ports::GRACE);
-    held.mark_entryless(
-        &mut bed.maps.entryless_ports,
-        &node_side.seen,
-        later,
-        Some(settled),
-    )
+    held.mark_entryless(&mut bed.maps.entryless_ports, &seen, later, Some(settled))
 }
 
 fn main() -> anyhow::Result<()> {

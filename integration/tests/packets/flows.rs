@@ -3,7 +3,7 @@
 
 use masq_agent::dataplane::ebpf::{
     expiry,
-    node_ports::{self, HeldPorts, NodePorts, NodeSidePorts},
+    node_ports::{self, HeldPorts, NodePorts},
     testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
 };
 use masq_ebpf::{Counter, NatKey, direction, nat_kind};
@@ -877,11 +877,6 @@ fn a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow<F: Harness
         spans.map(|(first, last)| masq_agent::ports::PortRange { first, last }),
         Some(std::time::Instant::now()),
     );
-    let seen = |h: &TestBed| {
-        let mut node_side = NodeSidePorts::new(&span_ranges);
-        F::nat(h).iter().for_each(|(k, e)| node_side.look(k, e));
-        node_side.seen
-    };
     let service = NodePorts {
         udp: [10250].into(),
         ..NodePorts::default()
@@ -894,7 +889,7 @@ fn a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow<F: Harness
         std::time::Instant::now() + 2 * node_ports::GRACE,
     );
     let mut mark = |h: &mut TestBed, read_at, settled| {
-        let seen = seen(h);
+        let seen = h.node_side_ports(&span_ranges);
         held.mark_entryless(&mut h.maps.entryless_ports, &seen, read_at, settled)
             .unwrap();
     };

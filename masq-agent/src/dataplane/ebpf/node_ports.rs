@@ -279,14 +279,14 @@ impl HeldPorts {
     /// Makes the maps hold `ports`: a port no longer held loses its entryless bit first.
     pub fn hold(&mut self, maps: PortMaps, ports: NodePorts) -> anyhow::Result<()> {
         let words = ports.words();
-        let entryless = and(&self.entryless, &words, false);
+        let entryless = both(&self.entryless, &words);
         write_words(maps.entryless, &entryless, &mut self.entryless)?;
         let (before, since) = (self.held.clone(), self.held_at);
         // The time of the attempt: a failed write may have left some of the words written.
         self.held_at = Some(Instant::now());
         self.ports = ports;
         let written = write_words(maps.held, &words, &mut self.held);
-        self.held_throughout = and(&before, &self.held, false);
+        self.held_throughout = both(&before, &self.held);
         self.held_since = since;
         written
     }
@@ -310,7 +310,7 @@ impl HeldPorts {
         } else {
             &self.entryless
         };
-        let entryless = and(candidates, seen, true);
+        let entryless = first_only(candidates, seen);
         let count = |words: &[u64]| words.iter().map(|w| w.count_ones()).sum::<u32>();
         let before = count(&self.entryless);
         let written = write_words(map, &entryless, &mut self.entryless);
@@ -328,14 +328,21 @@ impl HeldPorts {
     }
 }
 
-/// `a` and `b` (or not `b`, if `negate_b`) word by word, a missing word taken as zero; as long
-/// as the map.
-fn and(a: &[u64], b: &[u64], negate_b: bool) -> Vec<u64> {
+/// The bits set in both `a` and `b`.
+fn both(a: &[u64], b: &[u64]) -> Vec<u64> {
+    word_by_word(a, b, |a, b| a & b)
+}
+
+/// The bits set in `a` and not in `b`.
+fn first_only(a: &[u64], b: &[u64]) -> Vec<u64> {
+    word_by_word(a, b, |a, b| a & !b)
+}
+
+/// `op` over `a` and `b` word by word, a missing word taken as zero; as long as the map.
+fn word_by_word(a: &[u64], b: &[u64], op: impl Fn(u64, u64) -> u64) -> Vec<u64> {
+    let word = |words: &[u64], i: usize| words.get(i).copied().unwrap_or_default();
     (0..node_ports::WORDS as usize)
-        .map(|i| {
-            let b = b.get(i).copied().unwrap_or_default();
-            a.get(i).copied().unwrap_or_default() & if negate_b { !b } else { b }
-        })
+        .map(|i| op(word(a, i), word(b, i)))
         .collect()
 }
 
@@ -481,9 +488,9 @@ mod tests {
 
     #[test]
     fn words_combine_word_by_word_and_a_missing_word_is_zero() {
-        assert_eq!(and(&[0b1100], &[0b1010], false)[0], 0b1000);
-        assert_eq!(and(&[0b1100], &[0b1010], true)[0], 0b0100);
-        let words = and(&[], &[u64::MAX], true);
+        assert_eq!(both(&[0b1100], &[0b1010])[0], 0b1000);
+        assert_eq!(first_only(&[0b1100], &[0b1010])[0], 0b0100);
+        let words = first_only(&[], &[u64::MAX]);
         assert_eq!(words.len(), node_ports::WORDS as usize);
         assert!(words.iter().all(|&w| w == 0));
     }

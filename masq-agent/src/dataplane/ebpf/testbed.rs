@@ -221,6 +221,14 @@ impl TestBed {
         }
     }
 
+    /// The ports both NAT tables' entries hold on the node's side, as a sweep's read finds them.
+    pub fn node_side_ports(&self, spans: &[PortRange]) -> Vec<u64> {
+        let mut node_side = super::node_ports::NodeSidePorts::new(spans);
+        self.nat().iter().for_each(|(k, e)| node_side.look(k, e));
+        self.nat_v6().iter().for_each(|(k, e)| node_side.look(k, e));
+        node_side.seen
+    }
+
     /// The decisions no entry took.
     pub fn decided_by_default(&self) -> u64 {
         let slot = masq_ebpf::decision_slot::BY_DEFAULT;
