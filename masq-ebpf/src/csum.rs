@@ -15,7 +15,7 @@ use aya_ebpf::{
 use masq_ebpf::{Address, IPPROTO_UDP};
 
 use crate::{
-    parse::{IPV4_CSUM_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
+    parse::{IPV4_CSUM_OFF, IPV4_HLEN, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
     verifier,
 };
 
@@ -79,8 +79,26 @@ struct ChecksumAndAddresses {
     daddr: [u8; 4],
 }
 
+/// `ChecksumAndAddresses` and the TCP or UDP ports right behind a 20-byte IPv4 header: one
+/// store rewrites an address and a port (a helper call less for each translated packet).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ChecksumAddressesAndPorts {
+    header: ChecksumAndAddresses,
+    ports: Ports,
+}
+
+/// A TCP or UDP header's ports, network byte order, as they are to be.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Ports {
+    pub sport: u16,
+    pub dport: u16,
+}
+
 /// Rewrites one address of `ip` to `new`, with the IP header checksum and, when `l4_csum` is
-/// given, the TCP or UDP checksum whose pseudo-header covers it.
+/// given, the TCP or UDP checksum whose pseudo-header covers it. `ports`, given for TCP and
+/// UDP, are stored with the header when they follow it directly; says whether they were.
 ///
 /// The IP header checksum is plain arithmetic: no offload state covers it, and a valid header
 /// sums to the same total before and after, so `CHECKSUM_COMPLETE` needs no update for it.
@@ -91,7 +109,8 @@ pub fn rewrite_ipv4_addr(
     field: AddrField,
     new: [u8; 4],
     l4_csum: Option<L4Checksum>,
-) -> Result<(), i64> {
+    ports: Option<Ports>,
+) -> Result<bool, i64> {
     let old = field.of(ip);
     let mut header = ChecksumAndAddresses {
         check: replace_dword(ip.ip_check, old, new),
@@ -110,7 +129,14 @@ pub fn rewrite_ipv4_addr(
             BPF_F_PSEUDO_HDR as u64 | l4_flags(csum.proto) | SIZE_4,
         )?;
     }
-    ctx.store(ip.ip_off + IPV4_CSUM_OFF, &header, 0)
+    let at = ip.ip_off + IPV4_CSUM_OFF;
+    match ports {
+        Some(ports) if ip.l4_off == ip.ip_off + IPV4_HLEN => {
+            ctx.store(at, &ChecksumAddressesAndPorts { header, ports }, 0)?;
+            Ok(true)
+        }
+        _ => ctx.store(at, &header, 0).map(|()| false),
+    }
 }
 
 /// Rewrites one address of the IPv6 header `ip` to `new`, and, when `l4_csum` is given, the L4
@@ -171,19 +197,17 @@ fn dword<A: Address>(addr: &A, i: usize) -> [u8; 4] {
     [at(0), at(1), at(2), at(3)]
 }
 
-/// Rewrites a 16-bit L4 field (a port or an ICMP echo identifier) covered by the L4 checksum at
-/// `csum_off`.
+/// Updates the L4 checksum at `csum_off` for a 16-bit field it covers (a port or an ICMP echo
+/// identifier) going from `old` to `new`; the field itself is stored apart.
 #[inline(always)]
-pub fn rewrite_l4_word(
+pub fn replace_l4_word(
     ctx: &TcContext,
-    field_off: usize,
     csum_off: usize,
     proto: u8,
     old: u16,
     new: u16,
 ) -> Result<(), i64> {
-    ctx.l4_csum_replace(csum_off, old as u64, new as u64, l4_flags(proto) | SIZE_2)?;
-    ctx.store(field_off, &new, 0)
+    ctx.l4_csum_replace(csum_off, old as u64, new as u64, l4_flags(proto) | SIZE_2)
 }
 
 /// RFC 1624, eqn. 3: the checksum after a 16-bit word of the covered data changed.

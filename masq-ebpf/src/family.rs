@@ -6,7 +6,7 @@ use aya_ebpf::programs::TcContext;
 use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sources_decided};
 
 use crate::{
-    csum::{self, AddrField, L4Checksum},
+    csum::{self, AddrField, L4Checksum, Ports},
     early_drop,
     maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests},
     nat,
@@ -95,13 +95,26 @@ pub trait Family {
     }
     /// Rewrites one address of the outer header, with every checksum that covers it; the L4
     /// checksum at `l4_csum` if given, whose pseudo-header holds the address.
+    #[inline(always)]
     fn rewrite_addr(
         ctx: &TcContext,
         ip: &Packet<Self::Addr>,
         field: AddrField,
         new: Self::Addr,
         l4_csum: Option<L4Checksum>,
-    ) -> Result<(), i64>;
+    ) -> Result<(), i64> {
+        Self::rewrite_addr_and_ports(ctx, ip, field, new, l4_csum, None).map(|_| ())
+    }
+    /// `rewrite_addr`, storing the TCP or UDP `ports` (their checksum already updated) with the
+    /// address where the header lets one store take both; says whether it did.
+    fn rewrite_addr_and_ports(
+        ctx: &TcContext,
+        ip: &Packet<Self::Addr>,
+        field: AddrField,
+        new: Self::Addr,
+        l4_csum: Option<L4Checksum>,
+        ports: Option<Ports>,
+    ) -> Result<bool, i64>;
 }
 
 pub struct V4;
@@ -208,14 +221,15 @@ impl Family for V4 {
     const SOURCES_DECIDED: u32 = sources_decided::V4;
 
     #[inline(always)]
-    fn rewrite_addr(
+    fn rewrite_addr_and_ports(
         ctx: &TcContext,
         ip: &Packet<[u8; 4]>,
         field: AddrField,
         new: [u8; 4],
         l4_csum: Option<L4Checksum>,
-    ) -> Result<(), i64> {
-        csum::rewrite_ipv4_addr(ctx, ip, field, new, l4_csum)
+        ports: Option<Ports>,
+    ) -> Result<bool, i64> {
+        csum::rewrite_ipv4_addr(ctx, ip, field, new, l4_csum, ports)
     }
 }
 
@@ -320,14 +334,17 @@ impl Family for V6 {
 
     const SOURCES_DECIDED: u32 = sources_decided::V6;
 
+    /// The ports are stored apart: the address's store carries its change into `skb->csum`
+    /// (`rewrite_ipv6_addr`), where a port's change must not go.
     #[inline(always)]
-    fn rewrite_addr(
+    fn rewrite_addr_and_ports(
         ctx: &TcContext,
         ip: &Packet<[u8; 16]>,
         field: AddrField,
         new: [u8; 16],
         l4_csum: Option<L4Checksum>,
-    ) -> Result<(), i64> {
-        csum::rewrite_ipv6_addr(ctx, ip, field, new, l4_csum)
+        _ports: Option<Ports>,
+    ) -> Result<bool, i64> {
+        csum::rewrite_ipv6_addr(ctx, ip, field, new, l4_csum).map(|()| false)
     }
 }

@@ -16,7 +16,7 @@ use masq_ebpf::{
 };
 
 use crate::{
-    csum::{self, AddrField, L4Checksum},
+    csum::{self, AddrField, L4Checksum, Ports},
     early_drop::{self, SampleSlot},
     family::{Family, V4, V6},
     frag, maps,
@@ -658,7 +658,7 @@ fn snat_nat<F: Family>(
     } else {
         0
     };
-    let rewritten = rewrite::<F>(ctx, ip, AddrField::Source, field, l4.proto, l4.sport, entry);
+    let rewritten = rewrite::<F>(ctx, ip, AddrField::Source, field, l4, l4.sport, entry);
     Verdict::after_rewrite(rewritten, Counter::Masqueraded)
 }
 }
@@ -677,27 +677,36 @@ fn rewrite<F: Family>(
     ip: &Packet<F::Addr>,
     addr: AddrField,
     l4_field: usize,
-    proto: u8,
+    l4: &L4,
     old_word: u16,
     entry: &NatEntry<F::Addr>,
 ) -> Result<(), i64> {
-    let csum_off = ip.l4_off + parse::l4_csum_off(proto);
-    let pseudo = has_pseudo_header::<F>(proto).then_some(L4Checksum {
-        off: csum_off,
-        proto,
-    });
-    if addr.of(ip) != entry.addr {
-        F::rewrite_addr(ctx, ip, addr, entry.addr, pseudo)?;
+    let csum_off = ip.l4_off + parse::l4_csum_off(l4.proto);
+    let word_changes = old_word != entry.port;
+    if word_changes {
+        csum::replace_l4_word(ctx, csum_off, l4.proto, old_word, entry.port)?;
     }
-    if old_word != entry.port {
-        csum::rewrite_l4_word(
-            ctx,
-            ip.l4_off + l4_field,
-            csum_off,
-            proto,
-            old_word,
-            entry.port,
-        )?;
+    let mut word_stored = false;
+    if addr.of(ip) != entry.addr {
+        let pseudo = has_pseudo_header::<F>(l4.proto).then_some(L4Checksum {
+            off: csum_off,
+            proto: l4.proto,
+        });
+        // A port changed or not, the ports as they are to be.
+        let ports = (l4.proto != F::ICMP).then_some(match addr {
+            AddrField::Source => Ports {
+                sport: entry.port,
+                dport: l4.dport,
+            },
+            AddrField::Destination => Ports {
+                sport: l4.sport,
+                dport: entry.port,
+            },
+        });
+        word_stored = F::rewrite_addr_and_ports(ctx, ip, addr, entry.addr, pseudo, ports)?;
+    }
+    if word_changes && !word_stored {
+        ctx.store(ip.l4_off + l4_field, &entry.port, 0)?;
     }
     Ok(())
 }
@@ -814,7 +823,7 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
         ip,
         AddrField::Destination,
         field,
-        l4.proto,
+        l4,
         key.dport,
         entry,
     );

@@ -22,6 +22,58 @@ use std::{
 
 use anyhow::Context as _;
 
+/// `bpftool --json ARGS`, parsed.
+fn bpftool_json(args: &[&str]) -> anyhow::Result<serde_json::Value> {
+    let out = std::process::Command::new("bpftool")
+        .arg("--json")
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "bpftool {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// The id of the map named `name` that program `program_id` uses, if it uses one: how a map
+/// the agent does not pin is found.
+pub fn program_map_id(program_id: u32, name: &str) -> anyhow::Result<Option<u32>> {
+    let program = bpftool_json(&["prog", "show", "id", &program_id.to_string()])?;
+    for id in program["map_ids"].as_array().into_iter().flatten() {
+        let id = id.as_u64().context("a map id")?.to_string();
+        if bpftool_json(&["map", "show", "id", &id])?["name"] == name {
+            return Ok(Some(id.parse()?));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether every one of `ports` of `proto` has its bit set in the port map `map_id`, laid out
+/// as `node_ports` (`masq_ebpf::node_ports::slot`).
+pub fn port_bits_set(map_id: u32, proto: u8, ports: &[u16]) -> anyhow::Result<bool> {
+    let mut words = std::collections::BTreeMap::<u32, u64>::new();
+    for &port in ports {
+        let (word, bit) =
+            masq_ebpf::node_ports::slot(proto, port).context("a protocol with ports")?;
+        *words.entry(word).or_default() |= bit;
+    }
+    let map_id = map_id.to_string();
+    for (word, bits) in words {
+        let key: Vec<String> = word.to_ne_bytes().map(|b| b.to_string()).into();
+        let mut args = vec!["map", "lookup", "id", &map_id, "key"];
+        args.extend(key.iter().map(String::as_str));
+        // In the machine's byte order.
+        let bytes = value_bytes(&bpftool_json(&args)?)?;
+        let value = u64::from_ne_bytes(bytes.try_into().ok().context("an eight-byte value")?);
+        if value & bits != bits {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// The root of the masq-agent workspace.
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -122,13 +174,27 @@ pub fn keeps_address_v4(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
         anyhow::bail!("bpftool {}: {}", args.join(" "), said.trim());
     }
     let entry: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    // The value's bytes, as hex strings: the entry's action is one of them.
     let action = std::mem::offset_of!(masq_ebpf::PolicyEntry, action);
-    let value = entry["value"][action]
-        .as_str()
-        .and_then(|hex| u8::from_str_radix(hex.trim_start_matches("0x"), 16).ok())
-        .with_context(|| format!("no value in {entry}"))?;
-    Ok(value == masq_ebpf::prefix_action::NON_MASQUERADE)
+    let value = value_bytes(&entry)?;
+    let action = value
+        .get(action)
+        .with_context(|| format!("no action in {entry}"))?;
+    Ok(*action == masq_ebpf::prefix_action::NON_MASQUERADE)
+}
+
+/// The bytes of the value bpftool's `--json` shows for a map entry, which it lists as hex
+/// strings.
+fn value_bytes(entry: &serde_json::Value) -> anyhow::Result<Vec<u8>> {
+    entry["value"]
+        .as_array()
+        .with_context(|| format!("no value in {entry}"))?
+        .iter()
+        .map(|byte| {
+            byte.as_str()
+                .and_then(|hex| u8::from_str_radix(hex.trim_start_matches("0x"), 16).ok())
+        })
+        .collect::<Option<_>>()
+        .with_context(|| format!("a value of bytes in {entry}"))
 }
 
 /// The `--flag value` pairs a benchmark binary was given, in order.

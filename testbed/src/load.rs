@@ -200,6 +200,19 @@ fn lane_runtime(ns: &str, lane: Lane) -> anyhow::Result<tokio::runtime::Runtime>
         .build()?)
 }
 
+/// The TCP ports the servers of new connections listen on, every lane's of every shape.
+pub fn new_connection_ports() -> anyhow::Result<Vec<u16>> {
+    let lanes = Shape::ALL
+        .into_iter()
+        .map(Shape::lanes)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(lanes
+        .concat()
+        .into_iter()
+        .flat_map(|lane| (0..u64::from(SERVER_PORTS)).map(move |i| crr_port(lane.id, i)))
+        .collect())
+}
+
 /// The servers' half, in one namespace, a server thread for every lane of every shape:
 /// connect-request-response servers, a request-response server, a bulk sink and UDP echo
 /// servers, each on a port of its own. Stops when dropped.
@@ -575,6 +588,16 @@ mod tests {
             assert!(ports.insert(rr_port(lane.id)));
             assert!(ports.insert(bulk_port(lane.id)));
         }
+        let connection_ports = new_connection_ports().unwrap();
+        assert_eq!(
+            connection_ports.len(),
+            lanes.len() * usize::from(SERVER_PORTS)
+        );
+        assert!(
+            connection_ports
+                .iter()
+                .all(|port| ports.contains(port) && (CRR_BASE..RR_BASE).contains(port))
+        );
         let unpinned = Shape::Unpinned.lanes().unwrap();
         assert_eq!(unpinned.len(), UNPINNED_LANES);
         assert!(unpinned.iter().all(|lane| lane.cpu.is_none()));

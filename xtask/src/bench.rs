@@ -481,7 +481,7 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
                     // starts from an empty connection table.
                     let agent = bed.activate(mode, cidrs)?;
                     if mode.is_ebpf() && metrics.contains(&Metric::NodeInboundConnections) {
-                        settle_node_services(agent.as_ref())?;
+                        settle_node_services(bed, mode)?;
                     }
                     std::thread::sleep(plan.settle);
                     let measured = bed
@@ -510,16 +510,20 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
 }
 
 /// Waits until the eBPF data plane's agent has found the node servers' ports without NAT
-/// entries, as on a node whose services and agent have run a while: at its second sweep after
-/// it starts, some ten seconds in (`HeldPorts::mark_entryless`). Until then connections to them
-/// are looked up in the NAT table.
-fn settle_node_services(agent: Option<&Process>) -> anyhow::Result<()> {
-    let agent = agent.context("the eBPF data plane runs no agent")?;
-    // The agent's `node_ports::ENTRYLESS_CHANGED`.
+/// entries (`map_names::ENTRYLESS_PORTS`, which its programs use and it does not pin), as on a
+/// node whose services and agent have run a while: at its second sweep after it starts, some
+/// ten seconds in (`HeldPorts::mark_entryless`). Until then connections to them are looked up
+/// in the NAT table.
+fn settle_node_services(bed: &Bed, mode: Mode) -> anyhow::Result<()> {
+    let status = bed.agent_status(mode)?;
+    let program = status["ebpf"]["attachments"][0]["program_id"]
+        .as_u64()
+        .context("the agent attached no program")?;
+    let map = masq_testbed::program_map_id(program as u32, masq_ebpf::map_names::ENTRYLESS_PORTS)?
+        .context("the agent's programs use no map of the node's entryless ports")?;
+    let ports = masq_testbed::load::new_connection_ports()?;
     wait_for_long(Duration::from_secs(60), || {
-        Ok(agent
-            .log_text()
-            .contains("ports the node holds without a NAT entry"))
+        masq_testbed::port_bits_set(map, masq_ebpf::IPPROTO_TCP, &ports)
     })
     .context("the agent never found the node servers' ports without NAT entries")
 }

@@ -79,11 +79,6 @@ pub struct Carried {
 }
 
 impl Carried {
-    /// Whether flows are still to be carried.
-    pub fn is_pending(&self) -> bool {
-        !self.tables.is_empty()
-    }
-
     /// Opens every pinned NAT table that the new tables will replace (its layout or capacity
     /// differs from `capacity(name)`), before their pins are replaced. A table of a layout
     /// this build does not know is left to be replaced, and said so.

@@ -305,8 +305,9 @@ impl DataPlane for EbpfDataPlane {
         let node_ports::NodeSidePorts {
             all_in_spans, seen, ..
         } = node_side;
-        // A carried flow may still bring a port outside the spans.
-        if all_in_spans && !self.nat_ports_in_spans && !self.carried.is_pending() {
+        // Until the programs have taken over and the flows are carried in, a carried flow may
+        // still bring a port outside the spans.
+        if all_in_spans && !self.nat_ports_in_spans && self.settled.is_some() {
             self.raise_nat_ports_in_spans()?;
         }
         self.node_ports.mark_entryless(
