@@ -62,12 +62,16 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         let churn = churn(&agent, &plan)?;
         println!(
             "churn of {:.0} new connections/s for {:.0} s: agent {:.3} % of the machine, \
-             {:.0} ns a connection; programs {:.0} ns a connection",
+             {:.0} ns a connection, peak RSS {:.1} MiB; programs {:.0} ns a connection; NAT \
+             table {} of {} entries",
             churn.connections_per_second,
             churn.seconds,
             churn.agent_cpu_percent,
             churn.agent_ns_per_connection,
-            churn.programs_ns_per_connection
+            churn.agent_peak_rss_mib,
+            churn.programs_ns_per_connection,
+            churn.nat_entries,
+            churn.nat_capacity
         );
         return Ok(());
     }
@@ -546,6 +550,12 @@ fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
         .new_connections()?;
         let after = meter.read()?;
         let cost = meter.cost(before, after, rate * plan.churn.as_secs_f64());
+        let table = &bed.agent_status(Mode::Ebpf)?["ebpf"]["nat"]["ipv4"];
+        let count = |field: &str| {
+            table[field]
+                .as_u64()
+                .with_context(|| format!("no NAT table {field} in the agent's status"))
+        };
         Ok(Churn {
             error: None,
             seconds: plan.churn.as_secs_f64(),
@@ -553,6 +563,9 @@ fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
             agent_cpu_percent: Meter::agent_share(before, after),
             agent_ns_per_connection: cost.agent_ns.unwrap_or_default(),
             programs_ns_per_connection: cost.programs_ns.unwrap_or_default(),
+            agent_peak_rss_mib: proc_status_kib(daemon.child.id(), "VmHWM")? / 1024.0,
+            nat_entries: count("entries")?,
+            nat_capacity: count("capacity")?,
         })
     })();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;

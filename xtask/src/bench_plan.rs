@@ -234,6 +234,12 @@ pub struct Churn {
     pub agent_cpu_percent: f64,
     pub agent_ns_per_connection: f64,
     pub programs_ns_per_connection: f64,
+    /// The agent's peak RSS by the end of the window, its sweeps having read a table the
+    /// churn keeps near full.
+    pub agent_peak_rss_mib: f64,
+    /// How full the IPv4 NAT table was at the end: entries, of its capacity.
+    pub nat_entries: u64,
+    pub nat_capacity: u64,
 }
 
 /// One line of the data-path benchmark's output.
