@@ -140,6 +140,10 @@ pub const NAT_DEFAULT_ENTRIES: u32 = 2 * 262_144;
 /// much, which the agent's sweep allows for. Expiry works in seconds to hours, so this costs no
 /// precision that matters.
 pub const LAST_SEEN_REFRESH_NS: u64 = 1_000_000_000;
+/// How often the agent sweeps the NAT tables for flows that are over: how long past its timeout
+/// a flow may keep its entries, and how stale a full table's drop sample may grow. Sweeps start
+/// no closer together than this, the first as the agent starts.
+pub const NAT_SWEEP_INTERVAL_SECS: u64 = 10;
 /// Interfaces the programs may be attached to at once.
 pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 

@@ -22,18 +22,17 @@ use std::{
 
 use anyhow::Context as _;
 
-/// `bpftool --json ARGS`, parsed.
+/// `bpftool --json ARGS`, parsed: `null` for a lookup of a key the map lacks.
 fn bpftool_json(args: &[&str]) -> anyhow::Result<serde_json::Value> {
     let out = std::process::Command::new("bpftool")
         .arg("--json")
         .args(args)
         .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "bpftool {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
+    // A lookup fails both for a key the map lacks, printing `null`, and for a missing map.
+    if !out.status.success() && out.stdout.trim_ascii() != b"null" {
+        let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        anyhow::bail!("bpftool {}: {}", args.join(" "), said.trim());
+    }
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
@@ -161,19 +160,12 @@ pub fn keeps_address_v4(pin: &Path, addr: Ipv4Addr) -> anyhow::Result<bool> {
         .chain(addr.octets())
         .map(|b| b.to_string())
         .collect();
-    let mut args = vec!["--json", "map", "lookup", "pinned", pin, "key"];
+    let mut args = vec!["map", "lookup", "pinned", pin, "key"];
     args.extend(key.iter().map(String::as_str));
-    let out = std::process::Command::new("bpftool").args(&args).output()?;
-    // bpftool fails both for "no entry" (for which `--json` prints `null`) and for a missing
-    // map; only the first is an answer.
-    if !out.status.success() {
-        if out.stdout.trim_ascii() == b"null" {
-            return Ok(false);
-        }
-        let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
-        anyhow::bail!("bpftool {}: {}", args.join(" "), said.trim());
+    let entry = bpftool_json(&args)?;
+    if entry.is_null() {
+        return Ok(false);
     }
-    let entry: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let action = std::mem::offset_of!(masq_ebpf::PolicyEntry, action);
     let value = value_bytes(&entry)?;
     let action = value

@@ -30,6 +30,7 @@ use crate::{
     cost_meter::{self, Meter, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
     report, step,
+    sweep_watch::{AGENT_METRICS, SweepWatch},
 };
 
 pub fn run(options: &Options) -> anyhow::Result<()> {
@@ -278,6 +279,7 @@ impl Bed {
             format!("--config={}", self.config.display()),
             format!("--bpffs={}", self.topo.bpffs.display()),
             "--log-format=json".to_string(),
+            format!("--metrics-addr={AGENT_METRICS}"),
         ];
         args.push(match mode.is_ebpf() {
             true => "--dataplane=ebpf".into(),
@@ -483,14 +485,21 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
                     let bed = &beds[mode.backend()];
                     // Each shape starts its own agent, with an empty NAT table, as each mode
                     // starts from an empty connection table.
+                    let activated = Instant::now();
                     let agent = bed.activate(mode, cidrs)?;
                     if mode.is_ebpf() && metrics.contains(&Metric::NodeInboundConnections) {
                         settle_node_services(bed, mode)?;
                     }
                     std::thread::sleep(plan.settle);
+                    let sweeps = mode
+                        .is_ebpf()
+                        .then(|| SweepWatch::since(activated, plan.seconds + WINDOW_SETUP))
+                        .flatten();
                     let measured = bed
                         .meter(mode, agent.as_ref())
-                        .and_then(|meter| measure(bed, &metrics, shape, plan, &meter))
+                        .and_then(|meter| {
+                            measure(bed, &metrics, shape, plan, &meter, sweeps.as_ref())
+                        })
                         .and_then(|measured| {
                             bed.check_postrouting(mode, &metrics).map(|()| measured)
                         });
@@ -580,11 +589,15 @@ fn measure(
     shape: Shape,
     plan: &Plan,
     meter: &Meter,
+    sweeps: Option<&SweepWatch>,
 ) -> anyhow::Result<Vec<(Metric, f64, Cost)>> {
     let measured = metrics
         .iter()
         .map(|&metric| {
             let load = bed.load(metric.traffic(), shape, plan.seconds);
+            if let Some(sweeps) = sweeps {
+                sweeps.clear(&bed.topo)?;
+            }
             let before = meter.read()?;
             let value = match metric {
                 Metric::NewConnections
@@ -610,6 +623,10 @@ fn measure(
     }
     Ok(measured)
 }
+
+/// What a window of measurement takes besides its load: the load's processes starting and
+/// ending, the readings on either side.
+const WINDOW_SETUP: Duration = Duration::from_secs(1);
 
 /// Each rule's packet count and target, in order, from `iptables -L CHAIN -n -v -x`.
 fn packets_and_targets(listing: &str) -> Vec<(u64, &str)> {

@@ -13,6 +13,7 @@ mod node_tables;
 mod report;
 mod setup;
 mod soak;
+mod sweep_watch;
 mod verifier_figures;
 mod vm;
 mod vm_kit;

@@ -851,7 +851,7 @@ pub fn write(
         serde_json::to_string_pretty(&json)?,
     )?;
     let report = format!(
-        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy.\n\n![new connections per second](new-connections.svg)\n{table}{}{}",
+        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy. In the eBPF modes each measurement starts only where it ends before the agent's next sweep of its NAT table can start (its metrics count the sweeps, which start ten seconds apart at the soonest): a sweep is a burst of tens to hundreds of milliseconds of the agent's CPU, which inside a measurement of a few seconds would weigh several times its share, there and on the data path's rate. What the sweeps cost is measured under churn, below, over a minute that holds several.\n\n![new connections per second](new-connections.svg)\n{table}{}{}",
         why_missed(PROFILES),
         verifier_section(budget)
     );

@@ -25,7 +25,7 @@ use crate::dataplane::nat_usage::NatUsage;
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
 /// catch a changed address or a detached program quickly.
-pub const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(masq_ebpf::NAT_SWEEP_INTERVAL_SECS);
 
 /// When a sweep is due: at once, then every `SWEEP_INTERVAL`.
 #[derive(Debug, Default)]
