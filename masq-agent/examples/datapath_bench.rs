@@ -1,6 +1,10 @@
 //! The data path in isolation: the real object through BPF_PROG_TEST_RUN, per packet kind and
 //! table size. Run by `cargo xtask bench`, which turns the JSON it prints into the report.
 //!
+//! Every size's bed is set up first, and each round then runs every case at every size, so
+//! that the machine's drift, which can change every figure by half within minutes here, hits
+//! the sizes the report compares alike.
+//!
 //! Every measurement is the mean of many single runs (`repeat` = 1), each timed by the kernel:
 //! with a larger `repeat` the kernel runs the program again on the packet it already rewrote,
 //! so a translating case would measure something else from its second run on.
@@ -136,42 +140,74 @@ fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<(
     held.mark_entryless(&mut bed.maps.entryless_ports, &seen, later, Some(settled))
 }
 
-fn main() -> anyhow::Result<()> {
-    let opts = options()?;
-    let spans = [(1024, 65535)];
-    let span_ranges = spans.map(|(first, last)| PortRange { first, last });
-    let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
-    let to_cluster = packet::tcp(POD, 40001, CLUSTER, 443, ACK);
-    // More destinations than the per-CPU verdict cache has slots: most runs walk the trie.
-    let across_cluster: Vec<Vec<u8>> = (0..=u16::MAX)
-        .map(|i| {
-            let [a, b] = i.to_be_bytes();
-            packet::tcp(POD, 40002, Ipv4Addr::new(10, 96, a, b), 443, ACK)
-        })
-        .collect();
-    // A flow of its own per run, to remotes enough that none runs out of ports: every run
-    // takes the path of a connection's first packet, into a table as large as the agent's.
-    let new_flows: Vec<Vec<u8>> = (0..opts.runs)
-        .map(|i| {
-            let pod = Ipv4Addr::from(u32::from(POD) + i / 50_000);
-            let sport = 1024 + (i % 50_000) as u16;
-            let remote = Ipv4Addr::new(
-                NEW_FLOW_REMOTES[0],
-                NEW_FLOW_REMOTES[1],
-                NEW_FLOW_REMOTES[2],
-                (i % 200) as u8,
-            );
-            packet::tcp(pod, sport, remote, 80, SYN)
-        })
-        .collect();
-    let mut arp = outbound.clone();
-    arp[12..14].copy_from_slice(&[0x08, 0x06]);
-    for size in &opts.sizes {
+/// The cases, each a name, the program it runs and the frames it runs in turn.
+type Cases = [(&'static str, &'static str, Vec<Vec<u8>>); CASES];
+const CASES: usize = 9;
+
+/// The frames every size's cases share.
+struct Frames {
+    outbound: Vec<u8>,
+    to_cluster: Vec<u8>,
+    across_cluster: Vec<Vec<u8>>,
+    new_flows: Vec<Vec<u8>>,
+    arp: Vec<u8>,
+}
+
+impl Frames {
+    fn new(runs: u32) -> Frames {
+        let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
+        // More destinations than the per-CPU verdict cache has slots: most runs walk the trie.
+        let across_cluster = (0..=u16::MAX)
+            .map(|i| {
+                let [a, b] = i.to_be_bytes();
+                packet::tcp(POD, 40002, Ipv4Addr::new(10, 96, a, b), 443, ACK)
+            })
+            .collect();
+        // A flow of its own per run, to remotes enough that none runs out of ports: every run
+        // takes the path of a connection's first packet, into a table as large as the agent's.
+        let new_flows = (0..runs)
+            .map(|i| {
+                let pod = Ipv4Addr::from(u32::from(POD) + i / 50_000);
+                let sport = 1024 + (i % 50_000) as u16;
+                let remote = Ipv4Addr::new(
+                    NEW_FLOW_REMOTES[0],
+                    NEW_FLOW_REMOTES[1],
+                    NEW_FLOW_REMOTES[2],
+                    (i % 200) as u8,
+                );
+                packet::tcp(pod, sport, remote, 80, SYN)
+            })
+            .collect();
+        let mut arp = outbound.clone();
+        arp[12..14].copy_from_slice(&[0x08, 0x06]);
+        Frames {
+            to_cluster: packet::tcp(POD, 40001, CLUSTER, 443, ACK),
+            outbound,
+            across_cluster,
+            new_flows,
+            arp,
+        }
+    }
+}
+
+/// One size of the policy: its bed, set up as the agent's first sweep finds the tables, and
+/// its cases.
+struct Size {
+    prefixes: usize,
+    bed: TestBed,
+    fill: std::time::Duration,
+    cases: Cases,
+}
+
+impl Size {
+    fn new(count: usize, opts: &Options, frames: &Frames) -> anyhow::Result<Size> {
+        let spans = [(1024, 65535)];
+        let span_ranges = spans.map(|(first, last)| PortRange { first, last });
         let started = Instant::now();
-        let mut bed = TestBed::new(opts.capacity, &spans, true, NODE, &prefixes(*size))?;
+        let mut bed = TestBed::new(opts.capacity, &spans, true, NODE, &prefixes(count))?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.
-        let (verdict, translated) = bed.egress(&outbound);
+        let (verdict, translated) = bed.egress(&frames.outbound);
         if verdict != TC_ACT_OK || packet::src(&translated) != NODE {
             bail!("the benchmark flow was not masqueraded");
         }
@@ -188,54 +224,75 @@ fn main() -> anyhow::Result<()> {
         hold_node_service(&mut bed, &span_ranges)?;
         let to_service = packet::tcp(REMOTE, 40000, NODE, SERVICE_PORT, ACK);
         let one = |frame: &Vec<u8>| vec![frame.clone()];
-        let cases: [(&str, &str, Vec<Vec<u8>>); 9] = [
-            ("non_masq_hit", program_names::EGRESS, one(&to_cluster)),
-            (
-                "non_masq_uncached",
-                program_names::EGRESS,
-                across_cluster.clone(),
-            ),
-            ("snat_established", program_names::EGRESS, one(&outbound)),
-            ("snat_new_flow", program_names::EGRESS, new_flows.clone()),
+        let (egress, ingress) = (program_names::EGRESS, program_names::INGRESS);
+        let cases = [
+            ("non_masq_hit", egress, one(&frames.to_cluster)),
+            ("non_masq_uncached", egress, frames.across_cluster.clone()),
+            ("snat_established", egress, one(&frames.outbound)),
+            ("snat_new_flow", egress, frames.new_flows.clone()),
             // The same first packets while the family has source entries, none of which holds
             // the pods: what asking the source trie adds to a new flow.
-            (SOURCES_CASE, program_names::EGRESS, new_flows.clone()),
-            ("rev_snat", program_names::INGRESS, one(&reply)),
-            ("ingress_no_flow", program_names::INGRESS, one(&to_node)),
-            (
-                "ingress_node_service",
-                program_names::INGRESS,
-                one(&to_service),
-            ),
-            ("ignored_floor", program_names::EGRESS, one(&arp)),
+            (SOURCES_CASE, egress, frames.new_flows.clone()),
+            ("rev_snat", ingress, one(&reply)),
+            ("ingress_no_flow", ingress, one(&to_node)),
+            ("ingress_node_service", ingress, one(&to_service)),
+            ("ignored_floor", egress, one(&frames.arp)),
         ];
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
-        // Interleaved, so that a noisy moment hits every case alike.
-        for _ in 0..opts.rounds {
-            for (i, (name, program, frame)) in cases.iter().enumerate() {
-                if !opts.cases.is_empty() && !opts.cases.iter().any(|c| c == name) {
-                    continue;
-                }
-                let sources = *name == SOURCES_CASE;
-                if sources {
-                    set_sources(&mut bed, &[SOURCE_ELSEWHERE])?;
-                }
-                samples[i].push(mean_ns(&mut bed, name, program, frame, opts.runs)?);
-                if sources {
-                    set_sources(&mut bed, &[])?;
-                }
-                if name.starts_with("snat_new_flow") {
-                    // Its flows expire, so that the other cases find the table with one flow:
-                    // a lookup that misses walks every entry in its bucket.
-                    bed.expire_nat::<[u8; 4]>(|key| {
-                        [key.saddr, key.daddr]
-                            .iter()
-                            .any(|a| a[..3] == NEW_FLOW_REMOTES)
-                    })?;
-                }
+        Ok(Size {
+            prefixes: count,
+            bed,
+            fill,
+            cases,
+        })
+    }
+
+    /// One round of the cases `opts` asks for, a sample each into `samples`.
+    fn round(&mut self, opts: &Options, samples: &mut [Vec<f64>]) -> anyhow::Result<()> {
+        let bed = &mut self.bed;
+        for (i, (name, program, frames)) in self.cases.iter().enumerate() {
+            if !opts.cases.is_empty() && !opts.cases.iter().any(|c| c == name) {
+                continue;
+            }
+            let sources = *name == SOURCES_CASE;
+            if sources {
+                set_sources(bed, &[SOURCE_ELSEWHERE])?;
+            }
+            samples[i].push(mean_ns(bed, name, program, frames, opts.runs)?);
+            if sources {
+                set_sources(bed, &[])?;
+            }
+            if name.starts_with("snat_new_flow") {
+                // Its flows expire, so that the other cases find the table with one flow:
+                // a lookup that misses walks every entry in its bucket.
+                bed.expire_nat::<[u8; 4]>(|key| {
+                    [key.saddr, key.daddr]
+                        .iter()
+                        .any(|a| a[..3] == NEW_FLOW_REMOTES)
+                })?;
             }
         }
-        for ((name, _, _), values) in cases.iter().zip(samples) {
+        Ok(())
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let opts = options()?;
+    let frames = Frames::new(opts.runs);
+    let mut sizes = opts
+        .sizes
+        .iter()
+        .map(|&count| Size::new(count, &opts, &frames))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut samples = vec![vec![Vec::new(); CASES]; sizes.len()];
+    // Interleaved, the sizes as the cases, so that a noisy moment hits every one alike: the
+    // report compares the sizes with each other.
+    for _ in 0..opts.rounds {
+        for (size, samples) in sizes.iter_mut().zip(&mut samples) {
+            size.round(&opts, samples)?;
+        }
+    }
+    for (size, samples) in sizes.iter().zip(samples) {
+        for ((name, _, _), values) in size.cases.iter().zip(samples) {
             if values.is_empty() {
                 continue;
             }
@@ -243,11 +300,11 @@ fn main() -> anyhow::Result<()> {
                 "{}",
                 serde_json::json!({
                     "case": name,
-                    "prefixes": size,
+                    "prefixes": size.prefixes,
                     "ns_per_packet": median(values.clone()),
                     "samples": values,
                     "runs": opts.runs,
-                    "table_fill_ms": fill.as_secs_f64() * 1e3,
+                    "table_fill_ms": size.fill.as_secs_f64() * 1e3,
                 })
             );
         }

@@ -46,6 +46,8 @@ impl SweepWatch {
     /// Returns once a window from now ends before the agent's next sweep can start: at once,
     /// or once the sweep due first has ended. With `n` sweeps done, the next starts `n`
     /// intervals after the agent's start at the soonest, and none is under way before then.
+    /// (The count also takes the sweeps of an earlier data plane's tables being drained, which
+    /// the bench's nodes, cleaned between modes, never hold.)
     pub fn clear(&self, topo: &Topology) -> anyhow::Result<()> {
         let give_up = Instant::now() + 3 * INTERVAL;
         let mut done = sweeps(topo)?;
