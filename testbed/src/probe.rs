@@ -631,6 +631,15 @@ pub fn tcp_bulk(
     })
 }
 
+/// The value of the series whose line of the Prometheus text `metrics` starts with `series`
+/// (its name, and its labels if it has any).
+pub fn metric(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let rest = line.strip_prefix(series)?.strip_prefix(' ')?;
+        rest.parse().ok()
+    })
+}
+
 /// `GET path` over HTTP/1.1 from inside `ns`: the status code and the body.
 pub fn http_get(ns: &str, server: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
     use std::io::Read as _;

@@ -74,9 +74,7 @@ fn sweeps(topo: &Topology) -> anyhow::Result<u64> {
     let server: SocketAddr = AGENT_METRICS.parse()?;
     let (status, body) = probe::http_get(&topo.node, server, "/metrics")?;
     anyhow::ensure!(status == 200, "the agent's metrics: HTTP {status}");
-    let value = body
-        .lines()
-        .find_map(|line| line.strip_prefix(SWEEPS_METRIC)?.strip_prefix(' '))
+    let sweeps = probe::metric(&body, SWEEPS_METRIC)
         .with_context(|| format!("no {SWEEPS_METRIC} in the agent's metrics"))?;
-    Ok(value.trim().parse::<f64>()? as u64)
+    Ok(sweeps as u64)
 }

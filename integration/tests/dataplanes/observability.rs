@@ -5,7 +5,10 @@
 use std::net::{IpAddr, SocketAddr};
 
 use masq_agent::{dataplane::ebpf::expiry::SWEEP_INTERVAL, policy::IpFamily};
-use masq_testbed::{probe, wait_for, wait_for_long, write_config};
+use masq_testbed::{
+    probe::{self, metric},
+    wait_for, wait_for_long, write_config,
+};
 
 use crate::{
     Bed, CHAIN, DEFAULT_CONFIG, FamilyOnTheBed, METRICS_ADDR, Plane, assert_masqueraded,
@@ -77,14 +80,6 @@ impl Bed {
         all.extend_from_slice(args);
         serde_json::from_str(&self.flows(&all)).unwrap()
     }
-}
-
-/// The value of the series whose line starts with `series` (name and labels).
-fn metric(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|line| {
-        let rest = line.strip_prefix(series)?.strip_prefix(' ')?;
-        rest.parse().ok()
-    })
 }
 
 fn once_applies_and_exits_and_status_reports(plane: Plane) {
