@@ -1,11 +1,13 @@
 //! What one sweep of the NAT table costs the agent, at the table sizes a node reaches: the
 //! table filled through the real egress program (a SYN per flow, both halves inserted), then
-//! swept as the agent sweeps it, once with nothing to expire and once with every flow expired.
-//! One JSON line per table size, for `cargo xtask bench`.
+//! swept as the agent sweeps it, once with nothing to expire and once with every flow expired;
+//! by the sweep program in the kernel, and in userspace (older kernels, and a table under
+//! pressure), in turn. One JSON line per table size and sweeper, for `cargo xtask bench`.
 
 use std::{net::Ipv4Addr, time::Instant};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
+use masq_agent::dataplane::NatUsage;
 use masq_agent::dataplane::ebpf::{
     EbpfOptions,
     expiry::{self, Timeouts},
@@ -39,44 +41,80 @@ fn main() -> anyhow::Result<()> {
             NODE,
             &["10.0.0.0/8".parse()?],
         )?;
-        let (mut kept, mut expired) = (Vec::new(), Vec::new());
+        let mut samples: [(Vec<f64>, Vec<f64>); 2] = Default::default();
         for _ in 0..rounds {
-            fill(&mut bed, count)?;
-            // As the agent sweeps: with the drop sample, which a table under pressure refills.
-            let sample = Some(&bed.maps.drop_samples.v4);
-            // Every flow a SYN just sent: none has been idle for its timeout.
-            let started = Instant::now();
-            let run = expiry::expire(
-                &bed.maps.nat.v4,
-                sample,
-                &timeouts,
-                map_types::monotonic_now_ns(),
-            )?;
-            kept.push(started.elapsed().as_secs_f64() * 1e3);
-            if run.expired_flows != 0 || run.entries != 2 * count as usize {
-                bail!("a sweep of fresh flows expired {run:?}");
-            }
-            // Past every flow's timeout: all of them go.
-            let later = map_types::monotonic_now_ns() + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
-            let started = Instant::now();
-            let run = expiry::expire(&bed.maps.nat.v4, sample, &timeouts, later)?;
-            expired.push(started.elapsed().as_secs_f64() * 1e3);
-            if run.expired_flows != count as usize {
-                bail!("a sweep of idle flows expired {run:?}");
+            for (sweeper, (kept, expired)) in SWEEPERS.iter().zip(&mut samples) {
+                fill(&mut bed, count)?;
+                // Every flow a SYN just sent: none has been idle for its timeout.
+                let now = map_types::monotonic_now_ns();
+                let started = Instant::now();
+                let run = sweeper.sweep(&mut bed, &timeouts, now)?;
+                kept.push(started.elapsed().as_secs_f64() * 1e3);
+                if run.expired_flows != 0 || run.entries != 2 * count as usize {
+                    bail!("a {} sweep of fresh flows expired {run:?}", sweeper.name());
+                }
+                // Past every flow's timeout: all of them go.
+                let later = now + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
+                let started = Instant::now();
+                let run = sweeper.sweep(&mut bed, &timeouts, later)?;
+                expired.push(started.elapsed().as_secs_f64() * 1e3);
+                if run.expired_flows != count as usize {
+                    bail!("a {} sweep of idle flows expired {run:?}", sweeper.name());
+                }
             }
         }
-        println!(
-            "{}",
-            serde_json::json!({
-                "flows": count,
-                "none_expired_ms": median(kept.clone()),
-                "all_expired_ms": median(expired.clone()),
-                "none_expired_samples": kept,
-                "all_expired_samples": expired,
-            })
-        );
+        for (sweeper, (kept, expired)) in SWEEPERS.iter().zip(samples) {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "flows": count,
+                    "sweeper": sweeper.name(),
+                    "none_expired_ms": median(kept.clone()),
+                    "all_expired_ms": median(expired.clone()),
+                    "none_expired_samples": kept,
+                    "all_expired_samples": expired,
+                })
+            );
+        }
     }
     Ok(())
+}
+
+/// Who sweeps the table.
+#[derive(Clone, Copy)]
+enum Sweeper {
+    Kernel,
+    Userspace,
+}
+
+const SWEEPERS: [Sweeper; 2] = [Sweeper::Kernel, Sweeper::Userspace];
+
+impl Sweeper {
+    fn name(self) -> &'static str {
+        match self {
+            Sweeper::Kernel => "kernel",
+            Sweeper::Userspace => "userspace",
+        }
+    }
+
+    /// One sweep as the agent makes it: with the drop sample, which a table under pressure
+    /// refills.
+    fn sweep(
+        self,
+        bed: &mut TestBed,
+        timeouts: &Timeouts,
+        now_ns: u64,
+    ) -> anyhow::Result<NatUsage> {
+        match self {
+            Sweeper::Kernel => bed
+                .expire_in_kernel::<[u8; 4]>(timeouts, now_ns)?
+                .context("this kernel does not run the sweep program"),
+            Sweeper::Userspace => {
+                let sample = Some(&bed.maps.drop_samples.v4);
+                expiry::expire(&bed.maps.nat.v4, sample, timeouts, now_ns)
+            }
+        }
+    }
 }
 
 /// `count` new flows, each a SYN from a pod port of its own, to 200 remotes in turn: few

@@ -38,6 +38,8 @@ pub trait Family {
     const RESERVE_PORT: extern "C" fn() -> i64;
     /// The family's slot of `maps::DROP_VACANCY`.
     const DROP_VACANCY: u32;
+    /// The family's slot of the sweep program's report (`masq_ebpf::sweep_report`).
+    const SWEEP_REPORT: u32;
     /// Where `nat::reserve_port` leaves the flow for `RESERVE_PORT`.
     fn port_request() -> &'static PortRequests<Self::Addr>;
 
@@ -135,6 +137,7 @@ impl Family for V4 {
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = early_drop::masq_early_drop_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
+    const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V4;
 
     #[inline(always)]
     fn port_request() -> &'static PortRequests<[u8; 4]> {
@@ -248,6 +251,7 @@ impl Family for V6 {
     const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = early_drop::masq_early_drop_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
+    const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V6;
 
     #[inline(always)]
     fn port_request() -> &'static PortRequests<[u8; 16]> {

@@ -67,6 +67,11 @@ pub mod map_names {
     /// Per CPU, the IPv6 packet the programs' IPv6 parser (a global BPF function) parsed last;
     /// not pinned.
     pub const IPV6_WALK: &str = "ipv6_walk";
+    /// What the agent asks of the sweep program (`SweepOrder`); written before each run, not
+    /// pinned.
+    pub const SWEEP_ORDER: &str = "nat_sweep_order";
+    /// What the sweep program found, per family (`SweepReport`); not pinned.
+    pub const SWEEP_REPORT: &str = "nat_sweep_report";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 13] = [
@@ -90,6 +95,9 @@ pub mod map_names {
 pub mod program_names {
     pub const EGRESS: &str = "masq_egress";
     pub const INGRESS: &str = "masq_ingress";
+    /// The NAT sweep, which the agent runs through BPF_PROG_TEST_RUN where the kernel has
+    /// `bpf_for_each_map_elem` (5.13); never attached.
+    pub const SWEEP: &str = "masq_sweep";
 }
 
 /// The node's own ports, a bit each, by protocol: those its sockets listen on, and kube-proxy's
@@ -264,6 +272,11 @@ pub mod verdict_slot {
         }
     }
 }
+
+/// An Ethernet header's length, and the EtherTypes of the families.
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
@@ -756,7 +769,7 @@ mod layout {
 
     use super::{
         FragmentKey, Interface, MAX_PORT_SPANS, NatEntryV4, NatEntryV6, NatKeyV4, NatKeyV6,
-        PolicyEntry, PortSpan, Settings, verdict_slot,
+        PolicyEntry, PortSpan, Settings, SweepOrder, SweepReport, node_ports, verdict_slot,
     };
 
     const _: () = assert!(size_of::<NatKeyV4>() == 16 && align_of::<NatKeyV4>() == 2);
@@ -774,7 +787,12 @@ mod layout {
     const _: () = assert!(size_of::<Settings>() == 8 * MAX_PORT_SPANS + 16);
     const _: () = assert!(size_of::<PolicyEntry>() == 8 && offset_of!(PolicyEntry, action) == 4);
     const _: () = assert!(size_of::<verdict_slot::Slot>() == 16);
+    const _: () = assert!(size_of::<SweepOrder>() == 8 * 15);
+    const _: () = assert!(size_of::<SweepReport>() == 8 * (13 + node_ports::WORDS as usize));
 }
+
+pub mod flows;
+pub use flows::{FlowOwner, FlowState, SweepOrder, SweepReport, sweep_report};
 
 #[cfg(feature = "user")]
 mod pod {
@@ -786,4 +804,6 @@ mod pod {
     unsafe impl aya::Pod for super::Interface {}
     unsafe impl aya::Pod for super::Settings {}
     unsafe impl aya::Pod for super::PolicyEntry {}
+    unsafe impl aya::Pod for super::SweepOrder {}
+    unsafe impl aya::Pod for super::SweepReport {}
 }

@@ -26,6 +26,8 @@ mod policy;
 mod ports;
 #[cfg(target_arch = "bpf")]
 mod programs;
+#[cfg(target_arch = "bpf")]
+mod sweep;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

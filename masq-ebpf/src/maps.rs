@@ -8,7 +8,8 @@ use aya_ebpf::{
 use masq_ebpf::{
     Address, COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES,
     Interface, NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
-    PolicyEntry, Settings, decision_slot, node_ports, policy_word, verdict_slot,
+    PolicyEntry, Settings, SweepOrder, SweepReport, decision_slot, node_ports, policy_word,
+    verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -141,6 +142,12 @@ pub static NAT_PORTS_IN_SPANS: Array<u32, 1> = Array::new();
 pub fn nat_ports_in_spans() -> bool {
     NAT_PORTS_IN_SPANS.get(0).is_some_and(|word| *word != 0)
 }
+
+#[btf_map(name = "nat_sweep_order")]
+pub static SWEEP_ORDER: Array<SweepOrder, 1> = Array::new();
+
+#[btf_map(name = "nat_sweep_report")]
+pub static SWEEP_REPORT: Array<SweepReport, 2> = Array::new();
 
 #[btf_map(name = "counters")]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();

@@ -10,9 +10,7 @@ use masq_ebpf::{IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{maps, verifier};
 
-pub const ETH_HLEN: usize = 14;
-pub const ETH_P_IP: u16 = 0x0800;
-pub const ETH_P_IPV6: u16 = 0x86dd;
+pub use masq_ebpf::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6};
 /// The IPv4 header without options.
 pub const IPV4_HLEN: usize = 20;
 pub const IPV4_LEN_OFF: usize = 2;

@@ -91,7 +91,9 @@ pub trait HarnessFamily: FrameAddress {
     /// Writes `entry` under `key`, as no program would.
     fn plant(bed: &mut TestBed, key: &NatKey<Self::Octets>, entry: NatEntry<Self::Octets>);
     /// The agent's sweep at `now_ns`.
-    fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage;
+    /// Sweeps the table as the agent does: with the sweep program where the kernel runs it,
+    /// which must remove what the agent's rules in userspace remove from the same table.
+    fn expire(bed: &mut TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage;
     /// The agent forgetting the flows on a node address it no longer has.
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
     /// The drop sample, slot by slot.
@@ -100,6 +102,24 @@ pub trait HarnessFamily: FrameAddress {
     fn drop_vacancy(bed: &TestBed) -> Option<u32>;
     /// Names `slot` as such a slot, as a drop on another CPU would.
     fn set_drop_vacancy(bed: &mut TestBed, slot: Option<u32>);
+}
+
+/// Checks that a sweep took from `before` exactly the keys `expected` and left `after`.
+pub fn same_removal<A: Address + std::hash::Hash>(
+    before: &[(NatKey<A>, NatEntry<A>)],
+    after: &[(NatKey<A>, NatEntry<A>)],
+    expected: Vec<NatKey<A>>,
+) {
+    use std::collections::HashSet;
+    let keys = |table: &[(NatKey<A>, NatEntry<A>)]| -> HashSet<NatKey<A>> {
+        table.iter().map(|(key, _)| *key).collect()
+    };
+    let removed: HashSet<_> = keys(before).difference(&keys(after)).copied().collect();
+    let expected: HashSet<_> = expected.into_iter().collect();
+    assert_eq!(
+        removed, expected,
+        "the sweep program removed what the agent's rules remove"
+    );
 }
 
 /// `HarnessFamily`'s NAT table methods for the family whose table holds `$octets`.
@@ -121,10 +141,38 @@ macro_rules! nat_table_of {
                 .insert(key, entry, 0)
                 .unwrap();
         }
-        fn expire(bed: &TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {
-            let table = <$octets as NatFamily>::table(&bed.maps.nat);
-            let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
-            expiry::expire(table, Some(sample), timeouts, now_ns).unwrap()
+        fn expire(bed: &mut TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {
+            let before = bed.nat_table::<$octets>();
+            let Some(usage) = bed.expire_in_kernel::<$octets>(timeouts, now_ns).unwrap() else {
+                let table = <$octets as NatFamily>::table(&bed.maps.nat);
+                let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
+                return expiry::expire(table, Some(sample), timeouts, now_ns).unwrap();
+            };
+            let read = expiry::usage(&before);
+            assert_eq!(
+                (
+                    usage.entries,
+                    usage.pod_flows,
+                    usage.kept_flows,
+                    usage.node_flows,
+                    usage.translated_flows
+                ),
+                (
+                    read.entries,
+                    read.pod_flows,
+                    read.kept_flows,
+                    read.node_flows,
+                    read.translated_flows
+                ),
+                "the sweep program counts what a read of the table counts"
+            );
+            let after = bed.nat_table::<$octets>();
+            crate::family::same_removal(
+                &before,
+                &after,
+                expiry::removed_by_sweep(&before, timeouts, now_ns),
+            );
+            usage
         }
         fn forget_address(bed: &TestBed, addr: Self) -> usize {
             let table = <$octets as NatFamily>::table(&bed.maps.nat);

@@ -26,7 +26,7 @@ in_both_families!(
 );
 
 /// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
-fn sweep_after<F: HarnessFamily>(h: &TestBed, idle: Duration) -> NatUsage {
+fn sweep_after<F: HarnessFamily>(h: &mut TestBed, idle: Duration) -> NatUsage {
     let newest = F::nat(h).iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
     F::expire(h, &Timeouts::default(), newest + idle.as_nanos() as u64)
 }
@@ -39,7 +39,7 @@ fn past(timeout: Duration) -> Duration {
 
 /// The same sweep, `idle` after the oldest entry's last packet: no entry has been idle longer.
 /// (The packets of one test may fall on different ticks of the clock on a loaded machine.)
-fn sweep_after_the_oldest<F: HarnessFamily>(h: &TestBed, idle: Duration) -> NatUsage {
+fn sweep_after_the_oldest<F: HarnessFamily>(h: &mut TestBed, idle: Duration) -> NatUsage {
     let oldest = F::nat(h).iter().map(|(_, e)| e.last_seen_ns).min().unwrap();
     F::expire(h, &Timeouts::default(), oldest + idle.as_nanos() as u64)
 }
@@ -62,19 +62,19 @@ fn expiry_removes_both_halves_of_idle_flows_only<F: HarnessFamily>() {
     // Never early: a last packet's time may lag it by up to LAST_SEEN_LAG, so a flow idle
     // that much past its timeout, by the time the table holds, may not be past it yet.
     assert_eq!(
-        sweep_after_the_oldest::<F>(&h, timeouts.udp + expiry::LAST_SEEN_LAG).expired_flows,
+        sweep_after_the_oldest::<F>(&mut h, timeouts.udp + expiry::LAST_SEEN_LAG).expired_flows,
         0
     );
     assert_eq!(pod_ports::<F>(&h), [2001, 2002, 2003]);
     // Past UDP's: the UDP flow no reply crossed goes, both halves.
-    let run = sweep_after::<F>(&h, past(timeouts.udp));
+    let run = sweep_after::<F>(&mut h, past(timeouts.udp));
     assert_eq!((run.pod_flows, run.expired_flows), (3, 1));
     assert_eq!(pod_ports::<F>(&h), [2002, 2003]);
     // Past a SYN's: the half-open flow goes; the established one stays for days.
-    sweep_after::<F>(&h, past(timeouts.tcp_syn_sent));
+    sweep_after::<F>(&mut h, past(timeouts.tcp_syn_sent));
     assert_eq!(pod_ports::<F>(&h), [2002]);
     assert_eq!(F::nat(&h).len(), 2, "no half of an expired flow is left");
-    sweep_after::<F>(&h, past(timeouts.tcp_established));
+    sweep_after::<F>(&mut h, past(timeouts.tcp_established));
     assert!(F::nat(&h).is_empty());
 
     // A flow on an address the node no longer has is forgotten at once.
@@ -230,7 +230,7 @@ fn a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout<F: HarnessFamily>(
     c.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
     c.pod_sends(&mut h, ACK, 1001, 5001, &[]);
     c.remote_sends(&mut h, RST, 5001 + 1_000_000, 0, &[]);
-    let run = sweep_after::<F>(&h, past(Timeouts::default().tcp_syn_sent));
+    let run = sweep_after::<F>(&mut h, past(Timeouts::default().tcp_syn_sent));
     assert_eq!(run.expired_flows, 0, "established: kept for hours");
     assert_eq!(F::nat(&h).len(), 2);
 }
@@ -252,7 +252,7 @@ fn a_flow_no_reply_crossed_is_not_established<F: HarnessFamily>() {
         .collect();
     assert_eq!(unseen.iter().filter(|&&s| s == 0).count(), 2, "{unseen:?}");
 
-    let run = sweep_after::<F>(&h, past(Timeouts::default().tcp_syn_sent));
+    let run = sweep_after::<F>(&mut h, past(Timeouts::default().tcp_syn_sent));
     assert_eq!(run.expired_flows, 2, "the lone ACK's flow and the SYN's");
     assert_eq!(
         pod_ports::<F>(&h),
@@ -272,7 +272,7 @@ fn an_orphaned_reply_half_is_removed<F: HarnessFamily>() {
     F::remove(&mut h, egress_key);
     let timeouts = Timeouts::default();
     let later = past(timeouts.orphan).as_nanos() as u64;
-    let run = F::expire(&h, &timeouts, egress.last_seen_ns + later);
+    let run = F::expire(&mut h, &timeouts, egress.last_seen_ns + later);
     assert_eq!(run.orphans_removed, 1);
     assert!(F::nat(&h).is_empty());
 }
@@ -298,9 +298,9 @@ fn udp_and_echo_expire_as_conntrack_times_them<F: HarnessFamily>() {
     exchange(&mut h, 4003, 2, 1);
     exchange(&mut h, 4004, 3, 3);
     h.egress(&ping(F::POD, F::REMOTE, F::ECHO_REQUEST, 7));
-    sweep_after::<F>(&h, past(timeouts.udp));
+    sweep_after::<F>(&mut h, past(timeouts.udp));
     assert_eq!(pod_ports::<F>(&h), [4004], "only the stream is left");
-    sweep_after::<F>(&h, past(timeouts.udp_stream));
+    sweep_after::<F>(&mut h, past(timeouts.udp_stream));
     assert!(F::nat(&h).is_empty());
 }
 
@@ -347,14 +347,17 @@ fn tcp_closes_expire_as_conntrack_times_each_state<F: HarnessFamily>() {
 
     let timeouts = Timeouts::default();
     assert_eq!(
-        sweep_after_the_oldest::<F>(&h, timeouts.tcp_close_wait + expiry::LAST_SEEN_LAG)
+        sweep_after_the_oldest::<F>(&mut h, timeouts.tcp_close_wait + expiry::LAST_SEEN_LAG)
             .expired_flows,
         0,
         "never early"
     );
-    let run = sweep_after::<F>(&h, past(timeouts.tcp_close_wait));
+    let run = sweep_after::<F>(&mut h, past(timeouts.tcp_close_wait));
     assert_eq!(run.expired_flows, 2, "the two in CLOSE_WAIT");
     assert_eq!(pod_ports::<F>(&h), [41001, 41004, 41005]);
-    sweep_after::<F>(&h, past(timeouts.tcp_last_ack.max(timeouts.tcp_time_wait)));
+    sweep_after::<F>(
+        &mut h,
+        past(timeouts.tcp_last_ack.max(timeouts.tcp_time_wait)),
+    );
     assert!(F::nat(&h).is_empty());
 }

@@ -357,7 +357,7 @@ fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F
     assert_eq!(table.len(), 8, "the table is full");
     let unanswered = egress_key::<F>(&h, 3004);
     let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
-    let run = F::expire(&h, &expiry::Timeouts::default(), newest);
+    let run = F::expire(&mut h, &expiry::Timeouts::default(), newest);
     assert_eq!(run.expired_flows, 0);
     let sample = F::drop_sample(&h);
     let flows = [3001, 3002, 3003, 3004].map(|pod_port| egress_key::<F>(&h, pod_port));
@@ -399,7 +399,7 @@ fn a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake<F: HarnessFam
         F::plant(&mut h, &reply_key, reply);
     }
     assert_eq!(
-        F::expire(&h, &expiry::Timeouts::default(), newest).expired_flows,
+        F::expire(&mut h, &expiry::Timeouts::default(), newest).expired_flows,
         0
     );
     for (new_port, dropped) in [(3005, 3003), (3006, 3001)] {

@@ -24,6 +24,14 @@ pub struct NatUsage {
     pub orphans_removed: usize,
 }
 
+impl NatUsage {
+    /// The entries the run left: those it found, less the halves it removed.
+    pub fn entries_left(&self) -> usize {
+        self.entries
+            .saturating_sub(2 * self.expired_flows + self.orphans_removed)
+    }
+}
+
 /// What one NAT upkeep run found, table by table: the tables of the families in use (a family
 /// that is off has none). Each family has a table of its own, and a pod's new flow is refused
 /// when its own family's is full, so their entries are never added up: a full IPv4 table

@@ -12,9 +12,9 @@ use hashbrown::HashTable;
 
 use aya::Pod;
 use aya::maps::IterableMap as _;
+pub use masq_ebpf::flows::{FlowOwner, FlowState, node_side_port};
 use masq_ebpf::{
-    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, can_drop_early, direction, nat_kind,
-    packets_seen, tcp_seen,
+    Address, NatEntry, NatKey, SweepOrder, can_drop_early, direction, flows::idle_past, nat_kind,
 };
 
 use super::{
@@ -129,16 +129,6 @@ impl Timeouts {
         }
     }
 
-    /// The timeout of the flow whose halves are `egress` and `ingress` (the reply's).
-    pub fn for_flow<A: Address>(
-        &self,
-        key: &NatKey<A>,
-        egress: &NatEntry<A>,
-        ingress: &NatEntry<A>,
-    ) -> Duration {
-        self.of(FlowState::of(key, egress, ingress))
-    }
-
     /// How long conntrack keeps an idle flow in `state`.
     pub fn of(&self, state: FlowState) -> Duration {
         match state {
@@ -158,160 +148,16 @@ impl Timeouts {
             FlowState::Echo => self.icmp,
         }
     }
-}
 
-/// Where a flow is in its life, as conntrack classes it for its timeout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FlowState {
-    /// TCP: a SYN sent, no answer yet (or a lone segment no reply crossed).
-    SynSent,
-    /// TCP: a SYN answered, the handshake not done.
-    SynRecv,
-    /// TCP: a segment past the handshake's first step seen both ways.
-    Established,
-    /// TCP: a FIN one way, not acknowledged yet (or not known to be: a half without sequence
-    /// numbers).
-    FinWait,
-    /// TCP: a FIN one way, acknowledged; the other end has not closed.
-    CloseWait,
-    /// TCP: FINs both ways, not both acknowledged.
-    LastAck,
-    /// TCP: FINs both ways, each acknowledged.
-    TimeWait,
-    /// TCP: an acceptable RST seen.
-    Reset,
-    /// UDP never answered.
-    Unreplied,
-    /// UDP answered, but not seen both ways again: a single exchange, as a DNS query.
-    Replied,
-    /// UDP seen both ways again after its first exchange.
-    Stream,
-    /// ICMP echo.
-    Echo,
-}
-
-impl FlowState {
-    /// Of the flow whose halves are `egress` and `ingress` (the reply's).
-    pub fn of<A: Address>(key: &NatKey<A>, egress: &NatEntry<A>, ingress: &NatEntry<A>) -> Self {
-        match key.proto {
-            IPPROTO_TCP => {
-                let seen = egress.tcp_seen | ingress.tcp_seen;
-                let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
-                if seen & tcp_seen::RESET != 0 {
-                    FlowState::Reset
-                } else if seen & tcp_seen::CLOSING != 0 {
-                    FlowState::closing(egress, ingress)
-                } else if both_ways && seen & tcp_seen::PAST_OPENING != 0 {
-                    FlowState::Established
-                } else if both_ways {
-                    FlowState::SynRecv
-                } else {
-                    FlowState::SynSent
-                }
-            }
-            IPPROTO_UDP => {
-                // Each half counts its packets after the flow's first: the reply half's first
-                // is the first answer.
-                if egress.tcp_seen & packets_seen::ONCE != 0
-                    && ingress.tcp_seen & packets_seen::AGAIN != 0
-                {
-                    FlowState::Stream
-                } else if ingress.tcp_seen & packets_seen::ONCE != 0 {
-                    FlowState::Replied
-                } else {
-                    FlowState::Unreplied
-                }
-            }
-            _ => FlowState::Echo,
-        }
-    }
-
-    /// Of a TCP flow that sent a FIN one way or both, as conntrack's state machine has it by the
-    /// time the FINs are acknowledged. Where conntrack moves on at any ACK, this waits for the
-    /// one that acknowledges the FIN: a state whose timeout is never shorter than conntrack's.
-    fn closing<A: Address>(egress: &NatEntry<A>, ingress: &NatEntry<A>) -> Self {
-        let closed = |half: &NatEntry<A>| half.tcp_seen & tcp_seen::CLOSING != 0;
-        let acknowledged =
-            |fin: &NatEntry<A>, other: &NatEntry<A>| closed(fin) && fin_acknowledged(fin, other);
-        match (closed(egress), closed(ingress)) {
-            (true, true) if acknowledged(egress, ingress) && acknowledged(ingress, egress) => {
-                FlowState::TimeWait
-            }
-            (true, true) => FlowState::LastAck,
-            _ if acknowledged(egress, ingress) || acknowledged(ingress, egress) => {
-                FlowState::CloseWait
-            }
-            _ => FlowState::FinWait,
-        }
-    }
-
-    /// Its name, as `masq-agent flows` shows it.
-    pub fn name(self) -> &'static str {
-        match self {
-            FlowState::SynSent => "syn_sent",
-            FlowState::SynRecv => "syn_recv",
-            FlowState::Established => "established",
-            FlowState::FinWait => "fin_wait",
-            FlowState::CloseWait => "close_wait",
-            FlowState::LastAck => "last_ack",
-            FlowState::TimeWait => "time_wait",
-            FlowState::Reset => "reset",
-            FlowState::Unreplied => "unreplied",
-            FlowState::Replied => "replied",
-            FlowState::Stream => "stream",
-            FlowState::Echo => "echo",
-        }
-    }
-}
-
-/// Whether `other` acknowledged everything `sent` sent, its FIN included: the FIN counts in
-/// `tcp_next_seq`. Halves without sequence numbers (an older agent's) never say so.
-fn fin_acknowledged<A: Address>(sent: &NatEntry<A>, other: &NatEntry<A>) -> bool {
-    sent.tcp_seen & tcp_seen::SEQ != 0
-        && other.tcp_seen & tcp_seen::ACKED != 0
-        && (other.tcp_max_ack.wrapping_sub(sent.tcp_next_seq) as i32) >= 0
-}
-
-/// Whose a flow is, and what the programs do with it; in the order a smaller table takes
-/// them when a table is replaced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum FlowOwner {
-    /// A pod's, masqueraded.
-    Pod,
-    /// A pod's, left its own address: a connection opened from outside, or one that started
-    /// unmasqueraded before a policy change (`PASSTHROUGH`).
-    PodKept,
-    /// The node's own, translated to another port of its address for a clash.
-    NodeTranslated,
-    /// The node's own, held to reserve its tuple (`NODE`), which its next packet makes again.
-    NodeReserved,
-}
-
-impl FlowOwner {
-    /// Of the flow whose egress half is `entry`, keyed `key`.
-    pub fn of<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> FlowOwner {
-        match entry.kind {
-            nat_kind::PASSTHROUGH => FlowOwner::PodKept,
-            nat_kind::NODE => FlowOwner::NodeReserved,
-            _ if entry.addr == key.saddr => FlowOwner::NodeTranslated,
-            _ => FlowOwner::Pod,
-        }
-    }
-}
-
-/// The port a half holds on the node's side, if it holds one there (host byte order): a reply
-/// half's destination port (the port a masqueraded flow was given, or a node flow's own), and a
-/// node flow's egress half's source port. A flow that keeps a pod's address holds none.
-pub fn node_side_port<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> Option<u16> {
-    if entry.kind == nat_kind::PASSTHROUGH {
-        return None;
-    }
-    if key.direction == direction::INGRESS {
-        return Some(u16::from_be(key.dport));
-    }
-    match FlowOwner::of(key, entry) {
-        FlowOwner::NodeTranslated | FlowOwner::NodeReserved => Some(u16::from_be(key.sport)),
-        FlowOwner::Pod | FlowOwner::PodKept => None,
+    /// What a sweep at `now_ns` takes for over: a flow idle past its timeout, and the lag of
+    /// its halves' clocks (`LAST_SEEN_LAG`); the same rules in userspace and in the kernel.
+    pub fn sweep_order(&self, now_ns: u64) -> SweepOrder {
+        let limit = |timeout: Duration| (timeout + LAST_SEEN_LAG).as_nanos() as u64;
+        SweepOrder::new(
+            now_ns,
+            FlowState::ALL.map(|state| limit(self.of(state))),
+            limit(self.orphan),
+        )
     }
 }
 
@@ -329,7 +175,7 @@ pub fn usage<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> NatUsage {
                 FlowOwner::PodKept => usage.kept_flows += 1,
                 FlowOwner::NodeTranslated | FlowOwner::NodeReserved => usage.node_flows += 1,
             }
-            if matches!(owner, FlowOwner::Pod | FlowOwner::NodeTranslated) {
+            if owner.translated() {
                 usage.translated_flows += 1;
             }
         }
@@ -397,21 +243,31 @@ where
     entries.iter().for_each(|(key, entry)| seen(key, entry));
     let mut run = usage(&entries);
     // Asked only where there is a sample to point.
-    let capacity = sample
-        .map(|_| nat.map().info().map(|info| info.max_entries() as usize))
-        .transpose()?;
-    let pressed = |entries: usize| {
-        capacity.is_some_and(|capacity| entries * 100 >= capacity * UNDER_PRESSURE_PERCENT)
+    let pressed = |entries: usize| -> anyhow::Result<bool> {
+        Ok(sample.is_some() && under_pressure(nat, entries)?)
     };
-    let over = over(&entries, timeouts, now_ns, pressed(run.entries));
+    let over = over(&entries, timeouts, now_ns, pressed(run.entries)?);
     run.orphans_removed = prune(nat, &over.orphans)?;
     run.expired_flows = prune(nat, &over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
-    if let Some(sample) = sample.filter(|_| pressed(left)) {
+    if let Some(sample) = sample
+        && pressed(left)?
+    {
         let pointed = drop_sample::point_at(sample, &over.droppable, &over.kept)?;
-        tracing::debug!(left, ?capacity, pointed, "NAT table under pressure");
+        tracing::debug!(left, pointed, "NAT table under pressure");
     }
     Ok(run)
+}
+
+/// Whether `nat` holding `entries` is under pressure (`UNDER_PRESSURE_PERCENT` full or more).
+pub fn under_pressure<A>(nat: &NatTable<A>, entries: usize) -> anyhow::Result<bool>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
+    let capacity = nat.map().info()?.max_entries() as usize;
+    Ok(entries * 100 >= capacity * UNDER_PRESSURE_PERCENT)
 }
 
 /// How full a table left by a sweep is when the sweep points its drop sample at what a full
@@ -446,9 +302,8 @@ fn over<A: Address>(
     now_ns: u64,
     find_droppable: bool,
 ) -> Over<A> {
-    let past = |last_seen_ns: u64, timeout: Duration| {
-        Duration::from_nanos(now_ns.saturating_sub(last_seen_ns)) > timeout + LAST_SEEN_LAG
-    };
+    let order = timeouts.sweep_order(now_ns);
+    let past = |last_seen_ns: u64, limit_ns: u64| idle_past(now_ns, last_seen_ns, limit_ns);
     // Each egress half finds its reply half by key. Up to half a million entries every ten
     // seconds: the reply halves are indexed by their place in `entries`, four bytes each, so
     // that the index stays in the caches where copies of the halves would not, and hashed with
@@ -476,7 +331,7 @@ fn over<A: Address>(
         match paired {
             Some(reply) => {
                 let last = entry.last_seen_ns.max(reply.last_seen_ns);
-                if past(last, timeouts.for_flow(key, entry, reply)) {
+                if past(last, order.limit(FlowState::of(key, entry, reply))) {
                     over.flows.extend([*key, reply_key]);
                 } else if find_droppable {
                     let may_drop = entry.kind == nat_kind::NODE
@@ -491,7 +346,10 @@ fn over<A: Address>(
             }
             // An egress half alone cannot translate replies; let it go with its timeout.
             None => {
-                if past(entry.last_seen_ns, timeouts.for_flow(key, entry, entry)) {
+                if past(
+                    entry.last_seen_ns,
+                    order.limit(FlowState::of(key, entry, entry)),
+                ) {
                     over.orphans.push(*key);
                 }
             }
@@ -500,11 +358,23 @@ fn over<A: Address>(
     // The reply halves no egress half claimed.
     for index in replies {
         let (key, reply) = &entries[index as usize];
-        if past(reply.last_seen_ns, timeouts.orphan) {
+        if past(reply.last_seen_ns, order.orphan_limit_ns) {
             over.orphans.push(*key);
         }
     }
     over
+}
+
+/// The keys a sweep at `now_ns` removes from a table that holds `entries`: both halves of each
+/// flow that is over, and each half alone past its timeout. For the tests that hold the sweep
+/// program to the same rules.
+pub fn removed_by_sweep<A: Address>(
+    entries: &[(NatKey<A>, NatEntry<A>)],
+    timeouts: &Timeouts,
+    now_ns: u64,
+) -> Vec<NatKey<A>> {
+    let Over { flows, orphans, .. } = over(entries, timeouts, now_ns, false);
+    flows.into_iter().chain(orphans).collect()
 }
 
 /// Removes every flow on the node address `addr` (masqueraded to it, or the node's own from
@@ -542,6 +412,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use masq_ebpf::{IPPROTO_TCP, tcp_seen};
 
     #[test]
     fn conntracks_own_values_are_taken_and_its_defaults_stand_in_for_the_rest() {

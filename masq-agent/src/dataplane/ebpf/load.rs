@@ -23,6 +23,7 @@ use super::{
     carry::Carried,
     drop_sample,
     hook::Hook,
+    kernel_sweep::{self, KernelSweep, SweepMaps},
     maps::Maps,
     options::EbpfOptions,
     pins::{MapSpec, Pins},
@@ -33,7 +34,11 @@ use crate::ports::PortRange;
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/masq"));
 
 /// The object's programs, loaded; its maps are in `Maps`.
-pub struct Programs(Ebpf);
+pub struct Programs {
+    ebpf: Ebpf,
+    /// Whether the sweep program is loaded.
+    sweeps: bool,
+}
 
 impl Programs {
     /// The program that runs at `hook`.
@@ -43,8 +48,36 @@ impl Programs {
 
     /// The program called `name` in the object.
     pub fn named(&mut self, name: &str) -> anyhow::Result<&mut SchedClassifier> {
-        classifier(&mut self.0, name)
+        classifier(&mut self.ebpf, name)
     }
+
+    /// The sweep program with its maps, where it is loaded.
+    pub fn kernel_sweep<'a>(&'a mut self, maps: &'a mut SweepMaps) -> Option<KernelSweep<'a>> {
+        if !self.sweeps {
+            return None;
+        }
+        let program = classifier(&mut self.ebpf, program_names::SWEEP).ok()?;
+        Some(KernelSweep { program, maps })
+    }
+}
+
+/// Loads the sweep program; false, with a warning, where the kernel refuses it, which leaves
+/// the sweep to userspace. The verifier's log goes to the debug log.
+fn load_sweep(ebpf: &mut Ebpf) -> anyhow::Result<bool> {
+    let err = match classifier(ebpf, program_names::SWEEP)?.load() {
+        Ok(()) => return Ok(true),
+        Err(err) => err,
+    };
+    if std::env::var(kernel_sweep::KERNEL_SWEEP_ENV).as_deref() == Ok("1") {
+        return Err(err).context("loading the sweep program, which the environment insists on");
+    }
+    if let ProgramError::LoadError { verifier_log, .. } = &err {
+        tracing::debug!(%verifier_log, "the sweep program's verifier log");
+    }
+    tracing::warn!(
+        "the NAT table is swept in userspace: the kernel refused the sweep program: {err}"
+    );
+    Ok(false)
 }
 
 fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut SchedClassifier> {
@@ -142,8 +175,9 @@ pub fn load(loader: &mut EbpfLoader, reused_decisions: bool) -> anyhow::Result<(
                 err => anyhow::Error::new(err).context(format!("loading program {name}")),
             })?;
     }
+    let sweeps = kernel_sweep::wanted() && load_sweep(&mut ebpf)?;
     let maps = Maps::take_from(&mut ebpf, reused_decisions)?;
-    Ok((Programs(ebpf), maps))
+    Ok((Programs { ebpf, sweeps }, maps))
 }
 
 /// The kernel refused a program: which one, its error, and the verifier's log, which runs to

@@ -48,6 +48,10 @@ pub trait NatFamily: Address {
         NatKey<Self>: aya::Pod;
     /// The family's slot of `DropSamples::vacancies`.
     const DROP_VACANCY: u32;
+    /// The family's slot of the sweep program's report.
+    const SWEEP_REPORT: u32;
+    /// The EtherType of the family's packets.
+    const ETHERTYPE: u16;
 }
 
 impl NatFamily for [u8; 4] {
@@ -61,6 +65,8 @@ impl NatFamily for [u8; 4] {
         &samples.v4
     }
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
+    const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V4;
+    const ETHERTYPE: u16 = masq_ebpf::ETH_P_IP;
 }
 
 impl NatFamily for [u8; 16] {
@@ -74,6 +80,8 @@ impl NatFamily for [u8; 16] {
         &samples.v6
     }
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
+    const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V6;
+    const ETHERTYPE: u16 = masq_ebpf::ETH_P_IPV6;
 }
 
 /// A counter's total over the CPUs; 0 for a slot the map lacks (an older agent's).

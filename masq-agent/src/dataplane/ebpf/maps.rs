@@ -10,6 +10,7 @@ use aya::{
 use masq_ebpf::{Settings, map_names};
 
 use super::{
+    kernel_sweep::SweepMaps,
     map_types::{Counters, DropSamples, Interfaces, NatTables, typed},
     policy_word::PolicyWord,
     tries::{FamilyTries, PolicyMaps},
@@ -30,6 +31,8 @@ pub struct Maps {
     /// `masq_ebpf::map_names::NAT_PORTS_IN_SPANS`).
     pub nat_ports_in_spans: Array<MapData, u32>,
     pub drop_samples: DropSamples,
+    /// The sweep program's order and report, whether or not the program is loaded.
+    pub sweep: SweepMaps,
 }
 
 impl Maps {
@@ -71,6 +74,11 @@ impl Maps {
                 v4: take(ebpf, map_names::DROP_SAMPLE_V4)?,
                 v6: take(ebpf, map_names::DROP_SAMPLE_V6)?,
                 vacancies: take(ebpf, map_names::DROP_VACANCY)?,
+            },
+            sweep: SweepMaps {
+                order: take(ebpf, map_names::SWEEP_ORDER)?,
+                reports: take(ebpf, map_names::SWEEP_REPORT)?,
+                pressed: [false; 2],
             },
         })
     }

@@ -17,6 +17,7 @@ pub mod expiry;
 pub mod flows;
 mod follow;
 pub mod hook;
+pub mod kernel_sweep;
 pub mod leftovers;
 mod load;
 pub mod map_types;

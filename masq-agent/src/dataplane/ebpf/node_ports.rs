@@ -376,6 +376,15 @@ impl NodeSidePorts<'_> {
             self.seen[word as usize] |= bit;
         }
     }
+
+    /// Takes in what the sweep program found: the ports in `node_ports`' layout, and how many
+    /// halves hold one outside NAT's spans.
+    pub fn take_swept(&mut self, words: &[u64], outside_spans: u64) {
+        self.all_in_spans &= outside_spans == 0;
+        for (seen, word) in self.seen.iter_mut().zip(words) {
+            *seen |= word;
+        }
+    }
 }
 
 #[cfg(test)]

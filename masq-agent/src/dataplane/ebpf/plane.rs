@@ -286,15 +286,24 @@ impl DataPlane for EbpfDataPlane {
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
         let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);
-        // The ports entries hold on the node's side, asked of the sweep's read.
+        // The ports entries hold on the node's side, asked of the sweep.
         let mut node_side = node_ports::NodeSidePorts::new(&self.port_spans);
         let read_at = std::time::Instant::now();
-        let v4 = expiry::expire_seeing(&nat.v4, Some(&samples.v4), &self.timeouts, now, |k, e| {
-            node_side.look(k, e)
-        })?;
-        let v6 = expiry::expire_seeing(&nat.v6, Some(&samples.v6), &self.timeouts, now, |k, e| {
-            node_side.look(k, e)
-        })?;
+        let timeouts = &self.timeouts;
+        let (v4, v6) = match self.programs.kernel_sweep(&mut self.maps.sweep) {
+            Some(mut kernel) => (
+                kernel.expire(&nat.v4, Some(&samples.v4), timeouts, now, &mut node_side)?,
+                kernel.expire(&nat.v6, Some(&samples.v6), timeouts, now, &mut node_side)?,
+            ),
+            None => (
+                expiry::expire_seeing(&nat.v4, Some(&samples.v4), timeouts, now, |k, e| {
+                    node_side.look(k, e)
+                })?,
+                expiry::expire_seeing(&nat.v6, Some(&samples.v6), timeouts, now, |k, e| {
+                    node_side.look(k, e)
+                })?,
+            ),
+        };
         if [v4, v6]
             .iter()
             .any(|run| run.expired_flows + run.orphans_removed > 0)

@@ -17,14 +17,16 @@ use masq_ebpf::{Counter, NatEntry, NatKey, program_names};
 
 use super::{
     batch, decisions,
+    expiry::Timeouts,
     follow::write_interfaces,
     load::{self, Programs, write_settings},
     map_types::{self, NatFamily, Table, counter_total},
     maps::Maps,
+    node_ports::NodeSidePorts,
     prefixes,
 };
 use crate::{
-    dataplane::chosen_address::ChosenAddresses,
+    dataplane::{chosen_address::ChosenAddresses, nat_usage::NatUsage},
     netdev::Device,
     policy::{IpFamilies, IpFamily},
     ports::PortRange,
@@ -222,11 +224,28 @@ impl TestBed {
     }
 
     /// The ports both NAT tables' entries hold on the node's side, as a sweep's read finds them.
-    pub fn node_side_ports(&self, spans: &[PortRange]) -> Vec<u64> {
-        let mut node_side = super::node_ports::NodeSidePorts::new(spans);
-        self.nat().iter().for_each(|(k, e)| node_side.look(k, e));
-        self.nat_v6().iter().for_each(|(k, e)| node_side.look(k, e));
-        node_side.seen
+    /// Where the kernel runs the sweep program, it must find the same ports, and whether all are
+    /// in `spans`, which must be the spans the bed was set up with.
+    pub fn node_side_ports(&mut self, spans: &[PortRange]) -> Vec<u64> {
+        let mut read = NodeSidePorts::new(spans);
+        self.nat().iter().for_each(|(k, e)| read.look(k, e));
+        self.nat_v6().iter().for_each(|(k, e)| read.look(k, e));
+        if let Some(mut kernel) = self.programs.kernel_sweep(&mut self.maps.sweep) {
+            let mut swept = NodeSidePorts::new(spans);
+            // At time zero nothing is over: the program only counts.
+            let timeouts = Timeouts::default();
+            for report in [
+                kernel.run::<[u8; 4]>(&timeouts, 0).expect("sweep program"),
+                kernel.run::<[u8; 16]>(&timeouts, 0).expect("sweep program"),
+            ] {
+                swept.take_swept(&report.node_side_ports, report.ports_outside_spans);
+            }
+            assert!(
+                swept.seen == read.seen && swept.all_in_spans == read.all_in_spans,
+                "the sweep program finds the node-side ports a read of the tables finds"
+            );
+        }
+        read.seen
     }
 
     /// The decisions no entry took.
@@ -257,6 +276,29 @@ impl TestBed {
             .iter()
             .filter_map(Result::ok)
             .collect()
+    }
+
+    /// Sweeps family `A`'s table as the agent does where the kernel runs the sweep program
+    /// (`kernel_sweep`), the drop sample included; `None` where this kernel does not.
+    pub fn expire_in_kernel<A>(
+        &mut self,
+        timeouts: &Timeouts,
+        now_ns: u64,
+    ) -> anyhow::Result<Option<NatUsage>>
+    where
+        A: NatFamily,
+        NatKey<A>: Pod,
+        NatEntry<A>: Pod,
+    {
+        let Some(mut kernel) = self.programs.kernel_sweep(&mut self.maps.sweep) else {
+            return Ok(None);
+        };
+        let mut node_side = NodeSidePorts::new(&[]);
+        let table = A::table(&self.maps.nat);
+        let sample = A::drop_sample(&self.maps.drop_samples);
+        kernel
+            .expire(table, Some(sample), timeouts, now_ns, &mut node_side)
+            .map(Some)
     }
 
     /// Checks the NAT tables for flows that outlived the policy, as the agent's sweep does (with

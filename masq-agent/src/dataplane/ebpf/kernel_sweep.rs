@@ -1,0 +1,154 @@
+//! The NAT sweep in the kernel: the sweep program (masq-ebpf's `sweep`) judges each family's
+//! table where it lies, with the rules of `expiry`, where the kernel has
+//! `bpf_for_each_map_elem` (5.13). Reading the whole table out every sweep cost the agent most
+//! of its CPU under churn; the program touches only what may be over. Elsewhere, and for a
+//! table under pressure, whose drop sample is pointed from a read of the whole table, the
+//! agent sweeps in userspace (`expiry::expire_seeing`).
+
+use anyhow::{Context as _, bail};
+use aya::{
+    Pod,
+    maps::{Array, MapData},
+    programs::{ProgramType, SchedClassifier, TestRun as _, TestRunOptions},
+    sys::{BpfHelper, is_helper_supported},
+};
+use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepOrder, SweepReport};
+
+use super::{
+    expiry::{self, Timeouts},
+    map_types::{DropSample, NatFamily, NatTable},
+    node_ports::NodeSidePorts,
+};
+use crate::dataplane::nat_usage::NatUsage;
+
+/// Set to `0` to sweep in userspace where the kernel could sweep (`1` to insist, which fails
+/// the load where it cannot): for the tests of both ways.
+pub const KERNEL_SWEEP_ENV: &str = "MASQ_AGENT_KERNEL_SWEEP";
+
+/// Whether to load the sweep program: the kernel has its helper, unless told otherwise.
+pub fn wanted() -> bool {
+    match std::env::var(KERNEL_SWEEP_ENV).as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => is_helper_supported(
+            ProgramType::SchedClassifier,
+            BpfHelper::BPF_FUNC_for_each_map_elem,
+        )
+        .unwrap_or(false),
+    }
+}
+
+/// The sweep program's maps: what the agent asks of it, and what it found per family.
+pub struct SweepMaps {
+    pub order: Array<MapData, SweepOrder>,
+    pub reports: Array<MapData, SweepReport>,
+    /// By the family's slot in `reports`: whether its last sweep left its table under
+    /// pressure (`expiry::UNDER_PRESSURE_PERCENT`).
+    pub pressed: [bool; 2],
+}
+
+/// The loaded sweep program, with its maps.
+pub struct KernelSweep<'a> {
+    pub program: &'a mut SchedClassifier,
+    pub maps: &'a mut SweepMaps,
+}
+
+impl KernelSweep<'_> {
+    /// Sweeps family `A`'s table as of `now_ns`: what it held and removed, as `expiry::expire`
+    /// reports it, and the ports the flows left hold on the node's side, into `node_side`.
+    ///
+    /// A table under pressure also gets its drop `sample`, if given, pointed at its flows,
+    /// which takes a read of the whole table: the sweep that finds it so reads it after the
+    /// program's run, and while it stays so the sweeps read it instead, as in userspace.
+    pub fn expire<A>(
+        &mut self,
+        nat: &NatTable<A>,
+        sample: Option<&DropSample<A>>,
+        timeouts: &Timeouts,
+        now_ns: u64,
+        node_side: &mut NodeSidePorts,
+    ) -> anyhow::Result<NatUsage>
+    where
+        A: NatFamily,
+        NatKey<A>: Pod,
+        NatEntry<A>: Pod,
+    {
+        let pressed = &mut self.maps.pressed[A::SWEEP_REPORT as usize];
+        if *pressed && sample.is_some() {
+            let read = expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
+                node_side.look(key, entry)
+            })?;
+            *pressed = expiry::under_pressure(nat, read.entries_left())?;
+            return Ok(read);
+        }
+        let report = self.run::<A>(timeouts, now_ns)?;
+        node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
+        let mut usage = usage(&report);
+        let pressed = expiry::under_pressure(nat, report.entries_left as usize)?;
+        self.maps.pressed[A::SWEEP_REPORT as usize] = pressed;
+        if let Some(sample) = sample.filter(|_| pressed) {
+            let read = expiry::expire(nat, Some(sample), timeouts, now_ns)?;
+            usage.expired_flows += read.expired_flows;
+            usage.orphans_removed += read.orphans_removed;
+        }
+        Ok(usage)
+    }
+
+    /// One run of the program over family `A`'s table: its report.
+    pub fn run<A: NatFamily>(
+        &mut self,
+        timeouts: &Timeouts,
+        now_ns: u64,
+    ) -> anyhow::Result<SweepReport> {
+        let maps = &mut *self.maps;
+        maps.order
+            .set(0, timeouts.sweep_order(now_ns), 0)
+            .context("ordering the sweep")?;
+        maps.reports
+            .set(A::SWEEP_REPORT, SweepReport::default(), 0)
+            .context("clearing the sweep's report")?;
+        let run = self
+            .program
+            .test_run(TestRunOptions {
+                data_in: Some(&frame(A::ETHERTYPE)),
+                repeat: 1,
+                ..TestRunOptions::new()
+            })
+            .context("running the sweep program")?;
+        if run.return_value != 0 {
+            bail!("the sweep program found no order or report to fill");
+        }
+        maps.reports
+            .get(&A::SWEEP_REPORT, 0)
+            .context("reading the sweep's report")
+    }
+}
+
+/// A frame whose EtherType names the family to sweep: an Ethernet header, and room for the
+/// family's header, which the kernel's test runner wants before it runs the program.
+fn frame(ethertype: u16) -> Vec<u8> {
+    const LARGEST_IP_HEADER: usize = 40;
+    let mut frame = vec![0; ETH_HLEN + LARGEST_IP_HEADER];
+    frame[ETH_HLEN - 2..ETH_HLEN].copy_from_slice(&ethertype.to_be_bytes());
+    frame
+}
+
+/// What the table held before the sweep, and what it removed, from the program's report.
+fn usage(report: &SweepReport) -> NatUsage {
+    let flows = |owner: FlowOwner| {
+        (report.flows_left[owner as usize] + report.flows_removed[owner as usize]) as usize
+    };
+    NatUsage {
+        entries: (report.entries_left + report.halves_removed) as usize,
+        pod_flows: flows(FlowOwner::Pod),
+        kept_flows: flows(FlowOwner::PodKept),
+        node_flows: flows(FlowOwner::NodeTranslated) + flows(FlowOwner::NodeReserved),
+        translated_flows: FlowOwner::ALL
+            .into_iter()
+            .filter(|owner| owner.translated())
+            .map(flows)
+            .sum(),
+        expired_flows: report.expired_flows as usize,
+        orphans_removed: report.orphans_removed as usize,
+    }
+}

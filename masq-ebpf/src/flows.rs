@@ -1,0 +1,297 @@
+//! What a flow in the NAT table is, and when it is over: judged the same by the agent's sweep
+//! in userspace and by the sweep program in the kernel (`SweepOrder`, `SweepReport`).
+
+use crate::{
+    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, node_ports,
+    packets_seen, tcp_seen,
+};
+
+/// Where a flow is in its life, as conntrack classes it for its timeout.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlowState {
+    /// TCP: a SYN sent, no answer yet (or a lone segment no reply crossed).
+    SynSent,
+    /// TCP: a SYN answered, the handshake not done.
+    SynRecv,
+    /// TCP: a segment past the handshake's first step seen both ways.
+    Established,
+    /// TCP: a FIN one way, not acknowledged yet (or not known to be: a half without sequence
+    /// numbers).
+    FinWait,
+    /// TCP: a FIN one way, acknowledged; the other end has not closed.
+    CloseWait,
+    /// TCP: FINs both ways, not both acknowledged.
+    LastAck,
+    /// TCP: FINs both ways, each acknowledged.
+    TimeWait,
+    /// TCP: an acceptable RST seen.
+    Reset,
+    /// UDP never answered.
+    Unreplied,
+    /// UDP answered, but not seen both ways again: a single exchange, as a DNS query.
+    Replied,
+    /// UDP seen both ways again after its first exchange.
+    Stream,
+    /// ICMP echo.
+    Echo,
+}
+
+impl FlowState {
+    /// Every state, in the order of their discriminants (`SweepOrder::idle_limits_ns`).
+    pub const ALL: [FlowState; 12] = [
+        FlowState::SynSent,
+        FlowState::SynRecv,
+        FlowState::Established,
+        FlowState::FinWait,
+        FlowState::CloseWait,
+        FlowState::LastAck,
+        FlowState::TimeWait,
+        FlowState::Reset,
+        FlowState::Unreplied,
+        FlowState::Replied,
+        FlowState::Stream,
+        FlowState::Echo,
+    ];
+
+    /// Of the flow whose halves are `egress` and `ingress` (the reply's).
+    #[inline(always)]
+    pub fn of<A: Address>(key: &NatKey<A>, egress: &NatEntry<A>, ingress: &NatEntry<A>) -> Self {
+        match key.proto {
+            IPPROTO_TCP => {
+                let seen = egress.tcp_seen | ingress.tcp_seen;
+                let both_ways = egress.tcp_seen != 0 && ingress.tcp_seen != 0;
+                if seen & tcp_seen::RESET != 0 {
+                    FlowState::Reset
+                } else if seen & tcp_seen::CLOSING != 0 {
+                    FlowState::closing(egress, ingress)
+                } else if both_ways && seen & tcp_seen::PAST_OPENING != 0 {
+                    FlowState::Established
+                } else if both_ways {
+                    FlowState::SynRecv
+                } else {
+                    FlowState::SynSent
+                }
+            }
+            IPPROTO_UDP => {
+                // Each half counts its packets after the flow's first: the reply half's first
+                // is the first answer.
+                if egress.tcp_seen & packets_seen::ONCE != 0
+                    && ingress.tcp_seen & packets_seen::AGAIN != 0
+                {
+                    FlowState::Stream
+                } else if ingress.tcp_seen & packets_seen::ONCE != 0 {
+                    FlowState::Replied
+                } else {
+                    FlowState::Unreplied
+                }
+            }
+            _ => FlowState::Echo,
+        }
+    }
+
+    /// Of a TCP flow that sent a FIN one way or both, as conntrack's state machine has it by the
+    /// time the FINs are acknowledged. Where conntrack moves on at any ACK, this waits for the
+    /// one that acknowledges the FIN: a state whose timeout is never shorter than conntrack's.
+    #[inline(always)]
+    fn closing<A: Address>(egress: &NatEntry<A>, ingress: &NatEntry<A>) -> Self {
+        let closed = |half: &NatEntry<A>| half.tcp_seen & tcp_seen::CLOSING != 0;
+        let acknowledged =
+            |fin: &NatEntry<A>, other: &NatEntry<A>| closed(fin) && fin_acknowledged(fin, other);
+        match (closed(egress), closed(ingress)) {
+            (true, true) if acknowledged(egress, ingress) && acknowledged(ingress, egress) => {
+                FlowState::TimeWait
+            }
+            (true, true) => FlowState::LastAck,
+            _ if acknowledged(egress, ingress) || acknowledged(ingress, egress) => {
+                FlowState::CloseWait
+            }
+            _ => FlowState::FinWait,
+        }
+    }
+
+    /// Its name, as `masq-agent flows` shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlowState::SynSent => "syn_sent",
+            FlowState::SynRecv => "syn_recv",
+            FlowState::Established => "established",
+            FlowState::FinWait => "fin_wait",
+            FlowState::CloseWait => "close_wait",
+            FlowState::LastAck => "last_ack",
+            FlowState::TimeWait => "time_wait",
+            FlowState::Reset => "reset",
+            FlowState::Unreplied => "unreplied",
+            FlowState::Replied => "replied",
+            FlowState::Stream => "stream",
+            FlowState::Echo => "echo",
+        }
+    }
+}
+
+/// Whether `other` acknowledged everything `sent` sent, its FIN included: the FIN counts in
+/// `tcp_next_seq`. Halves without sequence numbers (an older agent's) never say so.
+#[inline(always)]
+fn fin_acknowledged<A: Address>(sent: &NatEntry<A>, other: &NatEntry<A>) -> bool {
+    sent.tcp_seen & tcp_seen::SEQ != 0
+        && other.tcp_seen & tcp_seen::ACKED != 0
+        && (other.tcp_max_ack.wrapping_sub(sent.tcp_next_seq) as i32) >= 0
+}
+
+/// Whose a flow is, and what the programs do with it; in the order a smaller table takes
+/// them when a table is replaced.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FlowOwner {
+    /// A pod's, masqueraded.
+    Pod,
+    /// A pod's, left its own address: a connection opened from outside, or one that started
+    /// unmasqueraded before a policy change (`PASSTHROUGH`).
+    PodKept,
+    /// The node's own, translated to another port of its address for a clash.
+    NodeTranslated,
+    /// The node's own, held to reserve its tuple (`NODE`), which its next packet makes again.
+    NodeReserved,
+}
+
+impl FlowOwner {
+    /// Every owner, in the order of their discriminants (`SweepReport::flows_left`).
+    pub const ALL: [FlowOwner; 4] = [
+        FlowOwner::Pod,
+        FlowOwner::PodKept,
+        FlowOwner::NodeTranslated,
+        FlowOwner::NodeReserved,
+    ];
+
+    /// Of the flow whose egress half is `entry`, keyed `key`.
+    #[inline(always)]
+    pub fn of<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> FlowOwner {
+        match entry.kind {
+            nat_kind::PASSTHROUGH => FlowOwner::PodKept,
+            nat_kind::NODE => FlowOwner::NodeReserved,
+            _ if entry.addr == key.saddr => FlowOwner::NodeTranslated,
+            _ => FlowOwner::Pod,
+        }
+    }
+
+    /// Whether the programs translate its packets: those flows need the programs to go on.
+    pub const fn translated(self) -> bool {
+        matches!(self, FlowOwner::Pod | FlowOwner::NodeTranslated)
+    }
+}
+
+/// The port a half holds on the node's side, if it holds one there (host byte order): a reply
+/// half's destination port (the port a masqueraded flow was given, or a node flow's own), and a
+/// node flow's egress half's source port. A flow that keeps a pod's address holds none.
+#[inline(always)]
+pub fn node_side_port<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> Option<u16> {
+    if entry.kind == nat_kind::PASSTHROUGH {
+        return None;
+    }
+    if key.direction == direction::INGRESS {
+        return Some(u16::from_be(key.dport));
+    }
+    match FlowOwner::of(key, entry) {
+        FlowOwner::NodeTranslated | FlowOwner::NodeReserved => Some(u16::from_be(key.sport)),
+        FlowOwner::Pod | FlowOwner::PodKept => None,
+    }
+}
+
+/// Whether a half last seen at `last_seen_ns` has been idle past `limit_ns` at `now_ns`.
+#[inline(always)]
+pub const fn idle_past(now_ns: u64, last_seen_ns: u64, limit_ns: u64) -> bool {
+    now_ns.saturating_sub(last_seen_ns) > limit_ns
+}
+
+/// What the agent asks of the sweep program (`map_names::SWEEP_ORDER`): which flows are over.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepOrder {
+    /// CLOCK_MONOTONIC, read before the sweep: a flow idle past its limit then is over.
+    pub now_ns: u64,
+    /// How long a flow may stay idle, by `FlowState`: its timeout, and the lag of the halves'
+    /// clocks.
+    pub idle_limits_ns: [u64; FlowState::ALL.len()],
+    /// The same for a reply half without its egress half.
+    pub orphan_limit_ns: u64,
+    /// The least of `idle_limits_ns`: a flow whose egress half is idle no longer is not over,
+    /// whatever its reply half says, and its reply half is not looked up.
+    pub shortest_limit_ns: u64,
+}
+
+impl SweepOrder {
+    pub fn new(
+        now_ns: u64,
+        idle_limits_ns: [u64; FlowState::ALL.len()],
+        orphan_limit_ns: u64,
+    ) -> SweepOrder {
+        let mut shortest_limit_ns = u64::MAX;
+        let mut i = 0;
+        while i < idle_limits_ns.len() {
+            if idle_limits_ns[i] < shortest_limit_ns {
+                shortest_limit_ns = idle_limits_ns[i];
+            }
+            i += 1;
+        }
+        SweepOrder {
+            now_ns,
+            idle_limits_ns,
+            orphan_limit_ns,
+            shortest_limit_ns,
+        }
+    }
+
+    /// The limit of a flow in `state`.
+    #[inline(always)]
+    pub fn limit(&self, state: FlowState) -> u64 {
+        // The index is a discriminant of `FlowState`, every one of which has a limit.
+        self.idle_limits_ns
+            .get(state as usize)
+            .copied()
+            .unwrap_or(u64::MAX)
+    }
+}
+
+/// What the sweep program found and did in one family's table (`map_names::SWEEP_REPORT`, at
+/// the family's index, `sweep_report::V4` or `V6`). The agent zeroes it before each run.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Halves the table held after the sweep.
+    pub entries_left: u64,
+    /// Halves the sweep removed.
+    pub halves_removed: u64,
+    /// Flows left, by `FlowOwner` (each flow has one egress half).
+    pub flows_left: [u64; FlowOwner::ALL.len()],
+    /// Flows removed, by `FlowOwner`: over, or egress halves alone past their timeout.
+    pub flows_removed: [u64; FlowOwner::ALL.len()],
+    /// Flows over, both halves removed.
+    pub expired_flows: u64,
+    /// Halves without their other half removed.
+    pub orphans_removed: u64,
+    /// Halves left that hold a port on the node's side outside NAT's spans.
+    pub ports_outside_spans: u64,
+    /// The ports the halves left hold on the node's side, laid out as `node_ports::slot` says.
+    pub node_side_ports: [u64; node_ports::WORDS as usize],
+}
+
+impl Default for SweepReport {
+    fn default() -> Self {
+        SweepReport {
+            entries_left: 0,
+            halves_removed: 0,
+            flows_left: [0; FlowOwner::ALL.len()],
+            flows_removed: [0; FlowOwner::ALL.len()],
+            expired_flows: 0,
+            orphans_removed: 0,
+            ports_outside_spans: 0,
+            node_side_ports: [0; node_ports::WORDS as usize],
+        }
+    }
+}
+
+/// Each family's slot of the map `nat_sweep_report` (`map_names::SWEEP_REPORT`).
+pub mod sweep_report {
+    pub const V4: u32 = 0;
+    pub const V6: u32 = 1;
+}
