@@ -535,12 +535,17 @@ fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
 fn sweeps_table(s: &mut String, sweeps: &[SweepCase]) {
     let _ = writeln!(
         s,
-        "\nThe agent's sweep of the NAT table, every ten seconds: the table (the default size) filled through the egress program, then swept with none of its flows over, and with all of them over (removed, both halves). Median ms of the rounds.\n\n| sweep | flows | none over, ms | all over, ms | all over, ns per flow |\n|---|---:|---:|---:|---:|"
+        "\nThe agent's sweep of the NAT table, every ten seconds: the table (the default size) filled through the egress program, then swept with none of its flows over, and with all of them over (removed, both halves); by the sweep program in the kernel (5.13 and later), and by a read of the whole table in userspace (older kernels), in turn. A table three quarters full is under pressure, and its drop sample is pointed from a read of the whole table either way: the kernel's sweep that finds it so reads it too. Median ms of the rounds.\n\n| sweep | flows | none over, ms | all over, ms | all over, ns per flow |\n|---|---:|---:|---:|---:|"
     );
     for sweep in sweeps {
+        let sweeper = match sweep.sweeper.as_str() {
+            "kernel" => "in the kernel",
+            "userspace" => "in userspace",
+            other => other,
+        };
         let _ = writeln!(
             s,
-            "| NAT table | {} | {:.0} | {:.0} | {:.0} |",
+            "| {sweeper} | {} | {:.0} | {:.0} | {:.0} |",
             sweep.flows,
             sweep.none_expired_ms,
             sweep.all_expired_ms,

@@ -8,15 +8,14 @@
 use anyhow::{Context as _, bail};
 use aya::{
     Pod,
-    maps::{Array, MapData},
     programs::{ProgramType, SchedClassifier, TestRun as _, TestRunOptions},
     sys::{BpfHelper, is_helper_supported},
 };
-use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepOrder, SweepReport};
+use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepReport};
 
 use super::{
     expiry::{self, Timeouts},
-    map_types::{DropSample, NatFamily, NatTable},
+    map_types::{DropSample, NatFamily, NatTable, SweepMaps},
     node_ports::NodeSidePorts,
 };
 use crate::dataplane::nat_usage::NatUsage;
@@ -36,15 +35,6 @@ pub fn wanted() -> bool {
         )
         .unwrap_or(false),
     }
-}
-
-/// The sweep program's maps: what the agent asks of it, and what it found per family.
-pub struct SweepMaps {
-    pub order: Array<MapData, SweepOrder>,
-    pub reports: Array<MapData, SweepReport>,
-    /// By the family's slot in `reports`: whether its last sweep left its table under
-    /// pressure (`expiry::UNDER_PRESSURE_PERCENT`).
-    pub pressed: [bool; 2],
 }
 
 /// The loaded sweep program, with its maps.

@@ -7,7 +7,7 @@ use aya::{
     Pod,
     maps::{Array, HashMap as BpfHashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray},
 };
-use masq_ebpf::{Address, Counter, Interface, NatEntry, NatKey};
+use masq_ebpf::{Address, Counter, Interface, NatEntry, NatKey, SweepOrder, SweepReport};
 
 use super::batch;
 
@@ -37,6 +37,15 @@ pub struct DropSamples {
     /// Per family (`masq_ebpf::drop_vacancy`), the slot a drop freed and no new flow took yet,
     /// plus one: the programs' own, which the agent leaves alone (the packet tests read it).
     pub vacancies: Array<MapData, u32>,
+}
+
+/// The sweep program's maps: what the agent asks of it, and what it found per family.
+pub struct SweepMaps {
+    pub order: Array<MapData, SweepOrder>,
+    pub reports: Array<MapData, SweepReport>,
+    /// By the family's slot in `reports`: whether its last sweep left its table under
+    /// pressure (`expiry::UNDER_PRESSURE_PERCENT`).
+    pub pressed: [bool; 2],
 }
 
 /// Picks a family's NAT table by its address type, for code written once over both families.

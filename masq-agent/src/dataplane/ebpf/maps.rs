@@ -10,8 +10,7 @@ use aya::{
 use masq_ebpf::{Settings, map_names};
 
 use super::{
-    kernel_sweep::SweepMaps,
-    map_types::{Counters, DropSamples, Interfaces, NatTables, typed},
+    map_types::{Counters, DropSamples, Interfaces, NatTables, SweepMaps, typed},
     policy_word::PolicyWord,
     tries::{FamilyTries, PolicyMaps},
 };
