@@ -63,15 +63,25 @@ impl KernelSweep<'_> {
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
+        let in_userspace = |node_side: &mut NodeSidePorts| {
+            expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
+                node_side.look(key, entry)
+            })
+        };
         let pressed = &mut self.maps.pressed[A::SWEEP_REPORT as usize];
         if *pressed && sample.is_some() {
-            let read = expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
-                node_side.look(key, entry)
-            })?;
+            let read = in_userspace(node_side)?;
             *pressed = expiry::under_pressure(nat, read.entries_left())?;
             return Ok(read);
         }
-        let report = self.run::<A>(timeouts, now_ns)?;
+        let report = match self.run::<A>(timeouts, now_ns) {
+            Ok(report) => report,
+            // No sweep may be missed for it: the table would fill.
+            Err(err) => {
+                tracing::warn!("sweeping the NAT table in userspace this time: {err:#}");
+                return in_userspace(node_side);
+            }
+        };
         node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
         let mut usage = usage(&report);
         let pressed = expiry::under_pressure(nat, report.entries_left as usize)?;

@@ -66,7 +66,10 @@ impl Programs {
 /// the sweep to userspace. The verifier's log goes to the debug log.
 fn load_sweep(ebpf: &mut Ebpf) -> anyhow::Result<bool> {
     let err = match classifier(ebpf, program_names::SWEEP)?.load() {
-        Ok(()) => return Ok(true),
+        Ok(()) => {
+            tracing::debug!("the NAT table is swept in the kernel");
+            return Ok(true);
+        }
         Err(err) => err,
     };
     if std::env::var(kernel_sweep::KERNEL_SWEEP_ENV).as_deref() == Ok("1") {
