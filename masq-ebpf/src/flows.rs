@@ -225,19 +225,11 @@ impl SweepOrder {
         idle_limits_ns: [u64; FlowState::ALL.len()],
         orphan_limit_ns: u64,
     ) -> SweepOrder {
-        let mut shortest_limit_ns = u64::MAX;
-        let mut i = 0;
-        while i < idle_limits_ns.len() {
-            if idle_limits_ns[i] < shortest_limit_ns {
-                shortest_limit_ns = idle_limits_ns[i];
-            }
-            i += 1;
-        }
         SweepOrder {
             now_ns,
             idle_limits_ns,
             orphan_limit_ns,
-            shortest_limit_ns,
+            shortest_limit_ns: idle_limits_ns.into_iter().min().unwrap_or(u64::MAX),
         }
     }
 

@@ -243,31 +243,28 @@ where
     entries.iter().for_each(|(key, entry)| seen(key, entry));
     let mut run = usage(&entries);
     // Asked only where there is a sample to point.
-    let pressed = |entries: usize| -> anyhow::Result<bool> {
-        Ok(sample.is_some() && under_pressure(nat, entries)?)
-    };
-    let over = over(&entries, timeouts, now_ns, pressed(run.entries)?);
+    let pressure = sample.map(|_| pressure_at(nat)).transpose()?;
+    let pressed = |entries: usize| pressure.is_some_and(|pressure| entries >= pressure);
+    let over = over(&entries, timeouts, now_ns, pressed(run.entries));
     run.orphans_removed = prune(nat, &over.orphans)?;
     run.expired_flows = prune(nat, &over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
-    if let Some(sample) = sample
-        && pressed(left)?
-    {
+    if let Some(sample) = sample.filter(|_| pressed(left)) {
         let pointed = drop_sample::point_at(sample, &over.droppable, &over.kept)?;
         tracing::debug!(left, pointed, "NAT table under pressure");
     }
     Ok(run)
 }
 
-/// Whether `nat` holding `entries` is under pressure (`UNDER_PRESSURE_PERCENT` full or more).
-pub fn under_pressure<A>(nat: &NatTable<A>, entries: usize) -> anyhow::Result<bool>
+/// How many entries put `nat` under pressure: `UNDER_PRESSURE_PERCENT` of its capacity.
+pub fn pressure_at<A>(nat: &NatTable<A>) -> anyhow::Result<usize>
 where
     A: Address,
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
     let capacity = nat.map().info()?.max_entries() as usize;
-    Ok(entries * 100 >= capacity * UNDER_PRESSURE_PERCENT)
+    Ok((capacity * UNDER_PRESSURE_PERCENT).div_ceil(100))
 }
 
 /// How full a table left by a sweep is when the sweep points its drop sample at what a full

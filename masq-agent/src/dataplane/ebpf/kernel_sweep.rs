@@ -71,7 +71,7 @@ impl KernelSweep<'_> {
         let pressed = &mut self.maps.pressed[A::SWEEP_REPORT as usize];
         if *pressed && sample.is_some() {
             let read = in_userspace(node_side)?;
-            *pressed = expiry::under_pressure(nat, read.entries_left())?;
+            *pressed = read.entries_left() >= expiry::pressure_at(nat)?;
             return Ok(read);
         }
         let report = match self.run::<A>(timeouts, now_ns) {
@@ -84,7 +84,7 @@ impl KernelSweep<'_> {
         };
         node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
         let mut usage = usage(&report);
-        let pressed = expiry::under_pressure(nat, report.entries_left as usize)?;
+        let pressed = report.entries_left as usize >= expiry::pressure_at(nat)?;
         self.maps.pressed[A::SWEEP_REPORT as usize] = pressed;
         if let Some(sample) = sample.filter(|_| pressed) {
             let read = expiry::expire(nat, Some(sample), timeouts, now_ns)?;
