@@ -98,6 +98,23 @@ pub mod program_names {
     /// The NAT sweep, which the agent runs through BPF_PROG_TEST_RUN where the kernel has
     /// `bpf_for_each_map_elem` (5.13); never attached.
     pub const SWEEP: &str = "masq_sweep";
+
+    /// The helper the sweep program is built on (5.13): a kernel without it refuses the
+    /// program, which is then not loaded, and the agent sweeps in userspace.
+    #[cfg(feature = "user")]
+    pub const SWEEP_NEEDS: aya::sys::BpfHelper = aya::sys::BpfHelper::BPF_FUNC_for_each_map_elem;
+
+    /// The helper `program` is built on that the running kernel lacks, if any: such a program
+    /// is not loaded. The data plane's own programs load everywhere the agent runs its eBPF
+    /// plane.
+    #[cfg(feature = "user")]
+    pub fn missing_helper(program: &str) -> Option<aya::sys::BpfHelper> {
+        let has = |helper| {
+            aya::sys::is_helper_supported(aya::programs::ProgramType::SchedClassifier, helper)
+                .unwrap_or(false)
+        };
+        (program == SWEEP && !has(SWEEP_NEEDS)).then_some(SWEEP_NEEDS)
+    }
 }
 
 /// The node's own ports, a bit each, by protocol: those its sockets listen on, and kube-proxy's

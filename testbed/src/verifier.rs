@@ -12,6 +12,8 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use aya::programs::{ProgramError, SchedClassifier};
+use masq_ebpf::program_names;
 
 use crate::topology::{self, BPFFS_ROOT, NS_PREFIX};
 
@@ -75,6 +77,9 @@ pub struct Budget {
     pub calls: BTreeSet<(usize, usize)>,
     /// The verifier's last words when it rejected the program.
     pub error: Option<String>,
+    /// Why the program was not loaded at all, where the agent does without it.
+    #[serde(default)]
+    pub not_loaded: Option<String>,
 }
 
 /// The deepest chain of calls of a program, under one kernel's rule.
@@ -190,7 +195,7 @@ impl Budget {
 /// calls. The verbose log takes the verifier some ten times longer to write than to verify;
 /// `load_quick` is what an emulated CPU can afford.
 pub fn measure(object: &Path) -> anyhow::Result<Vec<Budget>> {
-    let (budgets, pins) = load_all(object, true)?;
+    let (budgets, pins) = load_all(object)?;
     let _ = std::fs::remove_dir_all(&pins);
     if budgets.is_empty() {
         bail!("bpftool loaded {} without a verifier log", object.display());
@@ -198,42 +203,68 @@ pub fn measure(object: &Path) -> anyhow::Result<Vec<Budget>> {
     Ok(budgets)
 }
 
-/// Loads every program of `object` into the running kernel, without the verbose log, and says
-/// what the kernel recorded of each: the instructions it processed (`verified_insns`, 5.16),
-/// or the verifier's last words when it refused one. No frames: those are the same on every
-/// kernel, and `measure` reads them where it is cheap.
+/// Loads each program of `object` into the running kernel on its own, as the agent does,
+/// without the verbose log, and says what the kernel recorded of each: the instructions it
+/// processed (`verified_instructions`, 5.16), or the verifier's last words when it refused one.
+/// A program the kernel lacks the helpers for is not loaded, as the agent leaves it, and says
+/// so. No frames: those are the same on every kernel, and `measure` reads them where it is
+/// cheap.
 pub fn load_quick(object: &Path) -> anyhow::Result<Vec<Budget>> {
-    let (mut budgets, pins) = load_all(object, false)?;
-    let loaded = std::fs::read_dir(&pins).map(|entries| {
-        entries
-            .flatten()
-            .map(|entry| {
-                let program = entry.file_name().to_string_lossy().to_string();
-                let info = aya::programs::ProgramInfo::from_pin(entry.path());
-                Budget {
-                    program,
-                    processed: info
-                        .ok()
-                        .and_then(|info| info.verified_instruction_count())
-                        .map(u64::from),
-                    ..Budget::default()
-                }
-            })
-            .collect::<Vec<_>>()
-    });
-    let _ = std::fs::remove_dir_all(&pins);
-    budgets.extend(loaded.unwrap_or_default());
-    budgets.sort_by(|a, b| a.program.cmp(&b.program));
-    if budgets.is_empty() {
-        bail!("bpftool loaded no program of {}", object.display());
+    let bytes = std::fs::read(object).with_context(|| format!("reading {}", object.display()))?;
+    let mut ebpf = aya::Ebpf::load(&bytes)
+        .with_context(|| format!("loading the maps of {}", object.display()))?;
+    let mut names: Vec<String> = ebpf.programs().map(|(name, _)| name.to_string()).collect();
+    names.sort();
+    if names.is_empty() {
+        bail!("{} holds no program", object.display());
     }
-    Ok(budgets)
+    names
+        .into_iter()
+        .map(|program| {
+            let classifier: &mut SchedClassifier = ebpf
+                .program_mut(&program)
+                .expect("listed")
+                .try_into()
+                .with_context(|| format!("{program} is not a classifier"))?;
+            let mut budget = Budget {
+                program: program.clone(),
+                ..Budget::default()
+            };
+            if let Some(helper) = program_names::missing_helper(&program) {
+                budget.not_loaded = Some(format!("not loaded: the kernel lacks {helper:?}"));
+                return Ok(budget);
+            }
+            match classifier.load() {
+                Ok(()) => {
+                    budget.processed = classifier
+                        .info()?
+                        .verified_instruction_count()
+                        .map(u64::from)
+                }
+                Err(ProgramError::LoadError { verifier_log, .. }) => {
+                    budget.error = Some(last_words(&verifier_log.to_string()))
+                }
+                Err(err) => budget.error = Some(err.to_string()),
+            }
+            Ok(budget)
+        })
+        .collect()
 }
 
-/// Runs `bpftool prog loadall` on `object`, pinning into a directory of this run's own on
-/// bpffs, which the caller removes; with `verbose`, with the verifier's verbose log. Returns
-/// what the log said, program by program, and the directory.
-fn load_all(object: &Path, verbose: bool) -> anyhow::Result<(Vec<Budget>, PathBuf)> {
+/// The verifier's last line, which says why it refused.
+fn last_words(log: &str) -> String {
+    log.lines()
+        .rev()
+        .map(str::trim)
+        .find(|line| !line.is_empty() && !line.starts_with("verification time"))
+        .unwrap_or("the verifier wrote no log")
+        .to_string()
+}
+
+/// Runs `bpftool -d prog loadall` on `object`, pinning into a directory of this run's own on
+/// bpffs, which the caller removes. Returns what the verbose log said, program by program, and
+/// the directory.
+fn load_all(object: &Path) -> anyhow::Result<(Vec<Budget>, PathBuf)> {
     topology::ensure_bpffs()?;
     topology::sweep_stale();
     static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -243,12 +274,8 @@ fn load_all(object: &Path, verbose: bool) -> anyhow::Result<(Vec<Budget>, PathBu
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     let _ = std::fs::remove_dir_all(&pins);
-    let mut bpftool = Command::new("bpftool");
-    if verbose {
-        bpftool.arg("-d");
-    }
-    let mut bpftool = bpftool
-        .args(["prog", "loadall"])
+    let mut bpftool = Command::new("bpftool")
+        .args(["-d", "prog", "loadall"])
         .arg(object)
         .arg(&pins)
         .args(["type", "classifier"])

@@ -26,6 +26,9 @@ pub struct ProgramFigures {
     /// That chain, each function with what it counts for.
     pub chain: Option<String>,
     pub error: Option<String>,
+    /// Why it was not loaded, where the agent does without it.
+    #[serde(default)]
+    pub not_loaded: Option<String>,
 }
 
 /// The release of the running kernel.
@@ -54,6 +57,7 @@ pub fn figures(release: &str, said: &[Budget], frames: &[Budget]) -> Vec<Program
                 stack: deepest.as_ref().map(|(_, chain)| chain.bytes),
                 chain: deepest.as_ref().map(|(f, chain)| f.describe(chain, rule)),
                 error: budget.error.clone(),
+                not_loaded: budget.not_loaded.clone(),
             }
         })
         .collect()
@@ -96,10 +100,11 @@ pub fn table(figures: &[ProgramFigures]) -> String {
          |---|---|---:|---:|---|\n"
     );
     for f in figures {
-        let processed = match (&f.error, f.processed) {
-            (Some(error), _) => format!("refused: {error}"),
-            (None, Some(processed)) => processed.to_string(),
-            (None, None) => "not reported before 5.16".to_string(),
+        let processed = match (&f.error, &f.not_loaded, f.processed) {
+            (Some(error), _, _) => format!("refused: {error}"),
+            (None, Some(why), _) => why.clone(),
+            (None, None, Some(processed)) => processed.to_string(),
+            (None, None, None) => "not reported before 5.16".to_string(),
         };
         let stack = f.stack.map_or("?".to_string(), |s| s.to_string());
         let chain = f
@@ -118,9 +123,13 @@ pub fn table(figures: &[ProgramFigures]) -> String {
 pub fn describe(figures: &[ProgramFigures]) -> String {
     let mut out = String::new();
     for f in figures {
-        let verdict = match &f.error {
-            Some(error) => format!("REJECTED ({error})"),
-            None => "accepted".to_string(),
+        let verdict = match (&f.error, &f.not_loaded) {
+            (Some(error), _) => format!("REJECTED ({error})"),
+            (None, Some(why)) => {
+                out.push_str(&format!("{} on {}: {why}\n", f.program, f.kernel));
+                continue;
+            }
+            (None, None) => "accepted".to_string(),
         };
         let processed = f.processed.map_or(
             "instructions processed not reported (kernels report them from 5.16)".to_string(),

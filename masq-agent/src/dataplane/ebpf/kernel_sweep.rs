@@ -8,10 +8,9 @@
 use anyhow::{Context as _, bail};
 use aya::{
     Pod,
-    programs::{ProgramType, SchedClassifier, TestRun as _, TestRunOptions},
-    sys::{BpfHelper, is_helper_supported},
+    programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
-use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepReport};
+use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepReport, program_names};
 
 use super::{
     expiry::{self, Timeouts},
@@ -24,23 +23,37 @@ use crate::dataplane::nat_usage::NatUsage;
 /// the load where it cannot): for the tests of both ways.
 pub const KERNEL_SWEEP_ENV: &str = "MASQ_AGENT_KERNEL_SWEEP";
 
-/// Whether to load the sweep program: the kernel has its helper, unless told otherwise.
-pub fn wanted() -> bool {
-    match std::env::var(KERNEL_SWEEP_ENV).as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => is_helper_supported(
-            ProgramType::SchedClassifier,
-            BpfHelper::BPF_FUNC_for_each_map_elem,
-        )
-        .unwrap_or(false),
+/// Where the agent sweeps, as the kernel and the environment have it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sweeper {
+    Userspace,
+    /// In the kernel; in userspace if the kernel refuses the program.
+    Kernel,
+    /// In the kernel, or not at all: the environment insists.
+    KernelOnly,
+}
+
+impl Sweeper {
+    pub fn chosen() -> Sweeper {
+        match std::env::var(KERNEL_SWEEP_ENV).as_deref() {
+            Ok("1") => Sweeper::KernelOnly,
+            Ok("0") => Sweeper::Userspace,
+            _ if program_names::missing_helper(program_names::SWEEP).is_none() => Sweeper::Kernel,
+            _ => Sweeper::Userspace,
+        }
     }
 }
+
+/// Per family, by its slot in the sweep's reports: whether its last sweep left its table under
+/// pressure (`expiry::UNDER_PRESSURE_PERCENT`), so that the next reads it whole instead.
+#[derive(Default)]
+pub struct LeftPressed([bool; 2]);
 
 /// The loaded sweep program, with its maps.
 pub struct KernelSweep<'a> {
     pub program: &'a mut SchedClassifier,
     pub maps: &'a mut SweepMaps,
+    pub pressed: &'a mut LeftPressed,
 }
 
 impl KernelSweep<'_> {
@@ -68,7 +81,7 @@ impl KernelSweep<'_> {
                 node_side.look(key, entry)
             })
         };
-        let pressed = &mut self.maps.pressed[A::SWEEP_REPORT as usize];
+        let pressed = &mut self.pressed.0[A::SWEEP_REPORT as usize];
         if *pressed && sample.is_some() {
             let read = in_userspace(node_side)?;
             *pressed = read.entries_left() >= expiry::pressure_at(nat)?;
@@ -85,7 +98,7 @@ impl KernelSweep<'_> {
         node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
         let mut usage = usage(&report);
         let pressed = report.entries_left as usize >= expiry::pressure_at(nat)?;
-        self.maps.pressed[A::SWEEP_REPORT as usize] = pressed;
+        self.pressed.0[A::SWEEP_REPORT as usize] = pressed;
         if let Some(sample) = sample.filter(|_| pressed) {
             let read = expiry::expire(nat, Some(sample), timeouts, now_ns)?;
             usage.expired_flows += read.expired_flows;

@@ -23,7 +23,7 @@ use super::{
     carry::Carried,
     drop_sample,
     hook::Hook,
-    kernel_sweep::{self, KernelSweep},
+    kernel_sweep::{KernelSweep, LeftPressed, Sweeper},
     map_types::SweepMaps,
     maps::Maps,
     options::EbpfOptions,
@@ -37,8 +37,8 @@ pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 /// The object's programs, loaded; its maps are in `Maps`.
 pub struct Programs {
     ebpf: Ebpf,
-    /// Whether the sweep program is loaded.
-    sweeps: bool,
+    /// Where the sweep program is loaded, what the agent keeps of its sweeps.
+    sweeps: Option<LeftPressed>,
 }
 
 impl Programs {
@@ -54,17 +54,19 @@ impl Programs {
 
     /// The sweep program with its maps, where it is loaded.
     pub fn kernel_sweep<'a>(&'a mut self, maps: &'a mut SweepMaps) -> Option<KernelSweep<'a>> {
-        if !self.sweeps {
-            return None;
-        }
+        let pressed = self.sweeps.as_mut()?;
         let program = classifier(&mut self.ebpf, program_names::SWEEP).ok()?;
-        Some(KernelSweep { program, maps })
+        Some(KernelSweep {
+            program,
+            maps,
+            pressed,
+        })
     }
 }
 
 /// Loads the sweep program; false, with a warning, where the kernel refuses it, which leaves
 /// the sweep to userspace. The verifier's log goes to the debug log.
-fn load_sweep(ebpf: &mut Ebpf) -> anyhow::Result<bool> {
+fn load_sweep(ebpf: &mut Ebpf, sweeper: Sweeper) -> anyhow::Result<bool> {
     let err = match classifier(ebpf, program_names::SWEEP)?.load() {
         Ok(()) => {
             tracing::debug!("the NAT table is swept in the kernel");
@@ -72,7 +74,7 @@ fn load_sweep(ebpf: &mut Ebpf) -> anyhow::Result<bool> {
         }
         Err(err) => err,
     };
-    if std::env::var(kernel_sweep::KERNEL_SWEEP_ENV).as_deref() == Ok("1") {
+    if sweeper == Sweeper::KernelOnly {
         return Err(err).context("loading the sweep program, which the environment insists on");
     }
     if let ProgramError::LoadError { verifier_log, .. } = &err {
@@ -179,7 +181,10 @@ pub fn load(loader: &mut EbpfLoader, reused_decisions: bool) -> anyhow::Result<(
                 err => anyhow::Error::new(err).context(format!("loading program {name}")),
             })?;
     }
-    let sweeps = kernel_sweep::wanted() && load_sweep(&mut ebpf)?;
+    let sweeps = match Sweeper::chosen() {
+        Sweeper::Userspace => None,
+        sweeper => load_sweep(&mut ebpf, sweeper)?.then(LeftPressed::default),
+    };
     let maps = Maps::take_from(&mut ebpf, reused_decisions)?;
     Ok((Programs { ebpf, sweeps }, maps))
 }

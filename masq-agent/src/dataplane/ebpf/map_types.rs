@@ -43,9 +43,6 @@ pub struct DropSamples {
 pub struct SweepMaps {
     pub order: Array<MapData, SweepOrder>,
     pub reports: Array<MapData, SweepReport>,
-    /// By the family's slot in `reports`: whether its last sweep left its table under
-    /// pressure (`expiry::UNDER_PRESSURE_PERCENT`).
-    pub pressed: [bool; 2],
 }
 
 /// Picks a family's NAT table by its address type, for code written once over both families.

@@ -77,7 +77,6 @@ impl Maps {
             sweep: SweepMaps {
                 order: take(ebpf, map_names::SWEEP_ORDER)?,
                 reports: take(ebpf, map_names::SWEEP_REPORT)?,
-                pressed: [false; 2],
             },
         })
     }
