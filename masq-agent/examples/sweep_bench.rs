@@ -108,6 +108,7 @@ impl Sweeper {
         match self {
             Sweeper::Kernel => bed
                 .expire_in_kernel::<[u8; 4]>(timeouts, now_ns)?
+                .map(|(usage, _)| usage)
                 .context("this kernel does not run the sweep program"),
             Sweeper::Userspace => {
                 let sample = Some(&bed.maps.drop_samples.v4);

@@ -155,7 +155,7 @@ pub enum FlowOwner {
 }
 
 impl FlowOwner {
-    /// Every owner, in the order of their discriminants (`SweepReport::flows_left`).
+    /// Every owner, in the order of their discriminants (`SweepReport::flows`).
     pub const ALL: [FlowOwner; 4] = [
         FlowOwner::Pod,
         FlowOwner::PodKept,
@@ -249,31 +249,36 @@ impl SweepOrder {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SweepReport {
-    /// Halves the table held after the sweep.
-    pub entries_left: u64,
+    /// Halves the sweep found, removed or not: what a read of the table finds.
+    pub entries: u64,
     /// Halves the sweep removed.
     pub halves_removed: u64,
-    /// Flows left, by `FlowOwner` (each flow has one egress half).
-    pub flows_left: [u64; FlowOwner::ALL.len()],
-    /// Flows removed, by `FlowOwner`: over, or egress halves alone past their timeout.
-    pub flows_removed: [u64; FlowOwner::ALL.len()],
+    /// Flows found, by `FlowOwner` (each flow has one egress half).
+    pub flows: [u64; FlowOwner::ALL.len()],
     /// Flows over, both halves removed.
     pub expired_flows: u64,
     /// Halves without their other half removed.
     pub orphans_removed: u64,
-    /// Halves left that hold a port on the node's side outside NAT's spans.
+    /// Halves found that hold a port on the node's side outside NAT's spans.
     pub ports_outside_spans: u64,
-    /// The ports the halves left hold on the node's side, laid out as `node_ports::slot` says.
+    /// The ports the halves found hold on the node's side, laid out as `node_ports::slot`
+    /// says.
     pub node_side_ports: [u64; node_ports::WORDS as usize],
+}
+
+impl SweepReport {
+    /// Halves the table held after the sweep.
+    pub const fn entries_left(&self) -> u64 {
+        self.entries.saturating_sub(self.halves_removed)
+    }
 }
 
 impl Default for SweepReport {
     fn default() -> Self {
         SweepReport {
-            entries_left: 0,
+            entries: 0,
             halves_removed: 0,
-            flows_left: [0; FlowOwner::ALL.len()],
-            flows_removed: [0; FlowOwner::ALL.len()],
+            flows: [0; FlowOwner::ALL.len()],
             expired_flows: 0,
             orphans_removed: 0,
             ports_outside_spans: 0,

@@ -72,6 +72,10 @@ pub mod map_names {
     pub const SWEEP_ORDER: &str = "nat_sweep_order";
     /// What the sweep program found, per family (`SweepReport`); not pinned.
     pub const SWEEP_REPORT: &str = "nat_sweep_report";
+    /// Per family, the reply halves of the flows a sweep found over, which it removes after
+    /// its walk of the table (`sweep_doomed_slots`); not pinned.
+    pub const SWEEP_DOOMED_V4: &str = "nat_sweep_doomed_v4";
+    pub const SWEEP_DOOMED_V6: &str = "nat_sweep_doomed_v6";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 13] = [
@@ -466,6 +470,14 @@ pub mod drop_vacancy {
     }
 }
 
+/// Slots of the list of reply halves a sweep removes after its walk, for a NAT table of
+/// `nat_entries` entries: one per flow the table can hold, so that every flow a sweep finds
+/// over fits.
+pub const fn sweep_doomed_slots(nat_entries: u32) -> u32 {
+    let flows = nat_entries / 2;
+    if flows < 1 { 1 } else { flows }
+}
+
 /// Slots of a family's drop sample for a NAT table of `nat_entries` entries: one per flow the
 /// table holds (two entries each), rounded up to a power of two, so that a random slot is a
 /// mask away. Each new flow writes its egress key into a random slot; a full table looks at
@@ -805,7 +817,7 @@ mod layout {
     const _: () = assert!(size_of::<PolicyEntry>() == 8 && offset_of!(PolicyEntry, action) == 4);
     const _: () = assert!(size_of::<verdict_slot::Slot>() == 16);
     const _: () = assert!(size_of::<SweepOrder>() == 8 * 15);
-    const _: () = assert!(size_of::<SweepReport>() == 8 * (13 + node_ports::WORDS as usize));
+    const _: () = assert!(size_of::<SweepReport>() == 8 * (9 + node_ports::WORDS as usize));
 }
 
 pub mod flows;

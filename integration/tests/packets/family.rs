@@ -143,7 +143,9 @@ macro_rules! nat_table_of {
         }
         fn expire(bed: &mut TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {
             let before = bed.nat_table::<$octets>();
-            let Some(usage) = bed.expire_in_kernel::<$octets>(timeouts, now_ns).unwrap() else {
+            let Some((usage, node_side_ports)) =
+                bed.expire_in_kernel::<$octets>(timeouts, now_ns).unwrap()
+            else {
                 let table = <$octets as NatFamily>::table(&bed.maps.nat);
                 let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
                 return expiry::expire(table, Some(sample), timeouts, now_ns).unwrap();
@@ -157,6 +159,10 @@ macro_rules! nat_table_of {
             assert_eq!(
                 usage, read,
                 "the sweep program counts what a read of the table counts"
+            );
+            assert!(
+                node_side_ports == TestBed::node_side_ports_in(&before),
+                "the sweep program finds the node-side ports a read of the table finds"
             );
             let after = bed.nat_table::<$octets>();
             crate::family::same_removal(

@@ -97,7 +97,7 @@ impl KernelSweep<'_> {
         };
         node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
         let mut usage = usage(&report);
-        let pressed = report.entries_left as usize >= expiry::pressure_at(nat)?;
+        let pressed = report.entries_left() as usize >= expiry::pressure_at(nat)?;
         self.pressed.0[A::SWEEP_REPORT as usize] = pressed;
         if let Some(sample) = sample.filter(|_| pressed) {
             let read = expiry::expire(nat, Some(sample), timeouts, now_ns)?;
@@ -148,11 +148,9 @@ fn frame(ethertype: u16) -> Vec<u8> {
 
 /// What the table held before the sweep, and what it removed, from the program's report.
 fn usage(report: &SweepReport) -> NatUsage {
-    let flows = |owner: FlowOwner| {
-        (report.flows_left[owner as usize] + report.flows_removed[owner as usize]) as usize
-    };
+    let flows = |owner: FlowOwner| report.flows[owner as usize] as usize;
     NatUsage {
-        entries: (report.entries_left + report.halves_removed) as usize,
+        entries: report.entries as usize,
         pod_flows: flows(FlowOwner::Pod),
         kept_flows: flows(FlowOwner::PodKept),
         node_flows: flows(FlowOwner::NodeTranslated) + flows(FlowOwner::NodeReserved),

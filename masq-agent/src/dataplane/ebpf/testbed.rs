@@ -13,7 +13,7 @@ use aya::{
     programs::{TestRun, TestRunOptions},
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use masq_ebpf::{Counter, NatEntry, NatKey, program_names};
+use masq_ebpf::{Address, Counter, NatEntry, NatKey, program_names};
 
 use super::{
     batch, decisions,
@@ -279,12 +279,14 @@ impl TestBed {
     }
 
     /// Sweeps family `A`'s table as the agent does where the kernel runs the sweep program
-    /// (`kernel_sweep`), the drop sample included; `None` where this kernel does not.
+    /// (`kernel_sweep`), the drop sample included: what it found and removed, and the ports the
+    /// halves it found hold on the node's side (`node_side_ports_in`). `None` where this
+    /// kernel does not run the program.
     pub fn expire_in_kernel<A>(
         &mut self,
         timeouts: &Timeouts,
         now_ns: u64,
-    ) -> anyhow::Result<Option<NatUsage>>
+    ) -> anyhow::Result<Option<(NatUsage, Vec<u64>)>>
     where
         A: NatFamily,
         NatKey<A>: Pod,
@@ -296,9 +298,17 @@ impl TestBed {
         let mut node_side = NodeSidePorts::new(&[]);
         let table = A::table(&self.maps.nat);
         let sample = A::drop_sample(&self.maps.drop_samples);
-        kernel
-            .expire(table, Some(sample), timeouts, now_ns, &mut node_side)
-            .map(Some)
+        let usage = kernel.expire(table, Some(sample), timeouts, now_ns, &mut node_side)?;
+        Ok(Some((usage, node_side.seen)))
+    }
+
+    /// The ports `entries` hold on the node's side, as a sweep that reads them finds them.
+    pub fn node_side_ports_in<A: Address>(entries: &[(NatKey<A>, NatEntry<A>)]) -> Vec<u64> {
+        let mut read = NodeSidePorts::new(&[]);
+        entries
+            .iter()
+            .for_each(|(key, entry)| read.look(key, entry));
+        read.seen
     }
 
     /// Checks the NAT tables for flows that outlived the policy, as the agent's sweep does (with
