@@ -8,7 +8,7 @@ use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sour
 use crate::{
     csum::{self, AddrField, L4Checksum, Ports},
     early_drop,
-    maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests, SweepDoomed},
+    maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests},
     nat,
     parse::{self, Packet},
     policy,
@@ -60,8 +60,6 @@ pub trait Family {
     fn is_unicast(addr: &Self::Addr) -> bool;
     fn nat() -> &'static NatTable<Self::Addr>;
     fn drop_sample() -> &'static DropSample<Self::Addr>;
-    /// The reply halves the sweep removes after its walk.
-    fn sweep_doomed() -> &'static SweepDoomed<Self::Addr>;
     /// The drop sample's slots, a power of two the agent set.
     fn drop_sample_slots() -> u32;
     fn fragments() -> &'static FragmentTable<Self::Addr>;
@@ -199,11 +197,6 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn sweep_doomed() -> &'static SweepDoomed<[u8; 4]> {
-        &maps::SWEEP_DOOMED_V4
-    }
-
-    #[inline(always)]
     fn drop_sample_slots() -> u32 {
         maps::drop_sample_slots(&maps::MASQ_DROP_SAMPLE_SLOTS_V4)
     }
@@ -316,11 +309,6 @@ impl Family for V6 {
     #[inline(always)]
     fn drop_sample() -> &'static DropSample<[u8; 16]> {
         &maps::DROP_SAMPLE_V6
-    }
-
-    #[inline(always)]
-    fn sweep_doomed() -> &'static SweepDoomed<[u8; 16]> {
-        &maps::SWEEP_DOOMED_V6
     }
 
     #[inline(always)]

@@ -72,10 +72,6 @@ pub mod map_names {
     pub const SWEEP_ORDER: &str = "nat_sweep_order";
     /// What the sweep program found, per family (`SweepReport`); not pinned.
     pub const SWEEP_REPORT: &str = "nat_sweep_report";
-    /// Per family, the reply halves of the flows a sweep found over, which it removes after
-    /// its walk of the table (`sweep_doomed_slots`); not pinned.
-    pub const SWEEP_DOOMED_V4: &str = "nat_sweep_doomed_v4";
-    pub const SWEEP_DOOMED_V6: &str = "nat_sweep_doomed_v6";
 
     /// Every map the agent pins.
     pub const PINNED: [&str; 13] = [
@@ -468,14 +464,6 @@ pub mod drop_vacancy {
     pub const fn named(word: u32) -> Option<u32> {
         word.checked_sub(1)
     }
-}
-
-/// Slots of the list of reply halves a sweep removes after its walk, for a NAT table of
-/// `nat_entries` entries: one per flow the table can hold, so that every flow a sweep finds
-/// over fits.
-pub const fn sweep_doomed_slots(nat_entries: u32) -> u32 {
-    let flows = nat_entries / 2;
-    if flows < 1 { 1 } else { flows }
 }
 
 /// Slots of a family's drop sample for a NAT table of `nat_entries` entries: one per flow the

@@ -149,15 +149,6 @@ pub static SWEEP_ORDER: Array<SweepOrder, 1> = Array::new();
 #[btf_map(name = "nat_sweep_report")]
 pub static SWEEP_REPORT: Array<SweepReport, 2> = Array::new();
 
-/// Keys the sweep removes after its walk; sized by the agent (`masq_ebpf::sweep_doomed_slots`).
-pub type SweepDoomed<A> = Array<NatKey<A>, 1>;
-
-#[btf_map(name = "nat_sweep_doomed_v4")]
-pub static SWEEP_DOOMED_V4: SweepDoomed<[u8; 4]> = Array::new();
-
-#[btf_map(name = "nat_sweep_doomed_v6")]
-pub static SWEEP_DOOMED_V6: SweepDoomed<[u8; 16]> = Array::new();
-
 #[btf_map(name = "counters")]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
 

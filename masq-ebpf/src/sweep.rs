@@ -1,18 +1,19 @@
 //! The NAT sweep in the kernel: the agent runs `masq_sweep` through BPF_PROG_TEST_RUN every
 //! sweep interval, over a frame whose EtherType names the family, where the kernel has
 //! `bpf_for_each_map_elem` (5.13). The table is judged where it lies, with the rules the
-//! agent's own sweep uses (`masq_ebpf::flows`), instead of being copied out whole: a flow whose
-//! egress half saw a packet within the shortest timeout costs a visit and no lookup.
+//! agent's own sweep uses (`masq_ebpf::flows`), instead of being copied out whole.
 //!
-//! One walk of the table: each half is counted as it is found, with the port it holds on the
-//! node's side, so that the report says what a read of the table says, and is then judged.
-//! A flow over is listed (`Family::sweep_doomed`, by its egress key) and both its halves are
-//! removed after the walk: removed at once, its reply half might not have been visited yet,
-//! and would go uncounted, or its egress half might be missed by a reply half visited later,
-//! which would take itself for an orphan. A half alone past its timeout is removed as it is
-//! visited. Removing elements during a walk may make it skip or revisit a few (a removed
-//! element goes back to the table's free list and may be reused at once); a flow skipped is
-//! judged at the next sweep, and one revisited is judged again by the same rules.
+//! One walk, in which each half is judged as it is visited, whichever of a flow's two comes
+//! first. A half idle no longer than the shortest timeout belongs to a flow that is not over,
+//! whatever its other half says: it costs a visit, and no lookup. Otherwise its other half is
+//! looked up and the flow judged by both; a flow over loses both halves at once, while both
+//! are in the cache, so that its other half is never visited. Each half is counted once, with
+//! the port it holds on the node's side: as it is visited, or as its flow is removed, so that
+//! the report says what a read of the table says. Both halves reach the same verdict on their
+//! flow, so the one visited second finds what the first left. Removing elements during a walk
+//! may make it skip or revisit a few (a removed element goes back to the table's free list and
+//! may be reused at once); a flow skipped is judged at the next sweep, and one revisited is
+//! judged again by the same rules.
 
 use core::ffi::c_void;
 
@@ -49,35 +50,20 @@ fn sweep<F: Family>() -> bool {
     if order().is_none() || report::<F>().is_none() {
         return false;
     }
-    let mut walk = Walk::default();
-    for_each(F::nat(), judge::<F>, &mut walk);
-    for_each(F::sweep_doomed(), remove_doomed::<F>, &mut walk);
-    true
-}
-
-/// What the walk carries from element to element: how many reply halves it listed.
-#[derive(Default)]
-struct Walk {
-    doomed: u32,
-}
-
-/// What `bpf_for_each_map_elem` calls for each element of a map: the map, the element's key
-/// and value, and the walk. Returns 0 to go on, 1 to stop.
-type Visit<K, V> = extern "C" fn(*mut c_void, *const K, *const V, *mut Walk) -> i64;
-
-#[inline(always)]
-fn for_each<M, K, V>(map: &'static M, visit: Visit<K, V>, walk: &mut Walk) {
-    // SAFETY: `map` is a map the object declares, and `visit` a static function of the
-    // signature the helper calls, which the verifier checks against the map's key and value;
-    // `walk` lives on this stack for the whole call.
+    // The helper wants a context on the stack, even where the callback needs none.
+    let mut unused = 0u64;
+    // SAFETY: the NAT table is a hash map the object declares, and `judge` a static function
+    // of the signature the helper calls, which the verifier checks against the map's key and
+    // value.
     unsafe {
         bpf_for_each_map_elem(
-            core::ptr::from_ref(map).cast_mut().cast(),
-            visit as *mut c_void,
-            core::ptr::from_mut(walk).cast(),
+            core::ptr::from_ref(F::nat()).cast_mut().cast(),
+            judge::<F> as *mut c_void,
+            core::ptr::from_mut(&mut unused).cast(),
             0,
         );
     }
+    true
 }
 
 #[inline(always)]
@@ -92,144 +78,85 @@ fn report<F: Family>() -> Option<&'static mut SweepReport> {
     Some(unsafe { &mut *report })
 }
 
-/// Counts each half found, and removes each flow that is over, judged from its egress half,
-/// and each half left alone past its timeout.
+/// What `bpf_for_each_map_elem` calls for each half in the table: counts it, unless it judges
+/// its flow over and removes it. Returns 0 to go on, 1 to stop.
 extern "C" fn judge<F: Family>(
     _table: *mut c_void,
     key: *const NatKey<F::Addr>,
     entry: *const NatEntry<F::Addr>,
-    walk: *mut Walk,
+    _unused: *mut u64,
 ) -> i64 {
     let (Some(order), Some(report)) = (order(), report::<F>()) else {
         return 1;
     };
-    // SAFETY: the helper passes the element's key and value, valid for the call, which are
-    // only read, and the walk `sweep` passed, which nothing else holds meanwhile.
-    let (key, entry, walk) = unsafe { (&*key, &*entry, &mut *walk) };
-    count(report, key, entry);
-    if key.direction == direction::EGRESS {
-        judge_flow::<F>(order, report, walk, key, entry);
-    } else {
-        judge_reply::<F>(order, report, key, entry);
+    // SAFETY: the helper passes the element's key and value, valid for the call; the value is
+    // only read.
+    let (key, entry) = unsafe { (&*key, &*entry) };
+    // No limit is shorter: the flow is not over, whatever its other half says.
+    let shortest = order.shortest_limit_ns.min(order.orphan_limit_ns);
+    if !idle_past(order.now_ns, entry.last_seen_ns, shortest)
+        || !remove_if_over::<F>(order, report, key, entry)
+    {
+        count(report, key, entry);
     }
     0
 }
 
+/// Looks up the other half of a half that may be over and judges the flow by both; removes
+/// what is over, counted as found, and says whether it did.
 #[inline(always)]
-fn judge_flow<F: Family>(
+fn remove_if_over<F: Family>(
     order: &SweepOrder,
     report: &mut SweepReport,
-    walk: &mut Walk,
     key: &NatKey<F::Addr>,
     entry: &NatEntry<F::Addr>,
-) {
-    // No timeout is shorter: the flow is not over, whatever its reply half says.
-    if !idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns) {
-        return;
-    }
+) -> bool {
     // Removal takes keys off the stack, not out of the element being removed.
     let key = *key;
-    let reply_key = key.reverse(entry);
-    // SAFETY: the reply half is only read.
-    match unsafe { F::nat().get(reply_key) } {
-        Some(reply) => {
-            let last_seen_ns = entry.last_seen_ns.max(reply.last_seen_ns);
-            let limit = order.limit(FlowState::of(&key, entry, reply));
-            if idle_past(order.now_ns, last_seen_ns, limit) {
-                doom::<F>(report, walk, key, reply_key);
-            }
+    let other_key = key.reverse(entry);
+    // SAFETY: the other half is only read, and copied before anything is removed.
+    let other = unsafe { F::nat().get(other_key) }.copied();
+    // A flow is paired from its egress half, as the agent's own sweep pairs them: a reply half
+    // that its egress half does not name is alone.
+    let other =
+        other.filter(|other| key.direction == direction::EGRESS || other_key.reverse(other) == key);
+    let Some(other) = other else {
+        let limit = if key.direction == direction::EGRESS {
+            // An egress half alone cannot translate replies; let it go with its timeout.
+            order.limit(FlowState::of(&key, entry, entry))
+        } else {
+            order.orphan_limit_ns
+        };
+        if !idle_past(order.now_ns, entry.last_seen_ns, limit) {
+            return false;
         }
-        // An egress half alone cannot translate replies; let it go with its timeout.
-        None => {
-            let limit = order.limit(FlowState::of(&key, entry, entry));
-            if idle_past(order.now_ns, entry.last_seen_ns, limit) && F::nat().remove(key).is_ok() {
-                report.halves_removed += 1;
-                report.orphans_removed += 1;
-            }
+        count(report, &key, entry);
+        if F::nat().remove(key).is_ok() {
+            report.halves_removed += 1;
+            report.orphans_removed += 1;
         }
+        return true;
+    };
+    let ((egress_key, egress), reply) = if key.direction == direction::EGRESS {
+        ((&key, entry), &other)
+    } else {
+        ((&other_key, &other), entry)
+    };
+    let last_seen_ns = egress.last_seen_ns.max(reply.last_seen_ns);
+    let limit = order.limit(FlowState::of(egress_key, egress, reply));
+    if !idle_past(order.now_ns, last_seen_ns, limit) {
+        return false;
     }
-}
-
-/// A reply half is judged with its flow, from the egress half, unless it has none.
-#[inline(always)]
-fn judge_reply<F: Family>(
-    order: &SweepOrder,
-    report: &mut SweepReport,
-    key: &NatKey<F::Addr>,
-    entry: &NatEntry<F::Addr>,
-) {
-    if !idle_past(order.now_ns, entry.last_seen_ns, order.orphan_limit_ns) {
-        return;
-    }
-    let key = *key;
-    // SAFETY: the egress half is only looked for.
-    if unsafe { F::nat().get(key.reverse(entry)) }.is_some() {
-        return;
-    }
-    if F::nat().remove(key).is_ok() {
-        report.halves_removed += 1;
-        report.orphans_removed += 1;
-    }
-}
-
-/// Lists a flow over, by its egress key, for removal after the walk; removes it at once if the
-/// list is full, which only a walk that revisits elements can make it.
-#[inline(always)]
-fn doom<F: Family>(
-    report: &mut SweepReport,
-    walk: &mut Walk,
-    key: NatKey<F::Addr>,
-    reply_key: NatKey<F::Addr>,
-) {
-    match F::sweep_doomed().get_ptr_mut(walk.doomed) {
-        Some(slot) => {
-            // SAFETY: only this program writes the list, and the agent runs it once at a time.
-            unsafe { *slot = key };
-            walk.doomed += 1;
-        }
-        None => remove_flow::<F>(report, key, reply_key),
-    }
-}
-
-/// Removes both halves of a flow over.
-#[inline(always)]
-fn remove_flow<F: Family>(
-    report: &mut SweepReport,
-    key: NatKey<F::Addr>,
-    reply_key: NatKey<F::Addr>,
-) {
-    if F::nat().remove(reply_key).is_ok() {
+    count(report, &key, entry);
+    count(report, &other_key, &other);
+    if F::nat().remove(other_key).is_ok() {
         report.halves_removed += 1;
     }
     if F::nat().remove(key).is_ok() {
         report.halves_removed += 1;
         report.expired_flows += 1;
     }
-}
-
-/// What `bpf_for_each_map_elem` calls for each slot of the list of flows over: removes the
-/// ones the walk listed, and stops after them.
-extern "C" fn remove_doomed<F: Family>(
-    _list: *mut c_void,
-    slot: *const u32,
-    key: *const NatKey<F::Addr>,
-    walk: *mut Walk,
-) -> i64 {
-    // SAFETY: the helper passes the slot's index and value, valid for the call, and the walk
-    // `sweep` passed; all are only read.
-    let (slot, walk) = unsafe { (*slot, &*walk) };
-    let Some(report) = report::<F>().filter(|_| slot < walk.doomed) else {
-        return 1;
-    };
-    // Removal takes keys off the stack, not out of a map's value.
-    // SAFETY: as above.
-    let key = unsafe { *key };
-    // SAFETY: the egress half is only read, for its reply half's key.
-    if let Some(entry) = unsafe { F::nat().get(key) } {
-        let reply_key = key.reverse(entry);
-        remove_flow::<F>(report, key, reply_key);
-    }
-    0
+    true
 }
 
 /// Counts a half as found: toward the table's halves, its flow's owner if it is the egress

@@ -93,9 +93,8 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
         .with_context(|| format!("program {name} is not a classifier"))
 }
 
-/// The size of each family's NAT table, of its drop sample, which the programs read from a
-/// global (the loader borrows the globals' values from here), and of the sweep's list of
-/// flows over.
+/// The size of each family's NAT table, and of its drop sample, which the programs read from
+/// a global; the loader borrows the globals' values from here.
 pub struct NatSizes {
     v4_entries: u32,
     v6_entries: u32,
@@ -114,19 +113,12 @@ impl NatSizes {
     }
 
     /// The maps sized here, and their sizes.
-    fn max_entries(&self) -> [(&'static str, u32); 6] {
-        // A list for no sweep takes no memory.
-        let doomed_slots = |nat_entries| match Sweeper::chosen() {
-            Sweeper::Userspace => 1,
-            Sweeper::Kernel | Sweeper::KernelOnly => masq_ebpf::sweep_doomed_slots(nat_entries),
-        };
+    fn max_entries(&self) -> [(&'static str, u32); 4] {
         [
             (map_names::NAT_V4, self.v4_entries),
             (map_names::NAT_V6, self.v6_entries),
             (map_names::DROP_SAMPLE_V4, self.v4_sample_slots),
             (map_names::DROP_SAMPLE_V6, self.v6_sample_slots),
-            (map_names::SWEEP_DOOMED_V4, doomed_slots(self.v4_entries)),
-            (map_names::SWEEP_DOOMED_V6, doomed_slots(self.v6_entries)),
         ]
     }
 
