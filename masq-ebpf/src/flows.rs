@@ -214,8 +214,8 @@ pub struct SweepOrder {
     pub idle_limits_ns: [u64; FlowState::ALL.len()],
     /// The same for a reply half without its egress half.
     pub orphan_limit_ns: u64,
-    /// The least of `idle_limits_ns`: a flow whose egress half is idle no longer is not over,
-    /// whatever its reply half says, and its reply half is not looked up.
+    /// The least of all the limits above: a half idle no longer is not over, whatever its
+    /// other half says, and its other half is not looked up.
     pub shortest_limit_ns: u64,
 }
 
@@ -229,7 +229,7 @@ impl SweepOrder {
             now_ns,
             idle_limits_ns,
             orphan_limit_ns,
-            shortest_limit_ns: idle_limits_ns.into_iter().min().unwrap_or(u64::MAX),
+            shortest_limit_ns: idle_limits_ns.into_iter().fold(orphan_limit_ns, u64::min),
         }
     }
 

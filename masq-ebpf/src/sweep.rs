@@ -92,9 +92,7 @@ extern "C" fn judge<F: Family>(
     // SAFETY: the helper passes the element's key and value, valid for the call; the value is
     // only read.
     let (key, entry) = unsafe { (&*key, &*entry) };
-    // No limit is shorter: the flow is not over, whatever its other half says.
-    let shortest = order.shortest_limit_ns.min(order.orphan_limit_ns);
-    if !idle_past(order.now_ns, entry.last_seen_ns, shortest)
+    if !idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns)
         || !remove_if_over::<F>(order, report, key, entry)
     {
         count(report, key, entry);
