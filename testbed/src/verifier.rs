@@ -256,9 +256,15 @@ fn last_words(log: &str) -> String {
     log.lines()
         .rev()
         .map(str::trim)
-        .find(|line| !line.is_empty() && !line.starts_with("verification time"))
+        .find(|line| may_say_why(line))
         .unwrap_or("the verifier wrote no log")
         .to_string()
+}
+
+/// Whether a line of the verifier's log may be its last words: not blank, and not the timing
+/// it writes after them.
+fn may_say_why(line: &str) -> bool {
+    !line.trim().is_empty() && !line.starts_with("verification time")
 }
 
 /// Runs `bpftool -d prog loadall` on `object`, pinning into a directory of this run's own on
@@ -410,7 +416,7 @@ impl Reading {
                 .and_then(|n| n.parse().ok());
         } else if let Some(call) = pseudo_call(line) {
             self.calls.insert(call);
-        } else if !line.starts_with("verification time") && !line.trim().is_empty() {
+        } else if may_say_why(line) {
             self.last_words = Some(line.to_string());
         }
     }
