@@ -77,8 +77,18 @@ impl Policy {
     /// dropped from the non-masquerade lists, or an exception added. (It may say so of a
     /// change that moves nothing, as one that only splits a prefix; never the other way.)
     pub fn may_masquerade_more(&self, after: &Policy) -> bool {
-        // Policies run to hundreds of thousands of prefixes: a set, not a scan per prefix.
+        // Policies run to hundreds of thousands of prefixes, and a change to a file mostly adds
+        // or removes a few and leaves the rest in their order: one walk along both lists
+        // answers those. A prefix the walk misses is looked for in the whole of `to`; only
+        // a list reordered needs a set.
         fn dropped<T: Eq + std::hash::Hash>(from: &[T], to: &[T]) -> bool {
+            let mut rest = to.iter();
+            let Some(missed) = from.iter().find(|p| !rest.any(|q| q == *p)) else {
+                return false;
+            };
+            if !to.contains(missed) {
+                return true;
+            }
             let to: std::collections::HashSet<&T> = to.iter().collect();
             from.iter().any(|p| !to.contains(p))
         }
@@ -481,6 +491,27 @@ mod tests {
             &[],
             false
         )));
+    }
+
+    /// The lists are compared as sets, whatever their order: a prefix moved is not dropped.
+    #[test]
+    fn a_prefix_moved_in_the_list_is_not_dropped() {
+        let (a, b, c, d) = (
+            "10.0.0.0/8",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "100.64.0.0/10",
+        );
+        let list = |nets: &[&str]| with_exceptions(nets, &[], false);
+        let base = list(&[a, b, c]);
+        assert!(!base.may_masquerade_more(&list(&[c, b, a])));
+        assert!(!base.may_masquerade_more(&list(&[a, d, b, c])));
+        assert!(!base.may_masquerade_more(&list(&[b, c, a, a])));
+        assert!(base.may_masquerade_more(&list(&[a, c])));
+        assert!(base.may_masquerade_more(&list(&[c, a, d])));
+        // The walk passes `a` to find `b`, and misses `b` where `to` holds it: it is the
+        // last, `c`, that is gone.
+        assert!(base.may_masquerade_more(&list(&[b, a])));
     }
 
     #[test]

@@ -754,15 +754,20 @@ fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
         daemon.child.id(),
         plan.large
     );
+    // The agent's CPU over the changes says less about the machine's moment than their
+    // latency, which an A/B of two agents wants.
+    let cpu_before = cost_meter::cpu_ns(daemon.child.id())?;
     let latencies = one_change_latency(&bed, &policy);
+    let cpu_used = cost_meter::cpu_ns(daemon.child.id())?.saturating_sub(cpu_before);
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
     let latencies = latencies?;
     let rounded: Vec<String> = latencies.iter().map(|ms| format!("{ms:.1}")).collect();
     println!(
-        "one-prefix change to {}: median {:.1} ms of [{}]",
+        "one-prefix change to {}: median {:.1} ms of [{}]; the agent's CPU {:.1} ms a change",
         plan.large,
         median(latencies.clone()).unwrap_or_default(),
-        rounded.join(", ")
+        rounded.join(", "),
+        cpu_used as f64 / 1e6 / latencies.len() as f64
     );
     Ok(())
 }
