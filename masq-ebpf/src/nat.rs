@@ -50,6 +50,17 @@ pub enum AllocError {
     TableFull,
 }
 
+/// Where a flow's translation came from.
+#[derive(PartialEq, Eq)]
+pub enum Made {
+    /// Both halves were made for it now.
+    New,
+    /// The table held the flow already (a SYN sent again, or a tuple used again, that came
+    /// without a lookup; or another CPU's first packet of the same flow), and its half was
+    /// refreshed by the packet, as a lookup's would be.
+    Found,
+}
+
 /// A NAT table key. For ICMP echo, the identifier stands in the pod-side port and the other
 /// port is 0.
 #[inline(always)]
@@ -284,12 +295,19 @@ pub fn create_snat<F: Family>(
     to: F::Addr,
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
-) -> Result<(), AllocError> {
+) -> Result<Made, AllocError> {
     *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
-    match reserve_port::<F>(egress_key, egress) {
+    let reserved = reserve_port::<F>(egress_key, egress);
+    // A pod's SYN comes without a lookup: where no port could be had, the flow may have one.
+    if reserved != RESERVED
+        && let Some(existing) = lookup::<F>(egress_key)
+    {
+        return Ok(adopt::<F>(egress_key, existing, segment, egress));
+    }
+    match reserved {
         RESERVED => {
             let ingress_key = egress_key.reverse(egress);
-            publish_egress::<F>(egress_key, &ingress_key, egress)
+            publish_egress::<F>(egress_key, &ingress_key, segment, egress)
         }
         PORTS_EXHAUSTED => {
             maps::count(Counter::AllocationFailed);
@@ -306,6 +324,7 @@ pub fn create_snat<F: Family>(
 #[inline(always)]
 pub fn create_snat_again<F: Family>(
     egress_key: &NatKey<F::Addr>,
+    segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
     freed_port: u16,
 ) -> Result<(), AllocError> {
@@ -330,7 +349,7 @@ pub fn create_snat_again<F: Family>(
             let _ = F::nat().remove(key);
             Err(AllocError::TableFull)
         }
-        Ok(()) => publish_egress::<F>(egress_key, key, egress),
+        Ok(()) => publish_egress::<F>(egress_key, key, segment, egress).map(|_| ()),
         Err(_) => Err(AllocError::TableFull),
     }
 }
@@ -438,30 +457,43 @@ pub extern "C" fn masq_reserve_port_v6() -> i64 {
     reserve_port_global::<crate::family::V6>()
 }
 
-/// Inserts the egress half once its port is reserved. If another CPU translated the same flow
-/// meanwhile, its translation wins, is copied into `egress`, and our reservation is released.
+/// Inserts the egress half once its port is reserved. If the table holds the flow already (see
+/// `Made::Found`), its translation stands, refreshed by `segment` and copied into `egress`,
+/// and our reservation is released.
 #[inline(always)]
 fn publish_egress<F: Family>(
     egress_key: &NatKey<F::Addr>,
     ingress_key: &NatKey<F::Addr>,
+    segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
-) -> Result<(), AllocError> {
+) -> Result<Made, AllocError> {
     // By reference, as in `reserve_port`.
     let value: &NatEntry<F::Addr> = egress;
     match F::nat().insert(egress_key, value, BPF_NOEXIST as u64) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(Made::New),
         Err(err) => {
             let _ = F::nat().remove(ingress_key);
             match (err, lookup::<F>(egress_key)) {
-                (EEXIST, Some(winner)) => {
-                    // SAFETY: map value pointer from a successful lookup.
-                    *egress = unsafe { *winner };
-                    Ok(())
-                }
+                (EEXIST, Some(existing)) => Ok(adopt::<F>(egress_key, existing, segment, egress)),
                 _ => Err(AllocError::TableFull),
             }
         }
     }
+}
+
+/// The flow's own half, found where a new one was to go: `segment` refreshes it, as after a
+/// lookup, and its translation is copied into `egress`.
+#[inline(always)]
+fn adopt<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    existing: *mut NatEntry<F::Addr>,
+    segment: &Segment,
+    egress: &mut NatEntry<F::Addr>,
+) -> Made {
+    refresh::<F>(egress_key, existing, segment);
+    // SAFETY: map value pointer from a successful lookup.
+    *egress = unsafe { *existing };
+    Made::Found
 }
 
 /// Why a flow could not be remembered as one to leave alone.

@@ -366,6 +366,16 @@ pub fn tcp_header(ctx: &TcContext, offset: usize) -> Option<TcpHeader> {
     })
 }
 
+/// The flags of the TCP header at `offset`, which `l4` found whole: one byte, for a step that
+/// needs no more of the header.
+#[inline(always)]
+pub fn tcp_flags(ctx: &TcContext, offset: usize) -> Option<u8> {
+    read(
+        ctx,
+        offset + TCP_SEQ_OFF + core::mem::offset_of!(TcpHeaderFields, flags),
+    )
+}
+
 /// What an ICMP error must quote of the offending packet's L4 header (RFC 792).
 const QUOTED_L4_LEN: usize = 8;
 

@@ -12,7 +12,9 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     Counter, Decision, EARLY_DROP_ROUNDS, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey,
-    direction, nat_kind, tcp_seen,
+    direction, nat_kind,
+    tcp_flags::{ACK, SYN},
+    tcp_seen,
 };
 
 use crate::{
@@ -20,7 +22,7 @@ use crate::{
     early_drop::{self, SampleSlot},
     family::{Family, V4, V6},
     frag, maps,
-    nat::{self, AllocError, IdentityError, Segment},
+    nat::{self, AllocError, IdentityError, Made, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
 };
@@ -139,8 +141,15 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
     }
     let key = packet_key(&ip, &l4, direction::EGRESS);
     // A flow that has an entry keeps it, whatever the policy says now, as conntrack does for
-    // upstream's chain: policy changes affect new flows only.
-    match nat::lookup::<F>(&key) {
+    // upstream's chain: policy changes affect new flows only. A pod's SYN that the policy
+    // masquerades goes to the new flow's steps without the lookup, which would read a cold
+    // bucket to find nothing: they find an entry the flow has where they make its halves.
+    let found = if opens_masqueraded_pod_flow::<F>(ctx, &ip, &l4) {
+        None
+    } else {
+        nat::lookup::<F>(&key)
+    };
+    match found {
         Some(entry) => {
             nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, &ip, &l4));
             // SAFETY: map value pointer from a successful lookup.
@@ -173,7 +182,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                     let Some(freed_port) = room.port() else {
                         continue;
                     };
-                    made = snat_masquerade_again::<F>(&key, &mut entry, freed_port);
+                    made = snat_masquerade_again::<F>(&key, &segment, &mut entry, freed_port);
                     if made == Masquerading::MASQUERADED {
                         early_drop::remember::<F>(SampleSlot::freed(room), &key);
                     }
@@ -183,7 +192,9 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 }
             }
             Egress::done(match made {
-                Masquerading::MASQUERADED => snat_nat::<F>(ctx, &ip, &l4, &entry),
+                Masquerading::MASQUERADED | Masquerading::KNOWN_FLOW => {
+                    snat_nat::<F>(ctx, &ip, &l4, &entry)
+                }
                 Masquerading::TABLE_FULL => Verdict::Drop(Counter::DropNatTableFull).count(),
                 done => done.action(),
             })
@@ -200,8 +211,21 @@ step_outcome! {
 
 step_outcome! {
     /// What `snat_masquerade_new` and `snat_masquerade_again` say: what tc is to do with the
-    /// packet, or that the flow's entry is made, or that the table had no room for it.
-    Masquerading { MASQUERADED = -5, TABLE_FULL = -6 }
+    /// packet, or that the flow's entry is made, or that the table had no room for it, or
+    /// that the table held the flow already (`nat::Made::Found`).
+    Masquerading { MASQUERADED = -5, TABLE_FULL = -6, KNOWN_FLOW = -7 }
+}
+
+/// Whether the packet is a pod's SYN (without ACK) toward a destination the policy
+/// masquerades: a connection's first segment, whose flow the table mostly does not hold. The
+/// same questions `snat_new_flow` asks, so that it says `POD_SOURCE` and counts nothing else
+/// for a packet that came to it without a lookup.
+#[inline(always)]
+fn opens_masqueraded_pod_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
+    l4.proto == IPPROTO_TCP
+        && parse::tcp_flags(ctx, ip.l4_off).is_some_and(|flags| flags & (SYN | ACK) == SYN)
+        && Device::<F>::of(ctx).is_some_and(|device| !device.holds(&ip.saddr))
+        && !F::leaves_alone(ip.saddr, ip.daddr)
 }
 
 /// Whose flow a packet of no known flow starts: a pod's, or the node's own (its source is one
@@ -269,7 +293,8 @@ fn snat_masquerade_new<F: Family>(
         device.masquerade_addr()
     };
     match nat::create_snat::<F>(key, to, segment, entry) {
-        Ok(()) => {
+        Ok(Made::Found) => Masquerading::KNOWN_FLOW,
+        Ok(Made::New) => {
             // Asked again rather than kept across the call: a value known on each path that
             // lives through it would have the verifier walk the allocation once per value.
             if entry.addr == key.saddr {
@@ -291,10 +316,11 @@ step! {
 /// dropped had (`freed_port`), taken now. Says `MASQUERADED` or `TABLE_FULL`.
 fn snat_masquerade_again<F: Family>(
     key: &NatKey<F::Addr>,
+    segment: &Segment,
     entry: &mut NatEntry<F::Addr>,
     freed_port: u16,
 ) -> Masquerading {
-    match nat::create_snat_again::<F>(key, entry, freed_port) {
+    match nat::create_snat_again::<F>(key, segment, entry, freed_port) {
         Ok(()) => Masquerading::MASQUERADED,
         Err(_) => Masquerading::TABLE_FULL,
     }

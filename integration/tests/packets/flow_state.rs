@@ -23,6 +23,7 @@ in_both_families!(
     an_orphaned_reply_half_is_removed,
     udp_and_echo_expire_as_conntrack_times_them,
     tcp_closes_expire_as_conntrack_times_each_state,
+    a_syn_sent_again_finds_its_flow,
 );
 
 /// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
@@ -221,6 +222,29 @@ fn only_an_acceptable_rst_ends_a_flow<F: HarnessFamily>() {
     c.pod_sends(&mut h, RST, 4011, 0, &[]);
     assert!(c.reset(&h), "the pod's RST ends its flow");
     assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 5);
+}
+
+/// A pod's SYN goes to a new flow's steps without a lookup. One sent again, or a connection
+/// opened again on a tuple whose flow the table still holds, finds that flow where a new one's
+/// halves would go: it keeps the flow's port, leaves no other reserved, and moves the flow on
+/// as a packet that looked it up would.
+fn a_syn_sent_again_finds_its_flow<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    let first = Connection::<F>::open(&mut h, 40400, 1000);
+    let again = Connection::<F>::open(&mut h, 40400, 1000);
+    assert_eq!(again.node_port, first.node_port, "the flow's port");
+    assert_eq!(F::nat(&h).len(), 2, "no other port left reserved");
+    first.remote_sends(&mut h, RST | ACK, 0, 1001, &[]);
+    assert!(first.reset(&h), "refused");
+    let reopened = Connection::<F>::open(&mut h, 40400, 900_000);
+    assert_eq!(reopened.node_port, first.node_port, "the flow's port");
+    assert_eq!(F::nat(&h).len(), 2, "no other port left reserved");
+    let next_seq = F::nat(&h)
+        .iter()
+        .find(|(k, _)| k.direction == direction::EGRESS)
+        .map(|(_, e)| e.tcp_next_seq);
+    assert_eq!(next_seq, Some(900_001), "the SYN moved the flow's half on");
+    assert_eq!(h.counter(Counter::NodePortClash), 0);
 }
 
 /// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
