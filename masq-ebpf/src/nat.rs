@@ -51,7 +51,6 @@ pub enum AllocError {
 }
 
 /// Where a flow's translation came from.
-#[derive(PartialEq, Eq)]
 pub enum Made {
     /// Both halves were made for it now.
     New,
@@ -288,7 +287,8 @@ fn rst_acceptable<F: Family>(
 }
 
 /// Gives a new egress flow a port on `to`, one of the node's addresses, creating both halves;
-/// the egress half is left in `egress`.
+/// or finds the flow's own halves there already (`Made::Found`). The egress half is left in
+/// `egress`.
 #[inline(always)]
 pub fn create_snat<F: Family>(
     egress_key: &NatKey<F::Addr>,
@@ -298,7 +298,8 @@ pub fn create_snat<F: Family>(
 ) -> Result<Made, AllocError> {
     *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
     let reserved = reserve_port::<F>(egress_key, egress);
-    // A pod's SYN comes without a lookup: where no port could be had, the flow may have one.
+    // A pod's SYN comes here without a lookup: where no port could be had, the flow may hold
+    // one already.
     if reserved != RESERVED
         && let Some(existing) = lookup::<F>(egress_key)
     {
@@ -327,7 +328,7 @@ pub fn create_snat_again<F: Family>(
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
     freed_port: u16,
-) -> Result<(), AllocError> {
+) -> Result<Made, AllocError> {
     if ports::held_by_node(egress_key.proto, egress.port) {
         if freed_port == 0 {
             return Err(AllocError::TableFull);
@@ -349,7 +350,7 @@ pub fn create_snat_again<F: Family>(
             let _ = F::nat().remove(key);
             Err(AllocError::TableFull)
         }
-        Ok(()) => publish_egress::<F>(egress_key, key, segment, egress).map(|_| ()),
+        Ok(()) => publish_egress::<F>(egress_key, key, segment, egress),
         Err(_) => Err(AllocError::TableFull),
     }
 }
@@ -470,15 +471,25 @@ fn publish_egress<F: Family>(
     // By reference, as in `reserve_port`.
     let value: &NatEntry<F::Addr> = egress;
     match F::nat().insert(egress_key, value, BPF_NOEXIST as u64) {
-        Ok(()) => Ok(Made::New),
-        Err(err) => {
-            let _ = F::nat().remove(ingress_key);
-            match (err, lookup::<F>(egress_key)) {
-                (EEXIST, Some(existing)) => Ok(adopt::<F>(egress_key, existing, segment, egress)),
-                _ => Err(AllocError::TableFull),
+        Ok(()) => return Ok(Made::New),
+        Err(EEXIST) => {
+            if let Some(existing) = lookup::<F>(egress_key) {
+                let _ = F::nat().remove(ingress_key);
+                return Ok(adopt::<F>(egress_key, existing, segment, egress));
+            }
+            // The flow's half went between the two (swept, or dropped early): its place is
+            // free, and the table has room.
+            if F::nat()
+                .insert(egress_key, value, BPF_NOEXIST as u64)
+                .is_ok()
+            {
+                return Ok(Made::New);
             }
         }
+        Err(_) => {}
     }
+    let _ = F::nat().remove(ingress_key);
+    Err(AllocError::TableFull)
 }
 
 /// The flow's own half, found where a new one was to go: `segment` refreshes it, as after a
@@ -491,7 +502,7 @@ fn adopt<F: Family>(
     egress: &mut NatEntry<F::Addr>,
 ) -> Made {
     refresh::<F>(egress_key, existing, segment);
-    // SAFETY: map value pointer from a successful lookup.
+    // SAFETY: `existing` is a map value pointer, from its callers' successful lookups.
     *egress = unsafe { *existing };
     Made::Found
 }

@@ -144,10 +144,10 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
     // upstream's chain: policy changes affect new flows only. A pod's SYN that the policy
     // masquerades goes to the new flow's steps without the lookup, which would read a cold
     // bucket to find nothing: they find an entry the flow has where they make its halves.
-    let found = if opens_masqueraded_pod_flow::<F>(ctx, &ip, &l4) {
-        None
-    } else {
-        nat::lookup::<F>(&key)
+    let opening = opening_masqueraded_pod_flow::<F>(ctx, &ip, &l4);
+    let found = match opening {
+        Some(_) => None,
+        None => nat::lookup::<F>(&key),
     };
     match found {
         Some(entry) => {
@@ -160,10 +160,16 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             // one after the other: nested, their frames would pass the verifier's 512 bytes
             // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
             let mut segment = Segment::default();
-            let source = match snat_new_flow::<F>(ctx, &ip, &l4, &mut segment) {
-                NewFlow::POD_SOURCE => Source::Pod,
-                NewFlow::NODE_SOURCE => Source::Node,
-                done => return Egress::done(done.action()),
+            let source = match opening {
+                Some(_) => {
+                    segment = Segment::read::<F>(ctx, &ip, &l4);
+                    Source::Pod
+                }
+                None => match snat_new_flow::<F>(ctx, &ip, &l4, &mut segment) {
+                    NewFlow::POD_SOURCE => Source::Pod,
+                    NewFlow::NODE_SOURCE => Source::Node,
+                    done => return Egress::done(done.action()),
+                },
             };
             if let Err(verdict) = snat_keeps_its_address::<F>(&ip, &key, source, &segment) {
                 return Egress::done(verdict.count());
@@ -191,6 +197,13 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                     }
                 }
             }
+            // As `snat_new_flow` counts a flow's first packet; a packet of a flow the table
+            // held was counted as its first.
+            if let Some(decided) = opening
+                && made != Masquerading::KNOWN_FLOW
+            {
+                decided.count();
+            }
             Egress::done(match made {
                 Masquerading::MASQUERADED | Masquerading::KNOWN_FLOW => {
                     snat_nat::<F>(ctx, &ip, &l4, &entry)
@@ -216,16 +229,46 @@ step_outcome! {
     Masquerading { MASQUERADED = -5, TABLE_FULL = -6, KNOWN_FLOW = -7 }
 }
 
-/// Whether the packet is a pod's SYN (without ACK) toward a destination the policy
-/// masquerades: a connection's first segment, whose flow the table mostly does not hold. The
-/// same questions `snat_new_flow` asks, so that it says `POD_SOURCE` and counts nothing else
-/// for a packet that came to it without a lookup.
+/// What the policy decided for a pod's flow it masquerades, by its destination and, where the
+/// family has source entries, by its source: counted once the flow is known to be new.
+#[derive(Clone, Copy)]
+struct Decided {
+    destination: Decision,
+    source: Option<Decision>,
+}
+
+impl Decided {
+    #[inline(always)]
+    fn count(self) {
+        if let Some(source) = self.source {
+            policy::count(source);
+        }
+        policy::count(self.destination);
+    }
+}
+
+/// For a pod's SYN (without ACK) toward a destination the policy masquerades, a connection's
+/// first segment, whose flow the table mostly does not hold: what the policy decided. The
+/// questions `snat_new_flow` asks of a packet of no known flow, asked once: the packet goes
+/// to the steps after it.
 #[inline(always)]
-fn opens_masqueraded_pod_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
-    l4.proto == IPPROTO_TCP
-        && parse::tcp_flags(ctx, ip.l4_off).is_some_and(|flags| flags & (SYN | ACK) == SYN)
-        && Device::<F>::of(ctx).is_some_and(|device| !device.holds(&ip.saddr))
-        && !F::leaves_alone(ip.saddr, ip.daddr)
+fn opening_masqueraded_pod_flow<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    l4: &L4,
+) -> Option<Decided> {
+    let opens = l4.proto == IPPROTO_TCP
+        && parse::tcp_flags(ctx, ip.l4_off).is_some_and(|flags| flags & (SYN | ACK) == SYN);
+    if !opens || Device::<F>::of(ctx)?.holds(&ip.saddr) {
+        return None;
+    }
+    let destination = F::decide(ip.daddr);
+    let source = F::decide_source(ip.saddr);
+    let masqueraded = !destination.keeps_address && !source.is_some_and(|d| d.keeps_address);
+    masqueraded.then_some(Decided {
+        destination,
+        source,
+    })
 }
 
 /// Whose flow a packet of no known flow starts: a pod's, or the node's own (its source is one
@@ -275,6 +318,7 @@ step! {
 /// Egress, the first packet of a flow to masquerade: a port for it, and both halves of its
 /// entry. A flow of the node's own is one whose port a masqueraded flow held already. Says:
 /// - `MASQUERADED`: the egress half is in `entry`;
+/// - `KNOWN_FLOW`: the table held the flow already, and its egress half is in `entry`;
 /// - `TABLE_FULL`: no room for the flow (`early_drop` may make some);
 /// - or what tc is to do: drop the packet when every port is taken.
 fn snat_masquerade_new<F: Family>(
@@ -313,7 +357,7 @@ fn snat_masquerade_new<F: Family>(
 step! {
 /// Egress, the first packet of a flow to masquerade, once `early_drop` made room in a full
 /// table: the port `snat_masquerade_new` found no room for, in `entry`, or the one the flow
-/// dropped had (`freed_port`), taken now. Says `MASQUERADED` or `TABLE_FULL`.
+/// dropped had (`freed_port`), taken now. Says `MASQUERADED`, `KNOWN_FLOW` or `TABLE_FULL`.
 fn snat_masquerade_again<F: Family>(
     key: &NatKey<F::Addr>,
     segment: &Segment,
@@ -321,7 +365,8 @@ fn snat_masquerade_again<F: Family>(
     freed_port: u16,
 ) -> Masquerading {
     match nat::create_snat_again::<F>(key, segment, entry, freed_port) {
-        Ok(()) => Masquerading::MASQUERADED,
+        Ok(Made::New) => Masquerading::MASQUERADED,
+        Ok(Made::Found) => Masquerading::KNOWN_FLOW,
         Err(_) => Masquerading::TABLE_FULL,
     }
 }
