@@ -144,10 +144,10 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
     // upstream's chain: policy changes affect new flows only. A pod's SYN that the policy
     // masquerades goes to the new flow's steps without the lookup, which would read a cold
     // bucket to find nothing: they find an entry the flow has where they make its halves.
-    let opening = opening_masqueraded_pod_flow::<F>(ctx, &ip, &l4);
-    let found = match opening {
-        Some(_) => None,
-        None => nat::lookup::<F>(&key),
+    let found = if opens_masqueraded_pod_flow::<F>(ctx, &ip, &l4) {
+        None
+    } else {
+        nat::lookup::<F>(&key)
     };
     match found {
         Some(entry) => {
@@ -160,16 +160,10 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             // one after the other: nested, their frames would pass the verifier's 512 bytes
             // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
             let mut segment = Segment::default();
-            let source = match opening {
-                Some(_) => {
-                    segment = Segment::read::<F>(ctx, &ip, &l4);
-                    Source::Pod
-                }
-                None => match snat_new_flow::<F>(ctx, &ip, &l4, &mut segment) {
-                    NewFlow::POD_SOURCE => Source::Pod,
-                    NewFlow::NODE_SOURCE => Source::Node,
-                    done => return Egress::done(done.action()),
-                },
+            let source = match snat_new_flow::<F>(ctx, &ip, &l4, &mut segment) {
+                NewFlow::POD_SOURCE => Source::Pod,
+                NewFlow::NODE_SOURCE => Source::Node,
+                done => return Egress::done(done.action()),
             };
             if let Err(verdict) = snat_keeps_its_address::<F>(&ip, &key, source, &segment) {
                 return Egress::done(verdict.count());
@@ -197,13 +191,6 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                     }
                 }
             }
-            // As `snat_new_flow` counts a flow's first packet; a packet of a flow the table
-            // held was counted as its first.
-            if let Some(decided) = opening
-                && made != Masquerading::KNOWN_FLOW
-            {
-                decided.count();
-            }
             Egress::done(match made {
                 Masquerading::MASQUERADED | Masquerading::KNOWN_FLOW => {
                     snat_nat::<F>(ctx, &ip, &l4, &entry)
@@ -229,46 +216,18 @@ step_outcome! {
     Masquerading { MASQUERADED = -5, TABLE_FULL = -6, KNOWN_FLOW = -7 }
 }
 
-/// What the policy decided for a pod's flow it masquerades, by its destination and, where the
-/// family has source entries, by its source: counted once the flow is known to be new.
-#[derive(Clone, Copy)]
-struct Decided {
-    destination: Decision,
-    source: Option<Decision>,
-}
-
-impl Decided {
-    #[inline(always)]
-    fn count(self) {
-        if let Some(source) = self.source {
-            policy::count(source);
-        }
-        policy::count(self.destination);
-    }
-}
-
-/// For a pod's SYN (without ACK) toward a destination the policy masquerades, a connection's
-/// first segment, whose flow the table mostly does not hold: what the policy decided. The
-/// questions `snat_new_flow` asks of a packet of no known flow, asked once: the packet goes
-/// to the steps after it.
+/// Whether the packet is a pod's SYN (without ACK) toward a destination the policy
+/// masquerades: a connection's first segment, whose flow the table mostly does not hold. The
+/// questions `snat_new_flow` asks after it, so that it says `POD_SOURCE`. The policy may
+/// change between the two: a flow the table holds, whose SYN came in that moment (sent again,
+/// or its tuple used again), then sends that one SYN as the new policy says, untranslated; the
+/// next finds the flow.
 #[inline(always)]
-fn opening_masqueraded_pod_flow<F: Family>(
-    ctx: &TcContext,
-    ip: &Packet<F::Addr>,
-    l4: &L4,
-) -> Option<Decided> {
-    let opens = l4.proto == IPPROTO_TCP
-        && parse::tcp_flags(ctx, ip.l4_off).is_some_and(|flags| flags & (SYN | ACK) == SYN);
-    if !opens || Device::<F>::of(ctx)?.holds(&ip.saddr) {
-        return None;
-    }
-    let destination = F::decide(ip.daddr);
-    let source = F::decide_source(ip.saddr);
-    let masqueraded = !destination.keeps_address && !source.is_some_and(|d| d.keeps_address);
-    masqueraded.then_some(Decided {
-        destination,
-        source,
-    })
+fn opens_masqueraded_pod_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
+    l4.proto == IPPROTO_TCP
+        && parse::tcp_flags(ctx, ip.l4_off).is_some_and(|flags| flags & (SYN | ACK) == SYN)
+        && Device::<F>::of(ctx).is_some_and(|device| !device.holds(&ip.saddr))
+        && !F::leaves_alone(ip.saddr, ip.daddr)
 }
 
 /// Whose flow a packet of no known flow starts: a pod's, or the node's own (its source is one
@@ -336,21 +295,37 @@ fn snat_masquerade_new<F: Family>(
     } else {
         device.masquerade_addr()
     };
-    match nat::create_snat::<F>(key, to, segment, entry) {
-        Ok(Made::Found) => Masquerading::KNOWN_FLOW,
-        Ok(Made::New) => {
-            // Asked again rather than kept across the call: a value known on each path that
-            // lives through it would have the verifier walk the allocation once per value.
-            if entry.addr == key.saddr {
-                maps::count(Counter::NodePortClash);
-            }
-            Masquerading::MASQUERADED
-        }
+    let made = nat::create_snat::<F>(key, to, segment, entry);
+    if matches!(made, Ok(Made::Found)) {
+        return Masquerading::KNOWN_FLOW;
+    }
+    // Asked again rather than kept across the call: a value known on each path that lives
+    // through it would have the verifier walk the allocation once per value.
+    if entry.addr != key.saddr {
+        count_masqueraded::<F>(key);
+    } else if made.is_ok() {
+        maps::count(Counter::NodePortClash);
+    }
+    match made {
+        Ok(_) => Masquerading::MASQUERADED,
         Err(AllocError::PortsExhausted) => {
             Masquerading::done(Verdict::Drop(Counter::DropPortsExhausted).count())
         }
         Err(AllocError::TableFull) => Masquerading::TABLE_FULL,
     }
+}
+}
+
+step! {
+/// Counts a pod's new flow to masquerade (`egress_key`) for the entries that decided it, of
+/// the source trie where the family has source entries, and of the destination trie. Asked
+/// again, the verdict cache answering, rather than carried from `snat_new_flow` across the
+/// allocation: a step of its own, whose frame is not stacked on the port search's.
+fn count_masqueraded<F: Family>(egress_key: &NatKey<F::Addr>) {
+    if let Some(by_source) = F::decide_source(egress_key.saddr) {
+        policy::count(by_source);
+    }
+    policy::count(F::decide(egress_key.daddr));
 }
 }
 
@@ -551,14 +526,14 @@ fn snat_needs_masquerade<F: Family>(
     if decision.keeps_address {
         return Err(keeps_its_address(decision, source));
     }
-    if source == Source::Pod {
-        if let Some(by_source) = F::decide_source(ip.saddr) {
-            policy::count(by_source);
-            if by_source.keeps_address {
-                return Err(Verdict::Keep(Counter::NotMasqNonMasqSource));
-            }
-        }
-        policy::count(decision);
+    // A pod's flow to masquerade is counted once it is known to be new
+    // (`snat_masquerade_new`): a SYN comes here without a lookup.
+    if source == Source::Pod
+        && let Some(by_source) = F::decide_source(ip.saddr)
+        && by_source.keeps_address
+    {
+        policy::count(by_source);
+        return Err(Verdict::Keep(Counter::NotMasqNonMasqSource));
     }
     *segment = Segment::read::<F>(ctx, ip, l4);
     Ok(())

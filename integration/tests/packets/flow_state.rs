@@ -245,7 +245,11 @@ fn a_syn_sent_again_finds_its_flow<F: HarnessFamily>() {
         .map(|(_, e)| e.tcp_next_seq);
     assert_eq!(next_seq, Some(900_001), "the SYN moved the flow's half on");
     assert_eq!(h.counter(Counter::NodePortClash), 0);
-    assert_eq!(h.decided_by_default(), 1, "the policy's decision counted once");
+    assert_eq!(
+        h.decided_by_default(),
+        1,
+        "the policy's decision counted once"
+    );
 }
 
 /// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
