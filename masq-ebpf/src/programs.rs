@@ -226,7 +226,7 @@ step_outcome! {
 fn opens_masqueraded_pod_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> bool {
     l4.proto == IPPROTO_TCP
         && parse::tcp_flags(ctx, ip.l4_off).is_some_and(|flags| flags & (SYN | ACK) == SYN)
-        && Device::<F>::of(ctx).is_some_and(|device| !device.holds(&ip.saddr))
+        && Device::<F>::of(ctx).is_some_and(|device| Source::of(ip, &device) == Source::Pod)
         && !F::leaves_alone(ip.saddr, ip.daddr)
 }
 
