@@ -1,8 +1,8 @@
 //! What one sweep of the NAT table costs the agent, at the table sizes a node reaches: the
 //! table filled through the real egress program (a SYN per flow, both halves inserted), then
 //! swept as the agent sweeps it, once with nothing to expire and once with every flow expired;
-//! by the sweep program in the kernel, and in userspace (older kernels, and a table under
-//! pressure), in turn. One JSON line per table size and sweeper, for `cargo xtask bench`.
+//! by the sweep program in the kernel, and in userspace (older kernels), in turn. Three
+//! quarters full, the table is under pressure, and each sweep points its drop sample too. One JSON line per table size and sweeper, for `cargo xtask bench`.
 
 use std::{net::Ipv4Addr, time::Instant};
 

@@ -5,7 +5,7 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use masq_ebpf::{
-    Address, Counter, EARLY_DROP_PROBES, NatKey, can_drop_early, drop_vacancy, nat_kind,
+    Address, Counter, EARLY_DROP_PROBES, NatKey, drop_vacancy, may_drop_from_full_table, nat_kind,
 };
 
 use crate::{family::Family, maps, nat::lookup};
@@ -168,8 +168,8 @@ impl<A: Address + 'static> SampledFlow<A> {
         let reply = lookup::<F>(&self.reply_key)?;
         // SAFETY: map value pointers from successful lookups, read only.
         let (egress, reply) = unsafe { (&*egress, &*reply) };
-        let may_drop = self.kind == nat_kind::NODE
-            || can_drop_early(self.key.proto, egress.tcp_seen, reply.tcp_seen);
+        let may_drop =
+            may_drop_from_full_table(self.kind, self.key.proto, egress.tcp_seen, reply.tcp_seen);
         may_drop.then_some(egress.last_seen_ns.max(reply.last_seen_ns))
     }
 

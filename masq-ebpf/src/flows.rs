@@ -2,8 +2,8 @@
 //! in userspace and by the sweep program in the kernel (`SweepOrder`, `SweepReport`).
 
 use crate::{
-    Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind, node_ports,
-    packets_seen, tcp_seen,
+    Address, EARLY_DROP_PROBES, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, direction, nat_kind,
+    node_ports, packets_seen, tcp_seen,
 };
 
 /// Where a flow is in its life, as conntrack classes it for its timeout.
@@ -217,6 +217,9 @@ pub struct SweepOrder {
     /// The least of all the limits above: a half idle no longer is not over, whatever its
     /// other half says, and its other half is not looked up.
     pub shortest_limit_ns: u64,
+    /// Non-zero: the table is under pressure, and the sweep points the drop sample's slots at
+    /// the flows it leaves (`SamplePointing`).
+    pub point_drop_sample: u64,
 }
 
 impl SweepOrder {
@@ -230,6 +233,15 @@ impl SweepOrder {
             idle_limits_ns,
             orphan_limit_ns,
             shortest_limit_ns: idle_limits_ns.into_iter().fold(orphan_limit_ns, u64::min),
+            point_drop_sample: 0,
+        }
+    }
+
+    /// The same order, which also points the drop sample at the flows the sweep leaves.
+    pub fn pointing_the_drop_sample(self) -> SweepOrder {
+        SweepOrder {
+            point_drop_sample: 1,
+            ..self
         }
     }
 
@@ -264,6 +276,8 @@ pub struct SweepReport {
     /// The ports the halves found hold on the node's side, laid out as `node_ports::slot`
     /// says.
     pub node_side_ports: [u64; node_ports::WORDS as usize],
+    /// The flows the sweep pointed the drop sample at, if asked to.
+    pub pointed: SamplePointing,
 }
 
 impl SweepReport {
@@ -283,6 +297,59 @@ impl Default for SweepReport {
             orphans_removed: 0,
             ports_outside_spans: 0,
             node_side_ports: [0; node_ports::WORDS as usize],
+            pointed: SamplePointing::default(),
+        }
+    }
+}
+
+/// Where a sweep that leaves a table under pressure points the drop sample's slots, flow by
+/// flow as it finds them, in whatever order: every `EARLY_DROP_PROBES`-th slot is kept for a
+/// flow a full table may drop (`may_drop_from_full_table`), so that any `EARLY_DROP_PROBES`
+/// slots in a row, which a full table looks at, hold one while the table has as many as those
+/// slots; the other slots take the flows it may not drop (which may close later and become
+/// droppable), from the first, and droppable flows beyond the kept slots, from the last, which
+/// may take the place of a flow it may not drop. Each flow goes into one slot at most; slots
+/// not pointed keep what the programs wrote. One walk in the kernel and one list in userspace
+/// place them alike, without knowing beforehand how many of each there are.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SamplePointing {
+    /// Flows a full table may drop, placed or not.
+    pub droppable: u32,
+    /// Flows it may not drop, placed.
+    pub kept: u32,
+}
+
+impl SamplePointing {
+    /// The slot of a sample of `slots` (a power of two) for the next flow, which a full table
+    /// may drop or not; none once the slots for it are taken.
+    #[inline(always)]
+    pub fn place(&mut self, slots: u32, droppable: bool) -> Option<u32> {
+        if slots == 0 {
+            return None;
+        }
+        // One slot in every `stride` is kept for droppable flows: `EARLY_DROP_PROBES`, or the
+        // whole sample where it is smaller than that.
+        let kept_for_droppable = (slots / EARLY_DROP_PROBES).max(1);
+        let stride = slots / kept_for_droppable;
+        let others = slots - kept_for_droppable;
+        // The `nth` of the other slots, skipping those kept for droppable flows.
+        let other = |nth: u32| nth + nth.checked_div(stride - 1).unwrap_or(0) + 1;
+        if droppable {
+            let nth = self.droppable;
+            self.droppable += 1;
+            if nth < kept_for_droppable {
+                return Some(nth * stride);
+            }
+            let beyond = nth - kept_for_droppable;
+            (beyond < others).then(|| other(others - 1 - beyond))
+        } else {
+            let beyond = self.droppable.saturating_sub(kept_for_droppable);
+            if self.kept + beyond >= others {
+                return None;
+            }
+            self.kept += 1;
+            Some(other(self.kept - 1))
         }
     }
 }

@@ -444,6 +444,15 @@ pub const fn can_drop_early(proto: u8, egress: u8, ingress: u8) -> bool {
         || (proto == IPPROTO_TCP && (egress | ingress) & ending != 0)
 }
 
+/// Whether a full NAT table may drop the flow whose egress half is of `kind`: a flow of the
+/// node's own (`nat_kind::NODE`), a reservation its next packet makes again, whatever its
+/// state; any other as `can_drop_early` says. `egress` and `ingress` are its halves'
+/// `tcp_seen`.
+#[inline(always)]
+pub const fn may_drop_from_full_table(kind: u8, proto: u8, egress: u8, ingress: u8) -> bool {
+    kind == nat_kind::NODE || can_drop_early(proto, egress, ingress)
+}
+
 /// Each family's slot of the map `nat_drop_vacancy` (`map_names::DROP_VACANCY`).
 /// Each word holds a slot of the drop sample plus one: 0 names none.
 pub mod drop_vacancy {
@@ -804,12 +813,12 @@ mod layout {
     const _: () = assert!(size_of::<Settings>() == 8 * MAX_PORT_SPANS + 16);
     const _: () = assert!(size_of::<PolicyEntry>() == 8 && offset_of!(PolicyEntry, action) == 4);
     const _: () = assert!(size_of::<verdict_slot::Slot>() == 16);
-    const _: () = assert!(size_of::<SweepOrder>() == 8 * 15);
-    const _: () = assert!(size_of::<SweepReport>() == 8 * (9 + node_ports::WORDS as usize));
+    const _: () = assert!(size_of::<SweepOrder>() == 8 * 16);
+    const _: () = assert!(size_of::<SweepReport>() == 8 * (10 + node_ports::WORDS as usize));
 }
 
 pub mod flows;
-pub use flows::{FlowOwner, FlowState, SweepOrder, SweepReport, sweep_report};
+pub use flows::{FlowOwner, FlowState, SamplePointing, SweepOrder, SweepReport, sweep_report};
 
 #[cfg(feature = "user")]
 mod pod {

@@ -14,6 +14,11 @@
 //! may make it skip or revisit a few (a removed element goes back to the table's free list and
 //! may be reused at once); a flow skipped is judged at the next sweep, and one revisited is
 //! judged again by the same rules.
+//!
+//! A table under pressure also has its drop sample pointed at the flows the walk leaves
+//! (`SweepOrder::point_drop_sample`): each egress half left looks its reply half up, to tell
+//! whether a full table may drop the flow, and takes the slot `SamplePointing` gives it. The
+//! agent once read the whole table out for this, which cost it more than the walk.
 
 use core::ffi::c_void;
 
@@ -26,7 +31,7 @@ use aya_ebpf::{
 use masq_ebpf::{
     FlowOwner, FlowState, NatEntry, NatKey, SweepOrder, SweepReport, direction,
     flows::{idle_past, node_side_port},
-    node_ports,
+    may_drop_from_full_table, node_ports,
 };
 
 use crate::{
@@ -92,12 +97,36 @@ extern "C" fn judge<F: Family>(
     // SAFETY: the helper passes the element's key and value, valid for the call; the value is
     // only read.
     let (key, entry) = unsafe { (&*key, &*entry) };
-    if !idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns)
-        || !remove_if_over::<F>(order, report, key, entry)
+    if idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns)
+        && remove_if_over::<F>(order, report, key, entry)
     {
-        count(report, key, entry);
+        return 0;
+    }
+    count(report, key, entry);
+    if order.point_drop_sample != 0 && key.direction == direction::EGRESS {
+        point_at::<F>(report, key, entry);
     }
     0
+}
+
+/// Points a slot of the drop sample at a flow the sweep leaves, by its egress half, where
+/// `SamplePointing` places it; as the agent's sweep in userspace points it, a flow without its
+/// reply half is not one a full table drops, and gets none.
+#[inline(always)]
+fn point_at<F: Family>(report: &mut SweepReport, key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) {
+    // SAFETY: the reply half is only read.
+    let Some(reply) = (unsafe { F::nat().get(key.reverse(entry)) }) else {
+        return;
+    };
+    let droppable = may_drop_from_full_table(entry.kind, key.proto, entry.tcp_seen, reply.tcp_seen);
+    let Some(slot) = report.pointed.place(F::drop_sample_slots(), droppable) else {
+        return;
+    };
+    if let Some(sampled) = F::drop_sample().get_ptr_mut(slot) {
+        // SAFETY: a map value, written whole. A new flow that writes the slot at once leaves
+        // one of the two flows out of the sample, as `early_drop::remember` says.
+        unsafe { *sampled = *key };
+    }
 }
 
 /// Looks up the other half of a half that may be over and judges the flow by both; removes

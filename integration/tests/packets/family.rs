@@ -98,6 +98,9 @@ pub trait HarnessFamily: FrameAddress {
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
     /// The drop sample, slot by slot.
     fn drop_sample(bed: &TestBed) -> Vec<NatKey<Self::Octets>>;
+    /// Empties every slot of the drop sample, as new flows writing over its slots make it
+    /// forget the flows it held.
+    fn forget_drop_sample(bed: &TestBed);
     /// The slot of the drop sample a drop freed and no new flow took yet.
     fn drop_vacancy(bed: &TestBed) -> Option<u32>;
     /// Names `slot` as such a slot, as a drop on another CPU would.
@@ -181,6 +184,12 @@ macro_rules! nat_table_of {
             (0..sample.len())
                 .map(|slot| sample.get(&slot, 0).unwrap())
                 .collect()
+        }
+        fn forget_drop_sample(bed: &TestBed) {
+            let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
+            let empty = vec![NatKey::<$octets>::default(); sample.len() as usize];
+            let map = aya::maps::IterableMap::map(sample);
+            masq_agent::dataplane::ebpf::batch::fill_array(map, &empty).unwrap();
         }
         fn drop_vacancy(bed: &TestBed) -> Option<u32> {
             let vacancies = &bed.maps.drop_samples.vacancies;

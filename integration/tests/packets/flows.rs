@@ -6,8 +6,9 @@ use masq_agent::dataplane::ebpf::{
     node_ports::{self, HeldPorts, NodePorts},
     testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed},
 };
-use masq_ebpf::{Counter, NatKey, direction, nat_kind};
+use masq_ebpf::{Counter, EARLY_DROP_PROBES, NatKey, direction, nat_kind};
 use masq_testbed::packet::*;
+use std::collections::HashSet;
 
 use crate::family::*;
 
@@ -23,6 +24,7 @@ in_both_families!(
     a_flow_made_in_the_room_of_another_cpus_drop_takes_its_slot,
     a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake,
     a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
+    every_sweep_of_a_table_left_under_pressure_points_its_sample_again,
     a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried,
     a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
@@ -371,6 +373,74 @@ fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F
     let (verdict, _) = h.egress(&tcp(F::POD, 3005, F::REMOTE, 80, SYN));
     assert_eq!(verdict, TC_ACT_OK);
     assert_eq!(pod_ports::<F>(&h), [3001, 3002, 3003, 3005]);
+}
+
+/// A table that stays under pressure has its drop sample pointed by every sweep, however much
+/// of it new flows overwrote since (here all of it): by the sweep that finds it so, and by
+/// those after it, which the sweep program points in its one walk. Of 32 slots, every 16 in a
+/// row hold one of the flows a full table may drop, all of which fit; each flow is in one slot
+/// at most. Then a full table finds one to drop for a new flow, and never an open connection.
+fn every_sweep_of_a_table_left_under_pressure_points_its_sample_again<F: HarnessFamily>() {
+    let mut h = F::bed(64, &[(1024, 65535)], true);
+    let open: Vec<u16> = (3001..3021).collect();
+    let unanswered: Vec<u16> = (4001..4009).collect();
+    for &pod_port in &open {
+        connect::<F>(&mut h, pod_port);
+    }
+    for &pod_port in &unanswered {
+        h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+    }
+    assert_eq!(F::nat(&h).len(), 56, "past three quarters of 64 entries");
+    let droppable: HashSet<_> = unanswered.iter().map(|&p| egress_key::<F>(&h, p)).collect();
+    let flows: HashSet<_> = open
+        .iter()
+        .chain(&unanswered)
+        .map(|&p| egress_key::<F>(&h, p))
+        .collect();
+    for sweep in ["the sweep that finds it so", "a sweep of a table left so"] {
+        F::forget_drop_sample(&h);
+        let newest = F::nat(&h)
+            .iter()
+            .map(|(_, e)| e.last_seen_ns)
+            .max()
+            .unwrap();
+        assert_eq!(
+            F::expire(&mut h, &expiry::Timeouts::default(), newest).expired_flows,
+            0
+        );
+        let sample = F::drop_sample(&h);
+        assert_eq!(sample.len(), 32);
+        let held: Vec<_> = sample.iter().filter(|key| flows.contains(key)).collect();
+        assert_eq!(
+            held.len(),
+            flows.len(),
+            "{sweep}: every flow, once: {sample:?}"
+        );
+        assert_eq!(
+            held.iter().collect::<HashSet<_>>().len(),
+            flows.len(),
+            "{sweep}"
+        );
+        for first in 0..sample.len() {
+            let looked_at = (first..first + EARLY_DROP_PROBES as usize).map(|s| &sample[s % 32]);
+            assert!(
+                looked_at.clone().any(|key| droppable.contains(key)),
+                "{sweep}: 16 slots from {first} hold a flow a full table may drop"
+            );
+        }
+    }
+    for pod_port in 5001..5005 {
+        h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+    }
+    assert_eq!(F::nat(&h).len(), 64, "the table is full");
+    let (verdict, _) = h.egress(&tcp(F::POD, 6001, F::REMOTE, 80, SYN));
+    assert_eq!(verdict, TC_ACT_OK, "a full table found a flow to drop");
+    let left: HashSet<u16> = pod_ports::<F>(&h).into_iter().collect();
+    assert!(left.contains(&6001));
+    assert!(
+        open.iter().all(|port| left.contains(port)),
+        "no open connection dropped"
+    );
 }
 
 /// Of the flows a full table may drop, it drops the one idle longest, so that a flow just made

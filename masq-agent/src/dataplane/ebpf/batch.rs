@@ -175,12 +175,18 @@ fn lookup_each<K: Pod>(
 
 /// Writes `values` into the slots `0..values.len()` of the array `map` (Linux 5.6).
 pub fn fill_array<V: Pod>(map: &MapData, values: &[V]) -> io::Result<()> {
+    let slots: Vec<u32> = (0..values.len() as u32).collect();
+    update_array(map, &slots, values)
+}
+
+/// Writes `values` into the array map `map`, each into the slot of `slots` at its place.
+pub fn update_array<V: Pod>(map: &MapData, slots: &[u32], values: &[V]) -> io::Result<()> {
+    assert_eq!(slots.len(), values.len(), "a slot for each value");
     let mut start = 0;
     while start < values.len() {
         let take = (values.len() - start).min(CHUNK);
-        let slots: Vec<u32> = (start..start + take).map(|slot| slot as u32).collect();
         let mut attr = BatchAttr {
-            keys: slots.as_ptr() as u64,
+            keys: slots[start..].as_ptr() as u64,
             values: values[start..].as_ptr() as u64,
             count: take as u32,
             map_fd: fd(map),

@@ -5,7 +5,7 @@
 //! that, the flows of a table that was full before a restart could not be dropped.
 
 use aya::{Pod, maps::IterableMap as _};
-use masq_ebpf::{Address, NatEntry, NatKey, direction};
+use masq_ebpf::{Address, NatEntry, NatKey, SamplePointing, direction};
 
 use super::{
     batch,
@@ -36,10 +36,11 @@ where
     Ok(flows.len())
 }
 
-/// Points the slots of `sample` at the flows a table under pressure holds: the egress keys of
-/// those a full table may drop (`droppable`) spread evenly among those of the others (`kept`,
-/// which may close later and become droppable then), each once (`spread`). Slots past the
-/// table's flows keep what the programs wrote. Says how many slots it wrote.
+/// Points the slots of `sample` at the flows a table under pressure holds, where
+/// `SamplePointing` places them, as the sweep program does as it walks the table: the egress
+/// keys of those a full table may drop (`droppable`) and of the others (`kept`, which may close
+/// later and become droppable then), each once. Slots not pointed keep what the programs
+/// wrote. Says how many slots it wrote.
 pub fn point_at<A: Address>(
     sample: &DropSample<A>,
     droppable: &[NatKey<A>],
@@ -48,77 +49,131 @@ pub fn point_at<A: Address>(
 where
     NatKey<A>: Pod,
 {
-    let keys = spread(droppable, kept, sample.len() as usize);
-    batch::fill_array(sample.map(), &keys)?;
+    let (slots, keys) = placed(droppable, kept, sample.len());
+    batch::update_array(sample.map(), &slots, &keys)?;
     Ok(keys.len())
 }
 
-/// Up to `slots` of `droppable` and `kept`, each once, droppable first if there are more:
-/// the droppable ones evenly spaced, so that every `EARLY_DROP_PROBES` slots in a row that a
-/// full table looks at hold one while there are a sixteenth as many as slots. (Repeating the
-/// droppable ones over every slot, as the agent once did, left the slots of each but one
-/// pointing at nothing once it was dropped.)
-fn spread<K: Copy>(droppable: &[K], kept: &[K], slots: usize) -> Vec<K> {
-    let len = slots.min(droppable.len() + kept.len());
-    let placing = droppable.len().min(len);
-    let (mut droppable, mut kept) = (droppable.iter(), kept.iter());
-    let mut placed = 0;
-    (0..len)
-        .filter_map(|slot| {
-            // How many droppable flows the slots up to this one hold, spread evenly.
-            if placed < (slot + 1) * placing / len {
-                placed += 1;
-                droppable.next()
-            } else {
-                kept.next()
-            }
-        })
-        .copied()
-        .collect()
+/// The slots of a sample of `slots` that `droppable` and `kept` take, droppable first (so that
+/// none is put in a slot and then displaced), with their keys.
+fn placed<K: Copy>(droppable: &[K], kept: &[K], slots: u32) -> (Vec<u32>, Vec<K>) {
+    let mut pointing = SamplePointing::default();
+    let flows =
+        (droppable.iter().map(|key| (true, key))).chain(kept.iter().map(|key| (false, key)));
+    flows
+        .filter_map(|(may_drop, key)| Some((pointing.place(slots, may_drop)?, *key)))
+        .unzip()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::spread;
-    use masq_ebpf::EARLY_DROP_PROBES;
+    use super::placed;
+    use masq_ebpf::{EARLY_DROP_PROBES, SamplePointing};
 
     const PROBES: usize = EARLY_DROP_PROBES as usize;
 
-    /// Droppable flows as negative numbers, the others as positive.
-    fn sample(droppable: usize, kept: usize, slots: usize) -> Vec<i64> {
-        let droppable: Vec<i64> = (1..=droppable as i64).map(|i| -i).collect();
-        let kept: Vec<i64> = (1..=kept as i64).collect();
-        spread(&droppable, &kept, slots)
+    /// A sample of `slots` after flows were placed in `order` (true for one a full table may
+    /// drop), as the sweep program's walk meets them: droppable flows as negative numbers,
+    /// the others as positive, an empty slot as 0.
+    fn walked(order: &[bool], slots: usize) -> Vec<i64> {
+        let mut sample = vec![0; slots];
+        let mut pointing = SamplePointing::default();
+        let (mut droppable, mut kept) = (0, 0);
+        for &may_drop in order {
+            let flow = if may_drop {
+                droppable += 1;
+                -droppable
+            } else {
+                kept += 1;
+                kept
+            };
+            if let Some(slot) = pointing.place(slots as u32, may_drop) {
+                sample[slot as usize] = flow;
+            }
+        }
+        sample
+    }
+
+    /// Orders of `droppable` and `kept` flows a walk may meet them in: all droppable first,
+    /// last, interleaved, and scattered.
+    fn orders(droppable: usize, kept: usize) -> Vec<Vec<bool>> {
+        let total = droppable + kept;
+        let first: Vec<bool> = (0..total).map(|i| i < droppable).collect();
+        let last: Vec<bool> = (0..total).map(|i| i >= kept).collect();
+        let mut scattered = first.clone();
+        let mut state = 0x9e37_79b9_u64;
+        for i in (1..total).rev() {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            scattered.swap(i, (state >> 33) as usize % (i + 1));
+        }
+        let spread: Vec<bool> = (0..total)
+            .map(|i| (i + 1) * droppable / total > i * droppable / total)
+            .collect();
+        vec![first, last, scattered, spread]
+    }
+
+    fn slots_kept_for_droppable(slots: usize) -> usize {
+        (slots / PROBES).max(1)
     }
 
     #[test]
     fn every_run_of_the_slots_looked_at_holds_a_droppable_flow() {
-        for slots in [64, 1024] {
-            for droppable in slots / PROBES..slots {
-                let keys = sample(droppable, slots, slots);
-                assert_eq!(keys.len(), slots);
-                for first in 0..slots {
-                    let looked_at = (first..first + PROBES).map(|slot| keys[slot % slots]);
-                    assert!(
-                        looked_at.clone().any(|k| k < 0),
-                        "{droppable} droppable in {slots} slots, from slot {first}"
-                    );
+        for slots in [1, 4, 16, 64, 1024] {
+            let looked_at = PROBES.min(slots);
+            for droppable in [slots_kept_for_droppable(slots), slots / 4, slots, 2 * slots] {
+                for order in orders(droppable.max(1), 2 * slots) {
+                    let sample = walked(&order, slots);
+                    for first in 0..slots {
+                        assert!(
+                            (first..first + looked_at).any(|slot| sample[slot % slots] < 0),
+                            "{droppable} droppable in {slots} slots, from slot {first}: {sample:?}"
+                        );
+                    }
                 }
             }
         }
     }
 
     #[test]
-    fn each_flow_goes_in_once_droppable_ones_first() {
-        for (droppable, kept, slots) in [(3, 5, 64), (0, 70, 64), (70, 5, 64), (10, 60, 64)] {
-            let keys = sample(droppable, kept, slots);
-            assert_eq!(keys.len(), slots.min(droppable + kept));
-            let mut distinct = keys.clone();
-            distinct.sort();
-            distinct.dedup();
-            assert_eq!(distinct.len(), keys.len(), "{keys:?}");
-            let placed = keys.iter().filter(|k| **k < 0).count();
-            assert_eq!(placed, droppable.min(slots), "{keys:?}");
+    fn each_flow_goes_in_once_and_droppable_ones_are_never_displaced() {
+        for slots in [1, 4, 16, 64, 1024] {
+            for droppable in [0, 1, slots / 32, slots / 2, slots, 3 * slots / 2] {
+                for kept in [0, 3, slots / 2, slots, 2 * slots] {
+                    for order in orders(droppable, kept) {
+                        let sample = walked(&order, slots);
+                        let held: Vec<i64> = sample.iter().copied().filter(|f| *f != 0).collect();
+                        let mut distinct = held.clone();
+                        distinct.sort();
+                        distinct.dedup();
+                        assert_eq!(distinct.len(), held.len(), "{sample:?}");
+                        let droppable_held = held.iter().filter(|f| **f < 0).count();
+                        assert_eq!(droppable_held, droppable.min(slots), "{sample:?}");
+                        // Every slot is pointed once the droppable flows fill those kept for
+                        // them, or there are flows enough to fill the rest.
+                        let reserved = slots_kept_for_droppable(slots);
+                        let others = slots - reserved;
+                        let expected = droppable.min(reserved)
+                            + others.min(droppable.saturating_sub(reserved) + kept);
+                        assert_eq!(held.len(), expected, "{droppable}+{kept}: {sample:?}");
+                    }
+                }
+            }
         }
+    }
+
+    #[test]
+    fn the_agent_places_a_list_as_the_walk_would_place_it_droppable_first() {
+        let droppable: Vec<i64> = (1..=10).map(|i| -i).collect();
+        let kept: Vec<i64> = (1..=100).collect();
+        let (slots, keys) = placed(&droppable, &kept, 64);
+        let mut sample = vec![0; 64];
+        for (slot, key) in slots.iter().zip(&keys) {
+            sample[*slot as usize] = *key;
+        }
+        let order: Vec<bool> = (0..110).map(|i| i < 10).collect();
+        assert_eq!(sample, walked(&order, 64));
+        assert_eq!(keys.len(), 64);
     }
 }

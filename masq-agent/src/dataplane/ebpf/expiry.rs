@@ -14,7 +14,8 @@ use aya::Pod;
 use aya::maps::IterableMap as _;
 pub use masq_ebpf::flows::{FlowOwner, FlowState, node_side_port};
 use masq_ebpf::{
-    Address, NatEntry, NatKey, SweepOrder, can_drop_early, direction, flows::idle_past, nat_kind,
+    Address, NatEntry, NatKey, SweepOrder, direction, flows::idle_past, may_drop_from_full_table,
+    nat_kind,
 };
 
 use super::{
@@ -331,8 +332,12 @@ fn over<A: Address>(
                 if past(last, order.limit(FlowState::of(key, entry, reply))) {
                     over.flows.extend([*key, reply_key]);
                 } else if find_droppable {
-                    let may_drop = entry.kind == nat_kind::NODE
-                        || can_drop_early(key.proto, entry.tcp_seen, reply.tcp_seen);
+                    let may_drop = may_drop_from_full_table(
+                        entry.kind,
+                        key.proto,
+                        entry.tcp_seen,
+                        reply.tcp_seen,
+                    );
                     let list = if may_drop {
                         &mut over.droppable
                     } else {

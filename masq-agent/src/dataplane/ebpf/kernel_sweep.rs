@@ -1,9 +1,9 @@
 //! The NAT sweep in the kernel: the sweep program (masq-ebpf's `sweep`) judges each family's
 //! table where it lies, with the rules of `expiry`, where the kernel has
 //! `bpf_for_each_map_elem` (5.13). Reading the whole table out every sweep cost the agent most
-//! of its CPU under churn; the program touches only what may be over. Elsewhere, and for a
-//! table under pressure, whose drop sample is pointed from a read of the whole table, the
-//! agent sweeps in userspace (`expiry::expire_seeing`).
+//! of its CPU under churn; the program touches only what may be over, and, for a table under
+//! pressure, points its drop sample as it walks. Elsewhere the agent sweeps in userspace
+//! (`expiry::expire_seeing`).
 
 use anyhow::{Context as _, bail};
 use aya::{
@@ -45,7 +45,8 @@ impl Sweeper {
 }
 
 /// Per family, by its slot in the sweep's reports: whether its last sweep left its table under
-/// pressure (`expiry::UNDER_PRESSURE_PERCENT`), so that the next reads it whole instead.
+/// pressure (`expiry::UNDER_PRESSURE_PERCENT`), so that the next points its drop sample in its
+/// one walk.
 #[derive(Default)]
 pub struct LeftPressed([bool; 2]);
 
@@ -60,9 +61,9 @@ impl KernelSweep<'_> {
     /// Sweeps family `A`'s table as of `now_ns`: what it held and removed, as `expiry::expire`
     /// reports it, and the ports the flows left hold on the node's side, into `node_side`.
     ///
-    /// A table under pressure also gets its drop `sample`, if given, pointed at its flows,
-    /// which takes a read of the whole table: the sweep that finds it so reads it after the
-    /// program's run, and while it stays so the sweeps read it instead, as in userspace.
+    /// A table under pressure also gets its drop sample pointed at its flows, if `sample` is
+    /// given, by the program as it walks the table: while the last sweep left the table under
+    /// pressure, by every sweep; and by a second walk after a sweep that finds it so.
     pub fn expire<A>(
         &mut self,
         nat: &NatTable<A>,
@@ -76,47 +77,51 @@ impl KernelSweep<'_> {
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
-        let in_userspace = |node_side: &mut NodeSidePorts| {
-            expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
-                node_side.look(key, entry)
-            })
-        };
-        let pressed = &mut self.pressed.0[A::SWEEP_REPORT as usize];
-        if *pressed && sample.is_some() {
-            let read = in_userspace(node_side)?;
-            *pressed = read.entries_left() >= expiry::pressure_at(nat)?;
-            return Ok(read);
-        }
-        let report = match self.run::<A>(timeouts, now_ns) {
+        let point = self.pressed.0[A::SWEEP_REPORT as usize] && sample.is_some();
+        let report = match self.run::<A>(timeouts, now_ns, point) {
             Ok(report) => report,
             // No sweep may be missed for it: the table would fill.
             Err(err) => {
                 tracing::warn!("sweeping the NAT table in userspace this time: {err:#}");
-                return in_userspace(node_side);
+                return expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
+                    node_side.look(key, entry)
+                });
             }
         };
         node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
         let mut usage = usage(&report);
-        let pressed = report.entries_left() as usize >= expiry::pressure_at(nat)?;
+        let left = report.entries_left() as usize;
+        let pressed = left >= expiry::pressure_at(nat)?;
         self.pressed.0[A::SWEEP_REPORT as usize] = pressed;
-        if let Some(sample) = sample.filter(|_| pressed) {
-            let read = expiry::expire(nat, Some(sample), timeouts, now_ns)?;
-            usage.expired_flows += read.expired_flows;
-            usage.orphans_removed += read.orphans_removed;
+        let mut pointed = report.pointed;
+        if pressed && !point && sample.is_some() {
+            let again = self.run::<A>(timeouts, now_ns, true)?;
+            usage.expired_flows += again.expired_flows as usize;
+            usage.orphans_removed += again.orphans_removed as usize;
+            pointed = again.pointed;
+        }
+        if pressed && sample.is_some() {
+            tracing::debug!(left, ?pointed, "NAT table under pressure");
         }
         Ok(usage)
     }
 
     /// One run of the program over family `A`'s table: its report.
+    /// `point_drop_sample`: the table is under pressure (`SweepOrder::point_drop_sample`).
     pub fn run<A: NatFamily>(
         &mut self,
         timeouts: &Timeouts,
         now_ns: u64,
+        point_drop_sample: bool,
     ) -> anyhow::Result<SweepReport> {
         let maps = &mut *self.maps;
-        maps.order
-            .set(0, timeouts.sweep_order(now_ns), 0)
-            .context("ordering the sweep")?;
+        let order = timeouts.sweep_order(now_ns);
+        let order = if point_drop_sample {
+            order.pointing_the_drop_sample()
+        } else {
+            order
+        };
+        maps.order.set(0, order, 0).context("ordering the sweep")?;
         maps.reports
             .set(A::SWEEP_REPORT, SweepReport::default(), 0)
             .context("clearing the sweep's report")?;

@@ -235,8 +235,12 @@ impl TestBed {
             // At time zero nothing is over: the program only counts.
             let timeouts = Timeouts::default();
             for report in [
-                kernel.run::<[u8; 4]>(&timeouts, 0).expect("sweep program"),
-                kernel.run::<[u8; 16]>(&timeouts, 0).expect("sweep program"),
+                kernel
+                    .run::<[u8; 4]>(&timeouts, 0, false)
+                    .expect("sweep program"),
+                kernel
+                    .run::<[u8; 16]>(&timeouts, 0, false)
+                    .expect("sweep program"),
             ] {
                 swept.take_swept(&report.node_side_ports, report.ports_outside_spans);
             }
