@@ -200,13 +200,15 @@ pub struct Cost {
 }
 
 /// One line of the sweep benchmark's output: what a sweep of a NAT table holding `flows` costs
-/// when none of them is over, and when all of them are, swept by `sweeper` (`kernel`: the sweep
+/// when none of them is over (the first sweep of the table, and the one after it, which finds
+/// it as the first left it), and when all of them are, swept by `sweeper` (`kernel`: the sweep
 /// program; `userspace`: a read of the whole table).
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SweepCase {
     pub flows: usize,
     pub sweeper: String,
     pub none_expired_ms: f64,
+    pub none_expired_again_ms: f64,
     pub all_expired_ms: f64,
 }
 
