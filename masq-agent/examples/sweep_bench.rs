@@ -48,10 +48,10 @@ fn main() -> anyhow::Result<()> {
                 // Every flow a SYN just sent: none has been idle for its timeout. Swept twice:
                 // the second sweep finds the table as the first left it.
                 let now = map_types::monotonic_now_ns();
-                for kept in [&mut samples.kept, &mut samples.kept_again] {
+                for sweeps in [&mut samples.none_over, &mut samples.none_over_again] {
                     let started = Instant::now();
                     let run = sweeper.sweep(&mut bed, &timeouts, now)?;
-                    kept.push(started.elapsed().as_secs_f64() * 1e3);
+                    sweeps.push(started.elapsed().as_secs_f64() * 1e3);
                     if run.expired_flows != 0 || run.entries != 2 * count as usize {
                         bail!("a {} sweep of fresh flows expired {run:?}", sweeper.name());
                     }
@@ -60,7 +60,7 @@ fn main() -> anyhow::Result<()> {
                 let later = now + 2 * timeouts.tcp_syn_sent.as_nanos() as u64;
                 let started = Instant::now();
                 let run = sweeper.sweep(&mut bed, &timeouts, later)?;
-                samples.expired.push(started.elapsed().as_secs_f64() * 1e3);
+                samples.all_over.push(started.elapsed().as_secs_f64() * 1e3);
                 if run.expired_flows != count as usize {
                     bail!("a {} sweep of idle flows expired {run:?}", sweeper.name());
                 }
@@ -72,12 +72,12 @@ fn main() -> anyhow::Result<()> {
                 serde_json::json!({
                     "flows": count,
                     "sweeper": sweeper.name(),
-                    "none_expired_ms": median(samples.kept.clone()),
-                    "none_expired_again_ms": median(samples.kept_again.clone()),
-                    "all_expired_ms": median(samples.expired.clone()),
-                    "none_expired_samples": samples.kept,
-                    "none_expired_again_samples": samples.kept_again,
-                    "all_expired_samples": samples.expired,
+                    "none_expired_ms": median(samples.none_over.clone()),
+                    "none_expired_again_ms": median(samples.none_over_again.clone()),
+                    "all_expired_ms": median(samples.all_over.clone()),
+                    "none_expired_samples": samples.none_over,
+                    "none_expired_again_samples": samples.none_over_again,
+                    "all_expired_samples": samples.all_over,
                 })
             );
         }
@@ -89,9 +89,9 @@ fn main() -> anyhow::Result<()> {
 /// the same flows all over.
 #[derive(Default)]
 struct Samples {
-    kept: Vec<f64>,
-    kept_again: Vec<f64>,
-    expired: Vec<f64>,
+    none_over: Vec<f64>,
+    none_over_again: Vec<f64>,
+    all_over: Vec<f64>,
 }
 
 /// Who sweeps the table.

@@ -303,53 +303,61 @@ impl Default for SweepReport {
 }
 
 /// Where a sweep that leaves a table under pressure points the drop sample's slots, flow by
-/// flow as it finds them, in whatever order: every `EARLY_DROP_PROBES`-th slot is kept for a
-/// flow a full table may drop (`may_drop_from_full_table`), so that any `EARLY_DROP_PROBES`
-/// slots in a row, which a full table looks at, hold one while the table has as many as those
-/// slots; the other slots take the flows it may not drop (which may close later and become
-/// droppable), from the first, and droppable flows beyond the kept slots, from the last, which
-/// may take the place of a flow it may not drop. Each flow goes into one slot at most; slots
-/// not pointed keep what the programs wrote. One walk in the kernel and one list in userspace
-/// place them alike, without knowing beforehand how many of each there are.
+/// flow as it finds them, in whatever order: every `EARLY_DROP_PROBES`-th slot is reserved for
+/// a flow a full table may drop (`may_drop_from_full_table`), so that any `EARLY_DROP_PROBES`
+/// slots in a row, which a full table looks at, hold one once the table has as many such flows
+/// as there are reserved slots; the other slots take the flows it may not drop (which may close
+/// later and become droppable), from the first, and the droppable flows beyond the reserved
+/// slots, from the last, which may take the place of a flow it may not drop. Slots not pointed
+/// keep what the programs wrote. The kernel's walk and the agent's list place flows alike,
+/// without knowing beforehand how many of each there are; a flow the walk meets twice (it may
+/// revisit an element when others are removed) may take two slots.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SamplePointing {
     /// Flows a full table may drop, placed or not.
     pub droppable: u32,
     /// Flows it may not drop, placed.
-    pub kept: u32,
+    pub undroppable: u32,
 }
 
 impl SamplePointing {
-    /// The slot of a sample of `slots` (a power of two) for the next flow, which a full table
-    /// may drop or not; none once the slots for it are taken.
+    /// The slots of a sample of `slots` reserved for droppable flows, one in every
+    /// `EARLY_DROP_PROBES` (or one, in a smaller sample): 0, `EARLY_DROP_PROBES`, and so on.
+    #[inline(always)]
+    pub const fn reserved_slots(slots: u32) -> u32 {
+        let reserved = slots / EARLY_DROP_PROBES;
+        if reserved == 0 { 1 } else { reserved }
+    }
+
+    /// The slot of a sample of `slots` (a power of two, as `drop_sample_slots` makes it) for
+    /// the next flow, which a full table may drop or not; none once the slots for it are
+    /// taken.
     #[inline(always)]
     pub fn place(&mut self, slots: u32, droppable: bool) -> Option<u32> {
         if slots == 0 {
             return None;
         }
-        // One slot in every `stride` is kept for droppable flows: `EARLY_DROP_PROBES`, or the
-        // whole sample where it is smaller than that.
-        let kept_for_droppable = (slots / EARLY_DROP_PROBES).max(1);
-        let stride = slots / kept_for_droppable;
-        let others = slots - kept_for_droppable;
-        // The `nth` of the other slots, skipping those kept for droppable flows.
+        let reserved = Self::reserved_slots(slots);
+        let stride = slots / reserved;
+        let others = slots - reserved;
+        // The `nth` of the other slots, skipping the reserved ones.
         let other = |nth: u32| nth + nth.checked_div(stride - 1).unwrap_or(0) + 1;
         if droppable {
             let nth = self.droppable;
             self.droppable += 1;
-            if nth < kept_for_droppable {
+            if nth < reserved {
                 return Some(nth * stride);
             }
-            let beyond = nth - kept_for_droppable;
+            let beyond = nth - reserved;
             (beyond < others).then(|| other(others - 1 - beyond))
         } else {
-            let beyond = self.droppable.saturating_sub(kept_for_droppable);
-            if self.kept + beyond >= others {
+            let beyond = self.droppable.saturating_sub(reserved);
+            if self.undroppable + beyond >= others {
                 return None;
             }
-            self.kept += 1;
-            Some(other(self.kept - 1))
+            self.undroppable += 1;
+            Some(other(self.undroppable - 1))
         }
     }
 }

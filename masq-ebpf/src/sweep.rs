@@ -83,8 +83,9 @@ fn report<F: Family>() -> Option<&'static mut SweepReport> {
     Some(unsafe { &mut *report })
 }
 
-/// What `bpf_for_each_map_elem` calls for each half in the table: counts it, unless it judges
-/// its flow over and removes it. Returns 0 to go on, 1 to stop.
+/// What `bpf_for_each_map_elem` calls for each half in the table: counts it, and points the
+/// drop sample at its flow if ordered to, unless it judges its flow over and removes it.
+/// Returns 0 to go on, 1 to stop.
 extern "C" fn judge<F: Family>(
     _table: *mut c_void,
     key: *const NatKey<F::Addr>,

@@ -377,9 +377,10 @@ fn a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop<F
 
 /// A table that stays under pressure has its drop sample pointed by every sweep, however much
 /// of it new flows overwrote since (here all of it): by the sweep that finds it so, and by
-/// those after it, which the sweep program points in its one walk. Of 32 slots, every 16 in a
-/// row hold one of the flows a full table may drop, all of which fit; each flow is in one slot
-/// at most. Then a full table finds one to drop for a new flow, and never an open connection.
+/// those after it, which the sweep program points in its one walk, where it also removes flows
+/// that are over and points none of them. Of 32 slots, every 16 in a row hold one of the flows
+/// a full table may drop, all of which fit; each flow is in one slot. Then a full table finds
+/// one to drop for a new flow, and never an open connection.
 fn every_sweep_of_a_table_left_under_pressure_points_its_sample_again<F: HarnessFamily>() {
     let mut h = F::bed(64, &[(1024, 65535)], true);
     let open: Vec<u16> = (3001..3021).collect();
@@ -391,25 +392,60 @@ fn every_sweep_of_a_table_left_under_pressure_points_its_sample_again<F: Harness
         h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
     }
     assert_eq!(F::nat(&h).len(), 56, "past three quarters of 64 entries");
-    let droppable: HashSet<_> = unanswered.iter().map(|&p| egress_key::<F>(&h, p)).collect();
-    let flows: HashSet<_> = open
+    let key_of = |h: &TestBed, ports: &[u16]| -> HashSet<_> {
+        ports.iter().map(|&p| egress_key::<F>(h, p)).collect()
+    };
+    let (mut droppable, mut flows) = (key_of(&h, &unanswered), key_of(&h, &open));
+    flows.extend(droppable.iter().copied());
+    let newest = F::nat(&h)
         .iter()
-        .chain(&unanswered)
-        .map(|&p| egress_key::<F>(&h, p))
-        .collect();
-    for sweep in ["the sweep that finds it so", "a sweep of a table left so"] {
+        .map(|(_, e)| e.last_seen_ns)
+        .max()
+        .unwrap();
+    // Two unanswered queries, idle past UDP's 30 s by the third sweep, go at that sweep; the
+    // table, at 48 entries, stays under pressure.
+    let over = key_of(&h, &unanswered[..2]);
+    let later = newest + 60_000_000_000;
+    for key in &over {
+        let mut egress = F::nat_entry(&h, key).unwrap();
+        let reply_key = key.reverse(&egress);
+        let mut reply = F::nat_entry(&h, &reply_key).unwrap();
+        egress.last_seen_ns = newest - 1;
+        reply.last_seen_ns = newest - 1;
+        F::plant(&mut h, key, egress);
+        F::plant(&mut h, &reply_key, reply);
+    }
+    let sweeps = [
+        ("the sweep that finds it so", newest, 0),
+        ("a sweep of a table left so", newest, 0),
+        ("a sweep that also removes flows", later, over.len()),
+    ];
+    for (sweep, now, expired) in sweeps {
+        if expired > 0 {
+            flows.retain(|key| !over.contains(key));
+            droppable.retain(|key| !over.contains(key));
+            // The flows left were seen just before the sweep; those over were not.
+            for key in flows.clone() {
+                let mut egress = F::nat_entry(&h, &key).unwrap();
+                let reply_key = key.reverse(&egress);
+                let mut reply = F::nat_entry(&h, &reply_key).unwrap();
+                egress.last_seen_ns = now;
+                reply.last_seen_ns = now;
+                F::plant(&mut h, &key, egress);
+                F::plant(&mut h, &reply_key, reply);
+            }
+        }
         F::forget_drop_sample(&h);
-        let newest = F::nat(&h)
-            .iter()
-            .map(|(_, e)| e.last_seen_ns)
-            .max()
-            .unwrap();
-        assert_eq!(
-            F::expire(&mut h, &expiry::Timeouts::default(), newest).expired_flows,
-            0
-        );
+        let run = F::expire(&mut h, &expiry::Timeouts::default(), now);
+        assert_eq!(run.expired_flows, expired, "{sweep}");
         let sample = F::drop_sample(&h);
         assert_eq!(sample.len(), 32);
+        if expired > 0 {
+            assert!(
+                !sample.iter().any(|key| over.contains(key)),
+                "{sweep}: a flow removed is pointed at: {sample:?}"
+            );
+        }
         let held: Vec<_> = sample.iter().filter(|key| flows.contains(key)).collect();
         assert_eq!(
             held.len(),
@@ -429,7 +465,7 @@ fn every_sweep_of_a_table_left_under_pressure_points_its_sample_again<F: Harness
             );
         }
     }
-    for pod_port in 5001..5005 {
+    for pod_port in 5001..5007 {
         h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
     }
     assert_eq!(F::nat(&h).len(), 64, "the table is full");

@@ -57,6 +57,7 @@ where
 /// The slots of a sample of `slots` that `droppable` and `kept` take, droppable first (so that
 /// none is put in a slot and then displaced), with their keys.
 fn placed<K: Copy>(droppable: &[K], kept: &[K], slots: u32) -> (Vec<u32>, Vec<K>) {
+    debug_assert!(slots.is_power_of_two(), "drop_sample_slots makes {slots}");
     let mut pointing = SamplePointing::default();
     let flows =
         (droppable.iter().map(|key| (true, key))).chain(kept.iter().map(|key| (false, key)));
@@ -114,15 +115,15 @@ mod tests {
         vec![first, last, scattered, spread]
     }
 
-    fn slots_kept_for_droppable(slots: usize) -> usize {
-        (slots / PROBES).max(1)
+    fn reserved(slots: usize) -> usize {
+        SamplePointing::reserved_slots(slots as u32) as usize
     }
 
     #[test]
     fn every_run_of_the_slots_looked_at_holds_a_droppable_flow() {
         for slots in [1, 4, 16, 64, 1024] {
             let looked_at = PROBES.min(slots);
-            for droppable in [slots_kept_for_droppable(slots), slots / 4, slots, 2 * slots] {
+            for droppable in [reserved(slots), slots / 4, slots, 2 * slots] {
                 for order in orders(droppable.max(1), 2 * slots) {
                     let sample = walked(&order, slots);
                     for first in 0..slots {
@@ -150,9 +151,9 @@ mod tests {
                         assert_eq!(distinct.len(), held.len(), "{sample:?}");
                         let droppable_held = held.iter().filter(|f| **f < 0).count();
                         assert_eq!(droppable_held, droppable.min(slots), "{sample:?}");
-                        // Every slot is pointed once the droppable flows fill those kept for
+                        // Every slot is pointed once the droppable flows fill those reserved for
                         // them, or there are flows enough to fill the rest.
-                        let reserved = slots_kept_for_droppable(slots);
+                        let reserved = reserved(slots);
                         let others = slots - reserved;
                         let expected = droppable.min(reserved)
                             + others.min(droppable.saturating_sub(reserved) + kept);

@@ -206,11 +206,12 @@ pub fn translated_by_address<A: Address + Ord>(
 /// churn, where most flows a sweep finds are over).
 ///
 /// A table left under pressure (`UNDER_PRESSURE_PERCENT` full or more) gets its drop
-/// `sample`, if given, pointed at its flows, those a full table may drop spread among the
-/// rest: new flows write random slots, so between sweeps a sample forgets flows (and never had
-/// those the agent wrote into the table), and a full table that looks at 16 slots could miss
-/// the droppable flows it holds. Right after such a sweep it holds every flow it has room
-/// for, and every 16 slots in a row one a full table may drop, while a sixteenth of them are.
+/// `sample`, if given, pointed at its flows, as `SamplePointing` places them: new flows write
+/// random slots, so between sweeps a sample forgets flows (and never had those the agent wrote
+/// into the table), and a full table that looks at 16 slots could miss the droppable flows it
+/// holds. Right after such a sweep every 16 slots in a row hold one a full table may drop,
+/// while the table holds one for every 16 slots of the sample, and the other slots as many of
+/// the flows as they have room for.
 pub fn expire<A>(
     nat: &NatTable<A>,
     sample: Option<&DropSample<A>>,
@@ -252,7 +253,11 @@ where
     let left = run.entries - over.flows.len() - over.orphans.len();
     if let Some(sample) = sample.filter(|_| pressed(left)) {
         let pointed = drop_sample::point_at(sample, &over.droppable, &over.kept)?;
-        tracing::debug!(left, pointed, "NAT table under pressure");
+        tracing::debug!(
+            left,
+            slots_written = pointed,
+            "NAT table under pressure: drop sample pointed"
+        );
     }
     Ok(run)
 }

@@ -93,21 +93,33 @@ impl KernelSweep<'_> {
         let left = report.entries_left() as usize;
         let pressed = left >= expiry::pressure_at(nat)?;
         self.pressed.0[A::SWEEP_REPORT as usize] = pressed;
-        let mut pointed = report.pointed;
+        let mut pointed = point.then_some(report.pointed);
         if pressed && !point && sample.is_some() {
-            let again = self.run::<A>(timeouts, now_ns, true)?;
-            usage.expired_flows += again.expired_flows as usize;
-            usage.orphans_removed += again.orphans_removed as usize;
-            pointed = again.pointed;
+            // The sweep is done: a failed second walk leaves the sample to the next sweep's
+            // one walk, which points it, as the table is left pressed.
+            match self.run::<A>(timeouts, now_ns, true) {
+                Ok(again) => {
+                    usage.expired_flows += again.expired_flows as usize;
+                    usage.orphans_removed += again.orphans_removed as usize;
+                    pointed = Some(again.pointed);
+                }
+                Err(err) => tracing::warn!("pointing the NAT table's drop sample: {err:#}"),
+            }
         }
-        if pressed && sample.is_some() {
-            tracing::debug!(left, ?pointed, "NAT table under pressure");
+        if let Some(pointed) = pointed.filter(|_| pressed) {
+            tracing::debug!(
+                left,
+                droppable = pointed.droppable,
+                undroppable_placed = pointed.undroppable,
+                "NAT table under pressure: drop sample pointed in the walk"
+            );
         }
         Ok(usage)
     }
 
     /// One run of the program over family `A`'s table: its report.
-    /// `point_drop_sample`: the table is under pressure (`SweepOrder::point_drop_sample`).
+    /// `point_drop_sample`: the walk also points the drop sample at the flows it leaves
+    /// (`SweepOrder::point_drop_sample`).
     pub fn run<A: NatFamily>(
         &mut self,
         timeouts: &Timeouts,
