@@ -2,7 +2,8 @@
 //! table filled through the real egress program (a SYN per flow, both halves inserted), then
 //! swept as the agent sweeps it, twice with nothing to expire and once with every flow expired;
 //! by the sweep program in the kernel, and in userspace (older kernels), in turn. Three
-//! quarters full, the table is under pressure, and each sweep points its drop sample too. One JSON line per table size and sweeper, for `cargo xtask bench`.
+//! quarters full, the table is under pressure, and each sweep points its drop sample too. One
+//! JSON line per table size and sweeper, for `cargo xtask bench`.
 
 use std::{net::Ipv4Addr, time::Instant};
 

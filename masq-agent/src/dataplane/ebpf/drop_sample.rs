@@ -38,29 +38,29 @@ where
 
 /// Points the slots of `sample` at the flows a table under pressure holds, where
 /// `SamplePointing` places them, as the sweep program does as it walks the table: the egress
-/// keys of those a full table may drop (`droppable`) and of the others (`kept`, which may close
-/// later and become droppable then), each once. Slots not pointed keep what the programs
-/// wrote. Says how many slots it wrote.
+/// keys of those a full table may drop (`droppable`) and of the others (`undroppable`, which
+/// may close later and become droppable then), each once. Slots not pointed keep what the
+/// programs wrote. Says how many slots it wrote.
 pub fn point_at<A: Address>(
     sample: &DropSample<A>,
     droppable: &[NatKey<A>],
-    kept: &[NatKey<A>],
+    undroppable: &[NatKey<A>],
 ) -> anyhow::Result<usize>
 where
     NatKey<A>: Pod,
 {
-    let (slots, keys) = placed(droppable, kept, sample.len());
+    let (slots, keys) = placed(droppable, undroppable, sample.len());
     batch::update_array(sample.map(), &slots, &keys)?;
     Ok(keys.len())
 }
 
-/// The slots of a sample of `slots` that `droppable` and `kept` take, droppable first (so that
-/// none is put in a slot and then displaced), with their keys.
-fn placed<K: Copy>(droppable: &[K], kept: &[K], slots: u32) -> (Vec<u32>, Vec<K>) {
+/// The slots of a sample of `slots` that `droppable` and `undroppable` take, droppable first
+/// (so that none is put in a slot and then displaced), with their keys.
+fn placed<K: Copy>(droppable: &[K], undroppable: &[K], slots: u32) -> (Vec<u32>, Vec<K>) {
     debug_assert!(slots.is_power_of_two(), "drop_sample_slots makes {slots}");
     let mut pointing = SamplePointing::default();
     let flows =
-        (droppable.iter().map(|key| (true, key))).chain(kept.iter().map(|key| (false, key)));
+        (droppable.iter().map(|key| (true, key))).chain(undroppable.iter().map(|key| (false, key)));
     flows
         .filter_map(|(may_drop, key)| Some((pointing.place(slots, may_drop)?, *key)))
         .unzip()
@@ -79,14 +79,14 @@ mod tests {
     fn walked(order: &[bool], slots: usize) -> Vec<i64> {
         let mut sample = vec![0; slots];
         let mut pointing = SamplePointing::default();
-        let (mut droppable, mut kept) = (0, 0);
+        let (mut droppable, mut undroppable) = (0, 0);
         for &may_drop in order {
             let flow = if may_drop {
                 droppable += 1;
                 -droppable
             } else {
-                kept += 1;
-                kept
+                undroppable += 1;
+                undroppable
             };
             if let Some(slot) = pointing.place(slots as u32, may_drop) {
                 sample[slot as usize] = flow;
@@ -95,12 +95,12 @@ mod tests {
         sample
     }
 
-    /// Orders of `droppable` and `kept` flows a walk may meet them in: all droppable first,
-    /// last, interleaved, and scattered.
-    fn orders(droppable: usize, kept: usize) -> Vec<Vec<bool>> {
-        let total = droppable + kept;
+    /// Orders of `droppable` and `undroppable` flows a walk may meet them in: all droppable
+    /// first, last, interleaved, and scattered.
+    fn orders(droppable: usize, undroppable: usize) -> Vec<Vec<bool>> {
+        let total = droppable + undroppable;
         let first: Vec<bool> = (0..total).map(|i| i < droppable).collect();
-        let last: Vec<bool> = (0..total).map(|i| i >= kept).collect();
+        let last: Vec<bool> = (0..total).map(|i| i >= undroppable).collect();
         let mut scattered = first.clone();
         let mut state = 0x9e37_79b9_u64;
         for i in (1..total).rev() {
@@ -141,8 +141,8 @@ mod tests {
     fn each_flow_goes_in_once_and_droppable_ones_are_never_displaced() {
         for slots in [1, 4, 16, 64, 1024] {
             for droppable in [0, 1, slots / 32, slots / 2, slots, 3 * slots / 2] {
-                for kept in [0, 3, slots / 2, slots, 2 * slots] {
-                    for order in orders(droppable, kept) {
+                for undroppable in [0, 3, slots / 2, slots, 2 * slots] {
+                    for order in orders(droppable, undroppable) {
                         let sample = walked(&order, slots);
                         let held: Vec<i64> = sample.iter().copied().filter(|f| *f != 0).collect();
                         let mut distinct = held.clone();
@@ -156,8 +156,12 @@ mod tests {
                         let reserved = reserved(slots);
                         let others = slots - reserved;
                         let expected = droppable.min(reserved)
-                            + others.min(droppable.saturating_sub(reserved) + kept);
-                        assert_eq!(held.len(), expected, "{droppable}+{kept}: {sample:?}");
+                            + others.min(droppable.saturating_sub(reserved) + undroppable);
+                        assert_eq!(
+                            held.len(),
+                            expected,
+                            "{droppable}+{undroppable}: {sample:?}"
+                        );
                     }
                 }
             }
@@ -167,8 +171,8 @@ mod tests {
     #[test]
     fn the_agent_places_a_list_as_the_walk_would_place_it_droppable_first() {
         let droppable: Vec<i64> = (1..=10).map(|i| -i).collect();
-        let kept: Vec<i64> = (1..=100).collect();
-        let (slots, keys) = placed(&droppable, &kept, 64);
+        let undroppable: Vec<i64> = (1..=100).collect();
+        let (slots, keys) = placed(&droppable, &undroppable, 64);
         let mut sample = vec![0; 64];
         for (slot, key) in slots.iter().zip(&keys) {
             sample[*slot as usize] = *key;

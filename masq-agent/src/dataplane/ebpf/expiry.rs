@@ -252,7 +252,7 @@ where
     run.expired_flows = prune(nat, &over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
     if let Some(sample) = sample.filter(|_| pressed(left)) {
-        let pointed = drop_sample::point_at(sample, &over.droppable, &over.kept)?;
+        let pointed = drop_sample::point_at(sample, &over.droppable, &over.undroppable)?;
         tracing::debug!(
             left,
             slots_written = pointed,
@@ -285,11 +285,11 @@ struct Over<A> {
     flows: Vec<NatKey<A>>,
     /// Halves without their other half, idle past theirs.
     orphans: Vec<NatKey<A>>,
-    /// The egress halves of the flows left that a full table may drop (the node's, and those
-    /// `can_drop_early` allows), when asked for.
+    /// The egress halves of the flows left that a full table may drop
+    /// (`may_drop_from_full_table`), when asked for.
     droppable: Vec<NatKey<A>>,
     /// The egress halves of the other flows left, when asked for.
-    kept: Vec<NatKey<A>>,
+    undroppable: Vec<NatKey<A>>,
 }
 
 /// How far a half's `last_seen_ns` may lag its last packet (the programs refresh it at most
@@ -346,7 +346,7 @@ fn over<A: Address>(
                     let list = if may_drop {
                         &mut over.droppable
                     } else {
-                        &mut over.kept
+                        &mut over.undroppable
                     };
                     list.push(*key);
                 }
