@@ -59,8 +59,11 @@ pub fn remember<F: Family>(slot: SampleSlot, egress_key: &NatKey<F::Addr>) {
 }
 
 /// What `early_drop` says: `NOTHING_DROPPED`, or the slot of the drop sample the flow it
-/// dropped held and the port that flow held on the node's address (0 when it held none the new
-/// flow could take). One `i64`, as a register carries it back from a BPF function.
+/// dropped held. One `i64`, as a register carries it back from a BPF function.
+///
+/// Not the port the dropped flow held: it is free only toward that flow's destination, and a
+/// new flow toward another may find it taken there. The room a drop makes is what a new flow
+/// needs; its port comes from a search, as any new flow's does (`nat::create_snat_again`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct EarlyDrop(i64);
@@ -71,21 +74,16 @@ impl EarlyDrop {
     /// caller may look again, at other slots.
     pub const NOTHING_DROPPED: EarlyDrop = EarlyDrop(-1);
 
+    /// Whether a flow was dropped, and the table has room for one more.
     #[inline(always)]
-    fn freed(slot: u32, port: u16) -> EarlyDrop {
-        EarlyDrop(i64::from(slot) << 16 | i64::from(port))
-    }
-
-    /// The port freed, if a flow was dropped.
-    #[inline(always)]
-    pub fn port(self) -> Option<u16> {
-        (self.0 >= 0).then_some(self.0 as u16)
+    pub fn dropped(self) -> bool {
+        self.0 >= 0
     }
 
     /// The slot of the drop sample the dropped flow held.
     #[inline(always)]
     fn slot(self) -> u32 {
-        (self.0 >> 16) as u32
+        self.0 as u32
     }
 }
 
@@ -99,21 +97,18 @@ impl EarlyDrop {
 /// a flow just made, a pod's connection in its handshake say, goes only when every other flow
 /// it may drop in the slots is as young, where conntrack drops whichever it finds first.
 ///
-/// Says `NOTHING_DROPPED` (also when another CPU removed the flow first); or the slot the flow
-/// dropped held, for the new flow once it is made (`SampleSlot::freed`), and the port the flow held on the node's address (0 for a flow that
-/// left a pod its own port, or a node flow toward the new flow's destination
-/// `new_dest`:`new_dport`), free now for the new one.
+/// Says `NOTHING_DROPPED` (also when another CPU removed the flow first), or the slot the flow
+/// dropped held, for the new flow once it is made (`SampleSlot::freed`).
 #[inline(always)]
-pub fn early_drop<F: Family>(new_dest: &F::Addr, new_dport: u16) -> EarlyDrop {
-    let [high, low] = F::words(new_dest);
-    EarlyDrop((F::EARLY_DROP)(high, low, u32::from(new_dport)))
+pub fn early_drop<F: Family>() -> EarlyDrop {
+    EarlyDrop((F::EARLY_DROP)())
 }
 
 /// `early_drop`'s body, run by each family's global BPF function (`masq_early_drop_v4` and
 /// `_v6`): the verifier walks a global function once, on its own, where it walks a static one
 /// again at every call, in every state its caller reaches it with.
 #[inline(always)]
-fn early_drop_global<F: Family>(new_dest: [u64; 2], new_dport: u16) -> i64 {
+fn early_drop_global<F: Family>() -> i64 {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
     // The flow looked at, overwritten by each look: the frame holds these two keys and no
@@ -132,8 +127,7 @@ fn early_drop_global<F: Family>(new_dest: [u64; 2], new_dport: u16) -> i64 {
     if oldest_slot == NO_SLOT {
         return EarlyDrop::NOTHING_DROPPED.0;
     }
-    flow.drop_in::<F>(oldest_slot, oldest_seen, new_dest, new_dport)
-        .0
+    flow.drop_in::<F>(oldest_slot, oldest_seen).0
 }
 
 /// No slot of the drop sample: more than any sample has.
@@ -146,7 +140,6 @@ struct SampledFlow<A: Address> {
     key: NatKey<A>,
     reply_key: NatKey<A>,
     kind: u8,
-    port: u16,
 }
 
 impl<A: Address + 'static> SampledFlow<A> {
@@ -163,7 +156,7 @@ impl<A: Address + 'static> SampledFlow<A> {
         unsafe {
             let entry = &*egress;
             self.reply_key = self.key.reverse(entry);
-            (self.kind, self.port) = (entry.kind, entry.port);
+            self.kind = entry.kind;
         }
         let reply = lookup::<F>(&self.reply_key)?;
         // SAFETY: map value pointers from successful lookups, read only.
@@ -177,13 +170,7 @@ impl<A: Address + 'static> SampledFlow<A> {
     /// at (its last packet at `last_seen`) and still one to drop: another CPU may have taken
     /// the flow, or the flow may have been answered, since.
     #[inline(always)]
-    fn drop_in<F: Family<Addr = A>>(
-        &mut self,
-        slot: u32,
-        last_seen: u64,
-        new_dest: [u64; 2],
-        new_dport: u16,
-    ) -> EarlyDrop {
+    fn drop_in<F: Family<Addr = A>>(&mut self, slot: u32, last_seen: u64) -> EarlyDrop {
         // The flow judged, by the time of its last packet: another CPU may have dropped it
         // and written its own new flow into the slot since, which must not go in its place.
         if self.look_at::<F>(slot) != Some(last_seen) {
@@ -194,24 +181,13 @@ impl<A: Address + 'static> SampledFlow<A> {
             return EarlyDrop::NOTHING_DROPPED;
         }
         let _ = F::nat().remove(self.reply_key);
-        let freed = if self.kind == nat_kind::NODE {
-            maps::count(Counter::NatNodeFlowDropped);
-            // The node's flow goes on without its reservation: its port is free only toward
-            // other destinations. (A node flow holds a port of NAT's spans, or none.)
-            if F::words(&self.key.daddr) == new_dest && self.key.dport == new_dport {
-                0
-            } else {
-                self.port
-            }
+        maps::count(if self.kind == nat_kind::NODE {
+            // The node's flow goes on without its reservation.
+            Counter::NatNodeFlowDropped
         } else {
-            maps::count(Counter::NatEarlyDropped);
-            if self.kind == nat_kind::SNAT {
-                self.port
-            } else {
-                0
-            }
-        };
-        EarlyDrop::freed(slot, freed)
+            Counter::NatEarlyDropped
+        });
+        EarlyDrop(i64::from(slot))
     }
 }
 
@@ -259,13 +235,13 @@ fn withdraw_vacancy<F: Family>(slot: u32) {
 /// `early_drop` for IPv4, a global BPF function (`early_drop_global`).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn masq_early_drop_v4(high: u64, low: u64, dport: u32) -> i64 {
-    early_drop_global::<crate::family::V4>([high, low], dport as u16)
+pub extern "C" fn masq_early_drop_v4() -> i64 {
+    early_drop_global::<crate::family::V4>()
 }
 
 /// `early_drop` for IPv6, a global BPF function (`early_drop_global`).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn masq_early_drop_v6(high: u64, low: u64, dport: u32) -> i64 {
-    early_drop_global::<crate::family::V6>([high, low], dport as u16)
+pub extern "C" fn masq_early_drop_v6() -> i64 {
+    early_drop_global::<crate::family::V6>()
 }

@@ -34,7 +34,7 @@ pub trait Family {
     const OWN_FRAMES: bool;
     /// The family's global BPF functions, which the verifier walks once each:
     /// `early_drop::early_drop`'s and `nat::reserve_port`'s.
-    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64;
+    const EARLY_DROP: extern "C" fn() -> i64;
     const RESERVE_PORT: extern "C" fn() -> i64;
     /// The family's slot of `maps::DROP_VACANCY`.
     const DROP_VACANCY: u32;
@@ -42,9 +42,6 @@ pub trait Family {
     const SWEEP_REPORT: u32;
     /// Where `nat::reserve_port` leaves the flow for `RESERVE_PORT`.
     fn port_request() -> &'static PortRequests<Self::Addr>;
-
-    /// An address in two words, as a global BPF function takes it (IPv4's in the first).
-    fn words(addr: &Self::Addr) -> [u64; 2];
 
     /// Parses the IP header at `offset`: the packet's own, or one quoted in an ICMP error.
     fn parse_at(ctx: &TcContext, offset: usize) -> Option<Packet<Self::Addr>>;
@@ -134,7 +131,7 @@ impl Family for V4 {
     const DADDR_OFF: usize = parse::IPV4_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
-    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = early_drop::masq_early_drop_v4;
+    const EARLY_DROP: extern "C" fn() -> i64 = early_drop::masq_early_drop_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V4;
@@ -142,11 +139,6 @@ impl Family for V4 {
     #[inline(always)]
     fn port_request() -> &'static PortRequests<[u8; 4]> {
         &maps::PORT_REQUEST_V4
-    }
-
-    #[inline(always)]
-    fn words(addr: &[u8; 4]) -> [u64; 2] {
-        [u64::from(u32::from_ne_bytes(*addr)), 0]
     }
 
     #[inline(always)]
@@ -248,7 +240,7 @@ impl Family for V6 {
     const DADDR_OFF: usize = parse::IPV6_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
-    const EARLY_DROP: extern "C" fn(u64, u64, u32) -> i64 = early_drop::masq_early_drop_v6;
+    const EARLY_DROP: extern "C" fn() -> i64 = early_drop::masq_early_drop_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V6;
@@ -256,15 +248,6 @@ impl Family for V6 {
     #[inline(always)]
     fn port_request() -> &'static PortRequests<[u8; 16]> {
         &maps::PORT_REQUEST_V6
-    }
-
-    #[inline(always)]
-    fn words(addr: &[u8; 16]) -> [u64; 2] {
-        let (high, low) = addr.split_at(8);
-        [
-            u64::from_ne_bytes(high.try_into().unwrap_or_default()),
-            u64::from_ne_bytes(low.try_into().unwrap_or_default()),
-        ]
     }
 
     #[inline(always)]

@@ -305,6 +305,35 @@ pub fn create_snat<F: Family>(
     {
         return Ok(adopt::<F>(egress_key, existing, segment, egress));
     }
+    claim::<F>(egress_key, reserved, segment, egress)
+}
+
+/// After `early_drop` made room in a full table: `create_snat` once more for the flow in
+/// `egress`, its port searched for again from the start. Not the port the first search found
+/// no room for: the node may hold that one (its listening sockets and NodePorts are asked about
+/// only once a port is reserved), and another CPU's flow may hold it by now. Nor the port of
+/// the flow dropped: it is free only toward that flow's destination. Either, retried, failed
+/// in every round, and each round dropped another flow for nothing. The search is a call of
+/// `reserve_port`'s global function, which the verifier walks once, not once per caller.
+#[inline(always)]
+pub fn create_snat_again<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    segment: &Segment,
+    egress: &mut NatEntry<F::Addr>,
+) -> Result<Made, AllocError> {
+    let reserved = reserve_port::<F>(egress_key, egress);
+    claim::<F>(egress_key, reserved, segment, egress)
+}
+
+/// What `reserve_port` said (`reserved`) made into the flow's entry: with the port reserved,
+/// the egress half published.
+#[inline(always)]
+fn claim<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    reserved: u32,
+    segment: &Segment,
+    egress: &mut NatEntry<F::Addr>,
+) -> Result<Made, AllocError> {
     match reserved {
         RESERVED => {
             let ingress_key = egress_key.reverse(egress);
@@ -318,50 +347,12 @@ pub fn create_snat<F: Family>(
     }
 }
 
-/// After `early_drop` made room in a full table: reserves the port `create_snat` found no room
-/// for (in `egress`), or if the node holds that one, the port of the flow dropped (`freed_port`,
-/// 0 when it had none of NAT's), and inserts the egress half, as `create_snat` would have. One
-/// insert each, not `reserve_port`'s search: the verifier walks this path apart from the first.
-#[inline(always)]
-pub fn create_snat_again<F: Family>(
-    egress_key: &NatKey<F::Addr>,
-    segment: &Segment,
-    egress: &mut NatEntry<F::Addr>,
-    freed_port: u16,
-) -> Result<Made, AllocError> {
-    if ports::held_by_node(egress_key.proto, egress.port) {
-        if freed_port == 0 {
-            return Err(AllocError::TableFull);
-        }
-        egress.port = freed_port;
-    }
-    let ingress_key = egress_key.reverse(egress);
-    let ingress = unseen(
-        egress_key.saddr,
-        egress_key.sport,
-        egress.kind,
-        egress.last_seen_ns,
-    );
-    // By reference, as in `reserve_port`.
-    let (key, value) = (&ingress_key, &ingress);
-    match F::nat().insert(key, value, BPF_NOEXIST as u64) {
-        // The node's, as `reserve_port` gives it back; or another flow's since.
-        Ok(()) if ports::held_by_node(egress_key.proto, ingress_key.dport) => {
-            let _ = F::nat().remove(key);
-            Err(AllocError::TableFull)
-        }
-        Ok(()) => publish_egress::<F>(egress_key, key, segment, egress),
-        Err(_) => Err(AllocError::TableFull),
-    }
-}
-
 const RESERVED: u32 = 0;
 const PORTS_EXHAUSTED: u32 = 1;
 const TABLE_FULL: u32 = 2;
 
 /// Finds `egress` a free port and reserves it by inserting the flow's reply half. Says
-/// `RESERVED` (the port in `egress`), `PORTS_EXHAUSTED` or `TABLE_FULL` (the port it could not
-/// reserve in `egress`). The search runs in the family's global BPF function
+/// `RESERVED` (the port in `egress`), `PORTS_EXHAUSTED` or `TABLE_FULL`. The search runs in the family's global BPF function
 /// (`masq_reserve_port_v4` or `_v6`), which the verifier walks once, where it walks a static
 /// one again in every state its callers reach it with (eight, for the first packets of the
 /// protocols and of pods and the node). A global function takes no pointer before Linux 5.12:
@@ -369,7 +360,7 @@ const TABLE_FULL: u32 = 2;
 #[inline(always)]
 fn reserve_port<F: Family>(egress_key: &NatKey<F::Addr>, egress: &mut NatEntry<F::Addr>) -> u32 {
     // No slot (which a per-CPU array of one always has) gives no port: never `TABLE_FULL`,
-    // which would have `create_snat_again` try the port `egress` holds, 0.
+    // which would have a full table drop flows for room that no search could use.
     let Some(request) = F::port_request().get_ptr_mut(0) else {
         return PORTS_EXHAUSTED;
     };
@@ -432,13 +423,7 @@ fn reserve_port_global<F: Family>() -> i64 {
                 return i64::from(RESERVED);
             }
             Err(EEXIST) => continue,
-            Err(_) => {
-                // The port it could not reserve: `create_snat_again` tries it once more. Not
-                // asked whether the node holds it: on this path too that doubles what the
-                // verifier walks; `create_snat_again` asks.
-                request.egress.port = ingress_key.dport;
-                return i64::from(TABLE_FULL);
-            }
+            Err(_) => return i64::from(TABLE_FULL),
         }
     }
     i64::from(PORTS_EXHAUSTED)

@@ -176,13 +176,13 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
-                    let room = early_drop::early_drop::<F>(&key.daddr, key.dport);
+                    let room = early_drop::early_drop::<F>();
                     // No flow dropped (none to drop in the slots looked at, or another CPU
                     // took the one chosen): the next round looks at other slots.
-                    let Some(freed_port) = room.port() else {
+                    if !room.dropped() {
                         continue;
-                    };
-                    made = snat_masquerade_again::<F>(&key, &segment, &mut entry, freed_port);
+                    }
+                    made = snat_masquerade_again::<F>(&key, &segment, &mut entry);
                     if made == Masquerading::MASQUERADED {
                         early_drop::remember::<F>(SampleSlot::freed(room), &key);
                     }
@@ -331,18 +331,22 @@ fn count_masqueraded<F: Family>(egress_key: &NatKey<F::Addr>) {
 
 step! {
 /// Egress, the first packet of a flow to masquerade, once `early_drop` made room in a full
-/// table: the port `snat_masquerade_new` found no room for, in `entry`, or the one the flow
-/// dropped had (`freed_port`), taken now. Says `MASQUERADED`, `KNOWN_FLOW` or `TABLE_FULL`.
+/// table: a port for it, searched for again (`nat::create_snat_again`), and both halves of its
+/// entry. `entry` holds what `snat_masquerade_new` made of it. Says `MASQUERADED`,
+/// `KNOWN_FLOW`, `TABLE_FULL` (another CPU's flow took the room first), or to drop the packet
+/// when every port is taken.
 fn snat_masquerade_again<F: Family>(
     key: &NatKey<F::Addr>,
     segment: &Segment,
     entry: &mut NatEntry<F::Addr>,
-    freed_port: u16,
 ) -> Masquerading {
-    match nat::create_snat_again::<F>(key, segment, entry, freed_port) {
+    match nat::create_snat_again::<F>(key, segment, entry) {
         Ok(Made::New) => Masquerading::MASQUERADED,
         Ok(Made::Found) => Masquerading::KNOWN_FLOW,
-        Err(_) => Masquerading::TABLE_FULL,
+        Err(AllocError::PortsExhausted) => {
+            Masquerading::done(Verdict::Drop(Counter::DropPortsExhausted).count())
+        }
+        Err(AllocError::TableFull) => Masquerading::TABLE_FULL,
     }
 }
 }
@@ -787,13 +791,12 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 }
                 // A full table makes room for a connection toward a pod as for a pod's own new
                 // flow, as conntrack does for any; called from here, where the frame of
-                // `snat_track_inbound` is not on the stack. One round, not `egress`'s four:
-                // every call of the step is one more walk of it for the verifier, and a
-                // connection that loses the room to another CPU's flow is retransmitted.
+                // `snat_track_inbound` is not on the stack. One round, not `egress`'s
+                // `EARLY_DROP_ROUNDS`: every call of the step is one more walk of it for the
+                // verifier, and a connection that loses the room to another CPU's flow is
+                // retransmitted.
                 if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
-                    || (early_drop::early_drop::<F>(&ip.saddr, l4.sport)
-                        .port()
-                        .is_some()
+                    || (early_drop::early_drop::<F>().dropped()
                         && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
                 {
                     return TcAction::PASS;

@@ -7,13 +7,16 @@
 //! first. A half idle no longer than the shortest timeout belongs to a flow that is not over,
 //! whatever its other half says: it costs a visit, and no lookup. Otherwise its other half is
 //! looked up and the flow judged by both; a flow over loses both halves at once, while both
-//! are in the cache, so that its other half is never visited. Each half is counted once, with
-//! the port it holds on the node's side: as it is visited, or as its flow is removed, so that
-//! the report says what a read of the table says. Both halves reach the same verdict on their
-//! flow, so the one visited second finds what the first left. Removing elements during a walk
-//! may make it skip or revisit a few (a removed element goes back to the table's free list and
-//! may be reused at once); a flow skipped is judged at the next sweep, and one revisited is
-//! judged again by the same rules.
+//! are in the cache. The walk steps onto the other half all the same where it came next in
+//! the bucket (the kernel takes the next element before it calls for the current one), and
+//! finds it alone: a half alone looks itself up, and one gone is passed over. Each half is
+//! counted once, with the port it holds on the node's side: as it is visited, or as its flow
+//! is removed, so that the report says what a read of the table says. Both halves reach the
+//! same verdict on their flow, so the one visited second finds what the first left. A removed
+//! element goes back to the table's free list, and a new flow the data path makes during the
+//! walk may take it at once, into another bucket: the walk may then skip or revisit a few
+//! halves; a flow skipped is judged at the next sweep, and one revisited is judged again by
+//! the same rules.
 //!
 //! A table under pressure also has its drop sample pointed at the flows the walk leaves
 //! (`SweepOrder::point_drop_sample`): each egress half left looks its reply half up, to tell
@@ -131,7 +134,8 @@ fn point_at<F: Family>(report: &mut SweepReport, key: &NatKey<F::Addr>, entry: &
 }
 
 /// Looks up the other half of a half that may be over and judges the flow by both; removes
-/// what is over, counted as found, and says whether it did.
+/// what is over, counted as found, and says whether the half is gone (removed now, or
+/// before the walk reached it).
 #[inline(always)]
 fn remove_if_over<F: Family>(
     order: &SweepOrder,
@@ -149,6 +153,13 @@ fn remove_if_over<F: Family>(
     let other =
         other.filter(|other| key.direction == direction::EGRESS || other_key.reverse(other) == key);
     let Some(other) = other else {
+        // The half after one whose flow the walk just removed, in the same bucket: the kernel
+        // steps onto it as it found the bucket, though it is gone now. Counted and removed
+        // with its flow already; only a half alone looks itself up, to tell.
+        // SAFETY: only asked whether the key is there.
+        if unsafe { F::nat().get(key) }.is_none() {
+            return true;
+        }
         let limit = if key.direction == direction::EGRESS {
             // An egress half alone cannot translate replies; let it go with its timeout.
             order.limit(FlowState::of(&key, entry, entry))

@@ -25,7 +25,7 @@ in_both_families!(
     a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake,
     a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
     every_sweep_of_a_table_left_under_pressure_points_its_sample_again,
-    a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried,
+    a_flow_made_after_an_early_drop_searches_its_port_again,
     a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
     the_nodes_own_ports_are_never_handed_out_and_take_no_entry,
@@ -518,16 +518,21 @@ fn a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake<F: HarnessFam
     assert_eq!(h.counter(Counter::NatEarlyDropped), 2);
 }
 
-/// When the port a new flow found no room for is one the node holds, the new flow takes the
-/// port of the flow dropped early for it, and never the node's.
-fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: HarnessFamily>() {
+/// A new flow that early drop made room for searches for its port again, as any new flow does:
+/// the port its first search found no room for may be one the node holds (asked only once a
+/// port is reserved), and the port of the flow dropped is free only toward that flow's own
+/// destination. Here the node holds the port tried first, and the flow dropped held, toward
+/// another server, the port a live flow holds toward this one: the new flow gets the one
+/// port left, and no flow but the one dropped is lost.
+fn a_flow_made_after_an_early_drop_searches_its_port_again<F: HarnessFamily>() {
     let mut h = F::bed(4, &[(5000, 5002)], false);
     // Without --random-fully the pod's own port is tried first.
     for _ in 0..2 {
         h.egress(&udp(F::POD, 5000, F::REMOTE, 53));
         h.ingress(&udp(F::REMOTE, 53, F::NODE, 5000));
     }
-    h.egress(&udp(F::POD, 5001, F::REMOTE, 53));
+    let (_, out) = h.egress(&udp(F::POD, 5000, F::REMOTE2, 53));
+    assert_eq!(word(&out, F::L4), 5000, "free toward the other server");
     h.hold_node_ports(&NodePorts {
         tcp: [].into(),
         udp: [5002].into(),
@@ -536,16 +541,19 @@ fn a_flow_dropped_early_leaves_its_port_where_the_node_holds_the_one_tried<F: Ha
     assert_eq!(
         (verdict, word(&out, F::L4)),
         (TC_ACT_OK, 5001),
-        "the unanswered flow's port, not the node's 5002"
+        "neither the node's 5002 nor 5000, which the live flow holds toward this server"
     );
     assert_eq!(h.counter(Counter::NatEarlyDropped), 1);
+    assert_eq!(h.counter(Counter::DropNatTableFull), 0);
     assert_eq!(pod_ports::<F>(&h), [5000, 5002]);
-    let (_, back) = h.ingress(&udp(F::REMOTE, 53, F::NODE, 5001));
-    assert_frame(
-        &back,
-        &udp(F::REMOTE, 53, F::POD, 5002),
-        &checksums::<F>(F::L4 + 6),
-    );
+    for (port, pod_port) in [(5001, 5002), (5000, 5000)] {
+        let (_, back) = h.ingress(&udp(F::REMOTE, 53, F::NODE, port));
+        assert_frame(
+            &back,
+            &udp(F::REMOTE, 53, F::POD, pod_port),
+            &checksums::<F>(F::L4 + 6),
+        );
+    }
 }
 
 /// The node's flows on ports NAT hands out (netfilter's, or a daemon's) hold their tuple in the
