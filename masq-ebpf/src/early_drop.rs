@@ -74,7 +74,8 @@ impl EarlyDrop {
     /// caller may look again, at other slots.
     pub const NOTHING_DROPPED: EarlyDrop = EarlyDrop(-1);
 
-    /// Whether a flow was dropped, and the table has room for one more.
+    /// Whether a flow was dropped: the table had room for one more, until another CPU's new
+    /// flow takes it.
     #[inline(always)]
     pub fn dropped(self) -> bool {
         self.0 >= 0

@@ -298,13 +298,6 @@ pub fn create_snat<F: Family>(
 ) -> Result<Made, AllocError> {
     *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
     let reserved = reserve_port::<F>(egress_key, egress);
-    // A pod's SYN comes here without a lookup: where no port could be had, the flow may hold
-    // one already.
-    if reserved != RESERVED
-        && let Some(existing) = lookup::<F>(egress_key)
-    {
-        return Ok(adopt::<F>(egress_key, existing, segment, egress));
-    }
     claim::<F>(egress_key, reserved, segment, egress)
 }
 
@@ -326,7 +319,7 @@ pub fn create_snat_again<F: Family>(
 }
 
 /// What `reserve_port` said (`reserved`) made into the flow's entry: with the port reserved,
-/// the egress half published.
+/// the egress half published; without, the flow's own halves if the table holds them.
 #[inline(always)]
 fn claim<F: Family>(
     egress_key: &NatKey<F::Addr>,
@@ -334,6 +327,13 @@ fn claim<F: Family>(
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<Made, AllocError> {
+    // A pod's SYN comes to the search without a lookup, and another CPU may have made the
+    // same flow since: where no port could be had, the flow may hold one already.
+    if reserved != RESERVED
+        && let Some(existing) = lookup::<F>(egress_key)
+    {
+        return Ok(adopt::<F>(egress_key, existing, segment, egress));
+    }
     match reserved {
         RESERVED => {
             let ingress_key = egress_key.reverse(egress);
@@ -352,11 +352,12 @@ const PORTS_EXHAUSTED: u32 = 1;
 const TABLE_FULL: u32 = 2;
 
 /// Finds `egress` a free port and reserves it by inserting the flow's reply half. Says
-/// `RESERVED` (the port in `egress`), `PORTS_EXHAUSTED` or `TABLE_FULL`. The search runs in the family's global BPF function
-/// (`masq_reserve_port_v4` or `_v6`), which the verifier walks once, where it walks a static
-/// one again in every state its callers reach it with (eight, for the first packets of the
-/// protocols and of pods and the node). A global function takes no pointer before Linux 5.12:
-/// the flow goes in and its port comes back through this CPU's `PortRequest`.
+/// `RESERVED` (the port in `egress`), `PORTS_EXHAUSTED` or `TABLE_FULL`. The search runs in
+/// the family's global BPF function (`masq_reserve_port_v4` or `_v6`), which the verifier
+/// walks once, where it walks a static one again in every state its callers reach it with
+/// (the first packets of the protocols and of pods and the node, and a full table's new flows
+/// once a drop made room). A global function takes no pointer before Linux 5.12: the flow goes
+/// in and its port comes back through this CPU's `PortRequest`.
 #[inline(always)]
 fn reserve_port<F: Family>(egress_key: &NatKey<F::Addr>, egress: &mut NatEntry<F::Addr>) -> u32 {
     // No slot (which a per-CPU array of one always has) gives no port: never `TABLE_FULL`,

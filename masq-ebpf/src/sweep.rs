@@ -87,8 +87,8 @@ fn report<F: Family>() -> Option<&'static mut SweepReport> {
 }
 
 /// What `bpf_for_each_map_elem` calls for each half in the table: counts it, and points the
-/// drop sample at its flow if ordered to, unless it judges its flow over and removes it.
-/// Returns 0 to go on, 1 to stop.
+/// drop sample at its flow if ordered to, unless it judges its flow over and removes it, or
+/// finds it gone already. Returns 0 to go on, 1 to stop.
 extern "C" fn judge<F: Family>(
     _table: *mut c_void,
     key: *const NatKey<F::Addr>,
@@ -154,10 +154,11 @@ fn remove_if_over<F: Family>(
         other.filter(|other| key.direction == direction::EGRESS || other_key.reverse(other) == key);
     let Some(other) = other else {
         // The half after one whose flow the walk just removed, in the same bucket: the kernel
-        // steps onto it as it found the bucket, though it is gone now. Counted and removed
-        // with its flow already; only a half alone looks itself up, to tell.
-        // SAFETY: only asked whether the key is there.
-        if unsafe { F::nat().get(key) }.is_none() {
+        // steps onto it as it found the bucket, though it is gone now (or its key is another
+        // element's, made since). Counted and removed with its flow already; only a half
+        // alone looks itself up, to tell.
+        // SAFETY: the pointer is only compared.
+        if unsafe { F::nat().get(key) }.is_none_or(|held| !core::ptr::eq(held, entry)) {
             return true;
         }
         let limit = if key.direction == direction::EGRESS {
