@@ -341,7 +341,13 @@ fn snat_masquerade_again<F: Family>(
     entry: &mut NatEntry<F::Addr>,
 ) -> Masquerading {
     match nat::create_snat_again::<F>(key, segment, entry) {
-        Ok(Made::New) => Masquerading::MASQUERADED,
+        Ok(Made::New) => {
+            // As `snat_masquerade_new` counts it: the node's flow, moved off a clash.
+            if entry.addr == key.saddr {
+                maps::count(Counter::NodePortClash);
+            }
+            Masquerading::MASQUERADED
+        }
         Ok(Made::Found) => Masquerading::KNOWN_FLOW,
         Err(AllocError::PortsExhausted) => {
             Masquerading::done(Verdict::Drop(Counter::DropPortsExhausted).count())

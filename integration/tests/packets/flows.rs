@@ -28,6 +28,7 @@ in_both_families!(
     a_flow_made_after_an_early_drop_searches_its_port_again,
     a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
+    a_nodes_flow_that_clashes_in_a_full_table_makes_room_and_moves,
     the_nodes_own_ports_are_never_handed_out_and_take_no_entry,
     a_port_netfilter_uses_is_never_handed_to_a_masqueraded_flow,
     exempt_destinations_and_the_nodes_own_traffic_pass_untouched,
@@ -663,6 +664,44 @@ fn the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple<F: HarnessFamily
             "no entry for a port NAT never gives"
         );
     }
+}
+
+/// A node's flow that clashes with a pod's flow's port in a full table makes room as a pod's
+/// new flow does, and moves to another port: counted as a clash, as where the table has room.
+fn a_nodes_flow_that_clashes_in_a_full_table_makes_room_and_moves<F: HarnessFamily>() {
+    let mut h = F::bed(4, &[(5000, 5001)], true);
+    // A pod's stream, assured, holds one port toward REMOTE:53; an unanswered query to
+    // another server fills the table.
+    let mut held = 0;
+    for _ in 0..3 {
+        let (_, out) = h.egress(&udp(F::POD, 1001, F::REMOTE, 53));
+        held = word(&out, F::L4);
+        h.ingress(&udp(F::REMOTE, 53, F::NODE, held));
+    }
+    h.egress(&udp(F::POD, 1002, F::REMOTE2, 53));
+    assert_eq!(F::nat(&h).len(), 4, "two flows fill a four-entry table");
+    let other = if held == 5000 { 5001 } else { 5000 };
+    // A node socket bound to the stream's port sends to REMOTE:53.
+    let (verdict, out) = h.egress(&udp(F::NODE, held, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_frame(
+        &out,
+        &udp(F::NODE, other, F::REMOTE, 53),
+        &checksums::<F>(F::L4 + 6),
+    );
+    assert_eq!(
+        (
+            h.counter(Counter::NatEarlyDropped),
+            h.counter(Counter::NodePortClash)
+        ),
+        (1, 1)
+    );
+    let (_, back) = h.ingress(&udp(F::REMOTE, 53, F::NODE, held));
+    assert_frame(
+        &back,
+        &udp(F::REMOTE, 53, F::POD, 1001),
+        &checksums::<F>(F::L4 + 6),
+    );
 }
 
 /// The ports the node holds for its listening sockets and NodePorts, by protocol, are never
