@@ -63,7 +63,7 @@ pub fn remember<F: Family>(slot: SampleSlot, egress_key: &NatKey<F::Addr>) {
 ///
 /// Not the port the dropped flow held: it is free only toward that flow's destination, and a
 /// new flow toward another may find it taken there. The room a drop makes is what a new flow
-/// needs; its port comes from a search, as any new flow's does (`nat::create_snat_again`).
+/// needs; its port comes from a search, as any new flow's does (`nat::claim_port`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct EarlyDrop(i64);

@@ -297,36 +297,24 @@ pub fn create_snat<F: Family>(
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<Made, AllocError> {
     *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
-    let reserved = reserve_port::<F>(egress_key, egress);
-    claim::<F>(egress_key, reserved, segment, egress)
+    claim_port::<F>(egress_key, segment, egress)
 }
 
-/// After `early_drop` made room in a full table: `create_snat` once more for the flow in
-/// `egress`, its port searched for again from the start. Not the port the first search found
-/// no room for: the node may hold that one (its listening sockets and NodePorts are asked about
-/// only once a port is reserved), and another CPU's flow may hold it by now. Nor the port of
-/// the flow dropped: it is free only toward that flow's destination. Either, retried, failed
-/// in every round, and each round dropped another flow for nothing. The search is a call of
-/// `reserve_port`'s global function, which the verifier walks once, not once per caller.
+/// Searches a port for the flow in `egress` (`reserve_port`, from the start) and publishes its
+/// egress half; where no port could be had, finds the flow's own halves if the table holds
+/// them. `create_snat`'s allocation, and all of it again once `early_drop` made room in a full
+/// table: not one port retried, which failed in every round when taken, and each round dropped
+/// another flow for nothing (the one the first search found no room for may be the node's, as
+/// it is asked only once a port is reserved, or another CPU's flow's by now; the dropped flow's
+/// is free only toward that flow's destination). The search is a call of `reserve_port`'s
+/// global function, which the verifier walks once, not once per caller.
 #[inline(always)]
-pub fn create_snat_again<F: Family>(
+pub fn claim_port<F: Family>(
     egress_key: &NatKey<F::Addr>,
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<Made, AllocError> {
     let reserved = reserve_port::<F>(egress_key, egress);
-    claim::<F>(egress_key, reserved, segment, egress)
-}
-
-/// What `reserve_port` said (`reserved`) made into the flow's entry: with the port reserved,
-/// the egress half published; without, the flow's own halves if the table holds them.
-#[inline(always)]
-fn claim<F: Family>(
-    egress_key: &NatKey<F::Addr>,
-    reserved: u32,
-    segment: &Segment,
-    egress: &mut NatEntry<F::Addr>,
-) -> Result<Made, AllocError> {
     // A pod's SYN comes to the search without a lookup, and another CPU may have made the
     // same flow since: where no port could be had, the flow may hold one already.
     if reserved != RESERVED

@@ -11,8 +11,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Counter, Decision, EARLY_DROP_ROUNDS, IPPROTO_TCP, IPPROTO_UDP, Interface, NatEntry, NatKey,
-    direction, nat_kind,
+    Address, Counter, Decision, EARLY_DROP_ROUNDS, FlowOwner, IPPROTO_TCP, IPPROTO_UDP, Interface,
+    NatEntry, NatKey, direction, nat_kind,
     tcp_flags::{ACK, SYN},
     tcp_seen,
 };
@@ -301,19 +301,41 @@ fn snat_masquerade_new<F: Family>(
     }
     // Asked again rather than kept across the call: a value known on each path that lives
     // through it would have the verifier walk the allocation once per value.
-    if entry.addr != key.saddr {
+    if !moved_off_a_clash(key, entry) {
         count_masqueraded::<F>(key);
-    } else if made.is_ok() {
-        maps::count(Counter::NodePortClash);
     }
+    masquerading::<F>(key, entry, made)
+}
+}
+
+/// Whether the flow `entry` translates is the node's own, given another port because a
+/// masqueraded flow held its own: a translation that keeps the source address.
+#[inline(always)]
+fn moved_off_a_clash<A: Address>(key: &NatKey<A>, entry: &NatEntry<A>) -> bool {
+    FlowOwner::of(key, entry) == FlowOwner::NodeTranslated
+}
+
+/// What an allocation (`made`) says for the packet of a new flow, whose egress half is in
+/// `entry`; a node's flow moved off a clash is counted.
+#[inline(always)]
+fn masquerading<F: Family>(
+    key: &NatKey<F::Addr>,
+    entry: &NatEntry<F::Addr>,
+    made: Result<Made, AllocError>,
+) -> Masquerading {
     match made {
-        Ok(_) => Masquerading::MASQUERADED,
+        Ok(Made::New) => {
+            if moved_off_a_clash(key, entry) {
+                maps::count(Counter::NodePortClash);
+            }
+            Masquerading::MASQUERADED
+        }
+        Ok(Made::Found) => Masquerading::KNOWN_FLOW,
         Err(AllocError::PortsExhausted) => {
             Masquerading::done(Verdict::Drop(Counter::DropPortsExhausted).count())
         }
         Err(AllocError::TableFull) => Masquerading::TABLE_FULL,
     }
-}
 }
 
 step! {
@@ -331,29 +353,16 @@ fn count_masqueraded<F: Family>(egress_key: &NatKey<F::Addr>) {
 
 step! {
 /// Egress, the first packet of a flow to masquerade, once `early_drop` made room in a full
-/// table: a port for it, searched for again (`nat::create_snat_again`), and both halves of its
-/// entry. `entry` holds what `snat_masquerade_new` made of it. Says `MASQUERADED`,
-/// `KNOWN_FLOW`, `TABLE_FULL` (another CPU's flow took the room first), or to drop the packet
-/// when every port is taken.
+/// table: a port for it, searched for again (`nat::claim_port`), and both halves of its entry.
+/// `entry` holds what `snat_masquerade_new` made of it. Says what `snat_masquerade_new` says;
+/// `TABLE_FULL` when another CPU's flow took the room first.
 fn snat_masquerade_again<F: Family>(
     key: &NatKey<F::Addr>,
     segment: &Segment,
     entry: &mut NatEntry<F::Addr>,
 ) -> Masquerading {
-    match nat::create_snat_again::<F>(key, segment, entry) {
-        Ok(Made::New) => {
-            // As `snat_masquerade_new` counts it: the node's flow, moved off a clash.
-            if entry.addr == key.saddr {
-                maps::count(Counter::NodePortClash);
-            }
-            Masquerading::MASQUERADED
-        }
-        Ok(Made::Found) => Masquerading::KNOWN_FLOW,
-        Err(AllocError::PortsExhausted) => {
-            Masquerading::done(Verdict::Drop(Counter::DropPortsExhausted).count())
-        }
-        Err(AllocError::TableFull) => Masquerading::TABLE_FULL,
-    }
+    let made = nat::claim_port::<F>(key, segment, entry);
+    masquerading::<F>(key, entry, made)
 }
 }
 
