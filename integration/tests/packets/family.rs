@@ -19,7 +19,7 @@ use masq_agent::{
     },
     policy::{Action, IpFamily as PolicyFamily, Rules},
 };
-use masq_ebpf::{Address, NatEntry, NatKey, nat_kind};
+use masq_ebpf::{Address, NatEntry, NatKey, SweepReport, nat_kind};
 use masq_testbed::packet::*;
 
 /// The NAT ports of the default test bed, each `(first, last)`.
@@ -94,6 +94,9 @@ pub trait HarnessFamily: FrameAddress {
     /// Sweeps the table as the agent does: with the sweep program where the kernel runs it,
     /// which must remove what the agent's rules in userspace remove from the same table.
     fn expire(bed: &mut TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage;
+    /// What the sweep program last reported of the family's table: all zeros until it first
+    /// walks it, and where the agent sweeps in userspace.
+    fn sweep_report(bed: &TestBed) -> SweepReport;
     /// The agent forgetting the flows on a node address it no longer has.
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
     /// The drop sample, slot by slot.
@@ -143,6 +146,9 @@ macro_rules! nat_table_of {
             <$octets as NatFamily>::table_mut(&mut bed.maps.nat)
                 .insert(key, entry, 0)
                 .unwrap();
+        }
+        fn sweep_report(bed: &TestBed) -> SweepReport {
+            bed.sweep_report::<$octets>()
         }
         fn expire(bed: &mut TestBed, timeouts: &Timeouts, now_ns: u64) -> NatUsage {
             let before = bed.nat_table::<$octets>();

@@ -25,6 +25,7 @@ in_both_families!(
     tcp_closes_expire_as_conntrack_times_each_state,
     a_syn_sent_again_finds_its_flow,
     a_sweep_counts_once_a_half_its_walk_steps_onto_after_removing_it,
+    a_table_that_holds_nothing_is_not_walked,
 );
 
 /// The agent's sweep of the family's NAT table, `idle` after the newest entry's last packet.
@@ -409,4 +410,27 @@ fn a_sweep_counts_once_a_half_its_walk_steps_onto_after_removing_it<F: HarnessFa
         assert_eq!((usage.entries, usage.expired_flows), (4, 2), "{usage:?}");
         assert!(F::nat(&h).is_empty());
     }
+}
+
+/// A sweep of an empty table reads its first key and stops: the walk of its buckets is what an
+/// idle agent spent most of its CPU on. The sweep program clears its report before each walk,
+/// so a report left as the last walk wrote it says that none ran.
+fn a_table_that_holds_nothing_is_not_walked<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    h.egress(&udp(F::POD, 2001, F::REMOTE, 53));
+    let usage = sweep_after::<F>(&mut h, past(Timeouts::default().udp));
+    assert_eq!((usage.entries, usage.expired_flows), (2, 1), "{usage:?}");
+    assert!(F::nat(&h).is_empty());
+    let walked = F::sweep_report(&h);
+    let usage = F::expire(&mut h, &Timeouts::default(), u64::MAX / 2);
+    assert_eq!(usage, NatUsage::default(), "an empty table: nothing found");
+    assert_eq!(
+        F::sweep_report(&h).entries,
+        walked.entries,
+        "the sweep program did not run over the empty table"
+    );
+    // Once a flow is made, the next sweep walks the table again.
+    h.egress(&udp(F::POD, 2002, F::REMOTE, 53));
+    let usage = sweep_after::<F>(&mut h, Duration::ZERO);
+    assert_eq!((usage.entries, usage.expired_flows), (2, 0), "{usage:?}");
 }

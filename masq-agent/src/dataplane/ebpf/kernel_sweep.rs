@@ -44,6 +44,81 @@ impl Sweeper {
     }
 }
 
+/// Sweeps family `A`'s table as of `now_ns`: what it held and removed, as `expiry::expire`
+/// reports it, and the ports the flows left hold on the node's side, into `node_side`. With
+/// `kernel` where it is loaded, in userspace otherwise; a table that holds nothing is not
+/// walked at all (`expiry::holds_nothing`): the table of a family no pod uses, or every table
+/// of an idle node.
+///
+/// A table under pressure also gets its drop sample pointed at its flows, if `sample` is
+/// given, by the program as it walks the table: while the last sweep left the table under
+/// pressure, by every sweep; and by a second walk after a sweep that finds it so.
+pub fn sweep<A>(
+    kernel: Option<&mut KernelSweep<'_>>,
+    nat: &NatTable<A>,
+    sample: Option<&DropSample<A>>,
+    timeouts: &Timeouts,
+    now_ns: u64,
+    node_side: &mut NodeSidePorts,
+) -> anyhow::Result<NatUsage>
+where
+    A: NatFamily,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
+    if expiry::holds_nothing(nat)? {
+        if let Some(kernel) = kernel {
+            kernel.pressed.0[A::SWEEP_REPORT as usize] = false;
+        }
+        return Ok(NatUsage::default());
+    }
+    let walked = kernel.map(|kernel| {
+        let point = kernel.pressed.0[A::SWEEP_REPORT as usize] && sample.is_some();
+        kernel
+            .run::<A>(timeouts, now_ns, point)
+            .map(|report| (kernel, point, report))
+    });
+    let (kernel, point, report) = match walked {
+        Some(Ok(walked)) => walked,
+        failed => {
+            if let Some(Err(err)) = failed {
+                // No sweep may be missed for it: the table would fill.
+                tracing::warn!("sweeping the NAT table in userspace this time: {err:#}");
+            }
+            return expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
+                node_side.look(key, entry)
+            });
+        }
+    };
+    node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
+    let mut usage = usage(&report);
+    let left = report.entries_left() as usize;
+    let pressed = left >= expiry::pressure_at(nat)?;
+    kernel.pressed.0[A::SWEEP_REPORT as usize] = pressed;
+    let mut pointed = point.then_some(report.pointed);
+    if pressed && !point && sample.is_some() {
+        // The sweep is done: a failed second walk leaves the sample to the next sweep's
+        // one walk, which points it, as the table is left pressed.
+        match kernel.run::<A>(timeouts, now_ns, true) {
+            Ok(again) => {
+                usage.expired_flows += again.expired_flows as usize;
+                usage.orphans_removed += again.orphans_removed as usize;
+                pointed = Some(again.pointed);
+            }
+            Err(err) => tracing::warn!("pointing the NAT table's drop sample: {err:#}"),
+        }
+    }
+    if let Some(pointed) = pointed.filter(|_| pressed) {
+        tracing::debug!(
+            left,
+            droppable = pointed.droppable,
+            undroppable_placed = pointed.undroppable,
+            "NAT table under pressure: drop sample pointed in the walk"
+        );
+    }
+    Ok(usage)
+}
+
 /// Per family, by its slot in the sweep's reports: whether its last sweep left its table under
 /// pressure (`expiry::UNDER_PRESSURE_PERCENT`), so that the next points its drop sample in its
 /// one walk.
@@ -58,65 +133,6 @@ pub struct KernelSweep<'a> {
 }
 
 impl KernelSweep<'_> {
-    /// Sweeps family `A`'s table as of `now_ns`: what it held and removed, as `expiry::expire`
-    /// reports it, and the ports the flows left hold on the node's side, into `node_side`.
-    ///
-    /// A table under pressure also gets its drop sample pointed at its flows, if `sample` is
-    /// given, by the program as it walks the table: while the last sweep left the table under
-    /// pressure, by every sweep; and by a second walk after a sweep that finds it so.
-    pub fn expire<A>(
-        &mut self,
-        nat: &NatTable<A>,
-        sample: Option<&DropSample<A>>,
-        timeouts: &Timeouts,
-        now_ns: u64,
-        node_side: &mut NodeSidePorts,
-    ) -> anyhow::Result<NatUsage>
-    where
-        A: NatFamily,
-        NatKey<A>: Pod,
-        NatEntry<A>: Pod,
-    {
-        let point = self.pressed.0[A::SWEEP_REPORT as usize] && sample.is_some();
-        let report = match self.run::<A>(timeouts, now_ns, point) {
-            Ok(report) => report,
-            // No sweep may be missed for it: the table would fill.
-            Err(err) => {
-                tracing::warn!("sweeping the NAT table in userspace this time: {err:#}");
-                return expiry::expire_seeing(nat, sample, timeouts, now_ns, |key, entry| {
-                    node_side.look(key, entry)
-                });
-            }
-        };
-        node_side.take_swept(&report.node_side_ports, report.ports_outside_spans);
-        let mut usage = usage(&report);
-        let left = report.entries_left() as usize;
-        let pressed = left >= expiry::pressure_at(nat)?;
-        self.pressed.0[A::SWEEP_REPORT as usize] = pressed;
-        let mut pointed = point.then_some(report.pointed);
-        if pressed && !point && sample.is_some() {
-            // The sweep is done: a failed second walk leaves the sample to the next sweep's
-            // one walk, which points it, as the table is left pressed.
-            match self.run::<A>(timeouts, now_ns, true) {
-                Ok(again) => {
-                    usage.expired_flows += again.expired_flows as usize;
-                    usage.orphans_removed += again.orphans_removed as usize;
-                    pointed = Some(again.pointed);
-                }
-                Err(err) => tracing::warn!("pointing the NAT table's drop sample: {err:#}"),
-            }
-        }
-        if let Some(pointed) = pointed.filter(|_| pressed) {
-            tracing::debug!(
-                left,
-                droppable = pointed.droppable,
-                undroppable_placed = pointed.undroppable,
-                "NAT table under pressure: drop sample pointed in the walk"
-            );
-        }
-        Ok(usage)
-    }
-
     /// One run of the program over family `A`'s table: its report.
     /// `point_drop_sample`: the walk also points the drop sample at the flows it leaves
     /// (`SweepOrder::point_drop_sample`).

@@ -10,7 +10,7 @@ use super::{
     expiry,
     expiry::{SweepClock, Timeouts},
     hook::Hook,
-    load,
+    kernel_sweep, load,
     load::{Loaded, Programs},
     map_types,
     maps::Maps,
@@ -290,20 +290,23 @@ impl DataPlane for EbpfDataPlane {
         let mut node_side = node_ports::NodeSidePorts::new(&self.port_spans);
         let read_at = std::time::Instant::now();
         let timeouts = &self.timeouts;
-        let (v4, v6) = match self.programs.kernel_sweep(&mut self.maps.sweep) {
-            Some(mut kernel) => (
-                kernel.expire(&nat.v4, Some(&samples.v4), timeouts, now, &mut node_side)?,
-                kernel.expire(&nat.v6, Some(&samples.v6), timeouts, now, &mut node_side)?,
-            ),
-            None => (
-                expiry::expire_seeing(&nat.v4, Some(&samples.v4), timeouts, now, |k, e| {
-                    node_side.look(k, e)
-                })?,
-                expiry::expire_seeing(&nat.v6, Some(&samples.v6), timeouts, now, |k, e| {
-                    node_side.look(k, e)
-                })?,
-            ),
-        };
+        let mut kernel = self.programs.kernel_sweep(&mut self.maps.sweep);
+        let v4 = kernel_sweep::sweep(
+            kernel.as_mut(),
+            &nat.v4,
+            Some(&samples.v4),
+            timeouts,
+            now,
+            &mut node_side,
+        )?;
+        let v6 = kernel_sweep::sweep(
+            kernel.as_mut(),
+            &nat.v6,
+            Some(&samples.v6),
+            timeouts,
+            now,
+            &mut node_side,
+        )?;
         if [v4, v6]
             .iter()
             .any(|run| run.expired_flows + run.orphans_removed > 0)

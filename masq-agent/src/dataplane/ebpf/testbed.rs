@@ -13,12 +13,13 @@ use aya::{
     programs::{TestRun, TestRunOptions},
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use masq_ebpf::{Address, Counter, NatEntry, NatKey, program_names};
+use masq_ebpf::{Address, Counter, NatEntry, NatKey, SweepReport, program_names};
 
 use super::{
     batch, decisions,
     expiry::Timeouts,
     follow::write_interfaces,
+    kernel_sweep,
     load::{self, Programs, write_settings},
     map_types::{self, NatFamily, Table, counter_total},
     maps::Maps,
@@ -302,8 +303,25 @@ impl TestBed {
         let mut node_side = NodeSidePorts::new(&[]);
         let table = A::table(&self.maps.nat);
         let sample = A::drop_sample(&self.maps.drop_samples);
-        let usage = kernel.expire(table, Some(sample), timeouts, now_ns, &mut node_side)?;
+        let usage = kernel_sweep::sweep(
+            Some(&mut kernel),
+            table,
+            Some(sample),
+            timeouts,
+            now_ns,
+            &mut node_side,
+        )?;
         Ok(Some((usage, node_side.seen)))
+    }
+
+    /// What the sweep program last reported of family `A`'s table: all zeros until it first
+    /// walks it.
+    pub fn sweep_report<A: NatFamily>(&self) -> SweepReport {
+        self.maps
+            .sweep
+            .reports
+            .get(&A::SWEEP_REPORT, 0)
+            .unwrap_or_default()
     }
 
     /// The ports `entries` hold on the node's side, as a sweep that reads them finds them.
