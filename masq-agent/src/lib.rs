@@ -32,6 +32,7 @@ pub mod dataplane;
 pub mod explain;
 pub mod families;
 pub mod netdev;
+pub mod netlink;
 pub mod policy;
 pub mod ports;
 pub mod privileges;

@@ -4,8 +4,16 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, bail};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    address::{AddressAttribute, AddressFlags, AddressMessage},
+};
+use netlink_sys::protocols::NETLINK_ROUTE;
 
-use crate::policy::{IpFamilies, IpFamily};
+use crate::{
+    netlink,
+    policy::{IpFamilies, IpFamily},
+};
 
 /// A device the eBPF programs attach to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,15 +97,12 @@ pub fn device_state(name: &str) -> anyhow::Result<DeviceState> {
     let Ok(index) = nix::net::if_::if_nametoindex(name) else {
         return Ok(DeviceState::Missing);
     };
-    let addrs: Vec<nix::ifaddrs::InterfaceAddress> = nix::ifaddrs::getifaddrs()
-        .context("getifaddrs")?
-        .filter(|a| a.interface_name == name)
-        .collect();
-    // The first address the kernel lists is the primary one.
-    let Some(ipv4) = addrs
-        .iter()
-        .find_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
-    else {
+    let addrs = kernel_addresses(Some(index))?;
+    // The kernel lists a device's primary IPv4 address first, its secondaries after.
+    let Some(ipv4) = addrs.iter().find_map(|a| match a.addr {
+        IpAddr::V4(addr) if !a.flags.contains(AddressFlags::Secondary) => Some(addr),
+        _ => None,
+    }) else {
         return Ok(DeviceState::NoIpv4Address);
     };
     // The kernel lists a device's IPv6 addresses newest first: the oldest is the device's own,
@@ -105,7 +110,10 @@ pub fn device_state(name: &str) -> anyhow::Result<DeviceState> {
     // and go under the flows.
     let ipv6 = addrs
         .iter()
-        .filter_map(|a| a.address?.as_sockaddr_in6().map(|s| s.ip()))
+        .filter_map(|a| match a.addr {
+            IpAddr::V6(addr) => Some(addr),
+            IpAddr::V4(_) => None,
+        })
         .rev()
         .find(is_global_ipv6);
     Ok(DeviceState::Usable(Device {
@@ -129,83 +137,98 @@ pub fn names_and_indexes() -> anyhow::Result<Vec<(String, u32)>> {
 /// Every address the node holds, on any device: those it accepts packets for and may send
 /// from.
 pub fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
-    Ok(held_addresses()?
-        .into_iter()
-        .map(|(_, addr)| addr)
-        .collect())
+    Ok(held_addresses(None)?.into_iter().map(|a| a.addr).collect())
 }
 
 /// The addresses device `name` holds (none, if there is no such device).
 pub fn device_addresses(name: &str) -> anyhow::Result<Vec<IpAddr>> {
-    Ok(held_addresses()?
-        .into_iter()
-        .filter(|(device, _)| device == name)
-        .map(|(_, addr)| addr)
-        .collect())
-}
-
-/// Each address the network namespace's devices hold, with its device. Loopback's count (an
-/// address on `lo` is a common way to hold a VIP), but not the loopback range itself, which
-/// never leaves the node.
-fn held_addresses() -> anyhow::Result<Vec<(String, IpAddr)>> {
-    let ipv4 = nix::ifaddrs::getifaddrs()
-        .context("getifaddrs")?
-        .filter_map(|a| {
-            let addr = a.address?.as_sockaddr_in()?.ip();
-            Some((a.interface_name, IpAddr::V4(addr)))
-        });
-    // getifaddrs gives no IPv6 address's flags; the kernel's own list does.
-    let ipv6 = match std::fs::read_to_string(IF_INET6) {
-        Ok(table) => held_ipv6_addresses(&table),
-        // No IPv6 in this kernel: no IPv6 address either.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-        Err(e) => return Err(e).with_context(|| format!("reading {IF_INET6}")),
+    let Ok(index) = nix::net::if_::if_nametoindex(name) else {
+        return Ok(Vec::new());
     };
-    Ok(ipv4
-        .chain(
-            ipv6.into_iter()
-                .map(|(device, addr)| (device, IpAddr::V6(addr))),
-        )
-        .filter(|(_, addr)| !addr.is_loopback())
+    Ok(held_addresses(Some(index))?
+        .into_iter()
+        .map(|a| a.addr)
         .collect())
 }
 
-/// The IPv6 addresses of the network namespace of the thread that reads it: a thread may have
-/// entered another namespace than its process's.
-const IF_INET6: &str = "/proc/thread-self/net/if_inet6";
-
-/// `ifa_flags` bits, from include/uapi/linux/if_addr.h.
-const IFA_F_OPTIMISTIC: u32 = 0x04;
-const IFA_F_DADFAILED: u32 = 0x08;
-const IFA_F_TENTATIVE: u32 = 0x40;
-
-/// The addresses of `/proc/net/if_inet6` (address, index, prefix length, scope and flags in
-/// hex, then the device) that the node holds: not one that failed duplicate address detection,
-/// nor one still in it, which the kernel neither accepts packets for nor sends from (unless it
-/// is optimistic, which it uses meanwhile).
-fn held_ipv6_addresses(table: &str) -> Vec<(String, Ipv6Addr)> {
-    table
-        .lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let [hex, _, _, _, flags, device] = fields.as_slice() else {
-                return None;
-            };
-            let addr = Ipv6Addr::from(u128::from_str_radix(hex, 16).ok()?);
-            let flags = u32::from_str_radix(flags, 16).ok()?;
-            let tentative = flags & IFA_F_TENTATIVE != 0 && flags & IFA_F_OPTIMISTIC == 0;
-            let held = flags & IFA_F_DADFAILED == 0 && !tentative;
-            held.then(|| (device.to_string(), addr))
-        })
-        .collect()
+/// Each address the network namespace's devices hold, or device `index` holds. Loopback's
+/// count (an address on `lo` is a common way to hold a VIP), but not the loopback range
+/// itself, which never leaves the node.
+fn held_addresses(index: Option<u32>) -> anyhow::Result<Vec<KernelAddress>> {
+    Ok(kernel_addresses(index)?
+        .into_iter()
+        .filter(|a| a.is_held() && !a.addr.is_loopback())
+        .collect())
 }
 
-/// The IP address of a socket address of either family.
-fn ip_of(address: &nix::sys::socket::SockaddrStorage) -> Option<IpAddr> {
-    address
-        .as_sockaddr_in()
-        .map(|s| IpAddr::from(s.ip()))
-        .or_else(|| address.as_sockaddr_in6().map(|s| IpAddr::from(s.ip())))
+/// An address as the kernel lists it: the device that holds it, and its `IFA_F_*` flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct KernelAddress {
+    index: u32,
+    addr: IpAddr,
+    flags: AddressFlags,
+}
+
+impl KernelAddress {
+    /// Whether the node holds the address: not one that failed duplicate address detection,
+    /// nor one still in it, which the kernel neither accepts packets for nor sends from
+    /// (unless it is optimistic, which it uses meanwhile). Only IPv6 addresses go through it.
+    fn is_held(&self) -> bool {
+        let tentative = self.flags.contains(AddressFlags::Tentative)
+            && !self.flags.contains(AddressFlags::Optimistic);
+        !self.flags.contains(AddressFlags::Dadfailed) && !tentative
+    }
+
+    /// The address a dump's message names, with its device and flags. An IPv4 address's own
+    /// is `IFA_LOCAL` (`IFA_ADDRESS` is the peer's, on a point-to-point link); IPv6 gives
+    /// `IFA_LOCAL` only beside a peer too.
+    fn of(message: &AddressMessage) -> Option<KernelAddress> {
+        let mut local = None;
+        let mut address = None;
+        let mut flags = AddressFlags::from_bits_retain(u32::from(message.header.flags.bits()));
+        for attribute in &message.attributes {
+            match attribute {
+                AddressAttribute::Local(addr) => local = Some(*addr),
+                AddressAttribute::Address(addr) => address = Some(*addr),
+                // The full flags, of which the header holds the low eight bits.
+                AddressAttribute::Flags(all) => flags = *all,
+                _ => {}
+            }
+        }
+        Some(KernelAddress {
+            index: message.header.index,
+            addr: local.or(address)?,
+            flags,
+        })
+    }
+}
+
+/// Every address of the network namespace of the calling thread (a thread may have entered
+/// another namespace than its process's), or of its device `index` alone, in the kernel's
+/// order, from one dump of its addresses. `getifaddrs` dumps every device's whole link as
+/// well, its statistics and settings: on a node with a hundred pods' devices that was most of
+/// the agent's CPU, 8 ms in each second's upkeep, which asks for the addresses alone.
+fn kernel_addresses(index: Option<u32>) -> anyhow::Result<Vec<KernelAddress>> {
+    dump_addresses(index).context("asking the kernel for the node's addresses")
+}
+
+fn dump_addresses(index: Option<u32>) -> std::io::Result<Vec<KernelAddress>> {
+    let socket = netlink::socket(NETLINK_ROUTE)?;
+    // The kernel then dumps the one device's addresses, instead of ignoring the index.
+    socket.set_netlink_get_strict_chk(true)?;
+    let mut request = AddressMessage::default();
+    request.header.index = index.unwrap_or(0);
+    let mut addresses = Vec::new();
+    netlink::dump(
+        &socket,
+        RouteNetlinkMessage::GetAddress(request),
+        |answer| {
+            if let RouteNetlinkMessage::NewAddress(address) = answer {
+                addresses.extend(KernelAddress::of(&address));
+            }
+        },
+    )?;
+    Ok(addresses)
 }
 
 /// The device the node routes `dst` out of, and the source address the route gives, as the
@@ -221,10 +244,11 @@ pub fn route_to(dst: IpAddr) -> anyhow::Result<Option<(String, IpAddr)>> {
         return Ok(None);
     }
     let source = socket.local_addr()?.ip();
-    let device = nix::ifaddrs::getifaddrs()
-        .context("getifaddrs")?
-        .find(|a| a.address.as_ref().and_then(ip_of) == Some(source))
-        .map(|a| a.interface_name);
+    let device = kernel_addresses(None)?
+        .into_iter()
+        .find(|a| a.addr == source)
+        .and_then(|a| nix::net::if_::if_indextoname(a.index).ok())
+        .map(|name| name.to_string_lossy().into_owned());
     Ok(device.map(|device| (device, source)))
 }
 
@@ -252,6 +276,7 @@ pub fn ephemeral_port_range() -> anyhow::Result<(u16, u16)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use netlink_packet_route::address::AddressHeaderFlags;
 
     #[test]
     fn ipv4_default_routes_carrying_packets_in_table_order() {
@@ -278,30 +303,84 @@ mod tests {
 
     #[test]
     fn ipv6_addresses_in_duplicate_address_detection_or_failed_by_it_are_not_held() {
-        let table = "\
-00000000000000000000000000000001 01 80 10 80       lo
-20010db8000000000000000000000007 01 80 00 80       lo
-20010db8000100000000000000000001 02 40 00 80     eth0
-20010db8000100000000000000000050 02 80 00 40     eth0
-20010db8000100000000000000000051 02 80 00 48     eth0
-20010db8000100000000000000000052 02 80 00 44     eth0
-20010db8000100000000000000000053 02 80 00 4c     eth0
-fe800000000000000000000000000001 02 40 20 80     eth0
-";
-        let held: Vec<String> = held_ipv6_addresses(table)
-            .iter()
-            .map(|(device, addr)| format!("{device} {addr}"))
-            .collect();
-        assert_eq!(
-            held,
-            [
-                "lo ::1",
-                "lo 2001:db8::7",
-                "eth0 2001:db8:1::1",
-                "eth0 2001:db8:1::52",
-                "eth0 fe80::1",
-            ],
-            "tentative (::50) and failed (::51, and ::53 though optimistic) left out"
+        let held = |flags: AddressFlags| {
+            KernelAddress {
+                index: 2,
+                addr: "2001:db8:1::1".parse().unwrap(),
+                flags,
+            }
+            .is_held()
+        };
+        assert!(held(AddressFlags::Permanent));
+        assert!(held(AddressFlags::empty()), "learnt from the router");
+        assert!(
+            held(AddressFlags::Tentative | AddressFlags::Optimistic),
+            "optimistic: used while in detection"
         );
+        assert!(!held(AddressFlags::Tentative), "in detection");
+        assert!(!held(AddressFlags::Dadfailed), "failed");
+        assert!(
+            !held(AddressFlags::Dadfailed | AddressFlags::Tentative | AddressFlags::Optimistic),
+            "failed, though optimistic"
+        );
+    }
+
+    #[test]
+    fn a_dumped_address_is_its_own_local_one_and_carries_its_full_flags() {
+        let message = |attributes: Vec<AddressAttribute>| {
+            let mut message = AddressMessage::default();
+            message.header.index = 7;
+            message.header.flags = AddressHeaderFlags::Secondary;
+            message.attributes = attributes;
+            KernelAddress::of(&message)
+        };
+        let peer: IpAddr = "203.0.113.9".parse().unwrap();
+        let own: IpAddr = "203.0.113.2".parse().unwrap();
+        assert_eq!(
+            message(vec![
+                AddressAttribute::Address(peer),
+                AddressAttribute::Local(own)
+            ]),
+            Some(KernelAddress {
+                index: 7,
+                addr: own,
+                flags: AddressFlags::Secondary,
+            }),
+            "a point-to-point address: the peer's is IFA_ADDRESS"
+        );
+        let full = AddressFlags::Permanent | AddressFlags::StablePrivacy;
+        assert_eq!(
+            message(vec![
+                AddressAttribute::Address(own),
+                AddressAttribute::Flags(full)
+            ]),
+            Some(KernelAddress {
+                index: 7,
+                addr: own,
+                flags: full,
+            }),
+            "IFA_FLAGS holds the flags past the header's eight bits"
+        );
+        assert_eq!(message(vec![]), None, "no address, none listed");
+    }
+
+    #[test]
+    fn the_namespaces_addresses_come_from_the_kernel_loopback_among_them() {
+        let all = kernel_addresses(None).expect("any user may dump the addresses");
+        let loopback = nix::net::if_::if_nametoindex(LOOPBACK).unwrap();
+        let on_loopback = kernel_addresses(Some(loopback)).unwrap();
+        assert!(
+            on_loopback.contains(&KernelAddress {
+                index: loopback,
+                addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                flags: AddressFlags::Permanent,
+            }),
+            "{on_loopback:?}"
+        );
+        assert!(
+            on_loopback.iter().all(|a| a.index == loopback),
+            "one device's dump holds that device's addresses alone: {on_loopback:?}"
+        );
+        assert!(on_loopback.iter().all(|a| all.contains(a)), "{all:?}");
     }
 }

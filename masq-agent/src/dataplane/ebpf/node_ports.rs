@@ -17,17 +17,17 @@ use std::{
 
 use aya::maps::{Array, MapData};
 use masq_ebpf::{Address, IPPROTO_TCP, IPPROTO_UDP, NatEntry, NatKey, node_ports};
-use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
 use netlink_packet_sock_diag::{
     AF_INET, AF_INET6, SockDiagMessage,
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+use netlink_sys::protocols::NETLINK_SOCK_DIAG;
 
 use super::expiry;
-use crate::ports::{self, PortRange};
+use crate::{
+    netlink,
+    ports::{self, PortRange},
+};
 
 /// The ports the node holds, by protocol.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -132,9 +132,7 @@ impl NodePorts {
 /// The local ports of the namespace's sockets of `proto` in `states`, both families, from
 /// the kernel's socket diagnostics.
 fn diag_ports(proto: u8, states: &StateFlags) -> std::io::Result<BTreeSet<u16>> {
-    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
+    let socket = netlink::socket(NETLINK_SOCK_DIAG)?;
     let mut ports = BTreeSet::new();
     for (family, any) in [
         (AF_INET, SocketId::new_v4()),
@@ -147,44 +145,13 @@ fn diag_ports(proto: u8, states: &StateFlags) -> std::io::Result<BTreeSet<u16>> 
             states: states.clone(),
             socket_id: any,
         };
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
-        message.finalize();
-        let mut bytes = vec![0; message.buffer_len()];
-        message.serialize(&mut bytes);
-        socket.send(&bytes, 0)?;
-        dump_into(&socket, &mut ports)?;
+        netlink::dump(&socket, SockDiagMessage::InetRequest(request), |answer| {
+            if let SockDiagMessage::InetResponse(response) = answer {
+                ports.insert(response.header.socket_id.source_port);
+            }
+        })?;
     }
     Ok(ports)
-}
-
-/// Receives one dump's answers on `socket`, to its end, and adds each socket's local port to
-/// `ports`.
-fn dump_into(socket: &Socket, ports: &mut BTreeSet<u16>) -> std::io::Result<()> {
-    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
-    let mut buffer = vec![0u8; 1 << 16];
-    loop {
-        let size = socket.recv(&mut &mut buffer[..], 0)?;
-        let mut offset = 0;
-        while offset < size {
-            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buffer[offset..size])
-                .map_err(|err| invalid(format!("an answer that does not parse: {err}")))?;
-            match message.payload {
-                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
-                    ports.insert(response.header.socket_id.source_port);
-                }
-                NetlinkPayload::Done(_) => return Ok(()),
-                NetlinkPayload::Error(err) => return Err(err.to_io()),
-                _ => {}
-            }
-            let length = message.header.length as usize;
-            if length == 0 {
-                return Err(invalid("an empty answer".into()));
-            }
-            offset += length;
-        }
-    }
 }
 
 /// The local ports of the sockets `files` list in `state`. A kernel without IPv6 has no tcp6:
