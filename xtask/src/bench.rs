@@ -726,7 +726,10 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
 
     cp.config_change_to_map_ms = config_change_latency(&bed)?;
 
-    // Memory and idle CPU of a daemon holding the large policy.
+    // Memory and idle CPU of a daemon holding the large policy, on a node with its pods'
+    // devices: the agent's upkeep reads the node's devices and addresses every second.
+    add_pod_devices(&bed, IDLE_POD_DEVICES)?;
+    cp.idle_pod_devices = IDLE_POD_DEVICES;
     write_config(&bed.config, &prefixes::config(plan.large))?;
     let daemon = bed.activate(Mode::Ebpf, plan.large)?.context("agent")?;
     let pid = daemon.child.id();
@@ -741,6 +744,28 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
         median(one_change_latency(&bed, &prefixes::config(plan.large))?).unwrap_or_default();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;
     Ok(cp)
+}
+
+/// The devices of a node's pods that the idle agent is measured beside: a node's usual
+/// hundred or so pods, one host-side device each.
+const IDLE_POD_DEVICES: usize = 100;
+
+/// Gives the node `count` devices that stand in for its pods' (veth pairs with both ends in
+/// the node, up, with their IPv6 link-local addresses), in one `ip -batch`.
+fn add_pod_devices(bed: &Bed, count: usize) -> anyhow::Result<()> {
+    let batch: String = (0..count / 2)
+        .map(|i| {
+            format!(
+                "link add idlepod{i} type veth peer name idlepeer{i}\n\
+                 link set idlepod{i} up\nlink set idlepeer{i} up\n"
+            )
+        })
+        .collect();
+    let file = bed.topo.path("pod-devices.batch");
+    std::fs::write(&file, batch)?;
+    bed.topo
+        .node_run("ip", &["-batch", file.to_str().context("path")?])?;
+    Ok(())
 }
 
 /// `--one-change-only`: the daemon holding the large policy, and the one-prefix changes to it.

@@ -270,6 +270,8 @@ pub struct ControlPlane {
     pub rss_mib: f64,
     pub idle_cpu_percent: f64,
     pub idle_seconds: u64,
+    /// The devices the node had for its pods while the idle CPU was measured.
+    pub idle_pod_devices: usize,
 }
 
 #[derive(clap::Args)]

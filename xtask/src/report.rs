@@ -664,8 +664,8 @@ fn control_plane_table(s: &mut String, cp: &ControlPlane) {
     );
     let _ = writeln!(
         s,
-        "| agent CPU over {} idle seconds | {:.2} % |",
-        cp.idle_seconds, cp.idle_cpu_percent
+        "| agent CPU over {} idle seconds, beside {} pods' devices (of one CPU) | {:.2} % |",
+        cp.idle_seconds, cp.idle_pod_devices, cp.idle_cpu_percent
     );
 }
 
