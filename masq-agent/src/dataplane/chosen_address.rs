@@ -107,7 +107,17 @@ impl ChosenAddressChange {
 impl ChosenAddressWatch {
     /// Looks at the node's addresses again for `policy`, and says what changed.
     pub fn follow(&mut self, policy: &Policy) -> anyhow::Result<()> {
-        for change in self.look(policy, &netdev::local_addresses()?) {
+        // Most configs choose none, and then the node's addresses, a dump of every device's
+        // each second, have nothing to say.
+        let chooses = IpFamily::ALL
+            .into_iter()
+            .any(|family| policy.masquerade_address(family).is_some());
+        let held = if chooses {
+            netdev::local_addresses()?
+        } else {
+            Vec::new()
+        };
+        for change in self.look(policy, &held) {
             change.log();
         }
         Ok(())
