@@ -5,8 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, bail};
 use netlink_packet_route::{
-    RouteNetlinkMessage,
-    address::{AddressAttribute, AddressFlags, AddressMessage},
+    AddressFamily, RouteNetlinkMessage,
+    address::{AddressAttribute, AddressFlags, AddressMessage, AddressScope},
 };
 use netlink_sys::protocols::NETLINK_ROUTE;
 
@@ -97,12 +97,25 @@ pub fn device_state(name: &str) -> anyhow::Result<DeviceState> {
     let Ok(index) = nix::net::if_::if_nametoindex(name) else {
         return Ok(DeviceState::Missing);
     };
-    let addrs = kernel_addresses(Some(index))?;
-    // The kernel lists a device's primary IPv4 address first, its secondaries after.
-    let Some(ipv4) = addrs.iter().find_map(|a| match a.addr {
-        IpAddr::V4(addr) if !a.flags.contains(AddressFlags::Secondary) => Some(addr),
-        _ => None,
-    }) else {
+    let Some(addrs) = kernel_addresses(Some(index))? else {
+        return Ok(DeviceState::Missing);
+    };
+    // The address netfilter's MASQUERADE takes for a packet to another network: a primary one
+    // (the kernel lists a device's secondaries after them) of global scope; the kernel lists
+    // the narrower scopes first (a 169.254 address a network manager added). Where there is
+    // none, the first primary.
+    let primary = |global: bool| {
+        addrs.iter().find_map(|a| match a.addr {
+            IpAddr::V4(addr)
+                if !a.flags.contains(AddressFlags::Secondary)
+                    && (!global || a.scope == AddressScope::Universe) =>
+            {
+                Some(addr)
+            }
+            _ => None,
+        })
+    };
+    let Some(ipv4) = primary(true).or_else(|| primary(false)) else {
         return Ok(DeviceState::NoIpv4Address);
     };
     // The kernel lists a device's IPv6 addresses newest first: the oldest is the device's own,
@@ -137,7 +150,11 @@ pub fn names_and_indexes() -> anyhow::Result<Vec<(String, u32)>> {
 /// Every address the node holds, on any device: those it accepts packets for and may send
 /// from.
 pub fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
-    Ok(held_addresses(None)?.into_iter().map(|a| a.addr).collect())
+    Ok(held_addresses(None)?
+        .unwrap_or_default()
+        .into_iter()
+        .map(|a| a.addr)
+        .collect())
 }
 
 /// The addresses device `name` holds (none, if there is no such device).
@@ -146,6 +163,7 @@ pub fn device_addresses(name: &str) -> anyhow::Result<Vec<IpAddr>> {
         return Ok(Vec::new());
     };
     Ok(held_addresses(Some(index))?
+        .unwrap_or_default()
         .into_iter()
         .map(|a| a.addr)
         .collect())
@@ -154,18 +172,18 @@ pub fn device_addresses(name: &str) -> anyhow::Result<Vec<IpAddr>> {
 /// Each address the network namespace's devices hold, or device `index` holds. Loopback's
 /// count (an address on `lo` is a common way to hold a VIP), but not the loopback range
 /// itself, which never leaves the node.
-fn held_addresses(index: Option<u32>) -> anyhow::Result<Vec<KernelAddress>> {
-    Ok(kernel_addresses(index)?
-        .into_iter()
-        .filter(|a| a.is_held() && !a.addr.is_loopback())
-        .collect())
+fn held_addresses(index: Option<u32>) -> anyhow::Result<Option<Vec<KernelAddress>>> {
+    let held = |a: &KernelAddress| a.is_held() && !a.addr.is_loopback();
+    Ok(kernel_addresses(index)?.map(|all| all.into_iter().filter(held).collect()))
 }
 
-/// An address as the kernel lists it: the device that holds it, and its `IFA_F_*` flags.
+/// An address as the kernel lists it: the device that holds it, its scope and its `IFA_F_*`
+/// flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct KernelAddress {
     index: u32,
     addr: IpAddr,
+    scope: AddressScope,
     flags: AddressFlags,
 }
 
@@ -198,37 +216,61 @@ impl KernelAddress {
         Some(KernelAddress {
             index: message.header.index,
             addr: local.or(address)?,
+            scope: message.header.scope,
             flags,
         })
     }
 }
 
-/// Every address of the network namespace of the calling thread (a thread may have entered
-/// another namespace than its process's), or of its device `index` alone, in the kernel's
-/// order, from one dump of its addresses. `getifaddrs` dumps every device's whole link as
-/// well, its statistics and settings: on a node with a hundred pods' devices that was most of
-/// the agent's CPU, 8 ms in each second's upkeep, which asks for the addresses alone.
-fn kernel_addresses(index: Option<u32>) -> anyhow::Result<Vec<KernelAddress>> {
-    dump_addresses(index).context("asking the kernel for the node's addresses")
+/// Every IPv4 and IPv6 address of the network namespace of the calling thread (a thread may
+/// have entered another namespace than its process's), or of its device `index` alone
+/// (`None` if there is no such device now), in the kernel's order. A dump of addresses alone:
+/// `getifaddrs` dumps every device's whole link as well, which beside a node's pods' devices
+/// was most of the agent's CPU (docs/bench/profiles.md, "The idle agent").
+fn kernel_addresses(index: Option<u32>) -> anyhow::Result<Option<Vec<KernelAddress>>> {
+    let asked = || {
+        let socket = netlink::socket(NETLINK_ROUTE)?;
+        // With strict checking (Linux 4.20) the kernel dumps the one device's addresses; a
+        // kernel without it dumps them all, and the index is kept below all the same.
+        if index.is_some() {
+            let _ = socket.set_netlink_get_strict_chk(true);
+        }
+        let mut addresses = dump_addresses(&socket, AddressFamily::Inet, index)?;
+        match dump_addresses(&socket, AddressFamily::Inet6, index) {
+            Ok(ipv6) => addresses.extend(ipv6),
+            // A kernel without IPv6.
+            Err(err) if err.raw_os_error() == Some(libc::EAFNOSUPPORT) => {}
+            Err(err) => return Err(err),
+        }
+        Ok(addresses)
+    };
+    match asked() {
+        Ok(addresses) => Ok(Some(addresses)),
+        Err(err) if index.is_some() && err.raw_os_error() == Some(libc::ENODEV) => Ok(None),
+        Err(err) => Err(err).context("asking the kernel for the node's addresses"),
+    }
 }
 
-fn dump_addresses(index: Option<u32>) -> std::io::Result<Vec<KernelAddress>> {
-    let socket = netlink::socket(NETLINK_ROUTE)?;
-    // The kernel then dumps the one device's addresses, instead of ignoring the index.
-    socket.set_netlink_get_strict_chk(true)?;
+/// One family's addresses, of device `index` if given. By family, not both in one dump: an
+/// unspecified family's dump also lists the addresses of other protocols (MCTP, Phonet),
+/// which do not parse as IP addresses.
+fn dump_addresses(
+    socket: &netlink_sys::Socket,
+    family: AddressFamily,
+    index: Option<u32>,
+) -> std::io::Result<Vec<KernelAddress>> {
     let mut request = AddressMessage::default();
+    request.header.family = family;
     request.header.index = index.unwrap_or(0);
-    let mut addresses = Vec::new();
-    netlink::dump(
-        &socket,
-        RouteNetlinkMessage::GetAddress(request),
-        |answer| {
-            if let RouteNetlinkMessage::NewAddress(address) = answer {
-                addresses.extend(KernelAddress::of(&address));
-            }
-        },
-    )?;
-    Ok(addresses)
+    let answer = netlink::dump(socket, RouteNetlinkMessage::GetAddress(request))?;
+    Ok(answer
+        .iter()
+        .filter_map(|message| match message {
+            RouteNetlinkMessage::NewAddress(address) => KernelAddress::of(address),
+            _ => None,
+        })
+        .filter(|a| index.is_none_or(|index| a.index == index))
+        .collect())
 }
 
 /// The device the node routes `dst` out of, and the source address the route gives, as the
@@ -245,6 +287,7 @@ pub fn route_to(dst: IpAddr) -> anyhow::Result<Option<(String, IpAddr)>> {
     }
     let source = socket.local_addr()?.ip();
     let device = kernel_addresses(None)?
+        .unwrap_or_default()
         .into_iter()
         .find(|a| a.addr == source)
         .and_then(|a| nix::net::if_::if_indextoname(a.index).ok())
@@ -307,6 +350,7 @@ mod tests {
             KernelAddress {
                 index: 2,
                 addr: "2001:db8:1::1".parse().unwrap(),
+                scope: AddressScope::Universe,
                 flags,
             }
             .is_held()
@@ -344,6 +388,7 @@ mod tests {
             Some(KernelAddress {
                 index: 7,
                 addr: own,
+                scope: AddressScope::Universe,
                 flags: AddressFlags::Secondary,
             }),
             "a point-to-point address: the peer's is IFA_ADDRESS"
@@ -357,6 +402,7 @@ mod tests {
             Some(KernelAddress {
                 index: 7,
                 addr: own,
+                scope: AddressScope::Universe,
                 flags: full,
             }),
             "IFA_FLAGS holds the flags past the header's eight bits"
@@ -366,13 +412,16 @@ mod tests {
 
     #[test]
     fn the_namespaces_addresses_come_from_the_kernel_loopback_among_them() {
-        let all = kernel_addresses(None).expect("any user may dump the addresses");
+        let all = kernel_addresses(None)
+            .expect("any user may dump the addresses")
+            .unwrap();
         let loopback = nix::net::if_::if_nametoindex(LOOPBACK).unwrap();
-        let on_loopback = kernel_addresses(Some(loopback)).unwrap();
+        let on_loopback = kernel_addresses(Some(loopback)).unwrap().unwrap();
         assert!(
             on_loopback.contains(&KernelAddress {
                 index: loopback,
                 addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                scope: AddressScope::Host,
                 flags: AddressFlags::Permanent,
             }),
             "{on_loopback:?}"
@@ -382,5 +431,9 @@ mod tests {
             "one device's dump holds that device's addresses alone: {on_loopback:?}"
         );
         assert!(on_loopback.iter().all(|a| all.contains(a)), "{all:?}");
+        assert!(
+            kernel_addresses(Some(u32::MAX)).unwrap().is_none(),
+            "no such device: none, not an error"
+        );
     }
 }

@@ -728,8 +728,8 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
 
     // Memory and idle CPU of a daemon holding the large policy, on a node with its pods'
     // devices: the agent's upkeep reads the node's devices and addresses every second.
-    add_pod_devices(&bed, IDLE_POD_DEVICES)?;
-    cp.idle_pod_devices = IDLE_POD_DEVICES;
+    add_pod_devices(&bed, IDLE_POD_DEVICE_PAIRS)?;
+    cp.idle_pod_devices = 2 * IDLE_POD_DEVICE_PAIRS;
     write_config(&bed.config, &prefixes::config(plan.large))?;
     let daemon = bed.activate(Mode::Ebpf, plan.large)?.context("agent")?;
     let pid = daemon.child.id();
@@ -746,14 +746,15 @@ fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
     Ok(cp)
 }
 
-/// The devices of a node's pods that the idle agent is measured beside: a node's usual
-/// hundred or so pods, one host-side device each.
-const IDLE_POD_DEVICES: usize = 100;
+/// The devices of a node's pods that the idle agent is measured beside, in veth pairs with
+/// both ends on the node (this kernel may have no dummy devices): a hundred, as a node's
+/// usual hundred or so pods have one host-side device each.
+const IDLE_POD_DEVICE_PAIRS: usize = 50;
 
-/// Gives the node `count` devices that stand in for its pods' (veth pairs with both ends in
-/// the node, up, with their IPv6 link-local addresses), in one `ip -batch`.
-fn add_pod_devices(bed: &Bed, count: usize) -> anyhow::Result<()> {
-    let batch: String = (0..count / 2)
+/// Gives the node `pairs` veth pairs that stand in for its pods' devices (up, with their IPv6
+/// link-local addresses), in one `ip -batch`.
+fn add_pod_devices(bed: &Bed, pairs: usize) -> anyhow::Result<()> {
+    let batch: String = (0..pairs)
         .map(|i| {
             format!(
                 "link add idlepod{i} type veth peer name idlepeer{i}\n\

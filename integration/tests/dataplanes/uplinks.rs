@@ -35,6 +35,7 @@ macro_rules! common_cases {
 mod ebpf {
     common_cases!(Ebpf);
     cases!(Ebpf:
+        a_link_scope_address_listed_first_is_not_the_masquerade_source,
         follows_a_device_that_gains_a_default_route,
         follows_named_interfaces_as_they_appear_and_vanish,
         a_shrinking_device_set_drains_before_it_detaches,
@@ -43,9 +44,45 @@ mod ebpf {
 
 mod iptables_nft {
     common_cases!(IptablesNft);
+    cases!(IptablesNft: a_link_scope_address_listed_first_is_not_the_masquerade_source);
 }
 
 const BOTH_FAMILIES: [IpFamily; 2] = [IpFamily::Ipv4, IpFamily::Ipv6];
+
+/// A link-scope address a network manager adds to the uplink (169.254/16) comes first in the
+/// kernel's list of the uplink's addresses, before the global one: masqueraded traffic leaves
+/// with the global one all the same, which MASQUERADE picks for a packet bound elsewhere.
+fn a_link_scope_address_listed_first_is_not_the_masquerade_source(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let uplink = topology::UPLINK_IF;
+    bed.topo
+        .node_run(
+            "ip",
+            &[
+                "addr",
+                "add",
+                "169.254.7.7/16",
+                "scope",
+                "link",
+                "dev",
+                uplink,
+            ],
+        )
+        .unwrap();
+    let listed = bed
+        .topo
+        .node_run("ip", &["-4", "-o", "addr", "show", "dev", uplink])
+        .unwrap();
+    assert!(
+        listed.find("169.254.7.7") < listed.find(&topology::NODE_UPLINK.to_string()),
+        "the kernel lists the link-scope address first: {listed}"
+    );
+    let _agent = bed.start_agent(&[]);
+    let source = probe::tcp_probe(bed.pod(), IpFamily::Ipv4.outside(), 0)
+        .unwrap()
+        .ip();
+    assert_eq!(source, IpAddr::from(topology::NODE_UPLINK));
+}
 
 /// The uplink's address changes under the agent: new flows leave with the new one within
 /// seconds, and (eBPF) the flows on the old address are forgotten, as MASQUERADE forgets its

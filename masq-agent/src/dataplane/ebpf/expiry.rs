@@ -262,11 +262,10 @@ where
     Ok(run)
 }
 
-/// How many entries put `nat` under pressure: `UNDER_PRESSURE_PERCENT` of its capacity.
 /// Whether the table holds no entry: the kernel finds its first key by reading the bucket heads
-/// alone, in about a tenth of the time a sweep takes to walk the same empty buckets (524 288 at
-/// the default size, half of an idle agent's CPU). A flow made just after is swept next time,
-/// as one made behind a walk is.
+/// alone, in about a tenth of the time a sweep's walk of the same empty buckets takes (see
+/// docs/bench/profiles.md, "The idle agent"). A flow made just after is swept next time, as
+/// one made behind a walk is.
 pub fn holds_nothing<A>(nat: &NatTable<A>) -> anyhow::Result<bool>
 where
     A: Address,
@@ -280,6 +279,7 @@ where
     }
 }
 
+/// How many entries put `nat` under pressure: `UNDER_PRESSURE_PERCENT` of its capacity.
 pub fn pressure_at<A>(nat: &NatTable<A>) -> anyhow::Result<usize>
 where
     A: Address,

@@ -145,11 +145,11 @@ fn diag_ports(proto: u8, states: &StateFlags) -> std::io::Result<BTreeSet<u16>> 
             states: states.clone(),
             socket_id: any,
         };
-        netlink::dump(&socket, SockDiagMessage::InetRequest(request), |answer| {
+        for answer in netlink::dump(&socket, SockDiagMessage::InetRequest(request))? {
             if let SockDiagMessage::InetResponse(response) = answer {
                 ports.insert(response.header.socket_id.source_port);
             }
-        })?;
+        }
     }
     Ok(ports)
 }
