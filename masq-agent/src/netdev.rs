@@ -190,7 +190,8 @@ struct KernelAddress {
 impl KernelAddress {
     /// Whether the node holds the address: not one that failed duplicate address detection,
     /// nor one still in it, which the kernel neither accepts packets for nor sends from
-    /// (unless it is optimistic, which it uses meanwhile). Only IPv6 addresses go through it.
+    /// (unless it is optimistic, which it uses meanwhile). Only IPv6 addresses carry these flags:
+    /// every IPv4 address is held.
     fn is_held(&self) -> bool {
         let tentative = self.flags.contains(AddressFlags::Tentative)
             && !self.flags.contains(AddressFlags::Optimistic);
