@@ -246,6 +246,27 @@ pub struct Churn {
     pub nat_capacity: u64,
 }
 
+impl Churn {
+    /// Whether the machine kept up with `CHURN_RATE`, within what pacing loses.
+    pub fn reached_the_rate(&self) -> bool {
+        self.connections_per_second >= 0.95 * CHURN_RATE
+    }
+
+    /// The agent's CPU at `CHURN_RATE`, as a share of the machine: as measured where the machine
+    /// kept up; otherwise each connection at what it cost at the rate the machine reached. A
+    /// machine that falls short must not meet the target by opening fewer connections.
+    pub fn agent_cpu_percent_at_the_rate(&self) -> Option<f64> {
+        if self.error.is_some() || self.connections_per_second <= 0.0 {
+            return None;
+        }
+        Some(if self.reached_the_rate() {
+            self.agent_cpu_percent
+        } else {
+            self.agent_cpu_percent * CHURN_RATE / self.connections_per_second
+        })
+    }
+}
+
 /// One line of the data-path benchmark's output.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct DatapathCase {

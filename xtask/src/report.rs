@@ -293,13 +293,21 @@ fn targets(
         ));
     }
     if let Some(churn) = churn {
-        out.push(Target::new(
+        let figure = if churn.reached_the_rate() {
             format!(
                 "agent CPU under {:.0} new connections/s for {:.0} s (several NAT sweeps), % of the machine",
                 churn.connections_per_second, churn.seconds
-            ),
+            )
+        } else {
+            format!(
+                "agent CPU at {CHURN_RATE:.0} new connections/s, % of the machine: each connection at its cost under the {:.0}/s this machine reached for {:.0} s (several NAT sweeps)",
+                churn.connections_per_second, churn.seconds
+            )
+        };
+        out.push(Target::new(
+            figure,
             Bound::AtMost(0.3),
-            churn.error.is_none().then_some(churn.agent_cpu_percent),
+            churn.agent_cpu_percent_at_the_rate(),
         ));
         out.push(Target::new(
             format!(
@@ -589,6 +597,14 @@ fn churn_table(s: &mut String, churn: &Churn) {
         churn.nat_capacity,
         churn.agent_peak_rss_mib
     );
+    if !churn.reached_the_rate()
+        && let Some(percent) = churn.agent_cpu_percent_at_the_rate()
+    {
+        let _ = writeln!(
+            s,
+            "| agent CPU at {CHURN_RATE:.0}/s, % of the machine, at that cost per connection | {percent:.2} % |"
+        );
+    }
 }
 
 fn datapath_table(s: &mut String, datapath: &[DatapathCase]) {
@@ -1149,5 +1165,55 @@ mod tests {
         };
         let r = ratio(&medians(&samples), point, Mode::Ebpf, Mode::NoNat).unwrap();
         assert!((r - 0.9).abs() < 1e-9, "{r}");
+    }
+
+    #[test]
+    fn a_machine_short_of_the_churn_rate_is_judged_at_its_cost_per_connection() {
+        let churn = |connections_per_second, agent_cpu_percent| Churn {
+            seconds: 60.0,
+            connections_per_second,
+            agent_cpu_percent,
+            ..Churn::default()
+        };
+        let judged = |churn: &Churn| {
+            let targets = targets(&medians(&samples(3)), &[], None, Some(churn), &plan());
+            let target = targets
+                .into_iter()
+                .find(|t| t.figure.starts_with("agent CPU"))
+                .unwrap();
+            (target.figure.clone(), target.verdict())
+        };
+        // 0.2 % at a quarter of the rate is 0.8 % at the rate.
+        let (figure, verdict) = judged(&churn(CHURN_RATE / 4.0, 0.2));
+        assert!(figure.contains("at 17500 new connections/s"), "{figure}");
+        assert!(
+            figure.contains("the 4375/s this machine reached"),
+            "{figure}"
+        );
+        assert_eq!(verdict, "**missed by 166.7 %**");
+        let mut text = String::new();
+        churn_table(&mut text, &churn(CHURN_RATE / 4.0, 0.2));
+        assert!(
+            text.contains(
+                "| agent CPU at 17500/s, % of the machine, at that cost per connection | 0.80 % |"
+            ),
+            "{text}"
+        );
+        // A machine that kept up is judged as measured.
+        let (figure, verdict) = judged(&churn(CHURN_RATE - 100.0, 0.2));
+        assert!(
+            figure.starts_with("agent CPU under 17400 new connections/s"),
+            "{figure}"
+        );
+        assert_eq!(verdict, "met");
+        let mut text = String::new();
+        churn_table(&mut text, &churn(CHURN_RATE - 100.0, 0.2));
+        assert!(!text.contains("at that cost per connection"), "{text}");
+        // A failed churn run is not judged.
+        let failed = Churn {
+            error: Some("no agent".into()),
+            ..churn(CHURN_RATE, 0.2)
+        };
+        assert_eq!(judged(&failed).1, "not measured");
     }
 }
