@@ -5,10 +5,15 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use masq_ebpf::{
-    Address, Counter, EARLY_DROP_PROBES, NatKey, drop_vacancy, may_drop_from_full_table, nat_kind,
+    Address, Counter, EARLY_DROP_PROBES, FlowState, NatEntry, NatKey, drop_vacancy,
+    flows::idle_past, may_drop_from_full_table, nat_kind,
 };
 
-use crate::{family::Family, maps, nat::lookup};
+use crate::{
+    family::Family,
+    maps,
+    nat::{lookup, now_ns},
+};
 
 /// Where a flow just made goes in the drop sample, where a full table may find it: a random
 /// slot (`RANDOM`), or the slot of the flow `early_drop` dropped to make room for it
@@ -98,6 +103,15 @@ impl EarlyDrop {
 /// a flow just made, a pod's connection in its handshake say, goes only when every other flow
 /// it may drop in the slots is as young, where conntrack drops whichever it finds first.
 ///
+/// But a flow that is over (idle past its timeout, by the limits the agent gave its sweep,
+/// `SweepOrder`), whatever its state, goes as soon as it is found, and the slots after it are
+/// not looked at: conntrack counts such a flow as gone already, and the next sweep would remove
+/// it. A table that fills between sweeps fills with these (a flow reset 10 s ago stays until
+/// the sweep after), and each slot looked at costs a new flow three cold reads (its slot and
+/// both halves): a full table's new flow paid some 6 µs for all 16 (docs/bench/profiles.md).
+/// Until the agent has given an order (a kernel without the sweep program gets none), no flow
+/// is taken for over.
+///
 /// Says `NOTHING_DROPPED` (also when another CPU removed the flow first), or the slot the flow
 /// dropped held, for the new flow once it is made (`SampleSlot::freed`).
 #[inline(always)]
@@ -107,32 +121,106 @@ pub fn early_drop<F: Family>() -> EarlyDrop {
 
 /// `early_drop`'s body, run by each family's global BPF function (`masq_early_drop_v4` and
 /// `_v6`): the verifier walks a global function once, on its own, where it walks a static one
-/// again at every call, in every state its caller reaches it with.
+/// again at every call, in every state its caller reaches it with. Each slot's flow is ranked
+/// by another (`masq_drop_rank_v4` and `_v6`), for the same reason: judged inline, the states
+/// its branches leave (what state a flow is in, whether it is over) multiplied through the 16
+/// probes, and the verifier processed 96 000 more instructions a program (562 000 in all with
+/// the agent's order read as an `Option`).
 #[inline(always)]
 fn early_drop_global<F: Family>() -> i64 {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
-    // The flow looked at, overwritten by each look: the frame holds these two keys and no
-    // more, which keeps it in the verifier's 512 bytes of stack.
-    let mut flow = SampledFlow::default();
-    // The slot of the flow idle longest so far, and its last packet's time.
-    let (mut oldest_slot, mut oldest_seen) = (NO_SLOT, u64::MAX);
+    let now = now_ns();
+    // The slot of the flow to take so far, and its rank.
+    let (mut chosen_slot, mut chosen) = (NO_SLOT, Rank::LOWEST_PRIORITY);
     for probe in 0..EARLY_DROP_PROBES {
         let slot = first.wrapping_add(probe) & (F::drop_sample_slots() - 1);
-        if let Some(last_seen) = flow.look_at::<F>(slot)
-            && last_seen < oldest_seen
-        {
-            (oldest_slot, oldest_seen) = (slot, last_seen);
+        let rank = Rank((F::DROP_RANK)(slot, now));
+        if rank.to_drop() && rank.0 < chosen.0 {
+            (chosen_slot, chosen) = (slot, rank);
+            if rank.over() {
+                break;
+            }
         }
     }
-    if oldest_slot == NO_SLOT {
+    if chosen_slot == NO_SLOT {
         return EarlyDrop::NOTHING_DROPPED.0;
     }
-    flow.drop_in::<F>(oldest_slot, oldest_seen).0
+    (F::DROP_RANKED)(chosen_slot, chosen.0, now)
+}
+
+/// The rank of the flow in the drop sample's `slot`, at `now_ns`, the body of each family's
+/// `masq_drop_rank_v4` and `_v6`.
+#[inline(always)]
+fn drop_rank_global<F: Family>(slot: u32, now_ns: u64) -> i64 {
+    SampledFlow::<F::Addr>::default()
+        .look_at::<F>(slot, now_ns)
+        .0
+}
+
+/// Drops the flow in the drop sample's `slot` if it is still the one ranked `rank`, the body of
+/// each family's `masq_drop_ranked_v4` and `_v6`: a function of its own, beside the ranking,
+/// so that the stack holds one flow's keys at a time (`early_drop_global` calls both).
+#[inline(always)]
+fn drop_ranked_global<F: Family>(slot: u32, rank: i64, now_ns: u64) -> i64 {
+    SampledFlow::<F::Addr>::default()
+        .drop_in::<F>(slot, Rank(rank), now_ns)
+        .0
 }
 
 /// No slot of the drop sample: more than any sample has.
 const NO_SLOT: u32 = u32::MAX;
+
+/// How a full table ranks a flow of the drop sample, the lowest taken first: a flow that is
+/// over, then one it may drop, each the one idle longest first; or `NOT_TO_DROP`. One `i64`,
+/// as a register carries it back from a BPF function: the later of the halves' last packets'
+/// times (CLOCK_MONOTONIC, which reaches bit 62 after 146 years), with `LIVE` set for a flow
+/// not over. Two ranks of one slot are one flow's, unless another flow was made there within
+/// the nanosecond of the first one's last packet.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+struct Rank(i64);
+
+impl Rank {
+    const NOT_TO_DROP: Rank = Rank(-1);
+    /// Above any flow's rank.
+    const LOWEST_PRIORITY: Rank = Rank(i64::MAX);
+    const LIVE: i64 = 1 << 62;
+
+    #[inline(always)]
+    fn of(last_seen_ns: u64, over: bool) -> Rank {
+        let time = (last_seen_ns & (Rank::LIVE as u64 - 1)) as i64;
+        Rank(if over { time } else { time | Rank::LIVE })
+    }
+
+    #[inline(always)]
+    fn to_drop(self) -> bool {
+        self.0 >= 0
+    }
+
+    #[inline(always)]
+    fn over(self) -> bool {
+        self.to_drop() && self.0 & Rank::LIVE == 0
+    }
+}
+
+/// Whether the flow whose halves are `egress` and `reply` (keyed `key`), last seen at
+/// `last_seen_ns`, is over at `now_ns`, by the limits of the agent's sweep order. No limit of
+/// an order the agent wrote is zero: before it writes one, no flow is over.
+#[inline(always)]
+fn is_over<A: Address>(
+    key: &NatKey<A>,
+    egress: &NatEntry<A>,
+    reply: &NatEntry<A>,
+    last_seen_ns: u64,
+    now_ns: u64,
+) -> bool {
+    let Some(order) = maps::SWEEP_ORDER.get(0) else {
+        return false;
+    };
+    let limit = order.limit(FlowState::of(key, egress, reply));
+    limit != 0 && idle_past(now_ns, last_seen_ns, limit)
+}
 
 /// A flow of the drop sample, as `early_drop` looks at it: its halves' keys, and what it
 /// needs of its egress half once the flow is gone.
@@ -144,37 +232,48 @@ struct SampledFlow<A: Address> {
 }
 
 impl<A: Address + 'static> SampledFlow<A> {
-    /// Reads the flow the drop sample's `slot` points at. If it is in the table and a full
-    /// table may drop it (see `early_drop`): the later of its halves' last packets' times.
+    /// Reads the flow the drop sample's `slot` points at, and ranks it: `NOT_TO_DROP` unless it
+    /// is in the table, and is over or a full table may drop it (see `early_drop`).
     #[inline(always)]
-    fn look_at<F: Family<Addr = A>>(&mut self, slot: u32) -> Option<u64> {
-        let sampled = F::drop_sample().get_ptr(slot)?;
+    fn look_at<F: Family<Addr = A>>(&mut self, slot: u32, now_ns: u64) -> Rank {
+        let Some(sampled) = F::drop_sample().get_ptr(slot) else {
+            return Rank::NOT_TO_DROP;
+        };
         // SAFETY: a map value, copied: another CPU may write a flow of its own into the slot
         // while this one looks, and the flow judged is the one to remove.
         self.key = unsafe { *sampled };
-        let egress = lookup::<F>(&self.key)?;
+        let Some(egress) = lookup::<F>(&self.key) else {
+            return Rank::NOT_TO_DROP;
+        };
         // SAFETY: map value pointer from a successful lookup; its fields are copied out.
         unsafe {
             let entry = &*egress;
             self.reply_key = self.key.reverse(entry);
             self.kind = entry.kind;
         }
-        let reply = lookup::<F>(&self.reply_key)?;
+        let Some(reply) = lookup::<F>(&self.reply_key) else {
+            return Rank::NOT_TO_DROP;
+        };
         // SAFETY: map value pointers from successful lookups, read only.
         let (egress, reply) = unsafe { (&*egress, &*reply) };
-        let may_drop =
-            may_drop_from_full_table(self.kind, self.key.proto, egress.tcp_seen, reply.tcp_seen);
-        may_drop.then_some(egress.last_seen_ns.max(reply.last_seen_ns))
+        let last_seen = egress.last_seen_ns.max(reply.last_seen_ns);
+        let over = is_over(&self.key, egress, reply, last_seen, now_ns);
+        if over
+            || may_drop_from_full_table(self.kind, self.key.proto, egress.tcp_seen, reply.tcp_seen)
+        {
+            Rank::of(last_seen, over)
+        } else {
+            Rank::NOT_TO_DROP
+        }
     }
 
-    /// Drops the flow in the drop sample's `slot`, both halves, if it is still the one looked
-    /// at (its last packet at `last_seen`) and still one to drop: another CPU may have taken
-    /// the flow, or the flow may have been answered, since.
+    /// Drops the flow in the drop sample's `slot`, both halves, if it is still the one ranked
+    /// `rank`: another CPU may have taken the flow, or the flow may have been answered, since.
     #[inline(always)]
-    fn drop_in<F: Family<Addr = A>>(&mut self, slot: u32, last_seen: u64) -> EarlyDrop {
-        // The flow judged, by the time of its last packet: another CPU may have dropped it
-        // and written its own new flow into the slot since, which must not go in its place.
-        if self.look_at::<F>(slot) != Some(last_seen) {
+    fn drop_in<F: Family<Addr = A>>(&mut self, slot: u32, rank: Rank, now_ns: u64) -> EarlyDrop {
+        // Another CPU may have dropped the flow and written its own new flow into the slot
+        // since, which must not go in its place.
+        if self.look_at::<F>(slot, now_ns) != rank {
             return EarlyDrop::NOTHING_DROPPED;
         }
         vacate::<F>(slot);
@@ -238,6 +337,34 @@ fn withdraw_vacancy<F: Family>(slot: u32) {
 #[inline(never)]
 pub extern "C" fn masq_early_drop_v4() -> i64 {
     early_drop_global::<crate::family::V4>()
+}
+
+/// The rank of a flow of the IPv4 drop sample, a global BPF function (`drop_rank_global`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_drop_rank_v4(slot: u32, now_ns: u64) -> i64 {
+    drop_rank_global::<crate::family::V4>(slot, now_ns)
+}
+
+/// The rank of a flow of the IPv6 drop sample, a global BPF function (`drop_rank_global`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_drop_rank_v6(slot: u32, now_ns: u64) -> i64 {
+    drop_rank_global::<crate::family::V6>(slot, now_ns)
+}
+
+/// Drops a ranked flow of the IPv4 drop sample, a global BPF function (`drop_ranked_global`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_drop_ranked_v4(slot: u32, rank: i64, now_ns: u64) -> i64 {
+    drop_ranked_global::<crate::family::V4>(slot, rank, now_ns)
+}
+
+/// Drops a ranked flow of the IPv6 drop sample, a global BPF function (`drop_ranked_global`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_drop_ranked_v6(slot: u32, rank: i64, now_ns: u64) -> i64 {
+    drop_ranked_global::<crate::family::V6>(slot, rank, now_ns)
 }
 
 /// `early_drop` for IPv6, a global BPF function (`early_drop_global`).

@@ -33,8 +33,11 @@ pub trait Family {
     /// Whether the steps declared with `step!` run as functions of their own.
     const OWN_FRAMES: bool;
     /// The family's global BPF functions, which the verifier walks once each:
-    /// `early_drop::early_drop`'s and `nat::reserve_port`'s.
+    /// `early_drop::early_drop`'s, its look at a flow and its drop of the one chosen, and
+    /// `nat::reserve_port`'s.
     const EARLY_DROP: extern "C" fn() -> i64;
+    const DROP_RANK: extern "C" fn(u32, u64) -> i64;
+    const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64;
     const RESERVE_PORT: extern "C" fn() -> i64;
     /// The family's slot of `maps::DROP_VACANCY`.
     const DROP_VACANCY: u32;
@@ -132,6 +135,8 @@ impl Family for V4 {
     const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
     const EARLY_DROP: extern "C" fn() -> i64 = early_drop::masq_early_drop_v4;
+    const DROP_RANK: extern "C" fn(u32, u64) -> i64 = early_drop::masq_drop_rank_v4;
+    const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64 = early_drop::masq_drop_ranked_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V4;
@@ -241,6 +246,8 @@ impl Family for V6 {
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
     const EARLY_DROP: extern "C" fn() -> i64 = early_drop::masq_early_drop_v6;
+    const DROP_RANK: extern "C" fn(u32, u64) -> i64 = early_drop::masq_drop_rank_v6;
+    const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64 = early_drop::masq_drop_ranked_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V6;

@@ -490,15 +490,16 @@ pub const fn drop_sample_slots(nat_entries: u32) -> u32 {
 }
 
 /// Slots of the drop sample, in a row from a random one, that a full table looks at for the
-/// flow to drop (the one idle longest of those it may drop), where conntrack looks at 8
+/// flow to drop (the first that is over, else the one idle longest of those it may drop),
+/// where conntrack looks at 8
 /// buckets of its table in a row. A bucket holds several
 /// entries and a slot one, and a sample that new flows filled at random slots leaves about a
 /// third of them empty (each new flow writes one, and some write the same). In a table of
 /// closed connections and one open one, 8 slots in a row all miss once in some 2 500 new flows
 /// (a pod closing 150 connections in a 64-flow table was refused one, once); 16 once in six
 /// million, and a round that finds none is followed by another (`EARLY_DROP_ROUNDS`). The
-/// slots are walked in one global BPF function, which the verifier walks once:
-/// each costs it some 700 instructions.
+/// slots are walked in one global BPF function, and each slot's flow judged in another, each
+/// of which the verifier walks once: a slot costs it a call and a comparison.
 pub const EARLY_DROP_PROBES: u32 = 16;
 
 /// How many rounds of early drop a new flow may take in a full table before it is dropped
@@ -758,10 +759,11 @@ counters! {
     /// Packets dropped: the NAT table is full, and none of the flows it looked at could go.
     DropNatTableFull = "dropped_nat_table_full" in DROPPED, reason = "nat_table_full";
     /// Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops
-    /// early: never answered, not past their first exchange, or TCP connections closing.
+    /// early: never answered, not past their first exchange, or TCP connections closing; or
+    /// over (idle past their timeout) before the sweep removed them.
     NatEarlyDropped = "nat_early_dropped" in CounterMetric::of(
         "nat_early_drops",
-        "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, not past their first exchange, or TCP connections closing",
+        "Flows dropped from a full NAT table to make room for a pod's new one, as conntrack drops early: never answered, not past their first exchange, or TCP connections closing; or over, idle past their timeout, before the sweep removed them",
     );
     /// Flows of the node's own address dropped from a full NAT table to make room for a pod's
     /// new one: reservations of its tuple, which its next packet makes again.

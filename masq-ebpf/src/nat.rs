@@ -32,7 +32,7 @@ static MASQ_COARSE_CLOCK: u8 = 0;
 /// The time entries are stamped with: CLOCK_MONOTONIC, at tick precision where the kernel has
 /// that clock (5.11), which is all that expiry in seconds needs, and cheaper per packet.
 #[inline(always)]
-fn now_ns() -> u64 {
+pub fn now_ns() -> u64 {
     // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
     // read as the constant the agent set; the helpers have no preconditions.
     unsafe {

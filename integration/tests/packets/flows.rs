@@ -23,6 +23,7 @@ in_both_families!(
     a_full_nat_table_drops_a_closing_connection_and_never_an_open_one,
     a_flow_made_in_the_room_of_another_cpus_drop_takes_its_slot,
     a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake,
+    a_full_table_takes_a_flow_that_is_over_before_any_other,
     a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
     every_sweep_of_a_table_left_under_pressure_points_its_sample_again,
     a_flow_made_after_an_early_drop_searches_its_port_again,
@@ -496,14 +497,7 @@ fn a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake<F: HarnessFam
     // Idle 5 s and 9 s (within UDP's 30 s), both halves; the rest as they were made.
     let second = 1_000_000_000;
     for (pod_port, idle) in [(3001, 5 * second), (3003, 9 * second)] {
-        let key = egress_key::<F>(&h, pod_port);
-        let mut egress = F::nat_entry(&h, &key).unwrap();
-        let reply_key = key.reverse(&egress);
-        let mut reply = F::nat_entry(&h, &reply_key).unwrap();
-        egress.last_seen_ns = newest - idle;
-        reply.last_seen_ns = newest - idle;
-        F::plant(&mut h, &key, egress);
-        F::plant(&mut h, &reply_key, reply);
+        last_seen_at::<F>(&mut h, pod_port, newest - idle);
     }
     assert_eq!(
         F::expire(&mut h, &expiry::Timeouts::default(), newest).expired_flows,
@@ -517,6 +511,64 @@ fn a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake<F: HarnessFam
         assert!(left.contains(&3004), "the handshake goes on: {left:?}");
     }
     assert_eq!(h.counter(Counter::NatEarlyDropped), 2);
+}
+
+/// A flow that is over (idle past its timeout) is gone for conntrack, and the next sweep would
+/// remove it: a full table takes it for a new flow before any other, ahead of a flow it may
+/// drop that was idle longer; once none is over, the one idle longest as before. Between
+/// sweeps, as here, a table that fills holds such flows. Ages are written into the table after
+/// a sweep under pressure pointed every slot of the sample at the four flows.
+fn a_full_table_takes_a_flow_that_is_over_before_any_other<F: HarnessFamily>() {
+    let mut h = F::bed(8, &[(1024, 65535)], true);
+    // An assured stream, which no full table drops while it is live.
+    for _ in 0..3 {
+        let (_, out) = h.egress(&udp(F::POD, 5001, F::REMOTE, 53));
+        h.ingress(&udp(F::REMOTE, 53, F::NODE, word(&out, F::L4)));
+    }
+    h.egress(&udp(F::POD, 5002, F::REMOTE, 53));
+    h.egress(&tcp(F::POD, 5003, F::REMOTE, 80, SYN));
+    h.egress(&udp(F::POD, 5004, F::REMOTE, 53));
+    let table = F::nat(&h);
+    assert_eq!(table.len(), 8, "the table is full");
+    let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    assert_eq!(
+        F::expire(&mut h, &expiry::Timeouts::default(), newest).expired_flows,
+        0
+    );
+    // The datagram never answered, idle 40 s: over (UDP's timeout is 30 s). The SYN never
+    // answered, idle 100 s: not over (120 s), and idle longer.
+    let second = 1_000_000_000;
+    for (pod_port, idle) in [(5002, 40 * second), (5003, 100 * second)] {
+        last_seen_at::<F>(&mut h, pod_port, newest - idle);
+    }
+    for (new_port, dropped, left) in [
+        (5005, 5002, [5001, 5003, 5004, 5005]),
+        (5006, 5003, [5001, 5004, 5005, 5006]),
+    ] {
+        let (verdict, _) = h.egress(&udp(F::POD, new_port, F::REMOTE, 53));
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(pod_ports::<F>(&h), left, "{dropped} went for {new_port}");
+    }
+    // Over, an assured flow goes too, ahead of the flows a full table may drop: it is no
+    // longer live.
+    last_seen_at::<F>(&mut h, 5001, newest - 200 * second);
+    let (verdict, _) = h.egress(&udp(F::POD, 5007, F::REMOTE, 53));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(pod_ports::<F>(&h), [5004, 5005, 5006, 5007]);
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 3);
+}
+
+/// Writes `last_seen_ns` into both halves of the pod's flow from `pod_port`, as if neither had
+/// seen a packet since.
+fn last_seen_at<F: HarnessFamily>(h: &mut TestBed, pod_port: u16, last_seen_ns: u64) {
+    let key = egress_key::<F>(h, pod_port);
+    let mut egress = F::nat_entry(h, &key).unwrap();
+    let reply_key = key.reverse(&egress);
+    let mut reply = F::nat_entry(h, &reply_key).unwrap();
+    egress.last_seen_ns = last_seen_ns;
+    reply.last_seen_ns = last_seen_ns;
+    F::plant(h, &key, egress);
+    F::plant(h, &reply_key, reply);
 }
 
 /// A new flow that early drop made room for searches for its port again, as any new flow does:

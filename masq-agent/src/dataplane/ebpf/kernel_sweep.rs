@@ -14,7 +14,7 @@ use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepReport, program_name
 
 use super::{
     expiry::{self, Timeouts},
-    map_types::{DropSample, NatFamily, NatTable, SweepMaps},
+    map_types::{self, DropSample, NatFamily, NatTable, SweepMaps},
     node_ports::NodeSidePorts,
 };
 use crate::dataplane::nat_usage::NatUsage;
@@ -122,6 +122,16 @@ where
         );
     }
     Ok(usage)
+}
+
+/// Gives the programs the limits a flow is over by before any sweep runs: early drop takes a
+/// full table's flow that is over before any other (masq-ebpf's `early_drop`), and reads them
+/// from the sweep's order, which a kernel without the sweep program never gets from a sweep.
+/// Each sweep in the kernel writes the order again, with its own time.
+pub fn give_limits(maps: &mut SweepMaps, timeouts: &Timeouts) -> anyhow::Result<()> {
+    maps.order
+        .set(0, timeouts.sweep_order(map_types::monotonic_now_ns()), 0)
+        .context("giving the programs the flows' timeouts")
 }
 
 /// Per family, by its slot in the sweep's reports: whether its last sweep left its table under

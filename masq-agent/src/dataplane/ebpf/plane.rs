@@ -122,8 +122,10 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         port_spans: opts.port_spans.clone(),
         nat_ports_in_spans: false,
     };
-    // Before any program runs: none may hand out a port of the node's.
+    // Before any program runs: none may hand out a port of the node's, and a full table may
+    // tell a flow that is over.
     plane.hold_node_ports().map_err(Unavailable)?;
+    kernel_sweep::give_limits(&mut plane.maps.sweep, &plane.timeouts).map_err(Unavailable)?;
     Ok(plane)
 }
 

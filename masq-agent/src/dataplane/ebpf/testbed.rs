@@ -72,7 +72,8 @@ impl TestBed {
         let sizes = load::NatSizes::new(nat_entries, nat_entries);
         let mut loader = EbpfLoader::new();
         sizes.set(&mut loader);
-        let (programs, maps) = load::load(&mut loader, false)?;
+        let (programs, mut maps) = load::load(&mut loader, false)?;
+        kernel_sweep::give_limits(&mut maps.sweep, &Timeouts::default())?;
         Ok(TestBed { programs, maps })
     }
 
