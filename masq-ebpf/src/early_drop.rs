@@ -5,8 +5,8 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use masq_ebpf::{
-    Address, Counter, EARLY_DROP_PROBES, FlowState, NatEntry, NatKey, drop_vacancy,
-    flows::idle_past, may_drop_from_full_table, nat_kind,
+    Address, Counter, EARLY_DROP_PROBES, FlowState, NatKey, drop_vacancy, flows::idle_past,
+    may_drop_from_full_table, nat_kind,
 };
 
 use crate::{
@@ -103,14 +103,15 @@ impl EarlyDrop {
 /// a flow just made, a pod's connection in its handshake say, goes only when every other flow
 /// it may drop in the slots is as young, where conntrack drops whichever it finds first.
 ///
-/// But a flow that is over (idle past its timeout, by the limits the agent gave its sweep,
-/// `SweepOrder`), whatever its state, goes as soon as it is found, and the slots after it are
-/// not looked at: conntrack counts such a flow as gone already, and the next sweep would remove
-/// it. A table that fills between sweeps fills with these (a flow reset 10 s ago stays until
-/// the sweep after), and each slot looked at costs a new flow three cold reads (its slot and
+/// But a flow that is finished goes as soon as it is found, and the slots after it are not
+/// looked at: one that is over, whatever its state (idle past its timeout, by the limits the
+/// agent gave its sweep, `SweepOrder`), which conntrack counts as gone already and the next
+/// sweep would remove; or a TCP connection that nothing more may cross (`FlowState::done`:
+/// reset, or closed both ways), which conntrack keeps only to absorb stray segments. A table
+/// that a churn of connections fills is full of these (a flow reset stays until the sweep
+/// after its 10 s), and each slot looked at costs a new flow three cold reads (its slot and
 /// both halves): a full table's new flow paid some 6 µs for all 16 (docs/bench/profiles.md).
-/// Until the agent has given an order (a kernel without the sweep program gets none), no flow
-/// is taken for over.
+/// Until the agent has given an order, no flow is over.
 ///
 /// Says `NOTHING_DROPPED` (also when another CPU removed the flow first), or the slot the flow
 /// dropped held, for the new flow once it is made (`SampleSlot::freed`).
@@ -123,7 +124,7 @@ pub fn early_drop<F: Family>() -> EarlyDrop {
 /// `_v6`): the verifier walks a global function once, on its own, where it walks a static one
 /// again at every call, in every state its caller reaches it with. Each slot's flow is ranked
 /// by another (`masq_drop_rank_v4` and `_v6`), for the same reason: judged inline, the states
-/// its branches leave (what state a flow is in, whether it is over) multiplied through the 16
+/// its branches leave (what state a flow is in, whether it is finished) multiplied through the 16
 /// probes, and the verifier processed 96 000 more instructions a program (562 000 in all with
 /// the agent's order read as an `Option`).
 #[inline(always)]
@@ -138,7 +139,7 @@ fn early_drop_global<F: Family>() -> i64 {
         let rank = Rank((F::DROP_RANK)(slot, now));
         if rank.to_drop() && rank.0 < chosen.0 {
             (chosen_slot, chosen) = (slot, rank);
-            if rank.over() {
+            if rank.finished() {
                 break;
             }
         }
@@ -172,10 +173,10 @@ fn drop_ranked_global<F: Family>(slot: u32, rank: i64, now_ns: u64) -> i64 {
 const NO_SLOT: u32 = u32::MAX;
 
 /// How a full table ranks a flow of the drop sample, the lowest taken first: a flow that is
-/// over, then one it may drop, each the one idle longest first; or `NOT_TO_DROP`. One `i64`,
-/// as a register carries it back from a BPF function: the later of the halves' last packets'
-/// times (CLOCK_MONOTONIC, which reaches bit 62 after 146 years), with `LIVE` set for a flow
-/// not over. Two ranks of one slot are one flow's, unless another flow was made there within
+/// finished, then one it may drop, each the one idle longest first; or `NOT_TO_DROP`. One
+/// `i64`, as a register carries it back from a BPF function: the later of the halves' last
+/// packets' times (CLOCK_MONOTONIC, which reaches bit 62 after 146 years), with `LIVE` set for
+/// a flow not finished. Two ranks of one slot are one flow's, unless another flow was made there within
 /// the nanosecond of the first one's last packet.
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
@@ -188,9 +189,9 @@ impl Rank {
     const LIVE: i64 = 1 << 62;
 
     #[inline(always)]
-    fn of(last_seen_ns: u64, over: bool) -> Rank {
+    fn of(last_seen_ns: u64, finished: bool) -> Rank {
         let time = (last_seen_ns & (Rank::LIVE as u64 - 1)) as i64;
-        Rank(if over { time } else { time | Rank::LIVE })
+        Rank(if finished { time } else { time | Rank::LIVE })
     }
 
     #[inline(always)]
@@ -199,26 +200,20 @@ impl Rank {
     }
 
     #[inline(always)]
-    fn over(self) -> bool {
+    fn finished(self) -> bool {
         self.to_drop() && self.0 & Rank::LIVE == 0
     }
 }
 
-/// Whether the flow whose halves are `egress` and `reply` (keyed `key`), last seen at
-/// `last_seen_ns`, is over at `now_ns`, by the limits of the agent's sweep order. No limit of
-/// an order the agent wrote is zero: before it writes one, no flow is over.
+/// Whether a flow in `state`, last seen at `last_seen_ns`, is over at `now_ns`, by the limits
+/// of the agent's sweep order. No limit of an order the agent wrote is zero: before it writes
+/// one, no flow is over.
 #[inline(always)]
-fn is_over<A: Address>(
-    key: &NatKey<A>,
-    egress: &NatEntry<A>,
-    reply: &NatEntry<A>,
-    last_seen_ns: u64,
-    now_ns: u64,
-) -> bool {
+fn is_over(state: FlowState, last_seen_ns: u64, now_ns: u64) -> bool {
     let Some(order) = maps::SWEEP_ORDER.get(0) else {
         return false;
     };
-    let limit = order.limit(FlowState::of(key, egress, reply));
+    let limit = order.limit(state);
     limit != 0 && idle_past(now_ns, last_seen_ns, limit)
 }
 
@@ -233,7 +228,7 @@ struct SampledFlow<A: Address> {
 
 impl<A: Address + 'static> SampledFlow<A> {
     /// Reads the flow the drop sample's `slot` points at, and ranks it: `NOT_TO_DROP` unless it
-    /// is in the table, and is over or a full table may drop it (see `early_drop`).
+    /// is in the table, and is finished or a full table may drop it (see `early_drop`).
     #[inline(always)]
     fn look_at<F: Family<Addr = A>>(&mut self, slot: u32, now_ns: u64) -> Rank {
         let Some(sampled) = F::drop_sample().get_ptr(slot) else {
@@ -257,11 +252,12 @@ impl<A: Address + 'static> SampledFlow<A> {
         // SAFETY: map value pointers from successful lookups, read only.
         let (egress, reply) = unsafe { (&*egress, &*reply) };
         let last_seen = egress.last_seen_ns.max(reply.last_seen_ns);
-        let over = is_over(&self.key, egress, reply, last_seen, now_ns);
-        if over
+        let state = FlowState::of(&self.key, egress, reply);
+        let finished = state.done() || is_over(state, last_seen, now_ns);
+        if finished
             || may_drop_from_full_table(self.kind, self.key.proto, egress.tcp_seen, reply.tcp_seen)
         {
-            Rank::of(last_seen, over)
+            Rank::of(last_seen, finished)
         } else {
             Rank::NOT_TO_DROP
         }

@@ -110,6 +110,14 @@ impl FlowState {
         }
     }
 
+    /// Whether nothing more may cross a flow in this state: a TCP connection reset, or closed
+    /// both ways and both FINs acknowledged. Conntrack keeps such a flow for stray segments
+    /// only (10 s after an RST, TIME_WAIT's 120 s), and drops it first from a full table, as
+    /// does `early_drop`.
+    pub const fn done(self) -> bool {
+        matches!(self, FlowState::Reset | FlowState::TimeWait)
+    }
+
     /// Its name, as `masq-agent flows` shows it.
     pub fn name(self) -> &'static str {
         match self {

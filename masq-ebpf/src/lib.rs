@@ -490,7 +490,7 @@ pub const fn drop_sample_slots(nat_entries: u32) -> u32 {
 }
 
 /// Slots of the drop sample, in a row from a random one, that a full table looks at for the
-/// flow to drop (the first that is over, else the one idle longest of those it may drop),
+/// flow to drop (the first that is finished, else the one idle longest of those it may drop),
 /// where conntrack looks at 8
 /// buckets of its table in a row. A bucket holds several
 /// entries and a slot one, and a sample that new flows filled at random slots leaves about a

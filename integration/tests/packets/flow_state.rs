@@ -88,7 +88,7 @@ fn expiry_removes_both_halves_of_idle_flows_only<F: HarnessFamily>() {
 
 /// One TCP connection from `POD` to `REMOTE:443` through the harness, segment by segment, with
 /// sequence numbers chosen by the test.
-struct Connection<F> {
+pub(crate) struct Connection<F> {
     pod_port: u16,
     node_port: u16,
     family: std::marker::PhantomData<F>,
@@ -96,7 +96,7 @@ struct Connection<F> {
 
 impl<F: HarnessFamily> Connection<F> {
     /// Opens it with the pod's SYN (sequence `isn`, so its next is `isn + 1`).
-    fn open(h: &mut TestBed, pod_port: u16, isn: u32) -> Self {
+    pub(crate) fn open(h: &mut TestBed, pod_port: u16, isn: u32) -> Self {
         let syn = Tcp {
             sport: pod_port,
             dport: 443,
@@ -115,7 +115,7 @@ impl<F: HarnessFamily> Connection<F> {
     }
 
     /// A segment from the pod, as it left the node.
-    fn pod_sends(&self, h: &mut TestBed, flags: u8, seq: u32, ack: u32, payload: &[u8]) {
+    pub(crate) fn pod_sends(&self, h: &mut TestBed, flags: u8, seq: u32, ack: u32, payload: &[u8]) {
         let segment = Tcp {
             sport: self.pod_port,
             dport: 443,
@@ -129,7 +129,14 @@ impl<F: HarnessFamily> Connection<F> {
     }
 
     /// A segment from the outside host, which must reach the pod.
-    fn remote_sends(&self, h: &mut TestBed, flags: u8, seq: u32, ack: u32, payload: &[u8]) {
+    pub(crate) fn remote_sends(
+        &self,
+        h: &mut TestBed,
+        flags: u8,
+        seq: u32,
+        ack: u32,
+        payload: &[u8],
+    ) {
         let segment = Tcp {
             sport: 443,
             dport: self.node_port,

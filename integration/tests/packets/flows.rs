@@ -10,7 +10,7 @@ use masq_ebpf::{Counter, EARLY_DROP_PROBES, NatKey, direction, nat_kind};
 use masq_testbed::packet::*;
 use std::collections::HashSet;
 
-use crate::family::*;
+use crate::{family::*, flow_state::Connection};
 
 in_both_families!(
     tcp_egress_then_reply_ingress,
@@ -24,6 +24,7 @@ in_both_families!(
     a_flow_made_in_the_room_of_another_cpus_drop_takes_its_slot,
     a_full_table_drops_the_flow_idle_longest_and_spares_a_handshake,
     a_full_table_takes_a_flow_that_is_over_before_any_other,
+    a_full_table_takes_a_finished_connection_before_a_flow_idle_longer,
     a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
     every_sweep_of_a_table_left_under_pressure_points_its_sample_again,
     a_flow_made_after_an_early_drop_searches_its_port_again,
@@ -528,34 +529,63 @@ fn a_full_table_takes_a_flow_that_is_over_before_any_other<F: HarnessFamily>() {
     h.egress(&udp(F::POD, 5002, F::REMOTE, 53));
     h.egress(&tcp(F::POD, 5003, F::REMOTE, 80, SYN));
     h.egress(&udp(F::POD, 5004, F::REMOTE, 53));
-    let table = F::nat(&h);
-    assert_eq!(table.len(), 8, "the table is full");
-    let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
-    assert_eq!(
-        F::expire(&mut h, &expiry::Timeouts::default(), newest).expired_flows,
-        0
-    );
+    let newest = point_the_sample_at_a_full_table::<F>(&mut h);
     // The datagram never answered, idle 40 s: over (UDP's timeout is 30 s). The SYN never
     // answered, idle 100 s: not over (120 s), and idle longer.
     let second = 1_000_000_000;
     for (pod_port, idle) in [(5002, 40 * second), (5003, 100 * second)] {
         last_seen_at::<F>(&mut h, pod_port, newest - idle);
     }
-    for (new_port, dropped, left) in [
-        (5005, 5002, [5001, 5003, 5004, 5005]),
-        (5006, 5003, [5001, 5004, 5005, 5006]),
-    ] {
-        let (verdict, _) = h.egress(&udp(F::POD, new_port, F::REMOTE, 53));
-        assert_eq!(verdict, TC_ACT_OK);
-        assert_eq!(pod_ports::<F>(&h), left, "{dropped} went for {new_port}");
-    }
+    new_flows_take::<F>(&mut h, &[(5005, 5002), (5006, 5003)]);
     // Over, an assured flow goes too, ahead of the flows a full table may drop: it is no
     // longer live.
     last_seen_at::<F>(&mut h, 5001, newest - 200 * second);
-    let (verdict, _) = h.egress(&udp(F::POD, 5007, F::REMOTE, 53));
-    assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(pod_ports::<F>(&h), [5004, 5005, 5006, 5007]);
+    new_flows_take::<F>(&mut h, &[(5007, 5001)]);
     assert_eq!(h.counter(Counter::NatEarlyDropped), 3);
+}
+
+/// A connection that nothing more may cross (reset, here by the pod) is finished: a full table
+/// takes it as soon as it finds it, as conntrack drops such a flow first, ahead of a flow it
+/// may drop that was idle longer (a query unanswered for 20 s, within its 30 s); then that one.
+fn a_full_table_takes_a_finished_connection_before_a_flow_idle_longer<F: HarnessFamily>() {
+    let mut h = F::bed(8, &[(1024, 65535)], true);
+    h.egress(&udp(F::POD, 5001, F::REMOTE, 53));
+    connect::<F>(&mut h, 5002);
+    let reset = Connection::<F>::open(&mut h, 5003, 1000);
+    reset.remote_sends(&mut h, SYN | ACK, 5000, 1001, &[]);
+    reset.pod_sends(&mut h, ACK, 1001, 5001, &[]);
+    reset.pod_sends(&mut h, RST, 1001, 0, &[]);
+    h.egress(&udp(F::POD, 5004, F::REMOTE, 53));
+    let newest = point_the_sample_at_a_full_table::<F>(&mut h);
+    last_seen_at::<F>(&mut h, 5001, newest - 20 * 1_000_000_000);
+    new_flows_take::<F>(&mut h, &[(5005, 5003), (5006, 5001)]);
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 2);
+}
+
+/// Sweeps the table of four flows, which they fill, when its newest packet was seen: none is
+/// over, and the sweep under pressure points every slot of the drop sample at them. Says that
+/// time.
+fn point_the_sample_at_a_full_table<F: HarnessFamily>(h: &mut TestBed) -> u64 {
+    let table = F::nat(h);
+    assert_eq!(table.len(), 8, "the table is full");
+    let newest = table.iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    let run = F::expire(h, &expiry::Timeouts::default(), newest);
+    assert_eq!(run.expired_flows, 0);
+    newest
+}
+
+/// Each pod's new flow, a query from `new_port`, finds the table full and takes the room of
+/// the pod's flow from `dropped`, and no other.
+fn new_flows_take<F: HarnessFamily>(h: &mut TestBed, drops: &[(u16, u16)]) {
+    for &(new_port, dropped) in drops {
+        let before = pod_ports::<F>(h);
+        let (verdict, _) = h.egress(&udp(F::POD, new_port, F::REMOTE, 53));
+        assert_eq!(verdict, TC_ACT_OK);
+        let mut expected: Vec<u16> = before.into_iter().filter(|&p| p != dropped).collect();
+        expected.push(new_port);
+        expected.sort();
+        assert_eq!(pod_ports::<F>(h), expected, "{dropped} went for {new_port}");
+    }
 }
 
 /// Writes `last_seen_ns` into both halves of the pod's flow from `pod_port`, as if neither had
