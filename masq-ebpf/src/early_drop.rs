@@ -110,8 +110,9 @@ impl EarlyDrop {
 /// reset, or closed both ways), which conntrack keeps only to absorb stray segments. A table
 /// that a churn of connections fills is full of these (a flow reset stays until the sweep
 /// after its 10 s), and each slot looked at costs a new flow three cold reads (its slot and
-/// both halves): a full table's new flow paid some 6 µs for all 16 (docs/bench/profiles.md).
-/// Until the agent has given an order, no flow is over.
+/// both halves): looking at all 16 cost a full table's new flow 7–10 µs more than one with
+/// room, taking the first finished one 2–3 µs (docs/bench/profiles.md). Until the agent has
+/// given an order, no flow is over.
 ///
 /// Says `NOTHING_DROPPED` (also when another CPU removed the flow first), or the slot the flow
 /// dropped held, for the new flow once it is made (`SampleSlot::freed`).
@@ -124,9 +125,9 @@ pub fn early_drop<F: Family>() -> EarlyDrop {
 /// `_v6`): the verifier walks a global function once, on its own, where it walks a static one
 /// again at every call, in every state its caller reaches it with. Each slot's flow is ranked
 /// by another (`masq_drop_rank_v4` and `_v6`), for the same reason: judged inline, the states
-/// its branches leave (what state a flow is in, whether it is finished) multiplied through the 16
-/// probes, and the verifier processed 96 000 more instructions a program (562 000 in all with
-/// the agent's order read as an `Option`).
+/// its branches leave (what state a flow is in, whether it is finished) multiplied through the
+/// 16 probes, and the verifier processed 96 000 more instructions a program (562 000 in all
+/// with the agent's order read as an `Option`).
 #[inline(always)]
 fn early_drop_global<F: Family>() -> i64 {
     // SAFETY: the helper has no preconditions.
@@ -176,8 +177,8 @@ const NO_SLOT: u32 = u32::MAX;
 /// finished, then one it may drop, each the one idle longest first; or `NOT_TO_DROP`. One
 /// `i64`, as a register carries it back from a BPF function: the later of the halves' last
 /// packets' times (CLOCK_MONOTONIC, which reaches bit 62 after 146 years), with `LIVE` set for
-/// a flow not finished. Two ranks of one slot are one flow's, unless another flow was made there within
-/// the nanosecond of the first one's last packet.
+/// a flow not finished. Two ranks of one slot are one flow's, unless another flow was made
+/// there within the nanosecond of the first one's last packet.
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(transparent)]
 struct Rank(i64);
