@@ -732,6 +732,12 @@ counters! {
         "tcp_resets_not_acceptable",
         "TCP RSTs whose sequence number the receiving end would not accept; the flow keeps its state",
     );
+    /// TCP FINs from outside whose sequence number lies far from what the receiving end
+    /// acknowledged: passed on, but the flow keeps its state.
+    TcpFinNotAcceptable = "tcp_fin_not_acceptable" in CounterMetric::of(
+        "tcp_fins_not_acceptable",
+        "TCP FINs from outside whose sequence number lies far from what the receiving end acknowledged; the flow keeps its state",
+    );
     /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
     /// masqueraded flow already held: given another port, as conntrack resolves a clash.
     NodePortClash = "node_port_clash" in CounterMetric::of(

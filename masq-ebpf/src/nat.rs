@@ -232,6 +232,16 @@ fn track_tcp<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, se
         maps::count(Counter::TcpRstNotAcceptable);
         seen &= !tcp_seen::RESET;
     }
+    // SAFETY: as in `refresh`.
+    let closed_before = unsafe { (*entry).tcp_seen } & tcp_seen::CLOSING != 0;
+    if seen & tcp_seen::CLOSING != 0
+        && !closed_before
+        && key.direction != direction::EGRESS
+        && !fin_acceptable::<F>(key, entry, segment.seq)
+    {
+        maps::count(Counter::TcpFinNotAcceptable);
+        seen &= !tcp_seen::CLOSING;
+    }
     // SAFETY: as in `refresh`. Two CPUs moving one half at once may leave either's numbers,
     // both recent: at worst an RST is judged against the other of two recent segments.
     unsafe {
@@ -257,6 +267,13 @@ step! {
 /// anything, it must acknowledge (`acked`, with `ack`) the receiver's SYN. A function of its
 /// own, taking the segment's numbers in registers: the other half's key takes room that other
 /// packets never need.
+///
+/// From outside, the sender's last segment counts only within `SEQ_REACH` of what the
+/// receiver acknowledged. Any segment moves its half's next sequence number on, and a blind
+/// sender picks its own: a segment at a number of its choosing and an RST right behind it
+/// reset a pod's connection, two packets for each guess of the node's port, where conntrack
+/// takes only a segment within the receiver's window as the one an RST may follow. The node's
+/// side (pods, and the node's own sockets) sends what it sends: its own segments count.
 fn rst_acceptable<F: Family>(
     key: &NatKey<F::Addr>,
     entry: *mut NatEntry<F::Addr>,
@@ -266,9 +283,7 @@ fn rst_acceptable<F: Family>(
 ) -> bool {
     // SAFETY: `entry` points into a map value; its fields are copied out.
     let (sent, next_seq) = unsafe { ((*entry).tcp_seen, (*entry).tcp_next_seq) };
-    if sent & tcp_seen::SEQ != 0 && seq == next_seq {
-        return true;
-    }
+    let behind_own_segment = sent & tcp_seen::SEQ != 0 && seq == next_seq;
     // SAFETY: as above.
     let other_key = &key.reverse(unsafe { &*entry });
     let Some(other) = F::nat().get_ptr(other_key) else {
@@ -280,10 +295,45 @@ fn rst_acceptable<F: Family>(
         unsafe { ((*other).tcp_seen, (*other).tcp_max_ack, (*other).tcp_next_seq) };
     if seen & tcp_seen::ACKED != 0 {
         seq == max_ack
+            || (behind_own_segment
+                && (key.direction == direction::EGRESS || within_reach(next_seq, max_ack)))
     } else {
-        seen & tcp_seen::SEQ != 0 && acked && ack == other_next
+        behind_own_segment || (seen & tcp_seen::SEQ != 0 && acked && ack == other_next)
     }
 }
+}
+
+step! {
+/// Whether a FIN from outside may close its half: its sequence number lies within `SEQ_REACH`
+/// of what the pod (or the node's socket) acknowledged, after the receiver acknowledged
+/// anything at all. Any FIN used to: one blind FIN, at any number, gave a pod's established
+/// connection a closing state's timeout (two minutes idle, against five days) and let a full
+/// table drop it, where conntrack takes a FIN outside the window as invalid and the state
+/// stays. A function of its own, as `rst_acceptable` is.
+fn fin_acceptable<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, seq: u32) -> bool {
+    // SAFETY: `entry` points into a map value; its fields are copied out.
+    let receiver_key = &key.reverse(unsafe { &*entry });
+    let Some(receiver) = F::nat().get_ptr(receiver_key) else {
+        // Half a flow cannot translate replies anyway.
+        return true;
+    };
+    // SAFETY: map value pointer from a successful lookup; its fields are copied out.
+    let (seen, max_ack) = unsafe { ((*receiver).tcp_seen, (*receiver).tcp_max_ack) };
+    seen & tcp_seen::ACKED != 0 && within_reach(seq, max_ack)
+}
+}
+
+/// How far from what the receiver acknowledged a segment from outside may lie for an RST right
+/// behind it, or its FIN, to count: 16 MiB, more than a receive window holds unacknowledged on
+/// all but the longest fattest paths (where such a segment's RST or FIN is passed on and the
+/// flow expires by its timeout instead). A blind sender's number lands there once in 128
+/// guesses; conntrack's own window is as wide as the flow's receive windows have been.
+const SEQ_REACH: u32 = 1 << 24;
+
+/// Whether sequence numbers `a` and `b` lie within `SEQ_REACH` of each other, modulo 2^32.
+#[inline(always)]
+fn within_reach(a: u32, b: u32) -> bool {
+    a.wrapping_sub(b) <= SEQ_REACH || b.wrapping_sub(a) <= SEQ_REACH
 }
 
 /// Gives a new egress flow a port on `to`, one of the node's addresses, creating both halves;

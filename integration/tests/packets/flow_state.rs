@@ -19,6 +19,8 @@ in_both_families!(
     expiry_removes_both_halves_of_idle_flows_only,
     only_an_acceptable_rst_ends_a_flow,
     a_flow_that_ignored_a_blind_rst_outlives_the_reset_timeout,
+    blind_data_places_no_rst_behind_it,
+    a_blind_fin_does_not_close_a_connection,
     a_flow_no_reply_crossed_is_not_established,
     an_orphaned_reply_half_is_removed,
     udp_and_echo_expire_as_conntrack_times_them,
@@ -112,6 +114,14 @@ impl<F: HarnessFamily> Connection<F> {
             node_port: word(&out, F::L4),
             family: std::marker::PhantomData,
         }
+    }
+
+    /// A connection through its handshake: the pod's ISN 1000, the remote's 5000.
+    pub(crate) fn established(h: &mut TestBed, pod_port: u16) -> Self {
+        let c = Connection::open(h, pod_port, 1000);
+        c.remote_sends(h, SYN | ACK, 5000, 1001, &[]);
+        c.pod_sends(h, ACK, 1001, 5001, &[]);
+        c
     }
 
     /// A segment from the pod, as it left the node.
@@ -231,6 +241,54 @@ fn only_an_acceptable_rst_ends_a_flow<F: HarnessFamily>() {
     c.pod_sends(&mut h, RST, 4011, 0, &[]);
     assert!(c.reset(&h), "the pod's RST ends its flow");
     assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 5);
+}
+
+/// A blind sender cannot place an acceptable RST by sending data first: the remote's next
+/// sequence number follows any segment, and an RST right behind the sender's own segment is
+/// accepted, but only where that segment ends within reach of what the pod acknowledged (16
+/// MiB). Further ahead, the two packets pass and the flow keeps its state; near,
+/// as a real sender's data lies, the RST ends it. The pod's own RST behind its data counts
+/// whatever a blind ACK made of what the remote acknowledged.
+fn blind_data_places_no_rst_behind_it<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    let cases = [
+        (40104, 5001u32.wrapping_add(1 << 30), false),
+        (40105, 5001 + (1 << 25), false),
+        (40106, 5001 + (1 << 20), true),
+    ];
+    for (pod_port, data_seq, ends) in cases {
+        let c = Connection::<F>::established(&mut h, pod_port);
+        c.remote_sends(&mut h, ACK, data_seq, 1001, &[0x64; 10]);
+        c.remote_sends(&mut h, RST, data_seq.wrapping_add(10), 0, &[]);
+        assert_eq!(
+            c.reset(&h),
+            ends,
+            "data at {data_seq}, then an RST behind it"
+        );
+    }
+    assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 2);
+    let c = Connection::<F>::established(&mut h, 40108);
+    c.remote_sends(&mut h, ACK, 5001, 1001u32.wrapping_add(1 << 30), &[]);
+    c.pod_sends(&mut h, ACK, 1001, 5001, &[0x65; 10]);
+    c.pod_sends(&mut h, RST, 1011, 0, &[]);
+    assert!(c.reset(&h), "the pod's RST behind its own data");
+    assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 2);
+}
+
+/// A FIN from outside closes its half only near what the pod acknowledged (16 MiB): a blind
+/// one, at any other number, passes on and the connection stays established, with its
+/// timeout, where a closing state's would let the sweep end it after two idle minutes.
+fn a_blind_fin_does_not_close_a_connection<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    let c = Connection::<F>::established(&mut h, 40107);
+    for blind in [5001u32.wrapping_add(1 << 30), 5001u32.wrapping_sub(1 << 25)] {
+        c.remote_sends(&mut h, FIN | ACK, blind, 1001, &[]);
+        assert_eq!(c.state(&h), FlowState::Established, "a FIN at {blind}");
+    }
+    assert_eq!(h.counter(Counter::TcpFinNotAcceptable), 2);
+    c.remote_sends(&mut h, FIN | ACK, 5001, 1001, &[]);
+    assert_ne!(c.state(&h), FlowState::Established, "the remote's own FIN");
+    assert_eq!(h.counter(Counter::TcpFinNotAcceptable), 2);
 }
 
 /// A pod's SYN goes to a new flow's steps without a lookup. One sent again, or a connection
