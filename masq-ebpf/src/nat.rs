@@ -183,9 +183,16 @@ pub fn lookup<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>
 }
 
 /// Records that the flow is alive, and what a TCP segment tells of it; `key` is the half
-/// `entry` holds.
+/// `entry` holds, and `from_outside` says whether the segment came in from outside the node
+/// (ingress), whose FINs must be within reach (`fin_acceptable`). A constant at each call:
+/// the egress program's callers leave the check out, and the verifier never walks it there.
 #[inline(always)]
-pub fn refresh<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) {
+pub fn refresh<F: Family>(
+    key: &NatKey<F::Addr>,
+    entry: *mut NatEntry<F::Addr>,
+    segment: &Segment,
+    from_outside: bool,
+) {
     // SAFETY: `entry` points into a map value; concurrent updates race benignly (both write a
     // recent time).
     unsafe {
@@ -195,7 +202,7 @@ pub fn refresh<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, 
         }
     }
     if segment.seen != 0 {
-        track_tcp::<F>(key, entry, segment);
+        track_tcp::<F>(key, entry, segment, from_outside);
     } else {
         count_packet::<F>(entry);
     }
@@ -223,7 +230,12 @@ fn count_packet<F: Family>(entry: *mut NatEntry<F::Addr>) {
 /// highest acknowledgment. Only the half's own direction writes it, so the cache line stays
 /// with the CPU that handles that direction.
 #[inline(always)]
-fn track_tcp<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) {
+fn track_tcp<F: Family>(
+    key: &NatKey<F::Addr>,
+    entry: *mut NatEntry<F::Addr>,
+    segment: &Segment,
+    from_outside: bool,
+) {
     let mut seen = segment.seen;
     let acked = seen & tcp_seen::ACKED != 0;
     if seen & tcp_seen::RESET != 0
@@ -232,11 +244,10 @@ fn track_tcp<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, se
         maps::count(Counter::TcpRstNotAcceptable);
         seen &= !tcp_seen::RESET;
     }
-    // SAFETY: as in `refresh`.
-    let closed_before = unsafe { (*entry).tcp_seen } & tcp_seen::CLOSING != 0;
-    if seen & tcp_seen::CLOSING != 0
-        && !closed_before
-        && key.direction != direction::EGRESS
+    if from_outside
+        && seen & tcp_seen::CLOSING != 0
+        // SAFETY: as in `refresh`.
+        && unsafe { (*entry).tcp_seen } & tcp_seen::CLOSING == 0
         && !fin_acceptable::<F>(key, entry, segment.seq)
     {
         maps::count(Counter::TcpFinNotAcceptable);
@@ -525,7 +536,7 @@ fn adopt<F: Family>(
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Made {
-    refresh::<F>(egress_key, existing, segment);
+    refresh::<F>(egress_key, existing, segment, false);
     // SAFETY: `existing` is a map value pointer, from its callers' successful lookups.
     *egress = unsafe { *existing };
     Made::Found

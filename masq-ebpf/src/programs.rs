@@ -151,7 +151,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
     };
     match found {
         Some(entry) => {
-            nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, &ip, &l4));
+            nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, &ip, &l4), false);
             // SAFETY: map value pointer from a successful lookup.
             Egress::done(snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry }))
         }
@@ -875,7 +875,7 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
     let Some(entry) = nat::lookup::<F>(&key) else {
         return OfFlow::UNKNOWN_FLOW;
     };
-    nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, ip, l4));
+    nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, ip, l4), true);
     // SAFETY: map value pointer from a successful lookup.
     let entry = unsafe { &*entry };
     if entry.kind != nat_kind::SNAT {
