@@ -118,7 +118,11 @@ impl EarlyDrop {
 /// dropped held, for the new flow once it is made (`SampleSlot::freed`).
 #[inline(always)]
 pub fn early_drop<F: Family>() -> EarlyDrop {
-    EarlyDrop((F::EARLY_DROP)())
+    // The clock is read here, by the program, and handed to the global functions: none of
+    // them reads it. A kernel walks global functions before the program (5.10 does), and one
+    // without the clock the agent chose would refuse the first that reads it, in a log that
+    // shows only that function's few instructions instead of the program's path.
+    EarlyDrop((F::EARLY_DROP)(now_ns()))
 }
 
 /// `early_drop`'s body, run by each family's global BPF function (`masq_early_drop_v4` and
@@ -129,10 +133,9 @@ pub fn early_drop<F: Family>() -> EarlyDrop {
 /// 16 probes, and the verifier processed 96 000 more instructions a program (562 000 in all
 /// with the agent's order read as an `Option`).
 #[inline(always)]
-fn early_drop_global<F: Family>() -> i64 {
+fn early_drop_global<F: Family>(now: u64) -> i64 {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
-    let now = now_ns();
     // The slot of the flow to take so far, and its rank.
     let (mut chosen_slot, mut chosen) = (NO_SLOT, Rank::LOWEST_PRIORITY);
     for probe in 0..EARLY_DROP_PROBES {
@@ -332,8 +335,8 @@ fn withdraw_vacancy<F: Family>(slot: u32) {
 /// `early_drop` for IPv4, a global BPF function (`early_drop_global`).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn masq_early_drop_v4() -> i64 {
-    early_drop_global::<crate::family::V4>()
+pub extern "C" fn masq_early_drop_v4(now_ns: u64) -> i64 {
+    early_drop_global::<crate::family::V4>(now_ns)
 }
 
 /// The rank of a flow of the IPv4 drop sample, a global BPF function (`drop_rank_global`).
@@ -367,6 +370,6 @@ pub extern "C" fn masq_drop_ranked_v6(slot: u32, rank: i64, now_ns: u64) -> i64 
 /// `early_drop` for IPv6, a global BPF function (`early_drop_global`).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn masq_early_drop_v6() -> i64 {
-    early_drop_global::<crate::family::V6>()
+pub extern "C" fn masq_early_drop_v6(now_ns: u64) -> i64 {
+    early_drop_global::<crate::family::V6>(now_ns)
 }

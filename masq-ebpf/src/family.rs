@@ -35,7 +35,7 @@ pub trait Family {
     /// The family's global BPF functions, which the verifier walks once each:
     /// `early_drop::early_drop`'s, its look at a flow and its drop of the one chosen, and
     /// `nat::reserve_port`'s.
-    const EARLY_DROP: extern "C" fn() -> i64;
+    const EARLY_DROP: extern "C" fn(u64) -> i64;
     const DROP_RANK: extern "C" fn(u32, u64) -> i64;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64;
     const RESERVE_PORT: extern "C" fn() -> i64;
@@ -134,7 +134,7 @@ impl Family for V4 {
     const DADDR_OFF: usize = parse::IPV4_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = Some(parse::IPV4_CSUM_OFF);
     const OWN_FRAMES: bool = false;
-    const EARLY_DROP: extern "C" fn() -> i64 = early_drop::masq_early_drop_v4;
+    const EARLY_DROP: extern "C" fn(u64) -> i64 = early_drop::masq_early_drop_v4;
     const DROP_RANK: extern "C" fn(u32, u64) -> i64 = early_drop::masq_drop_rank_v4;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64 = early_drop::masq_drop_ranked_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
@@ -245,7 +245,7 @@ impl Family for V6 {
     const DADDR_OFF: usize = parse::IPV6_DADDR_OFF;
     const IP_CSUM_OFF: Option<usize> = None;
     const OWN_FRAMES: bool = true;
-    const EARLY_DROP: extern "C" fn() -> i64 = early_drop::masq_early_drop_v6;
+    const EARLY_DROP: extern "C" fn(u64) -> i64 = early_drop::masq_early_drop_v6;
     const DROP_RANK: extern "C" fn(u32, u64) -> i64 = early_drop::masq_drop_rank_v6;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64 = early_drop::masq_drop_ranked_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
