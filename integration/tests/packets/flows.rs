@@ -410,13 +410,7 @@ fn every_sweep_of_a_table_left_under_pressure_points_its_sample_again<F: Harness
     let over = key_of(&h, &unanswered[..2]);
     let later = newest + 60_000_000_000;
     for key in &over {
-        let mut egress = F::nat_entry(&h, key).unwrap();
-        let reply_key = key.reverse(&egress);
-        let mut reply = F::nat_entry(&h, &reply_key).unwrap();
-        egress.last_seen_ns = newest - 1;
-        reply.last_seen_ns = newest - 1;
-        F::plant(&mut h, key, egress);
-        F::plant(&mut h, &reply_key, reply);
+        flow_last_seen_at::<F>(&mut h, key, newest - 1);
     }
     let sweeps = [
         ("the sweep that finds it so", newest, 0),
@@ -428,14 +422,8 @@ fn every_sweep_of_a_table_left_under_pressure_points_its_sample_again<F: Harness
             flows.retain(|key| !over.contains(key));
             droppable.retain(|key| !over.contains(key));
             // The flows left were seen just before the sweep; those over were not.
-            for key in flows.clone() {
-                let mut egress = F::nat_entry(&h, &key).unwrap();
-                let reply_key = key.reverse(&egress);
-                let mut reply = F::nat_entry(&h, &reply_key).unwrap();
-                egress.last_seen_ns = now;
-                reply.last_seen_ns = now;
-                F::plant(&mut h, &key, egress);
-                F::plant(&mut h, &reply_key, reply);
+            for key in &flows {
+                flow_last_seen_at::<F>(&mut h, key, now);
             }
         }
         F::forget_drop_sample(&h);
@@ -592,12 +580,21 @@ fn new_flows_take<F: HarnessFamily>(h: &mut TestBed, drops: &[(u16, u16)]) {
 /// seen a packet since.
 fn last_seen_at<F: HarnessFamily>(h: &mut TestBed, pod_port: u16, last_seen_ns: u64) {
     let key = egress_key::<F>(h, pod_port);
-    let mut egress = F::nat_entry(h, &key).unwrap();
+    flow_last_seen_at::<F>(h, &key, last_seen_ns);
+}
+
+/// Writes `last_seen_ns` into both halves of the flow whose egress half is `key`.
+fn flow_last_seen_at<F: HarnessFamily>(
+    h: &mut TestBed,
+    key: &NatKey<F::Octets>,
+    last_seen_ns: u64,
+) {
+    let mut egress = F::nat_entry(h, key).unwrap();
     let reply_key = key.reverse(&egress);
     let mut reply = F::nat_entry(h, &reply_key).unwrap();
     egress.last_seen_ns = last_seen_ns;
     reply.last_seen_ns = last_seen_ns;
-    F::plant(h, &key, egress);
+    F::plant(h, key, egress);
     F::plant(h, &reply_key, reply);
 }
 
