@@ -295,9 +295,7 @@ fn rst_acceptable<F: Family>(
     // SAFETY: `entry` points into a map value; its fields are copied out.
     let (sent, next_seq) = unsafe { ((*entry).tcp_seen, (*entry).tcp_next_seq) };
     let behind_own_segment = sent & tcp_seen::SEQ != 0 && seq == next_seq;
-    // SAFETY: as above.
-    let other_key = &key.reverse(unsafe { &*entry });
-    let Some(other) = F::nat().get_ptr(other_key) else {
+    let Some(other) = receiving_half::<F>(key, entry) else {
         // Half a flow cannot translate replies anyway.
         return true;
     };
@@ -322,9 +320,7 @@ step! {
 /// table drop it, where conntrack takes a FIN outside the window as invalid and the state
 /// stays. A function of its own, as `rst_acceptable` is.
 fn fin_acceptable<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, seq: u32) -> bool {
-    // SAFETY: `entry` points into a map value; its fields are copied out.
-    let receiver_key = &key.reverse(unsafe { &*entry });
-    let Some(receiver) = F::nat().get_ptr(receiver_key) else {
+    let Some(receiver) = receiving_half::<F>(key, entry) else {
         // Half a flow cannot translate replies anyway.
         return true;
     };
@@ -332,6 +328,17 @@ fn fin_acceptable<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr
     let (seen, max_ack) = unsafe { ((*receiver).tcp_seen, (*receiver).tcp_max_ack) };
     seen & tcp_seen::ACKED != 0 && within_reach(seq, max_ack)
 }
+}
+
+/// The flow's other half, keyed as the segments that `entry`'s half (keyed `key`) sends are
+/// received, if the table holds it: what an RST or a FIN is judged against.
+#[inline(always)]
+fn receiving_half<F: Family>(
+    key: &NatKey<F::Addr>,
+    entry: *mut NatEntry<F::Addr>,
+) -> Option<*const NatEntry<F::Addr>> {
+    // SAFETY: `entry` points into a map value; its fields are copied out.
+    F::nat().get_ptr(key.reverse(unsafe { &*entry }))
 }
 
 /// How far from what the receiver acknowledged a segment from outside may lie for an RST right
