@@ -738,6 +738,12 @@ counters! {
         "tcp_fins_not_acceptable",
         "TCP FINs from outside whose sequence number lies far from what the receiving end acknowledged; the flow keeps its state",
     );
+    /// TCP connections opened again on the tuple of one that was over (reset, or closed both
+    /// ways): the flow keeps its port and starts anew, as conntrack reopens a connection.
+    TcpReopened = "tcp_reopened" in CounterMetric::of(
+        "tcp_connections_reopened",
+        "TCP connections opened again on the tuple of one that was over (reset, or closed both ways): the flow keeps its port and starts anew",
+    );
     /// Flows of the node's own address (its sockets, or netfilter's NAT) whose tuple a
     /// masqueraded flow already held: given another port, as conntrack resolves a clash.
     NodePortClash = "node_port_clash" in CounterMetric::of(

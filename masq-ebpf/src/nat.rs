@@ -8,8 +8,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use masq_ebpf::{
-    Address, Counter, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey, direction, nat_kind,
-    packets_seen,
+    Address, Counter, FlowState, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey, direction,
+    nat_kind, packets_seen,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -236,6 +236,10 @@ fn track_tcp<F: Family>(
     segment: &Segment,
     from_outside: bool,
 ) {
+    if segment.opens() && reopened::<F>(key, entry, segment) {
+        maps::count(Counter::TcpReopened);
+        return;
+    }
     let mut seen = segment.seen;
     let acked = seen & tcp_seen::ACKED != 0;
     if seen & tcp_seen::RESET != 0
@@ -269,6 +273,41 @@ fn track_tcp<F: Family>(
             (*entry).tcp_max_ack = segment.ack;
         }
     }
+}
+
+step! {
+/// Whether `segment`, a SYN on `entry`'s half (keyed `key`), found its connection over (reset,
+/// or closed both ways: `FlowState::done`) and so started the flow anew, as conntrack reopens a
+/// connection on a tuple it still holds (a client that reuses its port): the flow keeps its
+/// port, and loses the old connection's state. With that state the new connection would expire
+/// ten seconds after its last packet and be the first a full table drops, however long it
+/// lives. A function of its own, as `rst_acceptable` is: a SYN on a known flow is rare.
+fn reopened<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) -> bool {
+    let Some(other) = receiving_half::<F>(key, entry) else {
+        return false;
+    };
+    // SAFETY: both are map value pointers from successful lookups, read where they lie (copies
+    // of two IPv6 halves would take the deepest chain of frames past 448 bytes of stack).
+    let (this, that) = unsafe { (&*entry, &*other) };
+    let (egress, ingress) = if key.direction == direction::EGRESS {
+        (this, that)
+    } else {
+        (that, this)
+    };
+    if !FlowState::of(key, egress, ingress).done() {
+        return false;
+    }
+    // SAFETY: as above. Another CPU's packet of the old connection, crossing at once, may
+    // leave a flag of its own: the new connection is then judged as the old one was.
+    unsafe {
+        (*entry).tcp_seen = segment.seen;
+        (*entry).tcp_next_seq = segment.end;
+        (*entry).tcp_max_ack = segment.ack;
+        (*other).tcp_seen = 0;
+        (*other).last_seen_ns = (*entry).last_seen_ns;
+    }
+    true
+}
 }
 
 step! {
@@ -331,14 +370,15 @@ fn fin_acceptable<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr
 }
 
 /// The flow's other half, keyed as the segments that `entry`'s half (keyed `key`) sends are
-/// received, if the table holds it: what an RST or a FIN is judged against.
+/// received, if the table holds it: what an RST or a FIN is judged against, and what a SYN
+/// that reopens the flow starts anew.
 #[inline(always)]
 fn receiving_half<F: Family>(
     key: &NatKey<F::Addr>,
     entry: *mut NatEntry<F::Addr>,
-) -> Option<*const NatEntry<F::Addr>> {
+) -> Option<*mut NatEntry<F::Addr>> {
     // SAFETY: `entry` points into a map value; its fields are copied out.
-    F::nat().get_ptr(key.reverse(unsafe { &*entry }))
+    F::nat().get_ptr_mut(key.reverse(unsafe { &*entry }))
 }
 
 /// How far from what the receiver acknowledged a segment from outside may lie for an RST right

@@ -26,6 +26,7 @@ in_both_families!(
     udp_and_echo_expire_as_conntrack_times_them,
     tcp_closes_expire_as_conntrack_times_each_state,
     a_syn_sent_again_finds_its_flow,
+    a_syn_reopens_a_finished_connection,
     a_sweep_counts_once_a_half_its_walk_steps_onto_after_removing_it,
     a_table_that_holds_nothing_is_not_walked,
 );
@@ -317,6 +318,46 @@ fn a_syn_sent_again_finds_its_flow<F: HarnessFamily>() {
         1,
         "the policy's decision counted once"
     );
+}
+
+/// A SYN on the tuple of a connection that is over (reset, or closed both ways) opens a new
+/// connection there, as conntrack reopens one (a client reusing its port): the flow keeps its
+/// port but none of the old connection's state, which would have the new one expire ten
+/// seconds after its last packet and go first from a full table, however long it lives. A SYN
+/// on a connection that is not over changes nothing.
+fn a_syn_reopens_a_finished_connection<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    let reset = Connection::<F>::established(&mut h, 40410);
+    reset.remote_sends(&mut h, RST, 5001, 0, &[]);
+    let closed = Connection::<F>::established(&mut h, 40411);
+    closed.pod_sends(&mut h, FIN | ACK, 1001, 5001, &[]);
+    closed.remote_sends(&mut h, FIN | ACK, 5001, 1002, &[]);
+    closed.pod_sends(&mut h, ACK, 1002, 5002, &[]);
+    assert_eq!(
+        [reset.state(&h), closed.state(&h)],
+        [FlowState::Reset, FlowState::TimeWait]
+    );
+    for old in [reset, closed] {
+        let new = Connection::<F>::open(&mut h, old.pod_port, 700_000);
+        assert_eq!(new.node_port, old.node_port, "the flow's port");
+        assert_eq!(new.state(&h), FlowState::SynSent, "a new connection");
+        new.remote_sends(&mut h, SYN | ACK, 9000, 700_001, &[]);
+        new.pod_sends(&mut h, ACK, 700_001, 9001, &[]);
+        assert_eq!(new.state(&h), FlowState::Established);
+    }
+    assert_eq!(h.counter(Counter::TcpReopened), 2);
+    let run = sweep_after::<F>(&mut h, past(Timeouts::default().tcp_time_wait));
+    assert_eq!(run.expired_flows, 0, "established again: kept for days");
+
+    let live = Connection::<F>::established(&mut h, 40412);
+    live.pod_sends(&mut h, SYN, 1000, 0, &[]);
+    live.remote_sends(&mut h, SYN, 5000, 0, &[]);
+    assert_eq!(
+        live.state(&h),
+        FlowState::Established,
+        "not over: no reopening"
+    );
+    assert_eq!(h.counter(Counter::TcpReopened), 2);
 }
 
 /// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
