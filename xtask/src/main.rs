@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_plan;
+mod bpf_lines;
 mod budget;
 mod cost_meter;
 mod demo;
@@ -44,6 +45,9 @@ enum Task {
     },
     /// Measure the eBPF data plane against the iptables chain and against no NAT.
     Bench(bench_plan::Options),
+    /// Where the loaded programs' run time goes, by line of their source: samples the machine
+    /// with perf while a workload runs (start it first).
+    BpfLines(bpf_lines::Options),
     /// Many concurrent flows from many pods through the eBPF data plane for minutes, with the
     /// agent's memory and the NAT table sampled as they run.
     Soak(soak::Options),
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
         Task::Bench(options) => setup::run()
             .and_then(|()| vm_kit::setup())
             .and_then(|()| bench::run(&options)),
+        Task::BpfLines(options) => bpf_lines::run(&options),
         Task::Soak(options) => setup::run().and_then(|()| soak::run(&options)),
         Task::SoakPod(options) => soak::run_pod(&options),
         Task::ValidateManifests => setup::run().and_then(|()| manifests::validate()),
