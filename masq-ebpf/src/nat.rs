@@ -334,6 +334,11 @@ fn rst_acceptable<F: Family>(
     // SAFETY: `entry` points into a map value; its fields are copied out.
     let (sent, next_seq) = unsafe { ((*entry).tcp_seen, (*entry).tcp_next_seq) };
     let behind_own_segment = sent & tcp_seen::SEQ != 0 && seq == next_seq;
+    // The node's side's RST right behind its own segment counts whatever the receiver did
+    // (below): the usual end of a pod's connection needs no lookup of the other half.
+    if behind_own_segment && key.direction == direction::EGRESS {
+        return true;
+    }
     let Some(other) = receiving_half::<F>(key, entry) else {
         // Half a flow cannot translate replies anyway.
         return true;

@@ -242,6 +242,19 @@ fn only_an_acceptable_rst_ends_a_flow<F: HarnessFamily>() {
     c.pod_sends(&mut h, RST, 4011, 0, &[]);
     assert!(c.reset(&h), "the pod's RST ends its flow");
     assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 5);
+
+    // The pod's RST elsewhere is judged as the remote would: at what the remote acknowledged
+    // (its data past that lost), and nowhere else.
+    let c = Connection::<F>::open(&mut h, 40109, 6000);
+    c.remote_sends(&mut h, SYN | ACK, 9000, 6001, &[]);
+    c.pod_sends(&mut h, ACK, 6001, 9001, &[0x66; 20]);
+    c.remote_sends(&mut h, ACK, 9001, 6011, &[]);
+    c.pod_sends(&mut h, RST, 6015, 0, &[]);
+    assert!(!c.reset(&h), "the pod's RST at neither number");
+    assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 6);
+    c.pod_sends(&mut h, RST, 6011, 0, &[]);
+    assert!(c.reset(&h), "the pod's RST at what the remote acknowledged");
+    assert_eq!(h.counter(Counter::TcpRstNotAcceptable), 6);
 }
 
 /// A blind sender cannot place an acceptable RST by sending data first: the remote's next
