@@ -27,6 +27,7 @@ in_both_families!(
     tcp_closes_expire_as_conntrack_times_each_state,
     a_syn_sent_again_finds_its_flow,
     a_syn_reopens_a_finished_connection,
+    a_syn_from_outside_reopens_a_finished_inbound_connection,
     a_sweep_counts_once_a_half_its_walk_steps_onto_after_removing_it,
     a_table_that_holds_nothing_is_not_walked,
 );
@@ -371,6 +372,56 @@ fn a_syn_reopens_a_finished_connection<F: HarnessFamily>() {
         "not over: no reopening"
     );
     assert_eq!(h.counter(Counter::TcpReopened), 2);
+}
+
+/// The same for a connection opened from outside toward a pod's own address: the client's SYN
+/// on the tuple of one that was reset opens a new one, which keeps the pod's address.
+fn a_syn_from_outside_reopens_a_finished_inbound_connection<F: HarnessFamily>() {
+    let mut h = harness::<F>();
+    // Both ways pass unchanged: the pod keeps its own address.
+    let send = |h: &mut TestBed, from_remote: bool, flags: u8, seq: u32, ack: u32| {
+        let (sport, dport, src, dst) = if from_remote {
+            (5555, 8080, F::REMOTE, F::POD)
+        } else {
+            (8080, 5555, F::POD, F::REMOTE)
+        };
+        let segment = Tcp {
+            sport,
+            dport,
+            flags,
+            seq,
+            ack,
+            payload: &[],
+        };
+        let frame = segment.frame(src, dst);
+        let passed = if from_remote {
+            h.ingress(&frame)
+        } else {
+            h.egress(&frame)
+        };
+        assert_eq!(passed, (TC_ACT_OK, frame));
+    };
+    let state = |h: &TestBed| {
+        let table = F::nat(h);
+        let (key, egress) = table
+            .iter()
+            .find(|(k, _)| k.direction == direction::EGRESS && u16::from_be(k.sport) == 8080)
+            .expect("the flow's pod-side half");
+        let ingress = F::nat_entry(h, &key.reverse(egress)).expect("its other half");
+        FlowState::of(key, egress, &ingress)
+    };
+    send(&mut h, true, SYN, 100, 0);
+    send(&mut h, false, SYN | ACK, 500, 101);
+    send(&mut h, true, ACK, 101, 501);
+    send(&mut h, true, RST, 101, 0);
+    assert_eq!(state(&h), FlowState::Reset);
+    send(&mut h, true, SYN, 90_000, 0);
+    assert_eq!(state(&h), FlowState::SynSent, "a new connection");
+    send(&mut h, false, SYN | ACK, 7000, 90_001);
+    send(&mut h, true, ACK, 90_001, 7001);
+    assert_eq!(state(&h), FlowState::Established);
+    assert_eq!(h.counter(Counter::TcpReopened), 1);
+    assert_eq!(F::nat(&h).len(), 2);
 }
 
 /// A blind RST leaves the flow to expire as an established one, not ten seconds after it.
