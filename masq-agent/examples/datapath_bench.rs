@@ -35,6 +35,11 @@ const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const SERVICE_PORT: u16 = 10250;
 /// The /24 of the new-flow case's remotes, whose flows it expires before each measurement.
 const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
+/// The spread case's flows: half the default table, each run a packet of another one.
+const SPREAD_FLOWS: u32 = 131_072;
+/// Their remotes, 203.0.113.128 to .227, whose flows the case expires after each measurement.
+const SPREAD_REMOTES: u8 = 128;
+const SPREAD_CASE: &str = "snat_established_spread";
 
 struct Options {
     runs: u32,
@@ -87,7 +92,7 @@ fn mean_ns(
     let translated = first.frame != frames[0];
     let should_translate = matches!(
         name,
-        "snat_established" | "snat_new_flow" | SOURCES_CASE | "rev_snat"
+        "snat_established" | SPREAD_CASE | "snat_new_flow" | SOURCES_CASE | "rev_snat"
     );
     if first.verdict != TC_ACT_OK || translated != should_translate {
         bail!(
@@ -142,7 +147,7 @@ fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<(
 
 /// The cases, each a name, the program it runs and the frames it runs in turn.
 type Cases = [(&'static str, &'static str, Vec<Vec<u8>>); CASES];
-const CASES: usize = 9;
+const CASES: usize = 10;
 
 /// The frames every size's cases share.
 struct Frames {
@@ -150,6 +155,9 @@ struct Frames {
     to_cluster: Vec<u8>,
     across_cluster: Vec<Vec<u8>>,
     new_flows: Vec<Vec<u8>>,
+    /// The spread case's flows: the SYN that opens each, and the ACK the case sends.
+    spread_opened: Vec<Vec<u8>>,
+    spread: Vec<Vec<u8>>,
     arp: Vec<u8>,
 }
 
@@ -178,6 +186,14 @@ impl Frames {
                 packet::tcp(pod, sport, remote, 80, SYN)
             })
             .collect();
+        let spread_flow = |i: u32, flags: u8| {
+            let pod = Ipv4Addr::from(u32::from(POD) + 8 + i / 50_000);
+            let sport = 1024 + (i % 50_000) as u16;
+            let remote = Ipv4Addr::new(203, 0, 113, SPREAD_REMOTES + (i % 100) as u8);
+            packet::tcp(pod, sport, remote, 443, flags)
+        };
+        let spread_opened = (0..SPREAD_FLOWS).map(|i| spread_flow(i, SYN)).collect();
+        let spread = (0..SPREAD_FLOWS).map(|i| spread_flow(i, ACK)).collect();
         let mut arp = outbound.clone();
         arp[12..14].copy_from_slice(&[0x08, 0x06]);
         Frames {
@@ -185,6 +201,8 @@ impl Frames {
             outbound,
             across_cluster,
             new_flows,
+            spread_opened,
+            spread,
             arp,
         }
     }
@@ -229,6 +247,9 @@ impl Size {
             ("non_masq_hit", egress, one(&frames.to_cluster)),
             ("non_masq_uncached", egress, frames.across_cluster.clone()),
             ("snat_established", egress, one(&frames.outbound)),
+            // A known flow among many, each run another's: its bucket and entry are cold, as
+            // they are for most packets on a busy node.
+            (SPREAD_CASE, egress, frames.spread.clone()),
             ("snat_new_flow", egress, frames.new_flows.clone()),
             // The same first packets while the family has source entries, none of which holds
             // the pods: what asking the source trie adds to a new flow.
@@ -247,7 +268,12 @@ impl Size {
     }
 
     /// One round of the cases `opts` asks for, a sample each into `samples`.
-    fn round(&mut self, opts: &Options, samples: &mut [Vec<f64>]) -> anyhow::Result<()> {
+    fn round(
+        &mut self,
+        opts: &Options,
+        shared: &Frames,
+        samples: &mut [Vec<f64>],
+    ) -> anyhow::Result<()> {
         let bed = &mut self.bed;
         for (i, (name, program, frames)) in self.cases.iter().enumerate() {
             if !opts.cases.is_empty() && !opts.cases.iter().any(|c| c == name) {
@@ -257,9 +283,22 @@ impl Size {
             if sources {
                 set_sources(bed, &[SOURCE_ELSEWHERE])?;
             }
+            let spread = *name == SPREAD_CASE;
+            if spread {
+                for syn in &shared.spread_opened {
+                    bed.egress(syn);
+                }
+            }
             samples[i].push(mean_ns(bed, name, program, frames, opts.runs)?);
             if sources {
                 set_sources(bed, &[])?;
+            }
+            if spread {
+                bed.expire_nat::<[u8; 4]>(|key| {
+                    [key.saddr, key.daddr]
+                        .iter()
+                        .any(|a| a[..3] == [203, 0, 113] && a[3] >= SPREAD_REMOTES)
+                })?;
             }
             if name.starts_with("snat_new_flow") {
                 // Its flows expire, so that the other cases find the table with one flow:
@@ -288,7 +327,7 @@ fn main() -> anyhow::Result<()> {
     // report compares the sizes with each other.
     for _ in 0..opts.rounds {
         for (size, samples) in sizes.iter_mut().zip(&mut samples) {
-            size.round(&opts, samples)?;
+            size.round(&opts, &frames, samples)?;
         }
     }
     for (size, samples) in sizes.iter().zip(samples) {
