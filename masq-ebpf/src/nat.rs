@@ -282,13 +282,30 @@ step! {
 /// port, and loses the old connection's state. With that state the new connection would expire
 /// ten seconds after its last packet and be the first a full table drops, however long it
 /// lives. A function of its own, as `rst_acceptable` is: a SYN on a known flow is rare.
+///
+/// Only the end that opened the flow reopens it, as only conntrack's original direction does
+/// from a reset: from outside, a connection made to a pod's own address (`PASSTHROUGH`). A
+/// masqueraded or node flow was opened by the node's side; conntrack takes the other end's SYN
+/// there as invalid, or as a connection of its own, never as this flow's.
 fn reopened<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, segment: &Segment) -> bool {
+    // A SYN that carries a FIN or an RST too opens nothing (conntrack: invalid flags).
+    if segment.seen & (tcp_seen::CLOSING | tcp_seen::RESET) != 0
+        // SAFETY: `entry` points into a map value; a byte copied out.
+        || (key.direction == direction::INGRESS && unsafe { (*entry).kind } != nat_kind::PASSTHROUGH)
+    {
+        return false;
+    }
     let Some(other) = receiving_half::<F>(key, entry) else {
         return false;
     };
     // SAFETY: both are map value pointers from successful lookups, read where they lie (copies
     // of two IPv6 halves would take the deepest chain of frames past 448 bytes of stack).
     let (this, that) = unsafe { (&*entry, &*other) };
+    // A reply half whose egress half names another (a stray the sweep has not met yet) is not
+    // that flow's: its state is not this SYN's to start anew.
+    if key.direction == direction::INGRESS && (that.addr != key.daddr || that.port != key.dport) {
+        return false;
+    }
     let (egress, ingress) = if key.direction == direction::EGRESS {
         (this, that)
     } else {
@@ -297,8 +314,9 @@ fn reopened<F: Family>(key: &NatKey<F::Addr>, entry: *mut NatEntry<F::Addr>, seg
     if !FlowState::of(key, egress, ingress).done() {
         return false;
     }
-    // SAFETY: as above. Another CPU's packet of the old connection, crossing at once, may
-    // leave a flag of its own: the new connection is then judged as the old one was.
+    // SAFETY: as above. Another CPU's packet of the old connection, crossing at once, may put
+    // back a flag this clears (`track_tcp` writes what it read before, with its own): the new
+    // connection then keeps the old one's closing state, as it did before this reopening.
     unsafe {
         (*entry).tcp_seen = segment.seen;
         (*entry).tcp_next_seq = segment.end;

@@ -372,6 +372,16 @@ fn a_syn_reopens_a_finished_connection<F: HarnessFamily>() {
         "not over: no reopening"
     );
     assert_eq!(h.counter(Counter::TcpReopened), 2);
+
+    // Only the end that opened the connection reopens it: not the remote end of a pod's
+    // connection (conntrack: invalid), nor a SYN that carries a FIN or an RST too.
+    let reset = Connection::<F>::established(&mut h, 40413);
+    reset.remote_sends(&mut h, RST, 5001, 0, &[]);
+    reset.remote_sends(&mut h, SYN, 80_000, 0, &[]);
+    reset.pod_sends(&mut h, SYN | FIN, 600_000, 0, &[]);
+    reset.pod_sends(&mut h, SYN | RST, 600_000, 0, &[]);
+    assert_eq!(reset.state(&h), FlowState::Reset);
+    assert_eq!(h.counter(Counter::TcpReopened), 2);
 }
 
 /// The same for a connection opened from outside toward a pod's own address: the client's SYN
