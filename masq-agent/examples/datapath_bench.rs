@@ -285,8 +285,14 @@ impl Size {
             }
             let spread = *name == SPREAD_CASE;
             if spread {
-                for syn in &shared.spread_opened {
-                    bed.egress(syn);
+                // Opened, and the pod's ACK sent once, so that each measured ACK finds its
+                // flow as `snat_established`'s does, with nothing left to write in it.
+                for (syn, ack) in shared.spread_opened.iter().zip(&shared.spread) {
+                    let (verdict, out) = bed.egress(syn);
+                    if verdict != TC_ACT_OK || packet::src(&out) != NODE {
+                        bail!("a flow of {SPREAD_CASE} was not masqueraded");
+                    }
+                    bed.egress(ack);
                 }
             }
             samples[i].push(mean_ns(bed, name, program, frames, opts.runs)?);

@@ -207,6 +207,12 @@ fn jit_info(id: u32) -> anyhow::Result<JitInfo> {
     put(LINE_INFO_REC_SIZE, &(LINE_RECORD as u32).to_ne_bytes());
     put(JITED_LINE_INFO_REC_SIZE, &8u32.to_ne_bytes());
     raw(&mut info)?;
+    // Without the right to read kernel addresses (kptr_restrict), the kernel leaves them 0.
+    if ksyms.iter().chain(&jited_lines).any(|&addr| addr == 0) {
+        bail!(
+            "the kernel gave program {id}'s addresses as 0: run as root, with kernel.kptr_restrict below 2"
+        );
+    }
     let line_insns = line_records
         .chunks_exact(LINE_RECORD)
         .map(|r| u32::from_ne_bytes(r[..4].try_into().expect("four bytes")))
