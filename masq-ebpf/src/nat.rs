@@ -365,9 +365,9 @@ fn rst_acceptable<F: Family>(
     let (seen, max_ack, other_next) =
         unsafe { ((*other).tcp_seen, (*other).tcp_max_ack, (*other).tcp_next_seq) };
     if seen & tcp_seen::ACKED != 0 {
-        seq == max_ack
-            || (behind_own_segment
-                && (key.direction == direction::EGRESS || within_reach(next_seq, max_ack)))
+        // Here a segment of the sender's own is one from outside (the node's side returned
+        // above): it counts only within reach.
+        seq == max_ack || (behind_own_segment && within_reach(next_seq, max_ack))
     } else {
         behind_own_segment || (seen & tcp_seen::SEQ != 0 && acked && ack == other_next)
     }
