@@ -5,9 +5,10 @@
 //! line info). `perf annotate` and `bpftool prog dump jited` need binutils' libraries to do
 //! as much, and the Debian builds here have none.
 
-use std::{collections::HashMap, process::Command};
+use std::collections::HashMap;
 
 use anyhow::{Context as _, bail};
+use masq_testbed::netns;
 
 /// The command line of `bpf-lines`.
 #[derive(clap::Args)]
@@ -36,6 +37,12 @@ struct Function {
     lines: Vec<(u64, String)>,
 }
 
+impl Function {
+    fn holds(&self, addr: u64) -> bool {
+        (self.start..self.start + self.len).contains(&addr)
+    }
+}
+
 pub fn run(options: &Options) -> anyhow::Result<()> {
     let mut functions = Vec::new();
     for id in program_ids(&options.programs)? {
@@ -51,10 +58,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     let mut by_line: HashMap<&str, u64> = HashMap::new();
     let mut in_programs = 0u64;
     for ip in &samples {
-        let Some(function) = functions
-            .iter()
-            .find(|f| (f.start..f.start + f.len).contains(ip))
-        else {
+        let Some(function) = functions.iter().find(|f| f.holds(*ip)) else {
             continue;
         };
         in_programs += 1;
@@ -84,7 +88,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
 
 /// The ids of the loaded programs named any of `names`.
 fn program_ids(names: &[String]) -> anyhow::Result<Vec<u32>> {
-    let shown = output("bpftool", &["prog", "show", "--json"])?;
+    let shown = netns::run("bpftool", &["prog", "show", "--json"])?;
     let programs: Vec<serde_json::Value> =
         serde_json::from_str(&shown).context("reading bpftool's list of programs")?;
     Ok(programs
@@ -117,10 +121,7 @@ fn functions_of(id: u32) -> anyhow::Result<Vec<Function>> {
             .range(..=insn)
             .next_back()
             .map_or_else(|| format!("insn {insn}"), |(_, s)| s.clone());
-        if let Some(function) = functions
-            .iter_mut()
-            .find(|f| (f.start..f.start + f.len).contains(&addr))
-        {
+        if let Some(function) = functions.iter_mut().find(|f| f.holds(addr)) {
             function.lines.push((addr, source));
         }
     }
@@ -241,7 +242,7 @@ fn bpf(cmd: libc::c_long, attr: &mut [u8; 128]) -> std::io::Result<i32> {
 /// from bpftool's dump: `; <source> [file:<path> line_num:<n> line_col:<c>]` above the
 /// instruction it starts at.
 fn source_lines(id: u32) -> anyhow::Result<std::collections::BTreeMap<u32, String>> {
-    let dump = output(
+    let dump = netns::run(
         "bpftool",
         &["prog", "dump", "xlated", "id", &id.to_string(), "linum"],
     )?;
@@ -277,7 +278,7 @@ fn describe(row: &str) -> String {
 fn record(seconds: u32) -> anyhow::Result<Vec<u64>> {
     let data = std::env::temp_dir().join(format!("masq-bpf-lines-{}.data", std::process::id()));
     let data = data.to_str().context("a temporary path")?.to_string();
-    let recorded = output(
+    let recorded = netns::run(
         "perf",
         &[
             "record",
@@ -289,25 +290,10 @@ fn record(seconds: u32) -> anyhow::Result<Vec<u64>> {
             &seconds.to_string(),
         ],
     );
-    let script = recorded.and_then(|_| output("perf", &["script", "-i", &data, "-F", "ip"]));
+    let script = recorded.and_then(|_| netns::run("perf", &["script", "-i", &data, "-F", "ip"]));
     let _ = std::fs::remove_file(&data);
     Ok(script?
         .lines()
         .filter_map(|l| u64::from_str_radix(l.trim(), 16).ok())
         .collect())
-}
-
-fn output(program: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .with_context(|| format!("running {program}"))?;
-    if !out.status.success() {
-        bail!(
-            "{program} {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8(out.stdout)?)
 }
