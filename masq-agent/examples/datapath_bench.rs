@@ -37,8 +37,9 @@ const SERVICE_PORT: u16 = 10250;
 const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
 /// The spread case's flows: half the default table, each run a packet of another one.
 const SPREAD_FLOWS: u32 = 131_072;
-/// Their remotes, 203.0.113.128 to .227, whose flows the case expires after each measurement.
-const SPREAD_REMOTES: u8 = 128;
+/// Their remotes, 203.0.113.128 and the 99 after it (clear of `NODE` and `REMOTE`), whose
+/// flows the case expires after each measurement.
+const SPREAD_REMOTES: (Ipv4Addr, u32) = (Ipv4Addr::new(203, 0, 113, 128), 100);
 const SPREAD_CASE: &str = "snat_established_spread";
 
 struct Options {
@@ -189,7 +190,8 @@ impl Frames {
         let spread_flow = |i: u32, flags: u8| {
             let pod = Ipv4Addr::from(u32::from(POD) + 8 + i / 50_000);
             let sport = 1024 + (i % 50_000) as u16;
-            let remote = Ipv4Addr::new(203, 0, 113, SPREAD_REMOTES + (i % 100) as u8);
+            let (first, count) = SPREAD_REMOTES;
+            let remote = Ipv4Addr::from(u32::from(first) + i % count);
             packet::tcp(pod, sport, remote, 443, flags)
         };
         let spread_opened = (0..SPREAD_FLOWS).map(|i| spread_flow(i, SYN)).collect();
@@ -299,25 +301,28 @@ impl Size {
             if sources {
                 set_sources(bed, &[])?;
             }
+            // Their flows expire, so that the other cases find the table with one flow: a
+            // lookup that misses walks every entry in its bucket.
             if spread {
-                bed.expire_nat::<[u8; 4]>(|key| {
-                    [key.saddr, key.daddr]
-                        .iter()
-                        .any(|a| a[..3] == [203, 0, 113] && a[3] >= SPREAD_REMOTES)
-                })?;
+                let (first, count) = SPREAD_REMOTES;
+                let first = u32::from(first);
+                expire_flows_with(bed, |a| (first..first + count).contains(&u32::from(a)))?;
             }
             if name.starts_with("snat_new_flow") {
-                // Its flows expire, so that the other cases find the table with one flow:
-                // a lookup that misses walks every entry in its bucket.
-                bed.expire_nat::<[u8; 4]>(|key| {
-                    [key.saddr, key.daddr]
-                        .iter()
-                        .any(|a| a[..3] == NEW_FLOW_REMOTES)
-                })?;
+                expire_flows_with(bed, |a| a.octets()[..3] == NEW_FLOW_REMOTES)?;
             }
         }
         Ok(())
     }
+}
+
+/// Expires the flows one of whose ends `remote` picks.
+fn expire_flows_with(bed: &mut TestBed, remote: impl Fn(Ipv4Addr) -> bool) -> anyhow::Result<()> {
+    bed.expire_nat::<[u8; 4]>(|key| {
+        [key.saddr, key.daddr]
+            .into_iter()
+            .any(|a| remote(Ipv4Addr::from(a)))
+    })
 }
 
 fn main() -> anyhow::Result<()> {
