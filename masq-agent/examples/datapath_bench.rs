@@ -24,7 +24,7 @@ use masq_agent::{
     policy::{Action, IpFamily, Rules},
     ports::PortRange,
 };
-use masq_ebpf::program_names;
+use masq_ebpf::{Counter, program_names};
 use masq_testbed::packet::{self, ACK, L4, SYN, word};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
@@ -35,8 +35,6 @@ const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const SERVICE_PORT: u16 = 10250;
 /// The /24 of the new-flow case's remotes, whose flows it expires before each measurement.
 const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
-/// The spread case's flows: half the default table, each run a packet of another one.
-const SPREAD_FLOWS: u32 = 131_072;
 /// Their remotes, 203.0.113.128 and the 99 after it (clear of `NODE` and `REMOTE`), whose
 /// flows the case expires after each measurement.
 const SPREAD_REMOTES: (Ipv4Addr, u32) = (Ipv4Addr::new(203, 0, 113, 128), 100);
@@ -163,7 +161,9 @@ struct Frames {
 }
 
 impl Frames {
-    fn new(runs: u32) -> Frames {
+    /// `capacity` is the table's, in entries: the spread case's flows fill half of it, two
+    /// entries a flow.
+    fn new(runs: u32, capacity: u32) -> Frames {
         let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
         // More destinations than the per-CPU verdict cache has slots: most runs walk the trie.
         let across_cluster = (0..=u16::MAX)
@@ -194,8 +194,9 @@ impl Frames {
             let remote = Ipv4Addr::from(u32::from(first) + i % count);
             packet::tcp(pod, sport, remote, 443, flags)
         };
-        let spread_opened = (0..SPREAD_FLOWS).map(|i| spread_flow(i, SYN)).collect();
-        let spread = (0..SPREAD_FLOWS).map(|i| spread_flow(i, ACK)).collect();
+        let spread_flows = capacity / 4;
+        let spread_opened = (0..spread_flows).map(|i| spread_flow(i, SYN)).collect();
+        let spread = (0..spread_flows).map(|i| spread_flow(i, ACK)).collect();
         let mut arp = outbound.clone();
         arp[12..14].copy_from_slice(&[0x08, 0x06]);
         Frames {
@@ -277,43 +278,76 @@ impl Size {
         samples: &mut [Vec<f64>],
     ) -> anyhow::Result<()> {
         let bed = &mut self.bed;
+        let mut spread_held = false;
         for (i, (name, program, frames)) in self.cases.iter().enumerate() {
             if !opts.cases.is_empty() && !opts.cases.iter().any(|c| c == name) {
                 continue;
             }
+            let holds = runs_beside_spread_flows(name);
+            if holds && !spread_held {
+                open_spread_flows(bed, shared)?;
+            } else if !holds && spread_held {
+                expire_spread_flows(bed)?;
+            }
+            spread_held = holds;
             let sources = *name == SOURCES_CASE;
             if sources {
                 set_sources(bed, &[SOURCE_ELSEWHERE])?;
             }
-            let spread = *name == SPREAD_CASE;
-            if spread {
-                // Opened, and the pod's ACK sent once, so that each measured ACK finds its
-                // flow as `snat_established`'s does, with nothing left to write in it.
-                for (syn, ack) in shared.spread_opened.iter().zip(&shared.spread) {
-                    let (verdict, out) = bed.egress(syn);
-                    if verdict != TC_ACT_OK || packet::src(&out) != NODE {
-                        bail!("a flow of {SPREAD_CASE} was not masqueraded");
-                    }
-                    bed.egress(ack);
-                }
-            }
+            let full_before = full_table_drops(bed);
             samples[i].push(mean_ns(bed, name, program, frames, opts.runs)?);
+            if full_table_drops(bed) != full_before {
+                bail!(
+                    "case {name}: the NAT table filled, and the case measured early drops: \
+                     fewer --runs, or a larger --capacity"
+                );
+            }
             if sources {
                 set_sources(bed, &[])?;
             }
-            // Their flows expire, so that the other cases find the table with one flow: a
-            // lookup that misses walks every entry in its bucket.
-            if spread {
-                let (first, count) = SPREAD_REMOTES;
-                let first = u32::from(first);
-                expire_flows_with(bed, |a| (first..first + count).contains(&u32::from(a)))?;
-            }
+            // Their flows expire, so that the other cases find the table as they left it.
             if name.starts_with("snat_new_flow") {
                 expire_flows_with(bed, |a| a.octets()[..3] == NEW_FLOW_REMOTES)?;
             }
         }
+        // So that the other cases, and the next round, find the table with one flow: a lookup
+        // that misses walks every entry in its bucket.
+        if spread_held {
+            expire_spread_flows(bed)?;
+        }
         Ok(())
     }
+}
+
+/// The cases that run while the spread case's flows fill half the table: that case, and a
+/// flow's first packet, which issue 27 measures in a table half full, where a new flow's
+/// inserts meet other flows in their buckets as on a busy node.
+fn runs_beside_spread_flows(name: &str) -> bool {
+    name == SPREAD_CASE || name.starts_with("snat_new_flow")
+}
+
+/// Opens the spread case's flows and sends each pod's ACK once, so that each measured ACK
+/// finds its flow as `snat_established`'s does, with nothing left to write in it.
+fn open_spread_flows(bed: &mut TestBed, frames: &Frames) -> anyhow::Result<()> {
+    for (syn, ack) in frames.spread_opened.iter().zip(&frames.spread) {
+        let (verdict, out) = bed.egress(syn);
+        if verdict != TC_ACT_OK || packet::src(&out) != NODE {
+            bail!("a flow of {SPREAD_CASE} was not masqueraded");
+        }
+        bed.egress(ack);
+    }
+    Ok(())
+}
+
+/// The flows a full table dropped or refused so far.
+fn full_table_drops(bed: &TestBed) -> u64 {
+    bed.counter(Counter::NatEarlyDropped) + bed.counter(Counter::DropNatTableFull)
+}
+
+fn expire_spread_flows(bed: &mut TestBed) -> anyhow::Result<()> {
+    let (first, count) = SPREAD_REMOTES;
+    let first = u32::from(first);
+    expire_flows_with(bed, |a| (first..first + count).contains(&u32::from(a)))
 }
 
 /// Expires the flows one of whose ends `remote` picks.
@@ -327,7 +361,7 @@ fn expire_flows_with(bed: &mut TestBed, remote: impl Fn(Ipv4Addr) -> bool) -> an
 
 fn main() -> anyhow::Result<()> {
     let opts = options()?;
-    let frames = Frames::new(opts.runs);
+    let frames = Frames::new(opts.runs, opts.capacity);
     let mut sizes = opts
         .sizes
         .iter()
