@@ -17,14 +17,14 @@ use anyhow::bail;
 use ipnet::Ipv4Net;
 use masq_agent::{
     dataplane::ebpf::{
-        EbpfOptions,
+        EbpfOptions, map_types,
         node_ports::{self, HeldPorts, NodePorts},
         testbed::{TC_ACT_OK, TestBed},
     },
     policy::{Action, IpFamily, Rules},
     ports::PortRange,
 };
-use masq_ebpf::{Counter, program_names};
+use masq_ebpf::program_names;
 use masq_testbed::packet::{self, ACK, L4, SYN, word};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
@@ -294,9 +294,9 @@ impl Size {
             if sources {
                 set_sources(bed, &[SOURCE_ELSEWHERE])?;
             }
-            let full_before = full_table_drops(bed);
+            let full_before = map_types::full_table_drops(&bed.maps.counters);
             samples[i].push(mean_ns(bed, name, program, frames, opts.runs)?);
-            if full_table_drops(bed) != full_before {
+            if map_types::full_table_drops(&bed.maps.counters) != full_before {
                 bail!(
                     "case {name}: the NAT table filled, and the case measured early drops: \
                      fewer --runs, or a larger --capacity"
@@ -337,11 +337,6 @@ fn open_spread_flows(bed: &mut TestBed, frames: &Frames) -> anyhow::Result<()> {
         bed.egress(ack);
     }
     Ok(())
-}
-
-/// The flows a full table dropped or refused so far.
-fn full_table_drops(bed: &TestBed) -> u64 {
-    bed.counter(Counter::NatEarlyDropped) + bed.counter(Counter::DropNatTableFull)
 }
 
 fn expire_spread_flows(bed: &mut TestBed) -> anyhow::Result<()> {

@@ -169,6 +169,13 @@ pub const LAST_SEEN_REFRESH_NS: u64 = 1_000_000_000;
 /// a flow may keep its entries, and how stale a full table's drop sample may grow. Sweeps start
 /// no closer together than this, the first as the agent starts.
 pub const NAT_SWEEP_INTERVAL_SECS: u64 = 10;
+/// The counters a full NAT table moves: flows it dropped early, and packets of new flows it
+/// refused.
+pub const FULL_TABLE_COUNTERS: [Counter; 3] = [
+    Counter::NatEarlyDropped,
+    Counter::NatNodeFlowDropped,
+    Counter::DropNatTableFull,
+];
 /// Interfaces the programs may be attached to at once.
 pub const INTERFACES_MAX_ENTRIES: u32 = 64;
 

@@ -97,6 +97,14 @@ pub fn counter_total(counters: &Counters, counter: Counter) -> u64 {
         .map_or(0, |per_cpu| per_cpu.iter().sum())
 }
 
+/// What a full NAT table dropped or refused so far, both families (`FULL_TABLE_COUNTERS`).
+pub fn full_table_drops(counters: &Counters) -> u64 {
+    masq_ebpf::FULL_TABLE_COUNTERS
+        .into_iter()
+        .map(|counter| counter_total(counters, counter))
+        .sum()
+}
+
 /// `map` as the type the agent reads it with, if its kind and layout are that type's.
 pub fn typed<M: TryFrom<Map, Error = MapError>>(map: Map, name: &str) -> anyhow::Result<M> {
     M::try_from(map).with_context(|| format!("map {name}"))
