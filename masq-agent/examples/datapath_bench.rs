@@ -33,10 +33,10 @@ const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 /// A service of the node's on a port inside NAT's spans (the kubelet's).
 const SERVICE_PORT: u16 = 10250;
-/// The /24 of the new-flow case's remotes, whose flows it expires before each measurement.
+/// The /24 of the new-flow cases' remotes, whose flows expire after each of those cases.
 const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
-/// Their remotes, 203.0.113.128 and the 99 after it (clear of `NODE` and `REMOTE`), whose
-/// flows the case expires after each measurement.
+/// The spread case's remotes, 203.0.113.128 and the 99 after it (clear of `NODE` and
+/// `REMOTE`), whose flows expire once the cases that run beside them are done.
 const SPREAD_REMOTES: (Ipv4Addr, u32) = (Ipv4Addr::new(203, 0, 113, 128), 100);
 const SPREAD_CASE: &str = "snat_established_spread";
 
@@ -313,7 +313,7 @@ impl Size {
                 set_sources(bed, &[])?;
             }
             // Their flows expire, so that the other cases find the table as they left it.
-            if name.starts_with("snat_new_flow") {
+            if makes_new_flows(name) {
                 expire_flows_with(bed, |a| a.octets()[..3] == NEW_FLOW_REMOTES)?;
             }
         }
@@ -330,7 +330,12 @@ impl Size {
 /// flow's first packet, which issue 27 measures in a table half full, where a new flow's
 /// inserts meet other flows in their buckets as on a busy node.
 fn runs_beside_spread_flows(name: &str) -> bool {
-    name == SPREAD_CASE || name.starts_with("snat_new_flow")
+    name == SPREAD_CASE || makes_new_flows(name)
+}
+
+/// The cases whose every run makes a flow of its own: `snat_new_flow` and `SOURCES_CASE`.
+fn makes_new_flows(name: &str) -> bool {
+    name.starts_with("snat_new_flow")
 }
 
 /// Opens the spread case's flows and sends each pod's ACK once, so that each measured ACK
