@@ -44,6 +44,12 @@ const CRR_BASE: u16 = 7100;
 const RR_BASE: u16 = 7200;
 const BULK_BASE: u16 = 7300;
 const UDP_BASE: u16 = 7400;
+/// Server ports per lane for new connections over `Tuples::Fresh`, from `FRESH_CRR_BASE`: the
+/// unpinned shape's 512 times the ~5 500 ports a pod's kernel steps through per server port
+/// make ~2.8 million tuples, which at `CHURN_RATE`-like rates come round after minutes, longer
+/// than any measurement and than a closed flow lasts.
+const FRESH_SERVER_PORTS: u16 = 256;
+const FRESH_CRR_BASE: u16 = 20_000;
 /// At most this many pinned lanes; the unpinned shape's lanes come after them.
 const MAX_PINNED_LANES: usize = 8;
 /// Client threads, and as many server threads, of the unpinned shape.
@@ -55,6 +61,10 @@ const LANE_IDS: usize = MAX_PINNED_LANES + UNPINNED_LANES;
 const _: () = assert!(CRR_BASE as usize + LANE_IDS * SERVER_PORTS as usize <= RR_BASE as usize);
 const _: () = assert!(RR_BASE as usize + LANE_IDS <= BULK_BASE as usize);
 const _: () = assert!(BULK_BASE as usize + LANE_IDS <= UDP_BASE as usize);
+const _: () =
+    assert!(UDP_BASE as usize + LANE_IDS * SERVER_PORTS as usize <= FRESH_CRR_BASE as usize);
+const _: () =
+    assert!(FRESH_CRR_BASE as usize + LANE_IDS * FRESH_SERVER_PORTS as usize <= u16::MAX as usize);
 /// Operations in flight per pinned lane.
 const CRR_IN_FLIGHT: usize = 8;
 const RR_CONNECTIONS: usize = 4;
@@ -64,7 +74,7 @@ const BULK_CONNECTIONS: usize = 1;
 const OP_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn crr_port(lane: usize, i: u64) -> u16 {
-    CRR_BASE + lane as u16 * SERVER_PORTS + (i % u64::from(SERVER_PORTS)) as u16
+    Tuples::Recurring.server_port(lane, i)
 }
 
 pub fn udp_port(lane: usize, i: u64) -> u16 {
@@ -77,6 +87,43 @@ pub fn rr_port(lane: usize) -> u16 {
 
 fn bulk_port(lane: usize) -> u16 {
     BULK_BASE + lane as u16
+}
+
+/// Whether new connections come back to the tuples (pod address and port, server address and
+/// port) they used before, which decides whether they make flows or reopen them: a SYN on a
+/// flow a RST closed reopens it, as conntrack replaces its CLOSE entry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Tuples {
+    /// `SERVER_PORTS` per lane, as a pod that talks to a few services: the kernel steps a
+    /// client's port by two per connection to one server port, so at thousands a second each
+    /// tuple comes round within seconds, mostly onto a flow that is closed but not yet expired.
+    #[default]
+    Recurring,
+    /// `FRESH_SERVER_PORTS` per lane, as a pod that talks to many endpoints: no tuple comes
+    /// round within minutes, so every connection makes a flow, which stays in the table until
+    /// its timeout after the close.
+    Fresh,
+}
+
+impl Tuples {
+    pub const ALL: [Tuples; 2] = [Tuples::Recurring, Tuples::Fresh];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tuples::Recurring => "tuples that recur within seconds",
+            Tuples::Fresh => "tuples that do not recur",
+        }
+    }
+
+    /// The `i`th server port of `lane` for new connections.
+    fn server_port(self, lane: usize, i: u64) -> u16 {
+        let (base, ports) = match self {
+            Tuples::Recurring => (CRR_BASE, SERVER_PORTS),
+            Tuples::Fresh => (FRESH_CRR_BASE, FRESH_SERVER_PORTS),
+        };
+        base + lane as u16 * ports + (i % u64::from(ports)) as u16
+    }
 }
 
 /// How the load is laid out over threads and CPUs.
@@ -222,6 +269,17 @@ pub struct Servers {
 
 impl Servers {
     pub fn start(ns: &str) -> anyhow::Result<Servers> {
+        Servers::serving(ns, Tuples::Recurring)
+    }
+
+    /// Only the servers of new connections over `Tuples::Fresh`, every lane's: thousands of
+    /// listeners, started where a measurement needs them.
+    pub fn start_fresh(ns: &str) -> anyhow::Result<Servers> {
+        Servers::serving(ns, Tuples::Fresh)
+    }
+
+    /// `Tuples::Recurring`: everything `serve_lane` serves.
+    fn serving(ns: &str, tuples: Tuples) -> anyhow::Result<Servers> {
         let mut servers = Servers { lanes: Vec::new() };
         let lanes: Vec<Lane> = Shape::ALL
             .into_iter()
@@ -235,7 +293,10 @@ impl Servers {
             let thread = std::thread::spawn(move || {
                 let serve = || -> anyhow::Result<tokio::runtime::Runtime> {
                     let runtime = lane_runtime(&ns, lane)?;
-                    runtime.block_on(serve_lane(lane.id))?;
+                    match tuples {
+                        Tuples::Recurring => runtime.block_on(serve_lane(lane.id))?,
+                        Tuples::Fresh => runtime.block_on(serve_fresh_tuples(lane.id))?,
+                    }
                     Ok(runtime)
                 };
                 match serve() {
@@ -277,6 +338,15 @@ async fn serve_lane(lane: usize) -> io::Result<()> {
     }
     tokio::spawn(accept_each(listen(rr_port(lane))?, answer_each));
     tokio::spawn(accept_each(listen(bulk_port(lane))?, drain));
+    Ok(())
+}
+
+/// Binds `lane`'s servers of new connections over `Tuples::Fresh`.
+async fn serve_fresh_tuples(lane: usize) -> io::Result<()> {
+    for i in 0..u64::from(FRESH_SERVER_PORTS) {
+        let port = Tuples::Fresh.server_port(lane, i);
+        tokio::spawn(accept_each(listen(port)?, answer_once));
+    }
     Ok(())
 }
 
@@ -391,6 +461,9 @@ pub struct Load<'a> {
     /// At most this many operations a second, over all lanes, spread evenly over the tasks and
     /// the time; `None`: as many as the tasks complete.
     pub pace: Option<f64>,
+    /// Which server ports new connections go to (`Tuples::Fresh` needs
+    /// `Servers::start_fresh`).
+    pub tuples: Tuples,
 }
 
 impl Load<'_> {
@@ -459,10 +532,10 @@ impl Load<'_> {
 
     /// New TCP connections per second: connect, one request and response, close.
     pub fn new_connections(self) -> anyhow::Result<f64> {
-        let server = self.server;
+        let (server, tuples) = (self.server, self.tuples);
         self.rate(CRR_IN_FLIGHT, move |task| {
             task.repeat(move |seq| async move {
-                let port = crr_port(task.lane, task.index as u64 + seq);
+                let port = tuples.server_port(task.lane, task.index as u64 + seq);
                 let mut stream = connect(server, port).await?;
                 let mut byte = [7u8; 1];
                 stream.write_all(&byte).await?;
@@ -587,6 +660,9 @@ mod tests {
             }
             assert!(ports.insert(rr_port(lane.id)));
             assert!(ports.insert(bulk_port(lane.id)));
+            for i in 0..u64::from(FRESH_SERVER_PORTS) {
+                assert!(ports.insert(Tuples::Fresh.server_port(lane.id, i)));
+            }
         }
         let connection_ports = new_connection_ports().unwrap();
         assert_eq!(

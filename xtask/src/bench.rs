@@ -13,10 +13,11 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use masq_ebpf::Counter;
 use masq_testbed::{
     keeps_address_v4,
     kubelet::ConfigMapVolume,
-    load::{Load, Servers, Shape},
+    load::{Load, Servers, Shape, Tuples},
     netns, prefixes,
     topology::{self, Process, Topology},
     wait_for_long, workspace_root, write_config,
@@ -60,20 +61,27 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     }
     if options.churn_only {
         let _stats = RunTimeStats::enable()?;
-        let churn = churn(&agent, &plan)?;
-        println!(
-            "churn of {:.0} new connections/s for {:.0} s: agent {:.3} % of the machine, \
-             {:.0} ns a connection, peak RSS {:.1} MiB; programs {:.0} ns a connection; NAT \
-             table {} of {} entries",
-            churn.connections_per_second,
-            churn.seconds,
-            churn.agent_cpu_percent,
-            churn.agent_ns_per_connection,
-            churn.agent_peak_rss_mib,
-            churn.programs_ns_per_connection,
-            churn.nat_entries,
-            churn.nat_capacity
-        );
+        for tuples in Tuples::ALL {
+            let churn = churn(&agent, &plan, tuples)?;
+            println!(
+                "churn of {:.0} new connections/s over {} for {:.0} s: agent {:.3} % of the \
+                 machine, {:.0} ns a connection, peak RSS {:.1} MiB; programs {:.0} ns a \
+                 connection; NAT table {} of {} entries; flows reopened {}, dropped early {}, \
+                 packets refused {}",
+                churn.connections_per_second,
+                tuples.name(),
+                churn.seconds,
+                churn.agent_cpu_percent,
+                churn.agent_ns_per_connection,
+                churn.agent_peak_rss_mib,
+                churn.programs_ns_per_connection,
+                churn.nat_entries,
+                churn.nat_capacity,
+                churn.flows_reopened,
+                churn.flows_dropped_early,
+                churn.packets_refused,
+            );
+        }
         return Ok(());
     }
 
@@ -102,17 +110,27 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     let _stats = RunTimeStats::enable()?;
     eprintln!("xtask: bench: end to end in namespaces");
     let samples = end_to_end(&agent, &plan)?;
-    let churn = (!options.end_to_end_only).then(|| {
-        eprintln!("xtask: bench: the agent under a churn of new connections");
-        kept_on_failure(
-            "churn",
-            || churn(&agent, &plan),
-            |error| Churn {
-                error: Some(error),
-                ..Churn::default()
-            },
-        )
-    });
+    let churns: Vec<Churn> = match options.end_to_end_only {
+        true => Vec::new(),
+        false => Tuples::ALL
+            .into_iter()
+            .map(|tuples| {
+                eprintln!(
+                    "xtask: bench: the agent under a churn of new connections over {}",
+                    tuples.name()
+                );
+                kept_on_failure(
+                    "churn",
+                    || churn(&agent, &plan, tuples),
+                    |error| Churn {
+                        error: Some(error),
+                        tuples,
+                        ..Churn::default()
+                    },
+                )
+            })
+            .collect(),
+    };
     let control = (!options.end_to_end_only).then(|| {
         eprintln!("xtask: bench: the control plane");
         kept_on_failure(
@@ -162,7 +180,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
             node_ports: &node_ports,
             samples: &samples,
             control: control.as_ref(),
-            churn: churn.as_ref(),
+            churns: &churns,
             budget: &budget,
         },
         started.elapsed(),
@@ -265,6 +283,7 @@ impl Bed {
             shape,
             duration,
             pace: None,
+            tuples: Tuples::default(),
         }
     }
 
@@ -541,32 +560,53 @@ fn settle_node_services(bed: &Bed, mode: Mode) -> anyhow::Result<()> {
     .context("the agent never found the node servers' ports without NAT entries")
 }
 
-/// The agent's CPU under a sustained churn of new connections, on the eBPF data plane at 4
-/// CIDRs, over a window that holds several of the NAT table's sweeps: the sweep's cost grows
-/// with the table, which the churn keeps full of closing flows.
-fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
+/// The agent's CPU under a sustained churn of new connections over `tuples`, on the eBPF data
+/// plane at 4 CIDRs, over a window that holds several of the NAT table's sweeps: the sweep's
+/// cost grows with the table, which the churn keeps full of closing flows. What a full table
+/// did meanwhile is read from the programs' counters.
+fn churn(agent: &Path, plan: &Plan, tuples: Tuples) -> anyhow::Result<Churn> {
     let bed = Bed::new(agent, 1)?;
+    let _fresh_servers = match tuples {
+        Tuples::Fresh => Some(Servers::start_fresh(&bed.topo.ext)?),
+        Tuples::Recurring => None,
+    };
     write_config(&bed.config, &prefixes::config(4))?;
     let daemon = bed.activate(Mode::Ebpf, 4)?.context("agent")?;
     let measured = (|| {
         std::thread::sleep(plan.settle);
         let meter = bed.meter(Mode::Ebpf, Some(&daemon))?;
+        let counted_before = bed.agent_status(Mode::Ebpf)?;
         let before = meter.read()?;
         let rate = Load {
             pace: Some(CHURN_RATE),
+            tuples,
             ..bed.load(Traffic::PodToOutside, Shape::Unpinned, plan.churn)
         }
         .new_connections()?;
         let after = meter.read()?;
         let cost = meter.cost(before, after, rate * plan.churn.as_secs_f64());
-        let table = &bed.agent_status(Mode::Ebpf)?["ebpf"]["nat"]["ipv4"];
+        let status = bed.agent_status(Mode::Ebpf)?;
+        let table = &status["ebpf"]["nat"]["ipv4"];
         let count = |field: &str| {
             table[field]
                 .as_u64()
                 .with_context(|| format!("no NAT table {field} in the agent's status"))
         };
+        let counted = |counters: &[Counter]| -> anyhow::Result<u64> {
+            counters.iter().try_fold(0, |sum, counter| {
+                let of = |status: &serde_json::Value| {
+                    status["ebpf"]["counters"][counter.name()]
+                        .as_u64()
+                        .with_context(|| {
+                            format!("no counter {} in the agent's status", counter.name())
+                        })
+                };
+                Ok(sum + of(&status)?.saturating_sub(of(&counted_before)?))
+            })
+        };
         Ok(Churn {
             error: None,
+            tuples,
             seconds: plan.churn.as_secs_f64(),
             connections_per_second: rate,
             agent_cpu_percent: Meter::agent_share(before, after),
@@ -575,6 +615,9 @@ fn churn(agent: &Path, plan: &Plan) -> anyhow::Result<Churn> {
             agent_peak_rss_mib: proc_status_kib(daemon.child.id(), "VmHWM")? / 1024.0,
             nat_entries: count("entries")?,
             nat_capacity: count("capacity")?,
+            flows_reopened: counted(&[Counter::TcpReopened])?,
+            flows_dropped_early: counted(&[Counter::NatEarlyDropped, Counter::NatNodeFlowDropped])?,
+            packets_refused: counted(&[Counter::DropNatTableFull])?,
         })
     })();
     bed.deactivate(Mode::Ebpf, Some(daemon))?;

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
-use masq_testbed::load::Shape;
+use masq_testbed::load::{Shape, Tuples};
 use serde::Serialize;
 
 use crate::node_tables::Node;
@@ -232,6 +232,7 @@ pub const CHURN_RATE: f64 = 17_500.0;
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Churn {
     pub error: Option<String>,
+    pub tuples: Tuples,
     pub seconds: f64,
     pub connections_per_second: f64,
     /// The agent's CPU time over the window, as a share of the whole machine's.
@@ -244,6 +245,11 @@ pub struct Churn {
     /// How full the IPv4 NAT table was at the end: entries, of its capacity.
     pub nat_entries: u64,
     pub nat_capacity: u64,
+    /// Over the window: connections whose SYN reopened a flow a RST had closed (no new flow),
+    /// flows a full table dropped early to make room, and new flows' packets it refused.
+    pub flows_reopened: u64,
+    pub flows_dropped_early: u64,
+    pub packets_refused: u64,
 }
 
 impl Churn {

@@ -242,7 +242,7 @@ fn targets(
     m: &Medians,
     datapath: &[DatapathCase],
     cp: Option<&ControlPlane>,
-    churn: Option<&Churn>,
+    churns: &[Churn],
     plan: &Plan,
 ) -> Vec<Target> {
     let mut out = end_to_end_targets(m, &plan.shapes, &plan.sizes);
@@ -292,15 +292,16 @@ fn targets(
             cost("snat_new_flow", 4),
         ));
     }
-    if let Some(churn) = churn {
+    for churn in churns {
+        let over = churn.tuples.name();
         let figure = if churn.reached_the_rate() {
             format!(
-                "agent CPU under {:.0} new connections/s for {:.0} s (several NAT sweeps), % of the machine",
+                "agent CPU under {:.0} new connections/s over {over} for {:.0} s (several NAT sweeps), % of the machine",
                 churn.connections_per_second, churn.seconds
             )
         } else {
             format!(
-                "agent CPU at {CHURN_RATE:.0} new connections/s, % of the machine: each connection at its cost under the {:.0}/s this machine reached for {:.0} s (several NAT sweeps)",
+                "agent CPU at {CHURN_RATE:.0} new connections/s over {over}, % of the machine: each connection at its cost under the {:.0}/s this machine reached for {:.0} s (several NAT sweeps)",
                 churn.connections_per_second, churn.seconds
             )
         };
@@ -380,7 +381,7 @@ fn summary(
     sweeps: &[SweepCase],
     node_ports: &[NodePortsCase],
     cp: Option<&ControlPlane>,
-    churn: Option<&Churn>,
+    churns: &[Churn],
 ) -> String {
     let mut s = String::new();
     for metric in Metric::ALL {
@@ -427,8 +428,8 @@ fn summary(
     if !node_ports.is_empty() {
         node_ports_table(&mut s, node_ports);
     }
-    if let Some(churn) = churn {
-        churn_table(&mut s, churn);
+    if !churns.is_empty() {
+        churn_table(&mut s, churns);
     }
     if let Some(cp) = cp {
         control_plane_table(&mut s, cp);
@@ -437,7 +438,7 @@ fn summary(
         s,
         "\n| target | wanted | measured | | ceiling |\n|---|---|---:|---|---|"
     );
-    for t in targets(m, datapath, cp, churn, plan) {
+    for t in targets(m, datapath, cp, churns, plan) {
         let measured = t.measured.map_or("–".into(), |v| format!("{v:.2}"));
         let _ = writeln!(
             s,
@@ -580,30 +581,75 @@ fn node_ports_table(s: &mut String, cases: &[NodePortsCase]) {
     }
 }
 
-fn churn_table(s: &mut String, churn: &Churn) {
-    if let Some(error) = &churn.error {
-        let _ = writeln!(s, "\nThe churn measurement failed: {error}");
-        return;
-    }
+fn churn_table(s: &mut String, churns: &[Churn]) {
+    let seconds = churns.iter().map(|churn| churn.seconds).fold(0.0, f64::max);
     let _ = writeln!(
         s,
-        "\nThe agent under churn: new TCP connections for {:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps, paced at {CHURN_RATE:.0} a second (a machine that cannot reach that runs flat out).\n\n| under churn | measured |\n|---|---:|\n| new TCP connections/s | {:.0} |\n| agent CPU, % of the machine | {:.2} % |\n| agent CPU per connection | {:.0} ns |\n| the programs' run time per connection | {:.0} ns |\n| the IPv4 NAT table at the end | {} of {} entries |\n| agent peak RSS | {:.1} MiB |",
-        churn.seconds,
-        churn.connections_per_second,
-        churn.agent_cpu_percent,
-        churn.agent_ns_per_connection,
-        churn.programs_ns_per_connection,
-        churn.nat_entries,
-        churn.nat_capacity,
-        churn.agent_peak_rss_mib
+        "\nThe agent under churn: new TCP connections for {seconds:.0} s on the eBPF data plane at 4 CIDRs, a window that holds several of the NAT table's sweeps, paced at {CHURN_RATE:.0} a second (a machine that cannot reach that runs flat out). Over tuples that recur, most connections reopen a flow that a RST closed; over tuples that do not, each makes a flow that stays until its timeout after the close, and the table holds the rate times that.\n\n| under churn | {} |\n|---|{}",
+        churns
+            .iter()
+            .map(|churn| churn.tuples.name())
+            .collect::<Vec<_>>()
+            .join(" | "),
+        "---:|".repeat(churns.len())
     );
-    if !churn.reached_the_rate()
-        && let Some(percent) = churn.agent_cpu_percent_at_the_rate()
-    {
-        let _ = writeln!(
+    let row = |s: &mut String, what: &str, cell: &dyn Fn(&Churn) -> String| {
+        let cells: Vec<String> = churns
+            .iter()
+            .map(|churn| match churn.error {
+                None => cell(churn),
+                Some(_) => "–".into(),
+            })
+            .collect();
+        let _ = writeln!(s, "| {what} | {} |", cells.join(" | "));
+    };
+    row(s, "new TCP connections/s", &|c| {
+        format!("{:.0}", c.connections_per_second)
+    });
+    row(s, "agent CPU, % of the machine", &|c| {
+        format!("{:.2} %", c.agent_cpu_percent)
+    });
+    if churns.iter().any(|churn| !churn.reached_the_rate()) {
+        row(
             s,
-            "| agent CPU at {CHURN_RATE:.0}/s, % of the machine, at that cost per connection | {percent:.2} % |"
+            &format!(
+                "agent CPU at {CHURN_RATE:.0}/s, % of the machine, at the cost per connection measured"
+            ),
+            &|c| {
+                c.agent_cpu_percent_at_the_rate()
+                    .map_or("–".into(), |p| format!("{p:.2} %"))
+            },
         );
+    }
+    row(s, "agent CPU per connection", &|c| {
+        format!("{:.0} ns", c.agent_ns_per_connection)
+    });
+    row(s, "the programs' run time per connection", &|c| {
+        format!("{:.0} ns", c.programs_ns_per_connection)
+    });
+    row(s, "the IPv4 NAT table at the end", &|c| {
+        format!("{} of {} entries", c.nat_entries, c.nat_capacity)
+    });
+    row(s, "connections that reopened a closed flow", &|c| {
+        c.flows_reopened.to_string()
+    });
+    row(s, "flows a full table dropped early", &|c| {
+        c.flows_dropped_early.to_string()
+    });
+    row(s, "packets of new flows a full table refused", &|c| {
+        c.packets_refused.to_string()
+    });
+    row(s, "agent peak RSS", &|c| {
+        format!("{:.1} MiB", c.agent_peak_rss_mib)
+    });
+    for churn in churns {
+        if let Some(error) = &churn.error {
+            let _ = writeln!(
+                s,
+                "\nThe churn over {} failed: {error}",
+                churn.tuples.name()
+            );
+        }
     }
 }
 
@@ -819,7 +865,7 @@ pub struct Measured<'a> {
     pub node_ports: &'a [NodePortsCase],
     pub samples: &'a [Sample],
     pub control: Option<&'a ControlPlane>,
-    pub churn: Option<&'a Churn>,
+    pub churns: &'a [Churn],
     /// The verifier's figures, on each kernel the run measured.
     pub budget: &'a [ProgramFigures],
 }
@@ -837,7 +883,7 @@ pub fn write(
         node_ports,
         samples,
         control: cp,
-        churn,
+        churns,
         budget,
     } = *measured;
     std::fs::create_dir_all(dir)?;
@@ -852,7 +898,7 @@ pub fn write(
         took.as_secs_f64(),
         what_ran(plan)?
     );
-    let table = summary(&m, plan, datapath, sweeps, node_ports, cp, churn);
+    let table = summary(&m, plan, datapath, sweeps, node_ports, cp, churns);
     plot(
         &dir.join("new-connections.svg"),
         &m,
@@ -866,7 +912,7 @@ pub fn write(
         "node_ports": node_ports,
         "samples": samples,
         "control_plane": cp,
-        "churn": churn,
+        "churn": churns,
         "verifier": budget,
     });
     std::fs::write(
@@ -920,6 +966,7 @@ fn update_readme(path: &Path, section: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use masq_testbed::load::Tuples;
 
     /// `plan()`'s samples: see `samples_of`.
     fn samples(rounds: usize) -> Vec<Sample> {
@@ -984,7 +1031,7 @@ mod tests {
 
     #[test]
     fn every_metric_table_has_a_row_per_shape() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, &[]);
         let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 | 6000 |";
         let unpinned = "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 | 12000 |";
         // Every metric's but the bulk one, whose figures have decimals.
@@ -1009,7 +1056,7 @@ mod tests {
             s.cost.agent_ns = s.mode.masquerades().then_some(7.0);
         }
         let m = medians(&samples);
-        let text = summary(&m, &plan, &[], &[], &[], None, None);
+        let text = summary(&m, &plan, &[], &[], &[], None, &[]);
         for metric in [
             Metric::NodeOutboundConnections,
             Metric::NodeInboundConnections,
@@ -1040,7 +1087,7 @@ mod tests {
 
     #[test]
     fn ratio_tables_come_one_per_shape_with_kube_proxys_cost_first() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, None);
+        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, &[]);
         for shape in Shape::ALL {
             assert!(
                 text.contains(&format!("Ratios in the load shape {}", shape.name())),
@@ -1177,7 +1224,13 @@ mod tests {
             ..Churn::default()
         };
         let judged = |churn: &Churn| {
-            let targets = targets(&medians(&samples(3)), &[], None, Some(churn), &plan());
+            let targets = targets(
+                &medians(&samples(3)),
+                &[],
+                None,
+                std::slice::from_ref(churn),
+                &plan(),
+            );
             let target = targets
                 .into_iter()
                 .find(|t| t.figure.starts_with("agent CPU"))
@@ -1193,10 +1246,10 @@ mod tests {
         );
         assert_eq!(verdict, "**missed by 166.7 %**");
         let mut text = String::new();
-        churn_table(&mut text, &churn(CHURN_RATE / 4.0, 0.2));
+        churn_table(&mut text, &[churn(CHURN_RATE / 4.0, 0.2)]);
         assert!(
             text.contains(
-                "| agent CPU at 17500/s, % of the machine, at that cost per connection | 0.80 % |"
+                "| agent CPU at 17500/s, % of the machine, at the cost per connection measured | 0.80 % |"
             ),
             "{text}"
         );
@@ -1208,13 +1261,46 @@ mod tests {
         );
         assert_eq!(verdict, "met");
         let mut text = String::new();
-        churn_table(&mut text, &churn(CHURN_RATE - 100.0, 0.2));
-        assert!(!text.contains("at that cost per connection"), "{text}");
+        churn_table(&mut text, &[churn(CHURN_RATE - 100.0, 0.2)]);
+        assert!(!text.contains("at the cost per connection"), "{text}");
         // A failed churn run is not judged.
         let failed = Churn {
             error: Some("no agent".into()),
             ..churn(CHURN_RATE, 0.2)
         };
         assert_eq!(judged(&failed).1, "not measured");
+    }
+
+    #[test]
+    fn each_churn_has_a_column_and_a_failed_one_says_why() {
+        let measured = Churn {
+            tuples: Tuples::Recurring,
+            seconds: 60.0,
+            connections_per_second: CHURN_RATE,
+            agent_cpu_percent: 0.2,
+            flows_reopened: 1_000_000,
+            ..Churn::default()
+        };
+        let failed = Churn {
+            error: Some("the table never filled".into()),
+            tuples: Tuples::Fresh,
+            ..measured.clone()
+        };
+        let mut text = String::new();
+        churn_table(&mut text, &[measured, failed]);
+        assert!(
+            text.contains(
+                "| under churn | tuples that recur within seconds | tuples that do not recur |"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("| connections that reopened a closed flow | 1000000 | – |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("The churn over tuples that do not recur failed: the table never filled"),
+            "{text}"
+        );
     }
 }
