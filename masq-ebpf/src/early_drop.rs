@@ -9,11 +9,7 @@ use masq_ebpf::{
     may_drop_from_full_table, nat_kind,
 };
 
-use crate::{
-    family::Family,
-    maps,
-    nat::{lookup, now_ns},
-};
+use crate::{family::Family, flow_table, maps, nat::now_ns};
 
 /// Where a flow just made goes in the drop sample, where a full table may find it: a random
 /// slot (`RANDOM`), or the slot of the flow `early_drop` dropped to make room for it
@@ -241,7 +237,7 @@ impl<A: Address + 'static> SampledFlow<A> {
         // SAFETY: a map value, copied: another CPU may write a flow of its own into the slot
         // while this one looks, and the flow judged is the one to remove.
         self.key = unsafe { *sampled };
-        let Some(egress) = lookup::<F>(&self.key) else {
+        let Some(egress) = flow_table::find::<F>(&self.key) else {
             return Rank::NOT_TO_DROP;
         };
         // SAFETY: map value pointer from a successful lookup; its fields are copied out.
@@ -250,7 +246,7 @@ impl<A: Address + 'static> SampledFlow<A> {
             self.reply_key = self.key.reverse(entry);
             self.kind = entry.kind;
         }
-        let Some(reply) = lookup::<F>(&self.reply_key) else {
+        let Some(reply) = flow_table::find::<F>(&self.reply_key) else {
             return Rank::NOT_TO_DROP;
         };
         // SAFETY: map value pointers from successful lookups, read only.
@@ -277,10 +273,10 @@ impl<A: Address + 'static> SampledFlow<A> {
             return EarlyDrop::NOTHING_DROPPED;
         }
         vacate::<F>(slot);
-        if F::nat().remove(self.key).is_err() {
+        if flow_table::remove::<F>(&self.key).is_err() {
             return EarlyDrop::NOTHING_DROPPED;
         }
-        let _ = F::nat().remove(self.reply_key);
+        let _ = flow_table::remove::<F>(&self.reply_key);
         maps::count(if self.kind == nat_kind::NODE {
             // The node's flow goes on without its reservation.
             Counter::NatNodeFlowDropped

@@ -13,6 +13,8 @@ mod early_drop;
 #[cfg(target_arch = "bpf")]
 mod family;
 #[cfg(target_arch = "bpf")]
+mod flow_table;
+#[cfg(target_arch = "bpf")]
 mod frag;
 #[cfg(target_arch = "bpf")]
 mod maps;

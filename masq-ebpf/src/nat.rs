@@ -1,9 +1,9 @@
-//! NAT state: the two halves of every translated flow in `nat_v4` or `nat_v6`, how they are
-//! created, found and kept fresh. The reply-direction half is created first, with `BPF_NOEXIST`, so two CPUs can
-//! never hand the same port to two flows.
+//! NAT state: the two halves of every translated flow (kept where `flow_table` keeps them),
+//! how they are created, found and kept fresh. The reply-direction half is created first, and
+//! only where the table holds none of its key (`flow_table::insert_new`), so two CPUs can never
+//! hand the same port to two flows.
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
     helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
     programs::TcContext,
 };
@@ -17,12 +17,10 @@ use masq_ebpf::{
 use crate::{
     early_drop::{self, SampleSlot},
     family::Family,
-    maps,
+    flow_table, maps,
     parse::{self, L4, Packet},
     ports, verifier,
 };
-
-const EEXIST: i32 = -17;
 
 /// `global_names::COARSE_CLOCK`: 0 (the precise clock, which every kernel has) unless the
 /// agent says the kernel has the coarse one.
@@ -175,11 +173,6 @@ fn half<A: Address>(addr: A, port: u16, kind: u8, segment: &Segment, now: u64) -
 #[inline(always)]
 fn unseen<A: Address>(addr: A, port: u16, kind: u8, now: u64) -> NatEntry<A> {
     half(addr, port, kind, &Segment::default(), now)
-}
-
-#[inline(always)]
-pub fn lookup<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> {
-    F::nat().get_ptr_mut(key)
 }
 
 /// Records that the flow is alive, and what a TCP segment tells of it; `key` is the half
@@ -401,7 +394,7 @@ fn receiving_half<F: Family>(
     entry: *mut NatEntry<F::Addr>,
 ) -> Option<*mut NatEntry<F::Addr>> {
     // SAFETY: `entry` points into a map value; its fields are copied out.
-    F::nat().get_ptr_mut(key.reverse(unsafe { &*entry }))
+    flow_table::find::<F>(&key.reverse(unsafe { &*entry }))
 }
 
 /// How far from what the receiver acknowledged a segment from outside may lie for an RST right
@@ -449,7 +442,7 @@ pub fn claim_port<F: Family>(
     // A pod's SYN comes to the search without a lookup, and another CPU may have made the
     // same flow since: where no port could be had, the flow may hold one already.
     if reserved != RESERVED
-        && let Some(existing) = lookup::<F>(egress_key)
+        && let Some(existing) = flow_table::find::<F>(egress_key)
     {
         return Ok(adopt::<F>(egress_key, existing, segment, egress));
     }
@@ -527,7 +520,7 @@ fn reserve_port_global<F: Family>() -> i64 {
         ingress_key.dport = verifier::forget_in(&mut request.unknown, u32::from(port)) as u16;
         // By reference: copies for the helper would take the frame past the verifier's limit.
         let (key, value) = (&ingress_key, &ingress);
-        match F::nat().insert(key, value, BPF_NOEXIST as u64) {
+        match flow_table::insert_new::<F>(key, value) {
             // A port the node holds for its sockets or NodePorts is given back at once. Asked
             // here, on the path that returns, and not before every insert: there the verifier
             // walks each attempt both ways, and a load takes twice the instructions. For the
@@ -535,14 +528,14 @@ fn reserve_port_global<F: Family>() -> i64 {
             // port the pod asked for could meet it, on a port the node listens on: a client's
             // port, which no pod connects to.
             Ok(()) if ports::held_by_node(request.egress_key.proto, ingress_key.dport) => {
-                let _ = F::nat().remove(key);
+                let _ = flow_table::remove::<F>(key);
                 continue;
             }
             Ok(()) => {
                 request.egress.port = ingress_key.dport;
                 return i64::from(RESERVED);
             }
-            Err(EEXIST) => continue,
+            Err(err) if err.exists() => continue,
             Err(_) => return i64::from(TABLE_FULL),
         }
     }
@@ -573,27 +566,22 @@ fn publish_egress<F: Family>(
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<Made, AllocError> {
-    // By reference, as in `reserve_port`.
-    let value: &NatEntry<F::Addr> = egress;
-    match F::nat().insert(egress_key, value, BPF_NOEXIST as u64) {
+    match flow_table::insert_new::<F>(egress_key, egress) {
         Ok(()) => return Ok(Made::New),
-        Err(EEXIST) => {
-            if let Some(existing) = lookup::<F>(egress_key) {
-                let _ = F::nat().remove(ingress_key);
+        Err(err) if err.exists() => {
+            if let Some(existing) = flow_table::find::<F>(egress_key) {
+                let _ = flow_table::remove::<F>(ingress_key);
                 return Ok(adopt::<F>(egress_key, existing, segment, egress));
             }
             // The flow's half went between the two (swept, or dropped early): its place is
             // free, and the table has room.
-            if F::nat()
-                .insert(egress_key, value, BPF_NOEXIST as u64)
-                .is_ok()
-            {
+            if flow_table::insert_new::<F>(egress_key, egress).is_ok() {
                 return Ok(Made::New);
             }
         }
         Err(_) => {}
     }
-    let _ = F::nat().remove(ingress_key);
+    let _ = flow_table::remove::<F>(ingress_key);
     Err(AllocError::TableFull)
 }
 
@@ -653,17 +641,14 @@ pub fn track_identity<F: Family>(
         ingress_segment,
         now,
     );
-    let nat = F::nat();
-    // By reference, as in `reserve_port`.
-    let (ingress, egress) = (&ingress, &egress);
-    match nat.insert(ingress_key, ingress, BPF_NOEXIST as u64) {
+    match flow_table::insert_new::<F>(ingress_key, &ingress) {
         Ok(()) => {}
-        Err(EEXIST) => return Err(IdentityError::Taken),
+        Err(err) if err.exists() => return Err(IdentityError::Taken),
         Err(_) => return Err(IdentityError::TableFull),
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it.
-    if nat.insert(egress_key, egress, BPF_NOEXIST as u64).is_err() {
-        let _ = nat.remove(ingress_key);
+    if flow_table::insert_new::<F>(egress_key, &egress).is_err() {
+        let _ = flow_table::remove::<F>(ingress_key);
         return Err(IdentityError::NotRecorded);
     }
     early_drop::remember::<F>(SampleSlot::RANDOM, egress_key);

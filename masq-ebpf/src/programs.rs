@@ -21,7 +21,7 @@ use crate::{
     csum::{self, AddrField, L4Checksum, Ports},
     early_drop::{self, SampleSlot},
     family::{Family, V4, V6},
-    frag, maps,
+    flow_table, frag, maps,
     nat::{self, AllocError, IdentityError, Made, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
@@ -147,7 +147,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
     let found = if opens_masqueraded_pod_flow::<F>(ctx, &ip, &l4) {
         None
     } else {
-        nat::lookup::<F>(&key)
+        flow_table::find::<F>(&key)
     };
     match found {
         Some(entry) => {
@@ -872,7 +872,7 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
     } else {
         2
     };
-    let Some(entry) = nat::lookup::<F>(&key) else {
+    let Some(entry) = flow_table::find::<F>(&key) else {
         return OfFlow::UNKNOWN_FLOW;
     };
     nat::refresh::<F>(&key, entry, &Segment::read::<F>(ctx, ip, l4), true);
@@ -1002,7 +1002,7 @@ fn snat_icmp_error<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, dir: u8) ->
         return OfFlow::UNKNOWN_FLOW;
     };
     let key = nat::key(inner.daddr, inner.saddr, l4.proto, sport, dport, dir);
-    let Some(entry) = nat::lookup::<F>(&key) else {
+    let Some(entry) = flow_table::find::<F>(&key) else {
         return OfFlow::UNKNOWN_FLOW;
     };
     // SAFETY: map value pointer from a successful lookup.

@@ -27,7 +27,6 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    helpers::generated::bpf_for_each_map_elem,
     macros::classifier,
     programs::TcContext,
 };
@@ -39,7 +38,7 @@ use masq_ebpf::{
 
 use crate::{
     family::{Family, V4, V6},
-    maps, parse, ports,
+    flow_table, maps, parse, ports,
 };
 
 #[classifier]
@@ -60,17 +59,7 @@ fn sweep<F: Family>() -> bool {
     }
     // The helper wants a context on the stack, even where the callback needs none.
     let mut unused = 0u64;
-    // SAFETY: the NAT table is a hash map the object declares, and `judge` a static function
-    // of the signature the helper calls, which the verifier checks against the map's key and
-    // value.
-    unsafe {
-        bpf_for_each_map_elem(
-            core::ptr::from_ref(F::nat()).cast_mut().cast(),
-            judge::<F> as *mut c_void,
-            core::ptr::from_mut(&mut unused).cast(),
-            0,
-        );
-    }
+    flow_table::walk::<F, u64>(judge::<F>, &mut unused);
     true
 }
 
@@ -86,7 +75,7 @@ fn report<F: Family>() -> Option<&'static mut SweepReport> {
     Some(unsafe { &mut *report })
 }
 
-/// What `bpf_for_each_map_elem` calls for each half in the table: counts it, and points the
+/// What the walk calls for each half in the table (`flow_table::Visit`): counts it, and points the
 /// drop sample at its flow if ordered to, unless it judges its flow over and removes it, or
 /// finds it gone already. Returns 0 to go on, 1 to stop.
 extern "C" fn judge<F: Family>(
@@ -119,7 +108,7 @@ extern "C" fn judge<F: Family>(
 #[inline(always)]
 fn point_at<F: Family>(report: &mut SweepReport, key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) {
     // SAFETY: the reply half is only read.
-    let Some(reply) = (unsafe { F::nat().get(key.reverse(entry)) }) else {
+    let Some(reply) = (unsafe { flow_table::read::<F>(&key.reverse(entry)) }) else {
         return;
     };
     let droppable = may_drop_from_full_table(entry.kind, key.proto, entry.tcp_seen, reply.tcp_seen);
@@ -147,7 +136,7 @@ fn remove_if_over<F: Family>(
     let key = *key;
     let other_key = key.reverse(entry);
     // SAFETY: the other half is only read, and copied before anything is removed.
-    let other = unsafe { F::nat().get(other_key) }.copied();
+    let other = unsafe { flow_table::read::<F>(&other_key) }.copied();
     // A flow is paired from its egress half, as the agent's own sweep pairs them: a reply half
     // that its egress half does not name is alone.
     let other =
@@ -158,7 +147,7 @@ fn remove_if_over<F: Family>(
         // element's, made since). Counted and removed with its flow already; only a half
         // alone looks itself up, to tell.
         // SAFETY: the pointer is only compared.
-        if unsafe { F::nat().get(key) }.is_none_or(|held| !core::ptr::eq(held, entry)) {
+        if unsafe { flow_table::read::<F>(&key) }.is_none_or(|held| !core::ptr::eq(held, entry)) {
             return true;
         }
         let limit = if key.direction == direction::EGRESS {
@@ -171,7 +160,7 @@ fn remove_if_over<F: Family>(
             return false;
         }
         count(report, &key, entry);
-        if F::nat().remove(key).is_ok() {
+        if flow_table::remove::<F>(&key).is_ok() {
             report.halves_removed += 1;
             report.orphans_removed += 1;
         }
@@ -189,10 +178,10 @@ fn remove_if_over<F: Family>(
     }
     count(report, &key, entry);
     count(report, &other_key, &other);
-    if F::nat().remove(other_key).is_ok() {
+    if flow_table::remove::<F>(&other_key).is_ok() {
         report.halves_removed += 1;
     }
-    if F::nat().remove(key).is_ok() {
+    if flow_table::remove::<F>(&key).is_ok() {
         report.halves_removed += 1;
         report.expired_flows += 1;
     }
