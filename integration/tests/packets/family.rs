@@ -13,7 +13,8 @@ use masq_agent::{
         NatUsage,
         ebpf::{
             expiry::{self, Timeouts},
-            map_types::{NatFamily, Table},
+            flow_table::Table,
+            map_types::NatFamily,
             testbed::TestBed,
         },
     },
@@ -144,7 +145,7 @@ macro_rules! nat_table_of {
         }
         fn plant(bed: &mut TestBed, key: &NatKey<$octets>, entry: NatEntry<$octets>) {
             <$octets as NatFamily>::table_mut(&mut bed.maps.nat)
-                .insert(key, entry, 0)
+                .write(key, &entry)
                 .unwrap();
         }
         fn sweep_report(bed: &TestBed) -> SweepReport {

@@ -2,7 +2,6 @@
 
 use std::net::Ipv4Addr;
 
-use aya::maps::IterableMap as _;
 use masq_agent::dataplane::ebpf::{batch, testbed::TC_ACT_OK};
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, program_names};
 use masq_testbed::packet::*;
@@ -109,7 +108,7 @@ fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
         })
         .collect();
     for key in &keys {
-        h.maps.nat.v4.insert(key, NatEntryV4::default(), 0).unwrap();
+        h.maps.nat.v4.write(key, &NatEntryV4::default()).unwrap();
     }
     let read: Vec<(NatKeyV4, NatEntryV4)> = batch::lookup_all(h.maps.nat.v4.map()).unwrap();
     assert_eq!(read.len(), keys.len());

@@ -17,7 +17,8 @@ use tracing::{info, warn};
 use super::{
     batch,
     expiry::FlowOwner,
-    map_types::{Counters, NatFamily, NatTable},
+    flow_table::NatTable,
+    map_types::{Counters, NatFamily},
     maps::Maps,
     pins::Pins,
 };
@@ -192,9 +193,6 @@ fn count(counters: &mut Counters, counter: Counter, n: usize) -> anyhow::Result<
     Ok(())
 }
 
-/// The update flag that refuses to replace an entry (include/uapi/linux/bpf.h).
-const BPF_NOEXIST: u64 = 1;
-
 /// What one copy did.
 struct Outcome {
     carried: usize,
@@ -242,14 +240,14 @@ where
         (FlowOwner::of(key, entry), std::cmp::Reverse(last_seen))
     });
     for (key, entry, partner_key, partner) in flows {
-        if new.get(key, 0).is_ok() || new.get(&partner_key, 0).is_ok() {
+        if new.get(key).is_some() || new.get(&partner_key).is_some() {
             continue;
         }
-        if new.insert(key, entry, BPF_NOEXIST).is_err() {
+        if new.insert_new(key, entry).is_err() {
             outcome.left_out += 1;
             continue;
         }
-        if new.insert(partner_key, partner, BPF_NOEXIST).is_err() {
+        if new.insert_new(&partner_key, partner).is_err() {
             let _ = new.remove(key);
             outcome.left_out += 1;
             continue;

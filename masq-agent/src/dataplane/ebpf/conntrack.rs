@@ -23,7 +23,10 @@ use masq_ebpf::{
 };
 use tracing::{info, warn};
 
-use super::map_types::{self, NatTable, NatTables};
+use super::{
+    flow_table::{self, NatTable},
+    map_types::{self, NatTables},
+};
 use crate::{netdev, policy::Policy};
 
 /// Where the kernel lists the namespace's conntrack entries.
@@ -246,13 +249,10 @@ impl Recording {
     /// What an insert that failed with `err` says: the tuple was taken (`EEXIST`, as
     /// `BPF_NOEXIST` reports it), or the table had no room for it (`E2BIG` when full).
     fn of_insert_error(err: &aya::maps::MapError) -> Recording {
-        match err {
-            aya::maps::MapError::SyscallError(aya::sys::SyscallError { io_error, .. })
-                if io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                Recording::HeldAlready
-            }
-            _ => Recording::NoRoom,
+        if flow_table::exists(err) {
+            Recording::HeldAlready
+        } else {
+            Recording::NoRoom
         }
     }
 }
@@ -323,12 +323,11 @@ where
     let egress = identity(egress_seen);
     let ingress_key = egress_key.reverse(&egress);
     let ingress = identity(ingress_seen);
-    // BPF_NOEXIST (include/uapi/linux/bpf.h): a tuple held already stays as it is.
-    const BPF_NOEXIST: u64 = 1;
-    if let Err(err) = nat.insert(ingress_key, ingress, BPF_NOEXIST) {
+    // A tuple held already stays as it is.
+    if let Err(err) = nat.insert_new(&ingress_key, &ingress) {
         return Recording::of_insert_error(&err);
     }
-    if let Err(err) = nat.insert(egress_key, egress, BPF_NOEXIST) {
+    if let Err(err) = nat.insert_new(&egress_key, &egress) {
         let _ = nat.remove(&ingress_key);
         return Recording::of_insert_error(&err);
     }

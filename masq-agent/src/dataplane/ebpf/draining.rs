@@ -9,11 +9,7 @@ use std::collections::BTreeMap;
 use masq_ebpf::{Address, NatEntry, NatKey};
 use tracing::info;
 
-use super::{
-    expiry,
-    map_types::{self, NatTable},
-    plane::EbpfDataPlane,
-};
+use super::{expiry, flow_table::NatTable, plane::EbpfDataPlane};
 use crate::netdev::{self, DeviceState};
 
 impl EbpfDataPlane {
@@ -95,5 +91,5 @@ where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
-    Ok(expiry::translated_by_address(&map_types::read_table(nat)?))
+    Ok(expiry::translated_by_address(&nat.read_all()?))
 }

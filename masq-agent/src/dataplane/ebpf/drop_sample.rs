@@ -7,11 +7,7 @@
 use aya::{Pod, maps::IterableMap as _};
 use masq_ebpf::{Address, NatEntry, NatKey, SamplePointing, direction};
 
-use super::{
-    batch,
-    map_types::{self, DropSample, NatTable},
-    maps::Maps,
-};
+use super::{batch, flow_table::NatTable, map_types::DropSample, maps::Maps};
 
 /// Writes every flow of both NAT tables into its family's sample; says how many.
 pub fn fill(maps: &Maps) -> anyhow::Result<usize> {
@@ -24,7 +20,7 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let entries = map_types::read_table(table)?;
+    let entries = table.read_all()?;
     let slots = sample.len() as usize;
     let flows: Vec<NatKey<A>> = entries
         .into_iter()

@@ -7,21 +7,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::Context as _;
 use hashbrown::HashTable;
 
 use aya::Pod;
-use aya::maps::IterableMap as _;
 pub use masq_ebpf::flows::{FlowOwner, FlowState, node_side_port};
 use masq_ebpf::{
     Address, NatEntry, NatKey, SweepOrder, direction, flows::idle_past, may_drop_from_full_table,
     nat_kind,
 };
 
-use super::{
-    batch, drop_sample,
-    map_types::{DropSample, NatTable, read_table},
-};
+use super::{drop_sample, flow_table::NatTable, map_types::DropSample};
 use crate::dataplane::nat_usage::NatUsage;
 
 /// How often the NAT tables are swept for idle flows; upkeep runs more often than that, to
@@ -241,15 +236,15 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let entries = read_table(nat)?;
+    let entries = nat.read_all()?;
     entries.iter().for_each(|(key, entry)| seen(key, entry));
     let mut run = usage(&entries);
     // Asked only where there is a sample to point.
     let pressure = sample.map(|_| pressure_at(nat)).transpose()?;
     let pressed = |entries: usize| pressure.is_some_and(|pressure| entries >= pressure);
     let over = over(&entries, timeouts, now_ns, pressed(run.entries));
-    run.orphans_removed = prune(nat, &over.orphans)?;
-    run.expired_flows = prune(nat, &over.flows)? / 2;
+    run.orphans_removed = nat.remove_all(&over.orphans)?;
+    run.expired_flows = nat.remove_all(&over.flows)? / 2;
     let left = run.entries - over.flows.len() - over.orphans.len();
     if let Some(sample) = sample.filter(|_| pressed(left)) {
         let pointed = drop_sample::point_at(sample, &over.droppable, &over.undroppable)?;
@@ -262,23 +257,6 @@ where
     Ok(run)
 }
 
-/// Whether the table holds no entry: the kernel finds its first key by reading the bucket heads
-/// alone, in about a tenth of the time a sweep's walk of the same empty buckets takes (see
-/// docs/bench/profiles.md, "The idle agent"). A flow made just after is swept next time, as
-/// one made behind a walk is.
-pub fn holds_nothing<A>(nat: &NatTable<A>) -> anyhow::Result<bool>
-where
-    A: Address,
-    NatKey<A>: Pod,
-    NatEntry<A>: Pod,
-{
-    match nat.keys().next() {
-        None => Ok(true),
-        Some(Ok(_)) => Ok(false),
-        Some(Err(err)) => Err(err).context("looking for the NAT table's first entry"),
-    }
-}
-
 /// How many entries put `nat` under pressure: `UNDER_PRESSURE_PERCENT` of its capacity.
 pub fn pressure_at<A>(nat: &NatTable<A>) -> anyhow::Result<usize>
 where
@@ -286,8 +264,7 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let capacity = nat.map().info()?.max_entries() as usize;
-    Ok((capacity * UNDER_PRESSURE_PERCENT).div_ceil(100))
+    Ok((nat.capacity()? * UNDER_PRESSURE_PERCENT).div_ceil(100))
 }
 
 /// How full a table left by a sweep is when the sweep points its drop sample at what a full
@@ -409,7 +386,7 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    let table = read_table(nat)?;
+    let table = nat.read_all()?;
     let doomed: Vec<NatKey<A>> = table
         .iter()
         .filter(|(key, entry)| {
@@ -420,17 +397,7 @@ where
         })
         .flat_map(|(key, entry)| [*key, key.reverse(entry)])
         .collect();
-    Ok(prune(nat, &doomed)? / 2)
-}
-
-/// Deletes `keys` from `nat`; returns how many were there.
-fn prune<A>(nat: &NatTable<A>, keys: &[NatKey<A>]) -> anyhow::Result<usize>
-where
-    A: Address,
-    NatKey<A>: Pod,
-    NatEntry<A>: Pod,
-{
-    batch::delete_all(nat.map(), keys).context("pruning the NAT table")
+    Ok(nat.remove_all(&doomed)? / 2)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::{
     expiry::{self, FlowOwner, FlowState, Timeouts},
-    map_types::{self, Table},
+    flow_table::{NatTable, Table},
     pins::Pins,
 };
 use crate::dataplane::nat_usage::FlowKind;
@@ -89,9 +89,13 @@ pub fn read(
     if !pins.map(map_names::NAT_V4).exists() {
         return Ok(None);
     }
-    let v4 = map_types::read_table::<[u8; 4]>(&pins.open(map_names::NAT_V4)?)?;
+    let v4 = pins
+        .open::<NatTable<[u8; 4]>>(map_names::NAT_V4)?
+        .read_all()?;
     let v6 = match pins.map(map_names::NAT_V6).exists() {
-        true => map_types::read_table::<[u8; 16]>(&pins.open(map_names::NAT_V6)?)?,
+        true => pins
+            .open::<NatTable<[u8; 16]>>(map_names::NAT_V6)?
+            .read_all()?,
         false => Vec::new(),
     };
     let mut flows: Vec<Flow> = flows_of(&v4, timeouts, now_ns)

@@ -14,7 +14,8 @@ use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepReport, program_name
 
 use super::{
     expiry::{self, Timeouts},
-    map_types::{self, DropSample, NatFamily, NatTable, SweepMaps},
+    flow_table::NatTable,
+    map_types::{self, DropSample, NatFamily, SweepMaps},
     node_ports::NodeSidePorts,
 };
 use crate::dataplane::nat_usage::NatUsage;
@@ -47,7 +48,7 @@ impl Sweeper {
 /// Sweeps family `A`'s table as of `now_ns`: what it held and removed, as `expiry::expire`
 /// reports it, and the ports the flows left hold on the node's side, into `node_side`. With
 /// `kernel` where it is loaded, in userspace otherwise; a table that holds nothing is not
-/// walked at all (`expiry::holds_nothing`): the table of a family no pod uses, or every table
+/// walked at all (`NatTable::holds_nothing`): the table of a family no pod uses, or every table
 /// of an idle node.
 ///
 /// A table under pressure also gets its drop sample pointed at its flows, if `sample` is
@@ -67,7 +68,7 @@ where
     NatEntry<A>: Pod,
 {
     // Where the kernel cannot say, the table is walked: no sweep may be missed for it.
-    let empty = expiry::holds_nothing(nat).unwrap_or_else(|err| {
+    let empty = nat.holds_nothing().unwrap_or_else(|err| {
         tracing::warn!("{err:#}");
         false
     });

@@ -12,7 +12,8 @@ use tracing::info;
 use super::{
     cleanup::cleanup,
     expiry::{self, SweepClock},
-    map_types::{self, NatTable},
+    flow_table::NatTable,
+    map_types,
     pins::Pins,
     status,
 };
@@ -84,7 +85,7 @@ impl Leftovers {
         let table: NatTable<A> = pins.open(name)?;
         // Old programs' tables: nothing new is written into them, so nothing to make room for.
         let run = expiry::expire::<A>(&table, None, &self.timeouts, now)?;
-        let left = expiry::usage(&map_types::read_table(&table)?);
+        let left = expiry::usage(&table.read_all()?);
         Ok((run, left))
     }
 }

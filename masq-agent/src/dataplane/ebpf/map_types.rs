@@ -1,18 +1,11 @@
 //! The types the agent reads the programs' maps with: a layout this build does not expect fails
-//! when the map is taken (see `maps`). And how a NAT table is read whole, with the clock its
-//! entries are stamped by.
+//! when the map is taken (see `maps`). And the clock the NAT tables' entries are stamped by.
 
 use anyhow::Context as _;
-use aya::{
-    Pod,
-    maps::{Array, HashMap as BpfHashMap, IterableMap as _, Map, MapData, MapError, PerCpuArray},
-};
-use masq_ebpf::{Address, Counter, Interface, NatEntry, NatKey, SweepOrder, SweepReport};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
+use masq_ebpf::{Address, Counter, Interface, NatKey, SweepOrder, SweepReport};
 
-use super::batch;
-
-/// A family's NAT table: both halves of every flow the programs know.
-pub type NatTable<A> = BpfHashMap<MapData, NatKey<A>, NatEntry<A>>;
+use super::flow_table::NatTable;
 
 /// The programs' packet counters, a slot per `Counter`, per CPU.
 pub type Counters = PerCpuArray<MapData, u64>;
@@ -116,17 +109,4 @@ pub fn monotonic_now_ns() -> u64 {
     let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .expect("CLOCK_MONOTONIC is always available");
     now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
-}
-
-/// A family's NAT table, entry by entry.
-pub type Table<A> = Vec<(NatKey<A>, NatEntry<A>)>;
-
-/// A NAT table's entries, read whole with batch commands.
-pub fn read_table<A>(nat: &NatTable<A>) -> anyhow::Result<Table<A>>
-where
-    A: Address,
-    NatKey<A>: Pod,
-    NatEntry<A>: Pod,
-{
-    batch::lookup_all(nat.map()).context("reading the NAT table")
 }

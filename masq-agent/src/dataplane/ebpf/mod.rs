@@ -14,6 +14,7 @@ pub mod devices;
 mod draining;
 mod drop_sample;
 pub mod expiry;
+pub mod flow_table;
 pub mod flows;
 mod follow;
 pub mod hook;

@@ -18,9 +18,7 @@ use aya::{
 use masq_ebpf::{Address, Decision, NatEntry, NatKey, direction};
 
 use super::{
-    map_types::{self, NatTable, NatTables},
-    policy_word::PolicyWord,
-    prefixes::PolicyTrie,
+    flow_table::NatTable, map_types::NatTables, policy_word::PolicyWord, prefixes::PolicyTrie,
 };
 
 /// When a flow's entry may last have come to lead toward a destination the policy leaves alone,
@@ -98,7 +96,7 @@ where
     NatKey<[u8; N]>: Pod,
     NatEntry<[u8; N]>: Pod,
 {
-    let entries = map_types::read_table(nat)?;
+    let entries = nat.read_all()?;
     // Flows share destinations: each is asked about once, a system call each.
     let destinations: HashSet<[u8; N], foldhash::fast::RandomState> = entries
         .iter()

@@ -18,10 +18,11 @@ use masq_ebpf::{Address, Counter, NatEntry, NatKey, SweepReport, program_names};
 use super::{
     batch, decisions,
     expiry::Timeouts,
+    flow_table::Table,
     follow::write_interfaces,
     kernel_sweep,
     load::{self, Programs, write_settings},
-    map_types::{self, NatFamily, Table, counter_total},
+    map_types::{NatFamily, counter_total},
     maps::Maps,
     node_ports::NodeSidePorts,
     prefixes,
@@ -279,9 +280,8 @@ impl TestBed {
         NatEntry<A>: Pod,
     {
         A::table(&self.maps.nat)
-            .iter()
-            .filter_map(Result::ok)
-            .collect()
+            .read_all()
+            .expect("the NAT table reads")
     }
 
     /// Sweeps family `A`'s table as the agent does where the kernel runs the sweep program
@@ -353,12 +353,13 @@ impl TestBed {
         NatEntry<A>: Pod,
     {
         let table = A::table(&self.maps.nat);
-        let doomed: Vec<NatKey<A>> = map_types::read_table(table)?
+        let doomed: Vec<NatKey<A>> = table
+            .read_all()?
             .into_iter()
             .map(|(key, _)| key)
             .filter(|key| expired(key))
             .collect();
-        batch::delete_all(table.map(), &doomed)?;
+        table.remove_all(&doomed)?;
         Ok(())
     }
 
@@ -368,6 +369,6 @@ impl TestBed {
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
-        A::table(&self.maps.nat).get(key, 0).ok()
+        A::table(&self.maps.nat).get(key)
     }
 }
