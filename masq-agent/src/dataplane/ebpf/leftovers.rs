@@ -12,7 +12,6 @@ use tracing::info;
 use super::{
     cleanup::cleanup,
     expiry::{self, SweepClock},
-    flow_table::NatTable,
     map_types,
     pins::Pins,
     status,
@@ -79,10 +78,9 @@ impl Leftovers {
         masq_ebpf::NatKey<A>: aya::Pod,
         masq_ebpf::NatEntry<A>: aya::Pod,
     {
-        if !pins.map(name).exists() {
+        let Some(table) = pins.nat_table::<A>(name)? else {
             return Ok(Default::default());
-        }
-        let table: NatTable<A> = pins.open(name)?;
+        };
         // Old programs' tables: nothing new is written into them, so nothing to make room for.
         let run = expiry::expire::<A>(&table, None, &self.timeouts, now)?;
         let left = expiry::usage(&table.read_all()?);

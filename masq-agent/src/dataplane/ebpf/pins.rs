@@ -11,7 +11,11 @@ use anyhow::{Context as _, bail};
 use aya::maps::{Map, MapData, MapError, MapType};
 use tracing::{info, warn};
 
-use super::{hook::Hook, map_types};
+use super::{
+    flow_table::{NatTable, Table},
+    hook::Hook,
+    map_types,
+};
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -42,6 +46,31 @@ impl Pins {
     /// The map pinned as `name`, typed as the agent reads it.
     pub fn open<M: TryFrom<Map, Error = MapError>>(&self, name: &str) -> anyhow::Result<M> {
         map_types::typed(self.open_map(name)?, name)
+    }
+
+    /// The NAT table pinned as `name`; `None` where none is (an agent from before IPv6 pinned
+    /// no `nat_v6`).
+    pub fn nat_table<A>(&self, name: &str) -> anyhow::Result<Option<NatTable<A>>>
+    where
+        A: masq_ebpf::Address,
+        masq_ebpf::NatKey<A>: aya::Pod,
+        masq_ebpf::NatEntry<A>: aya::Pod,
+    {
+        if !self.map(name).exists() {
+            return Ok(None);
+        }
+        self.open(name).map(Some)
+    }
+
+    /// Every half of the NAT table pinned as `name`; none where no table is.
+    pub fn nat_halves<A>(&self, name: &str) -> anyhow::Result<Table<A>>
+    where
+        A: masq_ebpf::Address,
+        masq_ebpf::NatKey<A>: aya::Pod,
+        masq_ebpf::NatEntry<A>: aya::Pod,
+    {
+        self.nat_table::<A>(name)?
+            .map_or(Ok(Vec::new()), |table| table.read_all())
     }
 
     pub fn links_dir(&self) -> PathBuf {

@@ -21,7 +21,6 @@ use super::{
     attach,
     decisions::{self, PolicyDecisions, Side, TrieEntries},
     expiry,
-    flow_table::NatTable,
     hook::Hook,
     map_types::{Counters, Interfaces, counter_total},
     pins::Pins,
@@ -172,16 +171,8 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .flat_map(|family| tries.with_action(Side::Sources, family, action))
             .collect()
     };
-    let table_v4 = pins
-        .open::<NatTable<[u8; 4]>>(map_names::NAT_V4)?
-        .read_all()?;
-    // An agent from before IPv6 pinned no `nat_v6`.
-    let table_v6 = match pins.map(map_names::NAT_V6).exists() {
-        true => pins
-            .open::<NatTable<[u8; 16]>>(map_names::NAT_V6)?
-            .read_all()?,
-        false => Vec::new(),
-    };
+    let table_v4 = pins.nat_halves::<[u8; 4]>(map_names::NAT_V4)?;
+    let table_v6 = pins.nat_halves::<[u8; 16]>(map_names::NAT_V6)?;
     let translated_by_address = expiry::translated_by_address(&table_v4)
         .into_iter()
         .map(|(addr, flows)| (IpAddr::from(addr), flows))
