@@ -24,6 +24,10 @@ fn main() -> anyhow::Result<()> {
     built
 }
 
+/// Where in OUT_DIR the object built with the slot table goes (`SLOT_TABLE_OBJECT`); the one
+/// without it is OUT_DIR's own `masq`.
+const SLOT_TABLE_DIR: &str = "slot-table";
+
 fn build_ebpf() -> anyhow::Result<()> {
     let manifest_dir = std::env::var("CARGO_MANIFEST_DIR")?;
     let ebpf_dir = std::path::Path::new(&manifest_dir).join("../masq-ebpf");
@@ -31,14 +35,30 @@ fn build_ebpf() -> anyhow::Result<()> {
     let root_dir = ebpf_dir
         .to_str()
         .ok_or_else(|| anyhow::anyhow!("non-UTF-8 path {}", ebpf_dir.display()))?;
-    aya_build::build_ebpf(
-        [aya_build::Package {
-            name: "masq-ebpf",
-            root_dir,
-            ..Default::default()
-        }],
-        aya_build::Toolchain::default(),
-    )
+    let out_dir = std::env::var("OUT_DIR")?;
+    let slot_table_dir = std::path::Path::new(&out_dir).join(SLOT_TABLE_DIR);
+    std::fs::create_dir_all(&slot_table_dir)?;
+    for (dir, features) in [
+        (std::path::PathBuf::from(&out_dir), &[][..]),
+        (slot_table_dir, &["slot-table"][..]),
+    ] {
+        // aya-build leaves the object in OUT_DIR, and builds in a directory under it: each
+        // object its own. This script is the process's only thread.
+        // SAFETY: no other thread reads the environment meanwhile.
+        unsafe { std::env::set_var("OUT_DIR", &dir) };
+        aya_build::build_ebpf(
+            [aya_build::Package {
+                name: "masq-ebpf",
+                root_dir,
+                features,
+                ..Default::default()
+            }],
+            aya_build::Toolchain::default(),
+        )?;
+    }
+    // SAFETY: as above.
+    unsafe { std::env::set_var("OUT_DIR", &out_dir) };
+    Ok(())
 }
 
 /// Runs `f` with this process's standard output going to the file `path`: aya-build prints

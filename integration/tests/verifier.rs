@@ -1,18 +1,33 @@
 //! The verifier's budget, on the running kernel: both programs fit the stack limit as every
 //! kernel rounds it, and the figures the budget reports are the kernel's own.
 
+use masq_agent::dataplane::ebpf::testbed;
 use masq_ebpf::program_names;
 use masq_testbed::verifier::{self, STACK_LIMIT, StackRule};
 
 fn object() -> tempfile::NamedTempFile {
+    written(testbed::object())
+}
+
+/// Both objects the agent embeds: without the slot table, and with it.
+fn objects() -> [tempfile::NamedTempFile; 2] {
+    [object(), written(testbed::slot_table_object())]
+}
+
+fn written(bytes: &[u8]) -> tempfile::NamedTempFile {
     let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), masq_agent::dataplane::ebpf::testbed::object()).unwrap();
+    std::fs::write(file.path(), bytes).unwrap();
     file
 }
 
 #[test]
 fn both_programs_fit_the_stack_as_every_kernel_counts_it() {
-    let object = object();
+    for object in objects() {
+        both_programs_of_fit_the_stack(&object);
+    }
+}
+
+fn both_programs_of_fit_the_stack(object: &tempfile::NamedTempFile) {
     let budgets = verifier::measure(object.path()).unwrap();
     for program in [program_names::EGRESS, program_names::INGRESS] {
         let budget = budgets
@@ -42,17 +57,18 @@ fn both_programs_fit_the_stack_as_every_kernel_counts_it() {
 
 #[test]
 fn the_instructions_processed_are_the_kernels_own_count() {
-    let object = object();
-    let verbose = verifier::measure(object.path()).unwrap();
-    let quick = verifier::load_quick(object.path()).unwrap();
-    for program in [program_names::EGRESS, program_names::INGRESS] {
-        let from_log = verbose.iter().find(|b| b.program == program).unwrap();
-        let from_kernel = quick.iter().find(|b| b.program == program).unwrap();
-        assert!(from_log.processed.is_some_and(|n| n > 1000));
-        assert_eq!(
-            from_log.processed, from_kernel.processed,
-            "{program}: the log's count and the kernel's verified_insns"
-        );
+    for object in objects() {
+        let verbose = verifier::measure(object.path()).unwrap();
+        let quick = verifier::load_quick(object.path()).unwrap();
+        for program in [program_names::EGRESS, program_names::INGRESS] {
+            let from_log = verbose.iter().find(|b| b.program == program).unwrap();
+            let from_kernel = quick.iter().find(|b| b.program == program).unwrap();
+            assert!(from_log.processed.is_some_and(|n| n > 1000));
+            assert_eq!(
+                from_log.processed, from_kernel.processed,
+                "{program}: the log's count and the kernel's verified_insns"
+            );
+        }
     }
 }
 

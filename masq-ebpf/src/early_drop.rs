@@ -9,7 +9,13 @@ use masq_ebpf::{
     may_drop_from_full_table, nat_kind,
 };
 
+use masq_ebpf::slot_table::BUCKET_SLOTS;
+
 use crate::{family::Family, flow_table, maps, nat::now_ns};
+
+// The slot table's early drop looks at both of a key's buckets, as many slots as a look at the
+// drop sample.
+const _: () = assert!(EARLY_DROP_PROBES == 2 * BUCKET_SLOTS);
 
 /// Where a flow just made goes in the drop sample, where a full table may find it: a random
 /// slot (`RANDOM`), or the slot of the flow `early_drop` dropped to make room for it
@@ -42,6 +48,10 @@ impl SampleSlot {
 /// vacant one a drop named, or a random one.
 #[inline(always)]
 pub fn remember<F: Family>(slot: SampleSlot, egress_key: &NatKey<F::Addr>) {
+    // The slot table's early drop looks at the new flow's own buckets, not at a sample.
+    if F::in_slot_table() {
+        return;
+    }
     let slot = if slot.0 == EarlyDrop::NOTHING_DROPPED {
         take_vacancy::<F>().unwrap_or_else(|| {
             // SAFETY: the helper has no preconditions.
@@ -112,8 +122,19 @@ impl EarlyDrop {
 ///
 /// Says `NOTHING_DROPPED` (also when another CPU removed the flow first), or the slot the flow
 /// dropped held, for the new flow once it is made (`SampleSlot::freed`).
+///
+/// Where the halves are in the slot table, room for a half is in its key's buckets only: the
+/// slots looked at are those of `room_for`'s two buckets, the half that found none (16, as
+/// many as a sample's look), and not the drop sample, which the slot table never fills.
 #[inline(always)]
-pub fn early_drop<F: Family>() -> EarlyDrop {
+pub fn early_drop<F: Family>(room_for: &NatKey<F::Addr>) -> EarlyDrop {
+    if F::in_slot_table() {
+        let Some(request) = F::port_request().get_ptr_mut(0) else {
+            return EarlyDrop::NOTHING_DROPPED;
+        };
+        // SAFETY: this CPU's slot of a per-CPU map, as `nat::reserve_port` uses it.
+        unsafe { (*request).room_for = *room_for };
+    }
     // The clock is read here, by the program, and handed to the global functions: none of
     // them reads it. A kernel walks global functions before the program (5.10 does), and one
     // without the clock the agent chose would refuse the first that reads it, in a log that
@@ -132,10 +153,27 @@ pub fn early_drop<F: Family>() -> EarlyDrop {
 fn early_drop_global<F: Family>(now: u64) -> i64 {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
+    // The first slot of each of the buckets that must make room, in the slot table.
+    let buckets = match F::port_request().get_ptr(0) {
+        // SAFETY: this CPU's slot, which `early_drop` filled.
+        Some(request) if F::in_slot_table() => {
+            flow_table::slots_of::<F>(unsafe { &(*request).room_for })
+        }
+        _ => [0; 2],
+    };
     // The slot of the flow to take so far, and its rank.
     let (mut chosen_slot, mut chosen) = (NO_SLOT, Rank::LOWEST_PRIORITY);
     for probe in 0..EARLY_DROP_PROBES {
-        let slot = first.wrapping_add(probe) & (F::drop_sample_slots() - 1);
+        let slot = if F::in_slot_table() {
+            let bucket = if probe < BUCKET_SLOTS {
+                buckets[0]
+            } else {
+                buckets[1]
+            };
+            bucket + probe % BUCKET_SLOTS
+        } else {
+            first.wrapping_add(probe) & (F::drop_sample_slots() - 1)
+        };
         let rank = Rank((F::DROP_RANK)(slot, now));
         if rank.to_drop() && rank.0 < chosen.0 {
             (chosen_slot, chosen) = (slot, rank);
@@ -227,16 +265,24 @@ struct SampledFlow<A: Address> {
 }
 
 impl<A: Address + 'static> SampledFlow<A> {
-    /// Reads the flow the drop sample's `slot` points at, and ranks it: `NOT_TO_DROP` unless it
-    /// is in the table, and is finished or a full table may drop it (see `early_drop`).
+    /// Reads the flow the drop sample's `slot` points at (in the slot table, the flow whose half
+    /// its slot `slot` holds), and ranks it: `NOT_TO_DROP` unless it is in the table, and is
+    /// finished or a full table may drop it (see `early_drop`).
     #[inline(always)]
     fn look_at<F: Family<Addr = A>>(&mut self, slot: u32, now_ns: u64) -> Rank {
-        let Some(sampled) = F::drop_sample().get_ptr(slot) else {
-            return Rank::NOT_TO_DROP;
-        };
-        // SAFETY: a map value, copied: another CPU may write a flow of its own into the slot
-        // while this one looks, and the flow judged is the one to remove.
-        self.key = unsafe { *sampled };
+        if F::in_slot_table() {
+            let Some(key) = flow_table::flow_of_slot::<F>(slot) else {
+                return Rank::NOT_TO_DROP;
+            };
+            self.key = key;
+        } else {
+            let Some(sampled) = F::drop_sample().get_ptr(slot) else {
+                return Rank::NOT_TO_DROP;
+            };
+            // SAFETY: a map value, copied: another CPU may write a flow of its own into the
+            // slot while this one looks, and the flow judged is the one to remove.
+            self.key = unsafe { *sampled };
+        }
         let Some(egress) = flow_table::find::<F>(&self.key) else {
             return Rank::NOT_TO_DROP;
         };
@@ -272,7 +318,9 @@ impl<A: Address + 'static> SampledFlow<A> {
         if self.look_at::<F>(slot, now_ns) != rank {
             return EarlyDrop::NOTHING_DROPPED;
         }
-        vacate::<F>(slot);
+        if !F::in_slot_table() {
+            vacate::<F>(slot);
+        }
         if flow_table::remove::<F>(&self.key).is_err() {
             return EarlyDrop::NOTHING_DROPPED;
         }

@@ -3,12 +3,16 @@
 //! the NAT state, ports, fragments) is written once over `Family`.
 
 use aya_ebpf::programs::TcContext;
-use masq_ebpf::{Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, sources_decided};
+use masq_ebpf::{
+    Address, Decision, IPPROTO_ICMP, IPPROTO_ICMPV6, Interface, NatEntry, NatKey, sources_decided,
+};
 
 use crate::{
     csum::{self, AddrField, L4Checksum, Ports},
-    early_drop,
-    maps::{self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests},
+    early_drop, flow_table,
+    maps::{
+        self, DropSample, FragmentTable, NatTable, PolicyTrie, PortRequests, SlotArray, SlotWords,
+    },
     nat,
     parse::{self, Packet},
     policy,
@@ -39,6 +43,13 @@ pub trait Family {
     const DROP_RANK: extern "C" fn(u32, u64) -> i64;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64;
     const RESERVE_PORT: extern "C" fn() -> i64;
+    /// The family's global operations on the slot table (`flow_table`).
+    const FIND_SLOT: extern "C" fn(*const NatKey<Self::Addr>) -> i64;
+    const INSERT_SLOT: extern "C" fn(
+        *const NatKey<Self::Addr>,
+        *const NatEntry<Self::Addr>,
+    ) -> i32;
+    const REMOVE_SLOT: extern "C" fn(*const NatKey<Self::Addr>) -> i32;
     /// The family's slot of `maps::DROP_VACANCY`.
     const DROP_VACANCY: u32;
     /// The family's slot of the sweep program's report (`masq_ebpf::sweep_report`).
@@ -59,6 +70,13 @@ pub trait Family {
     /// Whether a pod could be `addr`: replies to broadcast or multicast open no flow.
     fn is_unicast(addr: &Self::Addr) -> bool;
     fn nat() -> &'static NatTable<Self::Addr>;
+    /// Whether the family's halves are in its slot table, a constant for the verifier.
+    fn in_slot_table() -> bool;
+    /// The family's slot table (where `in_slot_table`), and its buckets, a power of two the
+    /// agent set.
+    fn slots() -> &'static SlotArray<Self::Addr>;
+    fn slot_words() -> &'static SlotWords;
+    fn slot_buckets() -> u32;
     fn drop_sample() -> &'static DropSample<Self::Addr>;
     /// The drop sample's slots, a power of two the agent set.
     fn drop_sample_slots() -> u32;
@@ -138,6 +156,11 @@ impl Family for V4 {
     const DROP_RANK: extern "C" fn(u32, u64) -> i64 = early_drop::masq_drop_rank_v4;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64 = early_drop::masq_drop_ranked_v4;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v4;
+    const FIND_SLOT: extern "C" fn(*const NatKey<[u8; 4]>) -> i64 = flow_table::masq_find_slot_v4;
+    const INSERT_SLOT: extern "C" fn(*const NatKey<[u8; 4]>, *const NatEntry<[u8; 4]>) -> i32 =
+        flow_table::masq_insert_slot_v4;
+    const REMOVE_SLOT: extern "C" fn(*const NatKey<[u8; 4]>) -> i32 =
+        flow_table::masq_remove_slot_v4;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V4;
 
@@ -189,13 +212,33 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn slots() -> &'static SlotArray<[u8; 4]> {
+        &maps::NAT_SLOTS_V4
+    }
+
+    #[inline(always)]
+    fn slot_words() -> &'static SlotWords {
+        &maps::NAT_SLOT_WORDS_V4
+    }
+
+    #[inline(always)]
+    fn slot_buckets() -> u32 {
+        maps::set_by_agent(&maps::MASQ_SLOT_BUCKETS_V4)
+    }
+
+    #[inline(always)]
+    fn in_slot_table() -> bool {
+        maps::in_slot_table()
+    }
+
+    #[inline(always)]
     fn drop_sample() -> &'static DropSample<[u8; 4]> {
         &maps::DROP_SAMPLE_V4
     }
 
     #[inline(always)]
     fn drop_sample_slots() -> u32 {
-        maps::drop_sample_slots(&maps::MASQ_DROP_SAMPLE_SLOTS_V4)
+        maps::set_by_agent(&maps::MASQ_DROP_SAMPLE_SLOTS_V4)
     }
 
     #[inline(always)]
@@ -249,6 +292,11 @@ impl Family for V6 {
     const DROP_RANK: extern "C" fn(u32, u64) -> i64 = early_drop::masq_drop_rank_v6;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64 = early_drop::masq_drop_ranked_v6;
     const RESERVE_PORT: extern "C" fn() -> i64 = nat::masq_reserve_port_v6;
+    const FIND_SLOT: extern "C" fn(*const NatKey<[u8; 16]>) -> i64 = flow_table::masq_find_slot_v6;
+    const INSERT_SLOT: extern "C" fn(*const NatKey<[u8; 16]>, *const NatEntry<[u8; 16]>) -> i32 =
+        flow_table::masq_insert_slot_v6;
+    const REMOVE_SLOT: extern "C" fn(*const NatKey<[u8; 16]>) -> i32 =
+        flow_table::masq_remove_slot_v6;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V6;
 
@@ -297,13 +345,35 @@ impl Family for V6 {
     }
 
     #[inline(always)]
+    fn slots() -> &'static SlotArray<[u8; 16]> {
+        &maps::NAT_SLOTS_V6
+    }
+
+    #[inline(always)]
+    fn slot_words() -> &'static SlotWords {
+        &maps::NAT_SLOT_WORDS_V6
+    }
+
+    #[inline(always)]
+    fn slot_buckets() -> u32 {
+        maps::set_by_agent(&maps::MASQ_SLOT_BUCKETS_V6)
+    }
+
+    /// Never: a slot operation is a frame of its own (`flow_table`), and IPv6's deepest chains
+    /// of frames (its addresses, and the spills they cause) leave no room for one below them.
+    #[inline(always)]
+    fn in_slot_table() -> bool {
+        false
+    }
+
+    #[inline(always)]
     fn drop_sample() -> &'static DropSample<[u8; 16]> {
         &maps::DROP_SAMPLE_V6
     }
 
     #[inline(always)]
     fn drop_sample_slots() -> u32 {
-        maps::drop_sample_slots(&maps::MASQ_DROP_SAMPLE_SLOTS_V6)
+        maps::set_by_agent(&maps::MASQ_DROP_SAMPLE_SLOTS_V6)
     }
 
     #[inline(always)]

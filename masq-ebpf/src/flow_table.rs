@@ -1,18 +1,31 @@
 //! Where the halves of the NAT table's flows are kept: the one place the programs find, make,
-//! remove and walk them, so that what holds them can change behind it (a table of the
-//! programs' own, docs/bench/profiles.md, "The first packet"). Each family's halves are
-//! elements of a kernel hash table keyed by `NatKey` (`nat_v4`, `nat_v6`).
+//! remove and walk them. IPv4's halves are in its slot table (`masq_ebpf::slot_table`) in the
+//! object built with it (`maps::in_slot_table`, a constant), for kernels with BPF atomics on
+//! map values (5.12); otherwise, and IPv6's always, elements of a kernel hash table keyed by
+//! `NatKey` (`nat_v4`, `nat_v6`).
 
-use core::ffi::c_void;
+use core::{
+    ffi::c_void,
+    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_xor},
+    marker::PhantomData,
+};
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_for_each_map_elem};
-use masq_ebpf::{NatEntry, NatKey};
+use masq_ebpf::{
+    NatEntry, NatKey, direction,
+    slot_table::{self, BUCKET_SLOTS, Lookup, Refused, Slot, SlotMemory, at_slot, held_slots},
+};
 
 use crate::family::Family;
 
 /// Why a half could not be made: the table holds a half of that key (`exists`), another
-/// flow's or the same flow's made first; or there is no room for it.
+/// flow's or the same flow's made first; or there is no room for it. The hash table's own
+/// error code, as its helper gives it.
 pub struct InsertError(i32);
+
+const EEXIST: i32 = -17;
+const E2BIG: i32 = -7;
+const ENOENT: i32 = -2;
 
 impl InsertError {
     #[inline(always)]
@@ -21,14 +34,201 @@ impl InsertError {
     }
 }
 
-const EEXIST: i32 = -17;
+/// The family's slot table, as the maps reach it.
+struct MapSlots<F>(PhantomData<F>);
+
+impl<F: Family> SlotMemory<F::Addr> for MapSlots<F> {
+    #[inline(always)]
+    fn buckets(&self) -> u32 {
+        F::slot_buckets()
+    }
+
+    #[inline(always)]
+    fn word(&self, bucket: u32) -> Option<*mut u64> {
+        F::slot_words().get_ptr_mut(bucket)
+    }
+
+    #[inline(always)]
+    fn slot(&self, bucket: u32, index: u32) -> Option<*mut Slot<F::Addr>> {
+        F::slots().get_ptr_mut(bucket.wrapping_mul(BUCKET_SLOTS).wrapping_add(index))
+    }
+
+    #[inline(always)]
+    unsafe fn exchange(&self, word: *mut u64, old: u64, new: u64) -> bool {
+        // SAFETY: a map value's aligned u64, which both sides change by locked instructions.
+        unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::Relaxed }>(
+                word, old, new,
+            )
+        }
+        .1
+    }
+
+    #[inline(always)]
+    unsafe fn flip(&self, word: *mut u64, bits: u64) {
+        // SAFETY: as in `exchange`.
+        unsafe {
+            atomic_xor::<u64, u64, { AtomicOrdering::SeqCst }>(word, bits);
+        }
+    }
+}
+
+#[inline(always)]
+fn slots<F: Family>() -> MapSlots<F> {
+    MapSlots(PhantomData)
+}
 
 /// The half of `key`, written in place by whoever holds it: the data path's updates of a half
 /// race benignly, each writing what a recent packet saw.
 #[inline(always)]
 pub fn find<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> {
+    if F::in_slot_table() {
+        return find_slot::<F>(key);
+    }
     F::nat().get_ptr_mut(key)
 }
+
+/// What the family's global lookup says of a key no slot holds, where either of its buckets
+/// has a free slot, and where neither has.
+const ABSENT: i64 = -1;
+const ABSENT_WITHOUT_ROOM: i64 = -2;
+
+/// What a lookup says of a key before an insert of it.
+pub enum Vacancy {
+    /// The table holds a half of the key.
+    Taken,
+    /// It holds none, and has room for one as far as a lookup can tell: in the slot table, a
+    /// free slot in either of the key's buckets; in the hash table, room is found only by an
+    /// insert.
+    Room,
+    /// It holds none, and neither of the key's buckets has a free slot.
+    NoRoom,
+}
+
+/// What the table holds of `key`, and whether it has room for it.
+#[inline(always)]
+pub fn vacancy<F: Family>(key: &NatKey<F::Addr>) -> Vacancy {
+    if F::in_slot_table() {
+        return match (F::FIND_SLOT)(key) {
+            ABSENT => Vacancy::Room,
+            ABSENT_WITHOUT_ROOM => Vacancy::NoRoom,
+            _ => Vacancy::Taken,
+        };
+    }
+    match F::nat().get_ptr(key) {
+        Some(_) => Vacancy::Taken,
+        None => Vacancy::Room,
+    }
+}
+
+/// The slot table's slots a full table looks at to make room for `key`: its two buckets',
+/// numbered as `flow_of_slot` takes them.
+#[inline(always)]
+pub fn slots_of<F: Family>(key: &NatKey<F::Addr>) -> [u32; 2] {
+    slot_table::Place::of(key, F::slot_buckets())
+        .buckets
+        .map(|bucket| bucket.wrapping_mul(BUCKET_SLOTS))
+}
+
+/// The egress key of the flow whose half slot `number` of the slot table holds, if it holds
+/// one (a copy, which another CPU's change may tear into a key no flow has).
+#[inline(always)]
+pub fn flow_of_slot<F: Family>(number: u32) -> Option<NatKey<F::Addr>> {
+    let (key, entry) = slot_table::held_at(&slots::<F>(), number)?;
+    Some(if key.direction == direction::EGRESS {
+        key
+    } else {
+        key.reverse(&entry)
+    })
+}
+
+/// A lookup is the family's global function, which the verifier walks once, where a static
+/// one it would walk whole at every lookup on every path (some hundreds of instructions each,
+/// where the hash table's helper is one), past its million. It says the slot's number, or
+/// `ABSENT` or `ABSENT_WITHOUT_ROOM`.
+#[inline(always)]
+fn find_slot<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> {
+    let number = (F::FIND_SLOT)(key);
+    let slot = F::slots().get_ptr_mut(u32::try_from(number).ok()?)?;
+    // SAFETY: a slot of the map; its entry is a field of it.
+    Some(unsafe { &raw mut (*slot).entry })
+}
+
+// The slot table's operations are global functions, each verified once on its own (their
+// pointer arguments need Linux 5.12, as their atomics do). Each is written once, here; the
+// family's are named below. The verifier takes a global function's pointer for one that may be
+// null (6.8), so each is tested: `nonnull` makes of it the reference its callers passed.
+macro_rules! slot_operations {
+    ($family:ty, $find:ident, $insert:ident, $remove:ident) => {
+        /// `slot_table::look_up` for the family: the slot's number, or `ABSENT` or
+        /// `ABSENT_WITHOUT_ROOM`.
+        #[unsafe(no_mangle)]
+        #[inline(never)]
+        pub extern "C" fn $find(key: *const NatKey<<$family as Family>::Addr>) -> i64 {
+            let Some(key) = nonnull(key) else {
+                return ABSENT_WITHOUT_ROOM;
+            };
+            match slot_table::look_up(&slots::<$family>(), key) {
+                Lookup::Held(number, _) => i64::from(number),
+                Lookup::Absent { room: true } => ABSENT,
+                Lookup::Absent { room: false } => ABSENT_WITHOUT_ROOM,
+            }
+        }
+
+        /// `slot_table::insert_new` for the family: 0, or the hash table's error code for the
+        /// refusal.
+        #[unsafe(no_mangle)]
+        #[inline(never)]
+        pub extern "C" fn $insert(
+            key: *const NatKey<<$family as Family>::Addr>,
+            entry: *const NatEntry<<$family as Family>::Addr>,
+        ) -> i32 {
+            let (Some(key), Some(entry)) = (nonnull(key), nonnull(entry)) else {
+                return E2BIG;
+            };
+            match slot_table::insert_new(&slots::<$family>(), key, entry) {
+                Ok(()) => 0,
+                Err(Refused::Exists) => EEXIST,
+                Err(Refused::Full) => E2BIG,
+            }
+        }
+
+        /// `slot_table::remove` for the family: 0, or the hash table's error code for a half
+        /// it did not hold.
+        #[unsafe(no_mangle)]
+        #[inline(never)]
+        pub extern "C" fn $remove(key: *const NatKey<<$family as Family>::Addr>) -> i32 {
+            let Some(key) = nonnull(key) else {
+                return ENOENT;
+            };
+            if slot_table::remove(&slots::<$family>(), key) {
+                0
+            } else {
+                ENOENT
+            }
+        }
+    };
+}
+
+/// The reference a caller passed as `pointer`.
+#[inline(always)]
+fn nonnull<T>(pointer: *const T) -> Option<&'static T> {
+    // SAFETY: the callers pass references, valid for the call.
+    unsafe { pointer.as_ref() }
+}
+
+slot_operations!(
+    crate::family::V4,
+    masq_find_slot_v4,
+    masq_insert_slot_v4,
+    masq_remove_slot_v4
+);
+slot_operations!(
+    crate::family::V6,
+    masq_find_slot_v6,
+    masq_insert_slot_v6,
+    masq_remove_slot_v6
+);
 
 /// The half of `key`, to read only.
 ///
@@ -37,17 +237,28 @@ pub fn find<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> 
 /// anything is removed, or only compared.
 #[inline(always)]
 pub unsafe fn read<F: Family>(key: &NatKey<F::Addr>) -> Option<&'static NatEntry<F::Addr>> {
+    if F::in_slot_table() {
+        // SAFETY: as the caller promises; the map lives as long as the program.
+        return find::<F>(key).map(|entry| unsafe { &*entry });
+    }
     // SAFETY: as the caller promises.
     unsafe { F::nat().get(key) }
 }
 
 /// Makes the half of `key` if the table holds none: of two CPUs that make the same key at
-/// once, one does, and the other is told it `exists`; that is how two flows never get one port.
+/// once, at most one does, and the other is told it `exists`; that is how two flows never get
+/// one port.
 #[inline(always)]
 pub fn insert_new<F: Family>(
     key: &NatKey<F::Addr>,
     entry: &NatEntry<F::Addr>,
 ) -> Result<(), InsertError> {
+    if F::in_slot_table() {
+        return match (F::INSERT_SLOT)(key, entry) {
+            0 => Ok(()),
+            code => Err(InsertError(code)),
+        };
+    }
     // By reference: copies for the helper would take the callers' frames past the verifier's
     // limit.
     F::nat()
@@ -55,38 +266,93 @@ pub fn insert_new<F: Family>(
         .map_err(InsertError)
 }
 
-/// Removes the half of `key`; an error (the helper's) if the table no longer held it: another
-/// CPU, or the sweep, removed it first. (The helper's result as it is: made into a `bool`, or
+/// Removes the half of `key`; an error if the table no longer held it: another CPU, or the
+/// sweep, removed it first. (The hash table's helper's result as it is: made into a `bool`, or
 /// an error of another type, where most callers ignore it, it costs `masq_reserve_port_v6` 16
 /// bytes of stack.)
 #[inline(always)]
 pub fn remove<F: Family>(key: &NatKey<F::Addr>) -> Result<(), i32> {
+    if F::in_slot_table() {
+        return match (F::REMOVE_SLOT)(key) {
+            0 => Ok(()),
+            code => Err(code),
+        };
+    }
     F::nat().remove(key)
 }
 
-/// What `walk` calls for each half: the table, the half's key and entry (valid for the call),
-/// and the context. Returns 0 to go on, 1 to stop.
-pub type Visit<F, C> = extern "C" fn(
-    *mut c_void,
-    *const NatKey<<F as Family>::Addr>,
-    *const NatEntry<<F as Family>::Addr>,
-    *mut C,
-) -> i64;
+/// What `walk` does with each half: 0 to go on, 1 to stop. The key and entry are valid for the
+/// call; the entry may be compared by address with what `read` gives for the key.
+pub trait Visit<F: Family> {
+    fn visit(key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) -> i64;
+}
 
-/// Calls `visit` for each half the table holds (`bpf_for_each_map_elem`, Linux 5.13), with
-/// `context`. Halves removed or made during the walk may be skipped or visited twice: a
-/// removed element goes back to the free list and may come back at once, in another bucket.
+/// Calls `V::visit` for each half the table holds (`bpf_for_each_map_elem`, Linux 5.13: over the
+/// hash table's elements, or over the slot table's words and the slots they hold). Halves removed
+/// or made during the walk may be skipped or visited twice: a removed element or slot may be
+/// taken again at once, elsewhere.
 #[inline(always)]
-pub fn walk<F: Family, C>(visit: Visit<F, C>, context: &mut C) {
-    // SAFETY: the table is a hash map the object declares, and `visit` a static function of
-    // the signature the helper calls, which the verifier checks against the map's key and
-    // value.
+pub fn walk<F: Family, V: Visit<F>>() {
+    // The helper wants a context on the stack, even where the callback needs none.
+    let mut unused = 0u64;
+    let (map, callback): (*const c_void, *mut c_void) = if F::in_slot_table() {
+        (
+            core::ptr::from_ref(F::slot_words()).cast(),
+            visit_bucket::<F, V> as *mut c_void,
+        )
+    } else {
+        (
+            core::ptr::from_ref(F::nat()).cast(),
+            visit_element::<F, V> as *mut c_void,
+        )
+    };
+    // SAFETY: both maps are the object's own, and each callback a static function of the
+    // signature the helper calls for its map, which the verifier checks against the map's key
+    // and value.
     unsafe {
         bpf_for_each_map_elem(
-            core::ptr::from_ref(F::nat()).cast_mut().cast(),
-            visit as *mut c_void,
-            core::ptr::from_mut(context).cast(),
+            map.cast_mut(),
+            callback,
+            core::ptr::from_mut(&mut unused).cast(),
             0,
         );
     }
+}
+
+/// The hash table's callback: each element is a half.
+extern "C" fn visit_element<F: Family, V: Visit<F>>(
+    _table: *mut c_void,
+    key: *const NatKey<F::Addr>,
+    entry: *const NatEntry<F::Addr>,
+    _unused: *mut u64,
+) -> i64 {
+    // SAFETY: the helper passes the element's key and value, valid for the call.
+    V::visit(unsafe { &*key }, unsafe { &*entry })
+}
+
+/// The slot table's callback: each word is a bucket, whose held slots are halves.
+extern "C" fn visit_bucket<F: Family, V: Visit<F>>(
+    _words: *mut c_void,
+    bucket: *const u32,
+    word: *const u64,
+    _unused: *mut u64,
+) -> i64 {
+    // SAFETY: the helper passes the element's index and value, valid for the call.
+    let (bucket, word) = unsafe { (*bucket, core::ptr::read_volatile(word)) };
+    let held = held_slots(word);
+    let memory = slots::<F>();
+    for index in 0..BUCKET_SLOTS {
+        if held & at_slot(0x80, index) == 0 {
+            continue;
+        }
+        let Some(slot) = memory.slot(bucket, index) else {
+            return 1;
+        };
+        // SAFETY: a slot of the map, valid as long as the program.
+        let (key, entry) = unsafe { (&(*slot).key, &(*slot).entry) };
+        if V::visit(key, entry) != 0 {
+            return 1;
+        }
+    }
+    0
 }

@@ -1,7 +1,7 @@
 //! The contract between masq-agent's tc programs and its userspace agent: map names, key and value
 //! layouts, counter indices. Both sides compile this one file, so the layouts can never drift.
 //! One job, the contract, whatever its length: split, it would be two places to keep in step.
-#![no_std]
+#![cfg_attr(not(test), no_std)]
 
 /// Names of the maps as the object declares them. The agent pins each one under `--bpffs` with
 /// the same name, so `bpftool map dump pinned <bpffs>/<name>` finds it.
@@ -20,6 +20,12 @@ pub mod map_names {
     pub const NON_MASQ_SRC_V6: &str = "non_masq_src_v6";
     pub const NAT_V4: &str = "nat_v4";
     pub const NAT_V6: &str = "nat_v6";
+    /// Where the kernel has BPF atomics (5.12), each family's halves in the slot table
+    /// (`slot_table`) instead of `nat_v4` and `nat_v6`: its slots, and its buckets' words.
+    pub const NAT_SLOTS_V4: &str = "nat_slots_v4";
+    pub const NAT_SLOT_WORDS_V4: &str = "nat_slot_words_v4";
+    pub const NAT_SLOTS_V6: &str = "nat_slots_v6";
+    pub const NAT_SLOT_WORDS_V6: &str = "nat_slot_words_v6";
     pub const INTERFACES: &str = "interfaces";
     pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
@@ -74,7 +80,7 @@ pub mod map_names {
     pub const SWEEP_REPORT: &str = "nat_sweep_report";
 
     /// Every map the agent pins.
-    pub const PINNED: [&str; 13] = [
+    pub const PINNED: [&str; 17] = [
         NON_MASQ_V4,
         NON_MASQ_V6,
         NON_MASQ_SRC_V4,
@@ -83,6 +89,10 @@ pub mod map_names {
         DRAINING_V6,
         NAT_V4,
         NAT_V6,
+        NAT_SLOTS_V4,
+        NAT_SLOT_WORDS_V4,
+        NAT_SLOTS_V6,
+        NAT_SLOT_WORDS_V6,
         INTERFACES,
         SETTINGS,
         COUNTERS,
@@ -153,6 +163,10 @@ pub mod global_names {
     /// random slot needs no bounds check of its own.
     pub const DROP_SAMPLE_SLOTS_V4: &str = "MASQ_DROP_SAMPLE_SLOTS_V4";
     pub const DROP_SAMPLE_SLOTS_V6: &str = "MASQ_DROP_SAMPLE_SLOTS_V6";
+    /// Each family's slot table's buckets, a power of two: a constant for the verifier, so
+    /// that a key's bucket needs no bounds check of its own.
+    pub const SLOT_BUCKETS_V4: &str = "MASQ_SLOT_BUCKETS_V4";
+    pub const SLOT_BUCKETS_V6: &str = "MASQ_SLOT_BUCKETS_V6";
 }
 
 /// Capacity of each non-masquerade trie. Upstream caps a config at 64 CIDRs (`cidrLimit`), but the
@@ -839,6 +853,7 @@ mod layout {
 }
 
 pub mod flows;
+pub mod slot_table;
 pub use flows::{FlowOwner, FlowState, SamplePointing, SweepOrder, SweepReport, sweep_report};
 
 #[cfg(feature = "user")]

@@ -1,6 +1,8 @@
 //! masq-agent's tc programs. Built for `bpfel-unknown-none` by masq-agent's build script.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 // First: its `step!` macro is used by the modules below.
 #[cfg(target_arch = "bpf")]

@@ -9,13 +9,21 @@ use masq_ebpf::{
     Address, COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES,
     Interface, NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
     PolicyEntry, Settings, SweepOrder, SweepReport, decision_slot, node_ports, policy_word,
-    verdict_slot,
+    slot_table::Slot, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
 /// is full, new flows are dropped and counted, and no live flow is ever evicted. The agent sets
 /// the size at load time.
 pub type NatTable<A> = HashMap<NatKey<A>, NatEntry<A>, { NAT_DEFAULT_ENTRIES as usize }>;
+/// `BPF_F_MMAPABLE` (include/uapi/linux/bpf.h): the array's values start on a page, so that
+/// each slot is its own cache line (otherwise they start 312 bytes in, and straddle two), and
+/// the agent may map them.
+const BPF_F_MMAPABLE: usize = 1 << 10;
+/// A family's slot table (`masq_ebpf::slot_table`): its slots, and a word per bucket. The agent
+/// sets the sizes (one entry each where the halves are in the hash table).
+pub type SlotArray<A> = Array<Slot<A>, 1, BPF_F_MMAPABLE>;
+pub type SlotWords = Array<u64, 1, BPF_F_MMAPABLE>;
 /// What the first fragment of each datagram in flight became: the address its later fragments
 /// take.
 pub type FragmentTable<A> = LruHashMap<FragmentKey<A>, A, { FRAGMENTS_MAX_ENTRIES as usize }>;
@@ -62,6 +70,31 @@ pub static NAT_V4: NatTable<[u8; 4]> = HashMap::new();
 #[btf_map(name = "nat_v6")]
 pub static NAT_V6: NatTable<[u8; 16]> = HashMap::new();
 
+#[btf_map(name = "nat_slots_v4")]
+pub static NAT_SLOTS_V4: SlotArray<[u8; 4]> = Array::new();
+
+#[btf_map(name = "nat_slot_words_v4")]
+pub static NAT_SLOT_WORDS_V4: SlotWords = Array::new();
+
+#[btf_map(name = "nat_slots_v6")]
+pub static NAT_SLOTS_V6: SlotArray<[u8; 16]> = Array::new();
+
+#[btf_map(name = "nat_slot_words_v6")]
+pub static NAT_SLOT_WORDS_V6: SlotWords = Array::new();
+
+/// `global_names::SLOT_BUCKETS_V4` and `_V6`, as the agent sets them.
+#[unsafe(no_mangle)]
+pub static MASQ_SLOT_BUCKETS_V4: u32 = 2;
+#[unsafe(no_mangle)]
+pub static MASQ_SLOT_BUCKETS_V6: u32 = 2;
+
+/// Whether the halves are in the slot table: in the object built with it, always; in the one
+/// built without, never, and it holds no slot operation for an older kernel to refuse.
+#[inline(always)]
+pub const fn in_slot_table() -> bool {
+    cfg!(feature = "slot-table")
+}
+
 #[btf_map(name = "nat_fragments_v4")]
 pub static FRAGMENTS_V4: FragmentTable<[u8; 4]> = LruHashMap::new();
 
@@ -81,9 +114,9 @@ pub static MASQ_DROP_SAMPLE_SLOTS_V4: u32 = 1;
 #[unsafe(no_mangle)]
 pub static MASQ_DROP_SAMPLE_SLOTS_V6: u32 = 1;
 
-/// One of the globals above, as the agent set it.
+/// One of the u32 globals here, as the agent set it.
 #[inline(always)]
-pub fn drop_sample_slots(global: &'static u32) -> u32 {
+pub fn set_by_agent(global: &'static u32) -> u32 {
     // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
     // read as the constant the agent set.
     unsafe { core::ptr::read_volatile(global) }
@@ -110,6 +143,9 @@ pub struct PortRequest<A: Address> {
     pub egress: NatEntry<A>,
     /// Where `verifier::forget_in` writes a value and reads it back.
     pub unknown: u32,
+    /// The half a full slot table makes room for (`early_drop`): a table of the programs' own
+    /// has room for a half only in its key's buckets.
+    pub room_for: NatKey<A>,
 }
 
 pub type PortRequests<A> = PerCpuArray<PortRequest<A>, 1>;

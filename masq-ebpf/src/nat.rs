@@ -17,7 +17,9 @@ use masq_ebpf::{
 use crate::{
     early_drop::{self, SampleSlot},
     family::Family,
-    flow_table, maps,
+    flow_table,
+    flow_table::Vacancy,
+    maps,
     parse::{self, L4, Packet},
     ports, verifier,
 };
@@ -515,6 +517,9 @@ fn reserve_port_global<F: Family>() -> i64 {
         &mut request.unknown,
         ports::first_offset(settings, egress_key.sport),
     );
+    if F::in_slot_table() {
+        return reserve_port_in_slots::<F>(request, settings, start, ingress_key, &ingress);
+    }
     for attempt in 0..ports::MAX_ATTEMPTS {
         let port = ports::candidate(settings, start, attempt);
         ingress_key.dport = verifier::forget_in(&mut request.unknown, u32::from(port)) as u16;
@@ -540,6 +545,55 @@ fn reserve_port_global<F: Family>() -> i64 {
         }
     }
     i64::from(PORTS_EXHAUSTED)
+}
+
+/// `reserve_port_global`'s search where the halves are in the slot table: candidates are
+/// looked up, and only the first free one is made, since the verifier walks each insert into
+/// the slot table whole (some 16 000 instructions), and an insert per attempt would take it
+/// past its million. Another CPU that makes the same reply half between the lookup and the
+/// insert takes the port; this flow's packet is then dropped as if the ports ran out, and its
+/// next one (a SYN sent again) searches anew.
+#[inline(always)]
+fn reserve_port_in_slots<F: Family>(
+    request: &mut maps::PortRequest<F::Addr>,
+    settings: &masq_ebpf::Settings,
+    start: u32,
+    mut ingress_key: NatKey<F::Addr>,
+    ingress: &NatEntry<F::Addr>,
+) -> i64 {
+    // A port whose reply half's buckets are full is passed over as one taken is; if that is
+    // all the search found, the table is full, not the ports.
+    let (mut found, mut without_room) = (false, false);
+    for attempt in 0..ports::MAX_ATTEMPTS {
+        let port = ports::candidate(settings, start, attempt);
+        ingress_key.dport = verifier::forget_in(&mut request.unknown, u32::from(port)) as u16;
+        if ports::held_by_node(request.egress_key.proto, ingress_key.dport) {
+            continue;
+        }
+        match flow_table::vacancy::<F>(&ingress_key) {
+            Vacancy::Room => {
+                found = true;
+                break;
+            }
+            Vacancy::NoRoom => without_room = true,
+            Vacancy::Taken => {}
+        }
+    }
+    if !found {
+        return i64::from(if without_room {
+            TABLE_FULL
+        } else {
+            PORTS_EXHAUSTED
+        });
+    }
+    match flow_table::insert_new::<F>(&ingress_key, ingress) {
+        Ok(()) => {
+            request.egress.port = ingress_key.dport;
+            i64::from(RESERVED)
+        }
+        Err(err) if err.exists() => i64::from(PORTS_EXHAUSTED),
+        Err(_) => i64::from(TABLE_FULL),
+    }
 }
 
 /// `reserve_port` for IPv4, a global BPF function.
@@ -632,8 +686,9 @@ pub fn track_identity<F: Family>(
         (&unseen, segment)
     };
     let (addr, port) = (egress_key.saddr, egress_key.sport);
-    let egress = half(addr, port, kind, egress_segment, now);
-    let ingress_key = &egress_key.reverse(&egress);
+    // Each half is made just before it goes in, so that the two share their place in the frame:
+    // the deepest chain of frames passes through here.
+    let ingress_key = &egress_key.reverse(&half(addr, port, kind, egress_segment, now));
     let ingress = half(
         ingress_key.daddr,
         ingress_key.dport,
@@ -647,6 +702,7 @@ pub fn track_identity<F: Family>(
         Err(_) => return Err(IdentityError::TableFull),
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it.
+    let egress = half(addr, port, kind, egress_segment, now);
     if flow_table::insert_new::<F>(egress_key, &egress).is_err() {
         let _ = flow_table::remove::<F>(ingress_key);
         return Err(IdentityError::NotRecorded);

@@ -176,7 +176,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
-                    let room = early_drop::early_drop::<F>();
+                    let room = early_drop::early_drop::<F>(&key);
                     // No flow dropped (none to drop in the slots looked at, or another CPU
                     // took the one chosen): the next round looks at other slots.
                     if !room.dropped() {
@@ -811,7 +811,7 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 // verifier, and a connection that loses the room to another CPU's flow is
                 // retransmitted.
                 if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
-                    || (early_drop::early_drop::<F>().dropped()
+                    || (early_drop::early_drop::<F>(&ingress_key(ip, &l4, F::ICMP)).dropped()
                         && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
                 {
                     return TcAction::PASS;

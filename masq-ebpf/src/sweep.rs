@@ -23,8 +23,6 @@
 //! whether a full table may drop the flow, and takes the slot `SamplePointing` gives it. The
 //! agent once read the whole table out for this, which cost it more than the walk.
 
-use core::ffi::c_void;
-
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     macros::classifier,
@@ -57,9 +55,7 @@ fn sweep<F: Family>() -> bool {
     if order().is_none() || report::<F>().is_none() {
         return false;
     }
-    // The helper wants a context on the stack, even where the callback needs none.
-    let mut unused = 0u64;
-    flow_table::walk::<F, u64>(judge::<F>, &mut unused);
+    flow_table::walk::<F, Judge>();
     true
 }
 
@@ -75,21 +71,22 @@ fn report<F: Family>() -> Option<&'static mut SweepReport> {
     Some(unsafe { &mut *report })
 }
 
-/// What the walk calls for each half in the table (`flow_table::Visit`): counts it, and points the
-/// drop sample at its flow if ordered to, unless it judges its flow over and removes it, or
-/// finds it gone already. Returns 0 to go on, 1 to stop.
-extern "C" fn judge<F: Family>(
-    _table: *mut c_void,
-    key: *const NatKey<F::Addr>,
-    entry: *const NatEntry<F::Addr>,
-    _unused: *mut u64,
-) -> i64 {
+/// What the walk does with each half in the table: counts it, and points the drop sample at its
+/// flow if ordered to, unless it judges its flow over and removes it, or finds it gone already.
+struct Judge;
+
+impl<F: Family> flow_table::Visit<F> for Judge {
+    #[inline(never)]
+    fn visit(key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) -> i64 {
+        judge::<F>(key, entry)
+    }
+}
+
+#[inline(always)]
+fn judge<F: Family>(key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) -> i64 {
     let (Some(order), Some(report)) = (order(), report::<F>()) else {
         return 1;
     };
-    // SAFETY: the helper passes the element's key and value, valid for the call; the value is
-    // only read.
-    let (key, entry) = unsafe { (&*key, &*entry) };
     if idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns)
         && remove_if_over::<F>(order, report, key, entry)
     {

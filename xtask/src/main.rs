@@ -159,22 +159,27 @@ fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
             "warnings",
         ],
     )?;
-    step(
-        "cargo",
-        &[
-            "+nightly",
-            "clippy",
-            "--package",
-            "masq-ebpf",
-            "--target",
-            "bpfel-unknown-none",
-            "-Z",
-            "build-std=core",
-            "--",
-            "-D",
-            "warnings",
-        ],
-    )?;
+    // Both objects' programs: without the slot table, and with it.
+    for features in ["", "slot-table"] {
+        step(
+            "cargo",
+            &[
+                "+nightly",
+                "clippy",
+                "--package",
+                "masq-ebpf",
+                "--target",
+                "bpfel-unknown-none",
+                "-Z",
+                "build-std=core",
+                "--features",
+                features,
+                "--",
+                "-D",
+                "warnings",
+            ],
+        )?;
+    }
     manifests::validate()?;
     let mut args = vec!["test", "--workspace"];
     args.extend(cargo_test_args.iter().map(String::as_str));

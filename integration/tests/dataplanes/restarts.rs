@@ -38,6 +38,7 @@ mod ebpf {
         a_new_nat_capacity_keeps_open_connections,
         a_capacity_change_during_a_transfer_loses_nothing,
         a_rollback_with_nothing_to_drain_removes_the_programs,
+        the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing,
     );
 }
 
@@ -353,6 +354,26 @@ fn a_capacity_change_during_a_transfer_loses_nothing(plane: Plane) {
         "{}",
         agent.log_text()
     );
+}
+
+/// A transfer runs while the agent restarts with IPv4's halves in the slot table, and again
+/// with them back in the hash table: every byte arrives, and each agent carried the flows of
+/// the table the other left.
+fn the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let mut agent = bed.start_agent(&[]);
+    let transfer = PacedTransfer::start(&bed, (topology::EXT_ADDR, 9780).into(), 60);
+    for slot_table in ["1", "0"] {
+        std::thread::sleep(Duration::from_millis(500));
+        agent.stop(libc::SIGTERM).unwrap();
+        agent = bed.spawn_agent(&bed.plane_args(), &[("MASQ_AGENT_SLOT_TABLE", slot_table)]);
+        assert!(
+            agent.log_text().contains("flows carried"),
+            "MASQ_AGENT_SLOT_TABLE={slot_table}: {}",
+            agent.log_text()
+        );
+    }
+    transfer.assert_complete(&agent.log_text());
 }
 
 /// The flags of this bed's agent with `--dataplane iptables` instead: upstream's chain.

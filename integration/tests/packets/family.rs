@@ -73,7 +73,22 @@ pub trait HarnessFamily: FrameAddress {
     fn from_octets(octets: Self::Octets) -> Self;
     /// The real object with fresh maps, configured as the agent would: the NAT ports, the
     /// node's address and `POLICY`, in this family (and, for IPv6, in IPv4 too).
-    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed;
+    /// A bed of `nat_entries` entries a family, in the NAT table the environment asks for.
+    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
+        Self::configure(
+            TestBed::unconfigured(nat_entries).unwrap(),
+            spans,
+            random_fully,
+        )
+    }
+    /// As `bed`, the halves in the hash table whatever the environment asks: for what only it
+    /// has (the drop sample a full table looks at).
+    fn bed_in_hash_table(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
+        let unconfigured = TestBed::unconfigured_in(nat_entries, false).unwrap();
+        Self::configure(unconfigured, spans, random_fully)
+    }
+    /// `bed`'s configuration of an unconfigured bed.
+    fn configure(unconfigured: TestBed, spans: &[(u16, u16)], random_fully: bool) -> TestBed;
     /// The family, as the agent's policy names it.
     const POLICY_FAMILY: PolicyFamily;
     /// The prefixes draining out of the policy.
@@ -102,6 +117,9 @@ pub trait HarnessFamily: FrameAddress {
     fn forget_address(bed: &TestBed, addr: Self) -> usize;
     /// The drop sample, slot by slot.
     fn drop_sample(bed: &TestBed) -> Vec<NatKey<Self::Octets>>;
+    /// Whether the family's full table looks at the drop sample (its halves are in the hash
+    /// table), or at the new flow's buckets (the slot table).
+    fn has_drop_sample(bed: &TestBed) -> bool;
     /// Empties every slot of the drop sample, as new flows writing over its slots make it
     /// forget the flows it held.
     fn forget_drop_sample(bed: &TestBed);
@@ -186,6 +204,9 @@ macro_rules! nat_table_of {
             let table = <$octets as NatFamily>::table(&bed.maps.nat);
             expiry::forget_address(table, addr.octets()).unwrap()
         }
+        fn has_drop_sample(bed: &TestBed) -> bool {
+            bed.has_drop_sample::<$octets>()
+        }
         fn drop_sample(bed: &TestBed) -> Vec<NatKey<$octets>> {
             let sample = <$octets as NatFamily>::drop_sample(&bed.maps.drop_samples);
             (0..sample.len())
@@ -252,9 +273,9 @@ impl HarnessFamily for Ipv4Addr {
         Ipv4Addr::from(octets)
     }
 
-    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
-        TestBed::new(
-            nat_entries,
+    fn configure(unconfigured: TestBed, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
+        TestBed::configured(
+            unconfigured,
             spans,
             random_fully,
             Self::NODE,
@@ -329,10 +350,10 @@ impl HarnessFamily for Ipv6Addr {
         Ipv6Addr::from(octets)
     }
 
-    fn bed(nat_entries: u32, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
+    fn configure(unconfigured: TestBed, spans: &[(u16, u16)], random_fully: bool) -> TestBed {
         let node_v4 = <Ipv4Addr as HarnessFamily>::NODE;
-        let mut bed = TestBed::new(
-            nat_entries,
+        let mut bed = TestBed::configured(
+            unconfigured,
             spans,
             random_fully,
             node_v4,
@@ -494,13 +515,21 @@ pub fn error_checksums<F: HarnessFamily>(error: &[u8]) -> Vec<usize> {
     at
 }
 
-/// Cases written once over both families: each runs as `<case>::ipv4` and `<case>::ipv6`.
+/// Cases written once over both families: each runs as `<case>::ipv4` and `<case>::ipv6`, and
+/// as `<case>::ipv4_slot_table`, IPv4's halves in the slot table (where the kernel has BPF
+/// atomics on map values, 5.12; IPv6's stay in the hash table).
 macro_rules! in_both_families {
     ($($case:ident),* $(,)?) => {
         $(mod $case {
             #[test]
             fn ipv4() {
                 super::$case::<std::net::Ipv4Addr>()
+            }
+            #[test]
+            fn ipv4_slot_table() {
+                masq_agent::dataplane::ebpf::testbed::TestBed::in_slot_table(
+                    super::$case::<std::net::Ipv4Addr>,
+                )
             }
             #[test]
             fn ipv6() {

@@ -2,7 +2,7 @@
 
 use std::net::Ipv4Addr;
 
-use masq_agent::dataplane::ebpf::{batch, testbed::TC_ACT_OK};
+use masq_agent::dataplane::ebpf::testbed::TC_ACT_OK;
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, program_names};
 use masq_testbed::packet::*;
 
@@ -87,12 +87,12 @@ fn odd_and_truncated_packets_pass_unmodified() {
     assert!(h.nat().is_empty());
 }
 
-/// The agent reads and prunes the table with batch commands; the table is family-blind, so one
-/// family shows it.
+/// The agent reads and prunes a large table whole (a hash table with batch commands, the slot
+/// table through its mapping); the table is family-blind, so one family shows it.
 #[test]
-fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
+fn the_sweep_reads_and_prunes_a_large_table_whole() {
     let mut h = <Ipv4Addr as HarnessFamily>::bed(16_384, &[(1024, 65535)], true);
-    // More entries than one batch call carries, so the kernel's cursor is followed.
+    // More entries than one batch call carries, so that the kernel's cursor is followed.
     let keys: Vec<NatKeyV4> = (0..10_000u32)
         .map(|i| {
             let [a, b, c, d] = i.to_be_bytes();
@@ -110,7 +110,7 @@ fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
     for key in &keys {
         h.maps.nat.v4.write(key, &NatEntryV4::default()).unwrap();
     }
-    let read: Vec<(NatKeyV4, NatEntryV4)> = batch::lookup_all(h.maps.nat.v4.map()).unwrap();
+    let read: Vec<(NatKeyV4, NatEntryV4)> = h.maps.nat.v4.read_all().unwrap();
     assert_eq!(read.len(), keys.len());
     let mut read_keys: Vec<_> = read.iter().map(|(k, _)| *k).collect();
     read_keys.sort_by_key(|k| (k.saddr, k.daddr));
@@ -121,7 +121,7 @@ fn the_sweep_reads_and_prunes_a_large_table_in_batches() {
     doomed.insert(100, keys[9_999]);
     h.maps.nat.v4.remove(&keys[9_999]).unwrap();
     doomed.insert(4_000, keys[9_999]);
-    let deleted = batch::delete_all(h.maps.nat.v4.map(), &doomed).unwrap();
+    let deleted = h.maps.nat.v4.remove_all(&doomed).unwrap();
     assert_eq!(deleted, 5_000);
     assert_eq!(h.nat().len(), keys.len() - 5_001);
 }

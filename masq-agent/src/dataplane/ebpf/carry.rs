@@ -1,6 +1,6 @@
 //! Carrying the flows of a pinned NAT table that this build cannot reuse as it is (an older
-//! agent's entry layout, or another `--nat-capacity`) into the new table, so that an upgrade or
-//! a resize breaks no connection.
+//! agent's entry layout, another `--nat-capacity`, or the halves moving between the hash table
+//! and the slot table) into the new table, so that an upgrade or a resize breaks no connection.
 //!
 //! The old table is opened before its pin is replaced, and stays alive as long as it is held
 //! open here (and as long as the old programs, still attached, use it). Its flows are copied
@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::{
     batch,
     expiry::FlowOwner,
-    flow_table::NatTable,
+    flow_table::{NatTable, V4_MAPS},
     map_types::{Counters, NatFamily},
     maps::Maps,
     pins::Pins,
@@ -69,8 +69,15 @@ enum Layout {
 /// One old table, held open.
 struct Old {
     name: &'static str,
-    map: MapData,
-    layout: Layout,
+    source: Source,
+}
+
+/// Where an old table's halves are.
+enum Source {
+    /// A hash table, pinned as the `Old`'s name.
+    Hash { map: MapData, layout: Layout },
+    /// A slot table (IPv4's), whose maps are pinned under `V4_MAPS`' other names.
+    Slots(NatTable<[u8; 4]>),
 }
 
 /// The old NAT tables whose flows are being carried into the new ones.
@@ -85,6 +92,9 @@ impl Carried {
     /// this build does not know is left to be replaced, and said so.
     pub fn open(pins: &Pins, capacity: impl Fn(&str) -> u32) -> Carried {
         let mut tables = Vec::new();
+        if let Some(slots) = open_slot_table(pins, &capacity) {
+            tables.push(slots);
+        }
         for name in [map_names::NAT_V4, map_names::NAT_V6] {
             let path = pins.map(name);
             if !path.exists() {
@@ -122,7 +132,10 @@ impl Carried {
             if layout == Layout::Current && info.max_entries() == capacity(name) {
                 continue;
             }
-            tables.push(Old { name, map, layout });
+            tables.push(Old {
+                name,
+                source: Source::Hash { map, layout },
+            });
         }
         Carried { tables }
     }
@@ -133,9 +146,13 @@ impl Carried {
     /// attempt carries its flows.
     pub fn pin_again(&mut self, pins: &Pins) {
         for old in &mut self.tables {
+            let Source::Hash { map, .. } = &mut old.source else {
+                // The slot table's maps are replaced only once a load succeeds.
+                continue;
+            };
             let path = pins.map(old.name);
             if !path.exists()
-                && let Err(err) = old.map.pin(&path)
+                && let Err(err) = map.pin(&path)
             {
                 warn!(map = old.name, "cannot pin the old NAT table again: {err}");
             }
@@ -144,10 +161,16 @@ impl Carried {
 
     pub fn copy_into(&self, maps: &mut Maps) {
         for old in &self.tables {
-            let copied = if old.name == map_names::NAT_V6 {
-                copy_table::<[u8; 16]>(old, maps)
-            } else {
-                copy_table::<[u8; 4]>(old, maps)
+            let copied = match &old.source {
+                Source::Slots(table) => table
+                    .read_all()
+                    .and_then(|halves| copy_entries(halves.into_iter().collect(), maps)),
+                Source::Hash { map, layout } if old.name == map_names::NAT_V6 => {
+                    hash_entries::<[u8; 16]>(map, *layout)
+                        .and_then(|entries| copy_entries(entries, maps))
+                }
+                Source::Hash { map, layout } => hash_entries::<[u8; 4]>(map, *layout)
+                    .and_then(|entries| copy_entries(entries, maps)),
             };
             let outcome = match copied {
                 Ok(outcome) => outcome,
@@ -199,24 +222,73 @@ struct Outcome {
     left_out: usize,
 }
 
-fn copy_table<A>(old: &Old, maps: &mut Maps) -> anyhow::Result<Outcome>
+/// The slot table an earlier agent pinned, if the new tables replace it: it held halves (more
+/// than one bucket) and the new one is another size, or none (`capacity` of its words).
+fn open_slot_table(pins: &Pins, capacity: &impl Fn(&str) -> u32) -> Option<Old> {
+    let maps = &V4_MAPS;
+    if !(pins.map(maps.slots).exists() && pins.map(maps.words).exists()) {
+        return None;
+    }
+    let opened = (|| {
+        let (slots, words) = (pins.open_map(maps.slots)?, pins.open_map(maps.words)?);
+        let buckets = words_of(&words)?;
+        if buckets == capacity(maps.words) {
+            return Ok(None);
+        }
+        NatTable::<[u8; 4]>::from_slot_maps(slots, words)
+    })();
+    match opened {
+        Ok(table) => table.map(|table| Old {
+            name: maps.hash,
+            source: Source::Slots(table),
+        }),
+        Err(err) => {
+            warn!(
+                map = maps.slots,
+                "cannot open the pinned slot table: {err:#}"
+            );
+            None
+        }
+    }
+}
+
+/// The entries of a pinned array map.
+fn words_of(map: &aya::maps::Map) -> anyhow::Result<u32> {
+    let aya::maps::Map::Array(data) = map else {
+        anyhow::bail!("the NAT slot words are not an array");
+    };
+    Ok(data.info()?.max_entries())
+}
+
+/// The halves of an old hash table, as this build keeps them.
+fn hash_entries<A>(map: &MapData, layout: Layout) -> anyhow::Result<HashMap<NatKey<A>, NatEntry<A>>>
 where
     A: NatFamily,
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
     EntryWithoutSequence<A>: Pod,
 {
-    let entries: HashMap<NatKey<A>, NatEntry<A>> = match old.layout {
-        Layout::Current => batch::lookup_all::<NatKey<A>, NatEntry<A>>(&old.map)?
+    Ok(match layout {
+        Layout::Current => batch::lookup_all::<NatKey<A>, NatEntry<A>>(map)?
             .into_iter()
             .collect(),
-        Layout::WithoutSequence => {
-            batch::lookup_all::<NatKey<A>, EntryWithoutSequence<A>>(&old.map)?
-                .into_iter()
-                .map(|(key, entry)| (key, entry.current()))
-                .collect()
-        }
-    };
+        Layout::WithoutSequence => batch::lookup_all::<NatKey<A>, EntryWithoutSequence<A>>(map)?
+            .into_iter()
+            .map(|(key, entry)| (key, entry.current()))
+            .collect(),
+    })
+}
+
+/// Makes `entries`' flows in `maps`' table of their family.
+fn copy_entries<A>(
+    entries: HashMap<NatKey<A>, NatEntry<A>>,
+    maps: &mut Maps,
+) -> anyhow::Result<Outcome>
+where
+    A: NatFamily,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
     let new: &mut NatTable<A> = A::table_mut(&mut maps.nat);
     let mut outcome = Outcome {
         carried: 0,

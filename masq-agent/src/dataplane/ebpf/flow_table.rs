@@ -1,43 +1,104 @@
 //! A family's NAT table as the agent reads and writes it: both halves of every flow the
-//! programs know, where the programs keep them (masq-ebpf's `flow_table`), a kernel hash table
-//! keyed by `NatKey`. The one place the agent touches a half, so that what holds them can
-//! change behind it.
+//! programs know, where the programs keep them (masq-ebpf's `flow_table`): the slot table
+//! (`masq_ebpf::slot_table`), which the agent maps into its memory and changes by the same
+//! rules as the programs, or a kernel hash table keyed by `NatKey`. The one place the agent
+//! touches a half.
+
+use std::{num::NonZeroUsize, os::fd::AsFd, ptr::NonNull};
 
 use anyhow::Context as _;
 use aya::{
     Pod,
-    maps::{HashMap as BpfHashMap, IterableMap as _, Map, MapData, MapError},
+    maps::{Array, HashMap as BpfHashMap, IterableMap as _, Map, MapData, MapError},
 };
-use masq_ebpf::{Address, NatEntry, NatKey};
+use masq_ebpf::{
+    Address, NatEntry, NatKey, map_names,
+    slot_table::{self, BUCKET_SLOTS, Mapped, Refused, Slot, SlotMemory, at_slot, held_slots},
+};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 
 use super::batch;
+
+/// The maps a family's NAT table may be kept in, by their names: the hash table, and the slot
+/// table's slots and words.
+pub struct TableMaps {
+    pub hash: &'static str,
+    pub slots: &'static str,
+    pub words: &'static str,
+}
+
+pub const V4_MAPS: TableMaps = TableMaps {
+    hash: map_names::NAT_V4,
+    slots: map_names::NAT_SLOTS_V4,
+    words: map_names::NAT_SLOT_WORDS_V4,
+};
+
+pub const V6_MAPS: TableMaps = TableMaps {
+    hash: map_names::NAT_V6,
+    slots: map_names::NAT_SLOTS_V6,
+    words: map_names::NAT_SLOT_WORDS_V6,
+};
 
 /// A family's NAT table, entry by entry.
 pub type Table<A> = Vec<(NatKey<A>, NatEntry<A>)>;
 
 /// A family's NAT table.
 pub struct NatTable<A: Address> {
-    map: BpfHashMap<MapData, NatKey<A>, NatEntry<A>>,
+    kind: Kind<A>,
 }
 
-/// A map of another kind or layout is refused, as `map_types::typed` says.
-impl<A> TryFrom<Map> for NatTable<A>
-where
-    A: Address,
-    NatKey<A>: Pod,
-    NatEntry<A>: Pod,
-{
-    type Error = MapError;
+enum Kind<A: Address> {
+    Hash(BpfHashMap<MapData, NatKey<A>, NatEntry<A>>),
+    Slots(SlotTable<A>),
+}
 
-    fn try_from(map: Map) -> Result<Self, MapError> {
-        Ok(NatTable {
-            map: BpfHashMap::try_from(map)?,
-        })
+/// The slot table's two arrays, mapped shared into the agent's memory.
+struct SlotTable<A: Address> {
+    _slots: Mapping,
+    _words: Mapping,
+    memory: Mapped<A>,
+    /// Held so that the arrays outlive their mappings' use, whatever the kernel does with a
+    /// mapping of a map whose last descriptor closed.
+    _maps: (MapData, Array<MapData, u64>),
+}
+
+/// A shared mapping of an array map's values.
+struct Mapping {
+    at: NonNull<std::ffi::c_void>,
+    len: NonZeroUsize,
+}
+
+impl Mapping {
+    fn of(map: &MapData, len: usize, what: &str) -> anyhow::Result<Mapping> {
+        let len = NonZeroUsize::new(len).with_context(|| format!("{what}: an empty array"))?;
+        // SAFETY: a fresh shared mapping of the map's values, which the kernel keeps valid
+        // while mapped; nothing else in this process is placed there.
+        let at = unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                map.fd().as_fd(),
+                0,
+            )
+        }
+        .with_context(|| format!("mapping {what}"))?;
+        Ok(Mapping { at, len })
     }
 }
 
-// BPF_NOEXIST (include/uapi/linux/bpf.h): a half the table holds stays as it is.
-const BPF_NOEXIST: u64 = 1;
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `of` made, used no more.
+        let _ = unsafe { munmap(self.at, self.len.get()) };
+    }
+}
+
+// SAFETY: the slot table is shared with the kernel's CPUs already, and changed by rules made for
+// many writers; the agent's threads are more of them.
+unsafe impl<A: Address> Send for SlotTable<A> {}
+unsafe impl<A: Address> Sync for SlotTable<A> {}
 
 impl<A> NatTable<A>
 where
@@ -45,58 +106,238 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    /// Every half, read whole with batch commands.
+    /// The family's table, from its maps: the slot table where the agent sized it for the
+    /// halves (more than one entry), the hash table otherwise.
+    pub fn from_maps(hash: Map, slot_table: Option<(Map, Map)>) -> anyhow::Result<NatTable<A>> {
+        if let Some((slots, words)) = slot_table
+            && let Some(table) = NatTable::from_slot_maps(slots, words)?
+        {
+            return Ok(table);
+        }
+        Ok(NatTable {
+            kind: Kind::Hash(BpfHashMap::try_from(hash)?),
+        })
+    }
+
+    /// The slot table in `slots` and `words`; `None` where the agent sized it to one entry,
+    /// unused.
+    pub fn from_slot_maps(slots: Map, words: Map) -> anyhow::Result<Option<NatTable<A>>> {
+        let words: Array<MapData, u64> = Array::try_from(words)?;
+        if words.len() <= 1 {
+            return Ok(None);
+        }
+        // Its values are read and written through the mapping alone, field by field: the
+        // slot's own padding (it is a cache line) is never copied.
+        let Map::Array(slots) = slots else {
+            anyhow::bail!("the NAT slots are not an array");
+        };
+        let info = slots.info()?;
+        let buckets = words.len();
+        if info.value_size() as usize != size_of::<Slot<A>>()
+            || info.max_entries() != buckets * BUCKET_SLOTS
+            || !buckets.is_power_of_two()
+        {
+            anyhow::bail!(
+                "a slot table of {} slots of {} bytes in {buckets} buckets: not {BUCKET_SLOTS} slots of {} a bucket, a power of two of them",
+                info.max_entries(),
+                info.value_size(),
+                size_of::<Slot<A>>()
+            );
+        }
+        // SAFETY: no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let mapped_len = |n: u32, size: usize| (n as usize * size).next_multiple_of(page);
+        let slot_mapping = Mapping::of(
+            &slots,
+            mapped_len(info.max_entries(), size_of::<Slot<A>>()),
+            "the NAT slots",
+        )?;
+        let word_mapping = Mapping::of(words.map(), mapped_len(buckets, 8), "the NAT slot words")?;
+        // SAFETY: both mappings hold the arrays whole, aligned to a page, for as long as the
+        // table lives.
+        let memory = unsafe {
+            Mapped::new(
+                word_mapping.at.as_ptr().cast(),
+                slot_mapping.at.as_ptr().cast(),
+                buckets,
+            )
+        };
+        Ok(Some(NatTable {
+            kind: Kind::Slots(SlotTable {
+                _slots: slot_mapping,
+                _words: word_mapping,
+                memory,
+                _maps: (slots, words),
+            }),
+        }))
+    }
+
+    /// Every half: read whole with batch commands from a hash table; copied slot by slot from
+    /// the slot table's held slots.
     pub fn read_all(&self) -> anyhow::Result<Table<A>> {
-        batch::lookup_all(self.map.map()).context("reading the NAT table")
+        match &self.kind {
+            Kind::Hash(map) => batch::lookup_all(map.map()).context("reading the NAT table"),
+            Kind::Slots(table) => Ok(table.held().collect()),
+        }
     }
 
     /// Whether the table holds no half: the kernel finds a hash table's first key by reading
     /// the bucket heads alone, in about a tenth of the time a sweep's walk of the same empty
-    /// buckets takes (see docs/bench/profiles.md, "The idle agent").
+    /// buckets takes (see docs/bench/profiles.md, "The idle agent"); the slot table's words are
+    /// read in the agent's memory.
     pub fn holds_nothing(&self) -> anyhow::Result<bool> {
-        match self.map.keys().next() {
-            None => Ok(true),
-            Some(Ok(_)) => Ok(false),
-            Some(Err(err)) => Err(err).context("looking for the NAT table's first entry"),
+        match &self.kind {
+            Kind::Hash(map) => match map.keys().next() {
+                None => Ok(true),
+                Some(Ok(_)) => Ok(false),
+                Some(Err(err)) => Err(err).context("looking for the NAT table's first entry"),
+            },
+            Kind::Slots(table) => Ok(table.words().all(|word| held_slots(word) == 0)),
         }
     }
 
-    /// How many halves the table has room for.
+    /// How many halves the table has room for: the hash table's entries, or the slots.
     pub fn capacity(&self) -> anyhow::Result<usize> {
-        Ok(self.map.map().info()?.max_entries() as usize)
+        Ok(match &self.kind {
+            Kind::Hash(map) => map.map().info()?.max_entries() as usize,
+            Kind::Slots(table) => (table.memory.buckets() * BUCKET_SLOTS) as usize,
+        })
     }
 
     /// The half of `key`, if the table holds it.
     pub fn get(&self, key: &NatKey<A>) -> Option<NatEntry<A>> {
-        self.map.get(key, 0).ok()
+        match &self.kind {
+            Kind::Hash(map) => map.get(key, 0).ok(),
+            // SAFETY: a slot of the mapping, copied out.
+            Kind::Slots(table) => slot_table::find(&table.memory, key)
+                .map(|slot| unsafe { std::ptr::read_volatile(slot).entry }),
+        }
     }
 
     /// Makes the half of `key` if the table holds none; `exists` says which refusal it was.
     pub fn insert_new(&mut self, key: &NatKey<A>, entry: &NatEntry<A>) -> Result<(), MapError> {
-        self.map.insert(key, entry, BPF_NOEXIST)
+        match &mut self.kind {
+            Kind::Hash(map) => map.insert(key, entry, BPF_NOEXIST),
+            Kind::Slots(table) => {
+                slot_table::insert_new(&table.memory, key, entry).map_err(|refused| {
+                    syscall_error(match refused {
+                        Refused::Exists => libc::EEXIST,
+                        Refused::Full => libc::E2BIG,
+                    })
+                })
+            }
+        }
     }
 
     /// Writes `entry` under `key`, over whatever the table held: as no program would, for
     /// tests that plant a state.
     pub fn write(&mut self, key: &NatKey<A>, entry: &NatEntry<A>) -> Result<(), MapError> {
-        self.map.insert(key, entry, 0)
+        match &mut self.kind {
+            Kind::Hash(map) => map.insert(key, entry, 0),
+            Kind::Slots(table) => match slot_table::find(&table.memory, key) {
+                // SAFETY: a slot of the mapping; a test's write races nothing it cares for.
+                Some(slot) => {
+                    unsafe { std::ptr::write_volatile(&raw mut (*slot).entry, *entry) };
+                    Ok(())
+                }
+                None => self.insert_new(key, entry),
+            },
+        }
     }
 
     /// Removes the half of `key`.
     pub fn remove(&mut self, key: &NatKey<A>) -> Result<(), MapError> {
-        self.map.remove(key)
+        match &mut self.kind {
+            Kind::Hash(map) => map.remove(key),
+            Kind::Slots(table) => match slot_table::remove(&table.memory, key) {
+                true => Ok(()),
+                false => Err(syscall_error(libc::ENOENT)),
+            },
+        }
     }
 
-    /// Removes the halves of `keys`, with batch commands; returns how many the table held.
+    /// Removes the halves of `keys`; returns how many the table held.
     pub fn remove_all(&self, keys: &[NatKey<A>]) -> anyhow::Result<usize> {
-        batch::delete_all(self.map.map(), keys).context("removing from the NAT table")
+        match &self.kind {
+            Kind::Hash(map) => {
+                batch::delete_all(map.map(), keys).context("removing from the NAT table")
+            }
+            Kind::Slots(table) => Ok(keys
+                .iter()
+                .filter(|key| slot_table::remove(&table.memory, key))
+                .count()),
+        }
     }
 
-    /// The map itself, for what takes any map: its pin, the sweep program's file descriptor,
-    /// the batch commands' own tests.
-    pub fn map(&self) -> &MapData {
-        self.map.map()
+    /// Makes an empty slot table hold no more than `halves`, as a hash table of that many
+    /// entries would: the slots past them are blocked (`slot_table::blocked_from`), as evenly
+    /// over the buckets as they go. For the tests' small tables, whose slots come in whole
+    /// buckets; a hash table needs nothing.
+    pub fn limit_to(&self, halves: u32) -> anyhow::Result<()> {
+        let Kind::Slots(table) = &self.kind else {
+            return Ok(());
+        };
+        let buckets = table.memory.buckets();
+        for bucket in 0..buckets {
+            let usable = halves / buckets + u32::from(bucket < halves % buckets);
+            let word = table
+                .memory
+                .word(bucket)
+                .context("a bucket past the table")?;
+            // SAFETY: a word of the mapping, changed as the programs change it.
+            let emptied = unsafe {
+                table
+                    .memory
+                    .exchange(word, 0, slot_table::blocked_from(usable))
+            };
+            anyhow::ensure!(emptied, "limiting a slot table that holds halves");
+        }
+        Ok(())
     }
+
+    /// The hash table's map, where the halves are kept there: for the batch commands' own tests.
+    pub fn hash_map(&self) -> Option<&MapData> {
+        match &self.kind {
+            Kind::Hash(map) => Some(map.map()),
+            Kind::Slots(_) => None,
+        }
+    }
+}
+
+impl<A: Address> SlotTable<A> {
+    fn words(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.memory.buckets()).filter_map(|bucket| {
+            // SAFETY: a word of the mapping, read as the programs read it.
+            self.memory
+                .word(bucket)
+                .map(|word| unsafe { std::ptr::read_volatile(word) })
+        })
+    }
+
+    /// Each held slot's key and entry, copied.
+    fn held(&self) -> impl Iterator<Item = (NatKey<A>, NatEntry<A>)> + '_ {
+        self.words().enumerate().flat_map(move |(bucket, word)| {
+            (0..BUCKET_SLOTS)
+                .filter(move |&index| held_slots(word) & at_slot(0x80, index) != 0)
+                .filter_map(move |index| {
+                    let slot = self.memory.slot(bucket as u32, index)?;
+                    // SAFETY: a slot of the mapping, copied out.
+                    let slot = unsafe { std::ptr::read_volatile(slot) };
+                    Some((slot.key, slot.entry))
+                })
+        })
+    }
+}
+
+// BPF_NOEXIST (include/uapi/linux/bpf.h): a half the table holds stays as it is.
+const BPF_NOEXIST: u64 = 1;
+
+/// An error as the hash table's commands give it, for refusals the slot table makes itself.
+fn syscall_error(errno: i32) -> MapError {
+    MapError::SyscallError(aya::sys::SyscallError {
+        call: "slot table",
+        io_error: std::io::Error::from_raw_os_error(errno),
+    })
 }
 
 /// Whether an insert's refusal says the table holds a half of that key already (as opposed

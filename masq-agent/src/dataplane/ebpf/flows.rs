@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::{
     expiry::{self, FlowOwner, FlowState, Timeouts},
-    flow_table::Table,
+    flow_table::{Table, V4_MAPS, V6_MAPS},
     pins::Pins,
 };
 use crate::dataplane::nat_usage::FlowKind;
@@ -89,8 +89,8 @@ pub fn read(
     if !pins.map(map_names::NAT_V4).exists() {
         return Ok(None);
     }
-    let v4 = pins.nat_halves::<[u8; 4]>(map_names::NAT_V4)?;
-    let v6 = pins.nat_halves::<[u8; 16]>(map_names::NAT_V6)?;
+    let v4 = pins.nat_halves::<[u8; 4]>(&V4_MAPS)?;
+    let v6 = pins.nat_halves::<[u8; 16]>(&V6_MAPS)?;
     let mut flows: Vec<Flow> = flows_of(&v4, timeouts, now_ns)
         .into_iter()
         .chain(flows_of(&v6, timeouts, now_ns))

@@ -12,6 +12,7 @@ use tracing::info;
 use super::{
     cleanup::cleanup,
     expiry::{self, SweepClock},
+    flow_table::{TableMaps, V4_MAPS, V6_MAPS},
     map_types,
     pins::Pins,
     status,
@@ -54,8 +55,8 @@ impl Leftovers {
         }
         let pins = Pins::new(&self.bpffs);
         let now = map_types::monotonic_now_ns();
-        let (run_v4, left_v4) = self.sweep::<[u8; 4]>(&pins, map_names::NAT_V4, now)?;
-        let (run_v6, left_v6) = self.sweep::<[u8; 16]>(&pins, map_names::NAT_V6, now)?;
+        let (run_v4, left_v4) = self.sweep::<[u8; 4]>(&pins, &V4_MAPS, now)?;
+        let (run_v6, left_v6) = self.sweep::<[u8; 16]>(&pins, &V6_MAPS, now)?;
         if left_v4.translated_flows + left_v6.translated_flows > 0 {
             let in_use = status::nat_capacities(&pins)?;
             let run =
@@ -70,15 +71,20 @@ impl Leftovers {
         Ok(Drain::Done)
     }
 
-    /// Expires the idle flows of the table pinned as `name`, if there is one; returns what
-    /// the sweep found, and what is left.
-    fn sweep<A>(&self, pins: &Pins, name: &str, now: u64) -> anyhow::Result<(NatUsage, NatUsage)>
+    /// Expires the idle flows of the family's table pinned in `maps`, if there is one; returns
+    /// what the sweep found, and what is left.
+    fn sweep<A>(
+        &self,
+        pins: &Pins,
+        maps: &TableMaps,
+        now: u64,
+    ) -> anyhow::Result<(NatUsage, NatUsage)>
     where
         A: masq_ebpf::Address,
         masq_ebpf::NatKey<A>: aya::Pod,
         masq_ebpf::NatEntry<A>: aya::Pod,
     {
-        let Some(table) = pins.nat_table::<A>(name)? else {
+        let Some(table) = pins.nat_table::<A>(maps)? else {
             return Ok(Default::default());
         };
         // Old programs' tables: nothing new is written into them, so nothing to make room for.

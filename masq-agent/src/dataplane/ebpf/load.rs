@@ -15,7 +15,10 @@ use aya::{
     programs::ProgramType,
     sys::{BpfHelper, is_helper_supported},
 };
-use masq_ebpf::{MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names};
+use masq_ebpf::{
+    MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names,
+    slot_table::BUCKET_SLOTS,
+};
 
 use aya_obj::generated::bpf_map_type;
 
@@ -31,8 +34,14 @@ use super::{
 };
 use crate::ports::PortRange;
 
-/// The compiled tc programs, embedded so that the agent is one binary.
+/// The compiled tc programs, embedded so that the agent is one binary: built without the slot
+/// table, for any kernel the eBPF data plane runs on.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/masq"));
+
+/// The same programs built with the slot table (masq-ebpf's `slot-table` feature), for kernels
+/// with BPF atomics on map values (5.12).
+pub static SLOT_TABLE_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/slot-table/masq"));
 
 /// The object's programs, loaded; its maps are in `Maps`.
 pub struct Programs {
@@ -94,32 +103,75 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
 }
 
 /// The size of each family's NAT table, and of its drop sample, which the programs read from
-/// a global; the loader borrows the globals' values from here.
+/// a global; the loader borrows the globals' values from here. Where the halves are kept in the
+/// slot table (`slot_table`), the hash tables take one entry each, and the other way round.
 pub struct NatSizes {
     v4_entries: u32,
     v6_entries: u32,
     v4_sample_slots: u32,
     v6_sample_slots: u32,
+    /// Whether IPv4's halves are in the slot table (and the object is the one built with it).
+    slot_table: bool,
+    v4_buckets: u32,
+    v6_buckets: u32,
 }
 
 impl NatSizes {
-    pub fn new(v4_entries: u32, v6_entries: u32) -> NatSizes {
+    pub fn new(v4_entries: u32, v6_entries: u32, slot_table: bool) -> NatSizes {
+        // A table's slots are its entries, in whole buckets, a power of two of them.
+        let buckets = |entries: u32| entries.div_ceil(BUCKET_SLOTS).next_power_of_two().max(2);
         NatSizes {
             v4_entries,
             v6_entries,
             v4_sample_slots: masq_ebpf::drop_sample_slots(v4_entries),
             v6_sample_slots: masq_ebpf::drop_sample_slots(v6_entries),
+            slot_table,
+            v4_buckets: buckets(v4_entries),
+            v6_buckets: buckets(v6_entries),
         }
     }
 
     /// The maps sized here, and their sizes.
-    fn max_entries(&self) -> [(&'static str, u32); 4] {
+    fn max_entries(&self) -> [(&'static str, u32); 8] {
+        // IPv6's halves are always in its hash table (masq-ebpf's `Family::in_slot_table`).
+        let (in_slots, in_hash) = match self.slot_table {
+            true => (1, 0),
+            false => (0, 1),
+        };
+        // The table not in use takes one entry: the kernel allows no array or hash of none.
+        let used = |entries: u32, used: u32| if used == 1 { entries } else { 1 };
         [
-            (map_names::NAT_V4, self.v4_entries),
+            (map_names::NAT_V4, used(self.v4_entries, in_hash)),
             (map_names::NAT_V6, self.v6_entries),
+            (
+                map_names::NAT_SLOTS_V4,
+                used(self.v4_buckets * BUCKET_SLOTS, in_slots),
+            ),
+            (
+                map_names::NAT_SLOT_WORDS_V4,
+                used(self.v4_buckets, in_slots),
+            ),
+            (map_names::NAT_SLOTS_V6, 1),
+            (map_names::NAT_SLOT_WORDS_V6, 1),
             (map_names::DROP_SAMPLE_V4, self.v4_sample_slots),
             (map_names::DROP_SAMPLE_V6, self.v6_sample_slots),
         ]
+    }
+
+    /// The entries the map named `name` takes, of those sized here; 0 for any other.
+    pub fn entries_of(&self, name: &str) -> u32 {
+        self.max_entries()
+            .into_iter()
+            .find_map(|(sized, entries)| (sized == name).then_some(entries))
+            .unwrap_or(0)
+    }
+
+    /// The object these sizes are for: the one with the slot table where the halves go there.
+    pub fn object(&self) -> &'static [u8] {
+        match self.slot_table {
+            true => SLOT_TABLE_OBJECT,
+            false => OBJECT,
+        }
     }
 
     pub fn set<'a>(&'a self, loader: &mut EbpfLoader<'a>) {
@@ -136,8 +188,32 @@ impl NatSizes {
                 global_names::DROP_SAMPLE_SLOTS_V6,
                 &self.v6_sample_slots,
                 true,
-            );
+            )
+            .override_global(global_names::SLOT_BUCKETS_V4, &self.v4_buckets, true)
+            .override_global(global_names::SLOT_BUCKETS_V6, &self.v6_buckets, true);
     }
+}
+
+/// Set to `1` to keep IPv4's halves in the slot table (not on by default yet).
+pub const SLOT_TABLE_ENV: &str = "MASQ_AGENT_SLOT_TABLE";
+
+/// Whether IPv4's NAT halves go in the slot table here: when asked, where the kernel has BPF
+/// atomics on map values (compare-and-exchange, xor: Linux 5.12). Asked on an older kernel, the
+/// request is said to be ignored: its verifier would refuse the programs.
+pub fn slot_table() -> bool {
+    if !matches!(std::env::var(SLOT_TABLE_ENV).as_deref(), Ok("1")) {
+        return false;
+    }
+    let atomics = aya::util::KernelVersion::current()
+        .is_ok_and(|v| v >= aya::util::KernelVersion::new(5, 12, 0));
+    if !atomics {
+        tracing::warn!(
+            "{SLOT_TABLE_ENV}=1 ignored: Linux {} lacks BPF atomics on map values (5.12); the \
+             NAT halves stay in the hash table",
+            kernel_release()
+        );
+    }
+    atomics
 }
 
 /// Set to `1` or `0` to say whether the kernel has the coarse clock instead of asking it: `1`
@@ -160,12 +236,16 @@ fn coarse_clock() -> bool {
 /// Loads the object as `loader` sets it up, with the kernel's features set in its globals, and
 /// both programs into the kernel.
 /// `reused_decisions`: the loader reuses an earlier agent's decision counters.
-pub fn load(loader: &mut EbpfLoader, reused_decisions: bool) -> anyhow::Result<(Programs, Maps)> {
+pub fn load(
+    loader: &mut EbpfLoader,
+    object: &[u8],
+    reused_decisions: bool,
+) -> anyhow::Result<(Programs, Maps)> {
     static YES: u8 = 1;
     static NO: u8 = 0;
     let coarse = if coarse_clock() { &YES } else { &NO };
     loader.override_global(global_names::COARSE_CLOCK, coarse, true);
-    let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
+    let mut ebpf = loader.load(object).context("loading the eBPF object")?;
     for name in [program_names::EGRESS, program_names::INGRESS] {
         classifier(&mut ebpf, name)?
             .load()
@@ -256,11 +336,9 @@ pub struct Loaded {
 pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     let before = pins.snapshot();
     pins.prepare()?;
-    let mut carried = Carried::open(pins, |name| match name {
-        map_names::NAT_V6 => opts.nat_v6_capacity(),
-        _ => opts.nat_capacity,
-    });
-    match load_into(opts, pins) {
+    let sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity(), slot_table());
+    let mut carried = Carried::open(pins, |name| sizes.entries_of(name));
+    match load_into(opts, pins, &sizes) {
         Ok((programs, mut maps)) => {
             carried.copy_into(&mut maps);
             if let Err(err) = drop_sample::fill(&maps) {
@@ -332,9 +410,12 @@ fn refused_with_log(bpffs: &std::path::Path, refused: Refused) -> anyhow::Error 
 
 /// Loads the object with the maps pinned under `pins`, after replacing those this build cannot
 /// reuse, and sets the programs' NAT ports.
-fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)> {
-    let sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity());
-    pins.discard_incompatible(&expected_maps(&sizes, opts.decision_slots())?);
+fn load_into(
+    opts: &EbpfOptions,
+    pins: &Pins,
+    sizes: &NatSizes,
+) -> anyhow::Result<(Programs, Maps)> {
+    pins.discard_incompatible(&expected_maps(sizes, opts.decision_slots())?);
     let mut loader = EbpfLoader::new();
     sizes.set(&mut loader);
     loader.map_max_entries(map_names::DECISIONS, opts.decision_slots());
@@ -346,7 +427,7 @@ fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)
         loader.map_pin_path(name, path.as_path());
     }
     let reused_decisions = pins.map(map_names::DECISIONS).exists();
-    let (programs, mut maps) = load(&mut loader, reused_decisions)?;
+    let (programs, mut maps) = load(&mut loader, sizes.object(), reused_decisions)?;
     write_settings(&mut maps.settings, &opts.port_spans, opts.random_fully)?;
     Ok((programs, maps))
 }
@@ -354,7 +435,8 @@ fn load_into(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<(Programs, Maps)
 /// The pinned maps this build creates, as the kernel will report them: their shapes as the
 /// object declares them, at the sizes the loader gives them (`sizes`, and `decision_slots`).
 fn expected_maps(sizes: &NatSizes, decision_slots: u32) -> anyhow::Result<Vec<MapSpec>> {
-    let object = aya_obj::Object::parse(OBJECT).context("parsing the embedded eBPF object")?;
+    let object =
+        aya_obj::Object::parse(sizes.object()).context("parsing the embedded eBPF object")?;
     let mut sized = sizes.max_entries().to_vec();
     sized.push((map_names::DECISIONS, decision_slots));
     map_names::PINNED
@@ -429,7 +511,7 @@ mod tests {
     /// against the types the agent reads the maps with, and the sizes the loader gives.
     #[test]
     fn pinned_maps_are_checked_against_the_object_s_shapes_at_the_loader_s_sizes() {
-        let specs = expected_maps(&NatSizes::new(4096, 1), 100).unwrap();
+        let specs = expected_maps(&NatSizes::new(4096, 1, false), 100).unwrap();
         let spec = |name| specs.iter().find(|s| s.name == name).unwrap();
         let trie = spec(map_names::NON_MASQ_V4);
         assert_eq!(trie.kind, MapType::LpmTrie);

@@ -10,6 +10,7 @@ use aya::{
 use masq_ebpf::{Settings, map_names};
 
 use super::{
+    flow_table::{NatTable, TableMaps, V4_MAPS, V6_MAPS},
     map_types::{Counters, DropSamples, Interfaces, NatTables, SweepMaps, typed},
     policy_word::PolicyWord,
     tries::{FamilyTries, PolicyMaps},
@@ -60,8 +61,8 @@ impl Maps {
                 reused_decisions,
             ),
             nat: NatTables {
-                v4: take(ebpf, map_names::NAT_V4)?,
-                v6: take(ebpf, map_names::NAT_V6)?,
+                v4: nat_table(ebpf, &V4_MAPS)?,
+                v6: nat_table(ebpf, &V6_MAPS)?,
             },
             interfaces: take(ebpf, map_names::INTERFACES)?,
             settings: take(ebpf, map_names::SETTINGS)?,
@@ -83,8 +84,22 @@ impl Maps {
 }
 
 fn take<M: TryFrom<Map, Error = MapError>>(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<M> {
-    let map = ebpf
-        .take_map(name)
-        .with_context(|| format!("map {name} missing from the object"))?;
-    typed(map, name)
+    typed(untyped(ebpf, name)?, name)
+}
+
+fn untyped(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<Map> {
+    ebpf.take_map(name)
+        .with_context(|| format!("map {name} missing from the object"))
+}
+
+/// A family's NAT table, in whichever of its maps the agent sized for it.
+fn nat_table<A>(ebpf: &mut Ebpf, maps: &TableMaps) -> anyhow::Result<NatTable<A>>
+where
+    A: masq_ebpf::Address,
+    masq_ebpf::NatKey<A>: aya::Pod,
+    masq_ebpf::NatEntry<A>: aya::Pod,
+{
+    let slot_table = (untyped(ebpf, maps.slots)?, untyped(ebpf, maps.words)?);
+    NatTable::from_maps(untyped(ebpf, maps.hash)?, Some(slot_table))
+        .with_context(|| format!("the NAT table of {}", maps.hash))
 }

@@ -12,7 +12,7 @@ use aya::maps::{Map, MapData, MapError, MapType};
 use tracing::{info, warn};
 
 use super::{
-    flow_table::{NatTable, Table},
+    flow_table::{NatTable, Table, TableMaps},
     hook::Hook,
     map_types,
 };
@@ -48,28 +48,35 @@ impl Pins {
         map_types::typed(self.open_map(name)?, name)
     }
 
-    /// The NAT table pinned as `name`; `None` where none is (an agent from before IPv6 pinned
-    /// no `nat_v6`).
-    pub fn nat_table<A>(&self, name: &str) -> anyhow::Result<Option<NatTable<A>>>
+    /// The family's NAT table pinned under these pins, in its `maps`; `None` where none is (an
+    /// agent from before IPv6 pinned no `nat_v6`). An agent from before the slot table pinned
+    /// only the hash table.
+    pub fn nat_table<A>(&self, maps: &TableMaps) -> anyhow::Result<Option<NatTable<A>>>
     where
         A: masq_ebpf::Address,
         masq_ebpf::NatKey<A>: aya::Pod,
         masq_ebpf::NatEntry<A>: aya::Pod,
     {
-        if !self.map(name).exists() {
+        if !self.map(maps.hash).exists() {
             return Ok(None);
         }
-        self.open(name).map(Some)
+        let slot_table = match self.map(maps.words).exists() && self.map(maps.slots).exists() {
+            true => Some((self.open_map(maps.slots)?, self.open_map(maps.words)?)),
+            false => None,
+        };
+        NatTable::from_maps(self.open_map(maps.hash)?, slot_table)
+            .with_context(|| format!("the NAT table pinned as {}", maps.hash))
+            .map(Some)
     }
 
-    /// Every half of the NAT table pinned as `name`; none where no table is.
-    pub fn nat_halves<A>(&self, name: &str) -> anyhow::Result<Table<A>>
+    /// Every half of the family's NAT table pinned in its `maps`; none where no table is.
+    pub fn nat_halves<A>(&self, maps: &TableMaps) -> anyhow::Result<Table<A>>
     where
         A: masq_ebpf::Address,
         masq_ebpf::NatKey<A>: aya::Pod,
         masq_ebpf::NatEntry<A>: aya::Pod,
     {
-        self.nat_table::<A>(name)?
+        self.nat_table::<A>(maps)?
             .map_or(Ok(Vec::new()), |table| table.read_all())
     }
 

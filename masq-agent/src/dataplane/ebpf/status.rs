@@ -9,10 +9,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use aya::{
-    maps::Map,
-    programs::links::{FdLink, PinnedLink},
-};
+use aya::programs::links::{FdLink, PinnedLink};
 use ipnet::IpNet;
 use masq_ebpf::{COUNTER_SLOTS, Counter, map_names, prefix_action};
 use serde::Serialize;
@@ -21,6 +18,7 @@ use super::{
     attach,
     decisions::{self, PolicyDecisions, Side, TrieEntries},
     expiry,
+    flow_table::{V4_MAPS, V6_MAPS},
     hook::Hook,
     map_types::{Counters, Interfaces, counter_total},
     pins::Pins,
@@ -171,8 +169,8 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
             .flat_map(|family| tries.with_action(Side::Sources, family, action))
             .collect()
     };
-    let table_v4 = pins.nat_halves::<[u8; 4]>(map_names::NAT_V4)?;
-    let table_v6 = pins.nat_halves::<[u8; 16]>(map_names::NAT_V6)?;
+    let table_v4 = pins.nat_halves::<[u8; 4]>(&V4_MAPS)?;
+    let table_v6 = pins.nat_halves::<[u8; 16]>(&V6_MAPS)?;
     let translated_by_address = expiry::translated_by_address(&table_v4)
         .into_iter()
         .map(|(addr, flows)| (IpAddr::from(addr), flows))
@@ -276,19 +274,20 @@ pub fn read_kernel_counters(bpffs: &Path) -> anyhow::Result<Option<KernelCounter
 /// pinned none, so neither has a table to fill.
 pub(super) fn nat_capacities(pins: &Pins) -> anyhow::Result<BTreeMap<IpFamily, u32>> {
     let mut capacities = BTreeMap::new();
-    for (family, name) in [
-        (IpFamily::Ipv4, map_names::NAT_V4),
-        (IpFamily::Ipv6, map_names::NAT_V6),
+    let v4 = pins.nat_table::<[u8; 4]>(&V4_MAPS)?;
+    let v6 = pins.nat_table::<[u8; 16]>(&V6_MAPS)?;
+    for (family, capacity) in [
+        (
+            IpFamily::Ipv4,
+            v4.map(|table| table.capacity()).transpose()?,
+        ),
+        (
+            IpFamily::Ipv6,
+            v6.map(|table| table.capacity()).transpose()?,
+        ),
     ] {
-        if !pins.map(name).exists() {
-            continue;
-        }
-        let capacity = match pins.open_map(name)? {
-            Map::HashMap(data) => data.info()?.max_entries(),
-            _ => 0,
-        };
-        if capacity > 1 {
-            capacities.insert(family, capacity);
+        if let Some(capacity) = capacity.filter(|&capacity| capacity > 1) {
+            capacities.insert(family, u32::try_from(capacity).unwrap_or(u32::MAX));
         }
     }
     Ok(capacities)

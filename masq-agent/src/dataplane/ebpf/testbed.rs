@@ -39,6 +39,11 @@ pub fn object() -> &'static [u8] {
     load::OBJECT
 }
 
+/// The object built with the slot table, likewise.
+pub fn slot_table_object() -> &'static [u8] {
+    load::SLOT_TABLE_OBJECT
+}
+
 /// The ifindex BPF_PROG_TEST_RUN gives tc programs: loopback.
 pub const TEST_RUN_IFINDEX: u32 = 1;
 
@@ -67,13 +72,37 @@ pub struct Run {
     pub duration: Duration,
 }
 
+thread_local! {
+    /// Whether this thread's beds keep IPv4's halves in the slot table (`TestBed::in_slot_table`).
+    static SLOT_TABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl TestBed {
-    /// The object with both programs loaded and nothing configured.
+    /// The object with both programs loaded and nothing configured: IPv4's halves in the slot
+    /// table where the environment asks for it (`load::slot_table`), or this thread
+    /// (`in_slot_table`).
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
-        let sizes = load::NatSizes::new(nat_entries, nat_entries);
+        let slot_table = load::slot_table() || SLOT_TABLE.get();
+        TestBed::unconfigured_in(nat_entries, slot_table)
+    }
+
+    /// Runs `f` with the beds this thread makes (`unconfigured`) keeping IPv4's halves in the
+    /// slot table: a test written for either table, run on the slot table.
+    pub fn in_slot_table<T>(f: impl FnOnce() -> T) -> T {
+        SLOT_TABLE.set(true);
+        let result = f();
+        SLOT_TABLE.set(false);
+        result
+    }
+
+    /// As `unconfigured`, the IPv4 halves in the slot table or not, whatever the environment
+    /// asks: for what only one of the tables has (the hash table's drop sample).
+    pub fn unconfigured_in(nat_entries: u32, slot_table: bool) -> anyhow::Result<TestBed> {
+        let sizes = load::NatSizes::new(nat_entries, nat_entries, slot_table);
         let mut loader = EbpfLoader::new();
         sizes.set(&mut loader);
-        let (programs, mut maps) = load::load(&mut loader, false)?;
+        let (programs, mut maps) = load::load(&mut loader, sizes.object(), false)?;
+        maps.nat.v4.limit_to(nat_entries)?;
         kernel_sweep::give_limits(&mut maps.sweep, &Timeouts::default())?;
         Ok(TestBed { programs, maps })
     }
@@ -87,7 +116,23 @@ impl TestBed {
         node: Ipv4Addr,
         non_masq: &[Ipv4Net],
     ) -> anyhow::Result<TestBed> {
-        let mut bed = TestBed::unconfigured(nat_entries)?;
+        TestBed::configured(
+            TestBed::unconfigured(nat_entries)?,
+            spans,
+            random_fully,
+            node,
+            non_masq,
+        )
+    }
+
+    /// `bed` (`unconfigured_in`'s) configured as `new` configures its own.
+    pub fn configured(
+        mut bed: TestBed,
+        spans: &[(u16, u16)],
+        random_fully: bool,
+        node: Ipv4Addr,
+        non_masq: &[Ipv4Net],
+    ) -> anyhow::Result<TestBed> {
         let spans: Vec<PortRange> = spans
             .iter()
             .map(|&(first, last)| PortRange { first, last })
@@ -282,6 +327,16 @@ impl TestBed {
         A::table(&self.maps.nat)
             .read_all()
             .expect("the NAT table reads")
+    }
+
+    /// Whether family `A`'s halves are in its hash table, whose full table looks at the drop
+    /// sample (the slot table looks at the new flow's buckets instead).
+    pub fn has_drop_sample<A: NatFamily>(&self) -> bool
+    where
+        NatKey<A>: Pod,
+        NatEntry<A>: Pod,
+    {
+        A::table(&self.maps.nat).hash_map().is_some()
     }
 
     /// Sweeps family `A`'s table as the agent does where the kernel runs the sweep program

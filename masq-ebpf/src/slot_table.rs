@@ -1,0 +1,764 @@
+//! The slot table: where a family's NAT halves are kept on kernels with BPF atomics on map
+//! values (Linux 5.12), in place of a kernel hash table (docs/bench/profiles.md, "The first
+//! packet"). Both sides read and write it by these rules: the programs through masq-ebpf's
+//! `flow_table`, the agent through its `flow_table::NatTable`.
+//!
+//! Halves live in an array of slots, a cache line each (`Slot`), in buckets of `BUCKET_SLOTS`.
+//! A second array holds one word per bucket, a byte per slot (`slot_byte`): free, being
+//! written, or held, with a tag made from the key's hash. The words are an eighth of a byte per
+//! slot bit, small enough to stay in the caches, so that a lookup reads one word and then only
+//! the slots whose tag matches: one cold line per half, where a hash table element is a bucket
+//! head and an element. A key may go in either of two buckets (`Place`), the emptier, which
+//! keeps the table usable to some 80 % full.
+
+use crate::{Address, NatEntry, NatKey};
+
+/// Slots in a bucket: one byte each of its word.
+pub const BUCKET_SLOTS: u32 = 8;
+
+/// A slot's byte in its bucket's word.
+pub mod slot_byte {
+    /// The slot holds nothing.
+    pub const FREE: u8 = 0;
+    /// Set once the slot's key and entry are written whole; clear while they are being
+    /// written. The low bits are the key's tag either way, so that an insert of another key
+    /// is not held up by a slot being written.
+    pub const HELD: u8 = 0x80;
+    /// The tag's bits: never all clear, so that a tagged byte is never `FREE`.
+    pub const TAG: u8 = 0x7f;
+    /// Held without a tag: a slot taken out of use, which no key's lookup or insert ever
+    /// matches, no removal frees, and no walk visits (`limit`).
+    pub const BLOCKED: u8 = HELD;
+}
+
+/// One half: its key and entry, alone on a cache line (two for IPv6).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slot<A: Address> {
+    pub key: NatKey<A>,
+    pub entry: NatEntry<A>,
+}
+
+/// Where a key may be: its two buckets, and the tag its slot's byte carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    pub buckets: [u32; 2],
+    pub tag: u8,
+}
+
+impl Place {
+    /// The place of `key` in a table of `buckets` buckets (a power of two, at least two).
+    #[inline(always)]
+    pub fn of<A: Address>(key: &NatKey<A>, buckets: u32) -> Place {
+        let hash = hash(key);
+        let mask = buckets.wrapping_sub(1);
+        let first = hash as u32 & mask;
+        let mut second = (hash >> 32) as u32 & mask;
+        if second == first {
+            second = first ^ 1;
+        }
+        Place {
+            buckets: [first, second],
+            tag: tag(hash),
+        }
+    }
+}
+
+/// The tag of a key whose hash is `hash`, evenly over 1..=127: the top bits of the hash mixed
+/// once more, since the buckets take its low bits of either half, which a large table's
+/// buckets widen into the bits the tag would otherwise share.
+#[inline(always)]
+const fn tag(hash: u64) -> u8 {
+    let bits = hash.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 48;
+    ((bits * slot_byte::TAG as u64) >> 16) as u8 + 1
+}
+
+/// A 64-bit hash of every field of `key`: its words mixed in turn, then finished so that both
+/// halves of the result (the two buckets) and its top bits (the tag) depend on all of them.
+#[inline(always)]
+pub fn hash<A: Address>(key: &NatKey<A>) -> u64 {
+    let ports = u64::from(key.sport) | u64::from(key.dport) << 16;
+    let kind = u64::from(key.proto) | u64::from(key.direction) << 8;
+    let mut hash = mix(ports << 16 | kind);
+    hash = mix_address(hash, key.saddr.as_ref());
+    hash = mix_address(hash, key.daddr.as_ref());
+    finish(hash)
+}
+
+/// `hash` with each 32-bit word of `address` mixed in. The address lengths are constants, so
+/// the loop unrolls and the bounds checks fold away.
+#[inline(always)]
+fn mix_address(mut hash: u64, address: &[u8]) -> u64 {
+    let mut at = 0;
+    while at + 4 <= address.len() {
+        let word = u32::from_ne_bytes([
+            address[at],
+            address[at + 1],
+            address[at + 2],
+            address[at + 3],
+        ]);
+        hash = mix(hash ^ u64::from(word));
+        at += 4;
+    }
+    hash
+}
+
+#[inline(always)]
+const fn mix(value: u64) -> u64 {
+    (value ^ value >> 29).wrapping_mul(0xbf58_476d_1ce4_e5b9)
+}
+
+#[inline(always)]
+const fn finish(mut hash: u64) -> u64 {
+    hash ^= hash >> 32;
+    hash = hash.wrapping_mul(0x94d0_49bb_1331_11eb);
+    hash ^ hash >> 29
+}
+
+const LOW_BITS: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+const ONES: u64 = 0x0101_0101_0101_0101;
+
+/// The bytes of `word` equal to `byte`, as a mask with the top bit of each such byte set. Exact:
+/// the carry of one byte never reaches the next.
+#[inline(always)]
+pub const fn bytes_equal(word: u64, byte: u8) -> u64 {
+    let diff = word ^ ONES.wrapping_mul(byte as u64);
+    !((diff & LOW_BITS).wrapping_add(LOW_BITS) | diff | LOW_BITS)
+}
+
+/// The bytes of `word` that carry `tag`, held or being written.
+#[inline(always)]
+pub const fn bytes_tagged(word: u64, tag: u8) -> u64 {
+    bytes_equal(word & LOW_BITS, tag)
+}
+
+/// The slot of the lowest byte a mask of `bytes_equal` names, if any. Without a branch or a
+/// table: the lowest set bit, shifted to the bottom of its byte, is 1 << 8i, and multiplies
+/// a constant whose byte k is 7 - k into one whose top byte is i.
+#[inline(always)]
+pub const fn first_slot(mask: u64) -> Option<u32> {
+    if mask == 0 {
+        return None;
+    }
+    let lowest = (mask & mask.wrapping_neg()) >> 7;
+    Some((lowest.wrapping_mul(0x0001_0203_0405_0607) >> 56) as u32)
+}
+
+/// How many bytes a mask of `bytes_equal` names.
+#[inline(always)]
+pub const fn slots_named(mask: u64) -> u32 {
+    mask.count_ones()
+}
+
+/// `byte` in the place of slot `slot`'s byte of a word.
+#[inline(always)]
+pub const fn at_slot(byte: u8, slot: u32) -> u64 {
+    (byte as u64) << (slot * 8)
+}
+
+/// How one side reaches a table's words and slots: the programs through map lookups and BPF
+/// atomics, the agent through its mapping of the arrays. Everything else about the table is
+/// the same on both sides, and written once, below.
+pub trait SlotMemory<A: Address> {
+    /// Buckets in the table: a power of two, at least two.
+    fn buckets(&self) -> u32;
+    fn word(&self, bucket: u32) -> Option<*mut u64>;
+    /// Slot `index` (below `BUCKET_SLOTS`) of `bucket`.
+    fn slot(&self, bucket: u32, index: u32) -> Option<*mut Slot<A>>;
+    /// Replaces the word `old` with `new` if it is still `old`, as one locked instruction;
+    /// whether it was.
+    ///
+    /// # Safety
+    /// `word` is one `word` gave.
+    unsafe fn exchange(&self, word: *mut u64, old: u64, new: u64) -> bool;
+    /// Flips `bits` of the word, as one locked instruction.
+    ///
+    /// # Safety
+    /// As for `exchange`.
+    unsafe fn flip(&self, word: *mut u64, bits: u64);
+}
+
+/// Why a half could not be made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// A half of that key is held, or one of its tag is being written: perhaps the same key,
+    /// on another CPU, which its callers take as another CPU's flow.
+    Exists,
+    /// Neither bucket has a free slot (or other CPUs' claims kept taking the one it chose).
+    Full,
+}
+
+/// Times an insert tries to claim a slot against other CPUs' claims in the same buckets
+/// before it gives up as if the table were full: each failed try saw another CPU's change.
+pub const CLAIM_ATTEMPTS: u32 = 4;
+
+/// The word as it is now. A plain load: the BPF target has no atomic load below ISA v4, and an
+/// aligned u64 is never read torn.
+#[inline(always)]
+fn load(word: *mut u64) -> u64 {
+    // SAFETY: `SlotMemory` hands out valid, aligned words.
+    unsafe { core::ptr::read_volatile(word) }
+}
+
+/// The slot of `bucket` whose byte in `word` says it holds `key`, and its index.
+#[inline(always)]
+fn held_in<A: Address, M: SlotMemory<A>>(
+    memory: &M,
+    bucket: u32,
+    word: u64,
+    tag: u8,
+    key: &NatKey<A>,
+) -> Option<(u32, *mut Slot<A>)> {
+    let mut held = bytes_equal(word, slot_byte::HELD | tag);
+    // One turn a slot whose tag matches (other keys share a tag one time in 127), under a
+    // constant bound. Each turn clears the lowest such byte: the verifier learns nothing of
+    // the mask's bits from it, so the turns' states match and it walks them once, where a
+    // test of each slot's bit would make it walk every combination.
+    for _ in 0..BUCKET_SLOTS {
+        let index = first_slot(held)?;
+        held &= held - 1;
+        let slot = memory.slot(bucket, index)?;
+        // SAFETY: `SlotMemory` hands out valid slots; the key is only compared.
+        if same_key(unsafe { &(*slot).key }, key) {
+            return Some((index, slot));
+        }
+    }
+    None
+}
+
+/// Whether `a` and `b` are the same key, by one test of all their bits at once: `==` tests
+/// each field in turn, and every field that differs is a path the verifier walks to the next
+/// slot on its own, which it multiplies by the slots and the buckets.
+#[inline(always)]
+fn same_key<A: Address>(a: &NatKey<A>, b: &NatKey<A>) -> bool {
+    // Every byte of a key is a field's (no padding), in whole, aligned u16s.
+    const { assert!(size_of::<NatKey<A>>().is_multiple_of(2) && align_of::<NatKey<A>>() >= 2) };
+    let (a, b) = (
+        core::ptr::from_ref(a).cast::<u16>(),
+        core::ptr::from_ref(b).cast::<u16>(),
+    );
+    let mut differ = 0;
+    for at in 0..size_of::<NatKey<A>>() / 2 {
+        // SAFETY: within both keys, and aligned, as asserted above.
+        differ |= unsafe { a.add(at).read() ^ b.add(at).read() };
+    }
+    differ == 0
+}
+
+/// The slot that holds `key`, if one does.
+#[inline(always)]
+pub fn find<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> Option<*mut Slot<A>> {
+    match look_up(memory, key) {
+        Lookup::Held(_, slot) => Some(slot),
+        Lookup::Absent { .. } => None,
+    }
+}
+
+/// What a lookup of a key found.
+pub enum Lookup<A: Address> {
+    /// The slot that holds it, and its number in the table (bucket times `BUCKET_SLOTS`, plus
+    /// its index).
+    Held(u32, *mut Slot<A>),
+    /// None holds it; `room`: either of its buckets had a free slot as the lookup read them.
+    Absent { room: bool },
+}
+
+/// The slot that holds `key`, or whether an insert of it could find room.
+#[inline(always)]
+pub fn look_up<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> Lookup<A> {
+    let place = Place::of(key, memory.buckets());
+    let mut room = false;
+    for bucket in place.buckets {
+        let Some(word) = memory.word(bucket) else {
+            return Lookup::Absent { room };
+        };
+        let word = load(word);
+        if let Some((index, slot)) = held_in(memory, bucket, word, place.tag, key) {
+            return Lookup::Held(bucket * BUCKET_SLOTS + index, slot);
+        }
+        room |= bytes_equal(word, slot_byte::FREE) != 0;
+    }
+    Lookup::Absent { room }
+}
+
+/// The key and entry of slot `number` (bucket times `BUCKET_SLOTS`, plus its index), copied,
+/// if its byte says it holds a half. Another CPU may free the slot and write another half
+/// there while it is read: the copy may then be torn, a key no half has, which its callers
+/// find nowhere.
+#[inline(always)]
+pub fn held_at<A: Address, M: SlotMemory<A>>(
+    memory: &M,
+    number: u32,
+) -> Option<(NatKey<A>, NatEntry<A>)> {
+    let (bucket, index) = (number / BUCKET_SLOTS, number % BUCKET_SLOTS);
+    let word = load(memory.word(bucket)?);
+    if held_slots(word) & at_slot(slot_byte::HELD, index) == 0 {
+        return None;
+    }
+    let slot = memory.slot(bucket, index)?;
+    // SAFETY: a valid slot of the memory; copied by volatile reads, as the caller is told.
+    unsafe {
+        Some((
+            core::ptr::read_volatile(&raw const (*slot).key),
+            core::ptr::read_volatile(&raw const (*slot).entry),
+        ))
+    }
+}
+
+/// Makes the half of `key` in the emptier of its buckets, if neither holds it: claims a free
+/// byte (writes its tag without `HELD`), writes the slot, and publishes it (sets `HELD`). Of
+/// two CPUs that claim the same key in its two buckets at once, each sees the other's claim
+/// when it reads the other bucket again after its own (both are locked instructions, full
+/// barriers, before either reads), and neither keeps its own: both are refused as `Exists`,
+/// which their callers take as another CPU's flow, and find none, and try again.
+#[inline(always)]
+pub fn insert_new<A: Address, M: SlotMemory<A>>(
+    memory: &M,
+    key: &NatKey<A>,
+    entry: &NatEntry<A>,
+) -> Result<(), Refused> {
+    let place = Place::of(key, memory.buckets());
+    let [first_bucket, second_bucket] = place.buckets;
+    let (Some(first), Some(second)) = (memory.word(first_bucket), memory.word(second_bucket))
+    else {
+        return Err(Refused::Full);
+    };
+    for _ in 0..CLAIM_ATTEMPTS {
+        let (first_seen, second_seen) = (load(first), load(second));
+        for (bucket, word) in [(first_bucket, first_seen), (second_bucket, second_seen)] {
+            if bytes_equal(word, place.tag) != 0
+                || held_in(memory, bucket, word, place.tag, key).is_some()
+            {
+                return Err(Refused::Exists);
+            }
+        }
+        // The emptier bucket, chosen by value, not by index: an array indexed by a value
+        // would live in the frame, and the deepest chain of frames has no room for it.
+        let first_free = bytes_equal(first_seen, slot_byte::FREE);
+        let second_free = bytes_equal(second_seen, slot_byte::FREE);
+        let (bucket, word, seen, free, other, other_seen) =
+            if slots_named(second_free) > slots_named(first_free) {
+                (
+                    second_bucket,
+                    second,
+                    second_seen,
+                    second_free,
+                    first,
+                    first_seen,
+                )
+            } else {
+                (
+                    first_bucket,
+                    first,
+                    first_seen,
+                    first_free,
+                    second,
+                    second_seen,
+                )
+            };
+        let Some(index) = first_slot(free) else {
+            return Err(Refused::Full);
+        };
+        let claim = at_slot(place.tag, index);
+        // SAFETY (here and below): both words are the memory's own.
+        if !unsafe { memory.exchange(word, seen, seen | claim) } {
+            continue;
+        }
+        if bytes_tagged(load(other), place.tag) & !bytes_tagged(other_seen, place.tag) != 0 {
+            unsafe { memory.flip(word, claim) };
+            return Err(Refused::Exists);
+        }
+        let Some(slot) = memory.slot(bucket, index) else {
+            unsafe { memory.flip(word, claim) };
+            return Err(Refused::Full);
+        };
+        // SAFETY: the slot is this CPU's from its claim to its publish, which, a locked
+        // instruction, no write before it passes.
+        unsafe {
+            core::ptr::copy_nonoverlapping(key, &raw mut (*slot).key, 1);
+            core::ptr::copy_nonoverlapping(entry, &raw mut (*slot).entry, 1);
+        }
+        // No other CPU changes a byte being written, so the flip leaves the others as they are.
+        unsafe { memory.flip(word, at_slot(slot_byte::HELD, index)) };
+        return Ok(());
+    }
+    Err(Refused::Full)
+}
+
+/// Frees the slot that holds `key`, by a compare-and-exchange that expects its byte held by the
+/// key's tag, so that of two CPUs that remove the same half one does, and the other is told it
+/// was gone; whether this one did. The slot is found once: a retry (another CPU changed another
+/// byte of the word meanwhile) checks only that its byte is still the key's, which keeps the
+/// verifier's walk of it short.
+#[inline(always)]
+pub fn remove<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> bool {
+    let place = Place::of(key, memory.buckets());
+    for bucket in place.buckets {
+        let Some(word) = memory.word(bucket) else {
+            return false;
+        };
+        let Some((index, _)) = held_in(memory, bucket, load(word), place.tag, key) else {
+            continue;
+        };
+        let byte = at_slot(0xff, index);
+        let held = at_slot(slot_byte::HELD | place.tag, index);
+        for _ in 0..CLAIM_ATTEMPTS {
+            let before = load(word);
+            if before & byte != held {
+                return false;
+            }
+            // SAFETY: a word the memory gave.
+            if unsafe { memory.exchange(word, before, before & !byte) } {
+                return true;
+            }
+        }
+        return false;
+    }
+    false
+}
+
+/// The slots of a bucket whose word is `word` that hold a half, as a mask of `bytes_equal`'s
+/// kind: held, and not blocked.
+#[inline(always)]
+pub const fn held_slots(word: u64) -> u64 {
+    word & ONES.wrapping_mul(slot_byte::HELD as u64) & !bytes_equal(word, slot_byte::BLOCKED)
+}
+
+/// The word of an empty bucket whose slots from `usable` on are blocked: so that a table of
+/// whole buckets holds no more halves than it was asked to, as a hash table of that many
+/// entries would (the tests' small tables).
+#[inline(always)]
+pub const fn blocked_from(usable: u32) -> u64 {
+    let mut word = 0;
+    let mut index = usable;
+    while index < BUCKET_SLOTS {
+        word |= at_slot(slot_byte::BLOCKED, index);
+        index += 1;
+    }
+    word
+}
+
+/// A table in this process's memory (the agent's mapping of the arrays, or a test's own), reached
+/// with the host's atomics.
+#[cfg(not(target_arch = "bpf"))]
+pub struct Mapped<A: Address> {
+    words: *mut u64,
+    slots: *mut Slot<A>,
+    buckets: u32,
+}
+
+#[cfg(not(target_arch = "bpf"))]
+impl<A: Address> Mapped<A> {
+    /// # Safety
+    /// `words` must point to `buckets` aligned words and `slots` to `buckets * BUCKET_SLOTS`
+    /// slots, valid while the `Mapped` lives, and changed by others only by these rules.
+    pub unsafe fn new(words: *mut u64, slots: *mut Slot<A>, buckets: u32) -> Mapped<A> {
+        Mapped {
+            words,
+            slots,
+            buckets,
+        }
+    }
+}
+
+#[cfg(not(target_arch = "bpf"))]
+impl<A: Address> SlotMemory<A> for Mapped<A> {
+    fn buckets(&self) -> u32 {
+        self.buckets
+    }
+
+    fn word(&self, bucket: u32) -> Option<*mut u64> {
+        // SAFETY: within the words `new` was given.
+        (bucket < self.buckets).then(|| unsafe { self.words.add(bucket as usize) })
+    }
+
+    fn slot(&self, bucket: u32, index: u32) -> Option<*mut Slot<A>> {
+        let at = bucket as usize * BUCKET_SLOTS as usize + index as usize;
+        // SAFETY: within the slots `new` was given.
+        (bucket < self.buckets && index < BUCKET_SLOTS).then(|| unsafe { self.slots.add(at) })
+    }
+
+    unsafe fn exchange(&self, word: *mut u64, old: u64, new: u64) -> bool {
+        use core::sync::atomic::{AtomicU64, Ordering};
+        // SAFETY: an aligned word of the table (as the caller promises), which everyone changes
+        // atomically.
+        let word = unsafe { AtomicU64::from_ptr(word) };
+        word.compare_exchange(old, new, Ordering::SeqCst, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    unsafe fn flip(&self, word: *mut u64, bits: u64) {
+        use core::sync::atomic::{AtomicU64, Ordering};
+        // SAFETY: as in `exchange`.
+        unsafe { AtomicU64::from_ptr(word) }.fetch_xor(bits, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blocked_slot_is_neither_held_nor_free_nor_any_keys() {
+        let word = blocked_from(6) | at_slot(slot_byte::HELD | 9, 1);
+        assert_eq!(held_slots(word), at_slot(0x80, 1));
+        assert_eq!(slots_named(bytes_equal(word, slot_byte::FREE)), 5);
+        for tag in 1..=slot_byte::TAG {
+            assert_eq!(bytes_tagged(word, tag) & !at_slot(0x80, 1), 0, "tag {tag}");
+        }
+        assert_eq!(blocked_from(BUCKET_SLOTS), 0);
+    }
+    use crate::{NatKeyV4, NatKeyV6, direction};
+
+    fn key_v4(n: u32) -> NatKeyV4 {
+        NatKey {
+            saddr: [10, 0, (n >> 8) as u8, n as u8],
+            daddr: [203, 0, 113, 7],
+            sport: (n >> 16) as u16 ^ 0x1234,
+            dport: 443u16.to_be(),
+            proto: 6,
+            direction: direction::EGRESS,
+            _pad: [0; 2],
+        }
+    }
+
+    #[test]
+    fn bytes_equal_names_exactly_the_equal_bytes() {
+        for byte in 0..=255u8 {
+            for other in [0u8, 1, 0x7f, 0x80, 0x81, 0xfe, 0xff, byte ^ 1, byte ^ 0x80] {
+                let word =
+                    u64::from_le_bytes([other, byte, other, other, byte, other, other, byte]);
+                let mask = bytes_equal(word, byte);
+                for slot in 0..8 {
+                    let named = mask & at_slot(0x80, slot) != 0;
+                    assert_eq!(
+                        named,
+                        word.to_le_bytes()[slot as usize] == byte,
+                        "{word:#x} {byte:#x}"
+                    );
+                }
+                assert_eq!(mask & !ONES.wrapping_mul(0x80), 0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_tag_is_found_held_or_being_written_and_never_as_free() {
+        let word = at_slot(slot_byte::HELD | 5, 2) | at_slot(5, 6) | at_slot(7, 3);
+        let mask = bytes_tagged(word, 5);
+        assert_eq!(slots_named(mask), 2);
+        assert_eq!(first_slot(mask), Some(2));
+        assert_eq!(first_slot(mask & !at_slot(0x80, 2)), Some(6));
+        assert_eq!(first_slot(bytes_equal(word, slot_byte::FREE)), Some(0));
+        assert_eq!(slots_named(bytes_equal(word, slot_byte::FREE)), 5);
+        assert_eq!(first_slot(0), None);
+    }
+
+    #[test]
+    fn a_place_has_two_buckets_and_a_tag_that_is_never_free_nor_held() {
+        for n in 0..100_000 {
+            let place = Place::of(&key_v4(n), 1 << 16);
+            assert_ne!(place.buckets[0], place.buckets[1]);
+            assert!(place.buckets.iter().all(|&bucket| bucket < 1 << 16));
+            assert!((1..=slot_byte::TAG).contains(&place.tag), "{place:?}");
+        }
+        // With two buckets, a key whose hash picks one bucket twice gets the other as well.
+        let place = Place::of(&NatKeyV6::default(), 2);
+        assert_eq!(place.buckets[0] ^ place.buckets[1], 1);
+    }
+
+    #[test]
+    fn every_field_of_a_key_moves_its_hash() {
+        let key = key_v4(7);
+        let changed = [
+            NatKey {
+                saddr: [10, 0, 0, 8],
+                ..key
+            },
+            NatKey {
+                daddr: [203, 0, 113, 8],
+                ..key
+            },
+            NatKey {
+                sport: key.sport ^ 1,
+                ..key
+            },
+            NatKey {
+                dport: key.dport ^ 1,
+                ..key
+            },
+            NatKey { proto: 17, ..key },
+            NatKey {
+                direction: direction::INGRESS,
+                ..key
+            },
+        ];
+        for other in changed {
+            assert_ne!(hash(&other), hash(&key), "{other:?}");
+        }
+    }
+
+    #[test]
+    fn keys_that_differ_in_a_port_spread_over_the_buckets_and_tags() {
+        // A pod's connections to one server differ in their source port alone.
+        let buckets = 1u32 << 12;
+        let keys = 8 * buckets;
+        let mut load = vec![0u32; buckets as usize];
+        let mut tags = [0u32; 128];
+        for port in 0..keys {
+            let key = NatKey {
+                sport: port as u16,
+                saddr: [10, 0, 0, (port >> 16) as u8],
+                ..key_v4(0)
+            };
+            let place = Place::of(&key, buckets);
+            load[place.buckets[0] as usize] += 1;
+            tags[place.tag as usize] += 1;
+        }
+        // Eight a bucket on average; a fair hash stays well under three times that.
+        assert!(load.iter().all(|&n| n < 24), "{:?}", load.iter().max());
+        let mean = keys / 127;
+        assert!(
+            tags[1..].iter().all(|&n| n > mean / 2 && n < mean * 2),
+            "{tags:?}"
+        );
+    }
+
+    /// A table of `buckets` buckets on the heap, and its memory.
+    struct Heap {
+        words: Vec<u64>,
+        slots: Vec<Slot<[u8; 4]>>,
+    }
+
+    impl Heap {
+        fn new(buckets: u32) -> Heap {
+            Heap {
+                words: vec![0; buckets as usize],
+                slots: vec![Slot::default(); (buckets * BUCKET_SLOTS) as usize],
+            }
+        }
+
+        fn memory(&mut self) -> Mapped<[u8; 4]> {
+            let buckets = self.words.len() as u32;
+            // SAFETY: both vectors live as long as the test uses the memory, at their sizes.
+            unsafe { Mapped::new(self.words.as_mut_ptr(), self.slots.as_mut_ptr(), buckets) }
+        }
+    }
+
+    fn entry(port: u16) -> NatEntry<[u8; 4]> {
+        NatEntry {
+            last_seen_ns: 1,
+            addr: [192, 0, 2, 1],
+            port,
+            ..NatEntry::default()
+        }
+    }
+
+    #[test]
+    fn a_half_made_is_found_refused_again_and_gone_once_removed() {
+        let mut heap = Heap::new(1 << 10);
+        let memory = heap.memory();
+        for n in 0..4_000 {
+            assert_eq!(insert_new(&memory, &key_v4(n), &entry(n as u16)), Ok(()));
+        }
+        for n in 0..4_000 {
+            let slot = find(&memory, &key_v4(n)).expect("made");
+            // SAFETY: a slot of the heap table.
+            assert_eq!(unsafe { (*slot).entry.port }, n as u16);
+            assert_eq!(
+                insert_new(&memory, &key_v4(n), &entry(0)),
+                Err(Refused::Exists)
+            );
+        }
+        assert!(find(&memory, &key_v4(4_000)).is_none());
+        for n in (0..4_000).step_by(2) {
+            assert!(remove(&memory, &key_v4(n)));
+            assert!(!remove(&memory, &key_v4(n)), "removed twice");
+        }
+        for n in 0..4_000 {
+            assert_eq!(find(&memory, &key_v4(n)).is_some(), n % 2 == 1);
+        }
+        let held: u32 = heap
+            .words
+            .iter()
+            .map(|&word| slots_named(held_slots(word)))
+            .sum();
+        assert_eq!(held, 2_000);
+    }
+
+    #[test]
+    fn a_table_refuses_as_full_only_when_both_buckets_are() {
+        let buckets = 1 << 8;
+        let mut heap = Heap::new(buckets);
+        let memory = heap.memory();
+        let slots = buckets * BUCKET_SLOTS;
+        let made = (0..slots)
+            .filter(|&n| insert_new(&memory, &key_v4(n), &entry(1)) == Ok(()))
+            .count() as u32;
+        // Two choices of eight slots fill most of the table before the first refusal.
+        assert!(made > slots * 3 / 4, "{made} of {slots}");
+        let refused = insert_new(&memory, &key_v4(slots + 1), &entry(1));
+        let place = Place::of(&key_v4(slots + 1), buckets);
+        let full = place
+            .buckets
+            .iter()
+            .all(|&b| bytes_equal(heap.words[b as usize], 0) == 0);
+        assert_eq!(refused == Err(Refused::Full), full);
+    }
+
+    #[test]
+    fn two_threads_making_the_same_keys_make_each_once() {
+        use std::sync::Barrier;
+        let mut heap = Heap::new(1 << 12);
+        let memory = heap.memory();
+        // The heap outlives the threads, which the scope joins.
+        struct Shared(Mapped<[u8; 4]>);
+        // SAFETY: the memory is changed by the table's rules alone, which are for many CPUs.
+        unsafe impl Sync for Shared {}
+        impl Shared {
+            fn table(&self) -> &Mapped<[u8; 4]> {
+                &self.0
+            }
+        }
+        let shared = Shared(memory);
+        let keys = 20_000u32;
+        let barrier = Barrier::new(2);
+        let made: Vec<Vec<u32>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    scope.spawn(|| {
+                        barrier.wait();
+                        (0..keys)
+                            .filter(|&n| {
+                                insert_new(shared.table(), &key_v4(n), &entry(1)) == Ok(())
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let mut all: Vec<u32> = made.concat();
+        all.sort_unstable();
+        let before = all.len();
+        all.dedup();
+        assert_eq!(all.len(), before, "a key made twice");
+        for n in 0..keys {
+            let found = find(shared.table(), &key_v4(n)).is_some();
+            assert_eq!(found, all.binary_search(&n).is_ok(), "key {n}");
+        }
+        assert!(
+            all.len() > keys as usize * 98 / 100,
+            "{} of {keys} made",
+            all.len()
+        );
+        for &word in &heap.words {
+            let free = slots_named(bytes_equal(word, slot_byte::FREE));
+            assert_eq!(
+                free + slots_named(held_slots(word)),
+                BUCKET_SLOTS,
+                "a claim left in {word:#x}"
+            );
+        }
+    }
+}
