@@ -349,9 +349,11 @@ impl Bed {
         let args = self.agent_args(mode);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let path = self.path_env(mode.backend());
+        let mut env = vec![("PATH", path.as_str())];
+        env.extend_from_slice(mode.agent_env());
         let agent = self
             .topo
-            .spawn_in_node(&self.agent, &refs, &[("PATH", &path)], "agent.log")?;
+            .spawn_in_node(&self.agent, &refs, &env, "agent.log")?;
         let ready = wait_for_long(Duration::from_secs(120), || {
             Ok(agent.log_text().contains("policy applied"))
         });
@@ -404,6 +406,7 @@ impl Bed {
             .node_command(self.agent.to_str().context("path")?)
             .args(args)
             .env("PATH", self.path_env(mode.backend()))
+            .envs(mode.agent_env().iter().copied())
             .output()?;
         if !out.status.success() {
             bail!("{what}: {}", String::from_utf8_lossy(&out.stderr));

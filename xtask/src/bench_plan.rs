@@ -22,6 +22,9 @@ pub enum Mode {
     /// The eBPF data plane on a node whose tables (kube-proxy's, and the agent's reduced
     /// chain) are in the legacy backend: what `IptablesLegacy` is measured against.
     EbpfLegacy,
+    /// The eBPF data plane with IPv4's halves in the slot table (`MASQ_AGENT_SLOT_TABLE=1`),
+    /// not on by default yet: measured only when named (`--modes`), against `Ebpf`.
+    EbpfSlotTable,
 }
 
 impl Mode {
@@ -42,12 +45,21 @@ impl Mode {
             Mode::IptablesLegacy => "iptables (legacy)",
             Mode::Ebpf => "ebpf",
             Mode::EbpfLegacy => "ebpf (legacy node)",
+            Mode::EbpfSlotTable => "ebpf (slot table)",
         }
     }
 
     /// Whether the eBPF programs translate in this mode.
     pub fn is_ebpf(self) -> bool {
-        matches!(self, Mode::Ebpf | Mode::EbpfLegacy)
+        matches!(self, Mode::Ebpf | Mode::EbpfLegacy | Mode::EbpfSlotTable)
+    }
+
+    /// What the mode's agent finds in its environment besides `PATH`.
+    pub fn agent_env(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Mode::EbpfSlotTable => &[("MASQ_AGENT_SLOT_TABLE", "1")],
+            _ => &[],
+        }
     }
 
     /// The iptables mode of the same backend, which an eBPF mode is measured against fairly:

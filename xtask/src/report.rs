@@ -389,9 +389,13 @@ fn summary(
             s,
             "\n| {} | load shape | {} |",
             metric.name(),
-            Mode::ALL.map(Mode::name).join(" | ")
+            plan.modes
+                .iter()
+                .map(|mode| mode.name())
+                .collect::<Vec<_>>()
+                .join(" | ")
         );
-        let _ = writeln!(s, "|---|---|{}", "---:|".repeat(Mode::ALL.len()));
+        let _ = writeln!(s, "|---|---|{}", "---:|".repeat(plan.modes.len()));
         for &shape in &plan.shapes {
             for cidrs in plan.sizes_of(metric) {
                 let point = Point {
@@ -399,7 +403,8 @@ fn summary(
                     shape,
                     cidrs,
                 };
-                let cells: Vec<String> = Mode::ALL
+                let cells: Vec<String> = plan
+                    .modes
                     .iter()
                     .map(|mode| {
                         m.get(point, *mode)
@@ -457,7 +462,8 @@ fn summary(
 fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
     // Each eBPF mode against the chain on a node of its own backend; the cross-backend ratio
     // last, as context only: it also compares the two backends' kube-proxy tables.
-    let pairs = [
+    // Of the pairs, those whose modes both ran: the slot table's, when it is named.
+    let pairs: Vec<(Mode, Mode)> = [
         (Mode::NoNat, Mode::NoNatBare),
         (Mode::IptablesNft, Mode::NoNat),
         (Mode::IptablesLegacy, Mode::NoNat),
@@ -465,7 +471,12 @@ fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
         (Mode::Ebpf, Mode::IptablesNft),
         (Mode::EbpfLegacy, Mode::IptablesLegacy),
         (Mode::Ebpf, Mode::IptablesLegacy),
-    ];
+        (Mode::EbpfSlotTable, Mode::Ebpf),
+        (Mode::EbpfSlotTable, Mode::NoNat),
+    ]
+    .into_iter()
+    .filter(|(a, b)| plan.modes.contains(a) && plan.modes.contains(b))
+    .collect();
     let heads: Vec<String> = pairs
         .iter()
         .map(|(a, b)| format!("{} ÷ {}", a.name(), b.name()))
@@ -496,8 +507,10 @@ fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
 /// What one operation cost the programs and the agent, per mode, from the kernel's BPF
 /// run-time statistics and the agent's threads' CPU time, read around each measurement.
 fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
-    let modes: Vec<Mode> = Mode::ALL
-        .into_iter()
+    let modes: Vec<Mode> = plan
+        .modes
+        .iter()
+        .copied()
         .filter(|mode| mode.masquerades())
         .collect();
     let mut heads = Vec::new();
@@ -984,6 +997,7 @@ mod tests {
             Mode::IptablesLegacy => 0.5,
             Mode::Ebpf => 0.9,
             Mode::EbpfLegacy => 0.6,
+            Mode::EbpfSlotTable => 0.95,
         };
         let shape_factor = |shape: Shape| match shape {
             Shape::PinnedLanes => 1.0,
