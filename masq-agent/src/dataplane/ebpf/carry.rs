@@ -290,6 +290,8 @@ where
     NatEntry<A>: Pod,
 {
     let new: &mut NatTable<A> = A::table_mut(&mut maps.nat);
+    // Mapped once for all the flows, not once a flow (a hash table needs nothing).
+    let _mapped = new.keep_mapped()?;
     let mut outcome = Outcome {
         carried: 0,
         left_out: 0,

@@ -262,6 +262,10 @@ impl Recording {
 fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> Recorded {
     let now = map_types::monotonic_now_ns();
     let mut recorded = Recorded::default();
+    // Mapped once for all the flows, not once a flow (a hash table needs nothing).
+    let _mapped = nat.v4.keep_mapped().inspect_err(|err| {
+        warn!("the NAT slots are mapped a flow at a time: {err:#}");
+    });
     for flow in flows {
         let ends = (flow.local, flow.remote);
         let recording = match ends {

@@ -4,7 +4,12 @@
 //! rules as the programs, or a kernel hash table keyed by `NatKey`. The one place the agent
 //! touches a half.
 
-use std::{num::NonZeroUsize, os::fd::AsFd, ptr::NonNull};
+use std::{
+    num::NonZeroUsize,
+    os::fd::AsFd,
+    ptr::NonNull,
+    sync::{Arc, Mutex},
+};
 
 use anyhow::Context as _;
 use aya::{
@@ -52,14 +57,26 @@ enum Kind<A: Address> {
     Slots(SlotTable<A>),
 }
 
-/// The slot table's two arrays, mapped shared into the agent's memory.
+/// The slot table's two arrays, which the agent maps into its memory only while it uses them:
+/// the kernel maps every page of a BPF array at `mmap`, and the slots (32 MiB at the default
+/// size) would count as the agent's own memory for as long as they are mapped.
 struct SlotTable<A: Address> {
+    slots: MapData,
+    words: Array<MapData, u64>,
+    buckets: u32,
+    /// The mapping `NatTable::keep_mapped` holds for a run of operations; without one, each
+    /// operation maps the arrays for itself.
+    kept: KeptMapping<A>,
+}
+
+/// Where a slot table's kept mapping is, shared with the guard that keeps it.
+type KeptMapping<A> = Arc<Mutex<Option<Arc<MappedSlots<A>>>>>;
+
+/// Both arrays mapped shared, and the table as `slot_table` reaches it through them.
+struct MappedSlots<A: Address> {
     _slots: Mapping,
     _words: Mapping,
     memory: Mapped<A>,
-    /// Held so that the arrays outlive their mappings' use, whatever the kernel does with a
-    /// mapping of a map whose last descriptor closed.
-    _maps: (MapData, Array<MapData, u64>),
 }
 
 /// A shared mapping of an array map's values.
@@ -97,8 +114,8 @@ impl Drop for Mapping {
 
 // SAFETY: the slot table is shared with the kernel's CPUs already, and changed by rules made for
 // many writers; the agent's threads are more of them.
-unsafe impl<A: Address> Send for SlotTable<A> {}
-unsafe impl<A: Address> Sync for SlotTable<A> {}
+unsafe impl<A: Address> Send for MappedSlots<A> {}
+unsafe impl<A: Address> Sync for MappedSlots<A> {}
 
 impl<A> NatTable<A>
 where
@@ -144,32 +161,27 @@ where
                 size_of::<Slot<A>>()
             );
         }
-        // SAFETY: no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-        let mapped_len = |n: u32, size: usize| (n as usize * size).next_multiple_of(page);
-        let slot_mapping = Mapping::of(
-            &slots,
-            mapped_len(info.max_entries(), size_of::<Slot<A>>()),
-            "the NAT slots",
-        )?;
-        let word_mapping = Mapping::of(words.map(), mapped_len(buckets, 8), "the NAT slot words")?;
-        // SAFETY: both mappings hold the arrays whole, aligned to a page, for as long as the
-        // table lives.
-        let memory = unsafe {
-            Mapped::new(
-                word_mapping.at.as_ptr().cast(),
-                slot_mapping.at.as_ptr().cast(),
-                buckets,
-            )
-        };
         Ok(Some(NatTable {
             kind: Kind::Slots(SlotTable {
-                _slots: slot_mapping,
-                _words: word_mapping,
-                memory,
-                _maps: (slots, words),
+                slots,
+                words,
+                buckets,
+                kept: Arc::default(),
             }),
         }))
+    }
+
+    /// Keeps the slot table mapped until the guard drops, for a run of operations that would
+    /// otherwise map it each (the carry's, flow by flow); a hash table needs nothing.
+    pub fn keep_mapped(&self) -> anyhow::Result<KeptMapped<A>> {
+        let Kind::Slots(table) = &self.kind else {
+            return Ok(KeptMapped { kept: None });
+        };
+        let mapped = table.mapped()?;
+        *table.kept.lock().expect("no holder panics") = Some(mapped);
+        Ok(KeptMapped {
+            kept: Some(Arc::clone(&table.kept)),
+        })
     }
 
     /// Every half: read whole with batch commands from a hash table; copied slot by slot from
@@ -177,7 +189,7 @@ where
     pub fn read_all(&self) -> anyhow::Result<Table<A>> {
         match &self.kind {
             Kind::Hash(map) => batch::lookup_all(map.map()).context("reading the NAT table"),
-            Kind::Slots(table) => Ok(table.held().collect()),
+            Kind::Slots(table) => table.held(),
         }
     }
 
@@ -192,7 +204,7 @@ where
                 Some(Ok(_)) => Ok(false),
                 Some(Err(err)) => Err(err).context("looking for the NAT table's first entry"),
             },
-            Kind::Slots(table) => Ok(table.words().all(|word| held_slots(word) == 0)),
+            Kind::Slots(table) => Ok(table.words()?.iter().all(|&word| held_slots(word) == 0)),
         }
     }
 
@@ -200,7 +212,7 @@ where
     pub fn capacity(&self) -> anyhow::Result<usize> {
         Ok(match &self.kind {
             Kind::Hash(map) => map.map().info()?.max_entries() as usize,
-            Kind::Slots(table) => (table.memory.buckets() * BUCKET_SLOTS) as usize,
+            Kind::Slots(table) => (table.buckets * BUCKET_SLOTS) as usize,
         })
     }
 
@@ -208,9 +220,12 @@ where
     pub fn get(&self, key: &NatKey<A>) -> Option<NatEntry<A>> {
         match &self.kind {
             Kind::Hash(map) => map.get(key, 0).ok(),
-            // SAFETY: a slot of the mapping, copied out.
-            Kind::Slots(table) => slot_table::find(&table.memory, key)
-                .map(|slot| unsafe { std::ptr::read_volatile(slot).entry }),
+            Kind::Slots(table) => {
+                let mapped = table.mapped().ok()?;
+                // SAFETY: a slot of the mapping, copied out while it is mapped.
+                slot_table::find(&mapped.memory, key)
+                    .map(|slot| unsafe { std::ptr::read_volatile(slot).entry })
+            }
         }
     }
 
@@ -219,7 +234,8 @@ where
         match &mut self.kind {
             Kind::Hash(map) => map.insert(key, entry, BPF_NOEXIST),
             Kind::Slots(table) => {
-                slot_table::insert_new(&table.memory, key, entry).map_err(|refused| {
+                let mapped = table.mapped().map_err(unmapped)?;
+                slot_table::insert_new(&mapped.memory, key, entry).map_err(|refused| {
                     syscall_error(match refused {
                         Refused::Exists => libc::EEXIST,
                         Refused::Full => libc::E2BIG,
@@ -234,14 +250,16 @@ where
     pub fn write(&mut self, key: &NatKey<A>, entry: &NatEntry<A>) -> Result<(), MapError> {
         match &mut self.kind {
             Kind::Hash(map) => map.insert(key, entry, 0),
-            Kind::Slots(table) => match slot_table::find(&table.memory, key) {
-                // SAFETY: a slot of the mapping; a test's write races nothing it cares for.
-                Some(slot) => {
-                    unsafe { std::ptr::write_volatile(&raw mut (*slot).entry, *entry) };
-                    Ok(())
-                }
-                None => self.insert_new(key, entry),
-            },
+            Kind::Slots(table) => {
+                let mapped = table.mapped().map_err(unmapped)?;
+                let Some(slot) = slot_table::find(&mapped.memory, key) else {
+                    return self.insert_new(key, entry);
+                };
+                // SAFETY: a slot of the mapping, written while it is mapped; a test's write
+                // races nothing it cares for.
+                unsafe { std::ptr::write_volatile(&raw mut (*slot).entry, *entry) };
+                Ok(())
+            }
         }
     }
 
@@ -249,10 +267,13 @@ where
     pub fn remove(&mut self, key: &NatKey<A>) -> Result<(), MapError> {
         match &mut self.kind {
             Kind::Hash(map) => map.remove(key),
-            Kind::Slots(table) => match slot_table::remove(&table.memory, key) {
-                true => Ok(()),
-                false => Err(syscall_error(libc::ENOENT)),
-            },
+            Kind::Slots(table) => {
+                let mapped = table.mapped().map_err(unmapped)?;
+                match slot_table::remove(&mapped.memory, key) {
+                    true => Ok(()),
+                    false => Err(syscall_error(libc::ENOENT)),
+                }
+            }
         }
     }
 
@@ -262,10 +283,13 @@ where
             Kind::Hash(map) => {
                 batch::delete_all(map.map(), keys).context("removing from the NAT table")
             }
-            Kind::Slots(table) => Ok(keys
-                .iter()
-                .filter(|key| slot_table::remove(&table.memory, key))
-                .count()),
+            Kind::Slots(table) => {
+                let mapped = table.mapped()?;
+                Ok(keys
+                    .iter()
+                    .filter(|key| slot_table::remove(&mapped.memory, key))
+                    .count())
+            }
         }
     }
 
@@ -277,16 +301,17 @@ where
         let Kind::Slots(table) = &self.kind else {
             return Ok(());
         };
-        let buckets = table.memory.buckets();
+        let mapped = table.mapped()?;
+        let buckets = table.buckets;
         for bucket in 0..buckets {
             let usable = halves / buckets + u32::from(bucket < halves % buckets);
-            let word = table
+            let word = mapped
                 .memory
                 .word(bucket)
                 .context("a bucket past the table")?;
             // SAFETY: a word of the mapping, changed as the programs change it.
             let emptied = unsafe {
-                table
+                mapped
                     .memory
                     .exchange(word, 0, slot_table::blocked_from(usable))
             };
@@ -305,28 +330,104 @@ where
 }
 
 impl<A: Address> SlotTable<A> {
-    fn words(&self) -> impl Iterator<Item = u64> + '_ {
-        (0..self.memory.buckets()).filter_map(|bucket| {
-            // SAFETY: a word of the mapping, read as the programs read it.
-            self.memory
-                .word(bucket)
-                .map(|word| unsafe { std::ptr::read_volatile(word) })
-        })
+    /// The arrays mapped: the mapping kept for a run of operations, or one of this call's own.
+    fn mapped(&self) -> anyhow::Result<Arc<MappedSlots<A>>> {
+        if let Some(kept) = &*self.kept.lock().expect("no holder panics") {
+            return Ok(Arc::clone(kept));
+        }
+        let slots = Mapping::of(
+            &self.slots,
+            page_multiple(self.buckets as usize * BUCKET_SLOTS as usize * size_of::<Slot<A>>()),
+            "the NAT slots",
+        )?;
+        let words = self.mapped_words()?;
+        // SAFETY: both mappings hold the arrays whole, aligned to a page, for as long as the
+        // `MappedSlots` that owns them lives.
+        let memory = unsafe {
+            Mapped::new(
+                words.at.as_ptr().cast(),
+                slots.at.as_ptr().cast(),
+                self.buckets,
+            )
+        };
+        Ok(Arc::new(MappedSlots {
+            _slots: slots,
+            _words: words,
+            memory,
+        }))
+    }
+
+    fn mapped_words(&self) -> anyhow::Result<Mapping> {
+        Mapping::of(
+            self.words.map(),
+            page_multiple(self.buckets as usize * size_of::<u64>()),
+            "the NAT slot words",
+        )
+    }
+
+    /// Every bucket's word, copied from a mapping of the words alone (512 KiB at the default
+    /// size, where the slots are 32 MiB).
+    fn words(&self) -> anyhow::Result<Vec<u64>> {
+        let mapping = self.mapped_words()?;
+        let words: *const u64 = mapping.at.as_ptr().cast();
+        Ok((0..self.buckets as usize)
+            // SAFETY: within the mapping, which holds every word; read as the programs read it.
+            .map(|bucket| unsafe { std::ptr::read_volatile(words.add(bucket)) })
+            .collect())
     }
 
     /// Each held slot's key and entry, copied.
-    fn held(&self) -> impl Iterator<Item = (NatKey<A>, NatEntry<A>)> + '_ {
-        self.words().enumerate().flat_map(move |(bucket, word)| {
-            (0..BUCKET_SLOTS)
-                .filter(move |&index| held_slots(word) & at_slot(0x80, index) != 0)
-                .filter_map(move |index| {
-                    let slot = self.memory.slot(bucket as u32, index)?;
-                    // SAFETY: a slot of the mapping, copied out.
+    fn held(&self) -> anyhow::Result<Table<A>> {
+        let mapped = self.mapped()?;
+        let memory = &mapped.memory;
+        let mut held = Vec::new();
+        for bucket in 0..self.buckets {
+            let Some(word) = memory.word(bucket) else {
+                continue;
+            };
+            // SAFETY: a word of the mapping, read as the programs read it.
+            let word = unsafe { std::ptr::read_volatile(word) };
+            for index in 0..BUCKET_SLOTS {
+                if held_slots(word) & at_slot(0x80, index) == 0 {
+                    continue;
+                }
+                if let Some(slot) = memory.slot(bucket, index) {
+                    // SAFETY: a slot of the mapping, copied out while it is mapped.
                     let slot = unsafe { std::ptr::read_volatile(slot) };
-                    Some((slot.key, slot.entry))
-                })
-        })
+                    held.push((slot.key, slot.entry));
+                }
+            }
+        }
+        Ok(held)
     }
+}
+
+/// Keeps a slot table mapped (`NatTable::keep_mapped`) until it drops.
+pub struct KeptMapped<A: Address> {
+    kept: Option<KeptMapping<A>>,
+}
+
+impl<A: Address> Drop for KeptMapped<A> {
+    fn drop(&mut self) {
+        if let Some(kept) = &self.kept {
+            *kept.lock().expect("no holder panics") = None;
+        }
+    }
+}
+
+/// `len` rounded up to whole pages, as a mapping takes them.
+fn page_multiple(len: usize) -> usize {
+    // SAFETY: no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    len.next_multiple_of(page)
+}
+
+/// A failure to map the slot table, as an error of the hash table's commands.
+fn unmapped(err: anyhow::Error) -> MapError {
+    MapError::SyscallError(aya::sys::SyscallError {
+        call: "mmap",
+        io_error: std::io::Error::other(format!("{err:#}")),
+    })
 }
 
 // BPF_NOEXIST (include/uapi/linux/bpf.h): a half the table holds stays as it is.
