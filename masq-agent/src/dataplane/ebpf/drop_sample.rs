@@ -20,6 +20,10 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
+    // A full slot table looks at the new half's buckets, not at a sample.
+    if table.hash_map().is_none() {
+        return Ok(0);
+    }
     let entries = table.read_all()?;
     let slots = sample.len() as usize;
     let flows: Vec<NatKey<A>> = entries

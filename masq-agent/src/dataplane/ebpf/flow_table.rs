@@ -376,8 +376,12 @@ impl<A: Address> SlotTable<A> {
             .collect())
     }
 
-    /// Each held slot's key and entry, copied.
+    /// Each held slot's key and entry, copied. The slots are not mapped where the words say
+    /// none is held.
     fn held(&self) -> anyhow::Result<Table<A>> {
+        if self.words()?.iter().all(|&word| held_slots(word) == 0) {
+            return Ok(Vec::new());
+        }
         let mapped = self.mapped()?;
         let memory = &mapped.memory;
         let mut held = Vec::new();
