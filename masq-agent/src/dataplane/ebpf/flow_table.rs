@@ -70,7 +70,16 @@ struct SlotTable<A: Address> {
 }
 
 /// Where a slot table's kept mapping is, shared with the guard that keeps it.
-type KeptMapping<A> = Arc<Mutex<Option<Arc<MappedSlots<A>>>>>;
+type KeptMapping<A> = Arc<Mutex<Kept<A>>>;
+
+/// Whether a run of operations keeps the slot table mapped (`NatTable::keep_mapped`).
+enum Kept<A: Address> {
+    /// No: each operation maps the table for itself.
+    No,
+    /// Yes, from the first operation that maps it: a run that has nothing to do maps nothing.
+    Wanted,
+    Mapped(Arc<MappedSlots<A>>),
+}
 
 /// Both arrays mapped shared, and the table as `slot_table` reaches it through them.
 struct MappedSlots<A: Address> {
@@ -166,7 +175,7 @@ where
                 slots,
                 words,
                 buckets,
-                kept: Arc::default(),
+                kept: Arc::new(Mutex::new(Kept::No)),
             }),
         }))
     }
@@ -174,11 +183,11 @@ where
     /// Keeps the slot table mapped until the guard drops, for a run of operations that would
     /// otherwise map it each (the carry's, flow by flow); a hash table needs nothing.
     pub fn keep_mapped(&self) -> anyhow::Result<KeptMapped<A>> {
+        // (A `Result`, for whatever keeping may come to need: mapping happens at first use.)
         let Kind::Slots(table) = &self.kind else {
             return Ok(KeptMapped { kept: None });
         };
-        let mapped = table.mapped()?;
-        *table.kept.lock().expect("no holder panics") = Some(mapped);
+        *table.kept.lock().expect("no holder panics") = Kept::Wanted;
         Ok(KeptMapped {
             kept: Some(Arc::clone(&table.kept)),
         })
@@ -332,9 +341,19 @@ where
 impl<A: Address> SlotTable<A> {
     /// The arrays mapped: the mapping kept for a run of operations, or one of this call's own.
     fn mapped(&self) -> anyhow::Result<Arc<MappedSlots<A>>> {
-        if let Some(kept) = &*self.kept.lock().expect("no holder panics") {
-            return Ok(Arc::clone(kept));
+        let mut kept = self.kept.lock().expect("no holder panics");
+        if let Kept::Mapped(mapped) = &*kept {
+            return Ok(Arc::clone(mapped));
         }
+        let mapped = Arc::new(self.map()?);
+        if matches!(*kept, Kept::Wanted) {
+            *kept = Kept::Mapped(Arc::clone(&mapped));
+        }
+        Ok(mapped)
+    }
+
+    /// Both arrays, mapped afresh.
+    fn map(&self) -> anyhow::Result<MappedSlots<A>> {
         let slots = Mapping::of(
             &self.slots,
             page_multiple(self.buckets as usize * BUCKET_SLOTS as usize * size_of::<Slot<A>>()),
@@ -350,11 +369,11 @@ impl<A: Address> SlotTable<A> {
                 self.buckets,
             )
         };
-        Ok(Arc::new(MappedSlots {
+        Ok(MappedSlots {
             _slots: slots,
             _words: words,
             memory,
-        }))
+        })
     }
 
     fn mapped_words(&self) -> anyhow::Result<Mapping> {
@@ -414,7 +433,7 @@ pub struct KeptMapped<A: Address> {
 impl<A: Address> Drop for KeptMapped<A> {
     fn drop(&mut self) {
         if let Some(kept) = &self.kept {
-            *kept.lock().expect("no holder panics") = None;
+            *kept.lock().expect("no holder panics") = Kept::No;
         }
     }
 }
