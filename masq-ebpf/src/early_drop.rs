@@ -6,10 +6,8 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use masq_ebpf::{
     Address, Counter, EARLY_DROP_PROBES, FlowState, NatKey, drop_vacancy, flows::idle_past,
-    may_drop_from_full_table, nat_kind,
+    may_drop_from_full_table, nat_kind, slot_table::BUCKET_SLOTS,
 };
-
-use masq_ebpf::slot_table::BUCKET_SLOTS;
 
 use crate::{family::Family, flow_table, maps, nat::now_ns};
 

@@ -686,9 +686,8 @@ pub fn track_identity<F: Family>(
         (&unseen, segment)
     };
     let (addr, port) = (egress_key.saddr, egress_key.sport);
-    // Each half is made just before it goes in, so that the two share their place in the frame:
-    // the deepest chain of frames passes through here.
-    let ingress_key = &egress_key.reverse(&half(addr, port, kind, egress_segment, now));
+    let egress = half(addr, port, kind, egress_segment, now);
+    let ingress_key = &egress_key.reverse(&egress);
     let ingress = half(
         ingress_key.daddr,
         ingress_key.dport,
@@ -702,7 +701,6 @@ pub fn track_identity<F: Family>(
         Err(_) => return Err(IdentityError::TableFull),
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it.
-    let egress = half(addr, port, kind, egress_segment, now);
     if flow_table::insert_new::<F>(egress_key, &egress).is_err() {
         let _ = flow_table::remove::<F>(ingress_key);
         return Err(IdentityError::NotRecorded);
