@@ -122,17 +122,11 @@ impl EarlyDrop {
 /// dropped held, for the new flow once it is made (`SampleSlot::freed`).
 ///
 /// Where the halves are in the slot table, room for a half is in its key's buckets only: the
-/// slots looked at are those of `room_for`'s two buckets, the half that found none (16, as
-/// many as a sample's look), and not the drop sample, which the slot table never fills.
+/// slots looked at are the two buckets' of the half this CPU last found no room for
+/// (`PortRequest::no_room_for`; 16, as many as a sample's look), and not the drop sample,
+/// which the slot table never fills.
 #[inline(always)]
-pub fn early_drop<F: Family>(room_for: &NatKey<F::Addr>) -> EarlyDrop {
-    if F::in_slot_table() {
-        let Some(request) = F::port_request().get_ptr_mut(0) else {
-            return EarlyDrop::NOTHING_DROPPED;
-        };
-        // SAFETY: this CPU's slot of a per-CPU map, as `nat::reserve_port` uses it.
-        unsafe { (*request).room_for = *room_for };
-    }
+pub fn early_drop<F: Family>() -> EarlyDrop {
     // The clock is read here, by the program, and handed to the global functions: none of
     // them reads it. A kernel walks global functions before the program (5.10 does), and one
     // without the clock the agent chose would refuse the first that reads it, in a log that
@@ -152,12 +146,10 @@ fn early_drop_global<F: Family>(now: u64) -> i64 {
     // SAFETY: the helper has no preconditions.
     let first = unsafe { bpf_get_prandom_u32() };
     // The first slot of each of the buckets that must make room, in the slot table.
-    let buckets = match F::port_request().get_ptr(0) {
-        // SAFETY: this CPU's slot, which `early_drop` filled.
-        Some(request) if F::in_slot_table() => {
-            flow_table::slots_of::<F>(unsafe { &(*request).room_for })
-        }
-        _ => [0; 2],
+    let buckets = if F::in_slot_table() {
+        flow_table::slots_without_room::<F>()
+    } else {
+        [0; 2]
     };
     // The slot of the flow to take so far, and its rank.
     let (mut chosen_slot, mut chosen) = (NO_SLOT, Rank::LOWEST_PRIORITY);

@@ -13,7 +13,7 @@ use core::{
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_for_each_map_elem};
 use masq_ebpf::{
     NatEntry, NatKey, direction,
-    slot_table::{self, BUCKET_SLOTS, Lookup, Refused, Slot, SlotMemory, at_slot, held_slots},
+    slot_table::{self, BUCKET_SLOTS, Refused, Slot, SlotMemory, at_slot, held_slots},
 };
 
 use crate::family::Family;
@@ -88,46 +88,31 @@ pub fn find<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> 
     F::nat().get_ptr_mut(key)
 }
 
-/// What the family's global lookup says of a key no slot holds, where either of its buckets
-/// has a free slot, and where neither has.
-const ABSENT: i64 = -1;
-const ABSENT_WITHOUT_ROOM: i64 = -2;
+/// What the family's global lookup says of a key no slot holds.
+const NOT_HELD: i64 = -1;
 
-/// What a lookup says of a key before an insert of it.
-pub enum Vacancy {
-    /// The table holds a half of the key.
-    Taken,
-    /// It holds none, and has room for one as far as a lookup can tell: in the slot table, a
-    /// free slot in either of the key's buckets; in the hash table, room is found only by an
-    /// insert.
-    Room,
-    /// It holds none, and neither of the key's buckets has a free slot.
-    NoRoom,
-}
-
-/// What the table holds of `key`, and whether it has room for it.
+/// The first slots of the two buckets a full slot table looks at to make room: those of the
+/// half this CPU last found no room for (`PortRequest::no_room_for`), numbered as
+/// `flow_of_slot` takes them.
 #[inline(always)]
-pub fn vacancy<F: Family>(key: &NatKey<F::Addr>) -> Vacancy {
-    if F::in_slot_table() {
-        return match (F::FIND_SLOT)(key) {
-            ABSENT => Vacancy::Room,
-            ABSENT_WITHOUT_ROOM => Vacancy::NoRoom,
-            _ => Vacancy::Taken,
-        };
-    }
-    match F::nat().get_ptr(key) {
-        Some(_) => Vacancy::Taken,
-        None => Vacancy::Room,
-    }
-}
-
-/// The slot table's slots a full table looks at to make room for `key`: its two buckets',
-/// numbered as `flow_of_slot` takes them.
-#[inline(always)]
-pub fn slots_of<F: Family>(key: &NatKey<F::Addr>) -> [u32; 2] {
-    slot_table::Place::of(key, F::slot_buckets())
+pub fn slots_without_room<F: Family>() -> [u32; 2] {
+    let Some(request) = F::port_request().get_ptr(0) else {
+        return [0; 2];
+    };
+    // SAFETY: this CPU's slot of a per-CPU map; the key is only hashed.
+    slot_table::Place::of(unsafe { &(*request).no_room_for }, F::slot_buckets())
         .buckets
         .map(|bucket| bucket.wrapping_mul(BUCKET_SLOTS))
+}
+
+/// Notes that the slot table had no room for `key`, for this CPU's early drop to make some,
+/// and its next port search to try first (`PortRequest::no_room_for`).
+#[inline(always)]
+fn note_no_room<F: Family>(key: &NatKey<F::Addr>) {
+    if let Some(request) = F::port_request().get_ptr_mut(0) {
+        // SAFETY: this CPU's slot of a per-CPU map; a tc program runs to its end on one CPU.
+        unsafe { (*request).no_room_for = *key };
+    }
 }
 
 /// The egress key of the flow whose half slot `number` of the slot table holds, if it holds
@@ -145,7 +130,7 @@ pub fn flow_of_slot<F: Family>(number: u32) -> Option<NatKey<F::Addr>> {
 /// A lookup is the family's global function, which the verifier walks once, where a static
 /// one it would walk whole at every lookup on every path (some hundreds of instructions each,
 /// where the hash table's helper is one), past its million. It says the slot's number, or
-/// `ABSENT` or `ABSENT_WITHOUT_ROOM`.
+/// `NOT_HELD`.
 #[inline(always)]
 fn find_slot<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>> {
     let number = (F::FIND_SLOT)(key);
@@ -160,19 +145,13 @@ fn find_slot<F: Family>(key: &NatKey<F::Addr>) -> Option<*mut NatEntry<F::Addr>>
 // null (6.8), so each is tested: `nonnull` makes of it the reference its callers passed.
 macro_rules! slot_operations {
     ($family:ty, $find:ident, $insert:ident, $remove:ident) => {
-        /// `slot_table::look_up` for the family: the slot's number, or `ABSENT` or
-        /// `ABSENT_WITHOUT_ROOM`.
+        /// `slot_table::look_up` for the family: the slot's number, or `NOT_HELD`.
         #[unsafe(no_mangle)]
         #[inline(never)]
         pub extern "C" fn $find(key: *const NatKey<<$family as Family>::Addr>) -> i64 {
-            let Some(key) = nonnull(key) else {
-                return ABSENT_WITHOUT_ROOM;
-            };
-            match slot_table::look_up(&slots::<$family>(), key) {
-                Lookup::Held(number, _) => i64::from(number),
-                Lookup::Absent { room: true } => ABSENT,
-                Lookup::Absent { room: false } => ABSENT_WITHOUT_ROOM,
-            }
+            nonnull(key)
+                .and_then(|key| slot_table::look_up(&slots::<$family>(), key))
+                .map_or(NOT_HELD, |(number, _)| i64::from(number))
         }
 
         /// `slot_table::insert_new` for the family: 0, or the hash table's error code for the
@@ -254,8 +233,14 @@ pub fn insert_new<F: Family>(
     entry: &NatEntry<F::Addr>,
 ) -> Result<(), InsertError> {
     if F::in_slot_table() {
+        // A refusal for want of room is noted here, and not in the global function, whose
+        // frame, in the deepest chain, would spill the key's pointer past 6.1's 512 bytes.
         return match (F::INSERT_SLOT)(key, entry) {
             0 => Ok(()),
+            E2BIG => {
+                note_no_room::<F>(key);
+                Err(InsertError(E2BIG))
+            }
             code => Err(InsertError(code)),
         };
     }

@@ -143,9 +143,11 @@ pub struct PortRequest<A: Address> {
     pub egress: NatEntry<A>,
     /// Where `verifier::forget_in` writes a value and reads it back.
     pub unknown: u32,
-    /// The half a full slot table makes room for (`early_drop`): a table of the programs' own
-    /// has room for a half only in its key's buckets.
-    pub room_for: NatKey<A>,
+    /// The half the slot table last had no room for on this CPU (`flow_table::insert_new`):
+    /// a table of the programs' own has room for a half only in its key's buckets, so that is
+    /// where a full table's early drop makes room, and, where it was a reply half of the flow
+    /// searched for, its port is the one the search tries first.
+    pub no_room_for: NatKey<A>,
 }
 
 pub type PortRequests<A> = PerCpuArray<PortRequest<A>, 1>;

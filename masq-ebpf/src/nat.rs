@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use masq_ebpf::{
     Address, Counter, FlowState, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey, direction,
-    nat_kind, packets_seen,
+    nat_kind, packets_seen, slot_table,
     tcp_flags::{ACK, FIN, RST, SYN},
     tcp_seen,
 };
@@ -17,9 +17,7 @@ use masq_ebpf::{
 use crate::{
     early_drop::{self, SampleSlot},
     family::Family,
-    flow_table,
-    flow_table::Vacancy,
-    maps,
+    flow_table, maps,
     parse::{self, L4, Packet},
     ports, verifier,
 };
@@ -517,11 +515,18 @@ fn reserve_port_global<F: Family>() -> i64 {
         &mut request.unknown,
         ports::first_offset(settings, egress_key.sport),
     );
-    if F::in_slot_table() {
-        return reserve_port_in_slots::<F>(request, settings, start, ingress_key, &ingress);
-    }
-    for attempt in 0..ports::MAX_ATTEMPTS {
-        let port = ports::candidate(settings, start, attempt);
+    let retry = port_to_retry::<F>(request, settings, &ingress_key);
+    // Whether a port was passed over for want of room in its reply half's buckets, which only
+    // the slot table refuses one port for and not another: if that is all the search found,
+    // the table is full, not the ports.
+    let mut without_room = false;
+    // The port to retry, if any, first, and then the search's own.
+    for attempt in 0..=ports::MAX_ATTEMPTS {
+        let port = match (attempt, retry) {
+            (0, Some(port)) => port,
+            (0, None) => continue,
+            _ => ports::candidate(settings, start, attempt - 1),
+        };
         ingress_key.dport = verifier::forget_in(&mut request.unknown, u32::from(port)) as u16;
         // By reference: copies for the helper would take the frame past the verifier's limit.
         let (key, value) = (&ingress_key, &ingress);
@@ -541,59 +546,47 @@ fn reserve_port_global<F: Family>() -> i64 {
                 return i64::from(RESERVED);
             }
             Err(err) if err.exists() => continue,
+            Err(_) if F::in_slot_table() => without_room = true,
             Err(_) => return i64::from(TABLE_FULL),
         }
     }
-    i64::from(PORTS_EXHAUSTED)
+    i64::from(if without_room {
+        TABLE_FULL
+    } else {
+        PORTS_EXHAUSTED
+    })
 }
 
-/// `reserve_port_global`'s search where the halves are in the slot table: candidates are
-/// looked up, and only the first free one is made, since the verifier walks each insert into
-/// the slot table whole (some 16 000 instructions), and an insert per attempt would take it
-/// past its million. Another CPU that makes the same reply half between the lookup and the
-/// insert takes the port; this flow's packet is then dropped as if the ports ran out, and its
-/// next one (a SYN sent again) searches anew.
+/// The port a search of the slot table after an early drop tries first: the room the drop
+/// made is in the buckets of one half's key only. That is the port the flow's last search
+/// reserved (`request.egress.port`, 0 on a first search), whose reply half had room, where its
+/// egress half found none and the drop made some for it; or else that of the reply half this
+/// CPU last found no room for (`PortRequest::no_room_for`), where it was one toward this flow's
+/// remote end (`ingress_key`, whatever its port), in whose buckets the drop made room. Tried
+/// before the search's own candidates, not instead of them: another flow toward the same end
+/// may have taken it since, and without `--random-fully` the pod's own port still comes
+/// first among them. The hash table has room anywhere or nowhere.
 #[inline(always)]
-fn reserve_port_in_slots<F: Family>(
-    request: &mut maps::PortRequest<F::Addr>,
+fn port_to_retry<F: Family>(
+    request: &maps::PortRequest<F::Addr>,
     settings: &masq_ebpf::Settings,
-    start: u32,
-    mut ingress_key: NatKey<F::Addr>,
-    ingress: &NatEntry<F::Addr>,
-) -> i64 {
-    // A port whose reply half's buckets are full is passed over as one taken is; if that is
-    // all the search found, the table is full, not the ports.
-    let (mut found, mut without_room) = (false, false);
-    for attempt in 0..ports::MAX_ATTEMPTS {
-        let port = ports::candidate(settings, start, attempt);
-        ingress_key.dport = verifier::forget_in(&mut request.unknown, u32::from(port)) as u16;
-        if ports::held_by_node(request.egress_key.proto, ingress_key.dport) {
-            continue;
-        }
-        match flow_table::vacancy::<F>(&ingress_key) {
-            Vacancy::Room => {
-                found = true;
-                break;
-            }
-            Vacancy::NoRoom => without_room = true,
-            Vacancy::Taken => {}
-        }
+    ingress_key: &NatKey<F::Addr>,
+) -> Option<u16> {
+    if !F::in_slot_table() {
+        return None;
     }
-    if !found {
-        return i64::from(if without_room {
-            TABLE_FULL
-        } else {
-            PORTS_EXHAUSTED
-        });
-    }
-    match flow_table::insert_new::<F>(&ingress_key, ingress) {
-        Ok(()) => {
-            request.egress.port = ingress_key.dport;
-            i64::from(RESERVED)
+    let port = if request.egress.port != 0 {
+        request.egress.port
+    } else {
+        let mut reply = *ingress_key;
+        reply.dport = request.no_room_for.dport;
+        if !slot_table::same_key(&reply, &request.no_room_for) {
+            return None;
         }
-        Err(err) if err.exists() => i64::from(PORTS_EXHAUSTED),
-        Err(_) => i64::from(TABLE_FULL),
-    }
+        reply.dport
+    };
+    // The agent may have changed the ports NAT hands out since.
+    ports::in_spans(settings, port).then_some(port)
 }
 
 /// `reserve_port` for IPv4, a global BPF function.

@@ -176,9 +176,10 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 // A full table drops one flow conntrack would drop early, and is asked once
                 // more; steps called one after the other, as above.
                 for _ in 0..EARLY_DROP_ROUNDS {
-                    let room = early_drop::early_drop::<F>(&key);
+                    let room = early_drop::early_drop::<F>();
                     // No flow dropped (none to drop in the slots looked at, or another CPU
-                    // took the one chosen): the next round looks at other slots.
+                    // took the one chosen): the next round looks at other slots of the drop
+                    // sample, or at the slot table's same buckets again.
                     if !room.dropped() {
                         continue;
                     }
@@ -811,7 +812,7 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 // verifier, and a connection that loses the room to another CPU's flow is
                 // retransmitted.
                 if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
-                    || (early_drop::early_drop::<F>(&ingress_key(ip, &l4, F::ICMP)).dropped()
+                    || (early_drop::early_drop::<F>().dropped()
                         && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
                 {
                     return TcAction::PASS;

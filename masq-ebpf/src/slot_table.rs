@@ -230,7 +230,7 @@ fn held_in<A: Address, M: SlotMemory<A>>(
 /// each field in turn, and every field that differs is a path the verifier walks to the next
 /// slot on its own, which it multiplies by the slots and the buckets.
 #[inline(always)]
-fn same_key<A: Address>(a: &NatKey<A>, b: &NatKey<A>) -> bool {
+pub fn same_key<A: Address>(a: &NatKey<A>, b: &NatKey<A>) -> bool {
     // Every byte of a key is a field's (no padding), in whole, aligned u16s.
     const { assert!(size_of::<NatKey<A>>().is_multiple_of(2) && align_of::<NatKey<A>>() >= 2) };
     let (a, b) = (
@@ -248,37 +248,24 @@ fn same_key<A: Address>(a: &NatKey<A>, b: &NatKey<A>) -> bool {
 /// The slot that holds `key`, if one does.
 #[inline(always)]
 pub fn find<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> Option<*mut Slot<A>> {
-    match look_up(memory, key) {
-        Lookup::Held(_, slot) => Some(slot),
-        Lookup::Absent { .. } => None,
-    }
+    look_up(memory, key).map(|(_, slot)| slot)
 }
 
-/// What a lookup of a key found.
-pub enum Lookup<A: Address> {
-    /// The slot that holds it, and its number in the table (bucket times `BUCKET_SLOTS`, plus
-    /// its index).
-    Held(u32, *mut Slot<A>),
-    /// None holds it; `room`: either of its buckets had a free slot as the lookup read them.
-    Absent { room: bool },
-}
-
-/// The slot that holds `key`, or whether an insert of it could find room.
+/// The slot that holds `key`, if one does, and its number in the table (bucket times
+/// `BUCKET_SLOTS`, plus its index).
 #[inline(always)]
-pub fn look_up<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> Lookup<A> {
+pub fn look_up<A: Address, M: SlotMemory<A>>(
+    memory: &M,
+    key: &NatKey<A>,
+) -> Option<(u32, *mut Slot<A>)> {
     let place = Place::of(key, memory.buckets());
-    let mut room = false;
     for bucket in place.buckets {
-        let Some(word) = memory.word(bucket) else {
-            return Lookup::Absent { room };
-        };
-        let word = load(word);
+        let word = load(memory.word(bucket)?);
         if let Some((index, slot)) = held_in(memory, bucket, word, place.tag, key) {
-            return Lookup::Held(bucket * BUCKET_SLOTS + index, slot);
+            return Some((bucket * BUCKET_SLOTS + index, slot));
         }
-        room |= bytes_equal(word, slot_byte::FREE) != 0;
     }
-    Lookup::Absent { room }
+    None
 }
 
 /// The key and entry of slot `number` (bucket times `BUCKET_SLOTS`, plus its index), copied,

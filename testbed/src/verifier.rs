@@ -22,6 +22,10 @@ pub const STACK_LIMIT: u32 = 512;
 /// The instructions it processes before it gives up on a program.
 pub const PROCESSED_LIMIT: u64 = 1_000_000;
 
+/// What the figures (docs/install.md) add to the name of a program of the object built with
+/// the slot table, to tell it from the same program without.
+pub const SLOT_TABLE_PROGRAM: &str = " (slot table)";
+
 /// How a kernel rounds each function's frame when it adds up a chain of calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StackRule {

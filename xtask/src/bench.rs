@@ -145,11 +145,10 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
 
     // The verifier's figures: the running kernel's, and in a full run the VMs' too. A failure
     // here must not throw away the figures measured above either.
-    let object = crate::verifier_figures::built_object()?;
     let budget = if options.is_full() {
-        crate::budget::everywhere(&object)
+        crate::budget::everywhere()
     } else {
-        crate::verifier_figures::measure_here(&object).map(|(figures, _)| figures)
+        crate::budget::here()
     }
     .unwrap_or_else(|err| {
         eprintln!("xtask: bench: the verifier's budget failed: {err:#}");

@@ -3,23 +3,38 @@
 //! and (`--vms`) on the VMs' kernels, whose figures it writes into the docs (see
 //! `verifier_figures`).
 
-use std::path::Path;
-
 use anyhow::bail;
 use masq_testbed::{verifier::StackRule, workspace_root};
 
 use crate::{
     doc_sections,
     verifier_figures::{
-        ProgramFigures, built_object, describe, figures, kernel_release, measure_here, section,
+        BuiltObject, ProgramFigures, describe, figures, kernel_release, measure_here, section,
     },
 };
 
-/// The figures of the running kernel and of each VM's, the programs loaded in each.
-pub fn everywhere(object: &Path) -> anyhow::Result<Vec<ProgramFigures>> {
-    let (mut all, frames) = measure_here(object)?;
-    for (release, said) in crate::vm::verifier_said(object)? {
-        all.extend(figures(&release, &said, &frames));
+/// The figures of both objects on the running kernel and on each VM's, the programs loaded
+/// in each; the slot table's not on kernels without its atomics.
+pub fn everywhere() -> anyhow::Result<Vec<ProgramFigures>> {
+    let mut all = Vec::new();
+    for object in BuiltObject::both()? {
+        let (here, frames) = measure_here(&object.path)?;
+        all.extend(object.named(here));
+        for (release, said) in crate::vm::verifier_said(&object.path, object.slot_table)? {
+            all.extend(match said {
+                Some(said) => object.named(figures(&release, &said, &frames)),
+                None => object.too_old(&release, &frames),
+            });
+        }
+    }
+    Ok(all)
+}
+
+/// The figures of both objects on the running kernel.
+pub fn here() -> anyhow::Result<Vec<ProgramFigures>> {
+    let mut all = Vec::new();
+    for object in BuiltObject::both()? {
+        all.extend(object.named(measure_here(&object.path)?.0));
     }
     Ok(all)
 }
@@ -30,7 +45,7 @@ pub fn run(json: bool, tree: bool, as_release: Option<&str>, vms: bool) -> anyho
     if vms {
         crate::vm_kit::setup()?;
         crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
-        let figures = everywhere(&built_object()?)?;
+        let figures = everywhere()?;
         print!("{}", describe(&figures));
         for doc in ["docs/install.md", "docs/bench/report.md"] {
             doc_sections::update_section(
@@ -45,27 +60,30 @@ pub fn run(json: bool, tree: bool, as_release: Option<&str>, vms: bool) -> anyho
         return Ok(());
     }
     crate::step("cargo", &["build", "--quiet", "--package", "masq-agent"])?;
-    let object = built_object()?;
-    let (mut figures, frames) = measure_here(&object)?;
     let release = match as_release {
         Some(release) => release.to_string(),
         None => kernel_release()?,
     };
-    if as_release.is_some() {
-        figures = self::figures(&release, &frames, &frames);
-    }
-    if tree {
-        let rule = StackRule::for_release(&release);
-        for budget in &frames {
-            print!("{}", budget.tree(rule));
+    let mut all = Vec::new();
+    for object in BuiltObject::both()? {
+        let (mut figures, frames) = measure_here(&object.path)?;
+        if as_release.is_some() {
+            figures = self::figures(&release, &frames, &frames);
         }
+        if tree {
+            let rule = StackRule::for_release(&release);
+            for budget in &frames {
+                print!("{}", budget.tree(rule));
+            }
+        }
+        all.extend(object.named(figures));
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&figures)?);
+        println!("{}", serde_json::to_string_pretty(&all)?);
     } else {
-        print!("{}", describe(&figures));
+        print!("{}", describe(&all));
     }
-    if figures.iter().any(|f| f.error.is_some()) {
+    if all.iter().any(|f| f.error.is_some()) {
         bail!("the verifier rejected a program");
     }
     Ok(())

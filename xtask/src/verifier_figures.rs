@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
 use masq_testbed::{
-    verifier::{self, Budget, PROCESSED_LIMIT, STACK_LIMIT, StackRule},
+    verifier::{self, Budget, PROCESSED_LIMIT, SLOT_TABLE_PROGRAM, STACK_LIMIT, StackRule},
     workspace_root,
 };
 use serde::{Deserialize, Serialize};
@@ -89,6 +89,57 @@ pub fn built_object() -> anyhow::Result<PathBuf> {
     match newest {
         Some((_, object)) => Ok(object),
         None => bail!("no eBPF object built yet: run `cargo build -p masq-agent`"),
+    }
+}
+
+/// One of the two objects masq-agent's build script leaves: the programs with the hash table
+/// (`load::OBJECT`), and with the slot table (`load::SLOT_TABLE_OBJECT`, beside it in
+/// `slot-table/`), which needs BPF atomics on map values (Linux 5.12).
+pub struct BuiltObject {
+    pub path: PathBuf,
+    pub slot_table: bool,
+}
+
+impl BuiltObject {
+    /// The objects of the newest build (`built_object`).
+    pub fn both() -> anyhow::Result<[BuiltObject; 2]> {
+        let path = built_object()?;
+        let slot_table = path.with_file_name("slot-table").join("masq");
+        Ok([
+            BuiltObject {
+                path,
+                slot_table: false,
+            },
+            BuiltObject {
+                path: slot_table,
+                slot_table: true,
+            },
+        ])
+    }
+
+    /// Its figures, each program named for the object (`masq_egress (slot table)`).
+    pub fn named(&self, mut figures: Vec<ProgramFigures>) -> Vec<ProgramFigures> {
+        if self.slot_table {
+            for f in &mut figures {
+                f.program.push_str(SLOT_TABLE_PROGRAM);
+            }
+        }
+        figures
+    }
+
+    /// Its figures on the kernel of `release`, which is too old to load it: the stack of the
+    /// programs' `frames` as it would round them, each marked why not loaded.
+    pub fn too_old(&self, release: &str, frames: &[Budget]) -> Vec<ProgramFigures> {
+        let mut figures = figures(release, frames, frames);
+        for f in &mut figures {
+            f.processed = None;
+            f.not_loaded = Some(
+                "not loaded: the slot table needs Linux 5.12; the agent loads the hash table's \
+                 object there"
+                    .to_string(),
+            );
+        }
+        self.named(figures)
     }
 }
 

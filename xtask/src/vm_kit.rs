@@ -44,6 +44,14 @@ const BULLSEYE_SECURITY: Archive = Archive {
 impl Flavour {
     pub const ALL: [Flavour; 3] = [Flavour::Generic61, Flavour::Cloud61, Flavour::Generic510];
 
+    /// Whether its kernel has BPF atomics on map values (5.12), which the slot table needs.
+    pub fn has_bpf_atomics(self) -> bool {
+        match self {
+            Flavour::Generic61 | Flavour::Cloud61 => true,
+            Flavour::Generic510 => false,
+        }
+    }
+
     fn archive(self) -> &'static Archive {
         match self {
             Flavour::Generic61 | Flavour::Cloud61 => &BOOKWORM_SECURITY,

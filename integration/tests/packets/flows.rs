@@ -28,6 +28,7 @@ in_both_families!(
     a_sweep_under_pressure_points_the_drop_sample_at_what_a_full_table_may_drop,
     every_sweep_of_a_table_left_under_pressure_points_its_sample_again,
     a_flow_made_after_an_early_drop_searches_its_port_again,
+    a_large_full_table_makes_room_for_each_new_flow_where_its_halves_go,
     a_full_table_gives_up_the_nodes_flows_for_a_pods_whatever_their_state,
     the_nodes_own_flows_and_masqueraded_ones_never_share_a_tuple,
     a_nodes_flow_that_clashes_in_a_full_table_makes_room_and_moves,
@@ -637,6 +638,41 @@ fn a_flow_made_after_an_early_drop_searches_its_port_again<F: HarnessFamily>() {
             &checksums::<F>(F::L4 + 6),
         );
     }
+}
+
+/// A table of many buckets, full of flows it may drop, makes room for every new flow, and
+/// drops no more for it than its two halves need: in the slot table, room is in a half's own
+/// buckets, so the drop must be where the half found none, and the search after it must try
+/// there (a drop anywhere else, or a search of other random ports, would drop a flow in every
+/// round, and then the new one). The table stays nearly as full as it was.
+fn a_large_full_table_makes_room_for_each_new_flow_where_its_halves_go<F: HarnessFamily>() {
+    const HALVES: u32 = 4096;
+    let mut h = F::bed(HALVES, &[(1024, 65535)], true);
+    let mut pod_port = 20_000;
+    let mut new_flow = |h: &mut TestBed| {
+        let (verdict, _) = h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+        assert_eq!(verdict, TC_ACT_OK, "the flow from {pod_port} is made");
+        pod_port += 1;
+    };
+    // Until the drops have emptied no bucket the slot table fills last: full everywhere.
+    while h.counter(Counter::NatEarlyDropped) < u64::from(HALVES) / 2 {
+        new_flow(&mut h);
+    }
+    let (before, made) = (h.counter(Counter::NatEarlyDropped), 300);
+    for _ in 0..made {
+        new_flow(&mut h);
+    }
+    let drops = h.counter(Counter::NatEarlyDropped) - before;
+    assert!(
+        drops <= 2 * made,
+        "{drops} flows dropped for {made} made in a full table"
+    );
+    assert_eq!(h.counter(Counter::DropNatTableFull), 0);
+    let flows = pod_ports::<F>(&h).len() as u32;
+    assert!(
+        flows >= HALVES / 2 * 8 / 10,
+        "{flows} flows left of the {HALVES} halves' room"
+    );
 }
 
 /// The node's flows on ports NAT hands out (netfilter's, or a daemon's) hold their tuple in the
