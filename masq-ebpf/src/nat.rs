@@ -693,10 +693,15 @@ pub fn track_identity<F: Family>(
         Err(err) if err.exists() => return Err(IdentityError::Taken),
         Err(_) => return Err(IdentityError::TableFull),
     }
-    // If another CPU gave the same flow an entry meanwhile, it keeps it.
-    if flow_table::insert_new::<F>(egress_key, &egress).is_err() {
+    // If another CPU gave the same flow an entry meanwhile, it keeps it. Room for the reply
+    // half is not room for this one: in the slot table, each half has its own buckets.
+    if let Err(err) = flow_table::insert_new::<F>(egress_key, &egress) {
         let _ = flow_table::remove::<F>(ingress_key);
-        return Err(IdentityError::NotRecorded);
+        return Err(if err.exists() {
+            IdentityError::NotRecorded
+        } else {
+            IdentityError::TableFull
+        });
     }
     early_drop::remember::<F>(SampleSlot::RANDOM, egress_key);
     Ok(())

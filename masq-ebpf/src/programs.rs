@@ -807,12 +807,16 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 }
                 // A full table makes room for a connection toward a pod as for a pod's own new
                 // flow, as conntrack does for any; called from here, where the frame of
-                // `snat_track_inbound` is not on the stack. One round, not `egress`'s
-                // `EARLY_DROP_ROUNDS`: every call of the step is one more walk of it for the
-                // verifier, and a connection that loses the room to another CPU's flow is
-                // retransmitted.
+                // `snat_track_inbound` is not on the stack. A round for each half the slot
+                // table may find no room for, in buckets of its own (one in the hash table),
+                // not `egress`'s `EARLY_DROP_ROUNDS`: every call of the step is one more walk
+                // of it for the verifier, and a connection that loses the room to another
+                // CPU's flow is retransmitted.
                 if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
                     || (early_drop::early_drop::<F>().dropped()
+                        && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
+                    || (F::in_slot_table()
+                        && early_drop::early_drop::<F>().dropped()
                         && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
                 {
                     return TcAction::PASS;

@@ -644,7 +644,8 @@ fn a_flow_made_after_an_early_drop_searches_its_port_again<F: HarnessFamily>() {
 /// drops no more for it than its two halves need: in the slot table, room is in a half's own
 /// buckets, so the drop must be where the half found none, and the search after it must try
 /// there (a drop anywhere else, or a search of other random ports, would drop a flow in every
-/// round, and then the new one). The table stays nearly as full as it was.
+/// round, and then the new one). The table stays nearly as full as it was. So for connections
+/// opened from outside.
 fn a_large_full_table_makes_room_for_each_new_flow_where_its_halves_go<F: HarnessFamily>() {
     const HALVES: u32 = 4096;
     let mut h = F::bed(HALVES, &[(1024, 65535)], true);
@@ -673,6 +674,16 @@ fn a_large_full_table_makes_room_for_each_new_flow_where_its_halves_go<F: Harnes
         flows >= HALVES / 2 * 8 / 10,
         "{flows} flows left of the {HALVES} halves' room"
     );
+    // Connections opened from outside to a pod are remembered too, whichever of their two
+    // halves found no room: untracked, the pod's replies would leave masqueraded.
+    let (before, opened) = (h.counter(Counter::NatEarlyDropped), 300);
+    for client_port in 0..opened {
+        let syn = tcp(F::REMOTE, 10_000 + client_port, F::POD, 8080, SYN);
+        assert_eq!(h.ingress(&syn), (TC_ACT_OK, syn), "from {client_port}");
+    }
+    assert_eq!(h.counter(Counter::InboundTracked), u64::from(opened));
+    assert!(h.counter(Counter::NatEarlyDropped) - before <= 2 * u64::from(opened));
+    assert_eq!(h.counter(Counter::DropNatTableFull), 0);
 }
 
 /// The node's flows on ports NAT hands out (netfilter's, or a daemon's) hold their tuple in the

@@ -340,6 +340,12 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     let mut carried = Carried::open(pins, |name| sizes.entries_of(name));
     match load_into(opts, pins, &sizes) {
         Ok((programs, mut maps)) => {
+            // Before the carry, which may fill a new table: it holds what it was asked to.
+            if let Err(err) = maps.nat.v4.limit_to(sizes.v4_entries) {
+                tracing::warn!(
+                    "the IPv4 slot table may hold more flows than --nat-capacity asks: {err:#}"
+                );
+            }
             carried.copy_into(&mut maps);
             if let Err(err) = drop_sample::fill(&maps) {
                 tracing::warn!(
