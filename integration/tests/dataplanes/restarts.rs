@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
-use masq_agent::policy::IpFamily;
+use masq_agent::{dataplane::ebpf::SLOT_TABLE_ENV, policy::IpFamily};
 use masq_testbed::{
     probe::{self, UdpEcho, UdpFlows},
     topology, wait_for, write_config,
@@ -361,15 +361,16 @@ fn a_capacity_change_during_a_transfer_loses_nothing(plane: Plane) {
 /// the table the other left.
 fn the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
-    let mut agent = bed.start_agent(&[]);
+    // The hash table first, whatever the tests' environment asks for.
+    let mut agent = bed.spawn_agent(&bed.plane_args(), &[(SLOT_TABLE_ENV, "0")]);
     let transfer = PacedTransfer::start(&bed, (topology::EXT_ADDR, 9780).into(), 60);
     for slot_table in ["1", "0"] {
         std::thread::sleep(Duration::from_millis(500));
         agent.stop(libc::SIGTERM).unwrap();
-        agent = bed.spawn_agent(&bed.plane_args(), &[("MASQ_AGENT_SLOT_TABLE", slot_table)]);
+        agent = bed.spawn_agent(&bed.plane_args(), &[(SLOT_TABLE_ENV, slot_table)]);
         assert!(
             agent.log_text().contains("flows carried"),
-            "MASQ_AGENT_SLOT_TABLE={slot_table}: {}",
+            "{SLOT_TABLE_ENV}={slot_table}: {}",
             agent.log_text()
         );
     }

@@ -39,7 +39,7 @@ pub mod trie_diff;
 pub mod tries;
 
 pub use self::{
-    load::COARSE_CLOCK_ENV,
+    load::{COARSE_CLOCK_ENV, SLOT_TABLE_ENV},
     options::EbpfOptions,
     plane::{EbpfDataPlane, Unavailable, new},
 };
