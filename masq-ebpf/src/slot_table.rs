@@ -73,39 +73,51 @@ const fn tag(hash: u64) -> u8 {
     ((bits * slot_byte::TAG as u64) >> 16) as u8 + 1
 }
 
-/// A 64-bit hash of every field of `key`: its words mixed in turn, then finished so that both
-/// halves of the result (the two buckets) and its top bits (the tag) depend on all of them.
+/// A 64-bit hash of every field of `key`: each of its words multiplied by a constant of its
+/// own, then the products folded and finished, so that both halves of the result (the two
+/// buckets) and its top bits (the tag) depend on all of them. The products do not wait on
+/// each other, as a chain of mixes would: a CPU makes them at once (a lookup hashes its key on
+/// every packet).
 #[inline(always)]
 pub fn hash<A: Address>(key: &NatKey<A>) -> u64 {
-    let ports = u64::from(key.sport) | u64::from(key.dport) << 16;
-    let kind = u64::from(key.proto) | u64::from(key.direction) << 8;
-    let mut hash = mix(ports << 16 | kind);
-    hash = mix_address(hash, key.saddr.as_ref());
-    hash = mix_address(hash, key.daddr.as_ref());
-    finish(hash)
-}
-
-/// `hash` with each 32-bit word of `address` mixed in. The address lengths are constants, so
-/// the loop unrolls and the bounds checks fold away.
-#[inline(always)]
-fn mix_address(mut hash: u64, address: &[u8]) -> u64 {
-    let mut at = 0;
-    while at + 4 <= address.len() {
-        let word = u32::from_ne_bytes([
-            address[at],
-            address[at + 1],
-            address[at + 2],
-            address[at + 3],
-        ]);
-        hash = mix(hash ^ u64::from(word));
-        at += 4;
+    let mut folded = 0u64;
+    for (at, multiplier) in WORD_MULTIPLIERS.iter().enumerate().take(key_words::<A>()) {
+        folded ^= key_word(key, at).wrapping_mul(*multiplier);
     }
-    hash
+    finish(folded)
 }
 
+/// One odd constant for each word of the largest key (IPv6's five), with their bits spread.
+const WORD_MULTIPLIERS: [u64; 5] = [
+    0x9e37_79b9_7f4a_7c15,
+    0xbf58_476d_1ce4_e5b9,
+    0xd6e8_feb8_6659_fd93,
+    0xa076_1d64_78bd_642f,
+    0xe703_7ed1_a0b4_28db,
+];
+
+/// How many u64s make a key: every byte of them a field's or its `_pad`, which is always zero.
 #[inline(always)]
-const fn mix(value: u64) -> u64 {
-    (value ^ value >> 29).wrapping_mul(0xbf58_476d_1ce4_e5b9)
+const fn key_words<A: Address>() -> usize {
+    const {
+        assert!(size_of::<NatKey<A>>().is_multiple_of(8) && align_of::<NatKey<A>>() >= 2);
+        assert!(size_of::<NatKey<A>>() / 8 <= WORD_MULTIPLIERS.len());
+    };
+    size_of::<NatKey<A>>() / 8
+}
+
+/// The u64 `at` (below `key_words`) of `key`, read as the u16s its alignment allows (a key on
+/// the stack aligned to more would take the deepest chain of frames past its 512 bytes). The
+/// sizes are constants, so the callers' loops unroll, and their bounds fold away.
+#[inline(always)]
+fn key_word<A: Address>(key: &NatKey<A>, at: usize) -> u64 {
+    let halves = core::ptr::from_ref(key).cast::<u16>();
+    let mut word = 0;
+    for half in 0..4 {
+        // SAFETY: within the key, and aligned, as `key_words` asserts.
+        word |= u64::from(unsafe { halves.add(at * 4 + half).read() }) << (16 * half);
+    }
+    word
 }
 
 #[inline(always)]
@@ -231,15 +243,13 @@ fn held_in<A: Address, M: SlotMemory<A>>(
 /// slot on its own, which it multiplies by the slots and the buckets.
 #[inline(always)]
 pub fn same_key<A: Address>(a: &NatKey<A>, b: &NatKey<A>) -> bool {
-    // Every byte of a key is a field's (no padding), in whole, aligned u16s.
-    const { assert!(size_of::<NatKey<A>>().is_multiple_of(2) && align_of::<NatKey<A>>() >= 2) };
     let (a, b) = (
         core::ptr::from_ref(a).cast::<u16>(),
         core::ptr::from_ref(b).cast::<u16>(),
     );
     let mut differ = 0;
-    for at in 0..size_of::<NatKey<A>>() / 2 {
-        // SAFETY: within both keys, and aligned, as asserted above.
+    for at in 0..key_words::<A>() * 4 {
+        // SAFETY: within both keys, and aligned, as `key_words` asserts.
         differ |= unsafe { a.add(at).read() ^ b.add(at).read() };
     }
     differ == 0
