@@ -22,9 +22,10 @@ pub enum Mode {
     /// The eBPF data plane on a node whose tables (kube-proxy's, and the agent's reduced
     /// chain) are in the legacy backend: what `IptablesLegacy` is measured against.
     EbpfLegacy,
-    /// The eBPF data plane with IPv4's halves in the slot table (`MASQ_AGENT_SLOT_TABLE=1`),
-    /// not on by default yet: measured only when named (`--modes`), against `Ebpf`.
-    EbpfSlotTable,
+    /// The eBPF data plane with IPv4's halves in the kernel's hash table
+    /// (`MASQ_AGENT_SLOT_TABLE=0`), as a kernel before 5.12 keeps them, where `Ebpf` keeps them
+    /// in the slot table: measured only when named (`--modes`), against `Ebpf`.
+    EbpfHashTable,
 }
 
 impl Mode {
@@ -45,19 +46,19 @@ impl Mode {
             Mode::IptablesLegacy => "iptables (legacy)",
             Mode::Ebpf => "ebpf",
             Mode::EbpfLegacy => "ebpf (legacy node)",
-            Mode::EbpfSlotTable => "ebpf (slot table)",
+            Mode::EbpfHashTable => "ebpf (hash table)",
         }
     }
 
     /// Whether the eBPF programs translate in this mode.
     pub fn is_ebpf(self) -> bool {
-        matches!(self, Mode::Ebpf | Mode::EbpfLegacy | Mode::EbpfSlotTable)
+        matches!(self, Mode::Ebpf | Mode::EbpfLegacy | Mode::EbpfHashTable)
     }
 
     /// What the mode's agent finds in its environment besides `PATH`.
     pub fn agent_env(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Mode::EbpfSlotTable => &[("MASQ_AGENT_SLOT_TABLE", "1")],
+            Mode::EbpfHashTable => &[("MASQ_AGENT_SLOT_TABLE", "0")],
             _ => &[],
         }
     }

@@ -462,7 +462,7 @@ fn summary(
 fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
     // Each eBPF mode against the chain on a node of its own backend; the cross-backend ratio
     // last, as context only: it also compares the two backends' kube-proxy tables.
-    // Of the pairs, those whose modes both ran: the slot table's, when it is named.
+    // Of the pairs, those whose modes both ran: the hash table's, when it is named.
     let pairs: Vec<(Mode, Mode)> = [
         (Mode::NoNat, Mode::NoNatBare),
         (Mode::IptablesNft, Mode::NoNat),
@@ -471,8 +471,8 @@ fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
         (Mode::Ebpf, Mode::IptablesNft),
         (Mode::EbpfLegacy, Mode::IptablesLegacy),
         (Mode::Ebpf, Mode::IptablesLegacy),
-        (Mode::EbpfSlotTable, Mode::Ebpf),
-        (Mode::EbpfSlotTable, Mode::NoNat),
+        (Mode::Ebpf, Mode::EbpfHashTable),
+        (Mode::EbpfHashTable, Mode::NoNat),
     ]
     .into_iter()
     .filter(|(a, b)| plan.modes.contains(a) && plan.modes.contains(b))
@@ -997,7 +997,7 @@ mod tests {
             Mode::IptablesLegacy => 0.5,
             Mode::Ebpf => 0.9,
             Mode::EbpfLegacy => 0.6,
-            Mode::EbpfSlotTable => 0.95,
+            Mode::EbpfHashTable => 0.95,
         };
         let shape_factor = |shape: Shape| match shape {
             Shape::PinnedLanes => 1.0,

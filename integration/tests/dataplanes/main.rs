@@ -370,11 +370,6 @@ trait FamilyOnTheBed: Copy {
         )
     }
 
-    /// The NAT table's pin name.
-    fn nat_map(self) -> &'static str {
-        self.pick(masq_ebpf::map_names::NAT_V4, masq_ebpf::map_names::NAT_V6)
-    }
-
     /// What `status --json` names the family by.
     fn status_key(self) -> &'static str {
         self.pick("ipv4", "ipv6")
@@ -681,6 +676,72 @@ fn dump_pinned(bed: &Bed, name: &str) -> (String, String) {
             .unwrap();
     let compact = dump.split_whitespace().collect();
     (dump, compact)
+}
+
+/// Whether a NAT table that `status --json` reads as `nat` (its `ebpf.nat.<family>`) is as full
+/// as pods find it: every entry of a hash table held, or, in the slot table, where a half may go
+/// only in either of its key's two buckets, all but a bucket's slots at most (a key whose two
+/// buckets are full finds no room while another bucket has some).
+fn reads_full(nat: &serde_json::Value) -> bool {
+    let (entries, capacity) = (nat["entries"].as_u64(), nat["capacity"].as_u64());
+    let (Some(entries), Some(capacity)) = (entries, capacity) else {
+        return false;
+    };
+    entries <= capacity && entries + u64::from(masq_ebpf::slot_table::BUCKET_SLOTS) >= capacity
+}
+
+/// The halves `family`'s NAT table holds, as bpftool formats them with the maps' BTF: each a
+/// `NatKey` and its `NatEntry`, from the hash table's elements, or, where the table is the slot
+/// table (its words array has more than the one entry a table not in use keeps), from the slots
+/// whose byte in their bucket's word says they are held (a freed slot keeps its old bytes).
+fn nat_halves(bed: &Bed, family: IpFamily) -> Vec<(serde_json::Value, serde_json::Value)> {
+    use masq_ebpf::{map_names, slot_table};
+    let bpftool = |args: &[&str], name: &str| -> serde_json::Value {
+        let pin = bed.topo.bpffs.join(name);
+        let mut args = args.to_vec();
+        args.extend(["pinned", pin.to_str().unwrap()]);
+        let out = masq_testbed::netns::run("bpftool", &[&["-j"][..], &args].concat()).unwrap();
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("bpftool {args:?}: {e}: {out}"))
+    };
+    let (hash, slots, words) = family.pick(
+        (
+            map_names::NAT_V4,
+            map_names::NAT_SLOTS_V4,
+            map_names::NAT_SLOT_WORDS_V4,
+        ),
+        (
+            map_names::NAT_V6,
+            map_names::NAT_SLOTS_V6,
+            map_names::NAT_SLOT_WORDS_V6,
+        ),
+    );
+    let formatted = |dump: serde_json::Value| -> Vec<serde_json::Value> {
+        let elements = dump.as_array().cloned().unwrap_or_default();
+        elements
+            .into_iter()
+            .map(|e| e["formatted"].clone())
+            .collect()
+    };
+    if bpftool(&["map", "show"], words)["max_entries"].as_u64() == Some(1) {
+        return formatted(bpftool(&["map", "dump"], hash))
+            .into_iter()
+            .map(|e| (e["key"].clone(), e["value"].clone()))
+            .collect();
+    }
+    let held: Vec<u64> = formatted(bpftool(&["map", "dump"], words))
+        .iter()
+        .flat_map(|e| {
+            let (bucket, word) = (e["key"].as_u64().unwrap(), e["value"].as_u64().unwrap());
+            (0..u64::from(slot_table::BUCKET_SLOTS))
+                .filter(move |&i| slot_table::held_slots(word) >> (8 * i) & 0x80 != 0)
+                .map(move |i| bucket * u64::from(slot_table::BUCKET_SLOTS) + i)
+        })
+        .collect();
+    formatted(bpftool(&["map", "dump"], slots))
+        .into_iter()
+        .filter(|e| held.contains(&e["key"].as_u64().unwrap()))
+        .map(|e| (e["value"]["key"].clone(), e["value"]["entry"].clone()))
+        .collect()
 }
 
 /// What `status --json` says masquerades `family` leaving by `device`; `None` when it lists no

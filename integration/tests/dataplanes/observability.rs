@@ -12,7 +12,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, CHAIN, DEFAULT_CONFIG, FamilyOnTheBed, METRICS_ADDR, Plane, assert_masqueraded,
-    assert_success, decisions_of, http_get, unanswered_queries,
+    assert_success, decisions_of, http_get, reads_full, unanswered_queries,
 };
 
 /// What pods see must not depend on the data plane.
@@ -567,10 +567,13 @@ fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, 
     family.assert_masqueraded(&bed);
     let _silent = unanswered_queries(&bed, family, 9709, 100);
     let other = family.pick(IpFamily::Ipv6, IpFamily::Ipv4);
-    // Each table: its entries and how full it reads.
-    let tables = [(family, 128, 100), (other, 0, 0)];
-
     let status = bed.status_json();
+    let full = &status["ebpf"]["nat"][family.label()];
+    assert!(reads_full(full), "{status:#}");
+    let held = full["entries"].as_u64().unwrap();
+    // Each table: its entries and how full it reads.
+    let tables = [(family, held, (held * 100).div_ceil(128)), (other, 0, 0)];
+
     let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
     let text = String::from_utf8(bed.agent_cmd(&["status", &bpffs]).stdout).unwrap();
     for (table, entries, percent) in tables {
@@ -596,7 +599,7 @@ fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, 
     let mut metrics = String::new();
     wait_for_long(2 * SWEEP_INTERVAL, || {
         metrics = http_get(&bed, "/metrics").1;
-        Ok(series(&metrics, "masq_agent_nat_entries", family) == Some(128.0))
+        Ok(series(&metrics, "masq_agent_nat_entries", family) == Some(held as f64))
     })
     .unwrap_or_else(|e| panic!("{e}: a sweep counts the full table:\n{metrics}"));
     for (table, entries, _) in tables {

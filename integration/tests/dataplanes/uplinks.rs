@@ -16,7 +16,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, IPV6_CONFIG, PORT, Plane, args_with,
-    assert_success, coverage, dump_pinned, wait_for_coverage,
+    assert_success, coverage, nat_halves, wait_for_coverage,
 };
 
 /// What pods see must not depend on the data plane.
@@ -120,18 +120,19 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane, family: IpFamily) {
                 .log_text()
                 .contains("flows on the old address forgotten")
         );
-        let (dump, compact) = dump_pinned(&bed, family.nat_map());
-        let bytes = |addr: IpAddr| {
-            let octets: Vec<String> = match addr {
-                IpAddr::V4(a) => a.octets().iter().map(u8::to_string).collect(),
-                IpAddr::V6(a) => a.octets().iter().map(u8::to_string).collect(),
-            };
-            format!(r#""addr":[{}]"#, octets.join(","))
+        let halves = nat_halves(&bed, family);
+        let bytes = |addr: IpAddr| -> serde_json::Value {
+            match addr {
+                IpAddr::V4(a) => a.octets().to_vec(),
+                IpAddr::V6(a) => a.octets().to_vec(),
+            }
+            .into()
         };
-        assert!(compact.contains(&bytes(new_address)), "{dump}");
+        let on = |addr: IpAddr| halves.iter().any(|(_, entry)| entry["addr"] == bytes(addr));
+        assert!(on(new_address), "{halves:?}");
         assert!(
-            !compact.contains(&bytes(address(&old))),
-            "nothing is left on the old address:\n{dump}"
+            !on(address(&old)),
+            "nothing is left on the old address:\n{halves:?}"
         );
     }
 }

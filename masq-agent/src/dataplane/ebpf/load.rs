@@ -194,19 +194,22 @@ impl NatSizes {
     }
 }
 
-/// Set to `1` to keep IPv4's halves in the slot table (not on by default yet).
+/// Set to `0` to keep IPv4's halves in the kernel's hash table where the slot table could hold
+/// them, or to `1` to ask for the slot table (the default where the kernel has it).
 pub const SLOT_TABLE_ENV: &str = "MASQ_AGENT_SLOT_TABLE";
 
-/// Whether IPv4's NAT halves go in the slot table here: when asked, where the kernel has BPF
-/// atomics on map values (compare-and-exchange, xor: Linux 5.12). Asked on an older kernel, the
-/// request is said to be ignored: its verifier would refuse the programs.
+/// Whether IPv4's NAT halves go in the slot table here: where the kernel has BPF atomics on map
+/// values (compare-and-exchange, xor: Linux 5.12), unless `SLOT_TABLE_ENV` is `0`. Asked for
+/// on an older kernel, the request is said to be ignored: its verifier would refuse the
+/// programs.
 pub fn slot_table() -> bool {
-    if !matches!(std::env::var(SLOT_TABLE_ENV).as_deref(), Ok("1")) {
+    let asked = std::env::var(SLOT_TABLE_ENV);
+    if asked.as_deref() == Ok("0") {
         return false;
     }
     let atomics = aya::util::KernelVersion::current()
         .is_ok_and(|v| v >= aya::util::KernelVersion::new(5, 12, 0));
-    if !atomics {
+    if !atomics && asked.as_deref() == Ok("1") {
         tracing::warn!(
             "{SLOT_TABLE_ENV}=1 ignored: Linux {} lacks BPF atomics on map values (5.12); the \
              NAT halves stay in the hash table",

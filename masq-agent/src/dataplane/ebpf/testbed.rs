@@ -73,25 +73,25 @@ pub struct Run {
 }
 
 thread_local! {
-    /// Whether this thread's beds keep IPv4's halves in the slot table (`TestBed::in_slot_table`).
-    static SLOT_TABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Where this thread's beds keep IPv4's halves, if a test chose (`TestBed::in_table`):
+    /// whether in the slot table.
+    static SLOT_TABLE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 impl TestBed {
-    /// The object with both programs loaded and nothing configured: IPv4's halves in the slot
-    /// table where the environment asks for it (`load::slot_table`), or this thread
-    /// (`in_slot_table`).
+    /// The object with both programs loaded and nothing configured: IPv4's halves where the
+    /// agent would keep them here (`load::slot_table`), or where this thread chose (`in_table`).
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
-        let slot_table = load::slot_table() || SLOT_TABLE.get();
+        let slot_table = SLOT_TABLE.get().unwrap_or_else(load::slot_table);
         TestBed::unconfigured_in(nat_entries, slot_table)
     }
 
     /// Runs `f` with the beds this thread makes (`unconfigured`) keeping IPv4's halves in the
-    /// slot table: a test written for either table, run on the slot table.
-    pub fn in_slot_table<T>(f: impl FnOnce() -> T) -> T {
-        SLOT_TABLE.set(true);
+    /// slot table, or in the hash table: a test written for either table, run on one.
+    pub fn in_table<T>(slot_table: bool, f: impl FnOnce() -> T) -> T {
+        SLOT_TABLE.set(Some(slot_table));
         let result = f();
-        SLOT_TABLE.set(false);
+        SLOT_TABLE.set(None);
         result
     }
 
