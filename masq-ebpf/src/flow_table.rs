@@ -13,10 +13,10 @@ use core::{
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_for_each_map_elem};
 use masq_ebpf::{
     NatEntry, NatKey, direction,
-    slot_table::{self, BUCKET_SLOTS, Refused, Slot, SlotMemory, at_slot, held_slots},
+    slot_table::{self, BUCKET_SLOTS, Refused, Slot, SlotMemory, at_slot, held_slots, slot_byte},
 };
 
-use crate::family::Family;
+use crate::{family::Family, maps};
 
 /// Why a half could not be made: the table holds a half of that key (`exists`), another
 /// flow's or the same flow's made first; or there is no room for it. The hash table's own
@@ -69,6 +69,24 @@ impl<F: Family> SlotMemory<F::Addr> for MapSlots<F> {
         // SAFETY: as in `exchange`.
         unsafe {
             atomic_xor::<u64, u64, { AtomicOrdering::SeqCst }>(word, bits);
+        }
+    }
+
+    /// A plain store of the byte where the CPU's stores are seen in order (x86), where it is
+    /// a release: the locked xor elsewhere waits for the slot's line, which the insert has just
+    /// written and most often had to fetch, and so held each new flow's packet up by two
+    /// misses (docs/bench/profiles.md, "The first packet").
+    #[inline(always)]
+    unsafe fn publish(&self, word: *mut u64, index: u32, tag: u8) {
+        if maps::stores_in_order() {
+            // The index masked for the verifier, which knows no bound of it; the bytes of a
+            // word are its slots' from the least significant, the first in memory (bpfel).
+            let byte = unsafe { word.cast::<u8>().add((index % BUCKET_SLOTS) as usize) };
+            // SAFETY: a byte of a map value's word, which only this CPU changes meanwhile.
+            unsafe { core::ptr::write_volatile(byte, slot_byte::HELD | tag) };
+        } else {
+            // SAFETY: as the caller promises.
+            unsafe { self.flip(word, at_slot(slot_byte::HELD, index)) };
         }
     }
 }

@@ -167,6 +167,11 @@ pub mod global_names {
     /// that a key's bucket needs no bounds check of its own.
     pub const SLOT_BUCKETS_V4: &str = "MASQ_SLOT_BUCKETS_V4";
     pub const SLOT_BUCKETS_V6: &str = "MASQ_SLOT_BUCKETS_V6";
+    /// 1 where the CPU makes every store seen in the order it was made (x86's total store
+    /// order): there a plain store publishes a slot the slot table's insert wrote, where other
+    /// CPUs need a locked instruction, which waits for the slot's cache line (`SlotMemory::
+    /// publish`).
+    pub const STORES_IN_ORDER: &str = "MASQ_STORES_IN_ORDER";
 }
 
 /// Capacity of each non-masquerade trie. Upstream caps a config at 64 CIDRs (`cidrLimit`), but the

@@ -88,6 +88,20 @@ pub static MASQ_SLOT_BUCKETS_V4: u32 = 2;
 #[unsafe(no_mangle)]
 pub static MASQ_SLOT_BUCKETS_V6: u32 = 2;
 
+/// `global_names::STORES_IN_ORDER`, as the agent sets it: 0 (a locked instruction, right on
+/// every CPU) unless it says otherwise.
+#[unsafe(no_mangle)]
+static MASQ_STORES_IN_ORDER: u8 = 0;
+
+/// Whether the CPU makes stores seen in the order they were made (`global_names::
+/// STORES_IN_ORDER`).
+#[inline(always)]
+pub fn stores_in_order() -> bool {
+    // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
+    // read as the constant the agent set.
+    unsafe { core::ptr::read_volatile(&MASQ_STORES_IN_ORDER) != 0 }
+}
+
 /// Whether the halves are in the slot table: in the object built with it, always; in the one
 /// built without, never, and it holds no slot operation for an older kernel to refuse.
 #[inline(always)]

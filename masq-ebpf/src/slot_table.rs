@@ -188,6 +188,14 @@ pub trait SlotMemory<A: Address> {
     /// # Safety
     /// As for `exchange`.
     unsafe fn flip(&self, word: *mut u64, bits: u64);
+    /// Sets the byte of slot `index` (below `BUCKET_SLOTS`), being written with `tag`, to held
+    /// (`slot_byte::HELD | tag`), as a release: seen by no CPU before the slot's writes. No
+    /// other CPU changes a byte being written, and each of their changes to the word is a
+    /// compare-and-exchange of all of it, which fails if it read the word before this.
+    ///
+    /// # Safety
+    /// As for `exchange`.
+    unsafe fn publish(&self, word: *mut u64, index: u32, tag: u8);
 }
 
 /// Why a half could not be made.
@@ -369,14 +377,13 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
             unsafe { memory.flip(word, claim) };
             return Err(Refused::Full);
         };
-        // SAFETY: the slot is this CPU's from its claim to its publish, which, a locked
-        // instruction, no write before it passes.
+        // SAFETY: the slot is this CPU's from its claim to its publish, which no write before
+        // it passes.
         unsafe {
             core::ptr::copy_nonoverlapping(key, &raw mut (*slot).key, 1);
             core::ptr::copy_nonoverlapping(entry, &raw mut (*slot).entry, 1);
         }
-        // No other CPU changes a byte being written, so the flip leaves the others as they are.
-        unsafe { memory.flip(word, at_slot(slot_byte::HELD, index)) };
+        unsafe { memory.publish(word, index, place.tag) };
         return Ok(());
     }
     Err(Refused::Full)
@@ -488,6 +495,13 @@ impl<A: Address> SlotMemory<A> for Mapped<A> {
         use core::sync::atomic::{AtomicU64, Ordering};
         // SAFETY: as in `exchange`.
         unsafe { AtomicU64::from_ptr(word) }.fetch_xor(bits, Ordering::SeqCst);
+    }
+
+    unsafe fn publish(&self, word: *mut u64, index: u32, _tag: u8) {
+        // The agent's inserts (a carry, an import) are not its hot path: the flip of the held
+        // bit is a release on every CPU, and one size of access to the word, as Rust asks.
+        // SAFETY: as the caller promises.
+        unsafe { self.flip(word, at_slot(slot_byte::HELD, index)) };
     }
 }
 

@@ -248,6 +248,13 @@ pub fn load(
     static NO: u8 = 0;
     let coarse = if coarse_clock() { &YES } else { &NO };
     loader.override_global(global_names::COARSE_CLOCK, coarse, true);
+    // x86's stores are seen in the order they are made; arm64's, for one, are not.
+    let in_order = if cfg!(any(target_arch = "x86_64", target_arch = "x86")) {
+        &YES
+    } else {
+        &NO
+    };
+    loader.override_global(global_names::STORES_IN_ORDER, in_order, true);
     let mut ebpf = loader.load(object).context("loading the eBPF object")?;
     for name in [program_names::EGRESS, program_names::INGRESS] {
         classifier(&mut ebpf, name)?
