@@ -42,6 +42,7 @@ in_both_families!(
     nothing_is_translated_before_the_agent_configures_ports,
     replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port,
     a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow,
+    two_cpus_making_the_same_flows_at_once_make_each_once_with_one_port,
 );
 
 fn tcp_egress_then_reply_ingress<F: HarnessFamily>() {
@@ -1220,4 +1221,43 @@ fn a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow<F: Harness
         looked_up(&mut h),
         "no longer held, NAT may hand it out again: looked up at once"
     );
+}
+
+/// Both CPUs send the same first packets of many flows, in the same order, at once: each flow is
+/// made once, whichever CPU makes it, and the other CPU's packet takes its translation (an insert
+/// that finds a half being written, or held, takes it as the other CPU's flow), so that the
+/// table holds two halves a flow and no port serves two flows.
+fn two_cpus_making_the_same_flows_at_once_make_each_once_with_one_port<F: HarnessFamily>() {
+    const FLOWS: u16 = 400;
+    let cpus = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, 2);
+    let mut h = harness::<F>();
+    let frames: Vec<Vec<u8>> = (0..FLOWS)
+        .map(|n| tcp(F::POD, 20000 + n, F::REMOTE, 443, SYN))
+        .collect();
+    let runs = h.egress_on_cpus(&frames, cpus);
+    for (n, frame) in frames.iter().enumerate() {
+        let ports: HashSet<u16> = runs
+            .iter()
+            .map(|cpu| {
+                let (verdict, out) = &cpu[n];
+                assert_eq!(*verdict, TC_ACT_OK, "flow {n}");
+                assert!(checksums_ok::<F>(out), "flow {n}");
+                assert_changed_within(frame, out, &egress_fields::<F>(F::L4, TCP));
+                word(out, F::L4)
+            })
+            .collect();
+        assert_eq!(ports.len(), 1, "flow {n} left with {ports:?}");
+    }
+    let table = F::nat(&h);
+    let keys: HashSet<_> = table.iter().map(|(key, _)| *key).collect();
+    assert_eq!(keys.len(), table.len(), "a key held twice");
+    assert_eq!(table.len(), 2 * usize::from(FLOWS), "two halves a flow");
+    let ports: HashSet<u16> = table
+        .iter()
+        .filter(|(key, _)| key.direction == direction::EGRESS)
+        .map(|(_, entry)| entry.port)
+        .collect();
+    assert_eq!(ports.len(), usize::from(FLOWS), "one port a flow");
 }

@@ -10,7 +10,7 @@ use std::{
 use aya::{
     EbpfLoader, Pod,
     maps::IterableMap as _,
-    programs::{TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use masq_ebpf::{Address, Counter, NatEntry, NatKey, SweepReport, program_names};
@@ -177,20 +177,7 @@ impl TestBed {
 
     /// Runs `program` over `frame`, `repeat` times.
     pub fn run(&mut self, program: &str, frame: &[u8], repeat: u32) -> anyhow::Result<Run> {
-        let prog = self.programs.named(program)?;
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog.test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            repeat,
-            ..TestRunOptions::new()
-        })?;
-        out.truncate(result.data_size_out as usize);
-        Ok(Run {
-            verdict: result.return_value,
-            frame: out,
-            duration: result.duration,
-        })
+        run_once(self.programs.named(program)?, frame, repeat)
     }
 
     /// The egress program's verdict and output frame, for one run.
@@ -211,6 +198,38 @@ impl TestBed {
         assert_eq!(verdict, TC_ACT_OK);
         assert_ne!(restored, arrived, "the reply was restored");
         Answered { arrived, restored }
+    }
+
+    /// The egress program's verdict and output frame for each of `frames`, run on every one of
+    /// `cpus` CPUs at once: each from a thread pinned to its CPU, over the frames in their order,
+    /// so that the CPUs run the same frame at about the same moment. By CPU, then by frame.
+    pub fn egress_on_cpus(&mut self, frames: &[Vec<u8>], cpus: usize) -> Vec<Vec<(u32, Vec<u8>)>> {
+        let program = &*self
+            .programs
+            .named(program_names::EGRESS)
+            .expect("the egress program");
+        let start = std::sync::Barrier::new(cpus);
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..cpus)
+                .map(|cpu| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        pin_to_cpu(cpu);
+                        start.wait();
+                        frames
+                            .iter()
+                            .map(|frame| {
+                                let run = run_once(program, frame, 1).expect("test run");
+                                (run.verdict, run.frame)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            runs.into_iter()
+                .map(|run| run.join().expect("a CPU's runs"))
+                .collect()
+        })
     }
 
     /// The ingress program's verdict and output frame, for one run.
@@ -425,5 +444,38 @@ impl TestBed {
         NatEntry<A>: Pod,
     {
         A::table(&self.maps.nat).get(key)
+    }
+}
+
+/// One run of `program` over `frame`, `repeat` times.
+fn run_once(program: &SchedClassifier, frame: &[u8], repeat: u32) -> anyhow::Result<Run> {
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = program.test_run(TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(&mut out),
+        repeat,
+        ..TestRunOptions::new()
+    })?;
+    out.truncate(result.data_size_out as usize);
+    Ok(Run {
+        verdict: result.return_value,
+        frame: out,
+        duration: result.duration,
+    })
+}
+
+/// Keeps the calling thread on CPU `cpu`.
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is an empty set, which CPU_SET fills in; sched_setaffinity
+    // reads it for the calling thread (0).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "pinning to CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
