@@ -123,7 +123,13 @@ impl NatSizes {
         NatSizes {
             v4_entries,
             v6_entries,
-            v4_sample_slots: masq_ebpf::drop_sample_slots(v4_entries),
+            // A full slot table looks at the new half's buckets: IPv4's sample then goes unused,
+            // and takes the one slot the kernel asks of an array.
+            v4_sample_slots: if slot_table {
+                1
+            } else {
+                masq_ebpf::drop_sample_slots(v4_entries)
+            },
             v6_sample_slots: masq_ebpf::drop_sample_slots(v6_entries),
             slot_table,
             v4_buckets: buckets(v4_entries),
