@@ -20,8 +20,7 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    // A full slot table looks at the new half's buckets, not at a sample.
-    if table.hash_map().is_none() {
+    if !table.has_drop_sample() {
         return Ok(0);
     }
     let entries = table.read_all()?;

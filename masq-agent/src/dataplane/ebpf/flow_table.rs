@@ -334,6 +334,12 @@ where
         Ok(())
     }
 
+    /// Whether a full table looks at a drop sample for flows to drop: the hash table does; the
+    /// slot table looks at the new half's own buckets, and its family's sample goes unused.
+    pub fn has_drop_sample(&self) -> bool {
+        matches!(self.kind, Kind::Hash(_))
+    }
+
     /// The hash table's map, where the halves are kept there: for the batch commands' own tests.
     pub fn hash_map(&self) -> Option<&MapData> {
         match &self.kind {

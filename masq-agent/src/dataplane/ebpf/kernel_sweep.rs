@@ -67,9 +67,8 @@ where
     NatKey<A>: Pod,
     NatEntry<A>: Pod,
 {
-    // A full slot table makes room among the new half's buckets: it has no sample to point,
-    // and no walk is spent on one.
-    let sample = sample.filter(|_| nat.hash_map().is_some());
+    // No walk is spent on pointing a sample the table does not look at.
+    let sample = sample.filter(|_| nat.has_drop_sample());
     // Where the kernel cannot say, the table is walked: no sweep may be missed for it.
     let empty = nat.holds_nothing().unwrap_or_else(|err| {
         tracing::warn!("{err:#}");

@@ -355,7 +355,7 @@ impl TestBed {
         NatKey<A>: Pod,
         NatEntry<A>: Pod,
     {
-        A::table(&self.maps.nat).hash_map().is_some()
+        A::table(&self.maps.nat).has_drop_sample()
     }
 
     /// Sweeps family `A`'s table as the agent does where the kernel runs the sweep program
