@@ -77,6 +77,8 @@ pub trait Family {
     fn slots() -> &'static SlotArray<Self::Addr>;
     fn slot_words() -> &'static SlotWords;
     fn slot_buckets() -> u32;
+    /// The family's slot table's seed, which the agent set.
+    fn slot_seed() -> u64;
     fn drop_sample() -> &'static DropSample<Self::Addr>;
     /// The drop sample's slots, a power of two the agent set.
     fn drop_sample_slots() -> u32;
@@ -227,6 +229,11 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn slot_seed() -> u64 {
+        maps::set_by_agent(&maps::MASQ_SLOT_SEED_V4)
+    }
+
+    #[inline(always)]
     fn in_slot_table() -> bool {
         maps::in_slot_table()
     }
@@ -357,6 +364,12 @@ impl Family for V6 {
     #[inline(always)]
     fn slot_buckets() -> u32 {
         maps::set_by_agent(&maps::MASQ_SLOT_BUCKETS_V6)
+    }
+
+    /// None: IPv6 keeps its hash table (`in_slot_table`).
+    #[inline(always)]
+    fn slot_seed() -> u64 {
+        0
     }
 
     /// Never: a slot operation is a frame of its own (`flow_table`), and IPv6's deepest chains

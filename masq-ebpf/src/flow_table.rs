@@ -43,6 +43,14 @@ impl<F: Family> SlotMemory<F::Addr> for MapSlots<F> {
         F::slot_buckets()
     }
 
+    /// The agent's global, which it also keeps in the table: the global is on a line every
+    /// packet reads, where the table's own word would be a line, and a page, more for a cold
+    /// packet's lookup.
+    #[inline(always)]
+    fn seed(&self) -> u64 {
+        F::slot_seed()
+    }
+
     #[inline(always)]
     fn word(&self, bucket: u32) -> Option<*mut u64> {
         F::slot_words().get_ptr_mut(bucket)
@@ -117,10 +125,15 @@ pub fn slots_without_room<F: Family>() -> [u32; 2] {
     let Some(request) = F::port_request().get_ptr(0) else {
         return [0; 2];
     };
+    let memory = slots::<F>();
     // SAFETY: this CPU's slot of a per-CPU map; the key is only hashed.
-    slot_table::Place::of(unsafe { &(*request).no_room_for }, F::slot_buckets())
-        .buckets
-        .map(|bucket| bucket.wrapping_mul(BUCKET_SLOTS))
+    slot_table::Place::of(
+        unsafe { &(*request).no_room_for },
+        memory.buckets(),
+        memory.seed(),
+    )
+    .buckets
+    .map(|bucket| bucket.wrapping_mul(BUCKET_SLOTS))
 }
 
 /// Notes that the slot table had no room for `key`, for this CPU's early drop to make some,
@@ -342,6 +355,10 @@ extern "C" fn visit_bucket<F: Family, V: Visit<F>>(
 ) -> i64 {
     // SAFETY: the helper passes the element's index and value, valid for the call.
     let (bucket, word) = unsafe { (*bucket, core::ptr::read_volatile(word)) };
+    // The word after the buckets' is the seed.
+    if bucket >= F::slot_buckets() {
+        return 0;
+    }
     let held = held_slots(word);
     let memory = slots::<F>();
     for index in 0..BUCKET_SLOTS {

@@ -21,7 +21,8 @@ pub mod map_names {
     pub const NAT_V4: &str = "nat_v4";
     pub const NAT_V6: &str = "nat_v6";
     /// Where the kernel has BPF atomics (5.12), each family's halves in the slot table
-    /// (`slot_table`) instead of `nat_v4` and `nat_v6`: its slots, and its buckets' words.
+    /// (`slot_table`) instead of `nat_v4` and `nat_v6`: its slots, and its buckets' words and
+    /// its seed (`slot_table::seed_at`).
     pub const NAT_SLOTS_V4: &str = "nat_slots_v4";
     pub const NAT_SLOT_WORDS_V4: &str = "nat_slot_words_v4";
     pub const NAT_SLOTS_V6: &str = "nat_slots_v6";
@@ -167,6 +168,9 @@ pub mod global_names {
     /// that a key's bucket needs no bounds check of its own.
     pub const SLOT_BUCKETS_V4: &str = "MASQ_SLOT_BUCKETS_V4";
     pub const SLOT_BUCKETS_V6: &str = "MASQ_SLOT_BUCKETS_V6";
+    /// IPv4's slot table's seed (`slot_table::seed_at`, where the table keeps it too): read
+    /// with the buckets, on a line every packet reads.
+    pub const SLOT_SEED_V4: &str = "MASQ_SLOT_SEED_V4";
     /// 1 where the CPU makes every store seen in the order it was made (x86's total store
     /// order): there a plain store publishes a slot the slot table's insert wrote, where other
     /// CPUs need a locked instruction, which waits for the slot's cache line (`SlotMemory::

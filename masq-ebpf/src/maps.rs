@@ -88,6 +88,10 @@ pub static MASQ_SLOT_BUCKETS_V4: u32 = 2;
 #[unsafe(no_mangle)]
 pub static MASQ_SLOT_BUCKETS_V6: u32 = 2;
 
+/// `global_names::SLOT_SEED_V4`, as the agent sets it.
+#[unsafe(no_mangle)]
+pub static MASQ_SLOT_SEED_V4: u64 = 0;
+
 /// `global_names::STORES_IN_ORDER`, as the agent sets it: 0 (a locked instruction, right on
 /// every CPU) unless it says otherwise.
 #[unsafe(no_mangle)]
@@ -128,9 +132,9 @@ pub static MASQ_DROP_SAMPLE_SLOTS_V4: u32 = 1;
 #[unsafe(no_mangle)]
 pub static MASQ_DROP_SAMPLE_SLOTS_V6: u32 = 1;
 
-/// One of the u32 globals here, as the agent set it.
+/// One of the globals here, as the agent set it.
 #[inline(always)]
-pub fn set_by_agent(global: &'static u32) -> u32 {
+pub fn set_by_agent<T: Copy>(global: &'static T) -> T {
     // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
     // read as the constant the agent set.
     unsafe { core::ptr::read_volatile(global) }

@@ -10,6 +10,11 @@
 //! the slots whose tag matches: one cold line per half, where a hash table element is a bucket
 //! head and an element. A key may go in either of two buckets (`Place`), the emptier, which
 //! keeps the table usable to some 80 % full.
+//!
+//! The word after the last bucket's is the table's seed, which every key's hash takes in: made
+//! at random when the agent creates the table, and kept with it. Without it, anyone could
+//! reckon which keys share a bucket, and send packets whose flows take all of a bucket's slots
+//! (`seed_at`).
 
 use crate::{Address, NatEntry, NatKey};
 
@@ -47,10 +52,11 @@ pub struct Place {
 }
 
 impl Place {
-    /// The place of `key` in a table of `buckets` buckets (a power of two, at least two).
+    /// The place of `key` in a table of `buckets` buckets (a power of two, at least two) whose
+    /// seed is `seed`.
     #[inline(always)]
-    pub fn of<A: Address>(key: &NatKey<A>, buckets: u32) -> Place {
-        let hash = hash(key);
+    pub fn of<A: Address>(key: &NatKey<A>, buckets: u32, seed: u64) -> Place {
+        let hash = hash(key, seed);
         let mask = buckets.wrapping_sub(1);
         let first = hash as u32 & mask;
         let mut second = (hash >> 32) as u32 & mask;
@@ -73,18 +79,46 @@ const fn tag(hash: u64) -> u8 {
     ((bits * slot_byte::TAG as u64) >> 16) as u8 + 1
 }
 
-/// A 64-bit hash of every field of `key`: each of its words multiplied by a constant of its
-/// own, then the products folded and finished, so that both halves of the result (the two
-/// buckets) and its top bits (the tag) depend on all of them. The products do not wait on
-/// each other, as a chain of mixes would: a CPU makes them at once (a lookup hashes its key on
-/// every packet).
+/// A 64-bit hash of every field of `key`, in a table whose seed is `seed`: each of its words,
+/// with the seed, multiplied by a constant of its own, then the products folded and finished,
+/// so that both halves of the result (the two buckets) and its top bits (the tag) depend on
+/// all of them. The products do not wait on each other, as a chain of mixes would: a CPU makes
+/// them at once (a lookup hashes its key on every packet). The seed goes in before the
+/// products, whose carries mix it with the key's bits: keys whose words fold to the same value
+/// under one seed do not under another. A seed of 0 hashes as tables made before seeds did.
 #[inline(always)]
-pub fn hash<A: Address>(key: &NatKey<A>) -> u64 {
+pub fn hash<A: Address>(key: &NatKey<A>, seed: u64) -> u64 {
     let mut folded = 0u64;
     for (at, multiplier) in WORD_MULTIPLIERS.iter().enumerate().take(key_words::<A>()) {
-        folded ^= key_word(key, at).wrapping_mul(*multiplier);
+        folded ^= (key_word(key, at) ^ seed).wrapping_mul(*multiplier);
     }
     finish(folded)
+}
+
+/// Where a table of `buckets` buckets keeps its seed: the word after the last bucket's. A table
+/// whose words are `buckets` alone (made before seeds) has none, and hashes with 0.
+#[inline(always)]
+pub const fn seed_at(buckets: u32) -> u32 {
+    buckets
+}
+
+/// How many words a table of `buckets` buckets takes: the buckets', and its seed.
+#[inline(always)]
+pub const fn words_for(buckets: u32) -> u32 {
+    seed_at(buckets) + 1
+}
+
+/// The buckets of a table of `words` words, and whether one of them is its seed: a power of
+/// two of words is a table made before seeds, a power of two and one a seeded table; any
+/// other count is no slot table.
+pub const fn buckets_in(words: u32) -> Option<(u32, bool)> {
+    if words >= 2 && words.is_power_of_two() {
+        Some((words, false))
+    } else if words >= 3 && (words - 1).is_power_of_two() {
+        Some((words - 1, true))
+    } else {
+        None
+    }
 }
 
 /// One odd constant for each word of the largest key (IPv6's five), with their bits spread.
@@ -174,6 +208,8 @@ pub const fn at_slot(byte: u8, slot: u32) -> u64 {
 pub trait SlotMemory<A: Address> {
     /// Buckets in the table: a power of two, at least two.
     fn buckets(&self) -> u32;
+    /// The table's seed (`seed_at`).
+    fn seed(&self) -> u64;
     fn word(&self, bucket: u32) -> Option<*mut u64>;
     /// Slot `index` (below `BUCKET_SLOTS`) of `bucket`.
     fn slot(&self, bucket: u32, index: u32) -> Option<*mut Slot<A>>;
@@ -276,7 +312,7 @@ pub fn look_up<A: Address, M: SlotMemory<A>>(
     memory: &M,
     key: &NatKey<A>,
 ) -> Option<(u32, *mut Slot<A>)> {
-    let place = Place::of(key, memory.buckets());
+    let place = Place::of(key, memory.buckets(), memory.seed());
     for bucket in place.buckets {
         let word = load(memory.word(bucket)?);
         if let Some((index, slot)) = held_in(memory, bucket, word, place.tag, key) {
@@ -322,7 +358,7 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
     key: &NatKey<A>,
     entry: &NatEntry<A>,
 ) -> Result<(), Refused> {
-    let place = Place::of(key, memory.buckets());
+    let place = Place::of(key, memory.buckets(), memory.seed());
     let [first_bucket, second_bucket] = place.buckets;
     let (Some(first), Some(second)) = (memory.word(first_bucket), memory.word(second_bucket))
     else {
@@ -396,7 +432,7 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
 /// verifier's walk of it short.
 #[inline(always)]
 pub fn remove<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> bool {
-    let place = Place::of(key, memory.buckets());
+    let place = Place::of(key, memory.buckets(), memory.seed());
     for bucket in place.buckets {
         let Some(word) = memory.word(bucket) else {
             return false;
@@ -449,18 +485,22 @@ pub struct Mapped<A: Address> {
     words: *mut u64,
     slots: *mut Slot<A>,
     buckets: u32,
+    seed: u64,
 }
 
 #[cfg(not(target_arch = "bpf"))]
 impl<A: Address> Mapped<A> {
+    /// A table whose seed is `seed`.
+    ///
     /// # Safety
     /// `words` must point to `buckets` aligned words and `slots` to `buckets * BUCKET_SLOTS`
     /// slots, valid while the `Mapped` lives, and changed by others only by these rules.
-    pub unsafe fn new(words: *mut u64, slots: *mut Slot<A>, buckets: u32) -> Mapped<A> {
+    pub unsafe fn new(words: *mut u64, slots: *mut Slot<A>, buckets: u32, seed: u64) -> Mapped<A> {
         Mapped {
             words,
             slots,
             buckets,
+            seed,
         }
     }
 }
@@ -469,6 +509,10 @@ impl<A: Address> Mapped<A> {
 impl<A: Address> SlotMemory<A> for Mapped<A> {
     fn buckets(&self) -> u32 {
         self.buckets
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
     }
 
     fn word(&self, bucket: u32) -> Option<*mut u64> {
@@ -521,6 +565,48 @@ mod tests {
     }
     use crate::{NatKeyV4, NatKeyV6, direction};
 
+    const SEED: u64 = 0x0123_4567_89ab_cdef;
+
+    #[test]
+    fn keys_that_share_both_buckets_under_one_seed_do_not_under_another() {
+        // What an attacker who knew the seed would send: keys that differ in their ports
+        // alone, both of whose buckets are among the first four, three times as many as they
+        // hold. Found for seed 0, the unseeded hash anyone can reckon.
+        let buckets = 1u32 << 14;
+        let in_victims = |place: &Place| place.buckets.iter().all(|&bucket| bucket < 4);
+        let crafted: Vec<NatKeyV4> = (0..u32::MAX)
+            .map(|n| NatKey {
+                sport: n as u16,
+                dport: (n >> 16) as u16,
+                ..key_v4(0)
+            })
+            .filter(|key| in_victims(&Place::of(key, buckets, 0)))
+            .take(3 * BUCKET_SLOTS as usize)
+            .collect();
+        assert_eq!(crafted.len(), 3 * BUCKET_SLOTS as usize);
+        for seed in [SEED, 1, u64::MAX] {
+            let still = crafted
+                .iter()
+                .filter(|key| in_victims(&Place::of(*key, buckets, seed)))
+                .count();
+            assert!(
+                still <= 1,
+                "seed {seed:#x}: {still} keys still in the four buckets"
+            );
+        }
+    }
+
+    #[test]
+    fn a_table_of_a_power_of_two_words_has_no_seed_and_one_more_word_is_its_seed() {
+        assert_eq!(buckets_in(words_for(1 << 10)), Some((1 << 10, true)));
+        assert_eq!(seed_at(1 << 10), 1 << 10);
+        assert_eq!(buckets_in(1 << 10), Some((1 << 10, false)));
+        assert_eq!(buckets_in(3), Some((2, true)));
+        for words in [0, 1, 6, 1000, (1 << 10) + 2] {
+            assert_eq!(buckets_in(words), None, "{words}");
+        }
+    }
+
     fn key_v4(n: u32) -> NatKeyV4 {
         NatKey {
             saddr: [10, 0, (n >> 8) as u8, n as u8],
@@ -568,13 +654,13 @@ mod tests {
     #[test]
     fn a_place_has_two_buckets_and_a_tag_that_is_never_free_nor_held() {
         for n in 0..100_000 {
-            let place = Place::of(&key_v4(n), 1 << 16);
+            let place = Place::of(&key_v4(n), 1 << 16, SEED);
             assert_ne!(place.buckets[0], place.buckets[1]);
             assert!(place.buckets.iter().all(|&bucket| bucket < 1 << 16));
             assert!((1..=slot_byte::TAG).contains(&place.tag), "{place:?}");
         }
         // With two buckets, a key whose hash picks one bucket twice gets the other as well.
-        let place = Place::of(&NatKeyV6::default(), 2);
+        let place = Place::of(&NatKeyV6::default(), 2, SEED);
         assert_eq!(place.buckets[0] ^ place.buckets[1], 1);
     }
 
@@ -605,7 +691,7 @@ mod tests {
             },
         ];
         for other in changed {
-            assert_ne!(hash(&other), hash(&key), "{other:?}");
+            assert_ne!(hash(&other, SEED), hash(&key, SEED), "{other:?}");
         }
     }
 
@@ -622,7 +708,7 @@ mod tests {
                 saddr: [10, 0, 0, (port >> 16) as u8],
                 ..key_v4(0)
             };
-            let place = Place::of(&key, buckets);
+            let place = Place::of(&key, buckets, SEED);
             load[place.buckets[0] as usize] += 1;
             tags[place.tag as usize] += 1;
         }
@@ -652,7 +738,14 @@ mod tests {
         fn memory(&mut self) -> Mapped<[u8; 4]> {
             let buckets = self.words.len() as u32;
             // SAFETY: both vectors live as long as the test uses the memory, at their sizes.
-            unsafe { Mapped::new(self.words.as_mut_ptr(), self.slots.as_mut_ptr(), buckets) }
+            unsafe {
+                Mapped::new(
+                    self.words.as_mut_ptr(),
+                    self.slots.as_mut_ptr(),
+                    buckets,
+                    SEED,
+                )
+            }
         }
     }
 
@@ -709,7 +802,7 @@ mod tests {
         // Two choices of eight slots fill most of the table before the first refusal.
         assert!(made > slots * 3 / 4, "{made} of {slots}");
         let refused = insert_new(&memory, &key_v4(slots + 1), &entry(1));
-        let place = Place::of(&key_v4(slots + 1), buckets);
+        let place = Place::of(&key_v4(slots + 1), buckets, SEED);
         let full = place
             .buckets
             .iter()

@@ -692,17 +692,12 @@ fn reads_full(nat: &serde_json::Value) -> bool {
 
 /// The halves `family`'s NAT table holds, as bpftool formats them with the maps' BTF: each a
 /// `NatKey` and its `NatEntry`, from the hash table's elements, or, where the table is the slot
-/// table (its words array has more than the one entry a table not in use keeps), from the slots
-/// whose byte in their bucket's word says they are held (a freed slot keeps its old bytes).
+/// table (its words array holds buckets, where a table not in use keeps one word), from the
+/// slots whose byte in their bucket's word says they are held (a freed slot keeps its old
+/// bytes).
 fn nat_halves(bed: &Bed, family: IpFamily) -> Vec<(serde_json::Value, serde_json::Value)> {
     use masq_ebpf::{map_names, slot_table};
-    let bpftool = |args: &[&str], name: &str| -> serde_json::Value {
-        let pin = bed.topo.bpffs.join(name);
-        let mut args = args.to_vec();
-        args.extend(["pinned", pin.to_str().unwrap()]);
-        let out = masq_testbed::netns::run("bpftool", &[&["-j"][..], &args].concat()).unwrap();
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("bpftool {args:?}: {e}: {out}"))
-    };
+    let bpftool = |args: &[&str], name: &str| bpftool_pinned(bed, args, name, &[]);
     let (hash, slots, words) = family.pick(
         (
             map_names::NAT_V4,
@@ -722,14 +717,17 @@ fn nat_halves(bed: &Bed, family: IpFamily) -> Vec<(serde_json::Value, serde_json
             .map(|e| e["formatted"].clone())
             .collect()
     };
-    if bpftool(&["map", "show"], words)["max_entries"].as_u64() == Some(1) {
+    let word_count = bpftool(&["map", "show"], words)["max_entries"].as_u64();
+    let Some((buckets, _)) = word_count.and_then(|n| slot_table::buckets_in(n as u32)) else {
         return formatted(bpftool(&["map", "dump"], hash))
             .into_iter()
             .map(|e| (e["key"].clone(), e["value"].clone()))
             .collect();
-    }
+    };
     let held: Vec<u64> = formatted(bpftool(&["map", "dump"], words))
         .iter()
+        // The word after the buckets' is the seed.
+        .filter(|e| e["key"].as_u64().unwrap() < u64::from(buckets))
         .flat_map(|e| {
             let (bucket, word) = (e["key"].as_u64().unwrap(), e["value"].as_u64().unwrap());
             (0..u64::from(slot_table::BUCKET_SLOTS))
@@ -742,6 +740,36 @@ fn nat_halves(bed: &Bed, family: IpFamily) -> Vec<(serde_json::Value, serde_json
         .filter(|e| held.contains(&e["key"].as_u64().unwrap()))
         .map(|e| (e["value"]["key"].clone(), e["value"]["entry"].clone()))
         .collect()
+}
+
+/// What `bpftool -j <args> pinned <the map name pinned by bed's agent> <after>` prints.
+fn bpftool_pinned(bed: &Bed, args: &[&str], name: &str, after: &[&str]) -> serde_json::Value {
+    let pin = bed.topo.bpffs.join(name);
+    let mut args = args.to_vec();
+    args.extend(["pinned", pin.to_str().unwrap()]);
+    args.extend(after);
+    let out = masq_testbed::netns::run("bpftool", &[&["-j"][..], &args].concat()).unwrap();
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("bpftool {args:?}: {e}: {out}"))
+}
+
+/// The seed of the IPv4 slot table bed's agent pinned, as bpftool reads it: the word after
+/// its buckets'. `None` where the halves are in the hash table.
+fn slot_seed(bed: &Bed) -> Option<u64> {
+    use masq_ebpf::{map_names::NAT_SLOT_WORDS_V4, slot_table};
+    let words = bpftool_pinned(bed, &["map", "show"], NAT_SLOT_WORDS_V4, &[]);
+    let (buckets, seeded) = slot_table::buckets_in(words["max_entries"].as_u64()? as u32)?;
+    assert!(seeded, "a new slot table without its seed: {words}");
+    let key = slot_table::seed_at(buckets)
+        .to_le_bytes()
+        .map(|byte| byte.to_string());
+    let key: Vec<&str> = key.iter().map(String::as_str).collect();
+    let lookup = bpftool_pinned(
+        bed,
+        &["map", "lookup"],
+        NAT_SLOT_WORDS_V4,
+        &[&["key"][..], &key].concat(),
+    );
+    lookup["formatted"]["value"].as_u64()
 }
 
 /// What `status --json` says masquerades `family` leaving by `device`; `None` when it lists no

@@ -13,7 +13,7 @@ use masq_testbed::{
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, PORT, PacedTransfer, Plane,
     assert_masqueraded, assert_no_flow_lost_or_crossed, assert_success, dump_pinned, node_ip,
-    outside,
+    outside, slot_seed,
 };
 
 /// What pods see must not depend on the data plane.
@@ -39,6 +39,7 @@ mod ebpf {
         a_capacity_change_during_a_transfer_loses_nothing,
         a_rollback_with_nothing_to_drain_removes_the_programs,
         the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing,
+        the_slot_table_keeps_its_seed_across_restarts,
     );
 }
 
@@ -375,6 +376,35 @@ fn the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing(plane: 
         );
     }
     transfer.assert_complete(&agent.log_text());
+}
+
+/// The slot table's seed: not 0 (the unseeded hash, which anyone can reckon), and the same
+/// after a restart that keeps the table, so that its flows are found where they are; the table
+/// a new `--nat-capacity` makes takes it too, and the open connection's halves, carried there,
+/// are found by it.
+fn the_slot_table_keeps_its_seed_across_restarts(plane: Plane) {
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let with = |capacity: &str| {
+        let args = [bed.plane_args(), vec![format!("--nat-capacity={capacity}")]].concat();
+        bed.spawn_agent(&args, &[(SLOT_TABLE_ENV, "1")])
+    };
+    let mut agent = with("4096");
+    let conversation = Conversation::open(&bed, IpFamily::Ipv4, 9790);
+    let seed = slot_seed(&bed).expect("the halves in the slot table");
+    assert_ne!(seed, 0, "an unseeded slot table");
+    for (capacity, table) in [("4096", "the same table"), ("8192", "the new table")] {
+        agent.stop(libc::SIGTERM).unwrap();
+        agent = with(capacity);
+        assert_eq!(slot_seed(&bed), Some(seed), "{table}: {}", agent.log_text());
+        conversation
+            .exchange(&format!("through {table}"))
+            .unwrap_or_else(|err| panic!("the connection through {table}: {err}"));
+    }
+    assert!(
+        agent.log_text().contains("flows carried"),
+        "{}",
+        agent.log_text()
+    );
 }
 
 /// The flags of this bed's agent with `--dataplane iptables` instead: upstream's chain.

@@ -2,7 +2,7 @@
 
 use std::net::Ipv4Addr;
 
-use masq_agent::dataplane::ebpf::testbed::TC_ACT_OK;
+use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TestBed};
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, program_names};
 use masq_testbed::packet::*;
 
@@ -124,6 +124,31 @@ fn the_sweep_reads_and_prunes_a_large_table_whole() {
     let deleted = h.maps.nat.v4.remove_all(&doomed).unwrap();
     assert_eq!(deleted, 5_000);
     assert_eq!(h.nat().len(), keys.len() - 5_001);
+}
+
+/// Each slot table has a seed of its own, at random and never the unseeded hash's 0, and the
+/// programs place each half where the agent, by the same seed, looks for it.
+#[test]
+fn each_slot_table_has_a_seed_of_its_own_which_the_programs_and_the_agent_share() {
+    let seeds: Vec<u64> = (0..2)
+        .map(|_| {
+            TestBed::in_table(true, || {
+                let mut h = harness::<Ipv4Addr>();
+                for port in 5000..5064 {
+                    let (verdict, _) = h.egress(&udp(POD, port, REMOTE, 53));
+                    assert_eq!(verdict, TC_ACT_OK);
+                }
+                let halves = h.maps.nat.v4.read_all().unwrap();
+                assert_eq!(halves.len(), 2 * 64);
+                for (key, entry) in &halves {
+                    assert_eq!(h.maps.nat.v4.get(key).as_ref(), Some(entry), "{key:?}");
+                }
+                h.maps.nat.v4.slot_seed().unwrap()
+            })
+        })
+        .collect();
+    assert!(seeds.iter().all(|&seed| seed != 0), "{seeds:x?}");
+    assert_ne!(seeds[0], seeds[1]);
 }
 
 /// A datagram from outside to the limited broadcast reaches no pod: it opens no flow, as

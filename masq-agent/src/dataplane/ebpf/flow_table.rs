@@ -64,6 +64,9 @@ struct SlotTable<A: Address> {
     slots: MapData,
     words: Array<MapData, u64>,
     buckets: u32,
+    /// Whether the word after the buckets' is the table's seed (`slot_table::seed_at`); a
+    /// table pinned before seeds has none.
+    seeded: bool,
     /// The mapping `NatTable::keep_mapped` holds for a run of operations; without one, each
     /// operation maps the arrays for itself.
     kept: KeptMapping<A>,
@@ -152,16 +155,20 @@ where
         if words.len() <= 1 {
             return Ok(None);
         }
+        let Some((buckets, seeded)) = slot_table::buckets_in(words.len()) else {
+            anyhow::bail!(
+                "a slot table of {} words: not a power of two of buckets, and perhaps its seed",
+                words.len()
+            );
+        };
         // Its values are read and written through the mapping alone, field by field: the
         // slot's own padding (it is a cache line) is never copied.
         let Map::Array(slots) = slots else {
             anyhow::bail!("the NAT slots are not an array");
         };
         let info = slots.info()?;
-        let buckets = words.len();
         if info.value_size() as usize != size_of::<Slot<A>>()
             || info.max_entries() != buckets * BUCKET_SLOTS
-            || !buckets.is_power_of_two()
         {
             anyhow::bail!(
                 "a slot table of {} slots of {} bytes in {buckets} buckets: not {BUCKET_SLOTS} slots of {} a bucket, a power of two of them",
@@ -175,6 +182,7 @@ where
                 slots,
                 words,
                 buckets,
+                seeded,
                 kept: Arc::new(Mutex::new(Kept::No)),
             }),
         }))
@@ -213,7 +221,24 @@ where
                 Some(Ok(_)) => Ok(false),
                 Some(Err(err)) => Err(err).context("looking for the NAT table's first entry"),
             },
-            Kind::Slots(table) => Ok(table.words()?.iter().all(|&word| held_slots(word) == 0)),
+            Kind::Slots(table) => table.holds_nothing(),
+        }
+    }
+
+    /// Keeps `seed`, the one the programs were given, in a slot table (`SlotTable::keep_seed`),
+    /// before any half goes in; a hash table's is the kernel's.
+    pub fn keep_seed(&self, seed: u64) -> anyhow::Result<()> {
+        match &self.kind {
+            Kind::Hash(_) => Ok(()),
+            Kind::Slots(table) => table.keep_seed(seed),
+        }
+    }
+
+    /// The slot table's seed: 0 where it has none, or is a hash table.
+    pub fn slot_seed(&self) -> anyhow::Result<u64> {
+        match &self.kind {
+            Kind::Hash(_) => Ok(0),
+            Kind::Slots(table) => Ok(table.seed_in(&table.mapped_words()?)),
         }
     }
 
@@ -371,6 +396,7 @@ impl<A: Address> SlotTable<A> {
             "the NAT slots",
         )?;
         let words = self.mapped_words()?;
+        let seed = self.seed_in(&words);
         // SAFETY: both mappings hold the arrays whole, aligned to a page, for as long as the
         // `MappedSlots` that owns them lives.
         let memory = unsafe {
@@ -378,6 +404,7 @@ impl<A: Address> SlotTable<A> {
                 words.at.as_ptr().cast(),
                 slots.at.as_ptr().cast(),
                 self.buckets,
+                seed,
             )
         };
         Ok(MappedSlots {
@@ -388,11 +415,64 @@ impl<A: Address> SlotTable<A> {
     }
 
     fn mapped_words(&self) -> anyhow::Result<Mapping> {
+        let words = match self.seeded {
+            true => slot_table::words_for(self.buckets),
+            false => self.buckets,
+        };
         Mapping::of(
             self.words.map(),
-            page_multiple(self.buckets as usize * size_of::<u64>()),
+            page_multiple(words as usize * size_of::<u64>()),
             "the NAT slot words",
         )
+    }
+
+    /// Where the seed is in a mapping of the words, if the table has one.
+    fn seed_word(&self, words: &Mapping) -> Option<*mut u64> {
+        // SAFETY: within the mapping, which holds the seed's word where the table has one.
+        self.seeded.then(|| unsafe {
+            words
+                .at
+                .as_ptr()
+                .cast::<u64>()
+                .add(slot_table::seed_at(self.buckets) as usize)
+        })
+    }
+
+    /// The table's seed, from a mapping of its words: 0 where it has none.
+    fn seed_in(&self, words: &Mapping) -> u64 {
+        // SAFETY: a word of the mapping, which only `keep_seed` writes, before the table is used.
+        self.seed_word(words)
+            .map_or(0, |seed| unsafe { std::ptr::read_volatile(seed) })
+    }
+
+    /// Writes `seed` into a new table, which holds nothing yet, where its programs read it
+    /// from a global: the table keeps it for the next agent, its own reads, and bpftool. A
+    /// table that has a seed must have that one: its halves were placed by it.
+    fn keep_seed(&self, seed: u64) -> anyhow::Result<()> {
+        let words = self.mapped_words()?;
+        let Some(word) = self.seed_word(&words) else {
+            anyhow::ensure!(
+                seed == 0,
+                "a slot table from before seeds, for programs seeded"
+            );
+            return Ok(());
+        };
+        let kept = self.seed_in(&words);
+        if kept == seed {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            kept == 0 && self.holds_nothing()?,
+            "the table's halves were placed by seed {kept:#x}, and the programs were given \
+             {seed:#x}"
+        );
+        // SAFETY: as in `seed_in`.
+        unsafe { std::ptr::write_volatile(word, seed) };
+        Ok(())
+    }
+
+    fn holds_nothing(&self) -> anyhow::Result<bool> {
+        Ok(self.words()?.iter().all(|&word| held_slots(word) == 0))
     }
 
     /// Every bucket's word, copied from a mapping of the words alone (512 KiB at the default
@@ -409,7 +489,7 @@ impl<A: Address> SlotTable<A> {
     /// Each held slot's key and entry, copied. The slots are not mapped where the words say
     /// none is held.
     fn held(&self) -> anyhow::Result<Table<A>> {
-        if self.words()?.iter().all(|&word| held_slots(word) == 0) {
+        if self.holds_nothing()? {
             return Ok(Vec::new());
         }
         let mapped = self.mapped()?;

@@ -17,7 +17,7 @@ use aya::{
 };
 use masq_ebpf::{
     MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names,
-    slot_table::BUCKET_SLOTS,
+    slot_table::{self, BUCKET_SLOTS},
 };
 
 use aya_obj::generated::bpf_map_type;
@@ -102,9 +102,10 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
         .with_context(|| format!("program {name} is not a classifier"))
 }
 
-/// The size of each family's NAT table, and of its drop sample, which the programs read from
-/// a global; the loader borrows the globals' values from here. Where the halves are kept in the
-/// slot table (`slot_table`), the hash tables take one entry each, and the other way round.
+/// The size of each family's NAT table, and of its drop sample, and IPv4's slot table's seed,
+/// which the programs read from globals; the loader borrows the globals' values from here.
+/// Where the halves are kept in the slot table (`slot_table`), the hash tables take one entry
+/// each, and the other way round.
 pub struct NatSizes {
     v4_entries: u32,
     v6_entries: u32,
@@ -114,6 +115,8 @@ pub struct NatSizes {
     slot_table: bool,
     v4_buckets: u32,
     v6_buckets: u32,
+    /// Set by `seed_slot_table`; 0, the unseeded hash, until then.
+    v4_slot_seed: u64,
 }
 
 impl NatSizes {
@@ -134,7 +137,19 @@ impl NatSizes {
             slot_table,
             v4_buckets: buckets(v4_entries),
             v6_buckets: buckets(v6_entries),
+            v4_slot_seed: 0,
         }
+    }
+
+    /// The seed of IPv4's slot table: the one a pinned table has, which its halves were placed
+    /// by, or a new one at random (`slot_table::seed_at`).
+    pub fn seed_slot_table(&mut self, pinned: Option<u64>) -> anyhow::Result<()> {
+        self.v4_slot_seed = match pinned {
+            Some(seed) if seed != 0 => seed,
+            // 0 is the unseeded hash's.
+            _ => getrandom::u64().context("a random seed for the NAT slot table")? | 1,
+        };
+        Ok(())
     }
 
     /// The maps sized here, and their sizes.
@@ -155,7 +170,7 @@ impl NatSizes {
             ),
             (
                 map_names::NAT_SLOT_WORDS_V4,
-                used(self.v4_buckets, in_slots),
+                used(slot_table::words_for(self.v4_buckets), in_slots),
             ),
             (map_names::NAT_SLOTS_V6, 1),
             (map_names::NAT_SLOT_WORDS_V6, 1),
@@ -196,7 +211,8 @@ impl NatSizes {
                 true,
             )
             .override_global(global_names::SLOT_BUCKETS_V4, &self.v4_buckets, true)
-            .override_global(global_names::SLOT_BUCKETS_V6, &self.v6_buckets, true);
+            .override_global(global_names::SLOT_BUCKETS_V6, &self.v6_buckets, true)
+            .override_global(global_names::SLOT_SEED_V4, &self.v4_slot_seed, true);
     }
 }
 
@@ -247,7 +263,7 @@ fn coarse_clock() -> bool {
 /// `reused_decisions`: the loader reuses an earlier agent's decision counters.
 pub fn load(
     loader: &mut EbpfLoader,
-    object: &[u8],
+    sizes: &NatSizes,
     reused_decisions: bool,
 ) -> anyhow::Result<(Programs, Maps)> {
     static YES: u8 = 1;
@@ -261,7 +277,9 @@ pub fn load(
         &NO
     };
     loader.override_global(global_names::STORES_IN_ORDER, in_order, true);
-    let mut ebpf = loader.load(object).context("loading the eBPF object")?;
+    let mut ebpf = loader
+        .load(sizes.object())
+        .context("loading the eBPF object")?;
     for name in [program_names::EGRESS, program_names::INGRESS] {
         classifier(&mut ebpf, name)?
             .load()
@@ -282,6 +300,11 @@ pub fn load(
         sweeper => load_sweep(&mut ebpf, sweeper)?.then(LeftPressed::default),
     };
     let maps = Maps::take_from(&mut ebpf, reused_decisions)?;
+    // Before the programs can reach the table: they are attached after this.
+    maps.nat
+        .v4
+        .keep_seed(sizes.v4_slot_seed)
+        .context("the IPv4 NAT slot table's seed")?;
     Ok((Programs { ebpf, sweeps }, maps))
 }
 
@@ -352,7 +375,14 @@ pub struct Loaded {
 pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     let before = pins.snapshot();
     pins.prepare()?;
-    let sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity(), slot_table());
+    let mut sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity(), slot_table());
+    // A table reused keeps its seed; one replaced may take it too. One that cannot be read
+    // is replaced (`discard_incompatible`), and the new table takes a new seed.
+    let pinned_seed = pins.slot_seed_v4().unwrap_or_else(|err| {
+        tracing::warn!("the pinned IPv4 NAT table's seed: {err:#}");
+        None
+    });
+    sizes.seed_slot_table(pinned_seed)?;
     let mut carried = Carried::open(pins, |name| sizes.entries_of(name));
     match load_into(opts, pins, &sizes) {
         Ok((programs, mut maps)) => {
@@ -449,7 +479,7 @@ fn load_into(
         loader.map_pin_path(name, path.as_path());
     }
     let reused_decisions = pins.map(map_names::DECISIONS).exists();
-    let (programs, mut maps) = load(&mut loader, sizes.object(), reused_decisions)?;
+    let (programs, mut maps) = load(&mut loader, sizes, reused_decisions)?;
     write_settings(&mut maps.settings, &opts.port_spans, opts.random_fully)?;
     Ok((programs, maps))
 }

@@ -12,7 +12,7 @@ use aya::maps::{Map, MapData, MapError, MapType};
 use tracing::{info, warn};
 
 use super::{
-    flow_table::{NatTable, Table, TableMaps},
+    flow_table::{NatTable, Table, TableMaps, V4_MAPS},
     hook::Hook,
     map_types,
 };
@@ -67,6 +67,14 @@ impl Pins {
         NatTable::from_maps(self.open_map(maps.hash)?, slot_table)
             .with_context(|| format!("the NAT table pinned as {}", maps.hash))
             .map(Some)
+    }
+
+    /// The seed of the IPv4 slot table pinned here, if one is.
+    pub fn slot_seed_v4(&self) -> anyhow::Result<Option<u64>> {
+        let Some(table) = self.nat_table::<[u8; 4]>(&V4_MAPS)? else {
+            return Ok(None);
+        };
+        table.slot_seed().map(Some)
     }
 
     /// Every half of the family's NAT table pinned in its `maps`; none where no table is.

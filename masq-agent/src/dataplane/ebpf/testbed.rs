@@ -98,10 +98,11 @@ impl TestBed {
     /// As `unconfigured`, the IPv4 halves in the slot table or not, whatever the environment
     /// asks: for what only one of the tables has (the hash table's drop sample).
     pub fn unconfigured_in(nat_entries: u32, slot_table: bool) -> anyhow::Result<TestBed> {
-        let sizes = load::NatSizes::new(nat_entries, nat_entries, slot_table);
+        let mut sizes = load::NatSizes::new(nat_entries, nat_entries, slot_table);
+        sizes.seed_slot_table(None)?;
         let mut loader = EbpfLoader::new();
         sizes.set(&mut loader);
-        let (programs, mut maps) = load::load(&mut loader, sizes.object(), false)?;
+        let (programs, mut maps) = load::load(&mut loader, &sizes, false)?;
         maps.nat.v4.limit_to(nat_entries)?;
         kernel_sweep::give_limits(&mut maps.sweep, &Timeouts::default())?;
         Ok(TestBed { programs, maps })
