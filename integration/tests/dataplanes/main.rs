@@ -735,19 +735,40 @@ fn nat_halves(bed: &Bed, family: IpFamily) -> Vec<(serde_json::Value, serde_json
                 .map(move |i| bucket * u64::from(slot_table::BUCKET_SLOTS) + i)
         })
         .collect();
+    let half = |slot: &serde_json::Value| (slot["key"].clone(), slot["entry"].clone());
+    // A slot at a time where few are held: bpftool takes a minute to format the whole array at
+    // the default size.
+    if held.len() <= 500 {
+        return held
+            .iter()
+            .map(|&slot| {
+                let key = key_args(u32::try_from(slot).unwrap());
+                let lookup = bpftool_pinned(bed, &["map", "lookup"], slots, &key);
+                half(&lookup["formatted"]["value"])
+            })
+            .collect();
+    }
+    let held: std::collections::HashSet<u64> = held.into_iter().collect();
     formatted(bpftool(&["map", "dump"], slots))
         .into_iter()
         .filter(|e| held.contains(&e["key"].as_u64().unwrap()))
-        .map(|e| (e["value"]["key"].clone(), e["value"]["entry"].clone()))
+        .map(|e| half(&e["value"]))
+        .collect()
+}
+
+/// The arguments that name the element at `key` of an array for `bpftool map lookup`.
+fn key_args(key: u32) -> Vec<String> {
+    std::iter::once("key".to_string())
+        .chain(key.to_le_bytes().map(|byte| byte.to_string()))
         .collect()
 }
 
 /// What `bpftool -j <args> pinned <the map name pinned by bed's agent> <after>` prints.
-fn bpftool_pinned(bed: &Bed, args: &[&str], name: &str, after: &[&str]) -> serde_json::Value {
+fn bpftool_pinned(bed: &Bed, args: &[&str], name: &str, after: &[String]) -> serde_json::Value {
     let pin = bed.topo.bpffs.join(name);
     let mut args = args.to_vec();
     args.extend(["pinned", pin.to_str().unwrap()]);
-    args.extend(after);
+    args.extend(after.iter().map(String::as_str));
     let out = masq_testbed::netns::run("bpftool", &[&["-j"][..], &args].concat()).unwrap();
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("bpftool {args:?}: {e}: {out}"))
 }
@@ -759,16 +780,8 @@ fn slot_seed(bed: &Bed) -> Option<u64> {
     let words = bpftool_pinned(bed, &["map", "show"], NAT_SLOT_WORDS_V4, &[]);
     let (buckets, seeded) = slot_table::buckets_in(words["max_entries"].as_u64()? as u32)?;
     assert!(seeded, "a new slot table without its seed: {words}");
-    let key = slot_table::seed_at(buckets)
-        .to_le_bytes()
-        .map(|byte| byte.to_string());
-    let key: Vec<&str> = key.iter().map(String::as_str).collect();
-    let lookup = bpftool_pinned(
-        bed,
-        &["map", "lookup"],
-        NAT_SLOT_WORDS_V4,
-        &[&["key"][..], &key].concat(),
-    );
+    let key = key_args(slot_table::seed_at(buckets));
+    let lookup = bpftool_pinned(bed, &["map", "lookup"], NAT_SLOT_WORDS_V4, &key);
     lookup["formatted"]["value"].as_u64()
 }
 
