@@ -348,10 +348,10 @@ pub fn held_at<A: Address, M: SlotMemory<A>>(
 
 /// Makes the half of `key` in the emptier of its buckets, if neither holds it: claims a free
 /// byte (writes its tag without `HELD`), writes the slot, and publishes it (sets `HELD`). Of
-/// two CPUs that claim the same key in its two buckets at once, each sees the other's claim
-/// when it reads the other bucket again after its own (both are locked instructions, full
-/// barriers, before either reads), and neither keeps its own: both are refused as `Exists`,
-/// which their callers take as another CPU's flow, and find none, and try again.
+/// two CPUs that claim the same key in its two buckets at once, at least one sees the other's
+/// claim when it reads the other bucket again after its own (both are locked instructions,
+/// full barriers, before either reads), and one keeps its own (`outlasts`): the other is
+/// refused as `Exists`, which its caller takes as another CPU's flow.
 #[inline(always)]
 pub fn insert_new<A: Address, M: SlotMemory<A>>(
     memory: &M,
@@ -405,7 +405,8 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
         if !unsafe { memory.exchange(word, seen, seen | claim) } {
             continue;
         }
-        if bytes_tagged(load(other), place.tag) & !bytes_tagged(other_seen, place.tag) != 0 {
+        let rival = bytes_tagged(load(other), place.tag) & !bytes_tagged(other_seen, place.tag);
+        if rival != 0 && !outlasts(other, rival, place.tag, bucket == first_bucket) {
             unsafe { memory.flip(word, claim) };
             return Err(Refused::Exists);
         }
@@ -423,6 +424,34 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
         return Ok(());
     }
     Err(Refused::Full)
+}
+
+/// Loads of the other bucket's word a claim in a key's first bucket makes while a rival claim
+/// there decides (`outlasts`): a rival yields, or publishes its slot, within a few stores.
+const RIVAL_WAIT: u32 = 32;
+
+/// Whether a claim of a key in `bucket` outlasts a rival claim of its tag made meanwhile in
+/// the key's other bucket, whose word is `other` (`rival`: its bytes, as `bytes_equal` names
+/// them). A claim in the second bucket yields to one in the first as soon as it sees it. So a
+/// claim in the first waits, a bounded while, for the rival to decide: its byte gone (it saw
+/// this claim and yielded: this one stands) or held (it had seen nothing and published: this
+/// one yields, as it does if the wait runs out). Both yielding, as two CPUs making one flow at
+/// once would otherwise each see the other's claim and do, none would make it.
+#[inline(always)]
+fn outlasts(other: *mut u64, rival: u64, tag: u8, in_first_bucket: bool) -> bool {
+    if !in_first_bucket {
+        return false;
+    }
+    for _ in 0..RIVAL_WAIT {
+        let now = load(other);
+        if bytes_equal(now, slot_byte::HELD | tag) & rival != 0 {
+            return false;
+        }
+        if bytes_equal(now, tag) & rival == 0 {
+            return true;
+        }
+    }
+    false
 }
 
 /// Frees the slot that holds `key`, by a compare-and-exchange that expects its byte held by the
