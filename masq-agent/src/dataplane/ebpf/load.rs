@@ -115,12 +115,22 @@ pub struct NatSizes {
     slot_table: bool,
     v4_buckets: u32,
     v6_buckets: u32,
-    /// Set by `seed_slot_table`; 0, the unseeded hash, until then.
+    /// From `slot_seed`.
     v4_slot_seed: u64,
 }
 
+/// The seed of IPv4's slot table: the one a pinned table has, which its halves were placed by,
+/// or a new one at random (`slot_table::seed_at`).
+pub fn slot_seed(pinned: Option<u64>) -> anyhow::Result<u64> {
+    Ok(match pinned {
+        Some(seed) if seed != 0 => seed,
+        // 0 is the unseeded hash's.
+        _ => getrandom::u64().context("a random seed for the NAT slot table")? | 1,
+    })
+}
+
 impl NatSizes {
-    pub fn new(v4_entries: u32, v6_entries: u32, slot_table: bool) -> NatSizes {
+    pub fn new(v4_entries: u32, v6_entries: u32, slot_table: bool, v4_slot_seed: u64) -> NatSizes {
         // A table's slots are its entries, in whole buckets, a power of two of them.
         let buckets = |entries: u32| entries.div_ceil(BUCKET_SLOTS).next_power_of_two().max(2);
         NatSizes {
@@ -137,19 +147,8 @@ impl NatSizes {
             slot_table,
             v4_buckets: buckets(v4_entries),
             v6_buckets: buckets(v6_entries),
-            v4_slot_seed: 0,
+            v4_slot_seed,
         }
-    }
-
-    /// The seed of IPv4's slot table: the one a pinned table has, which its halves were placed
-    /// by, or a new one at random (`slot_table::seed_at`).
-    pub fn seed_slot_table(&mut self, pinned: Option<u64>) -> anyhow::Result<()> {
-        self.v4_slot_seed = match pinned {
-            Some(seed) if seed != 0 => seed,
-            // 0 is the unseeded hash's.
-            _ => getrandom::u64().context("a random seed for the NAT slot table")? | 1,
-        };
-        Ok(())
     }
 
     /// The maps sized here, and their sizes.
@@ -375,14 +374,18 @@ pub struct Loaded {
 pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     let before = pins.snapshot();
     pins.prepare()?;
-    let mut sizes = NatSizes::new(opts.nat_capacity, opts.nat_v6_capacity(), slot_table());
     // A table reused keeps its seed; one replaced may take it too. One that cannot be read
     // is replaced (`discard_incompatible`), and the new table takes a new seed.
     let pinned_seed = pins.slot_seed_v4().unwrap_or_else(|err| {
         tracing::warn!("the pinned IPv4 NAT table's seed: {err:#}");
         None
     });
-    sizes.seed_slot_table(pinned_seed)?;
+    let sizes = NatSizes::new(
+        opts.nat_capacity,
+        opts.nat_v6_capacity(),
+        slot_table(),
+        slot_seed(pinned_seed)?,
+    );
     let mut carried = Carried::open(pins, |name| sizes.entries_of(name));
     match load_into(opts, pins, &sizes) {
         Ok((programs, mut maps)) => {
@@ -563,7 +566,7 @@ mod tests {
     /// against the types the agent reads the maps with, and the sizes the loader gives.
     #[test]
     fn pinned_maps_are_checked_against_the_object_s_shapes_at_the_loader_s_sizes() {
-        let specs = expected_maps(&NatSizes::new(4096, 1, false), 100).unwrap();
+        let specs = expected_maps(&NatSizes::new(4096, 1, false, 0), 100).unwrap();
         let spec = |name| specs.iter().find(|s| s.name == name).unwrap();
         let trie = spec(map_names::NON_MASQ_V4);
         assert_eq!(trie.kind, MapType::LpmTrie);

@@ -98,8 +98,8 @@ impl TestBed {
     /// As `unconfigured`, the IPv4 halves in the slot table or not, whatever the environment
     /// asks: for what only one of the tables has (the hash table's drop sample).
     pub fn unconfigured_in(nat_entries: u32, slot_table: bool) -> anyhow::Result<TestBed> {
-        let mut sizes = load::NatSizes::new(nat_entries, nat_entries, slot_table);
-        sizes.seed_slot_table(None)?;
+        let seed = load::slot_seed(None)?;
+        let sizes = load::NatSizes::new(nat_entries, nat_entries, slot_table, seed);
         let mut loader = EbpfLoader::new();
         sizes.set(&mut loader);
         let (programs, mut maps) = load::load(&mut loader, &sizes, false)?;
