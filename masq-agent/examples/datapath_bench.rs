@@ -232,7 +232,8 @@ impl Size {
         let spans = [(1024, 65535)];
         let span_ranges = spans.map(|(first, last)| PortRange { first, last });
         let started = Instant::now();
-        let mut bed = TestBed::new(opts.capacity, &spans, true, NODE, &prefixes(count))?;
+        let bed = TestBed::like_the_agents(opts.capacity)?;
+        let mut bed = TestBed::configured(bed, &spans, true, NODE, &prefixes(count))?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.
         let (verdict, translated) = bed.egress(&frames.outbound);

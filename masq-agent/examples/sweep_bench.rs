@@ -36,8 +36,8 @@ fn main() -> anyhow::Result<()> {
     }
     let timeouts = Timeouts::default();
     for &count in &flows {
-        let mut bed = TestBed::new(
-            EbpfOptions::DEFAULT_NAT_CAPACITY,
+        let mut bed = TestBed::configured(
+            TestBed::like_the_agents(EbpfOptions::DEFAULT_NAT_CAPACITY)?,
             &[(1024, 65535)],
             true,
             NODE,

@@ -72,7 +72,7 @@ pub trait Family {
     fn nat() -> &'static NatTable<Self::Addr>;
     /// Whether the family's halves are in its slot table, a constant for the verifier.
     fn in_slot_table() -> bool;
-    /// The family's slot table (where `in_slot_table`), and its buckets, a power of two the
+    /// The family's slot table (where `in_slot_table`), and its buckets, an even number the
     /// agent set.
     fn slots() -> &'static SlotArray<Self::Addr>;
     fn slot_words() -> &'static SlotWords;

@@ -164,8 +164,8 @@ pub mod global_names {
     /// random slot needs no bounds check of its own.
     pub const DROP_SAMPLE_SLOTS_V4: &str = "MASQ_DROP_SAMPLE_SLOTS_V4";
     pub const DROP_SAMPLE_SLOTS_V6: &str = "MASQ_DROP_SAMPLE_SLOTS_V6";
-    /// Each family's slot table's buckets, a power of two: a constant for the verifier, so
-    /// that a key's bucket needs no bounds check of its own.
+    /// Each family's slot table's buckets (`slot_table::buckets_for`): a constant for the
+    /// verifier, which follows only the way `Place::of` reduces a hash to this many.
     pub const SLOT_BUCKETS_V4: &str = "MASQ_SLOT_BUCKETS_V4";
     pub const SLOT_BUCKETS_V6: &str = "MASQ_SLOT_BUCKETS_V6";
     /// IPv4's slot table's seed (`slot_table::seed_at`, where the table keeps it too): read

@@ -679,15 +679,28 @@ fn dump_pinned(bed: &Bed, name: &str) -> (String, String) {
 }
 
 /// Whether a NAT table that `status --json` reads as `nat` (its `ebpf.nat.<family>`) is as full
-/// as pods find it: every entry of a hash table held, or, in the slot table, where a half may go
-/// only in either of its key's two buckets, all but a bucket's slots at most (a key whose two
-/// buckets are full finds no room while another bucket has some).
+/// as pods find it: it holds at least the entries it says it has room for, which is every
+/// entry of a hash table. The slot table has more room than it says (`nat_room`), and a half
+/// finds its two buckets full before all of it is.
 fn reads_full(nat: &serde_json::Value) -> bool {
     let (entries, capacity) = (nat["entries"].as_u64(), nat["capacity"].as_u64());
     let (Some(entries), Some(capacity)) = (entries, capacity) else {
         return false;
     };
-    entries <= capacity && entries + u64::from(masq_ebpf::slot_table::BUCKET_SLOTS) >= capacity
+    entries >= capacity
+}
+
+/// The entries `family`'s NAT table says it has room for at `--nat-capacity=flows`: two a flow,
+/// rounded up to whole buckets in IPv4's slot table, where the agent keeps its halves there
+/// (`slot_table::rated_halves`).
+fn nat_room(bed: &Bed, family: IpFamily, flows: u32) -> u64 {
+    use masq_ebpf::slot_table::{buckets_for, rated_halves};
+    let halves = 2 * flows;
+    if family == IpFamily::Ipv4 && slot_seed(bed).is_some() {
+        rated_halves(buckets_for(halves))
+    } else {
+        u64::from(halves)
+    }
 }
 
 /// The halves `family`'s NAT table holds, as bpftool formats them with the maps' BTF: each a

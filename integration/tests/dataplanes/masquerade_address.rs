@@ -20,7 +20,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, FamilyOnTheBed, PacedTransfer, Plane, assert_no_flow_lost_or_crossed,
-    explain_from, icmp_and_fragments, kube_proxy, restarts,
+    explain_from, icmp_and_fragments, kube_proxy, nat_room, restarts,
 };
 
 /// What pods see must not depend on the data plane.
@@ -514,10 +514,14 @@ fn the_chosen_address_through_an_upgrade_a_resize_and_a_rollback(plane: Plane, f
             .as_u64()
             .unwrap()
     };
-    let before = capacity();
+    assert_eq!(capacity(), nat_room(&bed, family, 4096));
     agent.stop(libc::SIGTERM).unwrap();
     let mut agent = bed.start_agent(&with_capacity("--nat-capacity=8192"));
-    assert_eq!(capacity(), 2 * before, "the table was resized");
+    assert_eq!(
+        capacity(),
+        nat_room(&bed, family, 8192),
+        "the table was resized"
+    );
     open.exchange("through the bigger table")
         .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()));
     wait_for_flows_from(&bed, family, &agent, chosen(family));

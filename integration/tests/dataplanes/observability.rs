@@ -12,7 +12,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, CHAIN, DEFAULT_CONFIG, FamilyOnTheBed, METRICS_ADDR, Plane, assert_masqueraded,
-    assert_success, decisions_of, http_get, reads_full, unanswered_queries,
+    assert_success, decisions_of, http_get, nat_room, reads_full, unanswered_queries,
 };
 
 /// What pods see must not depend on the data plane.
@@ -188,7 +188,7 @@ fn serves_metrics_health_and_readiness(plane: Plane) {
         // Each family's table has its own series; IPv6 is off here, and has none.
         assert_eq!(
             series("masq_agent_nat_capacity_entries{family=\"ipv4\"}"),
-            Some(2.0 * 262_144.0)
+            Some(nat_room(&bed, IpFamily::Ipv4, 262_144) as f64)
         );
         assert_eq!(
             series("masq_agent_nat_capacity_entries{family=\"ipv6\"}"),
@@ -562,8 +562,10 @@ fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, 
     // IPv6's config holds both families' pods.
     let bed = Bed::new(plane, IpFamily::Ipv6.config());
     let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
-    // 64 flows: 128 entries in each family's table.
-    let _agent = bed.start_agent(&["--enable-ipv6", "--nat-capacity=64", &metrics_addr]);
+    // 64 flows: 128 entries in each family's table, and more room in IPv4's slot table.
+    const FLOWS: u32 = 64;
+    let capacity = format!("--nat-capacity={FLOWS}");
+    let _agent = bed.start_agent(&["--enable-ipv6", &capacity, &metrics_addr]);
     family.assert_masqueraded(&bed);
     let _silent = unanswered_queries(&bed, family, 9709, 100);
     let other = family.pick(IpFamily::Ipv6, IpFamily::Ipv4);
@@ -571,18 +573,27 @@ fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, 
     let full = &status["ebpf"]["nat"][family.label()];
     assert!(reads_full(full), "{status:#}");
     let held = full["entries"].as_u64().unwrap();
-    // Each table: its entries and how full it reads.
-    let tables = [(family, held, (held * 100).div_ceil(128)), (other, 0, 0)];
+    // Each table: its entries, its room and how full it reads.
+    let room = |table| nat_room(&bed, table, FLOWS);
+    let tables = [
+        (
+            family,
+            held,
+            room(family),
+            (held * 100).div_ceil(room(family)),
+        ),
+        (other, 0, room(other), 0),
+    ];
 
     let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
     let text = String::from_utf8(bed.agent_cmd(&["status", &bpffs]).stdout).unwrap();
-    for (table, entries, percent) in tables {
+    for (table, entries, room, percent) in tables {
         let nat = &status["ebpf"]["nat"][table.label()];
         let read = ["entries", "capacity", "percent_full"].map(|field| nat[field].as_u64());
-        let expected = [entries, 128, percent].map(Some);
+        let expected = [entries, room, percent].map(Some);
         assert_eq!(read, expected, "{status:#}");
         let line = format!(
-            "  NAT table {}: {entries} of 128 entries ({percent}% full)",
+            "  NAT table {}: {entries} of {room} entries ({percent}% full)",
             table.label()
         );
         assert!(
@@ -602,9 +613,9 @@ fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, 
         Ok(series(&metrics, "masq_agent_nat_entries", family) == Some(held as f64))
     })
     .unwrap_or_else(|e| panic!("{e}: a sweep counts the full table:\n{metrics}"));
-    for (table, entries, _) in tables {
+    for (table, entries, room, _) in tables {
         let read = ["masq_agent_nat_entries", "masq_agent_nat_capacity_entries"]
             .map(|name| series(&metrics, name, table));
-        assert_eq!(read, [Some(entries as f64), Some(128.0)], "{metrics}");
+        assert_eq!(read, [Some(entries as f64), Some(room as f64)], "{metrics}");
     }
 }

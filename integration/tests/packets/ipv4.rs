@@ -151,6 +151,40 @@ fn each_slot_table_has_a_seed_of_its_own_which_the_programs_and_the_agent_share(
     assert_ne!(seeds[0], seeds[1]);
 }
 
+/// A slot table made as the agent makes it, for 4 096 halves, has room to spare in buckets of
+/// no power of two, which keys find by another reduction of their hash: it takes every flow it
+/// was made for without a drop, the programs place each half where the agent looks for it, and
+/// each reply finds its flow.
+#[test]
+fn a_table_the_agent_makes_holds_every_flow_it_was_made_for_without_a_drop() {
+    const HALVES: u32 = 4096;
+    let bed = TestBed::in_table(true, || TestBed::like_the_agents(HALVES)).unwrap();
+    let mut h = Ipv4Addr::configure(bed, &[(1024, 65535)], true);
+    let buckets = masq_ebpf::slot_table::buckets_for(HALVES);
+    assert!(!buckets.is_power_of_two(), "{buckets}");
+    let mut replies = Vec::new();
+    for n in 0..HALVES / 2 {
+        let (pod_port, remote_port) = (10_000 + (n % 5000) as u16, 53 + (n / 5000) as u16);
+        let (verdict, out) = h.egress(&udp(POD, pod_port, REMOTE, remote_port));
+        assert_eq!((verdict, src(&out)), (TC_ACT_OK, NODE), "flow {n}");
+        replies.push((udp(REMOTE, remote_port, NODE, word(&out, L4)), pod_port));
+    }
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 0);
+    assert_eq!(h.counter(Counter::DropNatTableFull), 0);
+    let halves = h.maps.nat.v4.read_all().unwrap();
+    assert_eq!(halves.len(), HALVES as usize);
+    for (key, entry) in &halves {
+        assert_eq!(h.maps.nat.v4.get(key).as_ref(), Some(entry), "{key:?}");
+    }
+    for (reply, pod_port) in replies {
+        let (verdict, back) = h.ingress(&reply);
+        assert_eq!(
+            (verdict, dst(&back), word(&back, L4 + 2)),
+            (TC_ACT_OK, POD, pod_port)
+        );
+    }
+}
+
 /// A datagram from outside to the limited broadcast reaches no pod: it opens no flow, as
 /// multicast and link-local destinations open none in either family.
 #[test]

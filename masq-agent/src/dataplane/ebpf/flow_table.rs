@@ -157,7 +157,7 @@ where
         }
         let Some((buckets, seeded)) = slot_table::buckets_in(words.len()) else {
             anyhow::bail!(
-                "a slot table of {} words: not a power of two of buckets, and perhaps its seed",
+                "a slot table of {} words: not an even number of buckets and its seed, nor a power of two of buckets",
                 words.len()
             );
         };
@@ -171,7 +171,7 @@ where
             || info.max_entries() != buckets * BUCKET_SLOTS
         {
             anyhow::bail!(
-                "a slot table of {} slots of {} bytes in {buckets} buckets: not {BUCKET_SLOTS} slots of {} a bucket, a power of two of them",
+                "a slot table of {} slots of {} bytes in {buckets} buckets: not {BUCKET_SLOTS} slots of {} a bucket",
                 info.max_entries(),
                 info.value_size(),
                 size_of::<Slot<A>>()
@@ -242,11 +242,13 @@ where
         }
     }
 
-    /// How many halves the table has room for: the hash table's entries, or the slots.
+    /// How many halves the table is made to hold: the hash table's entries, and no more; the
+    /// slot table's rating (`slot_table::rated_halves`, the size the agent was asked for),
+    /// and up to 8/5 of it.
     pub fn capacity(&self) -> anyhow::Result<usize> {
         Ok(match &self.kind {
             Kind::Hash(map) => map.map().info()?.max_entries() as usize,
-            Kind::Slots(table) => (table.buckets * BUCKET_SLOTS) as usize,
+            Kind::Slots(table) => slot_table::rated_halves(table.buckets) as usize,
         })
     }
 
@@ -329,11 +331,12 @@ where
 
     /// Makes a slot table hold no more than `halves`, as a hash table of that many entries
     /// would: the slots past them are blocked (`slot_table::blocked_from`), as evenly over the
-    /// buckets as they go, in every bucket that holds nothing (all of a new table's; a pinned
-    /// one that was limited so keeps its blocked slots, and a bucket that the programs claim a
-    /// slot of meanwhile is left as they made it). The slots come in whole buckets, a power of
-    /// two of them, which a size between powers of two, or below two buckets, would exceed.
-    /// A hash table needs nothing.
+    /// buckets as they go, in every bucket that holds nothing (all of a new table's, and a
+    /// bucket that the programs claim a slot of meanwhile is left as they made it). For the
+    /// tests' tables, which must be full at the size they ask: the agent's own hold more than
+    /// asked (`slot_table::buckets_for`), and block none (an agent before that blocked some,
+    /// which the programs and the walks still pass over). A hash table needs nothing.
+    #[cfg(feature = "testbed")]
     pub fn limit_to(&self, halves: u32) -> anyhow::Result<()> {
         let Kind::Slots(table) = &self.kind else {
             return Ok(());

@@ -82,8 +82,20 @@ impl TestBed {
     /// The object with both programs loaded and nothing configured: IPv4's halves where the
     /// agent would keep them here (`load::slot_table`), or where this thread chose (`in_table`).
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
-        let slot_table = SLOT_TABLE.get().unwrap_or_else(load::slot_table);
-        TestBed::unconfigured_in(nat_entries, slot_table)
+        TestBed::unconfigured_in(nat_entries, TestBed::chosen_table())
+    }
+
+    /// As `unconfigured`, but with a slot table as the agent makes it, with room to spare for
+    /// `nat_entries` halves (`slot_table::buckets_for`): the benchmarks'.
+    pub fn like_the_agents(nat_entries: u32) -> anyhow::Result<TestBed> {
+        let seed = load::slot_seed(None)?;
+        let sizes = load::NatSizes::new(nat_entries, nat_entries, TestBed::chosen_table(), seed);
+        TestBed::unconfigured_sized(&sizes)
+    }
+
+    /// Whether this thread's beds keep IPv4's halves in the slot table.
+    fn chosen_table() -> bool {
+        SLOT_TABLE.get().unwrap_or_else(load::slot_table)
     }
 
     /// Runs `f` with the beds this thread makes (`unconfigured`) keeping IPv4's halves in the
@@ -96,14 +108,22 @@ impl TestBed {
     }
 
     /// As `unconfigured`, the IPv4 halves in the slot table or not, whatever the environment
-    /// asks: for what only one of the tables has (the hash table's drop sample).
+    /// asks: for what only one of the tables has (the hash table's drop sample). A slot table
+    /// holds `nat_entries` halves and no more (`NatSizes::with_slots_for_entries_alone`).
     pub fn unconfigured_in(nat_entries: u32, slot_table: bool) -> anyhow::Result<TestBed> {
-        let seed = load::slot_seed(None)?;
-        let sizes = load::NatSizes::new(nat_entries, nat_entries, slot_table, seed);
+        let sizes =
+            load::NatSizes::new(nat_entries, nat_entries, slot_table, load::slot_seed(None)?)
+                .with_slots_for_entries_alone();
+        let bed = TestBed::unconfigured_sized(&sizes)?;
+        bed.maps.nat.v4.limit_to(nat_entries)?;
+        Ok(bed)
+    }
+
+    /// The object loaded with its NAT tables of `sizes`, nothing configured.
+    fn unconfigured_sized(sizes: &load::NatSizes) -> anyhow::Result<TestBed> {
         let mut loader = EbpfLoader::new();
         sizes.set(&mut loader);
-        let (programs, mut maps) = load::load(&mut loader, &sizes, false)?;
-        maps.nat.v4.limit_to(nat_entries)?;
+        let (programs, mut maps) = load::load(&mut loader, sizes, false)?;
         kernel_sweep::give_limits(&mut maps.sweep, &Timeouts::default())?;
         Ok(TestBed { programs, maps })
     }
