@@ -187,7 +187,7 @@ fn a_table_the_agent_makes_holds_every_flow_it_was_made_for_without_a_drop() {
 
 /// The programs stamp a flow by the kernel's tick count, which the loader measured: a tick a
 /// kernel may have, and a stamp within a tick before CLOCK_MONOTONIC, as the kernel's coarse
-/// clock would give it.
+/// clock would give it. The agent's check of the tick at each sweep finds it where it was.
 #[test]
 fn flows_are_stamped_by_the_kernels_tick_within_a_tick_of_the_clock() {
     use masq_agent::dataplane::ebpf::map_types::monotonic_now_ns;
@@ -212,6 +212,8 @@ fn flows_are_stamped_by_the_kernels_tick_within_a_tick_of_the_clock() {
             "{key:?}: stamped {stamp}, CLOCK_MONOTONIC {before}..{after}"
         );
     }
+    h.keep_the_tick().unwrap();
+    assert_eq!(h.tick_clock(), Some(clock));
 }
 
 /// A datagram from outside to the limited broadcast reaches no pod: it opens no flow, as

@@ -2,6 +2,9 @@
 //! loads them, by running the probe program, and given to them before they are attached. The
 //! kernel advances its tick count from CLOCK_MONOTONIC, a tick of `TICK_NSEC` at a time, so
 //! that the count times the tick stays on CLOCK_MONOTONIC, at the start of the current tick.
+//! A tick driven by a periodic timer of its own could drift from it, so the agent reads the
+//! probe again at every sweep, and moves the offset where the stamps have left their tick
+//! (`Tick::keep`).
 
 use std::time::{Duration, Instant};
 
@@ -28,10 +31,53 @@ const EDGES: usize = 3;
 /// How long the agent reads the probe at most: three ticks at 100 Hz, and some.
 const READ_FOR: Duration = Duration::from_millis(100);
 
+/// The tick the programs stamp by, and the map they read it from.
+pub struct Tick {
+    clock: TickClock,
+    map: Array<MapData, TickClock>,
+}
+
+impl Tick {
+    /// What the programs stamp by.
+    pub fn clock(&self) -> TickClock {
+        self.clock
+    }
+
+    /// Reads the probe once, and moves the programs' offset where their stamps have left the
+    /// tick behind CLOCK_MONOTONIC (`anchored_again`), with a warning.
+    pub fn keep(&mut self, probe: &mut SchedClassifier) -> anyhow::Result<()> {
+        let reading = read_once(probe, &self.map)?;
+        if let Some(anchored) = anchored_again(&self.clock, reading) {
+            tracing::warn!(
+                moved_ns = anchored.base_ns.wrapping_sub(self.clock.base_ns) as i64,
+                "the kernel's tick left CLOCK_MONOTONIC: the programs' stamps moved back onto it"
+            );
+            self.map
+                .set(0, anchored, 0)
+                .context("moving the programs' tick")?;
+            self.clock = anchored;
+        }
+        Ok(())
+    }
+}
+
+/// `clock` anchored again at `reading` (tick count, CLOCK_MONOTONIC), where its stamp of the
+/// reading's tick is later than the reading, or earlier by more than a tick, by more than a
+/// quarter of a tick either way (what one tick's interrupt may come later than another's): a
+/// stamp of that tick is then the reading's time.
+pub fn anchored_again(clock: &TickClock, (ticks, monotonic_ns): (u64, u64)) -> Option<TickClock> {
+    let behind = monotonic_ns.wrapping_sub(clock.at(ticks)) as i64;
+    let leeway = (clock.tick_ns / 4) as i64;
+    (behind < -leeway || behind > clock.tick_ns as i64 + leeway).then(|| TickClock {
+        base_ns: clock.base_ns.wrapping_add(behind as u64),
+        ..*clock
+    })
+}
+
 /// Measures the tick and gives it to the programs, before they are attached; `None` (after a
 /// warning) where the kernel's tick is none of `KERNEL_HZ`, or the environment says so: the
-/// programs then read the kernel's clock, as before.
-pub fn give_the_programs_the_tick(ebpf: &mut Ebpf) -> anyhow::Result<Option<TickClock>> {
+/// programs then read the kernel's clock, as before. The probe stays loaded, for `Tick::keep`.
+pub fn give_the_programs_the_tick(ebpf: &mut Ebpf) -> anyhow::Result<Option<Tick>> {
     if std::env::var(TICK_CLOCK_ENV).as_deref() == Ok("0") {
         return Ok(None);
     }
@@ -46,9 +92,7 @@ pub fn give_the_programs_the_tick(ebpf: &mut Ebpf) -> anyhow::Result<Option<Tick
         .with_context(|| format!("program {} missing", program_names::CLOCK_PROBE))?
         .try_into()?;
     probe.load().context("loading the clock probe")?;
-    let readings = read_probe(probe, &clock);
-    probe.unload().context("unloading the clock probe")?;
-    let Some(measured) = measure(&readings?) else {
+    let Some(measured) = measure(&read_probe(probe, &clock)?) else {
         tracing::warn!(
             "the kernel's tick is none of {KERNEL_HZ:?} Hz: the programs read its clock, a helper call a packet"
         );
@@ -57,7 +101,10 @@ pub fn give_the_programs_the_tick(ebpf: &mut Ebpf) -> anyhow::Result<Option<Tick
     clock
         .set(0, measured, 0)
         .context("giving the programs the tick")?;
-    Ok(Some(measured))
+    Ok(Some(Tick {
+        clock: measured,
+        map: clock,
+    }))
 }
 
 /// The probe's readings, tick count and CLOCK_MONOTONIC, until they span `EDGES` tick edges, or
@@ -66,21 +113,28 @@ fn read_probe(
     probe: &mut SchedClassifier,
     clock: &Array<MapData, TickClock>,
 ) -> anyhow::Result<Vec<(u64, u64)>> {
-    let frame = kernel_sweep::frame(0);
     let until = Instant::now() + READ_FOR;
     let mut readings: Vec<(u64, u64)> = Vec::new();
     while Instant::now() < until && edges(&readings).count() < EDGES {
-        probe
-            .test_run(TestRunOptions {
-                data_in: Some(&frame),
-                repeat: 1,
-                ..TestRunOptions::new()
-            })
-            .context("running the clock probe")?;
-        let read = clock.get(&0, 0).context("reading the clock probe")?;
-        readings.push((read.probe_ticks, read.probe_monotonic_ns));
+        readings.push(read_once(probe, clock)?);
     }
     Ok(readings)
+}
+
+/// One run of the probe: its reading of the tick count and CLOCK_MONOTONIC.
+fn read_once(
+    probe: &mut SchedClassifier,
+    clock: &Array<MapData, TickClock>,
+) -> anyhow::Result<(u64, u64)> {
+    probe
+        .test_run(TestRunOptions {
+            data_in: Some(&kernel_sweep::frame(0)),
+            repeat: 1,
+            ..TestRunOptions::new()
+        })
+        .context("running the clock probe")?;
+    let read = clock.get(&0, 0).context("reading the clock probe")?;
+    Ok((read.probe_ticks, read.probe_monotonic_ns))
 }
 
 /// The readings that are the first of their tick, after one of the tick before.
@@ -175,6 +229,30 @@ mod tests {
         );
         assert_eq!(measure(&[(7, 1), (7, 2), (7, 3)]), None);
         assert_eq!(measure(&[]), None);
+    }
+
+    #[test]
+    fn a_clock_is_anchored_again_only_where_its_stamps_left_the_tick_behind_the_clock() {
+        let clock = measure(&readings(4_000_000, BOOT, 1 << 40, 10_000, 3_000)).unwrap();
+        let ticks = 1_000_000u64;
+        let at_tick = clock.at(ticks);
+        for reading in [
+            at_tick - 1_000_000,
+            at_tick,
+            at_tick + 4_000_000,
+            at_tick + 5_000_000,
+        ] {
+            assert_eq!(anchored_again(&clock, (ticks, reading)), None);
+        }
+        for (off, reading) in [
+            ("behind", (ticks, at_tick + 5_000_001)),
+            ("ahead", (ticks, at_tick - 1_000_001)),
+            ("far ahead", (ticks + 1000, at_tick)),
+        ] {
+            let anchored = anchored_again(&clock, reading).expect(off);
+            assert_eq!(anchored.at(reading.0), reading.1, "{off}");
+            assert_eq!(anchored.tick_ns, clock.tick_ns);
+        }
     }
 
     #[test]
