@@ -115,8 +115,13 @@ fn read_probe(
 ) -> anyhow::Result<Vec<(u64, u64)>> {
     let until = Instant::now() + READ_FOR;
     let mut readings: Vec<(u64, u64)> = Vec::new();
-    while Instant::now() < until && edges(&readings).count() < EDGES {
-        readings.push(read_once(probe, clock)?);
+    let mut edges = 0;
+    while Instant::now() < until && edges < EDGES {
+        let reading = read_once(probe, clock)?;
+        if readings.last().is_some_and(|last| last.0 != reading.0) {
+            edges += 1;
+        }
+        readings.push(reading);
     }
     Ok(readings)
 }
