@@ -189,9 +189,8 @@ impl KernelSweep<'_> {
 }
 
 /// A frame whose EtherType names the family to sweep: an Ethernet header, and room for the
-/// family's header, which the kernel's test runner wants before it runs the program. The clock
-/// probe reads none of it (`tick_clock`).
-pub(super) fn frame(ethertype: u16) -> Vec<u8> {
+/// family's header, which the kernel's test runner wants before it runs the program.
+fn frame(ethertype: u16) -> Vec<u8> {
     const LARGEST_IP_HEADER: usize = 40;
     let mut frame = vec![0; ETH_HLEN + LARGEST_IP_HEADER];
     frame[ETH_HLEN - 2..ETH_HLEN].copy_from_slice(&ethertype.to_be_bytes());

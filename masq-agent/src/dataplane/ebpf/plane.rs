@@ -284,9 +284,6 @@ impl DataPlane for EbpfDataPlane {
             return Ok(None);
         }
         self.hold_node_ports()?;
-        if let Err(err) = self.programs.keep_the_tick() {
-            tracing::warn!("the programs' tick could not be checked: {err:#}");
-        }
         let now = map_types::monotonic_now_ns();
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
