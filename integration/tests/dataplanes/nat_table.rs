@@ -160,8 +160,10 @@ fn a_lone_ack_opens_no_established_flow(plane: Plane, family: IpFamily) {
 /// holds at least the flows `--nat-capacity` asks: the hash table that many, the slot table
 /// more (its two buckets' 16 slots, where every key goes at this size).
 fn a_full_nat_table_keeps_its_flows_and_drops_new_ones(plane: Plane) {
+    use masq_ebpf::slot_table::{BUCKET_SLOTS, buckets_for};
     const CAPACITY: u64 = 2;
-    const SLOT_TABLE_ROOM: u64 = 8;
+    // Two halves a flow, in every slot of the table the agent makes for it.
+    const SLOT_TABLE_ROOM: u64 = (buckets_for(2 * CAPACITY as u32) * BUCKET_SLOTS / 2) as u64;
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let _agent = bed.start_agent(&[&format!("--nat-capacity={CAPACITY}")]);
     let stream = |pod_port| {
