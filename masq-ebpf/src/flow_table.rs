@@ -10,7 +10,10 @@ use core::{
     marker::PhantomData,
 };
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_for_each_map_elem};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_ktime_get_ns, generated::bpf_for_each_map_elem},
+};
 use masq_ebpf::{
     NatEntry, NatKey, direction,
     slot_table::{self, BUCKET_SLOTS, Refused, Slot, SlotMemory, at_slot, held_slots, slot_byte},
@@ -41,6 +44,14 @@ impl<F: Family> SlotMemory<F::Addr> for MapSlots<F> {
     #[inline(always)]
     fn buckets(&self) -> u32 {
         F::slot_buckets()
+    }
+
+    /// The precise clock, whichever the flows are stamped with: the coarse one moves a tick at
+    /// a time, hundreds of times the wait.
+    #[inline(always)]
+    fn now_ns(&self) -> u64 {
+        // SAFETY: the helper has no preconditions.
+        unsafe { bpf_ktime_get_ns() }
     }
 
     /// The agent's global, which it also keeps in the table: the global is on a line every

@@ -248,6 +248,9 @@ pub const fn at_slot(byte: u8, slot: u32) -> u64 {
 pub trait SlotMemory<A: Address> {
     /// Buckets in the table: an even number, at least two.
     fn buckets(&self) -> u32;
+    /// CLOCK_MONOTONIC, in nanoseconds, as a wait for another CPU's claim reads it
+    /// (`decided`).
+    fn now_ns(&self) -> u64;
     /// The table's seed (`seed_at`).
     fn seed(&self) -> u64;
     fn word(&self, bucket: u32) -> Option<*mut u64>;
@@ -404,12 +407,23 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
     else {
         return Err(Refused::Full);
     };
-    for _ in 0..CLAIM_ATTEMPTS {
+    'attempts: for _ in 0..CLAIM_ATTEMPTS {
         let (first_seen, second_seen) = (load(first), load(second));
-        for (bucket, word) in [(first_bucket, first_seen), (second_bucket, second_seen)] {
-            if bytes_equal(word, place.tag) != 0
-                || held_in(memory, bucket, word, place.tag, key).is_some()
-            {
+        for (bucket, word, seen) in [
+            (first_bucket, first, first_seen),
+            (second_bucket, second, second_seen),
+        ] {
+            // A half of the key's tag being written may be this very key's, another CPU's
+            // flow, which its caller could not find yet: wait until it is published or given
+            // back, and look again.
+            let being_written = bytes_equal(seen, place.tag);
+            if being_written != 0 {
+                if decided(memory, word, being_written, place.tag).is_none() {
+                    return Err(Refused::Exists);
+                }
+                continue 'attempts;
+            }
+            if held_in(memory, bucket, seen, place.tag, key).is_some() {
                 return Err(Refused::Exists);
             }
         }
@@ -446,7 +460,7 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
             continue;
         }
         let rival = bytes_tagged(load(other), place.tag) & !bytes_tagged(other_seen, place.tag);
-        if rival != 0 && !outlasts(other, rival, place.tag, bucket == first_bucket) {
+        if rival != 0 && !outlasts(memory, other, rival, place.tag, bucket == first_bucket) {
             unsafe { memory.flip(word, claim) };
             return Err(Refused::Exists);
         }
@@ -466,32 +480,60 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
     Err(Refused::Full)
 }
 
-/// Loads of the other bucket's word a claim in a key's first bucket makes while a rival claim
-/// there decides (`outlasts`): a rival yields, or publishes its slot, within a few stores.
-const RIVAL_WAIT: u32 = 32;
+/// How long a CPU waits for another's claim of a tag in a key's buckets to be decided
+/// (`decided`): published, or given back. Between its claim and its publish a CPU writes one
+/// slot, some tens of nanoseconds; in softirq nothing but an interrupt holds it up meanwhile.
+/// Past this, the waiting CPU takes the claim as another flow's that it cannot read yet.
+pub const CLAIM_DECIDED_WITHIN_NS: u64 = 5_000;
+
+/// Turns of that wait, each a load of the word and a reading of the clock: a bound the
+/// verifier can walk, which at 10 to 30 ns a reading outlasts `CLAIM_DECIDED_WITHIN_NS`.
+const WAIT_TURNS: u32 = 256;
+
+/// The word at `word` once none of its bytes `pending` (a mask of `bytes_equal`) carries `tag`
+/// without `HELD`: the claims there were published or given back. `None` if one still stands
+/// after `CLAIM_DECIDED_WITHIN_NS`. A count of loads would be no time at all where the word
+/// stays in this CPU's cache: the clock between them is the wait.
+#[inline(always)]
+fn decided<A: Address, M: SlotMemory<A>>(
+    memory: &M,
+    word: *mut u64,
+    pending: u64,
+    tag: u8,
+) -> Option<u64> {
+    let since = memory.now_ns();
+    for _ in 0..WAIT_TURNS {
+        let now = load(word);
+        if bytes_equal(now, tag) & pending == 0 {
+            return Some(now);
+        }
+        if memory.now_ns().wrapping_sub(since) > CLAIM_DECIDED_WITHIN_NS {
+            break;
+        }
+    }
+    None
+}
 
 /// Whether a claim of a key in `bucket` outlasts a rival claim of its tag made meanwhile in
 /// the key's other bucket, whose word is `other` (`rival`: its bytes, as `bytes_equal` names
 /// them). A claim in the second bucket yields to one in the first as soon as it sees it. So a
-/// claim in the first waits, a bounded while, for the rival to decide: its byte gone (it saw
-/// this claim and yielded: this one stands) or held (it had seen nothing and published: this
-/// one yields, as it does if the wait runs out). Both yielding, as two CPUs making one flow at
+/// claim in the first waits for the rival to decide (`decided`): its byte gone (it saw this
+/// claim and yielded: this one stands) or held (it had seen nothing and published: this one
+/// yields, as it does if the wait runs out). Both yielding, as two CPUs making one flow at
 /// once would otherwise each see the other's claim and do, none would make it.
 #[inline(always)]
-fn outlasts(other: *mut u64, rival: u64, tag: u8, in_first_bucket: bool) -> bool {
+fn outlasts<A: Address, M: SlotMemory<A>>(
+    memory: &M,
+    other: *mut u64,
+    rival: u64,
+    tag: u8,
+    in_first_bucket: bool,
+) -> bool {
     if !in_first_bucket {
         return false;
     }
-    for _ in 0..RIVAL_WAIT {
-        let now = load(other);
-        if bytes_equal(now, slot_byte::HELD | tag) & rival != 0 {
-            return false;
-        }
-        if bytes_equal(now, tag) & rival == 0 {
-            return true;
-        }
-    }
-    false
+    decided(memory, other, rival, tag)
+        .is_some_and(|now| bytes_equal(now, slot_byte::HELD | tag) & rival == 0)
 }
 
 /// Frees the slot that holds `key`, by a compare-and-exchange that expects its byte held by the
@@ -555,21 +597,31 @@ pub struct Mapped<A: Address> {
     slots: *mut Slot<A>,
     buckets: u32,
     seed: u64,
+    /// CLOCK_MONOTONIC in nanoseconds, which this crate has no means of its own to read.
+    clock: fn() -> u64,
 }
 
 #[cfg(not(target_arch = "bpf"))]
 impl<A: Address> Mapped<A> {
-    /// A table whose seed is `seed`.
+    /// A table whose seed is `seed`, whose waits read `clock` (CLOCK_MONOTONIC, in
+    /// nanoseconds).
     ///
     /// # Safety
     /// `words` must point to `buckets` aligned words and `slots` to `buckets * BUCKET_SLOTS`
     /// slots, valid while the `Mapped` lives, and changed by others only by these rules.
-    pub unsafe fn new(words: *mut u64, slots: *mut Slot<A>, buckets: u32, seed: u64) -> Mapped<A> {
+    pub unsafe fn new(
+        words: *mut u64,
+        slots: *mut Slot<A>,
+        buckets: u32,
+        seed: u64,
+        clock: fn() -> u64,
+    ) -> Mapped<A> {
         Mapped {
             words,
             slots,
             buckets,
             seed,
+            clock,
         }
     }
 }
@@ -578,6 +630,10 @@ impl<A: Address> Mapped<A> {
 impl<A: Address> SlotMemory<A> for Mapped<A> {
     fn buckets(&self) -> u32 {
         self.buckets
+    }
+
+    fn now_ns(&self) -> u64 {
+        (self.clock)()
     }
 
     fn seed(&self) -> u64 {
@@ -873,9 +929,16 @@ mod tests {
                     self.slots.as_mut_ptr(),
                     buckets,
                     SEED,
+                    since_the_first_reading,
                 )
             }
         }
+    }
+
+    /// A monotonic clock, in nanoseconds, for tables of the heap.
+    fn since_the_first_reading() -> u64 {
+        static FIRST: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        FIRST.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
     }
 
     fn entry(port: u16) -> NatEntry<[u8; 4]> {
@@ -937,6 +1000,196 @@ mod tests {
             .iter()
             .all(|&b| bytes_equal(heap.words[b as usize], 0) == 0);
         assert_eq!(refused == Err(Refused::Full), full);
+    }
+
+    /// A table of the heap whose clock, 100 ns a reading, stands for another CPU: at its
+    /// `at`th reading `then` decides that CPU's claim. `after_claim` runs after each claim
+    /// this side makes, where another CPU's may come in between.
+    struct OtherCpu<'a> {
+        table: Mapped<[u8; 4]>,
+        readings: core::cell::Cell<u32>,
+        at: u32,
+        then: &'a dyn Fn(&Mapped<[u8; 4]>),
+        after_claim: &'a dyn Fn(&Mapped<[u8; 4]>),
+    }
+
+    impl SlotMemory<[u8; 4]> for OtherCpu<'_> {
+        fn buckets(&self) -> u32 {
+            self.table.buckets()
+        }
+        fn now_ns(&self) -> u64 {
+            let reading = self.readings.get() + 1;
+            self.readings.set(reading);
+            if reading == self.at {
+                (self.then)(&self.table);
+            }
+            u64::from(reading) * 100
+        }
+        fn seed(&self) -> u64 {
+            self.table.seed()
+        }
+        fn word(&self, bucket: u32) -> Option<*mut u64> {
+            self.table.word(bucket)
+        }
+        fn slot(&self, bucket: u32, index: u32) -> Option<*mut Slot<[u8; 4]>> {
+            self.table.slot(bucket, index)
+        }
+        unsafe fn exchange(&self, word: *mut u64, old: u64, new: u64) -> bool {
+            // SAFETY: as the caller promises.
+            let claimed = unsafe { self.table.exchange(word, old, new) };
+            if claimed {
+                (self.after_claim)(&self.table);
+            }
+            claimed
+        }
+        unsafe fn flip(&self, word: *mut u64, bits: u64) {
+            // SAFETY: as the caller promises.
+            unsafe { self.table.flip(word, bits) }
+        }
+        unsafe fn publish(&self, word: *mut u64, index: u32, tag: u8) {
+            // SAFETY: as the caller promises.
+            unsafe { self.table.publish(word, index, tag) }
+        }
+    }
+
+    const NEVER: u32 = u32::MAX;
+
+    /// A case of another CPU's claim: what it is, the reading of the clock at which the other
+    /// CPU decides it, how (given the table, the key and the claim's bucket), what the insert
+    /// says, and the port of the half then found.
+    type Case = (
+        &'static str,
+        u32,
+        fn(&Mapped<[u8; 4]>, &NatKeyV4, u32),
+        Result<(), Refused>,
+        Option<u16>,
+    );
+
+    /// The other CPU's claim of `key` in slot 0 of `bucket`: its byte, tagged, not held.
+    fn claim_of(table: &Mapped<[u8; 4]>, key: &NatKeyV4, bucket: u32) {
+        let tag = Place::of(key, table.buckets(), table.seed()).tag;
+        // SAFETY: a word of the table.
+        unsafe { *table.word(bucket).unwrap() |= at_slot(tag, 0) };
+    }
+
+    /// The other CPU's claim of `key` in slot 0 of `bucket` published, its half's port `port`.
+    fn published(table: &Mapped<[u8; 4]>, key: &NatKeyV4, bucket: u32, port: u16) {
+        let slot = table.slot(bucket, 0).unwrap();
+        // SAFETY: a slot and a word of the table, which nothing else reads meanwhile.
+        unsafe {
+            *slot = Slot {
+                key: *key,
+                entry: entry(port),
+            };
+            *table.word(bucket).unwrap() |= at_slot(slot_byte::HELD, 0);
+        }
+    }
+
+    /// The other CPU's claim in slot 0 of `bucket` given back.
+    fn given_back(table: &Mapped<[u8; 4]>, bucket: u32) {
+        // SAFETY: a word of the table.
+        unsafe { *table.word(bucket).unwrap() &= !at_slot(0xff, 0) };
+    }
+
+    fn port_of(memory: &impl SlotMemory<[u8; 4]>, key: &NatKeyV4) -> Option<u16> {
+        // SAFETY: a slot of the heap table.
+        find(memory, key).map(|slot| unsafe { (*slot).entry.port })
+    }
+
+    #[test]
+    fn an_insert_that_finds_its_key_being_written_waits_until_it_is_decided() {
+        let key = key_v4(7);
+        let first = |table: &Mapped<[u8; 4]>| Place::of(&key, table.buckets(), SEED).buckets[0];
+        let cases: [Case; 3] = [
+            (
+                "published: the other CPU's half is found",
+                3,
+                |t, k, b| published(t, k, b, 1111),
+                Err(Refused::Exists),
+                Some(1111),
+            ),
+            (
+                "given back: this side makes the half",
+                3,
+                |t, _, b| given_back(t, b),
+                Ok(()),
+                Some(2222),
+            ),
+            (
+                "never decided: taken as another's after the wait",
+                NEVER,
+                |_, _, _| {},
+                Err(Refused::Exists),
+                None,
+            ),
+        ];
+        for (case, at, decide, made, port) in cases {
+            let mut heap = Heap::new(1 << 6);
+            let table = heap.memory();
+            claim_of(&table, &key, first(&table));
+            let memory = OtherCpu {
+                table,
+                readings: Default::default(),
+                at,
+                then: &|table| decide(table, &key, first(table)),
+                after_claim: &|_| {},
+            };
+            assert_eq!(insert_new(&memory, &key, &entry(2222)), made, "{case}");
+            assert_eq!(port_of(&memory, &key), port, "{case}");
+            let waited = u64::from(memory.readings.get()) * 100;
+            if at == NEVER {
+                assert!(waited > CLAIM_DECIDED_WITHIN_NS, "{case}: {waited} ns");
+            } else {
+                assert_eq!(memory.readings.get(), at, "{case}: read on once decided");
+            }
+        }
+    }
+
+    #[test]
+    fn a_claim_in_a_keys_first_bucket_waits_for_a_rival_in_its_second_to_decide() {
+        let key = key_v4(9);
+        let place = |table: &Mapped<[u8; 4]>| Place::of(&key, table.buckets(), SEED).buckets;
+        let cases: [Case; 3] = [
+            (
+                "the rival yields: this claim stands",
+                2,
+                |t, _, b| given_back(t, b),
+                Ok(()),
+                Some(2222),
+            ),
+            (
+                "the rival published first: this claim yields to it",
+                2,
+                |t, k, b| published(t, k, b, 1111),
+                Err(Refused::Exists),
+                Some(1111),
+            ),
+            (
+                "the rival never decides: this claim yields",
+                NEVER,
+                |_, _, _| {},
+                Err(Refused::Exists),
+                None,
+            ),
+        ];
+        for (case, at, decide, made, port) in cases {
+            let mut heap = Heap::new(1 << 6);
+            let memory = OtherCpu {
+                table: heap.memory(),
+                readings: Default::default(),
+                at,
+                then: &|table| decide(table, &key, place(table)[1]),
+                after_claim: &|table| claim_of(table, &key, place(table)[1]),
+            };
+            assert_eq!(insert_new(&memory, &key, &entry(2222)), made, "{case}");
+            assert_eq!(port_of(&memory, &key), port, "{case}");
+            let first = load(memory.word(place(&memory.table)[0]).unwrap());
+            assert_eq!(
+                held_slots(first) != 0,
+                made.is_ok(),
+                "{case}: this side's claim published, or given back"
+            );
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ use masq_ebpf::{
 };
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 
-use super::batch;
+use super::{batch, map_types::monotonic_now_ns};
 
 /// The maps a family's NAT table may be kept in, by their names: the hash table, and the slot
 /// table's slots and words.
@@ -408,6 +408,7 @@ impl<A: Address> SlotTable<A> {
                 slots.at.as_ptr().cast(),
                 self.buckets,
                 seed,
+                monotonic_now_ns,
             )
         };
         Ok(MappedSlots {
