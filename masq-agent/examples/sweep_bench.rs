@@ -12,7 +12,7 @@ use masq_agent::dataplane::NatUsage;
 use masq_agent::dataplane::ebpf::{
     EbpfOptions,
     expiry::{self, Timeouts},
-    map_types,
+    flow_table,
     testbed::{TC_ACT_OK, TestBed},
 };
 use masq_ebpf::Counter;
@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
                 let held = fill(&mut bed, count)?;
                 // Every flow a SYN just sent: none has been idle for its timeout. Swept twice:
                 // the second sweep finds the table as the first left it.
-                let now = map_types::monotonic_now_ns();
+                let now = flow_table::monotonic_now_ns();
                 for sweeps in [&mut samples.none_over, &mut samples.none_over_again] {
                     let started = Instant::now();
                     let run = sweeper.sweep(&mut bed, &timeouts, now)?;

@@ -15,7 +15,7 @@ use masq_agent::{
     dataplane::{
         self,
         chosen_address::{self, ChosenAddresses},
-        ebpf::{devices, expiry, flows, map_types},
+        ebpf::{devices, expiry, flow_table, flows},
         iptables::{self, Capabilities, ChainVariant},
     },
     explain, netdev,
@@ -274,7 +274,7 @@ fn status(
 fn list_flows(filter: &flows::Filter, pins: &PinFlags, json: bool) -> anyhow::Result<ExitCode> {
     // The node's conntrack timeouts, as the agent reads them.
     let timeouts = expiry::Timeouts::of_conntrack(std::path::Path::new(expiry::CONNTRACK_SYSCTLS));
-    let now = map_types::monotonic_now_ns();
+    let now = flow_table::monotonic_now_ns();
     let Some(flows) = flows::read(&pins.bpffs, filter, &timeouts, now)? else {
         anyhow::bail!(
             "no eBPF data plane is pinned under {}: with the iptables data plane, conntrack \

@@ -9,7 +9,7 @@ use masq_ebpf::{
     may_drop_from_full_table, nat_kind, slot_table::BUCKET_SLOTS,
 };
 
-use crate::{family::Family, flow_table, maps, nat::now_ns};
+use crate::{clock::now_ns, family::Family, flow_table, maps};
 
 // The slot table's early drop looks at both of a key's buckets, as many slots as a look at the
 // drop sample.

@@ -109,6 +109,9 @@ pub mod program_names {
     /// The NAT sweep, which the agent runs through BPF_PROG_TEST_RUN where the kernel has
     /// `bpf_for_each_map_elem` (5.13); never attached.
     pub const SWEEP: &str = "masq_sweep";
+    /// Reads the kernel's tick count and CLOCK_MONOTONIC into `TickClock`'s probe fields, which
+    /// the agent runs through BPF_PROG_TEST_RUN to measure the tick; never attached.
+    pub const CLOCK_PROBE: &str = "masq_clock_probe";
 
     /// The helper the sweep program is built on (5.13): a kernel without it refuses the
     /// program, which is then not loaded, and the agent sweeps in userspace.
@@ -156,9 +159,9 @@ pub mod node_ports {
 /// verifier reads them as constants, and never walks the branches they rule out, so that one
 /// object runs on kernels with and without a feature.
 pub mod global_names {
-    /// 1 where the kernel has `bpf_ktime_get_coarse_ns` (5.11): flows are stamped with the
-    /// tick-precise clock, which costs less per packet than the precise one every kernel has.
-    /// Both read CLOCK_MONOTONIC.
+    /// 1 where the kernel has `bpf_ktime_get_coarse_ns` (5.11): where the agent did not measure
+    /// the tick (`TickClock`), flows are stamped with the tick-precise clock, which costs less
+    /// per packet than the precise one every kernel has. Both read CLOCK_MONOTONIC.
     pub const COARSE_CLOCK: &str = "MASQ_COARSE_CLOCK";
     /// `drop_sample_slots` of each family's table: a constant for the verifier, so that a
     /// random slot needs no bounds check of its own.
@@ -176,6 +179,36 @@ pub mod global_names {
     /// CPUs need a locked instruction, which waits for the slot's cache line (`SlotMemory::
     /// publish`).
     pub const STORES_IN_ORDER: &str = "MASQ_STORES_IN_ORDER";
+}
+
+/// The section of `TickClock`, a writable global of the programs' that the loader makes a map of
+/// its own, named after it: the agent writes it once it has measured the tick, before the
+/// programs are attached.
+pub const TICK_CLOCK_SECTION: &str = ".data.masq_tick_clock";
+
+/// How the programs stamp entries with CLOCK_MONOTONIC from the kernel's tick count (`jiffies`),
+/// a load the verifier writes in place of `bpf_jiffies64`'s call, where the kernel's clocks
+/// take a helper call each packet. The agent measures the tick when it loads the programs
+/// (`program_names::CLOCK_PROBE`); until it has, and where it could not, `tick_ns` is 0 and
+/// the programs read the kernel's clock (`global_names::COARSE_CLOCK`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TickClock {
+    /// Nanoseconds a tick.
+    pub tick_ns: u64,
+    /// CLOCK_MONOTONIC at tick 0, wrapping: a stamp is `jiffies * tick_ns + base_ns`.
+    pub base_ns: u64,
+    /// The probe's reading: the tick count, then CLOCK_MONOTONIC.
+    pub probe_ticks: u64,
+    pub probe_monotonic_ns: u64,
+}
+
+impl TickClock {
+    /// CLOCK_MONOTONIC at the start of tick `ticks`, as far as the programs know it.
+    #[inline(always)]
+    pub const fn at(&self, ticks: u64) -> u64 {
+        ticks.wrapping_mul(self.tick_ns).wrapping_add(self.base_ns)
+    }
 }
 
 /// Capacity of each non-masquerade trie. Upstream caps a config at 64 CIDRs (`cidrLimit`), but the
@@ -567,7 +600,8 @@ pub mod packets_seen {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NatEntry<A: Address> {
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, refreshed at most once a second.
+    /// CLOCK_MONOTONIC of the last packet, at tick precision (`TickClock`), refreshed at most
+    /// once a second.
     pub last_seen_ns: u64,
     pub addr: A,
     pub port: u16,
@@ -877,4 +911,5 @@ mod pod {
     unsafe impl aya::Pod for super::PolicyEntry {}
     unsafe impl aya::Pod for super::SweepOrder {}
     unsafe impl aya::Pod for super::SweepReport {}
+    unsafe impl aya::Pod for super::TickClock {}
 }

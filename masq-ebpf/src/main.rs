@@ -9,6 +9,8 @@
 #[macro_use]
 mod verifier;
 #[cfg(target_arch = "bpf")]
+mod clock;
+#[cfg(target_arch = "bpf")]
 mod csum;
 #[cfg(target_arch = "bpf")]
 mod early_drop;

@@ -3,10 +3,7 @@
 //! only where the table holds none of its key (`flow_table::insert_new`), so two CPUs can never
 //! hand the same port to two flows.
 
-use aya_ebpf::{
-    helpers::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
-    programs::TcContext,
-};
+use aya_ebpf::programs::TcContext;
 use masq_ebpf::{
     Address, Counter, FlowState, IPPROTO_TCP, LAST_SEEN_REFRESH_NS, NatEntry, NatKey, direction,
     nat_kind, packets_seen, slot_table,
@@ -15,32 +12,13 @@ use masq_ebpf::{
 };
 
 use crate::{
+    clock::now_ns,
     early_drop::{self, SampleSlot},
     family::Family,
     flow_table, maps,
     parse::{self, L4, Packet},
     ports, verifier,
 };
-
-/// `global_names::COARSE_CLOCK`: 0 (the precise clock, which every kernel has) unless the
-/// agent says the kernel has the coarse one.
-#[unsafe(no_mangle)]
-static MASQ_COARSE_CLOCK: u8 = 0;
-
-/// The time entries are stamped with: CLOCK_MONOTONIC, at tick precision where the kernel has
-/// that clock (5.11), which is all that expiry in seconds needs, and cheaper per packet.
-#[inline(always)]
-pub fn now_ns() -> u64 {
-    // SAFETY: a read of a global, volatile so that the compiler keeps it for the verifier to
-    // read as the constant the agent set; the helpers have no preconditions.
-    unsafe {
-        if core::ptr::read_volatile(&MASQ_COARSE_CLOCK) != 0 {
-            bpf_ktime_get_coarse_ns()
-        } else {
-            bpf_ktime_get_ns()
-        }
-    }
-}
 
 /// Why a new flow could not be given a translation.
 pub enum AllocError {
@@ -613,20 +591,20 @@ fn publish_egress<F: Family>(
     segment: &Segment,
     egress: &mut NatEntry<F::Addr>,
 ) -> Result<Made, AllocError> {
-    match flow_table::insert_new::<F>(egress_key, egress) {
-        Ok(()) => return Ok(Made::New),
-        Err(err) if err.exists() => {
-            if let Some(existing) = flow_table::find::<F>(egress_key) {
-                let _ = flow_table::remove::<F>(ingress_key);
-                return Ok(adopt::<F>(egress_key, existing, segment, egress));
-            }
-            // The flow's half went between the two (swept, or dropped early): its place is
-            // free, and the table has room.
-            if flow_table::insert_new::<F>(egress_key, egress).is_ok() {
-                return Ok(Made::New);
-            }
-        }
-        Err(_) => {}
+    if flow_table::insert_new::<F>(egress_key, egress).is_ok() {
+        return Ok(Made::New);
+    }
+    // Refused: the flow's half is there, another CPU's; or the slot table's buckets changed
+    // under every claim it tried, as they do while another CPU makes the same flow in them,
+    // which is no full table.
+    if let Some(existing) = flow_table::find::<F>(egress_key) {
+        let _ = flow_table::remove::<F>(ingress_key);
+        return Ok(adopt::<F>(egress_key, existing, segment, egress));
+    }
+    // Neither: the flow's half went between the two (swept, or dropped early), or the claims
+    // are over. Once more, and then the table is full.
+    if flow_table::insert_new::<F>(egress_key, egress).is_ok() {
+        return Ok(Made::New);
     }
     let _ = flow_table::remove::<F>(ingress_key);
     Err(AllocError::TableFull)

@@ -938,7 +938,10 @@ mod tests {
     /// A monotonic clock, in nanoseconds, for tables of the heap.
     fn since_the_first_reading() -> u64 {
         static FIRST: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-        FIRST.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
+        FIRST
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_nanos() as u64
     }
 
     fn entry(port: u16) -> NatEntry<[u8; 4]> {

@@ -437,8 +437,11 @@ impl Reading {
                 .zip(&self.depths)
                 .map(|(&start, &depth)| Function {
                     start,
+                    // A program without sub-programs is its entry alone, which libbpf names
+                    // only where it adds some.
                     name: names
                         .and_then(|n| n.get(&start).cloned())
+                        .or_else(|| (start == 0).then(|| self.budget.program.clone()))
                         .unwrap_or_else(|| format!("func@{start}")),
                     depth,
                 })

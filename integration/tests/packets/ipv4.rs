@@ -185,6 +185,37 @@ fn a_table_the_agent_makes_holds_every_flow_it_was_made_for_without_a_drop() {
     }
 }
 
+/// The programs stamp a flow by the kernel's tick count, which the loader measured: a tick a
+/// kernel may have, and a stamp within a tick before CLOCK_MONOTONIC, as the kernel's coarse
+/// clock would give it. The agent's check of the tick at each sweep finds it where it was.
+#[test]
+fn flows_are_stamped_by_the_kernels_tick_within_a_tick_of_the_clock() {
+    use masq_agent::dataplane::ebpf::flow_table::monotonic_now_ns;
+    let mut h = harness::<Ipv4Addr>();
+    let clock = h.tick_clock().expect("the tick measured");
+    assert!(
+        [100, 250, 300, 1000]
+            .map(|hz| 1_000_000_000 / hz)
+            .contains(&clock.tick_ns),
+        "{clock:?}"
+    );
+    let before = monotonic_now_ns();
+    let (verdict, _) = h.egress(&udp(POD, 5000, REMOTE, 53));
+    let after = monotonic_now_ns();
+    assert_eq!(verdict, TC_ACT_OK);
+    let halves = h.maps.nat.v4.read_all().unwrap();
+    assert_eq!(halves.len(), 2);
+    for (key, entry) in halves {
+        let stamp = entry.last_seen_ns;
+        assert!(
+            before.saturating_sub(clock.tick_ns) <= stamp && stamp <= after,
+            "{key:?}: stamped {stamp}, CLOCK_MONOTONIC {before}..{after}"
+        );
+    }
+    h.keep_the_tick().unwrap();
+    assert_eq!(h.tick_clock(), Some(clock));
+}
+
 /// A datagram from outside to the limited broadcast reaches no pod: it opens no flow, as
 /// multicast and link-local destinations open none in either family.
 #[test]

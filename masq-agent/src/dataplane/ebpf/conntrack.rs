@@ -25,7 +25,7 @@ use tracing::{info, warn};
 
 use super::{
     flow_table::{self, NatTable},
-    map_types::{self, NatTables},
+    map_types::NatTables,
 };
 use crate::{netdev, policy::Policy};
 
@@ -260,7 +260,7 @@ impl Recording {
 /// Records `flows` in the NAT tables as the programs record a flow they leave alone: identity
 /// entries of `kind`. A tuple held already (by a flow of the programs' own) stays as it is.
 fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> Recorded {
-    let now = map_types::monotonic_now_ns();
+    let now = flow_table::monotonic_now_ns();
     let mut recorded = Recorded::default();
     // Mapped once for all the flows, not once a flow (a hash table needs nothing).
     let _mapped = nat.v4.keep_mapped().inspect_err(|err| {

@@ -2,7 +2,7 @@
 //! programs know, where the programs keep them (masq-ebpf's `flow_table`): the slot table
 //! (`masq_ebpf::slot_table`), which the agent maps into its memory and changes by the same
 //! rules as the programs, or a kernel hash table keyed by `NatKey`. The one place the agent
-//! touches a half.
+//! touches a half; and the clock its entries are stamped by.
 
 use std::{
     num::NonZeroUsize,
@@ -22,7 +22,7 @@ use masq_ebpf::{
 };
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 
-use super::{batch, map_types::monotonic_now_ns};
+use super::batch;
 
 /// The maps a family's NAT table may be kept in, by their names: the hash table, and the slot
 /// table's slots and words.
@@ -567,4 +567,12 @@ pub fn exists(err: &MapError) -> bool {
         MapError::SyscallError(aya::sys::SyscallError { io_error, .. })
             if io_error.raw_os_error() == Some(libc::EEXIST)
     )
+}
+
+/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`, or
+/// before 5.11 `bpf_ktime_get_ns`: the same clock).
+pub fn monotonic_now_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is always available");
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
 }

@@ -14,8 +14,9 @@ use masq_ebpf::{ETH_HLEN, FlowOwner, NatEntry, NatKey, SweepReport, program_name
 
 use super::{
     expiry::{self, Timeouts},
+    flow_table,
     flow_table::NatTable,
-    map_types::{self, DropSample, NatFamily, SweepMaps},
+    map_types::{DropSample, NatFamily, SweepMaps},
     node_ports::NodeSidePorts,
 };
 use crate::dataplane::nat_usage::NatUsage;
@@ -133,7 +134,7 @@ where
 /// Each sweep in the kernel writes the order again, with its own time.
 pub fn give_limits(maps: &mut SweepMaps, timeouts: &Timeouts) -> anyhow::Result<()> {
     maps.order
-        .set(0, timeouts.sweep_order(map_types::monotonic_now_ns()), 0)
+        .set(0, timeouts.sweep_order(flow_table::monotonic_now_ns()), 0)
         .context("giving the programs the flows' timeouts")
 }
 
@@ -189,8 +190,9 @@ impl KernelSweep<'_> {
 }
 
 /// A frame whose EtherType names the family to sweep: an Ethernet header, and room for the
-/// family's header, which the kernel's test runner wants before it runs the program.
-fn frame(ethertype: u16) -> Vec<u8> {
+/// family's header, which the kernel's test runner wants before it runs the program. The clock
+/// probe reads none of it (`tick_clock`).
+pub(super) fn frame(ethertype: u16) -> Vec<u8> {
     const LARGEST_IP_HEADER: usize = 40;
     let mut frame = vec![0; ETH_HLEN + LARGEST_IP_HEADER];
     frame[ETH_HLEN - 2..ETH_HLEN].copy_from_slice(&ethertype.to_be_bytes());

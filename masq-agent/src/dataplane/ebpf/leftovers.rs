@@ -12,8 +12,8 @@ use tracing::info;
 use super::{
     cleanup::cleanup,
     expiry::{self, SweepClock},
+    flow_table,
     flow_table::{TableMaps, V4_MAPS, V6_MAPS},
-    map_types,
     pins::Pins,
     status,
 };
@@ -54,7 +54,7 @@ impl Leftovers {
             return Ok(Drain::Draining(None));
         }
         let pins = Pins::new(&self.bpffs);
-        let now = map_types::monotonic_now_ns();
+        let now = flow_table::monotonic_now_ns();
         let (run_v4, left_v4) = self.sweep::<[u8; 4]>(&pins, &V4_MAPS, now)?;
         let (run_v6, left_v6) = self.sweep::<[u8; 16]>(&pins, &V6_MAPS, now)?;
         if left_v4.translated_flows + left_v6.translated_flows > 0 {

@@ -16,7 +16,7 @@ use aya::{
     sys::{BpfHelper, is_helper_supported},
 };
 use masq_ebpf::{
-    MAX_PORT_SPANS, PortSpan, Settings, global_names, map_names, program_names,
+    MAX_PORT_SPANS, PortSpan, Settings, TickClock, global_names, map_names, program_names,
     slot_table::{self, BUCKET_SLOTS},
 };
 
@@ -31,6 +31,7 @@ use super::{
     maps::Maps,
     options::EbpfOptions,
     pins::{MapSpec, Pins},
+    tick_clock::{self, Tick},
 };
 use crate::ports::PortRange;
 
@@ -48,6 +49,8 @@ pub struct Programs {
     ebpf: Ebpf,
     /// Where the sweep program is loaded, what the agent keeps of its sweeps.
     sweeps: Option<LeftPressed>,
+    /// What the programs stamp flows by, where the agent measured the tick.
+    tick: Option<Tick>,
 }
 
 impl Programs {
@@ -59,6 +62,20 @@ impl Programs {
     /// The program called `name` in the object.
     pub fn named(&mut self, name: &str) -> anyhow::Result<&mut SchedClassifier> {
         classifier(&mut self.ebpf, name)
+    }
+
+    /// What the programs stamp flows by, where the agent measured the tick.
+    pub fn tick_clock(&self) -> Option<TickClock> {
+        self.tick.as_ref().map(Tick::clock)
+    }
+
+    /// Keeps the programs' stamps on CLOCK_MONOTONIC (`Tick::keep`), where they stamp by the
+    /// tick.
+    pub fn keep_the_tick(&mut self) -> anyhow::Result<()> {
+        let Some(tick) = &mut self.tick else {
+            return Ok(());
+        };
+        tick.keep(classifier(&mut self.ebpf, program_names::CLOCK_PROBE)?)
     }
 
     /// The sweep program with its maps, where it is loaded.
@@ -313,13 +330,17 @@ pub fn load(
         Sweeper::Userspace => None,
         sweeper => load_sweep(&mut ebpf, sweeper)?.then(LeftPressed::default),
     };
+    let tick = tick_clock::give_the_programs_the_tick(&mut ebpf).unwrap_or_else(|err| {
+        tracing::warn!("the programs read the kernel's clock, a helper call a packet: {err:#}");
+        None
+    });
     let maps = Maps::take_from(&mut ebpf, reused_decisions)?;
     // Before the programs can reach the table: they are attached after this.
     maps.nat
         .v4
         .keep_seed(sizes.v4_slot_seed)
         .context("the IPv4 NAT slot table's seed")?;
-    Ok((Programs { ebpf, sweeps }, maps))
+    Ok((Programs { ebpf, sweeps, tick }, maps))
 }
 
 /// The kernel refused a program: which one, its error, and the verifier's log, which runs to
@@ -404,6 +425,12 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     let mut carried = Carried::open(pins, |name| sizes.entries_of(name));
     match load_into(opts, pins, &sizes) {
         Ok((programs, mut maps)) => {
+            if let Some(clock) = programs.tick_clock() {
+                tracing::debug!(
+                    tick_ns = clock.tick_ns,
+                    "the programs stamp flows by the kernel's tick"
+                );
+            }
             carried.copy_into(&mut maps);
             if let Err(err) = drop_sample::fill(&maps) {
                 tracing::warn!(

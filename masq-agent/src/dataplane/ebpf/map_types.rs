@@ -1,5 +1,5 @@
 //! The types the agent reads the programs' maps with: a layout this build does not expect fails
-//! when the map is taken (see `maps`). And the clock the NAT tables' entries are stamped by.
+//! when the map is taken (see `maps`).
 
 use anyhow::Context as _;
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
@@ -101,12 +101,4 @@ pub fn full_table_drops(counters: &Counters) -> u64 {
 /// `map` as the type the agent reads it with, if its kind and layout are that type's.
 pub fn typed<M: TryFrom<Map, Error = MapError>>(map: Map, name: &str) -> anyhow::Result<M> {
     M::try_from(map).with_context(|| format!("map {name}"))
-}
-
-/// CLOCK_MONOTONIC, the clock the programs stamp entries with (`bpf_ktime_get_coarse_ns`, or
-/// before 5.11 `bpf_ktime_get_ns`: the same clock).
-pub fn monotonic_now_ns() -> u64 {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .expect("CLOCK_MONOTONIC is always available");
-    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
 }

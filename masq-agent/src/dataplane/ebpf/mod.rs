@@ -35,6 +35,7 @@ mod syscall;
 pub mod tc_filters;
 #[cfg(feature = "testbed")]
 pub mod testbed;
+pub mod tick_clock;
 pub mod trie_diff;
 pub mod tries;
 

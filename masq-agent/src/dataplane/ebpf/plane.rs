@@ -9,10 +9,10 @@ use super::{
     devices::{Notes, Returned, Selection},
     expiry,
     expiry::{SweepClock, Timeouts},
+    flow_table,
     hook::Hook,
     kernel_sweep, load,
     load::{Loaded, Programs},
-    map_types,
     maps::Maps,
     node_ports,
     options::EbpfOptions,
@@ -284,7 +284,10 @@ impl DataPlane for EbpfDataPlane {
             return Ok(None);
         }
         self.hold_node_ports()?;
-        let now = map_types::monotonic_now_ns();
+        if let Err(err) = self.programs.keep_the_tick() {
+            tracing::warn!("the programs' tick could not be checked: {err:#}");
+        }
+        let now = flow_table::monotonic_now_ns();
         let drain = self.timeouts.tcp_established;
         self.maps.policy.expire_draining(drain, now)?;
         let (nat, samples) = (&self.maps.nat, &self.maps.drop_samples);

@@ -98,6 +98,16 @@ impl TestBed {
         SLOT_TABLE.get().unwrap_or_else(load::slot_table)
     }
 
+    /// What the programs stamp flows by, where the loader measured the kernel's tick.
+    pub fn tick_clock(&self) -> Option<masq_ebpf::TickClock> {
+        self.programs.tick_clock()
+    }
+
+    /// What the agent does to the tick at every sweep (`Programs::keep_the_tick`).
+    pub fn keep_the_tick(&mut self) -> anyhow::Result<()> {
+        self.programs.keep_the_tick()
+    }
+
     /// Runs `f` with the beds this thread makes (`unconfigured`) keeping IPv4's halves in the
     /// slot table, or in the hash table: a test written for either table, run on one.
     pub fn in_table<T>(slot_table: bool, f: impl FnOnce() -> T) -> T {

@@ -17,7 +17,8 @@ use masq_ebpf::{
 
 use super::{
     decisions::{DecisionCounters, DecisionSlots, Side},
-    map_types::{self, NatTables},
+    flow_table,
+    map_types::NatTables,
     policy_word::PolicyWord,
     prefixes::{self, PolicyTrie, Prefix},
     strays::StrayWatch,
@@ -262,7 +263,7 @@ impl<const N: usize> FamilyTries<N> {
             strays.lower(word)?;
         }
         let change = DrainingChange::between(&current, &difference);
-        let now = prefixes::seconds(map_types::monotonic_now_ns());
+        let now = prefixes::seconds(flow_table::monotonic_now_ns());
         if let Some(draining) = &mut self.draining {
             for (len, data) in &change.start {
                 draining.insert(&Key::new(*len, *data), now, 0)?;
