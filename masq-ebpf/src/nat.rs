@@ -668,7 +668,13 @@ pub fn track_identity<F: Family>(
     );
     match flow_table::insert_new::<F>(ingress_key, &ingress) {
         Ok(()) => {}
-        Err(err) if err.exists() => return Err(IdentityError::Taken),
+        Err(err) if err.exists() => {
+            return Err(if holds_identity::<F>(ingress_key, &ingress) {
+                IdentityError::NotRecorded
+            } else {
+                IdentityError::Taken
+            });
+        }
         Err(_) => return Err(IdentityError::TableFull),
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it. Room for the reply
@@ -683,6 +689,18 @@ pub fn track_identity<F: Family>(
     }
     early_drop::remember::<F>(SampleSlot::RANDOM, egress_key);
     Ok(())
+}
+
+/// Whether the half of `key` that the table holds is `identity`'s: the same flow, remembered
+/// the same way by another CPU, which puts its reply half in before its egress half; not a
+/// masqueraded flow's, which translates to a pod.
+#[inline(always)]
+fn holds_identity<F: Family>(key: &NatKey<F::Addr>, identity: &NatEntry<F::Addr>) -> bool {
+    flow_table::find::<F>(key).is_some_and(|held| {
+        // SAFETY: a map value pointer from a successful lookup; its fields are copied out.
+        let held = unsafe { &*held };
+        held.kind == identity.kind && held.addr == identity.addr && held.port == identity.port
+    })
 }
 
 /// The pod-side tuple of a flow whose first packet came in as `ingress_key`.

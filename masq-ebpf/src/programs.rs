@@ -613,7 +613,10 @@ fn snat_keeps_its_address<F: Family>(
     if segment.is_tcp()
         && segment.seen & tcp_seen::OPENING == 0
         && F::is_draining_destination(ip.daddr)
-        && nat::track_identity::<F>(key, nat_kind::PASSTHROUGH, direction::EGRESS, segment).is_ok()
+        && matches!(
+            nat::track_identity::<F>(key, nat_kind::PASSTHROUGH, direction::EGRESS, segment),
+            Ok(()) | Err(IdentityError::NotRecorded)
+        )
     {
         return Err(Verdict::Keep(Counter::NotMasqInbound));
     }

@@ -43,6 +43,8 @@ in_both_families!(
     replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port,
     a_held_port_skips_the_lookup_only_once_held_a_while_without_a_flow,
     two_cpus_making_the_same_flows_at_once_make_each_once_with_one_port,
+    two_cpus_remembering_the_same_node_flows_at_once_leave_each_its_port,
+    a_nodes_flow_found_half_remembered_is_left_as_it_is_and_not_moved_off_itself,
 );
 
 fn tcp_egress_then_reply_ingress<F: HarnessFamily>() {
@@ -1260,4 +1262,57 @@ fn two_cpus_making_the_same_flows_at_once_make_each_once_with_one_port<F: Harnes
         .map(|(_, entry)| entry.port)
         .collect();
     assert_eq!(ports.len(), usize::from(FLOWS), "one port a flow");
+}
+
+/// Both CPUs send the same first datagrams of many of the node's own flows, on ports NAT
+/// hands out, at once: whichever CPU remembers a flow, the other finds the flow's own halves
+/// where it would have put them, and not a masqueraded flow's that holds the tuple, so that
+/// neither moves the node's flow to another port as it would off a clash.
+fn two_cpus_remembering_the_same_node_flows_at_once_leave_each_its_port<F: HarnessFamily>() {
+    const FLOWS: u16 = 400;
+    let first_port = SPANS[0].0;
+    let cpus = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, 2);
+    let mut h = harness::<F>();
+    let frames: Vec<Vec<u8>> = (0..FLOWS)
+        .map(|n| udp(F::NODE, first_port + n, F::REMOTE, 53))
+        .collect();
+    assert!(frames.iter().all(|frame| in_spans(word(frame, F::L4))));
+    let runs = h.egress_on_cpus(&frames, cpus);
+    for (n, frame) in frames.iter().enumerate() {
+        for cpu in &runs {
+            let (verdict, out) = &cpu[n];
+            assert_eq!(*verdict, TC_ACT_OK, "flow {n}");
+            assert_eq!(out, frame, "flow {n} left as it was");
+        }
+    }
+    assert_eq!(h.counter(Counter::NodePortClash), 0);
+    assert_eq!(
+        F::nat(&h).len(),
+        2 * usize::from(FLOWS),
+        "two halves a flow"
+    );
+}
+
+/// A CPU remembering one of the node's flows puts its reply half in before its egress half.
+/// Another CPU that sees the flow's first packet between the two finds that half on the
+/// node's tuple: it is the flow's own, not a masqueraded flow's, and the packet leaves as it
+/// is, where a clash would move the node's flow to another port.
+fn a_nodes_flow_found_half_remembered_is_left_as_it_is_and_not_moved_off_itself<
+    F: HarnessFamily,
+>() {
+    let mut h = harness::<F>();
+    let port = SPANS[0].0 + 7;
+    let datagram = udp(F::NODE, port, F::REMOTE, 53);
+    assert_eq!(h.egress(&datagram), (TC_ACT_OK, datagram.clone()));
+    let egress_key = key((F::NODE, port), (F::REMOTE, 53), UDP, direction::EGRESS);
+    assert!(F::nat_entry(&h, &egress_key).is_some(), "remembered");
+    F::remove(&mut h, &egress_key);
+    assert_eq!(
+        h.egress(&datagram),
+        (TC_ACT_OK, datagram.clone()),
+        "left as it is"
+    );
+    assert_eq!(h.counter(Counter::NodePortClash), 0);
 }
