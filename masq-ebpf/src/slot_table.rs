@@ -280,8 +280,9 @@ pub trait SlotMemory<A: Address> {
 /// Why a half could not be made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refused {
-    /// A half of that key is held, or one of its tag is being written: perhaps the same key,
-    /// on another CPU, which its callers take as another CPU's flow.
+    /// A half of that key is held; or one of its tag was still being written when the wait
+    /// for it ran out (`CLAIM_DECIDED_WITHIN_NS`), perhaps the same key on another CPU. Its
+    /// callers take it as another CPU's flow.
     Exists,
     /// Neither bucket has a free slot (or other CPUs' claims kept taking the one it chose).
     Full,
@@ -462,6 +463,9 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
         let rival = bytes_tagged(load(other), place.tag) & !bytes_tagged(other_seen, place.tag);
         if rival != 0 && !outlasts(memory, other, rival, place.tag, bucket == first_bucket) {
             unsafe { memory.flip(word, claim) };
+            // The rival is most likely this very key's, another CPU's, which its caller is to
+            // find: it publishes now that this claim is gone, if it had not.
+            let _ = decided(memory, other, rival, place.tag);
             return Err(Refused::Exists);
         }
         let Some(slot) = memory.slot(bucket, index) else {
@@ -1193,6 +1197,33 @@ mod tests {
                 "{case}: this side's claim published, or given back"
             );
         }
+    }
+
+    #[test]
+    fn a_claim_in_a_keys_second_bucket_yields_to_a_rival_in_its_first_and_waits_to_find_it() {
+        let key = key_v4(11);
+        let mut heap = Heap::new(1 << 6);
+        let table = heap.memory();
+        let place = Place::of(&key, table.buckets(), SEED);
+        let [first, second] = place.buckets;
+        // Another key's half in the first bucket, so that this side claims in the second.
+        let another_tag = place.tag % slot_byte::TAG + 1;
+        // SAFETY: a word of the table.
+        unsafe { *table.word(first).unwrap() |= at_slot(slot_byte::HELD | another_tag, 3) };
+        let memory = OtherCpu {
+            table,
+            readings: Default::default(),
+            at: 2,
+            then: &|table| published(table, &key, first, 1111),
+            after_claim: &|table| claim_of(table, &key, first),
+        };
+        assert_eq!(
+            insert_new(&memory, &key, &entry(2222)),
+            Err(Refused::Exists)
+        );
+        assert_eq!(port_of(&memory, &key), Some(1111), "the rival's, published");
+        let second_word = load(memory.word(second).unwrap());
+        assert_eq!(second_word, 0, "this side's claim given back");
     }
 
     #[test]
