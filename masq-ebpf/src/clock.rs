@@ -14,8 +14,10 @@ use masq_ebpf::TickClock;
 #[unsafe(no_mangle)]
 static MASQ_COARSE_CLOCK: u8 = 0;
 
-/// `TICK_CLOCK_SECTION`: written by the agent before the programs are attached, and by the
-/// probe while they are not.
+/// `TICK_CLOCK_SECTION`: the tick and its offset written by the agent before the programs
+/// are attached, and the offset again where their stamps leave CLOCK_MONOTONIC (its
+/// `Tick::keep`, at a sweep); the probe's reading written by the probe, whenever the agent runs
+/// it, and read by no other program.
 #[unsafe(link_section = ".data.masq_tick_clock")]
 #[unsafe(no_mangle)]
 static mut MASQ_TICK_CLOCK: TickClock = TickClock {

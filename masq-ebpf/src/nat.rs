@@ -632,7 +632,9 @@ pub enum IdentityError {
     Taken,
     /// The table is full (`early_drop` may make room).
     TableFull,
-    /// Another CPU remembered the same flow first.
+    /// Another CPU remembered the same flow first (or, its wait for another CPU's insert
+    /// over, nothing says which flow holds the key): the packet goes as it would without the
+    /// programs.
     NotRecorded,
 }
 
@@ -668,13 +670,7 @@ pub fn track_identity<F: Family>(
     );
     match flow_table::insert_new::<F>(ingress_key, &ingress) {
         Ok(()) => {}
-        Err(err) if err.exists() => {
-            return Err(if holds_identity::<F>(ingress_key, &ingress) {
-                IdentityError::NotRecorded
-            } else {
-                IdentityError::Taken
-            });
-        }
+        Err(err) if err.exists() => return Err(held_against::<F>(ingress_key, &ingress)),
         Err(_) => return Err(IdentityError::TableFull),
     }
     // If another CPU gave the same flow an entry meanwhile, it keeps it. Room for the reply
@@ -691,16 +687,24 @@ pub fn track_identity<F: Family>(
     Ok(())
 }
 
-/// Whether the half of `key` that the table holds is `identity`'s: the same flow, remembered
-/// the same way by another CPU, which puts its reply half in before its egress half; not a
-/// masqueraded flow's, which translates to a pod.
+/// What it says that an identity flow's half (`identity`, keyed `key`) exists: `Taken` where
+/// the half the table holds is another flow's, a masqueraded one's, which translates to a
+/// pod. `NotRecorded` where it is the same flow's, remembered by another CPU, which puts its
+/// reply half in before its egress half; or where none is found, as when a wait for another
+/// CPU's insert ran out (`slot_table::insert_new`): no flow is moved off a tuple that no other
+/// flow is known to hold.
 #[inline(always)]
-fn holds_identity<F: Family>(key: &NatKey<F::Addr>, identity: &NatEntry<F::Addr>) -> bool {
-    flow_table::find::<F>(key).is_some_and(|held| {
-        // SAFETY: a map value pointer from a successful lookup; its fields are copied out.
-        let held = unsafe { &*held };
-        held.kind == identity.kind && held.addr == identity.addr && held.port == identity.port
-    })
+fn held_against<F: Family>(key: &NatKey<F::Addr>, identity: &NatEntry<F::Addr>) -> IdentityError {
+    let Some(held) = flow_table::find::<F>(key) else {
+        return IdentityError::NotRecorded;
+    };
+    // SAFETY: a map value pointer from a successful lookup; its fields are copied out.
+    let held = unsafe { &*held };
+    if held.kind == identity.kind && held.addr == identity.addr && held.port == identity.port {
+        IdentityError::NotRecorded
+    } else {
+        IdentityError::Taken
+    }
 }
 
 /// The pod-side tuple of a flow whose first packet came in as `ingress_key`.

@@ -284,7 +284,8 @@ pub enum Refused {
     /// for it ran out (`CLAIM_DECIDED_WITHIN_NS`), perhaps the same key on another CPU. Its
     /// callers take it as another CPU's flow.
     Exists,
-    /// Neither bucket has a free slot (or other CPUs' claims kept taking the one it chose).
+    /// Neither bucket has a free slot; or every attempt (`CLAIM_ATTEMPTS`) saw the words
+    /// change under it, or waited for another CPU's claim, and none made the half.
     Full,
 }
 
@@ -394,8 +395,10 @@ pub fn held_at<A: Address, M: SlotMemory<A>>(
 /// byte (writes its tag without `HELD`), writes the slot, and publishes it (sets `HELD`). Of
 /// two CPUs that claim the same key in its two buckets at once, at least one sees the other's
 /// claim when it reads the other bucket again after its own (both are locked instructions,
-/// full barriers, before either reads), and one keeps its own (`outlasts`): the other is
-/// refused as `Exists`, which its caller takes as another CPU's flow.
+/// full barriers, before either reads), and the claim in the lower-numbered bucket stands
+/// (`outlasts`); the other yields, and finds the key made. Where a wait for another CPU runs
+/// out (`decided`), the insert tries again, and at worst says `Exists` for a key none holds,
+/// or `Full`: never a key made twice.
 #[inline(always)]
 pub fn insert_new<A: Address, M: SlotMemory<A>>(
     memory: &M,
@@ -461,12 +464,13 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
             continue;
         }
         let rival = bytes_tagged(load(other), place.tag) & !bytes_tagged(other_seen, place.tag);
-        if rival != 0 && !outlasts(memory, other, rival, place.tag, bucket == first_bucket) {
+        let lower = bucket == first_bucket.min(second_bucket);
+        if rival != 0 && !outlasts(memory, other, rival, place.tag, lower) {
             unsafe { memory.flip(word, claim) };
-            // The rival is most likely this very key's, another CPU's, which its caller is to
-            // find: it publishes now that this claim is gone, if it had not.
-            let _ = decided(memory, other, rival, place.tag);
-            return Err(Refused::Exists);
+            // The rival is most likely this very key's, another CPU's, which the next attempt
+            // waits for and finds; if it was another key's, or given back, that attempt makes
+            // this one.
+            continue;
         }
         let Some(slot) = memory.slot(bucket, index) else {
             unsafe { memory.flip(word, claim) };
@@ -481,17 +485,27 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
         unsafe { memory.publish(word, index, place.tag) };
         return Ok(());
     }
+    // The attempts are over, the last perhaps a wait for another CPU that made this key.
+    for (bucket, word) in [(first_bucket, first), (second_bucket, second)] {
+        if held_in(memory, bucket, load(word), place.tag, key).is_some() {
+            return Err(Refused::Exists);
+        }
+    }
     Err(Refused::Full)
 }
 
 /// How long a CPU waits for another's claim of a tag in a key's buckets to be decided
 /// (`decided`): published, or given back. Between its claim and its publish a CPU writes one
-/// slot, some tens of nanoseconds; in softirq nothing but an interrupt holds it up meanwhile.
-/// Past this, the waiting CPU takes the claim as another flow's that it cannot read yet.
+/// slot, some tens of nanoseconds; a program in softirq is held up meanwhile only by an
+/// interrupt, but the agent's thread may be preempted there, a virtual CPU stalled, and
+/// softirq preempted on PREEMPT_RT. Past the wait the insert goes on without the claim's
+/// outcome (`insert_new`).
 pub const CLAIM_DECIDED_WITHIN_NS: u64 = 5_000;
 
-/// Turns of that wait, each a load of the word and a reading of the clock: a bound the
-/// verifier can walk, which at 10 to 30 ns a reading outlasts `CLAIM_DECIDED_WITHIN_NS`.
+/// Turns of that wait at most, each a load of the word and a reading of the clock: a bound
+/// the verifier can walk (it walks every turn, some 50 000 instructions in all for the
+/// insert's waits). The wait ends at whichever comes first: at 20 ns a reading, or more, the
+/// time; where the clock is read in 10 ns, after some 2.5 µs.
 const WAIT_TURNS: u32 = 256;
 
 /// The word at `word` once none of its bytes `pending` (a mask of `bytes_equal`) carries `tag`
@@ -518,22 +532,25 @@ fn decided<A: Address, M: SlotMemory<A>>(
     None
 }
 
-/// Whether a claim of a key in `bucket` outlasts a rival claim of its tag made meanwhile in
-/// the key's other bucket, whose word is `other` (`rival`: its bytes, as `bytes_equal` names
-/// them). A claim in the second bucket yields to one in the first as soon as it sees it. So a
-/// claim in the first waits for the rival to decide (`decided`): its byte gone (it saw this
-/// claim and yielded: this one stands) or held (it had seen nothing and published: this one
-/// yields, as it does if the wait runs out). Both yielding, as two CPUs making one flow at
-/// once would otherwise each see the other's claim and do, none would make it.
+/// Whether a claim of a key in one of its buckets outlasts a rival claim of its tag made
+/// meanwhile in the key's other bucket, whose word is `other` (`rival`: its bytes, as
+/// `bytes_equal` names them). A claim in the higher-numbered bucket yields to one in the lower
+/// as soon as it sees it. So a claim in the lower (`in_lower_bucket`) waits for the rival to
+/// decide (`decided`): its byte gone (it saw this claim and yielded: this one stands) or held
+/// (it had seen nothing and published: this one yields, as it does if the wait runs out).
+/// Both yielding, as two CPUs making one flow at once would otherwise each see the other's
+/// claim and do, none would make it. Which waits goes by the buckets' numbers, not by which
+/// of its key's two each is, so that claims of two keys of one tag whose buckets are each
+/// other's never wait on each other.
 #[inline(always)]
 fn outlasts<A: Address, M: SlotMemory<A>>(
     memory: &M,
     other: *mut u64,
     rival: u64,
     tag: u8,
-    in_first_bucket: bool,
+    in_lower_bucket: bool,
 ) -> bool {
-    if !in_first_bucket {
+    if !in_lower_bucket {
         return false;
     }
     decided(memory, other, rival, tag)
@@ -1061,6 +1078,19 @@ mod tests {
 
     const NEVER: u32 = u32::MAX;
 
+    /// The first key from `key_v4(n)` on, whose first bucket, in the tests' tables of 64, is
+    /// the lower of its two: where a claim waits for a rival (`outlasts`), and which an
+    /// insert into two empty buckets takes.
+    fn key_with_its_lower_bucket_first(n: u32) -> NatKeyV4 {
+        (n..)
+            .map(key_v4)
+            .find(|key| {
+                let [first, second] = Place::of(key, 1 << 6, SEED).buckets;
+                first < second
+            })
+            .expect("half of all keys")
+    }
+
     /// A case of another CPU's claim: what it is, the reading of the clock at which the other
     /// CPU decides it, how (given the table, the key and the claim's bucket), what the insert
     /// says, and the port of the half then found.
@@ -1153,8 +1183,8 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_in_a_keys_first_bucket_waits_for_a_rival_in_its_second_to_decide() {
-        let key = key_v4(9);
+    fn a_claim_in_a_keys_lower_bucket_waits_for_a_rival_in_its_higher_to_decide() {
+        let key = key_with_its_lower_bucket_first(9);
         let place = |table: &Mapped<[u8; 4]>| Place::of(&key, table.buckets(), SEED).buckets;
         let cases: [Case; 3] = [
             (
@@ -1200,13 +1230,13 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_in_a_keys_second_bucket_yields_to_a_rival_in_its_first_and_waits_to_find_it() {
-        let key = key_v4(11);
+    fn a_claim_in_a_keys_higher_bucket_yields_to_a_rival_in_its_lower_and_waits_to_find_it() {
+        let key = key_with_its_lower_bucket_first(11);
         let mut heap = Heap::new(1 << 6);
         let table = heap.memory();
         let place = Place::of(&key, table.buckets(), SEED);
         let [first, second] = place.buckets;
-        // Another key's half in the first bucket, so that this side claims in the second.
+        // Another key's half in the lower bucket, so that this side claims in the higher.
         let another_tag = place.tag % slot_byte::TAG + 1;
         // SAFETY: a word of the table.
         unsafe { *table.word(first).unwrap() |= at_slot(slot_byte::HELD | another_tag, 3) };

@@ -496,12 +496,12 @@ fn run_once(program: &SchedClassifier, frame: &[u8], repeat: u32) -> anyhow::Res
     })
 }
 
-/// Keeps the calling thread on CPU `cpu`.
 /// Has the calling thread's programs run as tc runs them, where no task takes the CPU from a
 /// program before it ends (softirq, on kernels without PREEMPT_RT): BPF_PROG_TEST_RUN keeps
 /// a program on its CPU, but lets another task preempt it for a scheduler slice, in which a
 /// flow another CPU is making stays half made for milliseconds. A real-time thread is
 /// preempted by no ordinary task; an interrupt still takes its CPU for a while, as in softirq.
+/// (What a stall past the table's wait does is masq-ebpf's `slot_table` unit tests'.)
 fn run_unpreempted() {
     let lowest = libc::sched_param { sched_priority: 1 };
     // SAFETY: sets the calling thread's (0) policy from a parameter that lives through the call.
@@ -514,6 +514,7 @@ fn run_unpreempted() {
     );
 }
 
+/// Keeps the calling thread on CPU `cpu`.
 fn pin_to_cpu(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is an empty set, which CPU_SET fills in; sched_setaffinity
     // reads it for the calling thread (0).
