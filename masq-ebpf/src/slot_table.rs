@@ -396,9 +396,10 @@ pub fn held_at<A: Address, M: SlotMemory<A>>(
 /// two CPUs that claim the same key in its two buckets at once, at least one sees the other's
 /// claim when it reads the other bucket again after its own (both are locked instructions,
 /// full barriers, before either reads), and the claim in the lower-numbered bucket stands
-/// (`outlasts`); the other yields, and finds the key made. Where a wait for another CPU runs
-/// out (`decided`), the insert tries again, and at worst says `Exists` for a key none holds,
-/// or `Full`: never a key made twice.
+/// (`outlasts`); the other yields, and says `Exists` once the rival is published. Where the
+/// rival was another key's of the same tag, or a wait for another CPU runs out (`decided`),
+/// `Exists` is said of a key none may hold, and its callers look before they take it for
+/// another CPU's flow. Never is a key made twice.
 #[inline(always)]
 pub fn insert_new<A: Address, M: SlotMemory<A>>(
     memory: &M,
@@ -467,10 +468,13 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
         let lower = bucket == first_bucket.min(second_bucket);
         if rival != 0 && !outlasts(memory, other, rival, place.tag, lower) {
             unsafe { memory.flip(word, claim) };
-            // The rival is most likely this very key's, another CPU's, which the next attempt
-            // waits for and finds; if it was another key's, or given back, that attempt makes
-            // this one.
-            continue;
+            // The rival is most likely this very key's, another CPU's, which its caller is to
+            // find: it publishes now that this claim is gone, if it had not. (If it was another
+            // key's, or is given back, the caller finds nothing, and may try again: to try
+            // again here would keep more of this frame's values through the wait's calls than
+            // the deepest chain of frames has room for.)
+            let _ = decided(memory, other, rival, place.tag);
+            return Err(Refused::Exists);
         }
         let Some(slot) = memory.slot(bucket, index) else {
             unsafe { memory.flip(word, claim) };
@@ -484,12 +488,6 @@ pub fn insert_new<A: Address, M: SlotMemory<A>>(
         }
         unsafe { memory.publish(word, index, place.tag) };
         return Ok(());
-    }
-    // The attempts are over, the last perhaps a wait for another CPU that made this key.
-    for (bucket, word) in [(first_bucket, first), (second_bucket, second)] {
-        if held_in(memory, bucket, load(word), place.tag, key).is_some() {
-            return Err(Refused::Exists);
-        }
     }
     Err(Refused::Full)
 }
