@@ -290,7 +290,8 @@ pub enum Refused {
 }
 
 /// Times an insert tries to claim a slot against other CPUs' claims in the same buckets
-/// before it gives up as if the table were full: each failed try saw another CPU's change.
+/// before it gives up as if the table were full: each failed try saw another CPU's change, or
+/// waited for another CPU's claim of its tag to be decided (`decided`).
 pub const CLAIM_ATTEMPTS: u32 = 4;
 
 /// The word as it is now. A plain load: the BPF target has no atomic load below ISA v4, and an
@@ -1100,6 +1101,33 @@ mod tests {
         Option<u16>,
     );
 
+    /// The three ways another CPU's claim may go, each named as a test tells it: published at
+    /// the clock's reading `at` (this side's insert says `Exists`, and the other CPU's port
+    /// 1111 is found), given back then (this side makes its half, of port 2222), or never
+    /// decided (`Exists`, and no half).
+    fn outcomes(
+        at: u32,
+        [published_case, given_back_case, never_case]: [&'static str; 3],
+    ) -> [Case; 3] {
+        [
+            (
+                published_case,
+                at,
+                |t, k, b| published(t, k, b, 1111),
+                Err(Refused::Exists),
+                Some(1111),
+            ),
+            (
+                given_back_case,
+                at,
+                |t, _, b| given_back(t, b),
+                Ok(()),
+                Some(2222),
+            ),
+            (never_case, NEVER, |_, _, _| {}, Err(Refused::Exists), None),
+        ]
+    }
+
     /// The other CPU's claim of `key` in slot 0 of `bucket`: its byte, tagged, not held.
     fn claim_of(table: &Mapped<[u8; 4]>, key: &NatKeyV4, bucket: u32) {
         let tag = Place::of(key, table.buckets(), table.seed()).tag;
@@ -1135,29 +1163,14 @@ mod tests {
     fn an_insert_that_finds_its_key_being_written_waits_until_it_is_decided() {
         let key = key_v4(7);
         let first = |table: &Mapped<[u8; 4]>| Place::of(&key, table.buckets(), SEED).buckets[0];
-        let cases: [Case; 3] = [
-            (
+        let cases = outcomes(
+            3,
+            [
                 "published: the other CPU's half is found",
-                3,
-                |t, k, b| published(t, k, b, 1111),
-                Err(Refused::Exists),
-                Some(1111),
-            ),
-            (
                 "given back: this side makes the half",
-                3,
-                |t, _, b| given_back(t, b),
-                Ok(()),
-                Some(2222),
-            ),
-            (
                 "never decided: taken as another's after the wait",
-                NEVER,
-                |_, _, _| {},
-                Err(Refused::Exists),
-                None,
-            ),
-        ];
+            ],
+        );
         for (case, at, decide, made, port) in cases {
             let mut heap = Heap::new(1 << 6);
             let table = heap.memory();
@@ -1184,29 +1197,14 @@ mod tests {
     fn a_claim_in_a_keys_lower_bucket_waits_for_a_rival_in_its_higher_to_decide() {
         let key = key_with_its_lower_bucket_first(9);
         let place = |table: &Mapped<[u8; 4]>| Place::of(&key, table.buckets(), SEED).buckets;
-        let cases: [Case; 3] = [
-            (
-                "the rival yields: this claim stands",
-                2,
-                |t, _, b| given_back(t, b),
-                Ok(()),
-                Some(2222),
-            ),
-            (
+        let cases = outcomes(
+            2,
+            [
                 "the rival published first: this claim yields to it",
-                2,
-                |t, k, b| published(t, k, b, 1111),
-                Err(Refused::Exists),
-                Some(1111),
-            ),
-            (
+                "the rival yields: this claim stands",
                 "the rival never decides: this claim yields",
-                NEVER,
-                |_, _, _| {},
-                Err(Refused::Exists),
-                None,
-            ),
-        ];
+            ],
+        );
         for (case, at, decide, made, port) in cases {
             let mut heap = Heap::new(1 << 6);
             let memory = OtherCpu {
