@@ -60,7 +60,6 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         return one_change_only(&agent, &plan);
     }
     if options.churn_only {
-        let _stats = RunTimeStats::enable()?;
         for tuples in Tuples::ALL {
             let churn = churn(&agent, &plan, tuples)?;
             println!(
@@ -106,8 +105,6 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
             &plan,
         )?
     };
-    // Held for the whole run: each measurement reads the programs' run time before and after.
-    let _stats = RunTimeStats::enable()?;
     eprintln!("xtask: bench: end to end in namespaces");
     let samples = end_to_end(&agent, &plan)?;
     let churns: Vec<Churn> = match options.end_to_end_only {
@@ -567,6 +564,8 @@ fn settle_node_services(bed: &Bed, mode: Mode) -> anyhow::Result<()> {
 /// cost grows with the table, which the churn keeps full of closing flows. What a full table
 /// did meanwhile is read from the programs' counters.
 fn churn(agent: &Path, plan: &Plan, tuples: Tuples) -> anyhow::Result<Churn> {
+    // On for the whole churn, which measures costs and no rate to compare.
+    let _stats = RunTimeStats::enable()?;
     let bed = Bed::new(agent, 1)?;
     let _fresh_servers = match tuples {
         Tuples::Fresh => Some(Servers::start_fresh(&bed.topo.ext)?),
@@ -639,22 +638,15 @@ fn measure(
     let measured = metrics
         .iter()
         .map(|&metric| {
-            let load = bed.load(metric.traffic(), shape, plan.seconds);
-            if let Some(sweeps) = sweeps {
-                sweeps.clear(&bed.topo)?;
-            }
             let before = meter.read()?;
-            let value = match metric {
-                Metric::NewConnections
-                | Metric::NodeOutboundConnections
-                | Metric::NodeInboundConnections => load.new_connections()?,
-                Metric::Transactions => load.transactions()?,
-                Metric::Throughput => load.throughput()? / 1e9,
-                Metric::UdpNewFlows => load.udp_new_flows()?,
-            };
+            let value = run_load(bed, metric, shape, plan.seconds, sweeps)?;
             let after = meter.read()?;
             let cost = match metric {
                 Metric::Throughput => Cost::default(),
+                _ if meter.reads_programs() => Cost {
+                    programs_ns: Some(programs_cost(bed, metric, shape, plan, meter, sweeps)?),
+                    ..meter.cost(before, after, value * plan.seconds.as_secs_f64())
+                },
                 _ => meter.cost(before, after, value * plan.seconds.as_secs_f64()),
             };
             Ok((metric, value, cost))
@@ -667,6 +659,50 @@ fn measure(
         bail!("no {} at all: the replies never came back", metric.name());
     }
     Ok(measured)
+}
+
+/// `metric`'s load in `shape` for `duration`, started where no sweep of the NAT table falls in
+/// it: its rate (Gbit/s for the bulk transfer, operations a second otherwise).
+fn run_load(
+    bed: &Bed,
+    metric: Metric,
+    shape: Shape,
+    duration: Duration,
+    sweeps: Option<&SweepWatch>,
+) -> anyhow::Result<f64> {
+    let load = bed.load(metric.traffic(), shape, duration);
+    if let Some(sweeps) = sweeps {
+        sweeps.clear(&bed.topo)?;
+    }
+    Ok(match metric {
+        Metric::NewConnections
+        | Metric::NodeOutboundConnections
+        | Metric::NodeInboundConnections => load.new_connections()?,
+        Metric::Transactions => load.transactions()?,
+        Metric::Throughput => load.throughput()? / 1e9,
+        Metric::UdpNewFlows => load.udp_new_flows()?,
+    })
+}
+
+/// What each operation of `metric` cost the programs, in ns: their run time over a window of its
+/// own, right after the measured one, with the kernel's run-time statistics on only there. The
+/// measured window runs without them, as a node does (`RunTimeStats` says what they cost).
+fn programs_cost(
+    bed: &Bed,
+    metric: Metric,
+    shape: Shape,
+    plan: &Plan,
+    meter: &Meter,
+    sweeps: Option<&SweepWatch>,
+) -> anyhow::Result<f64> {
+    let _stats = RunTimeStats::enable()?;
+    let before = meter.read()?;
+    let value = run_load(bed, metric, shape, plan.cost_window, sweeps)?;
+    let after = meter.read()?;
+    meter
+        .cost(before, after, value * plan.cost_window.as_secs_f64())
+        .programs_ns
+        .context("no programs' run time to read")
 }
 
 /// What a window of measurement takes besides its load: the load's processes starting and

@@ -424,6 +424,9 @@ pub struct Plan {
     pub sizes: Vec<usize>,
     pub rounds: usize,
     pub seconds: Duration,
+    /// The window after each measured one, in the eBPF modes, that reads what the programs cost
+    /// with the kernel's run-time statistics on (`bench::programs_cost`).
+    pub cost_window: Duration,
     pub modes: Vec<Mode>,
     pub shapes: Vec<Shape>,
     pub metrics: Vec<Metric>,
@@ -448,6 +451,7 @@ impl Plan {
                 sizes: vec![4, 10_000],
                 rounds: 2,
                 seconds: Duration::from_millis(400),
+                cost_window: Duration::from_millis(300),
                 modes: Mode::ALL.to_vec(),
                 shapes: Shape::ALL.to_vec(),
                 metrics: Metric::ALL.to_vec(),
@@ -467,6 +471,8 @@ impl Plan {
                 // (at the smallest size alone) adding some three minutes.
                 rounds: 5,
                 seconds: Duration::from_millis(1500),
+                // Some 15 000 connections a window: the cost per connection to a few ns.
+                cost_window: Duration::from_millis(500),
                 modes: Mode::ALL.to_vec(),
                 shapes: Shape::ALL.to_vec(),
                 metrics: Metric::ALL.to_vec(),

@@ -14,6 +14,11 @@ use crate::bench_plan::Cost;
 /// The kernel's BPF run-time statistics, on while this lives (`BPF_ENABLE_STATS`): unlike the
 /// `kernel.bpf_stats_enabled` sysctl, it leaves the machine's setting alone, and turns the
 /// statistics off again when the benchmark exits, however it exits.
+///
+/// They are not free: each run of a program reads the clock twice and adds to its counters,
+/// some 40 ns a packet in BPF_PROG_TEST_RUN here (`datapath_bench` with them on and off), which
+/// a node runs without. So the rates are measured with them off, and the programs' cost in a
+/// window of its own (`bench::programs_cost`).
 pub struct RunTimeStats(#[allow(dead_code)] OwnedFd);
 
 impl RunTimeStats {
@@ -86,7 +91,13 @@ impl Meter {
         })
     }
 
-    /// The cost of each of `operations` done between `before` and `after`.
+    /// Whether there are programs to read: their cost needs a window with the statistics on.
+    pub fn reads_programs(&self) -> bool {
+        !self.programs.is_empty()
+    }
+
+    /// The cost of each of `operations` done between `before` and `after`: the programs' is
+    /// only what ran with the statistics on (`RunTimeStats`).
     pub fn cost(&self, before: Reading, after: Reading, operations: f64) -> Cost {
         let per_op = |ns: u64| ns as f64 / operations.max(1.0);
         Cost {

@@ -505,7 +505,8 @@ fn ratios(s: &mut String, m: &Medians, shape: Shape, plan: &Plan) {
 }
 
 /// What one operation cost the programs and the agent, per mode, from the kernel's BPF
-/// run-time statistics and the agent's threads' CPU time, read around each measurement.
+/// run-time statistics (in a window of their own) and the agent's threads' CPU time (around the
+/// measured window).
 fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
     let modes: Vec<Mode> = plan
         .modes
@@ -522,7 +523,8 @@ fn costs_table(s: &mut String, m: &Medians, plan: &Plan) {
     }
     let _ = writeln!(
         s,
-        "\nWhat one operation (a connection, a transaction, a UDP flow) cost, in ns of CPU, the median over rounds: the eBPF programs' run time from the kernel's BPF run-time statistics (`run_time_ns` of both programs), and the agent's from its threads' scheduler accounts, each read before and after the measurement. The statistics are on in every mode, and cost only the eBPF modes (two clock reads per run of a program), so that their rates carry that cost too. netfilter's own cost has no such counter; [the profiles](profiles.md) compare it.\n\n| cost per operation, ns | CIDRs | load shape | {} |\n|---|---:|---|{}",
+        "\nWhat one operation (a connection, a transaction, a UDP flow) cost, in ns of CPU, the median over rounds: the eBPF programs' run time from the kernel's BPF run-time statistics (`run_time_ns` of both programs), and the agent's from its threads' scheduler accounts, each read before and after a window. The agent's is read around the measured window; the programs' in a window of {:.1} s right after it, of the same load, with the statistics on only there: they cost every run of a program two clock reads and its counters' update, which a node runs without (some 40 ns a packet in BPF_PROG_TEST_RUN on this machine), so the rates are measured with them off. netfilter's own cost has no such counter; [the profiles](profiles.md) compare it.\n\n| cost per operation, ns | CIDRs | load shape | {} |\n|---|---:|---|{}",
+        plan.cost_window.as_secs_f64(),
         heads.join(" | "),
         "---:|".repeat(heads.len())
     );
@@ -933,7 +935,7 @@ pub fn write(
         serde_json::to_string_pretty(&json)?,
     )?;
     let report = format!(
-        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy. In the eBPF modes each measurement starts only where it ends before the agent's next sweep of its NAT table can start (its metrics count the sweeps, which start ten seconds apart at the soonest): a sweep is a burst of tens to hundreds of milliseconds of the agent's CPU, which inside a measurement of a few seconds would weigh several times its share, there and on the data path's rate. What the sweeps cost is measured under churn, below, over a minute that holds several.\n\n![new connections per second](new-connections.svg)\n{table}{}{}",
+        "# masq-agent benchmark\n\n{header}\n\nModes ran interleaved, round after round; every figure is a median over rounds, and every ratio the median of the ratios within each round, so that the machine's drift over the run cancels out. Absolute numbers are context: these machines are shared and noisy. In the eBPF modes each measurement starts only where it ends before the agent's next sweep of its NAT table can start (its metrics count the sweeps, which start ten seconds apart at the soonest): a sweep is a burst of tens to hundreds of milliseconds of the agent's CPU, which inside a measurement of a few seconds would weigh several times its share, there and on the data path's rate. What the sweeps cost is measured under churn, below, over a minute that holds several. The kernel's BPF run-time statistics are off while a rate is measured, as on a node: the programs' cost per operation is read in a window of its own (below).\n\n![new connections per second](new-connections.svg)\n{table}{}{}",
         why_missed(PROFILES),
         verifier_section(budget)
     );
@@ -1032,6 +1034,7 @@ mod tests {
             sizes: vec![4],
             rounds: 3,
             seconds: Duration::from_secs(1),
+            cost_window: Duration::from_millis(500),
             modes: Mode::ALL.to_vec(),
             shapes: Shape::ALL.to_vec(),
             metrics: Metric::ALL.to_vec(),
