@@ -28,7 +28,7 @@ use crate::{
         CHURN_RATE, Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Options,
         Plan, Sample, SweepCase, Traffic, median,
     },
-    cost_meter::{self, Meter, RunTimeStats},
+    cost_meter::{self, Meter, Reading, RunTimeStats},
     node_tables::{self, KUBE_POSTROUTING, Node},
     report, step,
     sweep_watch::{AGENT_METRICS, SweepWatch},
@@ -638,9 +638,7 @@ fn measure(
     let measured = metrics
         .iter()
         .map(|&metric| {
-            let before = meter.read()?;
-            let value = run_load(bed, metric, shape, plan.seconds, sweeps)?;
-            let after = meter.read()?;
+            let (value, before, after) = window(bed, metric, shape, plan.seconds, meter, sweeps)?;
             let cost = match metric {
                 Metric::Throughput => Cost::default(),
                 _ if meter.reads_programs() => Cost {
@@ -662,26 +660,31 @@ fn measure(
 }
 
 /// `metric`'s load in `shape` for `duration`, started where no sweep of the NAT table falls in
-/// it: its rate (Gbit/s for the bulk transfer, operations a second otherwise).
-fn run_load(
+/// it: its rate (Gbit/s for the bulk transfer, operations a second otherwise), and `meter` read
+/// right before and after it. Read after the wait for a sweep to pass, which is the agent's
+/// busiest moment.
+fn window(
     bed: &Bed,
     metric: Metric,
     shape: Shape,
     duration: Duration,
+    meter: &Meter,
     sweeps: Option<&SweepWatch>,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Reading, Reading)> {
     let load = bed.load(metric.traffic(), shape, duration);
     if let Some(sweeps) = sweeps {
         sweeps.clear(&bed.topo)?;
     }
-    Ok(match metric {
+    let before = meter.read()?;
+    let value = match metric {
         Metric::NewConnections
         | Metric::NodeOutboundConnections
         | Metric::NodeInboundConnections => load.new_connections()?,
         Metric::Transactions => load.transactions()?,
         Metric::Throughput => load.throughput()? / 1e9,
         Metric::UdpNewFlows => load.udp_new_flows()?,
-    })
+    };
+    Ok((value, before, meter.read()?))
 }
 
 /// What each operation of `metric` cost the programs, in ns: their run time over a window of its
@@ -696,9 +699,7 @@ fn programs_cost(
     sweeps: Option<&SweepWatch>,
 ) -> anyhow::Result<f64> {
     let _stats = RunTimeStats::enable()?;
-    let before = meter.read()?;
-    let value = run_load(bed, metric, shape, plan.cost_window, sweeps)?;
-    let after = meter.read()?;
+    let (value, before, after) = window(bed, metric, shape, plan.cost_window, meter, sweeps)?;
     meter
         .cost(before, after, value * plan.cost_window.as_secs_f64())
         .programs_ns
