@@ -404,7 +404,12 @@ pub mod direction {
 /// A flow as seen in one direction. Addresses and ports are in network byte order, exactly as
 /// they appear in the packet. For ICMP echo, the identifier takes the place of the pod-side port
 /// (`sport` on egress, `dport` on ingress) and the other port is 0.
-#[repr(C)]
+///
+/// Aligned to a u32, which its size is a multiple of (no field moves for it): the slot table
+/// hashes and compares a key a u32 at a time (`slot_table::key_word`), where its fields'
+/// alignment alone allowed a u16. Not to a u64, which would take one load a word: the padding
+/// that aligns keys on the stack takes `masq_egress`'s deepest chain of frames past 512 bytes.
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct NatKey<A> {
     pub saddr: A,
@@ -876,8 +881,8 @@ mod layout {
         PolicyEntry, PortSpan, Settings, SweepOrder, SweepReport, node_ports, verdict_slot,
     };
 
-    const _: () = assert!(size_of::<NatKeyV4>() == 16 && align_of::<NatKeyV4>() == 2);
-    const _: () = assert!(size_of::<NatKeyV6>() == 40 && align_of::<NatKeyV6>() == 2);
+    const _: () = assert!(size_of::<NatKeyV4>() == 16 && align_of::<NatKeyV4>() == 4);
+    const _: () = assert!(size_of::<NatKeyV6>() == 40 && align_of::<NatKeyV6>() == 4);
     const _: () = assert!(offset_of!(NatKeyV4, sport) == 8 && offset_of!(NatKeyV4, proto) == 12);
     const _: () = assert!(offset_of!(NatKeyV6, sport) == 32 && offset_of!(NatKeyV6, proto) == 36);
     const _: () = assert!(size_of::<NatEntryV4>() == 24 && align_of::<NatEntryV4>() == 8);

@@ -174,24 +174,20 @@ const WORD_MULTIPLIERS: [u64; 5] = [
 #[inline(always)]
 const fn key_words<A: Address>() -> usize {
     const {
-        assert!(size_of::<NatKey<A>>().is_multiple_of(8) && align_of::<NatKey<A>>() >= 2);
+        assert!(size_of::<NatKey<A>>().is_multiple_of(8) && align_of::<NatKey<A>>() >= 4);
         assert!(size_of::<NatKey<A>>() / 8 <= WORD_MULTIPLIERS.len());
     };
     size_of::<NatKey<A>>() / 8
 }
 
-/// The u64 `at` (below `key_words`) of `key`, read as the u16s its alignment allows (a key on
-/// the stack aligned to more would take the deepest chain of frames past its 512 bytes). The
+/// The u64 `at` (below `key_words`) of `key`, read as the two u32s its alignment allows. The
 /// sizes are constants, so the callers' loops unroll, and their bounds fold away.
 #[inline(always)]
 fn key_word<A: Address>(key: &NatKey<A>, at: usize) -> u64 {
-    let halves = core::ptr::from_ref(key).cast::<u16>();
-    let mut word = 0;
-    for half in 0..4 {
-        // SAFETY: within the key, and aligned, as `key_words` asserts.
-        word |= u64::from(unsafe { halves.add(at * 4 + half).read() }) << (16 * half);
-    }
-    word
+    let halves = core::ptr::from_ref(key).cast::<u32>();
+    // SAFETY: within the key, and aligned, as `key_words` asserts.
+    let (low, high) = unsafe { (halves.add(at * 2).read(), halves.add(at * 2 + 1).read()) };
+    u64::from(low) | u64::from(high) << 32
 }
 
 #[inline(always)]
@@ -333,14 +329,9 @@ fn held_in<A: Address, M: SlotMemory<A>>(
 /// slot on its own, which it multiplies by the slots and the buckets.
 #[inline(always)]
 pub fn same_key<A: Address>(a: &NatKey<A>, b: &NatKey<A>) -> bool {
-    let (a, b) = (
-        core::ptr::from_ref(a).cast::<u16>(),
-        core::ptr::from_ref(b).cast::<u16>(),
-    );
     let mut differ = 0;
-    for at in 0..key_words::<A>() * 4 {
-        // SAFETY: within both keys, and aligned, as `key_words` asserts.
-        differ |= unsafe { a.add(at).read() ^ b.add(at).read() };
+    for at in 0..key_words::<A>() {
+        differ |= key_word(a, at) ^ key_word(b, at);
     }
     differ == 0
 }
