@@ -467,8 +467,9 @@ impl Plan {
                 command,
                 sizes: vec![4, 10_000, 100_000],
                 // Twice the measurements of a run of one shape and four modes: five rounds of
-                // 1.5 s keep the whole run about half an hour, the node's own connections
-                // (at the smallest size alone) adding some three minutes.
+                // 1.5 s, and in the eBPF modes a window of the programs' cost after each, keep
+                // the whole run some forty minutes, the node's own connections (at the smallest
+                // size alone) adding some three.
                 rounds: 5,
                 seconds: Duration::from_millis(1500),
                 // Some 15 000 connections a window: the cost per connection to a few ns.
