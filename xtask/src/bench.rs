@@ -638,14 +638,17 @@ fn measure(
     let measured = metrics
         .iter()
         .map(|&metric| {
-            let (value, before, after) = window(bed, metric, shape, plan.seconds, meter, sweeps)?;
+            let agent = meter.agent_only();
+            let (value, before, after) = window(bed, metric, shape, plan.seconds, &agent, sweeps)?;
             let cost = match metric {
                 Metric::Throughput => Cost::default(),
-                _ if meter.reads_programs() => Cost {
-                    programs_ns: Some(programs_cost(bed, metric, shape, plan, meter, sweeps)?),
-                    ..meter.cost(before, after, value * plan.seconds.as_secs_f64())
+                _ => Cost {
+                    programs_ns: meter
+                        .reads_programs()
+                        .then(|| programs_cost(bed, metric, shape, plan, meter, sweeps))
+                        .transpose()?,
+                    ..agent.cost(before, after, value * plan.seconds.as_secs_f64())
                 },
-                _ => meter.cost(before, after, value * plan.seconds.as_secs_f64()),
             };
             Ok((metric, value, cost))
         })

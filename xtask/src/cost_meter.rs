@@ -96,6 +96,15 @@ impl Meter {
         !self.programs.is_empty()
     }
 
+    /// The agent alone, for a window whose programs run with the statistics off: their run
+    /// time does not move there, and reading it would only spend `bpftool` calls.
+    pub fn agent_only(&self) -> Meter {
+        Meter {
+            programs: Vec::new(),
+            agent: self.agent,
+        }
+    }
+
     /// The cost of each of `operations` done between `before` and `after`: the programs' is
     /// only what ran with the statistics on (`RunTimeStats`).
     pub fn cost(&self, before: Reading, after: Reading, operations: f64) -> Cost {
