@@ -15,7 +15,7 @@ use aya_ebpf::{
 use masq_ebpf::{Address, IPPROTO_UDP};
 
 use crate::{
-    parse::{IPV4_CSUM_OFF, IPV4_HLEN, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
+    parse::{self, IPV4_CSUM_OFF, IPV4_HLEN, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
     verifier,
 };
 
@@ -104,12 +104,11 @@ pub struct Ports {
 /// first instruction, as the helper would before it writes (`bpf_unclone_prologue`).
 #[inline(always)]
 pub fn store<T: Copy>(ctx: &TcContext, offset: usize, value: &T) -> Result<(), i64> {
-    let start = ctx.data() + offset;
-    if start + size_of::<T>() > ctx.data_end() {
+    let Some(start) = parse::linear::<T>(ctx, offset) else {
         return ctx.store(offset, value, 0);
-    }
-    // SAFETY: the bytes lie within the linear data, checked just above, which the verifier
-    // made writable; a header's fields have no alignment in the packet.
+    };
+    // SAFETY: the bytes lie within the linear data, which the verifier made writable; a
+    // header's fields have no alignment in the packet.
     unsafe { (start as *mut T).write_unaligned(*value) };
     Ok(())
 }
