@@ -48,16 +48,14 @@ pub mod map_names {
     /// The node's own ports (`node_ports`), which NAT never hands out; filled by the agent
     /// before the programs run, not pinned.
     pub const NODE_PORTS: &str = "node_ports";
-    /// 1 once the agent found no NAT entry holding a port on the node's side outside NAT's
-    /// spans, as the programs never make one: a packet of the node's own, or to it, on a port
-    /// outside them then has no entry to look up. 0 until then: a table reused or carried from
-    /// an agent with other spans may hold such entries. Not pinned.
-    pub const NAT_PORTS_IN_SPANS: &str = "nat_ports_in_spans";
-    /// The ports of `node_ports`, laid out alike, on which the agent found no NAT entry on the
-    /// node's side, after they had been held long enough that no program could still give one
-    /// out: a packet of the node's own, or to it, on such a port has no entry to look up (the
-    /// kubelet's, an exporter's, inside NAT's spans). The agent clears a port's bit before it
-    /// stops holding the port. Not pinned.
+    /// The ports of `node_ports`, laid out alike, on which no NAT entry can be found on the
+    /// node's side, as the agent found: a packet of the node's own, or to it, on such a port
+    /// has no entry to look up. Those the node holds (the kubelet's, an exporter's, inside NAT's
+    /// spans), once a read of the table found no entry on them after they had been held long
+    /// enough that no program could still give one out; the agent clears such a port's bit
+    /// before it stops holding the port. And every port outside NAT's spans, once a read found
+    /// no entry holding one on the node's side while no older table's flows were left to carry
+    /// in: the programs make none there, so those bits stay. Not pinned.
     pub const ENTRYLESS_PORTS: &str = "entryless_ports";
     /// A sample of each NAT table's flows, by egress key, from which a full table picks the
     /// flows it drops early (`drop_sample_slots`); not pinned: the agent fills it from the

@@ -189,16 +189,6 @@ pub static NODE_PORTS: PortBits = Array::new();
 #[btf_map(name = "entryless_ports")]
 pub static ENTRYLESS_PORTS: PortBits = Array::new();
 
-#[btf_map(name = "nat_ports_in_spans")]
-pub static NAT_PORTS_IN_SPANS: Array<u32, 1> = Array::new();
-
-/// Whether the agent found every NAT entry's port on the node's side inside NAT's spans (see
-/// `map_names::NAT_PORTS_IN_SPANS`).
-#[inline(always)]
-pub fn nat_ports_in_spans() -> bool {
-    NAT_PORTS_IN_SPANS.get(0).is_some_and(|word| *word != 0)
-}
-
 #[btf_map(name = "nat_sweep_order")]
 pub static SWEEP_ORDER: Array<SweepOrder, 1> = Array::new();
 

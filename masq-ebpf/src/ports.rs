@@ -39,10 +39,10 @@ pub fn held_by_node(proto: u8, port: u16) -> bool {
     port_bit(&maps::NODE_PORTS, proto, port)
 }
 
-/// Whether the node holds `port` (network byte order) of `proto` and no NAT entry holds it on
-/// the node's side, as the agent found (`map_names::ENTRYLESS_PORTS`).
+/// Whether no NAT entry holds `port` (network byte order) of `proto` on the node's side, as the
+/// agent found (`map_names::ENTRYLESS_PORTS`): one the node holds, or one outside NAT's spans.
 #[inline(always)]
-pub fn held_without_entry(proto: u8, port: u16) -> bool {
+pub fn without_entry(proto: u8, port: u16) -> bool {
     port_bit(&maps::ENTRYLESS_PORTS, proto, port)
 }
 

@@ -624,20 +624,9 @@ fn snat_keeps_its_address<F: Family>(
 }
 }
 
-/// Whether no NAT table entry can be keyed by `port` (network byte order) on the node's side
-/// of a flow: it is outside NAT's spans. Masqueraded flows take ports NAT hands out, and the
-/// node's own flows take entries only on ports it could (`node_port_reservable`); a table an
-/// agent with other spans filled may hold others, until the agent says it holds none
-/// (`maps::nat_ports_in_spans`).
-#[inline(always)]
-fn outside_nat_spans(port: u16) -> bool {
-    maps::nat_ports_in_spans()
-        && maps::settings().is_some_and(|settings| !ports::in_spans(settings, port))
-}
-
 /// Egress: a packet one of the node's sockets sent from one of its addresses, on a port no
-/// entry holds (`node_end_without_entry`: a client's ephemeral port, a service's). None does, so it leaves as a
-/// packet of no known flow would, without the NAT table's lookup: a cold one, for every packet
+/// entry holds (`node_end_without_entry`: a client's ephemeral port, a service's). None does,
+/// so it leaves as a packet of no known flow would, without the NAT table's lookup: a cold one, for every packet
 /// of the node's own connections. Asked first whether a socket sent it (`skb->sk`), which costs
 /// one load: a pod's packets reach the node through their veth without one, and go to the
 /// table's lookup at once.
@@ -662,9 +651,8 @@ fn to_node_without_entry<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &
 }
 
 /// Whether `addr`:`port` (network byte order) of `proto`, a flow's end on the node's side, is
-/// one of the node's addresses on a port no entry holds: outside NAT's spans, or one the node
-/// holds where the agent found no entry (a service's inside the spans). The port is asked
-/// first, the cheaper question.
+/// one of the node's addresses on a port no entry holds (`ports::without_entry`). The port is
+/// asked first, the cheaper question.
 #[inline(always)]
 fn node_end_without_entry<F: Family>(
     ctx: &TcContext,
@@ -672,7 +660,7 @@ fn node_end_without_entry<F: Family>(
     proto: u8,
     port: u16,
 ) -> bool {
-    (outside_nat_spans(port) || ports::held_without_entry(proto, port))
+    ports::without_entry(proto, port)
         && Device::<F>::of(ctx).is_some_and(|device| device.holds(addr))
 }
 

@@ -1096,9 +1096,10 @@ fn nothing_is_translated_before_the_agent_configures_ports<F: HarnessFamily>() {
 }
 
 /// A table reused or carried from an agent with other spans may hold a flow whose port on the
-/// node is outside this agent's spans. Until the agent raises `nat_ports_in_spans`, which it
-/// does only once no flow holds such a port, replies to the node on a port outside the spans
-/// are looked up and reach the pod; raised, they pass as the node's own, unlooked-up.
+/// node is outside this agent's spans. Until the agent sets the entryless bits of the ports
+/// outside the spans, which it does only once no flow holds such a port, replies to the node on
+/// a port outside the spans are looked up and reach the pod; once set, they pass as the node's
+/// own, unlooked-up.
 fn replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port<F: HarnessFamily>() {
     let mut h = F::bed(64, &[(1024, 32767)], false);
     h.egress(&udp(F::POD, 30000, F::REMOTE, 53));
@@ -1119,18 +1120,41 @@ fn replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port<F: Ha
     assert_eq!(expiry::node_side_port(&key, &egress), None, "a pod's");
 
     let answer = udp(F::REMOTE, 53, F::NODE, 45678);
-    let (verdict, back) = h.ingress(&answer);
-    assert_eq!(verdict, TC_ACT_OK);
-    assert_eq!(
-        F::at(&back, F::DST),
-        F::POD,
-        "looked up, and back to the pod"
+    let looked_up = |h: &mut TestBed| {
+        let (verdict, back) = h.ingress(&answer);
+        assert_eq!(verdict, TC_ACT_OK);
+        F::at(&back, F::DST) == F::POD
+    };
+    assert!(looked_up(&mut h), "looked up, and back to the pod");
+    let spans = [masq_agent::ports::PortRange {
+        first: 1024,
+        last: 32767,
+    }];
+    let mut held = HeldPorts::default();
+    held.hold(h.port_maps(), NodePorts::default()).unwrap();
+    let seen = h.node_side_ports(&spans);
+    let mark = |h: &mut TestBed, held: &mut HeldPorts| {
+        let now = std::time::Instant::now();
+        held.mark_entryless(&mut h.maps.entryless_ports, &seen, now, None)
+            .unwrap();
+    };
+    mark(&mut h, &mut held);
+    assert!(
+        looked_up(&mut h),
+        "still looked up: the agent has not found the ports outside the spans without entries"
     );
-    h.maps.nat_ports_in_spans.set(0, 1, 0).unwrap();
+    held.outside_spans_entryless(&spans);
+    mark(&mut h, &mut held);
     assert_eq!(
         h.ingress(&answer),
         (TC_ACT_OK, answer.clone()),
-        "the node's own port, as the programs take it once the flag is up"
+        "the node's own port, as the programs take it once its bit is set"
+    );
+    held.hold(h.port_maps(), NodePorts::default()).unwrap();
+    assert_eq!(
+        h.ingress(&answer),
+        (TC_ACT_OK, answer.clone()),
+        "the bits outside the spans outlast a new reading of the node's ports"
     );
 }
 

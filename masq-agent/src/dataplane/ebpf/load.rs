@@ -631,7 +631,6 @@ mod tests {
             map_names::FRAGMENTS_V6,
             map_names::NODE_PORTS,
             map_names::ENTRYLESS_PORTS,
-            map_names::NAT_PORTS_IN_SPANS,
             map_names::DROP_SAMPLE_V4,
             map_names::DROP_SAMPLE_V6,
             map_names::DROP_VACANCY,

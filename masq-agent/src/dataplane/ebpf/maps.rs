@@ -25,11 +25,9 @@ pub struct Maps {
     pub counters: Counters,
     /// The node's own ports, which NAT never hands out (see `node_ports`).
     pub node_ports: Array<MapData, u64>,
-    /// Which of them no NAT entry holds (see `masq_ebpf::map_names::ENTRYLESS_PORTS`).
+    /// The ports on which no NAT entry is on the node's side (see
+    /// `masq_ebpf::map_names::ENTRYLESS_PORTS`).
     pub entryless_ports: Array<MapData, u64>,
-    /// Whether every entry's port on the node's side is in NAT's spans (see
-    /// `masq_ebpf::map_names::NAT_PORTS_IN_SPANS`).
-    pub nat_ports_in_spans: Array<MapData, u32>,
     pub drop_samples: DropSamples,
     /// The sweep program's order and report, whether or not the program is loaded.
     pub sweep: SweepMaps,
@@ -69,7 +67,6 @@ impl Maps {
             counters: take(ebpf, map_names::COUNTERS)?,
             node_ports: take(ebpf, map_names::NODE_PORTS)?,
             entryless_ports: take(ebpf, map_names::ENTRYLESS_PORTS)?,
-            nat_ports_in_spans: take(ebpf, map_names::NAT_PORTS_IN_SPANS)?,
             drop_samples: DropSamples {
                 v4: take(ebpf, map_names::DROP_SAMPLE_V4)?,
                 v6: take(ebpf, map_names::DROP_SAMPLE_V6)?,

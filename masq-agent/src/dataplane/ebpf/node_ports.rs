@@ -218,7 +218,9 @@ pub struct PortMaps<'a> {
 /// set only where no entry can hold the port: held (NAT hands it out no more) since before a
 /// read of the table that found no entry on it, with `GRACE` between, as a program that judged
 /// a new flow before the port was held may insert its entry just after. It is cleared before
-/// the port stops being held, when NAT may hand it out again.
+/// the port stops being held, when NAT may hand it out again. Or outside NAT's spans, once a
+/// read found no entry holding such a port (`outside_spans_entryless`): the programs make none,
+/// so those bits stay, held or not.
 #[derive(Debug, Default)]
 pub struct HeldPorts {
     /// As last read.
@@ -231,11 +233,19 @@ pub struct HeldPorts {
     held_since: Option<Instant>,
     /// `entryless_ports`' words as written.
     entryless: Vec<u64>,
+    /// The bits of the ports outside NAT's spans, once no entry holds one
+    /// (`outside_spans_entryless`); empty until then.
+    outside_spans: Vec<u64>,
 }
 
-/// What the agent logs when the ports whose packets skip the lookup change, with their number.
+/// What the agent logs when the ports it found held without an entry change, with the number
+/// of those inside NAT's spans.
 pub const ENTRYLESS_CHANGED: &str =
     "ports the node holds without a NAT entry changed: the node's packets on them skip the lookup";
+
+/// What the agent logs once it sets the bits of the ports outside NAT's spans
+/// (`HeldPorts::outside_spans_entryless`).
+pub const OUTSIDE_SPANS_ENTRYLESS: &str = "no NAT entry holds a port outside NAT's spans on the node's side: the node's packets on those ports skip the lookup";
 
 /// How long after a port is held a read of the NAT table may find it without an entry: a
 /// program that judged a new flow before may still insert its entry just after, but programs
@@ -246,7 +256,7 @@ impl HeldPorts {
     /// Makes the maps hold `ports`: a port no longer held loses its entryless bit first.
     pub fn hold(&mut self, maps: PortMaps, ports: NodePorts) -> anyhow::Result<()> {
         let words = ports.words();
-        let entryless = both(&self.entryless, &words);
+        let entryless = either(&both(&self.entryless, &words), &self.outside_spans);
         write_words(maps.entryless, &entryless, &mut self.entryless)?;
         let (before, since) = (self.held.clone(), self.held_at);
         // The time of the attempt: a failed write may have left some of the words written.
@@ -277,8 +287,14 @@ impl HeldPorts {
         } else {
             &self.entryless
         };
-        let entryless = first_only(candidates, seen);
-        let count = |words: &[u64]| words.iter().map(|w| w.count_ones()).sum::<u32>();
+        let entryless = either(&first_only(candidates, seen), &self.outside_spans);
+        // The ports inside the spans: those outside are set once, and said once.
+        let count = |words: &[u64]| {
+            first_only(words, &self.outside_spans)
+                .iter()
+                .map(|w| w.count_ones())
+                .sum::<u32>()
+        };
         let before = count(&self.entryless);
         let written = write_words(map, &entryless, &mut self.entryless);
         let after = count(&self.entryless);
@@ -286,6 +302,28 @@ impl HeldPorts {
             tracing::info!(ports = after, "{ENTRYLESS_CHANGED}");
         }
         written
+    }
+
+    /// From the next write of `entryless_ports` on, sets the bit of every port outside `spans`,
+    /// NAT's: called once a read of the NAT tables found no entry holding such a port on the
+    /// node's side while no older table's flows were left to carry in (a table reused or
+    /// carried from an agent with other spans may hold some until then). The programs make no
+    /// such entry, so the bits stay.
+    pub fn outside_spans_entryless(&mut self, spans: &[PortRange]) {
+        let outside: BTreeSet<u16> = (0..=u16::MAX)
+            .filter(|&port| !ports::in_spans(spans, port))
+            .collect();
+        self.outside_spans = NodePorts {
+            tcp: outside.clone(),
+            udp: outside,
+        }
+        .words();
+        tracing::info!("{OUTSIDE_SPANS_ENTRYLESS}");
+    }
+
+    /// Whether the ports outside NAT's spans are entryless (`outside_spans_entryless`).
+    pub fn outside_spans_are_entryless(&self) -> bool {
+        !self.outside_spans.is_empty()
     }
 
     /// Whether a flow of the node's on `port` of `proto` needs its tuple held in the NAT table
@@ -298,6 +336,11 @@ impl HeldPorts {
 /// The bits set in both `a` and `b`.
 fn both(a: &[u64], b: &[u64]) -> Vec<u64> {
     word_by_word(a, b, |a, b| a & b)
+}
+
+/// The bits set in `a` or `b`.
+fn either(a: &[u64], b: &[u64]) -> Vec<u64> {
+    word_by_word(a, b, |a, b| a | b)
 }
 
 /// The bits set in `a` and not in `b`.

@@ -81,8 +81,6 @@ pub struct EbpfDataPlane {
     pub(super) settled: Option<std::time::Instant>,
     /// The ports NAT hands out.
     pub(super) port_spans: Vec<PortRange>,
-    /// `nat_ports_in_spans` raised: no entry holds a port on the node's side outside the spans.
-    nat_ports_in_spans: bool,
 }
 
 /// Loads the embedded object, reusing the maps an earlier agent pinned when their layout
@@ -120,7 +118,6 @@ pub fn new(opts: &EbpfOptions) -> Result<EbpfDataPlane, Unavailable> {
         node_ports: node_ports::HeldPorts::default(),
         settled: None,
         port_spans: opts.port_spans.clone(),
-        nat_ports_in_spans: false,
     };
     // Before any program runs: none may hand out a port of the node's, and a full table may
     // tell a flow that is over.
@@ -138,16 +135,6 @@ impl EbpfDataPlane {
         };
         let ports = node_ports::NodePorts::read(self.node_port_range);
         self.node_ports.hold(maps, ports)
-    }
-
-    /// Raises `nat_ports_in_spans`, once a sweep's read of both tables found no entry holding a
-    /// port on the node's side outside NAT's spans while no old table's flows were still to be
-    /// carried: the programs make no such entry, so it stays raised, and the node's own packets
-    /// on ports outside the spans skip the table's lookup.
-    fn raise_nat_ports_in_spans(&mut self) -> anyhow::Result<()> {
-        self.maps.nat_ports_in_spans.set(0, 1, 0)?;
-        self.nat_ports_in_spans = true;
-        Ok(())
     }
 
     /// What the programs enforce of `policy`. IPv6 is the programs' only when they were loaded
@@ -324,8 +311,9 @@ impl DataPlane for EbpfDataPlane {
         } = node_side;
         // Until the programs have taken over and the flows are carried in, a carried flow may
         // still bring a port outside the spans.
-        if all_in_spans && !self.nat_ports_in_spans && self.settled.is_some() {
-            self.raise_nat_ports_in_spans()?;
+        if all_in_spans && self.settled.is_some() && !self.node_ports.outside_spans_are_entryless()
+        {
+            self.node_ports.outside_spans_entryless(&self.port_spans);
         }
         self.node_ports.mark_entryless(
             &mut self.maps.entryless_ports,
