@@ -15,7 +15,7 @@ use aya_ebpf::{
 use masq_ebpf::{Address, IPPROTO_UDP};
 
 use crate::{
-    parse::{self, IPV4_CSUM_OFF, IPV4_HLEN, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
+    parse::{IPV4_CSUM_OFF, IPV4_HLEN, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
     verifier,
 };
 
@@ -96,23 +96,6 @@ pub struct Ports {
     pub dport: u16,
 }
 
-/// Writes `value` at `offset` of the packet, as `bpf_skb_store_bytes` without flags would: no
-/// checksum or offload state changes with it. Where the bytes lie within the linear data,
-/// which every header this crate parsed does, by a plain store through the packet pointer:
-/// the helper's call, its check that the skb is writable and its copy cost some 5 ns of a known
-/// flow's packet. The verifier makes a program that writes so unclone a cloned skb before its
-/// first instruction, as the helper would before it writes (`bpf_unclone_prologue`).
-#[inline(always)]
-pub fn store<T: Copy>(ctx: &TcContext, offset: usize, value: &T) -> Result<(), i64> {
-    let Some(start) = parse::linear::<T>(ctx, offset) else {
-        return ctx.store(offset, value, 0);
-    };
-    // SAFETY: the bytes lie within the linear data, which the verifier made writable; a
-    // header's fields have no alignment in the packet.
-    unsafe { (start as *mut T).write_unaligned(*value) };
-    Ok(())
-}
-
 /// Rewrites one address of `ip` to `new`, with the IP header checksum and, when `l4_csum` is
 /// given, the TCP or UDP checksum whose pseudo-header covers it. `ports`, given for TCP and
 /// UDP, are stored with the header when they follow it directly; says whether they were.
@@ -149,10 +132,10 @@ pub fn rewrite_ipv4_addr(
     let at = ip.ip_off + IPV4_CSUM_OFF;
     match ports {
         Some(ports) if ip.l4_off == ip.ip_off + IPV4_HLEN => {
-            store(ctx, at, &ChecksumAddressesAndPorts { header, ports })?;
+            ctx.store(at, &ChecksumAddressesAndPorts { header, ports }, 0)?;
             Ok(true)
         }
-        _ => store(ctx, at, &header).map(|()| false),
+        _ => ctx.store(at, &header, 0).map(|()| false),
     }
 }
 

@@ -129,18 +129,12 @@ pub fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
 /// The `T` at `offset`, if it lies within the packet's linear data.
 #[inline(always)]
 fn read_linear<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
-    // SAFETY: the bytes lie within the linear data.
-    linear::<T>(ctx, offset).map(|start| unsafe { (start as *const T).read_unaligned() })
-}
-
-/// Where the `T` at `offset` starts, if its bytes lie within the packet's linear data, which
-/// a program reads and writes through the packet pointer. At least two bytes are checked: a
-/// one-byte check compiles to `start < data_end`, from which the verifier grants no byte at a
-/// variable offset. A byte at the very end takes the helpers.
-#[inline(always)]
-pub fn linear<T>(ctx: &TcContext, offset: usize) -> Option<usize> {
     let start = ctx.data() + offset;
-    (start + size_of::<T>().max(2) <= ctx.data_end()).then_some(start)
+    // At least two bytes: a one-byte check compiles to `start < data_end`, from which the
+    // verifier grants no byte at a variable offset. A byte at the very end takes the helper.
+    // SAFETY: the bytes lie within the linear data, checked first.
+    (start + size_of::<T>().max(2) <= ctx.data_end())
+        .then(|| unsafe { (start as *const T).read_unaligned() })
 }
 
 /// The rare path of `read`: the helper copies the bytes straight into `out`, in the caller's

@@ -763,7 +763,7 @@ fn rewrite<F: Family>(
         word_stored = F::rewrite_addr_and_ports(ctx, ip, addr, entry.addr, pseudo, ports)?;
     }
     if word_changes && !word_stored {
-        csum::store(ctx, ip.l4_off + l4_field, &entry.port)?;
+        ctx.store(ip.l4_off + l4_field, &entry.port, 0)?;
     }
     Ok(())
 }
