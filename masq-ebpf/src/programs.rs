@@ -626,10 +626,10 @@ fn snat_keeps_its_address<F: Family>(
 
 /// Egress: a packet one of the node's sockets sent from one of its addresses, on a port no
 /// entry holds (`node_end_without_entry`: a client's ephemeral port, a service's). None does,
-/// so it leaves as a packet of no known flow would, without the NAT table's lookup: a cold one, for every packet
-/// of the node's own connections. Asked first whether a socket sent it (`skb->sk`), which costs
-/// one load: a pod's packets reach the node through their veth without one, and go to the
-/// table's lookup at once.
+/// so it leaves as a packet of no known flow would, without the NAT table's lookup: a cold
+/// one, for every packet of the node's own connections. Asked first whether a socket sent it
+/// (`skb->sk`), which costs one load: a pod's packets reach the node through their veth
+/// without one, and go to the table's lookup at once.
 #[inline(always)]
 fn from_node_socket_without_entry<F: Family>(
     ctx: &TcContext,
