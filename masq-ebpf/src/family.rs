@@ -15,7 +15,7 @@ use crate::{
     },
     nat,
     parse::{self, Packet},
-    policy,
+    policy, sweep,
 };
 
 pub trait Family {
@@ -50,6 +50,8 @@ pub trait Family {
         *const NatEntry<Self::Addr>,
     ) -> i32;
     const REMOVE_SLOT: extern "C" fn(*const NatKey<Self::Addr>) -> i32;
+    /// The sweep's `flow_table::read_ahead` (`Visit::before_buckets`).
+    const SWEEP_AHEAD: extern "C" fn(u32) -> i64;
     /// The family's slot of `maps::DROP_VACANCY`.
     const DROP_VACANCY: u32;
     /// The family's slot of the sweep program's report (`masq_ebpf::sweep_report`).
@@ -163,6 +165,7 @@ impl Family for V4 {
         flow_table::masq_insert_slot_v4;
     const REMOVE_SLOT: extern "C" fn(*const NatKey<[u8; 4]>) -> i32 =
         flow_table::masq_remove_slot_v4;
+    const SWEEP_AHEAD: extern "C" fn(u32) -> i64 = sweep::masq_sweep_ahead_v4;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V4;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V4;
 
@@ -304,6 +307,7 @@ impl Family for V6 {
         flow_table::masq_insert_slot_v6;
     const REMOVE_SLOT: extern "C" fn(*const NatKey<[u8; 16]>) -> i32 =
         flow_table::masq_remove_slot_v6;
+    const SWEEP_AHEAD: extern "C" fn(u32) -> i64 = sweep::masq_sweep_ahead_v6;
     const DROP_VACANCY: u32 = masq_ebpf::drop_vacancy::V6;
     const SWEEP_REPORT: u32 = masq_ebpf::sweep_report::V6;
 

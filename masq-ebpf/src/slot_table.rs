@@ -359,6 +359,38 @@ pub fn look_up<A: Address, M: SlotMemory<A>>(
     None
 }
 
+/// Reads the lines a look-up of `key` would read, without a branch on anything read: both
+/// buckets' words, and the slot of the first byte held with the key's tag in whichever of the
+/// two has one (slot 0 of the second bucket if neither does); the number of that slot. A
+/// look-up branches on each word and slot as it reads them, and where a line is cold the CPU
+/// cannot tell which way until it comes: a run of look-ups waits for their lines one after
+/// the other, where a run of these has several in flight at once. The reads are volatile, so
+/// that they are made though their values go unused.
+#[inline(always)]
+pub fn read_ahead<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> u32 {
+    let place = Place::of(key, memory.buckets(), memory.seed());
+    let [first, second] = place.buckets;
+    let (Some(first_word), Some(second_word)) = (memory.word(first), memory.word(second)) else {
+        return 0;
+    };
+    let held = slot_byte::HELD | place.tag;
+    let first_tagged = bytes_equal(load(first_word), held);
+    let second_tagged = bytes_equal(load(second_word), held);
+    // All ones where the first bucket has such a byte, none where not: by arithmetic, as a
+    // test would be a branch.
+    let in_first = 0u64.wrapping_sub((first_tagged | first_tagged.wrapping_neg()) >> 63);
+    let bucket = second ^ ((first ^ second) & in_first as u32);
+    let tagged = second_tagged ^ ((first_tagged ^ second_tagged) & in_first);
+    // `first_slot` without its test of an empty mask, which gives slot 0.
+    let lowest = (tagged & tagged.wrapping_neg()) >> 7;
+    let index = (lowest.wrapping_mul(0x0001_0203_0405_0607) >> 56) as u32 % BUCKET_SLOTS;
+    if let Some(slot) = memory.slot(bucket, index) {
+        // SAFETY: a valid slot of the memory, only read.
+        unsafe { core::ptr::read_volatile(&raw const (*slot).entry.last_seen_ns) };
+    }
+    bucket * BUCKET_SLOTS + index
+}
+
 /// The key and entry of slot `number` (bucket times `BUCKET_SLOTS`, plus its index), copied,
 /// if its byte says it holds a half. Another CPU may free the slot and write another half
 /// there while it is read: the copy may then be torn, a key no half has, which its callers
@@ -994,6 +1026,37 @@ mod tests {
             .map(|&word| slots_named(held_slots(word)))
             .sum();
         assert_eq!(held, 2_000);
+    }
+
+    #[test]
+    fn reading_ahead_reads_the_slot_a_look_up_finds_unless_another_key_shares_its_tag() {
+        let mut heap = Heap::new(1 << 9);
+        let memory = heap.memory();
+        let keys: Vec<NatKeyV4> = (0..2_400).map(key_v4).collect();
+        for (n, key) in keys.iter().enumerate() {
+            assert_eq!(insert_new(&memory, key, &entry(n as u16)), Ok(()));
+        }
+        let place = |key: &NatKeyV4| Place::of(key, 1 << 9, SEED);
+        let mut alone = 0;
+        for key in &keys {
+            let (number, _) = look_up(&memory, key).expect("made");
+            // Another key held in either of this one's buckets with the same tag: then the
+            // slot read ahead may be that key's.
+            let shares_its_tag = keys.iter().any(|other| {
+                other != key
+                    && place(other).tag == place(key).tag
+                    && look_up(&memory, other)
+                        .is_some_and(|(at, _)| place(key).buckets.contains(&(at / BUCKET_SLOTS)))
+            });
+            if !shares_its_tag {
+                alone += 1;
+                assert_eq!(read_ahead(&memory, key), number);
+            }
+        }
+        // Some 6 % of keys share a tag with another in their buckets, at this fill.
+        assert!(alone > 2_100, "{alone} of 2 400 keys alone with their tags");
+        // A key no slot holds reads within the table all the same.
+        assert!(read_ahead(&memory, &key_v4(5_000)) < (1 << 9) * BUCKET_SLOTS);
     }
 
     #[test]

@@ -80,6 +80,16 @@ impl<F: Family> flow_table::Visit<F> for Judge {
     fn visit(key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) -> i64 {
         judge::<F>(key, entry)
     }
+
+    #[inline(always)]
+    fn before_buckets(first: u32) {
+        (F::SWEEP_AHEAD)(first);
+    }
+
+    #[inline(always)]
+    fn looks_up_other_half(key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) -> bool {
+        order().is_some_and(|order| may_be_over(order, entry) || points_sample_at(order, key))
+    }
 }
 
 #[inline(always)]
@@ -87,15 +97,42 @@ fn judge<F: Family>(key: &NatKey<F::Addr>, entry: &NatEntry<F::Addr>) -> i64 {
     let (Some(order), Some(report)) = (order(), report::<F>()) else {
         return 1;
     };
-    if idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns)
-        && remove_if_over::<F>(order, report, key, entry)
-    {
+    if may_be_over(order, entry) && remove_if_over::<F>(order, report, key, entry) {
         return 0;
     }
     count(report, key, entry);
-    if order.point_drop_sample != 0 && key.direction == direction::EGRESS {
+    if points_sample_at(order, key) {
         point_at::<F>(report, key, entry);
     }
+    0
+}
+
+/// Whether the flow of a half may be over, and its other half must be looked up to tell: a
+/// half idle no longer than the shortest timeout belongs to a flow that is not.
+#[inline(always)]
+fn may_be_over<A: masq_ebpf::Address>(order: &SweepOrder, entry: &NatEntry<A>) -> bool {
+    idle_past(order.now_ns, entry.last_seen_ns, order.shortest_limit_ns)
+}
+
+/// Whether the walk points the drop sample at the flow of a half it leaves: at its egress
+/// half, where ordered to.
+#[inline(always)]
+fn points_sample_at<A: masq_ebpf::Address>(order: &SweepOrder, key: &NatKey<A>) -> bool {
+    order.point_drop_sample != 0 && key.direction == direction::EGRESS
+}
+
+/// `flow_table::read_ahead` for the sweep, each family's a global function.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_sweep_ahead_v4(first: u32) -> i64 {
+    flow_table::read_ahead::<V4, Judge>(first);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn masq_sweep_ahead_v6(first: u32) -> i64 {
+    flow_table::read_ahead::<V6, Judge>(first);
     0
 }
 
