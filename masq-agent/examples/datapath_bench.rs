@@ -9,7 +9,13 @@
 //! with a larger `repeat` the kernel runs the program again on the packet it already rewrote,
 //! so a translating case would measure something else from its second run on.
 //!
-//! Usage: datapath_bench [--runs N] [--rounds N] [--sizes 4,10000,100000]
+//! With `--cold-predictors KIB`, each run follows KIB KiB of code that jumps from each
+//! instruction to the next (`PredictorFlush`): the CPU's branch predictors then hold none of
+//! the program's branches, as after a packet's trip through the network stack end to end,
+//! where BPF_PROG_TEST_RUN's loop keeps them trained (docs/bench/profiles.md, "A run end to
+//! end, cold").
+//!
+//! Usage: datapath_bench [--runs N] [--rounds N] [--sizes 4,10000,100000] [--cold-predictors KIB]
 
 use std::{net::Ipv4Addr, time::Instant};
 
@@ -47,6 +53,8 @@ struct Options {
     capacity: u32,
     /// Only the cases named, for a profile of one of them; every case when empty.
     cases: Vec<String>,
+    /// KiB of jumps run before each run (`PredictorFlush`); none when 0.
+    cold_predictors_kib: usize,
 }
 
 fn options() -> anyhow::Result<Options> {
@@ -56,6 +64,7 @@ fn options() -> anyhow::Result<Options> {
         sizes: vec![4, 10_000, 100_000],
         capacity: EbpfOptions::DEFAULT_NAT_CAPACITY,
         cases: Vec::new(),
+        cold_predictors_kib: 0,
     };
     for (arg, value) in masq_testbed::flag_pairs()? {
         match arg.as_str() {
@@ -64,6 +73,7 @@ fn options() -> anyhow::Result<Options> {
             "--sizes" => opts.sizes = value.split(',').map(str::parse).collect::<Result<_, _>>()?,
             "--capacity" => opts.capacity = value.parse()?,
             "--cases" => opts.cases = value.split(',').map(String::from).collect(),
+            "--cold-predictors" => opts.cold_predictors_kib = value.parse()?,
             _ => bail!("unknown argument {arg}"),
         }
     }
@@ -86,6 +96,7 @@ fn mean_ns(
     program: &str,
     frames: &[Vec<u8>],
     runs: u32,
+    flush: Option<&PredictorFlush>,
 ) -> anyhow::Result<f64> {
     let first = bed.run(program, &frames[0], 1)?;
     let translated = first.frame != frames[0];
@@ -102,6 +113,9 @@ fn mean_ns(
     let mut total = first.duration;
     for i in 1..runs {
         let frame = &frames[i as usize % frames.len()];
+        if let Some(flush) = flush {
+            flush.run();
+        }
         total += bed.run(program, frame, 1)?.duration;
     }
     Ok(total.as_secs_f64() * 1e9 / f64::from(runs))
@@ -283,6 +297,7 @@ impl Size {
         &mut self,
         opts: &Options,
         shared: &Frames,
+        flush: Option<&PredictorFlush>,
         samples: &mut [Vec<f64>],
     ) -> anyhow::Result<()> {
         let bed = &mut self.bed;
@@ -303,7 +318,7 @@ impl Size {
                 set_sources(bed, &[SOURCE_ELSEWHERE])?;
             }
             let full_before = map_types::full_table_drops(&bed.maps.counters);
-            samples[i].push(mean_ns(bed, name, program, frames, opts.runs)?);
+            samples[i].push(mean_ns(bed, name, program, frames, opts.runs, flush)?);
             if map_types::full_table_drops(&bed.maps.counters) != full_before {
                 bail!(
                     "case {name}: the NAT table filled, and the case measured early drops: \
@@ -375,12 +390,16 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .map(|&count| Size::new(count, &opts, &frames))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let flush = match opts.cold_predictors_kib {
+        0 => None,
+        kib => Some(PredictorFlush::new(kib)?),
+    };
     let mut samples = vec![vec![Vec::new(); CASES]; sizes.len()];
     // Interleaved, the sizes as the cases, so that a noisy moment hits every one alike: the
     // report compares the sizes with each other.
     for _ in 0..opts.rounds {
         for (size, samples) in sizes.iter_mut().zip(&mut samples) {
-            size.round(&opts, &frames, samples)?;
+            size.round(&opts, &frames, flush.as_ref(), samples)?;
         }
     }
     for (size, samples) in sizes.iter().zip(samples) {
@@ -402,4 +421,67 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Code that leaves the CPU's branch predictors without the program's branches: `kib` KiB of
+/// two-byte jumps, each to the next instruction, then a return, run before each run of a
+/// program. Every jump is a branch the predictors must make room for, some 500 a KiB, where the
+/// predictors of a core hold some thousands. The same amount of code without branches (two-byte
+/// no-ops) leaves the instruction cache as cold, and costs the program a tenth as much.
+struct PredictorFlush {
+    code: *mut libc::c_void,
+    len: usize,
+}
+
+/// A short jump to the next instruction (`jmp rel8` with 0), and a near return.
+const JUMP_TO_NEXT: [u8; 2] = [0xeb, 0x00];
+const RETURN: u8 = 0xc3;
+
+impl PredictorFlush {
+    fn new(kib: usize) -> anyhow::Result<PredictorFlush> {
+        if !cfg!(target_arch = "x86_64") {
+            bail!("--cold-predictors writes x86-64 code");
+        }
+        let len = kib * 1024 + 1;
+        // SAFETY: a fresh private anonymous mapping, checked before use.
+        let code = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if code == libc::MAP_FAILED {
+            bail!("mmap: {}", std::io::Error::last_os_error());
+        }
+        let flush = PredictorFlush { code, len };
+        // SAFETY: the mapping is `len` bytes, writable, and this process's alone.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(code.cast::<u8>(), len) };
+        for jump in bytes[..len - 1].chunks_exact_mut(JUMP_TO_NEXT.len()) {
+            jump.copy_from_slice(&JUMP_TO_NEXT);
+        }
+        bytes[len - 1] = RETURN;
+        // SAFETY: the mapping above, made executable and no longer writable.
+        if unsafe { libc::mprotect(code, len, libc::PROT_READ | libc::PROT_EXEC) } != 0 {
+            bail!("mprotect: {}", std::io::Error::last_os_error());
+        }
+        Ok(flush)
+    }
+
+    fn run(&self) {
+        // SAFETY: the mapping holds jumps that end at its return, and touches nothing else: a
+        // function of the C ABI that takes and gives nothing.
+        let code = unsafe { std::mem::transmute::<*mut libc::c_void, extern "C" fn()>(self.code) };
+        code();
+    }
+}
+
+impl Drop for PredictorFlush {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `new` made, unused from here on.
+        unsafe { libc::munmap(self.code, self.len) };
+    }
 }
