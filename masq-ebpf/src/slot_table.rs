@@ -214,16 +214,22 @@ pub const fn bytes_tagged(word: u64, tag: u8) -> u64 {
     bytes_equal(word & LOW_BITS, tag)
 }
 
-/// The slot of the lowest byte a mask of `bytes_equal` names, if any. Without a branch or a
-/// table: the lowest set bit, shifted to the bottom of its byte, is 1 << 8i, and multiplies
-/// a constant whose byte k is 7 - k into one whose top byte is i.
+/// The slot of the lowest byte a mask of `bytes_equal` names, if any.
 #[inline(always)]
 pub const fn first_slot(mask: u64) -> Option<u32> {
     if mask == 0 {
         return None;
     }
+    Some(lowest_slot(mask))
+}
+
+/// `first_slot` without its test of an empty mask, for which it says slot 0. Without a branch
+/// or a table: the lowest set bit, shifted to the bottom of its byte, is 1 << 8i, and
+/// multiplies a constant whose byte k is 7 - k into one whose top byte is i.
+#[inline(always)]
+const fn lowest_slot(mask: u64) -> u32 {
     let lowest = (mask & mask.wrapping_neg()) >> 7;
-    Some((lowest.wrapping_mul(0x0001_0203_0405_0607) >> 56) as u32)
+    (lowest.wrapping_mul(0x0001_0203_0405_0607) >> 56) as u32
 }
 
 /// How many bytes a mask of `bytes_equal` names.
@@ -381,9 +387,7 @@ pub fn read_ahead<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> 
     let in_first = 0u64.wrapping_sub((first_tagged | first_tagged.wrapping_neg()) >> 63);
     let bucket = second ^ ((first ^ second) & in_first as u32);
     let tagged = second_tagged ^ ((first_tagged ^ second_tagged) & in_first);
-    // `first_slot` without its test of an empty mask, which gives slot 0.
-    let lowest = (tagged & tagged.wrapping_neg()) >> 7;
-    let index = (lowest.wrapping_mul(0x0001_0203_0405_0607) >> 56) as u32 % BUCKET_SLOTS;
+    let index = lowest_slot(tagged) % BUCKET_SLOTS;
     if let Some(slot) = memory.slot(bucket, index) {
         // SAFETY: a valid slot of the memory, only read.
         unsafe { core::ptr::read_volatile(&raw const (*slot).entry.last_seen_ns) };
