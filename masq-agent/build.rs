@@ -1,4 +1,5 @@
-//! Builds masq-ebpf's programs for bpfel-unknown-none (nightly, bpf-linker, BTF) and leaves the
+//! Builds masq-ebpf's programs for bpfel-unknown-none (nightly, bpf-linker, BTF), straightens
+//! their branches (`bpf_straighten`: the common side of a test falls through) and leaves the
 //! object in OUT_DIR, where `src/dataplane/ebpf` embeds it.
 //!
 //! aya-build passes on every line of the nested cargo build as a `cargo:warning`, which cargo
@@ -55,6 +56,9 @@ fn build_ebpf() -> anyhow::Result<()> {
             }],
             aya_build::Toolchain::default(),
         )?;
+        let object = dir.join("masq");
+        let straightened = bpf_straighten::straighten_object(&object)?;
+        eprintln!("{}: {straightened} branches straightened", object.display());
     }
     // SAFETY: as above.
     unsafe { std::env::set_var("OUT_DIR", &out_dir) };

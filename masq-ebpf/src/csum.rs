@@ -15,6 +15,7 @@ use aya_ebpf::{
 use masq_ebpf::{Address, IPPROTO_UDP};
 
 use crate::{
+    hint,
     parse::{IPV4_CSUM_OFF, IPV4_HLEN, IPV6_DADDR_OFF, IPV6_SADDR_OFF, Packet},
     verifier,
 };
@@ -122,21 +123,20 @@ pub fn rewrite_ipv4_addr(
         AddrField::Destination => header.daddr = new,
     }
     if let Some(csum) = l4_csum {
-        ctx.l4_csum_replace(
+        hint::rarely_failing(ctx.l4_csum_replace(
             csum.off,
             u32::from_ne_bytes(old) as u64,
             u32::from_ne_bytes(new) as u64,
             BPF_F_PSEUDO_HDR as u64 | l4_flags(csum.proto) | SIZE_4,
-        )?;
+        ))?;
     }
     let at = ip.ip_off + IPV4_CSUM_OFF;
-    match ports {
-        Some(ports) if ip.l4_off == ip.ip_off + IPV4_HLEN => {
-            ctx.store(at, &ChecksumAddressesAndPorts { header, ports }, 0)?;
-            Ok(true)
-        }
+    hint::rarely_failing(match ports {
+        Some(ports) if ip.l4_off == ip.ip_off + IPV4_HLEN => ctx
+            .store(at, &ChecksumAddressesAndPorts { header, ports }, 0)
+            .map(|()| true),
         _ => ctx.store(at, &header, 0).map(|()| false),
-    }
+    })
 }
 
 /// Rewrites one address of the IPv6 header `ip` to `new`, and, when `l4_csum` is given, the L4
@@ -207,7 +207,12 @@ pub fn replace_l4_word(
     old: u16,
     new: u16,
 ) -> Result<(), i64> {
-    ctx.l4_csum_replace(csum_off, old as u64, new as u64, l4_flags(proto) | SIZE_2)
+    hint::rarely_failing(ctx.l4_csum_replace(
+        csum_off,
+        old as u64,
+        new as u64,
+        l4_flags(proto) | SIZE_2,
+    ))
 }
 
 /// RFC 1624, eqn. 3: the checksum after a 16-bit word of the covered data changed.

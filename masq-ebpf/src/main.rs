@@ -21,6 +21,8 @@ mod flow_table;
 #[cfg(target_arch = "bpf")]
 mod frag;
 #[cfg(target_arch = "bpf")]
+mod hint;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod nat;

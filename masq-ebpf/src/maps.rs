@@ -200,9 +200,10 @@ pub static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray:
 
 #[inline(always)]
 pub fn count(counter: Counter) {
-    if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+    match COUNTERS.get_ptr_mut(counter as u32) {
         // Per-CPU slot: no other writer can race this increment.
-        unsafe { *slot += 1 };
+        Some(slot) => unsafe { *slot += 1 },
+        None => crate::hint::cold_path(),
     }
 }
 

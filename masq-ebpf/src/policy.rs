@@ -11,7 +11,7 @@
 use aya_ebpf::btf_maps::{LpmTrie, lpm_trie::Key};
 use masq_ebpf::{Address, Decision, PolicyEntry, verdict_slot};
 
-use crate::maps;
+use crate::{hint, maps};
 
 /// Whether the trie holds a prefix of `addr`.
 #[inline(always)]
@@ -32,12 +32,13 @@ pub fn decide_v4(addr: [u8; 4]) -> Decision {
         maps::POLICY_GENERATION.get(0).copied().unwrap_or(0) & verdict_slot::GENERATION_MASK;
     let slot = maps::NON_MASQ_CACHE_V4.get_ptr_mut(verdict_slot::index(addr));
     let (Some(slot), true) = (slot, generation != 0) else {
+        hint::cold_path();
         return decide(&maps::NON_MASQ_V4, addr);
     };
     let tag = verdict_slot::tag(addr, generation);
     // SAFETY: a per-CPU slot; its tag is read and written whole.
     let cached = unsafe { (*slot).tag };
-    if cached & !1 == tag {
+    if hint::likely(cached & !1 == tag) {
         return Decision {
             keeps_address: cached & 1 == 1,
             // SAFETY: as above; the slot is read apart from the tag (see `verdict_slot`).

@@ -21,7 +21,7 @@ use crate::{
     csum::{self, AddrField, L4Checksum, Ports},
     early_drop::{self, SampleSlot},
     family::{Family, V4, V6},
-    flow_table, frag, maps,
+    flow_table, frag, hint, maps,
     nat::{self, AllocError, IdentityError, Made, Segment},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
@@ -111,19 +111,23 @@ pub fn masq_ingress(ctx: TcContext) -> i32 {
 #[inline(never)]
 fn egress<F: Family>(ctx: &TcContext) -> Egress {
     let Some(ip) = F::parse_at(ctx, ETH_HLEN) else {
+        hint::cold_path();
         return Egress::done(Verdict::Keep(Counter::NotInspected).count());
     };
-    if ip.is_later_fragment() {
+    if hint::unlikely(ip.is_later_fragment()) {
         return Egress::done(snat_nat_fragment::<F>(ctx, &ip).count());
     }
-    if !ip.walked_whole {
+    if hint::unlikely(!ip.walked_whole) {
         return Egress::done(snat_unwalked::<F>(ctx, &ip).count());
     }
     let l4 = match snat_translatable::<F>(ctx, &ip) {
         Ok(l4) => l4,
-        Err(verdict) => return Egress::done(verdict.count()),
+        Err(verdict) => {
+            hint::cold_path();
+            return Egress::done(verdict.count());
+        }
     };
-    if l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST {
+    if hint::unlikely(l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST) {
         return Egress::ICMP_NOT_ECHO_REQUEST;
     }
     // Toward a destination the policy leaves alone, no flow has an entry while the agent says
@@ -156,6 +160,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             Egress::done(snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry }))
         }
         None => {
+            hint::cold_path();
             // Deciding, allocating and translating are steps of their own, called from here
             // one after the other: nested, their frames would pass the verifier's 512 bytes
             // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
@@ -446,7 +451,7 @@ impl Verdict {
 
     #[inline(always)]
     fn after(rewritten: Result<(), i64>, done: Counter) -> Verdict {
-        match rewritten {
+        match hint::rarely_failing(rewritten) {
             Ok(()) => Verdict::Keep(done),
             Err(_) => Verdict::Drop(Counter::DropRewriteFailed),
         }
