@@ -1,7 +1,8 @@
 //! Straightens branches in a linked BPF object: where a conditional jump leaps over the
 //! unconditional jump right behind it, its condition is inverted to take that jump's target,
 //! and the unconditional jump becomes a jump to the next instruction, which the kernel's
-//! verifier removes before the JIT sees it.
+//! verifier removes for a loader with CAP_BPF or CAP_SYS_ADMIN, as the agent is (and x86's JIT
+//! emits nothing for one anyway).
 //!
 //! Why: LLVM lays a function's blocks out by how likely each is (`core::hint::cold_path` in
 //! masq-ebpf marks the rare ones), but its BPF backend cannot analyse or invert a conditional
@@ -22,13 +23,14 @@
 //!
 //! ```text
 //! if r3 != 0 goto +517
-//! goto +0                ; removed by the verifier
+//! goto +0                ; removed by the verifier, or by the JIT
 //! ```
 //!
 //! Nothing moves: every instruction keeps its index, so relocations, BTF's line and function
 //! information and every other jump stay valid. A pair is left alone where anything else could
-//! jump to the unconditional jump (another jump's target, a function's entry), where the
-//! condition has no inverse (`JSET`), and where the longer offset would not fit.
+//! jump to the unconditional jump (another jump's target, a function's entry, a relocation's
+//! place), where the condition has no inverse (`JSET`), and where the longer offset would not
+//! fit; a section that jumps through a register (`gotox`) is left whole.
 
 use anyhow::Context as _;
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SectionKind, SymbolKind};
@@ -49,10 +51,16 @@ const OP_EXIT: u8 = 0x90;
 
 /// `goto off`: a 64-bit class unconditional jump, its target in the offset field.
 const JA: u8 = CLASS_JMP | OP_JA;
+/// `gotox reg`: a jump through a register, to targets in a table of the object's (LLVM's
+/// jump tables for BPF, CPU v4 and later), which this pass does not read.
+const GOTOX: u8 = CLASS_JMP | OP_JA | 0x08;
 /// The first slot of `r = imm64`, whose second slot is no instruction of its own.
 const LD_IMM64: u8 = 0x18;
 /// The source register of a call to a BPF function, whose target is in the immediate.
 const PSEUDO_CALL: u8 = 1;
+/// The source register of a wide load of a BPF function's address (a callback's, for
+/// `bpf_loop` or `bpf_for_each_map_elem`), its target in the immediate as a call's.
+const PSEUDO_FUNC: u8 = 4;
 
 /// The operation that takes a branch exactly when `op` does not; `None` for `JSET`.
 fn inverse(op: u8) -> Option<u8> {
@@ -107,10 +115,13 @@ impl Insn {
     /// Where control may go from slot `at` other than the next slot: a jump's target or a
     /// BPF function call's entry.
     fn target(self, at: usize) -> Option<i64> {
+        let next = at as i64 + 1;
+        if self.code == LD_IMM64 {
+            return (self.regs >> 4 == PSEUDO_FUNC).then(|| next + i64::from(self.imm));
+        }
         if !self.is_jump_class() {
             return None;
         }
-        let next = at as i64 + 1;
         match self.code & OP_MASK {
             OP_EXIT => None,
             OP_CALL if self.regs >> 4 == PSEUDO_CALL => Some(next + i64::from(self.imm)),
@@ -122,11 +133,15 @@ impl Insn {
     }
 }
 
-/// Straightens the code of one section, `code`, whose functions begin at the slots `entries`.
-/// Says how many branches it straightened.
+/// Straightens the code of one section, `code`, which code elsewhere may reach at the slots
+/// `entries` (its functions' entries, the places relocations name). Says how many branches it
+/// straightened.
 pub fn straighten(code: &mut [u8], entries: &[usize]) -> usize {
     let slots = code.len() / SLOT;
     let insns: Vec<Insn> = code.chunks_exact(SLOT).map(Insn::read).collect();
+    if insns.iter().any(|insn| insn.code == GOTOX) {
+        return 0;
+    }
     // Slots that something other than the slot before may reach, and second halves of wide
     // loads, which are no instructions.
     let mut reached = vec![false; slots];
@@ -139,20 +154,20 @@ pub fn straighten(code: &mut [u8], entries: &[usize]) -> usize {
     let mut at = 0;
     while at < slots {
         let insn = insns[at];
-        if insn.code == LD_IMM64 {
-            if let Some(half) = second_half.get_mut(at + 1) {
-                *half = true;
-            }
-            at += 2;
-            continue;
-        }
         if let Some(target) = insn.target(at)
             && let Ok(target) = usize::try_from(target)
             && let Some(slot) = reached.get_mut(target)
         {
             *slot = true;
         }
-        at += 1;
+        if insn.code == LD_IMM64 {
+            if let Some(half) = second_half.get_mut(at + 1) {
+                *half = true;
+            }
+            at += 2;
+        } else {
+            at += 1;
+        }
     }
     let mut straightened = 0;
     for at in 0..slots.saturating_sub(1) {
@@ -194,36 +209,96 @@ pub fn straighten_object(path: &std::path::Path) -> anyhow::Result<usize> {
 /// Straightens every code section of the BPF object (an ELF file) in `bytes`, in place. Says
 /// how many branches it straightened: none in an object straightened before.
 pub fn straighten_elf(bytes: &mut [u8]) -> anyhow::Result<usize> {
-    let mut sections = Vec::new();
-    {
-        let file = object::File::parse(&*bytes).context("not an object file")?;
-        for section in file.sections() {
-            if section.kind() != SectionKind::Text {
-                continue;
-            }
-            let Some((offset, size)) = section.file_range() else {
-                continue;
-            };
-            // Every function's entry, which calls (and callbacks) may reach.
-            let entries: Vec<usize> = file
-                .symbols()
-                .filter(|symbol| {
-                    symbol.kind() == SymbolKind::Text
-                        && symbol.section_index() == Some(section.index())
-                })
-                .map(|symbol| symbol.address() as usize / SLOT)
-                .collect();
-            sections.push((offset as usize, size as usize, entries));
-        }
-    }
+    let sections = code_sections(bytes)?;
     let mut straightened = 0;
-    for (offset, size, entries) in sections {
+    for (range, entries) in sections {
         let code = bytes
-            .get_mut(offset..offset + size)
+            .get_mut(range)
             .context("a code section past the file's end")?;
         straightened += straighten(code, &entries);
     }
     Ok(straightened)
+}
+
+/// How many jumps to the next instruction the code sections of the object in `bytes` hold:
+/// what straightening leaves (LLVM emits none).
+pub fn jumps_to_next(bytes: &[u8]) -> anyhow::Result<usize> {
+    let mut jumps = 0;
+    for (range, _) in code_sections(bytes)? {
+        let code = bytes
+            .get(range)
+            .context("a code section past the file's end")?;
+        jumps += code
+            .chunks_exact(SLOT)
+            .map(Insn::read)
+            .filter(|insn| insn.code == JA && insn.off == 0)
+            .count();
+    }
+    Ok(jumps)
+}
+
+/// The object's code sections: where each lies in the file, and the slots of it that code
+/// elsewhere may reach. Those are every symbol's place (a function's entry, a label) and every
+/// place a relocation names: in this relocatable object a call's or a callback's target is the
+/// loader's to fill in, and one against a section symbol keeps the place in its immediate, in
+/// slots less one for a call and in bytes for a wide load. Both readings are taken: a slot
+/// taken for reachable that is not only leaves a pair alone.
+fn code_sections(bytes: &[u8]) -> anyhow::Result<Vec<(std::ops::Range<usize>, Vec<usize>)>> {
+    let file = object::File::parse(bytes).context("not an object file")?;
+    // By section index.
+    let mut reached: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for symbol in file.symbols() {
+        if let Some(index) = symbol.section_index() {
+            reached
+                .entry(index.0)
+                .or_default()
+                .push(symbol.address() as usize / SLOT);
+        }
+    }
+    let code: Vec<_> = file
+        .sections()
+        .filter(|section| section.kind() == SectionKind::Text)
+        .collect();
+    for section in &code {
+        let data = section.data().context("a code section's bytes")?;
+        for (offset, relocation) in section.relocations() {
+            let object::RelocationTarget::Symbol(index) = relocation.target() else {
+                continue;
+            };
+            let symbol = file.symbol_by_index(index)?;
+            let Some(in_section) = symbol.section_index() else {
+                continue;
+            };
+            let base = symbol.address() as usize / SLOT;
+            let places = reached.entry(in_section.0).or_default();
+            places.push(base);
+            if symbol.kind() == SymbolKind::Section {
+                let at = usize::try_from(offset)?;
+                let imm = data
+                    .get(at..at + SLOT)
+                    .map(|slot| i64::from(Insn::read(slot).imm))
+                    .context("a relocation past its section's end")?;
+                for slots in [imm + 1, imm / SLOT as i64] {
+                    if let Ok(slots) = usize::try_from(slots) {
+                        places.push(base + slots);
+                    }
+                }
+            }
+        }
+    }
+    let mut sections = Vec::new();
+    for section in code {
+        let Some((offset, size)) = section.file_range() else {
+            continue;
+        };
+        let start = usize::try_from(offset)?;
+        let end = start
+            .checked_add(usize::try_from(size)?)
+            .context("a code section past the end of memory")?;
+        let places = reached.remove(&section.index().0).unwrap_or_default();
+        sections.push((start..end, places));
+    }
+    Ok(sections)
 }
 
 #[cfg(test)]
@@ -384,15 +459,35 @@ mod tests {
                     let what = format!("op {op:#x}, wide {wide}, imm {imm}");
                     assert_same_marks(&before, &after, &what);
                 }
+                // Against a register, which the interpreter does not read: the same inverse
+                // as against an immediate, and the source bit and both registers kept.
+                let mut against_imm = diamond(test(op, wide, 0, 1));
+                straighten(&mut against_imm, &[0]);
+                let class = if wide { 0x05 } else { 0x06 };
+                let mut against_r2 = diamond(slot(op | class | 0x08, 1 | 2 << 4, 1, 0));
+                assert_eq!(straighten(&mut against_r2, &[0]), 1, "op {op:#x}, X");
+                let mut expected = against_imm;
+                expected[0] |= 0x08;
+                expected[1] = 1 | 2 << 4;
+                assert_eq!(against_r2, expected, "op {op:#x}, wide {wide}, X");
             }
         }
     }
 
     #[test]
     fn what_anything_else_may_reach_is_left_alone() {
-        // A test, or a long jump, to the `goto` of the diamond behind it.
-        for reaching in [test(JGT, true, 3, 1), gotol(1)] {
-            let program = [code(&[reaching]), diamond(test(JEQ, true, 5, 1))].concat();
+        // A test, a long jump, a call or a callback's address, to the `goto` of the diamond
+        // behind it.
+        let call = slot(0x85, PSEUDO_CALL << 4, 0, 1);
+        let [_, second_half] = wide_load(0);
+        let callback = [slot(0x18, 2 | PSEUDO_FUNC << 4, 0, 2), second_half];
+        for reaching in [
+            vec![test(JGT, true, 3, 1)],
+            vec![gotol(1)],
+            vec![call],
+            callback.to_vec(),
+        ] {
+            let program = [code(&reaching), diamond(test(JEQ, true, 5, 1))].concat();
             let mut after = program.clone();
             assert_eq!(straighten(&mut after, &[0]), 0);
             assert_eq!(after, program);
@@ -401,6 +496,14 @@ mod tests {
         let an_entry = code(&[test(JEQ, true, 5, 1), goto(1), exit(), exit()]);
         let mut after = an_entry.clone();
         assert_eq!(straighten(&mut after, &[0, 1]), 0);
+        assert_eq!(after, an_entry);
+
+        // A jump through a register, whose targets are in a table the pass does not read.
+        let jumping_through_a_register =
+            [diamond(test(JEQ, true, 5, 1)), code(&[slot(0x0d, 3, 0, 0)])].concat();
+        let mut after = jumping_through_a_register.clone();
+        assert_eq!(straighten(&mut after, &[0]), 0);
+        assert_eq!(after, jumping_through_a_register);
     }
 
     #[test]
@@ -408,6 +511,7 @@ mod tests {
         let set = code(&[test(JSET, true, 4, 1), goto(1), exit(), exit()]);
         let mut after = set.clone();
         assert_eq!(straighten(&mut after, &[0]), 0);
+        assert_eq!(after, set);
 
         let far = code(&[test(JEQ, true, 4, 1), goto(i16::MAX), exit()]);
         let mut after = far.clone();
