@@ -112,8 +112,8 @@ impl Insn {
         matches!(self.code & CLASS_MASK, CLASS_JMP | CLASS_JMP32)
     }
 
-    /// Where control may go from slot `at` other than the next slot: a jump's target or a
-    /// BPF function call's entry.
+    /// Where control may go from slot `at` other than the next slot: a jump's target, a BPF
+    /// function call's entry, or the callback whose address a wide load takes.
     fn target(self, at: usize) -> Option<i64> {
         let next = at as i64 + 1;
         if self.code == LD_IMM64 {
