@@ -161,11 +161,17 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
         }
         None => {
             hint::cold_path();
+            // The device, looked up once for both steps of a new flow that need it: each
+            // lookup is a call of the hash table's helper (a first packet 5 % cheaper than
+            // with a lookup in each, docs/bench/profiles.md).
+            let Some(iface) = Device::<F>::of(ctx).map(|device| device.iface) else {
+                return Egress::done(Verdict::Keep(Counter::NotInspected).count());
+            };
             // Deciding, allocating and translating are steps of their own, called from here
             // one after the other: nested, their frames would pass the verifier's 512 bytes
             // of stack, which kernels before 6.9 count in steps of 32 bytes a frame.
             let mut segment = Segment::default();
-            let source = match snat_new_flow::<F>(ctx, &ip, &l4, &mut segment) {
+            let source = match snat_new_flow::<F>(ctx, &ip, &l4, iface, &mut segment) {
                 NewFlow::POD_SOURCE => Source::Pod,
                 NewFlow::NODE_SOURCE => Source::Node,
                 done => return Egress::done(done.action()),
@@ -174,7 +180,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                 return Egress::done(verdict.count());
             }
             let mut entry = NatEntry::default();
-            let mut made = snat_masquerade_new::<F>(ctx, &key, &segment, &mut entry);
+            let mut made = snat_masquerade_new::<F>(iface, &key, &segment, &mut entry);
             if made == Masquerading::MASQUERADED {
                 early_drop::remember::<F>(SampleSlot::RANDOM, &key);
             } else if made == Masquerading::TABLE_FULL {
@@ -257,17 +263,18 @@ impl Source {
 }
 
 step! {
-/// Egress, a packet of no known flow. Says:
+/// Egress, a packet of no known flow, crossing the device of `iface`. Says:
 /// - `POD_SOURCE` or `NODE_SOURCE`: the first of a flow the policy masquerades, with
 ///   `segment` read;
-/// - or what tc is to do: with a packet to leave alone, or before the device is configured.
+/// - or what tc is to do: with a packet to leave alone.
 fn snat_new_flow<F: Family>(
     ctx: &TcContext,
     ip: &Packet<F::Addr>,
     l4: &L4,
+    iface: &'static Interface,
     segment: &mut Segment,
 ) -> NewFlow {
-    let Some(device) = Device::<F>::of(ctx) else {
+    let Some(device) = Device::<F>::on(opaque(iface)) else {
         return NewFlow::done(Verdict::Keep(Counter::NotInspected).count());
     };
     let source = Source::of(ip, &device);
@@ -280,19 +287,20 @@ fn snat_new_flow<F: Family>(
 }
 
 step! {
-/// Egress, the first packet of a flow to masquerade: a port for it, and both halves of its
-/// entry. A flow of the node's own is one whose port a masqueraded flow held already. Says:
+/// Egress, the first packet of a flow to masquerade, leaving by the device of `iface`: a port
+/// for it, and both halves of its entry. A flow of the node's own is one whose port a
+/// masqueraded flow held already. Says:
 /// - `MASQUERADED`: the egress half is in `entry`;
 /// - `KNOWN_FLOW`: the table held the flow already, and its egress half is in `entry`;
 /// - `TABLE_FULL`: no room for the flow (`early_drop` may make some);
 /// - or what tc is to do: drop the packet when every port is taken.
 fn snat_masquerade_new<F: Family>(
-    ctx: &TcContext,
+    iface: &'static Interface,
     key: &NatKey<F::Addr>,
     segment: &Segment,
     entry: &mut NatEntry<F::Addr>,
 ) -> Masquerading {
-    let Some(device) = Device::<F>::of(ctx) else {
+    let Some(device) = Device::<F>::on(opaque(iface)) else {
         return Masquerading::done(Verdict::Keep(Counter::NotInspected).count());
     };
     // A node flow's clash moves its port, never its address.
@@ -403,6 +411,12 @@ impl<F: Family> Device<F> {
     fn of(ctx: &TcContext) -> Option<Device<F>> {
         let iface = Self::entry(ctx)?;
         maps::settings().filter(|s| s.total_ports != 0)?;
+        Self::on(iface)
+    }
+
+    /// The device of `iface`, an entry `of` found: its address read again.
+    #[inline(always)]
+    fn on(iface: &'static Interface) -> Option<Device<F>> {
         Some(Device {
             iface,
             addr: F::node_addr(iface)?,
@@ -433,6 +447,13 @@ impl<F: Family> Device<F> {
     fn masquerade_addr(&self) -> F::Addr {
         F::chosen_addr(self.iface).unwrap_or(self.addr)
     }
+}
+
+/// `iface` as the caller passed it, so that LLVM does not hand a step the entry's addresses in
+/// its stead (argument promotion): sixteen-byte values take more registers than a call has.
+#[inline(always)]
+fn opaque(iface: &'static Interface) -> &'static Interface {
+    core::hint::black_box(iface)
 }
 
 /// What happens to a packet, and the counter that records why.
