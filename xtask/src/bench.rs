@@ -90,6 +90,16 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
         datapath(&root.join("target/release/examples/datapath_bench"), &plan)?
     };
+    let datapath_cold = if options.end_to_end_only {
+        Vec::new()
+    } else {
+        eprintln!("xtask: bench: the data path with the branch predictors cold");
+        kept_on_failure(
+            "the cold data path",
+            || datapath_cold(&root.join("target/release/examples/datapath_bench"), &plan),
+            |_| Vec::new(),
+        )
+    };
     let sweeps = if options.end_to_end_only {
         Vec::new()
     } else {
@@ -172,6 +182,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         &plan,
         &report::Measured {
             datapath: &datapath,
+            datapath_cold: &datapath_cold,
             sweeps: &sweeps,
             node_ports: &node_ports,
             samples: &samples,
@@ -196,19 +207,31 @@ fn kept_on_failure<T>(
     })
 }
 
+/// Every case at every size, the branch predictors warm (one case's runs one after the other).
 fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
-    let runs = plan.runs.to_string();
-    json_lines(
+    datapath_runs(binary, plan, &["--sizes", "4,10000,100000"])
+}
+
+/// The cases a packet of a known flow, a first packet and a packet left alone take, at the
+/// smallest size, each run after code that empties the CPU's branch predictors, as a packet's
+/// trip down the network stack does end to end (docs/bench/profiles.md, "A run end to end,
+/// cold"); and the runner's floor, measured so too.
+fn datapath_cold(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
+    let cases = report::COLD_CASES.join(",");
+    let kib = report::COLD_PREDICTORS_KIB.to_string();
+    datapath_runs(
         binary,
-        &[
-            "--runs",
-            &runs,
-            "--rounds",
-            "5",
-            "--sizes",
-            "4,10000,100000",
-        ],
+        plan,
+        &["--sizes", "4", "--cases", &cases, "--cold-predictors", &kib],
     )
+}
+
+/// `datapath_bench` with the plan's runs a case, over five rounds, and `args`.
+fn datapath_runs(binary: &Path, plan: &Plan, args: &[&str]) -> anyhow::Result<Vec<DatapathCase>> {
+    let runs = plan.runs.to_string();
+    let mut all = vec!["--runs", &runs, "--rounds", "5"];
+    all.extend_from_slice(args);
+    json_lines(binary, &all)
 }
 
 /// Runs a benchmark binary that takes only the plan's rounds.

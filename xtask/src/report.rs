@@ -377,7 +377,10 @@ fn fmt_value(metric: Metric, v: f64) -> String {
 fn summary(
     m: &Medians,
     plan: &Plan,
-    datapath: &[DatapathCase],
+    DataPath {
+        warm: datapath,
+        cold: datapath_cold,
+    }: DataPath,
     sweeps: &[SweepCase],
     node_ports: &[NodePortsCase],
     cp: Option<&ControlPlane>,
@@ -426,6 +429,9 @@ fn summary(
     costs_table(&mut s, m, plan);
     if !datapath.is_empty() {
         datapath_table(&mut s, datapath);
+    }
+    if !datapath_cold.is_empty() {
+        cold_datapath_table(&mut s, datapath, datapath_cold);
     }
     if !sweeps.is_empty() {
         sweeps_table(&mut s, sweeps);
@@ -699,6 +705,61 @@ fn datapath_table(s: &mut String, datapath: &[DatapathCase]) {
     }
 }
 
+/// The data path's cases, measured with the branch predictors warm (one case's runs one after
+/// the other) and cold (`COLD_PREDICTORS_KIB`).
+#[derive(Clone, Copy, Default)]
+struct DataPath<'a> {
+    warm: &'a [DatapathCase],
+    cold: &'a [DatapathCase],
+}
+
+/// The cases measured again with the branch predictors cold, at 4 prefixes.
+pub const COLD_CASES: [&str; 6] = [
+    "non_masq_hit",
+    "snat_established",
+    "snat_new_flow",
+    "rev_snat",
+    "ingress_no_flow",
+    "ignored_floor",
+];
+
+/// KiB of code run before each cold run, that jumps from each instruction to the next: more
+/// branches than the CPU's predictors hold.
+pub const COLD_PREDICTORS_KIB: usize = 64;
+
+fn cold_datapath_table(s: &mut String, warm: &[DatapathCase], cold: &[DatapathCase]) {
+    let _ = writeln!(
+        s,
+        "\nThe same cases at 4 prefixes, each run after {COLD_PREDICTORS_KIB} KiB of code that jumps from each instruction to the next, so that the CPU's branch predictors hold none of the program's branches, as after a packet's trip down the network stack end to end ([the profiles](profiles.md), \"A run end to end, cold\"); ignored_floor measured so too. Warm is the table above's, measured apart.\n\n| data path at 4 prefixes, ns per packet | warm | cold | warm, above the floor | cold, above the floor | cold ÷ warm, above the floor |\n|---|---:|---:|---:|---:|---:|"
+    );
+    let at_4 = |cases: &[DatapathCase], case: &str| {
+        cases
+            .iter()
+            .find(|c| c.case == case && c.prefixes == 4)
+            .map(|c| c.ns_per_packet)
+    };
+    let floor = |cases: &[DatapathCase]| at_4(cases, "ignored_floor");
+    let cell = |v: Option<f64>, digits: usize| v.map_or("–".into(), |v| format!("{v:.digits$}"));
+    for case in COLD_CASES {
+        let (w, c) = (at_4(warm, case), at_4(cold, case));
+        let above = |v: Option<f64>, cases| {
+            v.zip(floor(cases))
+                .filter(|_| case != "ignored_floor")
+                .map(|(v, f)| v - f)
+        };
+        let (w_above, c_above) = (above(w, warm), above(c, cold));
+        let _ = writeln!(
+            s,
+            "| {case} | {} | {} | {} | {} | {} |",
+            cell(w, 0),
+            cell(c, 0),
+            cell(w_above, 0),
+            cell(c_above, 0),
+            cell(c_above.zip(w_above).map(|(c, w)| c / w), 1),
+        );
+    }
+}
+
 fn control_plane_table(s: &mut String, cp: &ControlPlane) {
     let latencies = &cp.config_change_to_map_ms;
     if let Some(error) = &cp.error {
@@ -876,6 +937,8 @@ fn whose_traffic(plan: &Plan) -> String {
 /// Everything a run measured.
 pub struct Measured<'a> {
     pub datapath: &'a [DatapathCase],
+    /// `COLD_CASES` at 4 prefixes, with the branch predictors emptied before each run.
+    pub datapath_cold: &'a [DatapathCase],
     pub sweeps: &'a [SweepCase],
     pub node_ports: &'a [NodePortsCase],
     pub samples: &'a [Sample],
@@ -894,6 +957,7 @@ pub fn write(
 ) -> anyhow::Result<()> {
     let Measured {
         datapath,
+        datapath_cold,
         sweeps,
         node_ports,
         samples,
@@ -913,7 +977,18 @@ pub fn write(
         took.as_secs_f64(),
         what_ran(plan)?
     );
-    let table = summary(&m, plan, datapath, sweeps, node_ports, cp, churns);
+    let table = summary(
+        &m,
+        plan,
+        DataPath {
+            warm: datapath,
+            cold: datapath_cold,
+        },
+        sweeps,
+        node_ports,
+        cp,
+        churns,
+    );
     plot(
         &dir.join("new-connections.svg"),
         &m,
@@ -923,6 +998,7 @@ pub fn write(
     let json = serde_json::json!({
         "header": header,
         "datapath": datapath,
+        "datapath_cold": datapath_cold,
         "sweeps": sweeps,
         "node_ports": node_ports,
         "samples": samples,
@@ -1046,9 +1122,49 @@ mod tests {
         }
     }
 
+    /// The summary of end-to-end figures and the data path's, with no sweep, node ports,
+    /// control plane or churn measured.
+    fn summary_without_runs_of_their_own(m: &Medians, plan: &Plan, datapath: DataPath) -> String {
+        summary(m, plan, datapath, &[], &[], None, &[])
+    }
+
+    #[test]
+    fn the_cold_data_path_is_set_beside_the_warm_above_each_floor() {
+        let case = |case: &str, ns_per_packet: f64| DatapathCase {
+            case: case.into(),
+            prefixes: 4,
+            ns_per_packet,
+            samples: vec![ns_per_packet],
+        };
+        let warm = [case("snat_established", 110.0), case("ignored_floor", 40.0)];
+        let cold = [case("snat_established", 520.0), case("ignored_floor", 70.0)];
+        let table = |cold: &[DatapathCase]| {
+            summary_without_runs_of_their_own(
+                &medians(&samples(3)),
+                &plan(),
+                DataPath { warm: &warm, cold },
+            )
+        };
+        let text = table(&cold);
+        // 450 above the cold floor against 70 above the warm one.
+        assert!(
+            text.contains("| snat_established | 110 | 520 | 70 | 450 | 6.4 |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| ignored_floor | 40 | 70 | – | – | – |"),
+            "{text}"
+        );
+        assert!(text.contains("| rev_snat | – | – | – | – | – |"), "{text}");
+        // Without cold figures, no table.
+        let warm_only = table(&[]);
+        assert!(!warm_only.contains("cold ÷ warm"), "{warm_only}");
+    }
+
     #[test]
     fn every_metric_table_has_a_row_per_shape() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, &[]);
+        let text =
+            summary_without_runs_of_their_own(&medians(&samples(3)), &plan(), DataPath::default());
         let pinned = "| 4 CIDRs | pinned lanes | 12500 | 10000 | 8000 | 5000 | 9000 | 6000 |";
         let unpinned = "| 4 CIDRs | unpinned, more in flight | 25000 | 20000 | 16000 | 10000 | 18000 | 12000 |";
         // Every metric's but the bulk one, whose figures have decimals.
@@ -1073,7 +1189,7 @@ mod tests {
             s.cost.agent_ns = s.mode.masquerades().then_some(7.0);
         }
         let m = medians(&samples);
-        let text = summary(&m, &plan, &[], &[], &[], None, &[]);
+        let text = summary(&m, &plan, DataPath::default(), &[], &[], None, &[]);
         for metric in [
             Metric::NodeOutboundConnections,
             Metric::NodeInboundConnections,
@@ -1104,7 +1220,8 @@ mod tests {
 
     #[test]
     fn ratio_tables_come_one_per_shape_with_kube_proxys_cost_first() {
-        let text = summary(&medians(&samples(3)), &plan(), &[], &[], &[], None, &[]);
+        let text =
+            summary_without_runs_of_their_own(&medians(&samples(3)), &plan(), DataPath::default());
         for shape in Shape::ALL {
             assert!(
                 text.contains(&format!("Ratios in the load shape {}", shape.name())),
