@@ -219,10 +219,18 @@ fn datapath(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
 fn datapath_cold(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>> {
     let cases = report::COLD_CASES.join(",");
     let kib = report::COLD_PREDICTORS_KIB.to_string();
+    let size = report::COLD_PREFIXES.to_string();
     datapath_runs(
         binary,
         plan,
-        &["--sizes", "4", "--cases", &cases, "--cold-predictors", &kib],
+        &[
+            "--sizes",
+            &size,
+            "--cases",
+            &cases,
+            "--cold-predictors",
+            &kib,
+        ],
     )
 }
 

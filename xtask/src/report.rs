@@ -246,12 +246,7 @@ fn targets(
     plan: &Plan,
 ) -> Vec<Target> {
     let mut out = end_to_end_targets(m, &plan.shapes, &plan.sizes);
-    let cost = |case: &str, n: usize| {
-        datapath
-            .iter()
-            .find(|c| c.case == case && c.prefixes == n)
-            .map(|c| c.ns_per_packet)
-    };
+    let cost = |case: &str, n: usize| ns_per_packet(datapath, case, n);
     for case in [
         "non_masq_hit",
         "non_masq_uncached",
@@ -694,12 +689,7 @@ fn datapath_table(s: &mut String, datapath: &[DatapathCase]) {
     ] {
         let cells: Vec<String> = [4usize, 10_000, 100_000]
             .iter()
-            .map(|n| {
-                datapath
-                    .iter()
-                    .find(|c| c.case == case && c.prefixes == *n)
-                    .map_or("–".into(), |c| format!("{:.0}", c.ns_per_packet))
-            })
+            .map(|n| ns_per_packet(datapath, case, *n).map_or("–".into(), |v| format!("{v:.0}")))
             .collect();
         let _ = writeln!(s, "| {case} | {} |", cells.join(" | "));
     }
@@ -713,7 +703,18 @@ struct DataPath<'a> {
     cold: &'a [DatapathCase],
 }
 
-/// The cases measured again with the branch predictors cold, at 4 prefixes.
+/// A data-path case's cost at a size of the policy, if it was measured there.
+fn ns_per_packet(cases: &[DatapathCase], case: &str, prefixes: usize) -> Option<f64> {
+    cases
+        .iter()
+        .find(|c| c.case == case && c.prefixes == prefixes)
+        .map(|c| c.ns_per_packet)
+}
+
+/// The size of the policy the cold cases are measured at: the smallest.
+pub const COLD_PREFIXES: usize = 4;
+
+/// The cases measured again with the branch predictors cold, at `COLD_PREFIXES`.
 pub const COLD_CASES: [&str; 6] = [
     "non_masq_hit",
     "snat_established",
@@ -730,18 +731,13 @@ pub const COLD_PREDICTORS_KIB: usize = 64;
 fn cold_datapath_table(s: &mut String, warm: &[DatapathCase], cold: &[DatapathCase]) {
     let _ = writeln!(
         s,
-        "\nThe same cases at 4 prefixes, each run after {COLD_PREDICTORS_KIB} KiB of code that jumps from each instruction to the next, so that the CPU's branch predictors hold none of the program's branches, as after a packet's trip down the network stack end to end ([the profiles](profiles.md), \"A run end to end, cold\"); ignored_floor measured so too. Warm is the table above's, measured apart.\n\n| data path at 4 prefixes, ns per packet | warm | cold | warm, above the floor | cold, above the floor | cold ÷ warm, above the floor |\n|---|---:|---:|---:|---:|---:|"
+        "\nThe same cases at {COLD_PREFIXES} prefixes, each run after {COLD_PREDICTORS_KIB} KiB of code that jumps from each instruction to the next, so that the CPU's branch predictors hold none of the program's branches, as after a packet's trip down the network stack end to end ([the profiles](profiles.md), \"A run end to end, cold\"); ignored_floor measured so too. Warm is the table above's, measured apart.\n\n| data path at {COLD_PREFIXES} prefixes, ns per packet | warm | cold | warm, above the floor | cold, above the floor | cold ÷ warm, above the floor |\n|---|---:|---:|---:|---:|---:|"
     );
-    let at_4 = |cases: &[DatapathCase], case: &str| {
-        cases
-            .iter()
-            .find(|c| c.case == case && c.prefixes == 4)
-            .map(|c| c.ns_per_packet)
-    };
-    let floor = |cases: &[DatapathCase]| at_4(cases, "ignored_floor");
+    let at_size = |cases: &[DatapathCase], case: &str| ns_per_packet(cases, case, COLD_PREFIXES);
+    let floor = |cases: &[DatapathCase]| at_size(cases, "ignored_floor");
     let cell = |v: Option<f64>, digits: usize| v.map_or("–".into(), |v| format!("{v:.digits$}"));
     for case in COLD_CASES {
-        let (w, c) = (at_4(warm, case), at_4(cold, case));
+        let (w, c) = (at_size(warm, case), at_size(cold, case));
         let above = |v: Option<f64>, cases| {
             v.zip(floor(cases))
                 .filter(|_| case != "ignored_floor")
@@ -937,7 +933,7 @@ fn whose_traffic(plan: &Plan) -> String {
 /// Everything a run measured.
 pub struct Measured<'a> {
     pub datapath: &'a [DatapathCase],
-    /// `COLD_CASES` at 4 prefixes, with the branch predictors emptied before each run.
+    /// `COLD_CASES` at `COLD_PREFIXES`, with the branch predictors emptied before each run.
     pub datapath_cold: &'a [DatapathCase],
     pub sweeps: &'a [SweepCase],
     pub node_ports: &'a [NodePortsCase],
@@ -1189,7 +1185,7 @@ mod tests {
             s.cost.agent_ns = s.mode.masquerades().then_some(7.0);
         }
         let m = medians(&samples);
-        let text = summary(&m, &plan, DataPath::default(), &[], &[], None, &[]);
+        let text = summary_without_runs_of_their_own(&m, &plan, DataPath::default());
         for metric in [
             Metric::NodeOutboundConnections,
             Metric::NodeInboundConnections,
