@@ -28,6 +28,12 @@ pub mod map_names {
     pub const NAT_SLOTS_V6: &str = "nat_slots_v6";
     pub const NAT_SLOT_WORDS_V6: &str = "nat_slot_words_v6";
     pub const INTERFACES: &str = "interfaces";
+    /// The devices of `interfaces` whose ifindex is below `INTERFACES_BY_IFINDEX_ENTRIES`, in an
+    /// array the programs read before the hash table (`IndexedInterface`): an array's lookup
+    /// is a few instructions, the hash table's a call that hashes and compares. Filled by the
+    /// agent after it loads the programs, not pinned: until then the programs read the hash
+    /// table, which stays the whole truth.
+    pub const INTERFACES_BY_IFINDEX: &str = "interfaces_by_ifindex";
     pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
     /// Bumped by the agent after every change to `non_masq_v4`; the programs' per-CPU verdict
@@ -232,6 +238,10 @@ pub const FULL_TABLE_COUNTERS: [Counter; 3] = [
 ];
 /// Interfaces the programs may be attached to at once.
 pub const INTERFACES_MAX_ENTRIES: u32 = 64;
+/// Ifindexes below this have their device in `interfaces_by_ifindex` too. A node's uplinks are
+/// made at boot, or by its network plugin soon after, and get small ifindexes; a device with a
+/// larger one is read from the hash table alone.
+pub const INTERFACES_BY_IFINDEX_ENTRIES: u32 = 1024;
 
 /// What a prefix of the policy tries does to traffic to the destinations it is the longest
 /// prefix of.
@@ -656,6 +666,18 @@ pub struct Interface {
     pub masquerade_ipv6: [u8; 16],
 }
 
+/// An element of `interfaces_by_ifindex`. The agent rewrites one only while `in_use` is clear
+/// and no program run that saw it set is still running (an RCU grace period, which tc programs
+/// run inside), so that a program that finds it set reads an `iface` no write is changing, and
+/// one that finds it clear reads the hash table instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexedInterface {
+    /// Not 0: `iface` is the device's, as in `interfaces`.
+    pub in_use: u32,
+    pub iface: Interface,
+}
+
 pub const MAX_PORT_SPANS: usize = 8;
 
 /// `first..first + count` in host byte order.
@@ -910,6 +932,7 @@ mod pod {
     unsafe impl aya::Pod for super::NatKeyV6 {}
     unsafe impl aya::Pod for super::NatEntryV6 {}
     unsafe impl aya::Pod for super::Interface {}
+    unsafe impl aya::Pod for super::IndexedInterface {}
     unsafe impl aya::Pod for super::Settings {}
     unsafe impl aya::Pod for super::PolicyEntry {}
     unsafe impl aya::Pod for super::SweepOrder {}

@@ -6,10 +6,11 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use masq_ebpf::{
-    Address, COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey, INTERFACES_MAX_ENTRIES,
-    Interface, NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey,
-    PolicyEntry, Settings, SweepOrder, SweepReport, decision_slot, node_ports, policy_word,
-    slot_table::Slot, verdict_slot,
+    Address, COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey,
+    INTERFACES_BY_IFINDEX_ENTRIES, INTERFACES_MAX_ENTRIES, IndexedInterface, Interface,
+    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
+    Settings, SweepOrder, SweepReport, decision_slot, node_ports, policy_word, slot_table::Slot,
+    verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -122,6 +123,12 @@ pub static FRAGMENTS_V6: FragmentTable<[u8; 16]> = LruHashMap::new();
 #[btf_map(name = "interfaces")]
 pub static INTERFACES: HashMap<u32, Interface, { INTERFACES_MAX_ENTRIES as usize }> =
     HashMap::new();
+
+#[btf_map(name = "interfaces_by_ifindex")]
+pub static INTERFACES_BY_IFINDEX: Array<
+    IndexedInterface,
+    { INTERFACES_BY_IFINDEX_ENTRIES as usize },
+> = Array::new();
 
 #[btf_map(name = "settings")]
 pub static SETTINGS: Array<Settings, 1> = Array::new();

@@ -423,11 +423,21 @@ impl<F: Family> Device<F> {
         })
     }
 
-    /// The `interfaces` entry of the device the packet crosses.
+    /// The `interfaces` entry of the device the packet crosses: from `interfaces_by_ifindex`
+    /// where its element is in use, a few instructions; else from the hash table, whose lookup
+    /// was half of what a packet left alone costs (docs/bench/profiles.md, "The device's
+    /// lookup on the paths of packets left alone").
     #[inline(always)]
     fn entry(ctx: &TcContext) -> Option<&'static Interface> {
         // SAFETY: the context pointer is valid for the program's run.
         let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+        if let Some(indexed) = maps::INTERFACES_BY_IFINDEX.get(ifindex)
+            && hint::likely(indexed.in_use != 0)
+        {
+            // No write changes the element while a run that saw it in use may read it
+            // (`masq_ebpf::IndexedInterface`).
+            return Some(&indexed.iface);
+        }
         // SAFETY: the map value lives as long as the program runs, and is only read.
         Some(unsafe { &*maps::INTERFACES.get_ptr(ifindex)? })
     }

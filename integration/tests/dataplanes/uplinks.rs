@@ -137,7 +137,53 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane, family: IpFamily) {
             !on(address(&old)),
             "nothing is left on the old address:\n{halves:?}"
         );
+        // The programs found the uplink in their array, which the agent rewrote.
+        let element = indexed_interface(&bed, uplink);
+        assert_eq!(element["in_use"], 1, "{element}");
+        assert_eq!(
+            element["iface"][family.pick("ipv4", "ipv6")],
+            bytes(new_address),
+            "{element}"
+        );
     }
+}
+
+/// The element of `device` in the array of devices of the programs on it
+/// (`map_names::INTERFACES_BY_IFINDEX`), as bpftool formats it from the map's BTF.
+fn indexed_interface(bed: &Bed, device: &str) -> serde_json::Value {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = masq_testbed::netns::run("bpftool", &[&["-j"], args].concat()).unwrap();
+        serde_json::from_str(&out).unwrap()
+    };
+    let shown = bed
+        .topo
+        .node_run("ip", &["-j", "link", "show", "dev", device]);
+    let shown: serde_json::Value = serde_json::from_str(&shown.unwrap()).unwrap();
+    let ifindex = shown[0]["ifindex"].as_u64().unwrap() as u32;
+    assert!(
+        ifindex < masq_ebpf::INTERFACES_BY_IFINDEX_ENTRIES,
+        "{device}'s ifindex {ifindex} is one the array holds"
+    );
+    let link = links_of(bed, device)
+        .into_iter()
+        .find(|pin| pin.to_string_lossy().ends_with("-egress"))
+        .expect("the egress program's link is pinned");
+    let link = json(&["link", "show", "pinned", link.to_str().unwrap()]);
+    let program = json(&["prog", "show", "id", &link["prog_id"].to_string()]);
+    // The kernel keeps 15 bytes of a map's name.
+    let name = &masq_ebpf::map_names::INTERFACES_BY_IFINDEX[..15];
+    let map = program["map_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| json(&["map", "show", "id", &id.to_string()]))
+        .find(|map| map["name"] == name)
+        .expect("the program has the array");
+    let key: Vec<String> = ifindex.to_le_bytes().iter().map(u8::to_string).collect();
+    let key: Vec<&str> = key.iter().map(String::as_str).collect();
+    let id = map["id"].to_string();
+    let found = json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());
+    found["formatted"]["value"].clone()
 }
 
 /// The uplink goes down for a few upkeep ticks and comes back, with its routes (which a down

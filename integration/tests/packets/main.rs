@@ -9,6 +9,7 @@
 //! `ipv6` hold what one family alone has.
 
 mod decisions;
+mod devices;
 mod family;
 mod flow_state;
 mod flows;

@@ -3,7 +3,6 @@
 //! leaves by a device they run on with its address, in an order that never lets a new flow
 //! leave untranslated. A program that cannot be attached means the data plane cannot run here.
 
-use masq_ebpf::Interface;
 use tracing::{info, warn};
 
 use super::{
@@ -11,13 +10,13 @@ use super::{
     devices::{self, Returned},
     expiry,
     hook::Hook,
-    map_types::Interfaces,
+    interfaces::write_interfaces,
     plane::{EbpfDataPlane, Unavailable},
 };
 use crate::{
-    dataplane::{chosen_address::ChosenAddresses, interface::DataPlane as _},
+    dataplane::interface::DataPlane as _,
     netdev::Device,
-    policy::{IpFamilies, IpFamily, Policy},
+    policy::{IpFamily, Policy},
 };
 
 /// What following the devices changed.
@@ -225,42 +224,4 @@ impl EbpfDataPlane {
             .push((device.to_string(), hook, attachment));
         Ok(position.is_some())
     }
-}
-
-/// Makes the `interfaces` map hold exactly `devices`, so that no stale device keeps translating.
-/// Their IPv6 addresses go in only for IPv6 among `families`: without one, the programs leave
-/// IPv6 alone. `chosen`: the addresses pods' masqueraded flows take instead of the devices'.
-pub fn write_interfaces(
-    map: &mut Interfaces,
-    devices: &[Device],
-    families: IpFamilies,
-    chosen: ChosenAddresses,
-) -> anyhow::Result<()> {
-    let ipv6 = families.contains(IpFamily::Ipv6);
-    for device in devices {
-        let entry = Interface {
-            ipv4: device.ipv4.octets(),
-            ipv6: device
-                .ipv6
-                .filter(|_| ipv6)
-                .map_or([0; 16], |addr| addr.octets()),
-            masquerade_ipv4: chosen.v4.map_or([0; 4], |addr| addr.octets()),
-            masquerade_ipv6: chosen
-                .v6
-                .filter(|_| ipv6 && device.ipv6.is_some())
-                .map_or([0; 16], |addr| addr.octets()),
-        };
-        if map.get(&device.index, 0).ok() != Some(entry) {
-            map.insert(device.index, entry, 0)?;
-        }
-    }
-    let stale: Vec<u32> = map
-        .keys()
-        .filter_map(Result::ok)
-        .filter(|index| !devices.iter().any(|d| d.index == *index))
-        .collect();
-    for index in stale {
-        map.remove(&index)?;
-    }
-    Ok(())
 }

@@ -3,15 +3,24 @@
 
 use anyhow::Context as _;
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray};
-use masq_ebpf::{Address, Counter, Interface, NatKey, SweepOrder, SweepReport};
+use masq_ebpf::{Address, Counter, IndexedInterface, Interface, NatKey, SweepOrder, SweepReport};
 
 use super::flow_table::NatTable;
 
 /// The programs' packet counters, a slot per `Counter`, per CPU.
 pub type Counters = PerCpuArray<MapData, u64>;
 
-/// The interfaces the programs translate on, by ifindex, with the addresses they give.
-pub type Interfaces = BpfHashMap<MapData, u32, Interface>;
+/// The interfaces the programs translate on, by ifindex, with the addresses they give: all of
+/// them, pinned.
+pub type InterfaceTable = BpfHashMap<MapData, u32, Interface>;
+
+/// Both maps the programs find a device's addresses in (`interfaces`).
+pub struct Interfaces {
+    pub table: InterfaceTable,
+    /// Those of the small ifindexes again, which the programs read first
+    /// (`masq_ebpf::map_names::INTERFACES_BY_IFINDEX`).
+    pub by_ifindex: Array<MapData, IndexedInterface>,
+}
 
 /// Both families' NAT tables.
 pub struct NatTables {

@@ -62,7 +62,10 @@ impl Maps {
                 v4: nat_table(ebpf, &V4_MAPS)?,
                 v6: nat_table(ebpf, &V6_MAPS)?,
             },
-            interfaces: take(ebpf, map_names::INTERFACES)?,
+            interfaces: Interfaces {
+                table: take(ebpf, map_names::INTERFACES)?,
+                by_ifindex: take(ebpf, map_names::INTERFACES_BY_IFINDEX)?,
+            },
             settings: take(ebpf, map_names::SETTINGS)?,
             counters: take(ebpf, map_names::COUNTERS)?,
             node_ports: take(ebpf, map_names::NODE_PORTS)?,

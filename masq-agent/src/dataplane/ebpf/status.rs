@@ -20,7 +20,7 @@ use super::{
     expiry,
     flow_table::{V4_MAPS, V6_MAPS},
     hook::Hook,
-    map_types::{Counters, Interfaces, counter_total},
+    map_types::{Counters, InterfaceTable, counter_total},
     pins::Pins,
     policy_word::PolicyWord,
     tc_filters,
@@ -181,7 +181,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         )
         .collect();
     let decisions = decisions::read(&pins, &tries)?;
-    let interfaces: Interfaces = pins.open(map_names::INTERFACES)?;
+    let interfaces: InterfaceTable = pins.open(map_names::INTERFACES)?;
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
     let nat = kernel
         .nat_capacities

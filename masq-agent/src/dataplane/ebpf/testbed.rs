@@ -19,7 +19,7 @@ use super::{
     batch, decisions,
     expiry::Timeouts,
     flow_table::Table,
-    follow::write_interfaces,
+    interfaces::write_interfaces,
     kernel_sweep,
     load::{self, Programs, write_settings},
     map_types::{NatFamily, counter_total},
@@ -193,7 +193,7 @@ impl TestBed {
             ipv4: Ipv4Addr::UNSPECIFIED,
             ipv6: Some(node),
         };
-        if let Ok(current) = self.maps.interfaces.get(&TEST_RUN_IFINDEX, 0) {
+        if let Ok(current) = self.maps.interfaces.table.get(&TEST_RUN_IFINDEX, 0) {
             lo.ipv4 = Ipv4Addr::from(current.ipv4);
         }
         write_interfaces(
