@@ -30,9 +30,9 @@ pub mod map_names {
     pub const INTERFACES: &str = "interfaces";
     /// The devices of `interfaces` whose ifindex is below `INTERFACES_BY_IFINDEX_ENTRIES`, in an
     /// array the programs read before the hash table (`IndexedInterface`): an array's lookup
-    /// is a few instructions, the hash table's a call that hashes and compares. Filled by the
-    /// agent after it loads the programs, not pinned: until then the programs read the hash
-    /// table, which stays the whole truth.
+    /// is a few instructions, the hash table's a call that hashes and compares. The hash table
+    /// stays the whole truth. Pinned as it is, so that the programs a restarted agent replaces
+    /// read what it writes until they go.
     pub const INTERFACES_BY_IFINDEX: &str = "interfaces_by_ifindex";
     pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
@@ -85,7 +85,7 @@ pub mod map_names {
     pub const SWEEP_REPORT: &str = "nat_sweep_report";
 
     /// Every map the agent pins.
-    pub const PINNED: [&str; 17] = [
+    pub const PINNED: [&str; 18] = [
         NON_MASQ_V4,
         NON_MASQ_V6,
         NON_MASQ_SRC_V4,
@@ -99,6 +99,7 @@ pub mod map_names {
         NAT_SLOTS_V6,
         NAT_SLOT_WORDS_V6,
         INTERFACES,
+        INTERFACES_BY_IFINDEX,
         SETTINGS,
         COUNTERS,
         POLICY_GENERATION,

@@ -137,7 +137,7 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane, family: IpFamily) {
             !on(address(&old)),
             "nothing is left on the old address:\n{halves:?}"
         );
-        // The programs found the uplink in their array, which the agent rewrote.
+        // The agent rewrote the uplink's element in the programs' array, and left it in use.
         let element = indexed_interface(&bed, uplink);
         assert_eq!(element["in_use"], 1, "{element}");
         assert_eq!(
@@ -179,7 +179,7 @@ fn indexed_interface(bed: &Bed, device: &str) -> serde_json::Value {
         .map(|id| json(&["map", "show", "id", &id.to_string()]))
         .find(|map| map["name"] == name)
         .expect("the program has the array");
-    let key: Vec<String> = ifindex.to_le_bytes().iter().map(u8::to_string).collect();
+    let key: Vec<String> = ifindex.to_ne_bytes().iter().map(u8::to_string).collect();
     let key: Vec<&str> = key.iter().map(String::as_str).collect();
     let id = map["id"].to_string();
     let found = json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());

@@ -8,7 +8,7 @@ use masq_agent::{
     dataplane::{
         chosen_address::ChosenAddresses,
         ebpf::{
-            interfaces::write_interfaces,
+            interfaces::{WaitedBy, wait_for_program_runs, write_interfaces},
             testbed::{TEST_RUN_IFINDEX, TestBed},
         },
     },
@@ -49,9 +49,11 @@ fn the_array_answers_while_its_element_is_in_use_and_the_hash_table_after<F: Har
     );
 
     // An element whose address differs from the hash table's, as the agent never writes one:
-    // a new flow takes the array's while it is in use, the hash table's once it is not.
+    // while it is in use, a pod's new flow takes the array's address, and a packet from that
+    // address is the node's own, which keeps its address and port; once it is not, the hash
+    // table's address does both.
     let elsewhere = with_address(entry, F::REMOTE2);
-    for (in_use, pod_port, source) in [(1, 40000, F::REMOTE2), (0, 40001, F::NODE)] {
+    for (in_use, node, port) in [(1, F::REMOTE2, 40000), (0, F::NODE, 40010)] {
         let element = IndexedInterface {
             in_use,
             iface: elsewhere,
@@ -61,13 +63,11 @@ fn the_array_answers_while_its_element_is_in_use_and_the_hash_table_after<F: Har
             .by_ifindex
             .set(TEST_RUN_IFINDEX, element, 0)
             .unwrap();
-        let out = h.egress(&tcp(F::POD, pod_port, F::REMOTE, 80, SYN)).1;
-        assert_eq!(F::at(&out, F::SRC), source, "in use: {in_use}");
+        let out = h.egress(&tcp(F::POD, port, F::REMOTE, 80, SYN)).1;
+        assert_eq!(F::at(&out, F::SRC), node, "in use: {in_use}");
+        let own = tcp(node, port + 1, F::REMOTE, 80, SYN);
+        assert_eq!(h.egress(&own).1, own, "in use: {in_use}");
     }
-    // The node's own packet is told from a pod's by the hash table's address as well: it keeps
-    // its port, where a pod's flow would be given one from the spans.
-    let own = tcp(F::NODE, 40002, F::REMOTE, 80, SYN);
-    assert_eq!(h.egress(&own).1, own);
 }
 
 #[test]
@@ -137,4 +137,11 @@ fn the_agent_keeps_the_array_as_the_hash_table() {
 
     write(&mut h, &[]);
     assert_eq!(table(&h), []);
+}
+
+/// The agent's wait for the program runs in flight, before it rewrites an element, is the
+/// kernel's RCU grace period, not the clock.
+#[test]
+fn the_wait_for_the_program_runs_is_a_grace_period() {
+    assert_eq!(wait_for_program_runs(), WaitedBy::GracePeriod);
 }

@@ -12,8 +12,9 @@ use std::{
 
 use aya::{Pod, maps::MapData};
 
-use super::syscall::cmd::{
-    BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_BATCH,
+use super::syscall::{
+    ElemAttr,
+    cmd::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_BATCH},
 };
 /// Entries per call. A hash bucket must fit in one call; the kernel says ENOSPC if not, and
 /// the call is retried with more room.
@@ -77,16 +78,6 @@ fn sum_over_cpus(values: &[u8]) -> u64 {
 
 /// `per_cpu_totals` slot by slot, as on kernels before 5.13.
 pub fn per_cpu_totals_by_slot(map: &MapData, cpus: usize) -> io::Result<Vec<u64>> {
-    /// The `elem` member of `union bpf_attr`.
-    #[repr(C)]
-    #[derive(Default)]
-    struct ElemAttr {
-        map_fd: u32,
-        _pad: u32,
-        key: u64,
-        value: u64,
-        flags: u64,
-    }
     let slots = map.info().map_err(io::Error::other)?.max_entries();
     let mut values = vec![0u8; cpus * size_of::<u64>()];
     (0..slots)

@@ -1,6 +1,6 @@
 //! What the programs know of the devices they translate on: each device's addresses, by
-//! ifindex. `interfaces` (a hash table, pinned) holds all of them; `interfaces_by_ifindex` (an
-//! array, the programs' own) holds those of the small ifindexes again, where a program finds one
+//! ifindex. `interfaces` (a hash table) holds all of them; `interfaces_by_ifindex` (an array)
+//! holds those of the small ifindexes again, where a program finds one
 //! in a few instructions instead of a call that hashes and compares
 //! (`masq_ebpf::map_names::INTERFACES_BY_IFINDEX`).
 //!
@@ -9,13 +9,16 @@
 //! agent takes an element out of use, waits for every program run that may have seen it in use
 //! (`wait_for_program_runs`), rewrites it, waits again, and only then puts it back in use. So
 //! an element in use holds what the hash table holds, and no run ever reads one while it
-//! changes.
+//! changes. Both are pinned: the programs a restarted agent replaces read what it writes.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{collections::BTreeMap, os::fd::AsRawFd as _, time::Duration};
 
 use masq_ebpf::{INTERFACES_BY_IFINDEX_ENTRIES, IndexedInterface, Interface};
 
-use super::map_types::Interfaces;
+use super::{
+    map_types::Interfaces,
+    syscall::{ElemAttr, MapCreateAttr, bpf, bpf_fd, cmd},
+};
 use crate::{
     dataplane::chosen_address::ChosenAddresses,
     netdev::Device,
@@ -42,14 +45,12 @@ pub fn write_interfaces(
         .filter(|index| !wanted.contains_key(index))
         .collect();
     // Out of use first: the programs read the hash table for these while it changes.
-    let mut taken_out = false;
     for index in wanted.keys().chain(&stale) {
         if let Some(element) = element(maps, *index)?
             && element.in_use != 0
             && wanted.get(index) != Some(&element.iface)
         {
             set_element(maps, *index, false, element.iface)?;
-            taken_out = true;
         }
     }
     for (index, entry) in &wanted {
@@ -71,9 +72,9 @@ pub fn write_interfaces(
     if to_use.is_empty() {
         return Ok(());
     }
-    if taken_out {
-        wait_for_program_runs();
-    }
+    // Whenever an element was taken out of use (here, or by an earlier call that stopped
+    // short, or one that removed its device), a run that saw it in use may still read it.
+    wait_for_program_runs();
     for (index, entry) in &to_use {
         set_element(maps, *index, false, *entry)?;
     }
@@ -123,25 +124,66 @@ fn set_element(
     Ok(())
 }
 
-/// How long to wait for the program runs in flight where the kernel cannot say when they are
-/// over: a run takes microseconds, so this is the wait's margin, not its measure.
+/// How long to wait for the program runs in flight where the kernel cannot be made to say when
+/// they are over: a run takes microseconds, so this is the wait's margin, not its measure.
 const PROGRAM_RUNS_OVER_WITHIN: Duration = Duration::from_millis(100);
 
 /// Returns once every program run that started before the call is over. tc programs run inside
-/// RCU read-side sections, and `membarrier(2)`'s `MEMBARRIER_CMD_GLOBAL` waits for an RCU grace
-/// period (`synchronize_rcu`), which also leaves every CPU's earlier stores seen by all. Where the
-/// kernel refuses it (`nohz_full` CPUs), a sleep far longer than any run.
-fn wait_for_program_runs() {
-    // SAFETY: membarrier takes no pointer; its result is only tested.
-    let done = unsafe {
-        libc::syscall(
-            libc::SYS_membarrier,
-            libc::MEMBARRIER_CMD_GLOBAL,
-            0u32,
-            0i32,
-        )
-    };
-    if done != 0 {
-        std::thread::sleep(PROGRAM_RUNS_OVER_WITHIN);
+/// RCU read-side sections, and an update of a map of maps returns only after an RCU grace period
+/// (`synchronize_rcu` in the kernel's `maybe_wait_bpf_programs`, so that userspace knows no
+/// program still reads the inner map it replaced; Linux 4.12 on), whatever the CPUs and the
+/// preemption model. `membarrier(2)` would not do: it skips the grace period on one CPU, where a
+/// preemptible run (PREEMPT_RT's softirq, BPF_PROG_TEST_RUN) may be in flight. Where the map
+/// cannot be made or updated, a sleep far longer than any run.
+pub fn wait_for_program_runs() -> WaitedBy {
+    match update_a_map_of_maps() {
+        Ok(()) => WaitedBy::GracePeriod,
+        Err(err) => {
+            tracing::debug!("waiting for the program runs in flight by the clock: {err}");
+            std::thread::sleep(PROGRAM_RUNS_OVER_WITHIN);
+            WaitedBy::Clock
+        }
     }
+}
+
+/// How `wait_for_program_runs` waited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitedBy {
+    /// An RCU grace period, which the kernel waited for.
+    GracePeriod,
+    /// `PROGRAM_RUNS_OVER_WITHIN`.
+    Clock,
+}
+
+/// Makes a map of maps of one slot, and puts a map in it: an update the kernel answers only
+/// after an RCU grace period. Both maps go when their descriptors close.
+fn update_a_map_of_maps() -> std::io::Result<()> {
+    const BPF_MAP_TYPE_ARRAY: u32 = 2;
+    const BPF_MAP_TYPE_ARRAY_OF_MAPS: u32 = 12;
+    let one_word = |map_type, inner_map_fd| MapCreateAttr {
+        map_type,
+        key_size: 4,
+        value_size: 4,
+        max_entries: 1,
+        map_flags: 0,
+        inner_map_fd,
+    };
+    // SAFETY (all three calls): each attribute is the member its command reads, and the key
+    // and value point at four bytes each that outlive the call.
+    let inner = unsafe { bpf_fd(cmd::BPF_MAP_CREATE, &mut one_word(BPF_MAP_TYPE_ARRAY, 0)) }?;
+    let inner_fd = inner.as_raw_fd() as u32;
+    let outer = unsafe {
+        bpf_fd(
+            cmd::BPF_MAP_CREATE,
+            &mut one_word(BPF_MAP_TYPE_ARRAY_OF_MAPS, inner_fd),
+        )
+    }?;
+    let slot = 0u32;
+    let mut update = ElemAttr {
+        map_fd: outer.as_raw_fd() as u32,
+        key: &raw const slot as u64,
+        value: &raw const inner_fd as u64,
+        ..ElemAttr::default()
+    };
+    unsafe { bpf(cmd::BPF_MAP_UPDATE_ELEM, &mut update) }
 }
