@@ -13,6 +13,7 @@
 
 use std::{collections::BTreeMap, os::fd::AsRawFd as _, time::Duration};
 
+use aya_obj::generated::bpf_map_type;
 use masq_ebpf::{INTERFACES_BY_IFINDEX_ENTRIES, IndexedInterface, Interface};
 
 use super::{
@@ -44,12 +45,16 @@ pub fn write_interfaces(
         .filter_map(Result::ok)
         .filter(|index| !wanted.contains_key(index))
         .collect();
-    // Out of use first: the programs read the hash table for these while it changes.
+    // The elements of the devices and of the stale ones, read once.
+    let mut elements = Vec::new();
     for index in wanted.keys().chain(&stale) {
-        if let Some(element) = element(maps, *index)?
-            && element.in_use != 0
-            && wanted.get(index) != Some(&element.iface)
-        {
+        if let Some(element) = element(maps, *index)? {
+            elements.push((*index, element));
+        }
+    }
+    // Out of use first: the programs read the hash table for these while it changes.
+    for (index, element) in &elements {
+        if element.in_use != 0 && wanted.get(index) != Some(&element.iface) {
             set_element(maps, *index, false, element.iface)?;
         }
     }
@@ -61,14 +66,14 @@ pub fn write_interfaces(
     for index in stale {
         maps.table.remove(&index)?;
     }
-    let mut to_use = Vec::new();
-    for (index, entry) in &wanted {
-        if let Some(element) = element(maps, *index)?
-            && (element.in_use == 0 || element.iface != *entry)
-        {
-            to_use.push((*index, *entry));
-        }
-    }
+    // The devices' elements not in use as they are to be, as read before the first step.
+    let to_use: Vec<(u32, Interface)> = elements
+        .iter()
+        .filter_map(|(index, element)| {
+            let entry = wanted.get(index)?;
+            (element.in_use == 0 || element.iface != *entry).then_some((*index, *entry))
+        })
+        .collect();
     if to_use.is_empty() {
         return Ok(());
     }
@@ -158,10 +163,8 @@ pub enum WaitedBy {
 /// Makes a map of maps of one slot, and puts a map in it: an update the kernel answers only
 /// after an RCU grace period. Both maps go when their descriptors close.
 fn update_a_map_of_maps() -> std::io::Result<()> {
-    const BPF_MAP_TYPE_ARRAY: u32 = 2;
-    const BPF_MAP_TYPE_ARRAY_OF_MAPS: u32 = 12;
-    let one_word = |map_type, inner_map_fd| MapCreateAttr {
-        map_type,
+    let one_word = |map_type: bpf_map_type, inner_map_fd| MapCreateAttr {
+        map_type: map_type as u32,
         key_size: 4,
         value_size: 4,
         max_entries: 1,
@@ -170,12 +173,17 @@ fn update_a_map_of_maps() -> std::io::Result<()> {
     };
     // SAFETY (all three calls): each attribute is the member its command reads, and the key
     // and value point at four bytes each that outlive the call.
-    let inner = unsafe { bpf_fd(cmd::BPF_MAP_CREATE, &mut one_word(BPF_MAP_TYPE_ARRAY, 0)) }?;
+    let inner = unsafe {
+        bpf_fd(
+            cmd::BPF_MAP_CREATE,
+            &mut one_word(bpf_map_type::BPF_MAP_TYPE_ARRAY, 0),
+        )
+    }?;
     let inner_fd = inner.as_raw_fd() as u32;
     let outer = unsafe {
         bpf_fd(
             cmd::BPF_MAP_CREATE,
-            &mut one_word(BPF_MAP_TYPE_ARRAY_OF_MAPS, inner_fd),
+            &mut one_word(bpf_map_type::BPF_MAP_TYPE_ARRAY_OF_MAPS, inner_fd),
         )
     }?;
     let slot = 0u32;
