@@ -2,6 +2,7 @@
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 // First: its `step!` macro is used by the modules below.
