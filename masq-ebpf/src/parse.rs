@@ -138,11 +138,12 @@ fn read_linear<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
 
 /// The `T` at `start`, within the packet's linear data, loaded a word at a time. LLVM cannot
 /// know a packet pointer's alignment, and its BPF backend reads an unaligned value a byte at a
-/// time (a 20-byte IPv4 header: twenty loads, twenty stores and the loads back, some 5 % of a
-/// known flow's packet, docs/bench/profiles.md). The verifier asks aligned packet loads only
-/// of architectures without efficient unaligned access, which x86-64 and arm64 have. LLVM's
-/// own switch for that (`allows-misaligned-mem-access`) applies to the stack too, whose
-/// misaligned accesses every verifier refuses; the loads here are the packet's only.
+/// time (a 20-byte IPv4 header: twenty loads, twenty stores and the loads back; the copies
+/// were 6 % of a known flow's samples in the program, docs/bench/profiles.md). The verifier
+/// asks aligned packet loads only of architectures without efficient unaligned access, which
+/// x86-64 and arm64 have. LLVM's own switch for that (`allows-misaligned-mem-access`) applies
+/// to the stack too, whose misaligned accesses every verifier refuses; the loads here are the
+/// packet's only.
 ///
 /// # Safety
 /// `size_of::<T>()` bytes from `start` lie within the linear data.
