@@ -247,7 +247,7 @@ impl Size {
         let spans = [(1024, 65535)];
         let span_ranges = spans.map(|(first, last)| PortRange { first, last });
         let started = Instant::now();
-        let bed = TestBed::like_the_agents(opts.capacity)?;
+        let bed = TestBed::like_the_agents(opts.capacity, count)?;
         let mut bed = TestBed::configured(bed, &spans, true, NODE, &prefixes(count))?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.

@@ -37,7 +37,7 @@ fn main() -> anyhow::Result<()> {
     let timeouts = Timeouts::default();
     for &count in &flows {
         let mut bed = TestBed::configured(
-            TestBed::like_the_agents(EbpfOptions::DEFAULT_NAT_CAPACITY)?,
+            TestBed::like_the_agents(EbpfOptions::DEFAULT_NAT_CAPACITY, 0)?,
             &[(1024, 65535)],
             true,
             NODE,

@@ -46,6 +46,10 @@ pub mod map_names {
     pub const DECISIONS: &str = "policy_decisions";
     /// Each program object's per-CPU cache of `non_masq_v4` verdicts; not pinned.
     pub const NON_MASQ_CACHE_V4: &str = "non_masq_cache_v4";
+    /// Each program object's index of `non_masq_v4` (`policy_index`), which the agent writes
+    /// after every change to the trie; sized by the agent when it loads the object, not
+    /// pinned.
+    pub const NON_MASQ_INDEX_V4: &str = "non_masq_index_v4";
     /// The translation of each fragmented datagram in flight, taken from its first fragment
     /// for the later ones, which carry no ports; an LRU, since a datagram lives milliseconds.
     /// Not pinned.
@@ -922,6 +926,7 @@ mod layout {
 }
 
 pub mod flows;
+pub mod policy_index;
 pub mod slot_table;
 pub use flows::{FlowOwner, FlowState, SamplePointing, SweepOrder, SweepReport, sweep_report};
 

@@ -2,14 +2,17 @@
 //! keep the pod's address, which entry said so, and is it in a prefix recently taken out of
 //! that? Each decision about a packet of no known flow is counted for the entry that took it.
 //!
-//! The IPv4 answer is cached per CPU, per destination, for the current policy generation: a
-//! trie of 100 000 prefixes is twenty-odd nodes deep, while the cache is one array slot. The
-//! agent bumps the generation after every change to the trie, which makes every cached answer
-//! stale at once. IPv6 asks its trie every time: a slot's tag packs a whole IPv4 address with
-//! its verdict into one word, read and written whole, and an IPv6 address does not fit.
+//! The IPv4 answer comes from the trie's index (`masq_ebpf::policy_index`) while it holds the
+//! policy in force: at most five array reads, where a trie of 100 000 prefixes is twenty-odd
+//! nodes deep. Where it does not (the agent is writing it, or it had no room for a part of the
+//! policy), the answer is cached per CPU, per destination, for the current policy generation:
+//! one array slot. The agent bumps the generation after every change to the trie, which makes
+//! the index and every cached answer stale at once. IPv6 asks its trie every time: a slot's tag
+//! packs a whole IPv4 address with its verdict into one word, read and written whole, and an
+//! IPv6 address does not fit.
 
 use aya_ebpf::btf_maps::{LpmTrie, lpm_trie::Key};
-use masq_ebpf::{Address, Decision, PolicyEntry, verdict_slot};
+use masq_ebpf::{Address, Decision, PolicyEntry, policy_index, verdict_slot};
 
 use crate::{hint, maps};
 
@@ -30,6 +33,13 @@ pub fn decide<A: Address, const M: usize>(trie: &LpmTrie<A, PolicyEntry, M>, add
 pub fn decide_v4(addr: [u8; 4]) -> Decision {
     let generation =
         maps::POLICY_GENERATION.get(0).copied().unwrap_or(0) & verdict_slot::GENERATION_MASK;
+    if let Some(word) = indexed_verdict(u32::from_be_bytes(addr), generation) {
+        return Decision {
+            keeps_address: word & policy_index::KEEPS_ADDRESS != 0,
+            counted_in: word & policy_index::COUNTED_IN,
+        };
+    }
+    hint::cold_path();
     let slot = maps::NON_MASQ_CACHE_V4.get_ptr_mut(verdict_slot::index(addr));
     let (Some(slot), true) = (slot, generation != 0) else {
         hint::cold_path();
@@ -52,6 +62,25 @@ pub fn decide_v4(addr: [u8; 4]) -> Decision {
         (*slot).tag = tag | u64::from(decision.keeps_address);
     }
     decision
+}
+
+/// The index's verdict word for `addr`, if the index holds the policy of `generation` and has
+/// the chunks that decide `addr`.
+#[inline(always)]
+fn indexed_verdict(addr: u32, generation: u32) -> Option<u32> {
+    let index = &maps::NON_MASQ_INDEX_V4;
+    if index.get(policy_index::STAMP_CHUNK)?[0] != policy_index::stamp(generation) {
+        return None;
+    }
+    let (chunk, at) = policy_index::top(addr);
+    let mut word = index.get(chunk)?[at];
+    for level in 0..policy_index::LEVELS {
+        if word & policy_index::CHILD == 0 {
+            return Some(word);
+        }
+        word = index.get(word & !policy_index::CHILD)?[policy_index::word_below(addr, level)];
+    }
+    (word & policy_index::CHILD == 0).then_some(word)
 }
 
 /// Counts a decision in the slot of the entry that took it, on this CPU.

@@ -5,11 +5,11 @@ use std::net::Ipv4Addr;
 
 use crate::topology;
 
-/// A small deterministic generator: the same prefixes on every run.
-struct XorShift(u64);
+/// A small deterministic generator: the same prefixes on every run, the same cases in a test.
+pub struct XorShift(pub u64);
 
 impl XorShift {
-    fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -30,9 +30,9 @@ pub fn random(count: usize) -> Vec<String> {
     let mut out = vec!["10.0.0.0/8".to_string(), "169.254.0.0/16".to_string()];
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     while out.len() < count {
-        let len = 12 + (rng.next() % 21) as u32;
+        let len = 12 + (rng.next_u64() % 21) as u32;
         let mask = u32::MAX << (32 - len);
-        let network = (rng.next() as u32) & mask;
+        let network = (rng.next_u64() as u32) & mask;
         if keep_clear.iter().any(|a| u32::from(*a) & mask == network) {
             continue;
         }

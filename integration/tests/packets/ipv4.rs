@@ -158,7 +158,7 @@ fn each_slot_table_has_a_seed_of_its_own_which_the_programs_and_the_agent_share(
 #[test]
 fn a_table_the_agent_makes_holds_every_flow_it_was_made_for_without_a_drop() {
     const HALVES: u32 = 4096;
-    let bed = TestBed::in_table(true, || TestBed::like_the_agents(HALVES)).unwrap();
+    let bed = TestBed::in_table(true, || TestBed::like_the_agents(HALVES, 0)).unwrap();
     let mut h = Ipv4Addr::configure(bed, &[(1024, 65535)], true);
     let buckets = masq_ebpf::slot_table::buckets_for(HALVES);
     assert!(!buckets.is_power_of_two(), "{buckets}");

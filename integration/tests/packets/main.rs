@@ -17,4 +17,5 @@ mod fragments;
 mod icmp_errors;
 mod ipv4;
 mod ipv6;
+mod policy_index;
 mod strays;

@@ -29,7 +29,7 @@ use super::{
     kernel_sweep::{KernelSweep, LeftPressed, Sweeper},
     map_types::SweepMaps,
     maps::Maps,
-    options::EbpfOptions,
+    options::{EbpfOptions, decision_slots},
     pins::{MapSpec, Pins},
     tick_clock::{self, Tick},
 };
@@ -506,10 +506,10 @@ fn load_into(
     pins: &Pins,
     sizes: &NatSizes,
 ) -> anyhow::Result<(Programs, Maps)> {
-    pins.discard_incompatible(&expected_maps(sizes, opts.decision_slots())?);
+    pins.discard_incompatible(&expected_maps(sizes, decision_slots(opts.policy_entries))?);
     let mut loader = EbpfLoader::new();
     sizes.set(&mut loader);
-    loader.map_max_entries(map_names::DECISIONS, opts.decision_slots());
+    size_the_policy_maps(&mut loader, opts.policy_entries);
     let paths: Vec<(&str, PathBuf)> = map_names::PINNED
         .iter()
         .map(|name| (*name, pins.map(name)))
@@ -521,6 +521,14 @@ fn load_into(
     let (programs, mut maps) = load(&mut loader, sizes, reused_decisions)?;
     write_settings(&mut maps.settings, &opts.port_spans, opts.random_fully)?;
     Ok((programs, maps))
+}
+
+/// Sizes the maps that grow with the policy for one of `entries` prefixes: the decision
+/// counters, and the programs' index of the IPv4 policy trie.
+pub fn size_the_policy_maps(loader: &mut EbpfLoader, entries: usize) {
+    loader.map_max_entries(map_names::DECISIONS, decision_slots(entries));
+    let chunks = super::policy_index::chunks_for(entries);
+    loader.map_max_entries(map_names::NON_MASQ_INDEX_V4, chunks);
 }
 
 /// The pinned maps this build creates, as the kernel will report them: their shapes as the

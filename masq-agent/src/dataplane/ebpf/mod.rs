@@ -28,6 +28,7 @@ pub mod node_ports;
 mod options;
 pub mod pins;
 mod plane;
+pub mod policy_index;
 pub mod policy_word;
 pub mod prefixes;
 pub mod status;

@@ -39,18 +39,18 @@ impl EbpfOptions {
             1
         }
     }
+}
 
-    /// The slots of `policy_decisions`: one per entry of the starting policy and for the
-    /// default, with a quarter more for the policy to grow into, in whole thousands of slots.
-    /// Each slot takes eight bytes per CPU, so the array is sized by the policy, not by the
-    /// tries' capacity: entries past it go uncounted until the agent restarts.
-    pub fn decision_slots(&self) -> u32 {
-        const STEP: u32 = masq_ebpf::decision_slot::AT_LEAST;
-        let entries = u32::try_from(self.policy_entries).unwrap_or(u32::MAX);
-        let wanted = entries.saturating_add(entries / 4).saturating_add(1);
-        wanted
-            .div_ceil(STEP)
-            .saturating_mul(STEP)
-            .clamp(STEP, 2 * masq_ebpf::NON_MASQ_MAX_ENTRIES + STEP)
-    }
+/// The slots of `policy_decisions` for a starting policy of `entries` entries: one per entry
+/// and for the default, with a quarter more for the policy to grow into, in whole thousands of
+/// slots. Each slot takes eight bytes per CPU, so the array is sized by the policy, not by the
+/// tries' capacity: entries past it go uncounted until the agent restarts.
+pub fn decision_slots(entries: usize) -> u32 {
+    const STEP: u32 = masq_ebpf::decision_slot::AT_LEAST;
+    let entries = u32::try_from(entries).unwrap_or(u32::MAX);
+    let wanted = entries.saturating_add(entries / 4).saturating_add(1);
+    wanted
+        .div_ceil(STEP)
+        .saturating_mul(STEP)
+        .clamp(STEP, 2 * masq_ebpf::NON_MASQ_MAX_ENTRIES + STEP)
 }

@@ -86,11 +86,14 @@ impl TestBed {
     }
 
     /// As `unconfigured`, but with a slot table as the agent makes it, with room to spare for
-    /// `nat_entries` halves (`slot_table::buckets_for`): the benchmarks'.
-    pub fn like_the_agents(nat_entries: u32) -> anyhow::Result<TestBed> {
+    /// `nat_entries` halves (`slot_table::buckets_for`), and the policy's maps sized as the
+    /// agent sizes them for a policy of `policy_entries` prefixes: the benchmarks'.
+    pub fn like_the_agents(nat_entries: u32, policy_entries: usize) -> anyhow::Result<TestBed> {
         let seed = load::slot_seed(None)?;
         let sizes = load::NatSizes::new(nat_entries, nat_entries, TestBed::chosen_table(), seed);
-        TestBed::unconfigured_sized(&sizes)
+        let mut loader = EbpfLoader::new();
+        load::size_the_policy_maps(&mut loader, policy_entries);
+        TestBed::unconfigured_sized(loader, &sizes)
     }
 
     /// Whether this thread's beds keep IPv4's halves in the slot table.
@@ -124,14 +127,16 @@ impl TestBed {
         let sizes =
             load::NatSizes::new(nat_entries, nat_entries, slot_table, load::slot_seed(None)?)
                 .with_slots_for_entries_alone();
-        let bed = TestBed::unconfigured_sized(&sizes)?;
+        let bed = TestBed::unconfigured_sized(EbpfLoader::new(), &sizes)?;
         bed.maps.nat.v4.limit_to(nat_entries)?;
         Ok(bed)
     }
 
     /// The object loaded with its NAT tables of `sizes`, nothing configured.
-    fn unconfigured_sized(sizes: &load::NatSizes) -> anyhow::Result<TestBed> {
-        let mut loader = EbpfLoader::new();
+    fn unconfigured_sized<'a>(
+        mut loader: EbpfLoader<'a>,
+        sizes: &'a load::NatSizes,
+    ) -> anyhow::Result<TestBed> {
         sizes.set(&mut loader);
         let (programs, mut maps) = load::load(&mut loader, sizes, false)?;
         kernel_sweep::give_limits(&mut maps.sweep, &Timeouts::default())?;

@@ -19,6 +19,7 @@ use super::{
     decisions::{DecisionCounters, DecisionSlots, Side},
     flow_table,
     map_types::NatTables,
+    policy_index::PolicyIndex,
     policy_word::PolicyWord,
     prefixes::{self, PolicyTrie, Prefix},
     strays::StrayWatch,
@@ -68,6 +69,8 @@ pub struct PolicyMaps {
     pub src_v6: FamilyTries<16>,
     /// What the programs tag their cached verdicts with, and whether strays are cleared.
     pub word: PolicyWord,
+    /// The programs' index of `v4`'s policy trie.
+    pub index_v4: PolicyIndex,
     /// Per CPU, the decisions each entry took, in its slot.
     pub decisions: DecisionCounters,
     slots: DecisionSlots,
@@ -82,6 +85,7 @@ impl PolicyMaps {
         (mut v4, mut v6): (FamilyTries<4>, FamilyTries<16>),
         (mut src_v4, mut src_v6): (FamilyTries<4>, FamilyTries<16>),
         word: PolicyWord,
+        index_v4: PolicyIndex,
         decisions: DecisionCounters,
         reused_decisions: bool,
     ) -> PolicyMaps {
@@ -99,6 +103,7 @@ impl PolicyMaps {
             src_v4,
             src_v6,
             word,
+            index_v4,
             decisions,
             slots,
             strays: StrayWatch::default(),
@@ -114,32 +119,81 @@ impl PolicyMaps {
 
     /// Says that a flow's entry may lead toward a destination the policy leaves alone.
     pub fn lower_strays_cleared(&mut self) -> anyhow::Result<()> {
-        self.strays.lower(&mut self.word)
+        let lowered = self.strays.lower(&mut self.word);
+        self.refresh_index();
+        lowered
+    }
+
+    /// Makes the programs' index of the IPv4 policy trie hold what the trie holds, stamped
+    /// with the generation in force. Where that fails, the programs ask the trie, as slowly
+    /// as before the index, until the next change: a warning, not an error of the policy.
+    fn refresh_index(&mut self) {
+        let refreshed = self.word.generation().and_then(|generation| {
+            if self.index_v4.holds_the_trie() {
+                return self.index_v4.stamp(generation);
+            }
+            let entries = self.v4.current();
+            let refreshed = self.index_v4.refresh(&entries, generation);
+            self.v4.installed = Some(entries);
+            refreshed
+        });
+        if let Err(err) = refreshed {
+            tracing::warn!(
+                "the programs look IPv4 destinations up in the policy trie, not its index, \
+                 until the next change: {err:#}"
+            );
+        }
     }
 
     /// Makes the tries hold `policy`'s prefixes, destinations and sources; `settings` says
     /// which families have source entries. Returns whether anything changed.
     pub fn sync(&mut self, policy: &Policy, settings: &mut SettingsMap) -> anyhow::Result<bool> {
+        let synced = self.sync_unindexed(policy, settings);
+        self.refresh_index();
+        synced
+    }
+
+    /// `sync`, but for the index, which is written once at the end.
+    fn sync_unindexed(
+        &mut self,
+        policy: &Policy,
+        settings: &mut SettingsMap,
+    ) -> anyhow::Result<bool> {
         let v4 = policy.rules(IpFamily::Ipv4).unwrap_or_default();
-        let mut changed = self.set_rules(IpFamily::Ipv4, &v4)?;
+        let mut changed = self.sync_family(IpFamily::Ipv4, &v4, Side::Destinations)?;
         if let Some(v6) = policy.rules(IpFamily::Ipv6) {
-            changed |= self.set_rules(IpFamily::Ipv6, &v6)?;
+            changed |= self.sync_family(IpFamily::Ipv6, &v6, Side::Destinations)?;
         }
         for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
-            changed |= self.set_source_rules(family, &policy.source_rules(family), settings)?;
+            let rules = policy.source_rules(family);
+            changed |= self.sync_source_rules(family, &rules, settings)?;
         }
         Ok(changed)
     }
 
     /// Makes one family's trie hold `rules`. Returns whether it changed.
     pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
-        self.sync_family(family, rules, Side::Destinations)
+        let synced = self.sync_family(family, rules, Side::Destinations);
+        self.refresh_index();
+        synced
+    }
+
+    /// Makes one family's source trie hold `rules`. Returns whether the trie changed.
+    pub fn set_source_rules(
+        &mut self,
+        family: IpFamily,
+        rules: &Rules,
+        settings: &mut SettingsMap,
+    ) -> anyhow::Result<bool> {
+        let synced = self.sync_source_rules(family, rules, settings);
+        self.refresh_index();
+        synced
     }
 
     /// Makes one family's source trie hold `rules`. The programs look it up only while the
     /// family's bit of `Settings::sources_decided` is set: set once the trie holds the entries,
     /// cleared before the last goes. Returns whether the trie changed.
-    pub fn set_source_rules(
+    fn sync_source_rules(
         &mut self,
         family: IpFamily,
         rules: &Rules,
@@ -173,7 +227,11 @@ impl PolicyMaps {
                     Side::Destinations => &mut self.v4,
                     Side::Sources => &mut self.src_v4,
                 };
-                tries.sync(prefixes::trie_entries(rules), word, strays, &mut counting)
+                let synced = tries.sync(prefixes::trie_entries(rules), word, strays, &mut counting);
+                if side == Side::Destinations && !matches!(synced, Ok(false)) {
+                    self.index_v4.trie_changed();
+                }
+                synced
             }
             IpFamily::Ipv6 => {
                 let tries = match side {
