@@ -786,6 +786,49 @@ fn bpftool_pinned(bed: &Bed, args: &[&str], name: &str, after: &[String]) -> ser
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("bpftool {args:?}: {e}: {out}"))
 }
 
+/// The pinned links of the programs on `device`.
+fn links_of(bed: &Bed, device: &str) -> Vec<std::path::PathBuf> {
+    ["egress", "ingress"]
+        .iter()
+        .map(|hook| {
+            bed.topo
+                .bpffs
+                .join("links")
+                .join(format!("{device}-{hook}"))
+        })
+        .filter(|pin| pin.exists())
+        .collect()
+}
+
+/// The value at `key` of the map `name` of the egress program on `device`, as bpftool formats
+/// it from the map's BTF: a map of the program object's own, which is not pinned.
+fn program_map_value(bed: &Bed, device: &str, name: &str, key: u32) -> serde_json::Value {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = masq_testbed::netns::run("bpftool", &[&["-j"], args].concat()).unwrap();
+        serde_json::from_str(&out).unwrap()
+    };
+    let link = links_of(bed, device)
+        .into_iter()
+        .find(|pin| pin.to_string_lossy().ends_with("-egress"))
+        .expect("the egress program's link is pinned");
+    let link = json(&["link", "show", "pinned", link.to_str().unwrap()]);
+    let program = json(&["prog", "show", "id", &link["prog_id"].to_string()]);
+    // The kernel keeps 15 bytes of a map's name.
+    let name = &name[..name.len().min(15)];
+    let map = program["map_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| json(&["map", "show", "id", &id.to_string()]))
+        .find(|map| map["name"] == name)
+        .unwrap_or_else(|| panic!("the program has no map {name}"));
+    let key: Vec<String> = key.to_ne_bytes().iter().map(u8::to_string).collect();
+    let key: Vec<&str> = key.iter().map(String::as_str).collect();
+    let id = map["id"].to_string();
+    let found = json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());
+    found["formatted"]["value"].clone()
+}
+
 /// The seed of the IPv4 slot table bed's agent pinned, as bpftool reads it: the word after
 /// its buckets'. `None` where the halves are in the hash table.
 fn slot_seed(bed: &Bed) -> Option<u64> {

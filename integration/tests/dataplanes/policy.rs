@@ -15,8 +15,9 @@ use masq_testbed::{
 };
 
 use crate::{
-    Bed, DEFAULT_CONFIG, FamilyOnTheBed, PORT, Plane, assert_gre_leaves_with, host_prefix, node_ip,
-    pod_ip, second_outside, unanswered_queries, wait_for_udp_source,
+    Bed, DEFAULT_CONFIG, FamilyOnTheBed, PORT, Plane, assert_gre_leaves_with, bpftool_pinned,
+    host_prefix, node_ip, pod_ip, program_map_value, second_outside, unanswered_queries,
+    wait_for_udp_source,
 };
 
 /// What pods see must not depend on the data plane.
@@ -39,6 +40,7 @@ macro_rules! common_cases {
 mod ebpf {
     common_cases!(Ebpf);
     cases!(Ebpf: a_flow_stranded_by_a_change_stays_translated);
+    cases!(Ebpf: the_programs_index_holds_the_policy_in_force);
     family_cases!(Ebpf: a_change_that_finds_the_table_full_says_what_it_could_not_keep);
 }
 
@@ -341,4 +343,65 @@ fn turning_masq_link_local_on_moves_no_live_flow(plane: Plane) {
     let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
     let configs = (DEFAULT_CONFIG, masquerading.as_str());
     assert_a_change_moves_no_live_flow(&bed, IpFamily::Ipv4, link_local, configs, 41100);
+}
+
+/// The running agent writes the programs' index of the IPv4 policy trie, and stamps it with the
+/// policy generation in force: after its first sync, and again after a change, which the index
+/// then holds.
+fn the_programs_index_holds_the_policy_in_force(plane: Plane) {
+    use masq_ebpf::{
+        map_names::{NON_MASQ_INDEX_V4, POLICY_GENERATION},
+        policy_index::{CHILD, KEEPS_ADDRESS, STAMP_CHUNK, stamp, top},
+        policy_word::GENERATION_MASK,
+    };
+    let bed = Bed::new(plane, DEFAULT_CONFIG);
+    let agent = bed.start_agent(&[]);
+    let uplink = topology::UPLINK_IF;
+    let word_for = |addr: std::net::Ipv4Addr| -> u64 {
+        let (chunk, at) = top(u32::from(addr));
+        let chunk = program_map_value(&bed, uplink, NON_MASQ_INDEX_V4, chunk);
+        chunk[at].as_u64().unwrap()
+    };
+    // The index's stamp, and the stamp of the generation in force.
+    let stamps = || -> (u64, u64) {
+        let stamped = program_map_value(&bed, uplink, NON_MASQ_INDEX_V4, STAMP_CHUNK)[0].as_u64();
+        let generation = bpftool_pinned(
+            &bed,
+            &["map", "lookup"],
+            POLICY_GENERATION,
+            &["key".into(), "0".into(), "0".into(), "0".into(), "0".into()],
+        )["formatted"]["value"]
+            .as_u64()
+            .unwrap();
+        let in_force = stamp(generation as u32 & GENERATION_MASK);
+        (stamped.unwrap(), u64::from(in_force))
+    };
+    wait_for(|| Ok(agent.log_text().contains("policy applied"))).unwrap();
+    wait_for(|| {
+        let (stamped, in_force) = stamps();
+        Ok(stamped == in_force)
+    })
+    .unwrap_or_else(|e| panic!("the index is not stamped: {e}\n{}", agent.log_text()));
+    let ten = word_for(std::net::Ipv4Addr::new(10, 1, 0, 0));
+    assert_eq!(
+        ten & (CHILD | KEEPS_ADDRESS) as u64,
+        KEEPS_ADDRESS as u64,
+        "{ten:#x}"
+    );
+    let before = stamps().0;
+
+    // A prefix longer than the top level decides: its /16's word leads below.
+    write_config(
+        &bed.config,
+        "nonMasqueradeCIDRs: [10.0.0.0/8, 198.18.7.64/26]\nresyncInterval: 1s\n",
+    )
+    .unwrap();
+    wait_for(|| {
+        let (stamped, in_force) = stamps();
+        Ok(stamped != before && stamped == in_force)
+    })
+    .unwrap_or_else(|e| panic!("the index is not stamped again: {e}\n{}", agent.log_text()));
+    let lower = word_for(std::net::Ipv4Addr::new(198, 18, 7, 64));
+    assert_eq!(lower & CHILD as u64, CHILD as u64, "{lower:#x}");
+    assert_eq!(word_for(std::net::Ipv4Addr::new(10, 1, 0, 0)), ten);
 }

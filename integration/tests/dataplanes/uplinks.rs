@@ -16,7 +16,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, Conversation, DEFAULT_CONFIG, FamilyOnTheBed, IPV6_CONFIG, PORT, Plane, args_with,
-    assert_success, coverage, nat_halves, wait_for_coverage,
+    assert_success, coverage, links_of, nat_halves, program_map_value, wait_for_coverage,
 };
 
 /// What pods see must not depend on the data plane.
@@ -151,10 +151,6 @@ fn new_flows_take_the_uplink_s_new_address(plane: Plane, family: IpFamily) {
 /// The element of `device` in the array of devices of the programs on it
 /// (`map_names::INTERFACES_BY_IFINDEX`), as bpftool formats it from the map's BTF.
 fn indexed_interface(bed: &Bed, device: &str) -> serde_json::Value {
-    let json = |args: &[&str]| -> serde_json::Value {
-        let out = masq_testbed::netns::run("bpftool", &[&["-j"], args].concat()).unwrap();
-        serde_json::from_str(&out).unwrap()
-    };
     let shown = bed
         .topo
         .node_run("ip", &["-j", "link", "show", "dev", device]);
@@ -164,26 +160,8 @@ fn indexed_interface(bed: &Bed, device: &str) -> serde_json::Value {
         ifindex < masq_ebpf::INTERFACES_BY_IFINDEX_ENTRIES,
         "{device}'s ifindex {ifindex} is one the array holds"
     );
-    let link = links_of(bed, device)
-        .into_iter()
-        .find(|pin| pin.to_string_lossy().ends_with("-egress"))
-        .expect("the egress program's link is pinned");
-    let link = json(&["link", "show", "pinned", link.to_str().unwrap()]);
-    let program = json(&["prog", "show", "id", &link["prog_id"].to_string()]);
-    // The kernel keeps 15 bytes of a map's name.
-    let name = &masq_ebpf::map_names::INTERFACES_BY_IFINDEX[..15];
-    let map = program["map_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|id| json(&["map", "show", "id", &id.to_string()]))
-        .find(|map| map["name"] == name)
-        .expect("the program has the array");
-    let key: Vec<String> = ifindex.to_ne_bytes().iter().map(u8::to_string).collect();
-    let key: Vec<&str> = key.iter().map(String::as_str).collect();
-    let id = map["id"].to_string();
-    let found = json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());
-    found["formatted"]["value"].clone()
+    let name = masq_ebpf::map_names::INTERFACES_BY_IFINDEX;
+    program_map_value(bed, device, name, ifindex)
 }
 
 /// The uplink goes down for a few upkeep ticks and comes back, with its routes (which a down
@@ -505,20 +483,6 @@ fn assert_a_device_without_ipv4_is_left_to_the_chain(bed: &Bed, agent: &Process)
         .node_run("ip", &["addr", "add", &address, "dev", up1])
         .unwrap();
     wait_for_coverage(bed, agent, up1, IpFamily::Ipv4, "ebpf");
-}
-
-/// The pinned links of the programs on `device`.
-fn links_of(bed: &Bed, device: &str) -> Vec<std::path::PathBuf> {
-    ["egress", "ingress"]
-        .iter()
-        .map(|hook| {
-            bed.topo
-                .bpffs
-                .join("links")
-                .join(format!("{device}-{hook}"))
-        })
-        .filter(|pin| pin.exists())
-        .collect()
 }
 
 /// A restart with a device fewer in `--interface`: the programs stay on it while the flows

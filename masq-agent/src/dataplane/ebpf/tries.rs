@@ -120,14 +120,22 @@ impl PolicyMaps {
     /// Says that a flow's entry may lead toward a destination the policy leaves alone.
     pub fn lower_strays_cleared(&mut self) -> anyhow::Result<()> {
         let lowered = self.strays.lower(&mut self.word);
-        self.refresh_index();
+        self.restamp_index();
         lowered
+    }
+
+    /// Stamps the programs' index of the IPv4 policy trie with the generation in force, if it
+    /// holds what the trie holds; leaves it to the trie otherwise, until `refresh_index`.
+    fn restamp_index(&mut self) {
+        if self.index_v4.holds_the_trie() {
+            self.refresh_index();
+        }
     }
 
     /// Makes the programs' index of the IPv4 policy trie hold what the trie holds, stamped
     /// with the generation in force. Where that fails, the programs ask the trie, as slowly
     /// as before the index, until the next change: a warning, not an error of the policy.
-    fn refresh_index(&mut self) {
+    pub fn refresh_index(&mut self) {
         let refreshed = self.word.generation().and_then(|generation| {
             if self.index_v4.holds_the_trie() {
                 return self.index_v4.stamp(generation);
@@ -146,15 +154,17 @@ impl PolicyMaps {
     }
 
     /// Makes the tries hold `policy`'s prefixes, destinations and sources; `settings` says
-    /// which families have source entries. Returns whether anything changed.
+    /// which families have source entries. Returns whether anything changed. The index of the
+    /// IPv4 trie is only stamped again if it still holds the trie: writing it is left to
+    /// `refresh_index`, once what puts the policy in force is done (the programs ask the trie
+    /// meanwhile).
     pub fn sync(&mut self, policy: &Policy, settings: &mut SettingsMap) -> anyhow::Result<bool> {
-        let synced = self.sync_unindexed(policy, settings);
-        self.refresh_index();
+        let synced = self.sync_unstamped(policy, settings);
+        self.restamp_index();
         synced
     }
 
-    /// `sync`, but for the index, which is written once at the end.
-    fn sync_unindexed(
+    fn sync_unstamped(
         &mut self,
         policy: &Policy,
         settings: &mut SettingsMap,
@@ -171,14 +181,16 @@ impl PolicyMaps {
         Ok(changed)
     }
 
-    /// Makes one family's trie hold `rules`. Returns whether it changed.
+    /// Makes one family's trie hold `rules`, and the index hold it (`refresh_index`). Returns
+    /// whether it changed.
     pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
         let synced = self.sync_family(family, rules, Side::Destinations);
         self.refresh_index();
         synced
     }
 
-    /// Makes one family's source trie hold `rules`. Returns whether the trie changed.
+    /// Makes one family's source trie hold `rules`, and stamps the index (`refresh_index`).
+    /// Returns whether the trie changed.
     pub fn set_source_rules(
         &mut self,
         family: IpFamily,
