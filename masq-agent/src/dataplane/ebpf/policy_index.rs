@@ -3,9 +3,10 @@
 //!
 //! A change moves the policy generation on before the index is written, so from then on every
 //! program run asks the trie; the agent takes the stamp away, waits for the runs that may still
-//! read the index (`wait_for_program_runs`), rewrites the chunks that change, waits again, and
-//! only then stamps the index with the generation. So no run reads a chunk while it changes,
-//! and a run that takes the index's answer takes the trie's.
+//! read the index (`wait_for_program_runs`), rewrites the chunks that change, waits again where
+//! a CPU may make its loads out of order, and only then stamps the index with the generation.
+//! So no run reads a chunk while it changes, and a run that takes the index's answer takes the
+//! trie's.
 //!
 //! The index is built a /16 at a time: a prefix of 16 bits or fewer is written over top-level
 //! words, and each /16 that holds longer ones has the chunks below its word (a `Group`). A
@@ -29,7 +30,7 @@ use masq_ebpf::{
     prefix_action,
 };
 
-use super::{batch, interfaces::wait_for_program_runs, prefixes::Prefix};
+use super::{batch, interfaces::wait_for_program_runs, load::MEMORY_IN_ORDER, prefixes::Prefix};
 
 /// A chunk's place below the top level: its level (0 first), and the destination bits above
 /// its words (`TOP_BITS + STRIDE × level` of them).
@@ -428,7 +429,10 @@ impl PolicyIndex {
             Ok(())
         })?;
         chunks_written += self.flush(&mut pending, chunks_written == 0)?;
-        if chunks_written > 0 {
+        // A run that reads the stamp that follows reads every chunk written before it where
+        // loads are made in order; elsewhere one might read a chunk first, so no run that
+        // started before the writes ended may see the stamp.
+        if chunks_written > 0 && !MEMORY_IN_ORDER {
             wait_for_program_runs();
         }
         let done = IndexWrite {
