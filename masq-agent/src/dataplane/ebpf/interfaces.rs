@@ -129,6 +129,11 @@ fn set_element(
     Ok(())
 }
 
+/// Whether this machine's CPUs see each other's stores in the order they were made, and make
+/// their own loads in order: x86's do (total store order); arm64's, for one, do not. Where they
+/// do, a run that reads a word the agent wrote last reads all it wrote before, without a wait.
+pub const MEMORY_IN_ORDER: bool = cfg!(any(target_arch = "x86_64", target_arch = "x86"));
+
 /// How long to wait for the program runs in flight where the kernel cannot be made to say when
 /// they are over: a run takes microseconds, so this is the wait's margin, not its measure.
 const PROGRAM_RUNS_OVER_WITHIN: Duration = Duration::from_millis(100);

@@ -301,7 +301,11 @@ pub fn load(
     static NO: u8 = 0;
     let coarse = if coarse_clock() { &YES } else { &NO };
     loader.override_global(global_names::COARSE_CLOCK, coarse, true);
-    let in_order = if MEMORY_IN_ORDER { &YES } else { &NO };
+    let in_order = if super::interfaces::MEMORY_IN_ORDER {
+        &YES
+    } else {
+        &NO
+    };
     loader.override_global(global_names::STORES_IN_ORDER, in_order, true);
     let mut ebpf = loader
         .load(sizes.object())
@@ -493,10 +497,6 @@ fn refused_with_log(bpffs: &std::path::Path, refused: Refused) -> anyhow::Error 
     };
     anyhow::anyhow!("{refused}; {log}")
 }
-
-/// Whether this machine's CPUs see each other's stores in the order they were made, and make
-/// their own loads in order: x86's do (total store order); arm64's, for one, do not.
-pub const MEMORY_IN_ORDER: bool = cfg!(any(target_arch = "x86_64", target_arch = "x86"));
 
 /// Loads the object with the maps pinned under `pins`, after replacing those this build cannot
 /// reuse, and sets the programs' NAT ports.

@@ -30,7 +30,11 @@ use masq_ebpf::{
     prefix_action,
 };
 
-use super::{batch, interfaces::wait_for_program_runs, load::MEMORY_IN_ORDER, prefixes::Prefix};
+use super::{
+    batch,
+    interfaces::{MEMORY_IN_ORDER, wait_for_program_runs},
+    prefixes::Prefix,
+};
 
 /// A chunk's place below the top level: its level (0 first), and the destination bits above
 /// its words (`TOP_BITS + STRIDE × level` of them).
