@@ -885,7 +885,8 @@ fn add_pod_devices(bed: &Bed, pairs: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--one-change-only`: the daemon holding the large policy, and the one-prefix changes to it.
+/// `--one-change-only`: the daemon holding the large policy and the one-prefix changes to it,
+/// then the ConfigMap swaps to a small policy.
 fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
     let bed = Bed::new(agent, 1)?;
     let policy = prefixes::config(plan.large);
@@ -910,6 +911,13 @@ fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
         median(latencies.clone()).unwrap_or_default(),
         rounded.join(", "),
         cpu_used as f64 / 1e6 / latencies.len() as f64
+    );
+    let swaps = config_change_latency(&bed)?;
+    let rounded: Vec<String> = swaps.iter().map(|ms| format!("{ms:.1}")).collect();
+    println!(
+        "ConfigMap swap to map updated, 4 prefixes: median {:.1} ms of [{}]",
+        median(swaps.clone()).unwrap_or_default(),
+        rounded.join(", ")
     );
     Ok(())
 }

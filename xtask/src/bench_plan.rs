@@ -341,8 +341,9 @@ pub struct Options {
     /// mode with `perf record -a` while it runs (see docs/bench/profiles.md).
     #[arg(long)]
     pub seconds: Option<f64>,
-    /// Only the one-prefix change to the large policy in a running agent, printed and not
-    /// reported: the quick loop for working on that figure (about a minute).
+    /// Only the one-prefix change to the large policy in a running agent, and the ConfigMap
+    /// swaps to a small one, printed and not reported: the quick loop for working on those
+    /// figures (about a minute).
     #[arg(long)]
     pub one_change_only: bool,
     /// Only the agent under a churn of new connections (a minute, or `--seconds`), printed and

@@ -1,13 +1,17 @@
 //! The programs' index of the IPv4 policy trie: its answers are the trie's, for policies that
 //! nest and cut exceptions into each other; the programs take them only while the index holds
 //! the generation in force; a policy the index has no room for is answered by the trie where
-//! it does not fit; a change of one prefix rewrites a few chunks.
+//! it does not fit; a change of one prefix rewrites a few chunks; changes that come faster than
+//! the index is written are answered right throughout, and the index catches up.
 
 use std::net::Ipv4Addr;
 
 use aya::maps::lpm_trie::Key;
 use ipnet::Ipv4Net;
-use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TestBed};
+use masq_agent::{
+    dataplane::ebpf::testbed::{TC_ACT_OK, TestBed},
+    policy::Policy,
+};
 use masq_ebpf::{PolicyEntry, prefix_action};
 use masq_testbed::{packet::*, prefixes::XorShift};
 
@@ -94,7 +98,7 @@ fn the_index_answers_each_destination_as_its_longest_prefix_does() {
     let mut h = Ipv4Addr::bed(1 << 14, &SPANS, true);
     let mut policy = nesting_policy(&mut rng, 150);
     set(&mut h, &policy);
-    let written = h.maps.policy.index_v4.last_write();
+    let written = h.maps.policy.index_settled();
     assert!(written.chunks_written > 20, "{written:?}");
     assert_eq!(written.left_to_the_trie, 0);
     let all: Vec<Ipv4Net> = policy.0.iter().chain(&policy.1).copied().collect();
@@ -109,7 +113,7 @@ fn the_index_answers_each_destination_as_its_longest_prefix_does() {
     let deep = Ipv4Net::new(Ipv4Addr::new(100, 70, 3, 4), 31).unwrap();
     policy.1.push(deep);
     set(&mut h, &policy);
-    let written = h.maps.policy.index_v4.last_write();
+    let written = h.maps.policy.index_settled();
     assert!(
         (1..20).contains(&written.chunks_written),
         "a top-level chunk and those under its /16: {written:?}"
@@ -166,7 +170,7 @@ fn a_policy_the_index_has_no_room_for_is_answered_by_the_trie_where_it_does_not_
         .collect();
     let policy = (hosts.clone(), Vec::new());
     set(&mut h, &policy);
-    let written = h.maps.policy.index_v4.last_write();
+    let written = h.maps.policy.index_settled();
     assert!(written.left_to_the_trie > 0, "{written:?}");
     assert!(written.left_to_the_trie < hosts.len(), "{written:?}");
     let mut sport = 1024;
@@ -178,5 +182,79 @@ fn a_policy_the_index_has_no_room_for_is_answered_by_the_trie_where_it_does_not_
         sport += 1;
         let left = left_with_the_pod_s_address(&mut h, addr, sport);
         assert_eq!(left, keeps_address(&policy, addr), "{addr}");
+    }
+}
+
+/// Changes synced one right after another, faster than the index's thread writes them (none
+/// waits for it): every packet is answered by the policy in force, by the index or the trie,
+/// and once the thread has caught up, the index holds the last policy and answers with the
+/// generation in force: a prefix written to the trie behind the agent's back changes nothing.
+#[test]
+fn the_index_catches_up_with_changes_that_come_faster_than_it_is_written() {
+    let mut rng = Rng(XorShift(0x5851_f42d_4c95_7f2d));
+    let mut h = Ipv4Addr::bed(1 << 14, &SPANS, true);
+    let mut policy = nesting_policy(&mut rng, 400);
+    set(&mut h, &policy);
+    let mut sport = 1024;
+    for round in 0..12u32 {
+        // A /28 of its own each round, kept and then cut out in turn, under a /16 of its own.
+        let net = Ipv4Net::new(Ipv4Addr::from(0xc612_0000 | (round << 8)), 28).unwrap();
+        match round % 2 {
+            0 => policy.0.push(net),
+            _ => policy.1.push(net),
+        }
+        let in_force = Policy {
+            non_masq_v4: policy.0.clone(),
+            masq_v4: policy.1.clone(),
+            non_masq_v6: None,
+            masq_v6: Vec::new(),
+            ipv6_switched_off: false,
+            non_masq_src_v4: Vec::new(),
+            masq_src_v4: Vec::new(),
+            non_masq_src_v6: Vec::new(),
+            masq_src_v6: Vec::new(),
+            masquerade_address_v4: None,
+            masquerade_address_v6: None,
+        };
+        let maps = &mut h.maps;
+        maps.policy.sync(&in_force, &mut maps.settings).unwrap();
+        for addr in probes(&mut rng, &[net]) {
+            sport += 1;
+            let left = left_with_the_pod_s_address(&mut h, addr, sport);
+            assert_eq!(left, keeps_address(&policy, addr), "round {round}: {addr}");
+        }
+    }
+    let written = h.maps.policy.index_settled();
+    assert_eq!(written.left_to_the_trie, 0, "{written:?}");
+    let all: Vec<Ipv4Net> = policy.0.iter().chain(&policy.1).copied().collect();
+    let addrs = probes(&mut rng, &all);
+    for &addr in &addrs {
+        sport += 1;
+        let left = left_with_the_pod_s_address(&mut h, addr, sport);
+        assert_eq!(left, keeps_address(&policy, addr), "{addr}");
+    }
+    // Behind the agent's back, a host prefix masquerading each of fifty destinations the
+    // policy keeps: the index, stamped with the generation in force, still answers.
+    let kept: Vec<Ipv4Addr> = addrs
+        .into_iter()
+        .filter(|&a| keeps_address(&policy, a))
+        .take(50)
+        .collect();
+    assert_eq!(kept.len(), 50);
+    let masquerade = PolicyEntry {
+        action: prefix_action::MASQUERADE,
+        ..PolicyEntry::default()
+    };
+    for addr in &kept {
+        let trie = &mut h.maps.policy.v4.non_masq;
+        trie.insert(&Key::new(32, addr.octets()), masquerade, 0)
+            .unwrap();
+    }
+    for addr in kept {
+        sport += 1;
+        assert!(
+            left_with_the_pod_s_address(&mut h, addr, sport),
+            "{addr}: the trie answered, not the index"
+        );
     }
 }

@@ -11,6 +11,7 @@ use masq_ebpf::{Settings, map_names};
 
 use super::{
     flow_table::{NatTable, TableMaps, V4_MAPS, V6_MAPS},
+    index_writer::IndexWriter,
     map_types::{Counters, DropSamples, Interfaces, NatTables, SweepMaps, typed},
     policy_index::PolicyIndex,
     policy_word::PolicyWord,
@@ -56,7 +57,7 @@ impl Maps {
                     FamilyTries::new(take(ebpf, map_names::NON_MASQ_SRC_V6)?, None),
                 ),
                 PolicyWord(take(ebpf, map_names::POLICY_GENERATION)?),
-                PolicyIndex::new(take(ebpf, map_names::NON_MASQ_INDEX_V4)?),
+                IndexWriter::spawn(PolicyIndex::new(take(ebpf, map_names::NON_MASQ_INDEX_V4)?))?,
                 take(ebpf, map_names::DECISIONS)?,
                 reused_decisions,
             ),

@@ -18,6 +18,7 @@ pub mod flow_table;
 pub mod flows;
 mod follow;
 pub mod hook;
+pub mod index_writer;
 pub mod interfaces;
 pub mod kernel_sweep;
 pub mod leftovers;

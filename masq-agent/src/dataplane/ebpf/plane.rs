@@ -233,9 +233,6 @@ impl DataPlane for EbpfDataPlane {
         // The reduced chain goes in only once the programs run, so that no new flow is left
         // untranslated in between.
         let chain = self.chain.apply(policy)?;
-        // The policy is in force, through the trie: now the programs' index of it, which
-        // takes a few RCU grace periods to write.
-        self.maps.policy.refresh_index();
         if first {
             self.settled = Some(std::time::Instant::now());
         }

@@ -1,5 +1,5 @@
 //! The programs' index of the IPv4 policy trie (`masq_ebpf::policy_index`), built from what the
-//! trie holds after every change to it.
+//! trie holds after every change to it, on a thread of its own (`index_writer`).
 //!
 //! A change moves the policy generation on before the index is written, so from then on every
 //! program run asks the trie; the agent takes the stamp away, waits for the runs that may still
@@ -376,28 +376,21 @@ impl PolicyIndex {
         self.last_write
     }
 
-    /// Says that the trie changed, or may have: the index no longer holds it.
-    pub fn trie_changed(&mut self) {
-        self.holds_the_trie = false;
-    }
-
-    /// Whether the index holds what the trie holds, as last written: a new generation needs
-    /// only a new stamp.
+    /// Whether the index holds what the trie held when it was last written: a new generation
+    /// needs only a new stamp.
     pub fn holds_the_trie(&self) -> bool {
         self.holds_the_trie
     }
 
-    /// Stamps the index with `generation`, after writing it from `entries`, what the trie
-    /// holds, unless it already holds them.
+    /// Writes the index from `entries`, what the trie holds, and stamps it with `generation`.
     pub fn refresh(
         &mut self,
         entries: &BTreeMap<Prefix<4>, PolicyEntry>,
         generation: u32,
     ) -> anyhow::Result<()> {
-        if !self.holds_the_trie {
-            self.last_write = self.write(entries)?;
-            self.holds_the_trie = true;
-        }
+        self.holds_the_trie = false;
+        self.last_write = self.write(entries)?;
+        self.holds_the_trie = true;
         self.stamp(generation)
     }
 

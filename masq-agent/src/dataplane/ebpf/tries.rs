@@ -6,7 +6,7 @@
 //! in force. Each entry also names the slot that counts its decisions (see `decisions`). What a
 //! change writes is found in `trie_diff`.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use aya::maps::{Array, LpmTrie, MapData, lpm_trie::Key};
@@ -18,8 +18,9 @@ use masq_ebpf::{
 use super::{
     decisions::{DecisionCounters, DecisionSlots, Side},
     flow_table,
+    index_writer::IndexWriter,
     map_types::NatTables,
-    policy_index::PolicyIndex,
+    policy_index::IndexWrite,
     policy_word::PolicyWord,
     prefixes::{self, PolicyTrie, Prefix},
     strays::StrayWatch,
@@ -36,8 +37,9 @@ pub struct FamilyTries<const N: usize> {
     /// flows covers (see `conntrack::keep_pod_flows`).
     pub draining: Option<LpmTrie<MapData, [u8; N], u32>>,
     /// What the policy trie holds, as this agent last read or wrote it; `None` when it must be
-    /// read again. A trie of 100 000 prefixes takes 200 000 system calls to read.
-    pub installed: Option<BTreeMap<Prefix<N>, PolicyEntry>>,
+    /// read again. A trie of 100 000 prefixes takes 200 000 system calls to read. Shared with
+    /// the thread that writes the index, which lets go of it once written.
+    pub installed: Option<Arc<BTreeMap<Prefix<N>, PolicyEntry>>>,
 }
 
 impl<const N: usize> FamilyTries<N> {
@@ -56,7 +58,18 @@ impl<const N: usize> FamilyTries<N> {
     fn current(&mut self) -> BTreeMap<Prefix<N>, PolicyEntry> {
         self.installed
             .take()
+            .map(Arc::unwrap_or_clone)
             .unwrap_or_else(|| prefixes::entries(&self.non_masq))
+    }
+
+    /// What the policy trie holds, to share.
+    fn shared(&mut self) -> Arc<BTreeMap<Prefix<N>, PolicyEntry>> {
+        let shared = match self.installed.take() {
+            Some(installed) => installed,
+            None => Arc::new(prefixes::entries(&self.non_masq)),
+        };
+        self.installed = Some(Arc::clone(&shared));
+        shared
     }
 }
 
@@ -69,8 +82,8 @@ pub struct PolicyMaps {
     pub src_v6: FamilyTries<16>,
     /// What the programs tag their cached verdicts with, and whether strays are cleared.
     pub word: PolicyWord,
-    /// The programs' index of `v4`'s policy trie.
-    pub index_v4: PolicyIndex,
+    /// The thread that writes the programs' index of `v4`'s policy trie.
+    pub index_v4: IndexWriter,
     /// Per CPU, the decisions each entry took, in its slot.
     pub decisions: DecisionCounters,
     slots: DecisionSlots,
@@ -85,7 +98,7 @@ impl PolicyMaps {
         (mut v4, mut v6): (FamilyTries<4>, FamilyTries<16>),
         (mut src_v4, mut src_v6): (FamilyTries<4>, FamilyTries<16>),
         word: PolicyWord,
-        index_v4: PolicyIndex,
+        index_v4: IndexWriter,
         decisions: DecisionCounters,
         reused_decisions: bool,
     ) -> PolicyMaps {
@@ -95,8 +108,9 @@ impl PolicyMaps {
         let held = held.chain(held_src_v4.values()).chain(held_src_v6.values());
         let held = held.map(|entry| entry.counted_in);
         let slots = DecisionSlots::free_besides(decisions.len(), held, reused_decisions);
-        (v4.installed, v6.installed) = (Some(held_v4), Some(held_v6));
-        (src_v4.installed, src_v6.installed) = (Some(held_src_v4), Some(held_src_v6));
+        (v4.installed, v6.installed) = (Some(Arc::new(held_v4)), Some(Arc::new(held_v6)));
+        (src_v4.installed, src_v6.installed) =
+            (Some(Arc::new(held_src_v4)), Some(Arc::new(held_src_v6)));
         PolicyMaps {
             v4,
             v6,
@@ -120,47 +134,41 @@ impl PolicyMaps {
     /// Says that a flow's entry may lead toward a destination the policy leaves alone.
     pub fn lower_strays_cleared(&mut self) -> anyhow::Result<()> {
         let lowered = self.strays.lower(&mut self.word);
-        self.restamp_index();
+        self.refresh_index();
         lowered
     }
 
-    /// Stamps the programs' index of the IPv4 policy trie with the generation in force, if it
-    /// holds what the trie holds; leaves it to the trie otherwise, until `refresh_index`.
-    fn restamp_index(&mut self) {
-        if self.index_v4.holds_the_trie() {
-            self.refresh_index();
+    /// Hands the thread that writes the programs' index of the IPv4 policy trie the generation
+    /// in force, and what the trie holds where the index may not hold it: the thread writes it
+    /// and stamps it with the generation, while the programs ask the trie. Where the generation
+    /// cannot be read, the programs ask the trie until the next change: a warning, not an error
+    /// of the policy.
+    fn refresh_index(&mut self) {
+        match self.word.generation() {
+            Ok(generation) => {
+                let entries = self.index_v4.wants_entries().then(|| self.v4.shared());
+                self.index_v4.hand_over(generation, entries);
+            }
+            Err(err) => tracing::warn!(
+                "the programs look IPv4 destinations up in the policy trie, not its index, \
+                 until the next change: {err:#}"
+            ),
         }
     }
 
-    /// Makes the programs' index of the IPv4 policy trie hold what the trie holds, stamped
-    /// with the generation in force. Where that fails, the programs ask the trie, as slowly
-    /// as before the index, until the next change: a warning, not an error of the policy.
-    pub fn refresh_index(&mut self) {
-        let refreshed = self.word.generation().and_then(|generation| {
-            if self.index_v4.holds_the_trie() {
-                return self.index_v4.stamp(generation);
-            }
-            let entries = self.v4.current();
-            let refreshed = self.index_v4.refresh(&entries, generation);
-            self.v4.installed = Some(entries);
-            refreshed
-        });
-        if let Err(err) = refreshed {
-            tracing::warn!(
-                "the programs look IPv4 destinations up in the policy trie, not its index, \
-                 until the next change: {err:#}"
-            );
-        }
+    /// Waits until the programs' index of the IPv4 policy trie is written as last handed over,
+    /// and returns what its last write of the chunks did.
+    pub fn index_settled(&self) -> IndexWrite {
+        self.index_v4.settled()
     }
 
     /// Makes the tries hold `policy`'s prefixes, destinations and sources; `settings` says
     /// which families have source entries. Returns whether anything changed. The index of the
-    /// IPv4 trie is only stamped again if it still holds the trie: writing it is left to
-    /// `refresh_index`, once what puts the policy in force is done (the programs ask the trie
-    /// meanwhile).
+    /// IPv4 trie follows on its own thread (`refresh_index`): the programs ask the trie until
+    /// it is written.
     pub fn sync(&mut self, policy: &Policy, settings: &mut SettingsMap) -> anyhow::Result<bool> {
         let synced = self.sync_unstamped(policy, settings);
-        self.restamp_index();
+        self.refresh_index();
         synced
     }
 
@@ -181,16 +189,18 @@ impl PolicyMaps {
         Ok(changed)
     }
 
-    /// Makes one family's trie hold `rules`, and the index hold it (`refresh_index`). Returns
-    /// whether it changed.
+    /// Makes one family's trie hold `rules`, and waits until the index holds it too, so that
+    /// a test or a benchmark knows which answers the programs: the index, wherever it has room.
+    /// Returns whether the trie changed.
     pub fn set_rules(&mut self, family: IpFamily, rules: &Rules) -> anyhow::Result<bool> {
         let synced = self.sync_family(family, rules, Side::Destinations);
         self.refresh_index();
+        self.index_settled();
         synced
     }
 
-    /// Makes one family's source trie hold `rules`, and stamps the index (`refresh_index`).
-    /// Returns whether the trie changed.
+    /// Makes one family's source trie hold `rules`, and waits until the index is stamped with
+    /// the generation that moves on with it. Returns whether the trie changed.
     pub fn set_source_rules(
         &mut self,
         family: IpFamily,
@@ -199,6 +209,7 @@ impl PolicyMaps {
     ) -> anyhow::Result<bool> {
         let synced = self.sync_source_rules(family, rules, settings);
         self.refresh_index();
+        self.index_settled();
         synced
     }
 
@@ -351,7 +362,7 @@ impl<const N: usize> FamilyTries<N> {
             current.remove(prefix);
         }
         current.extend(written.entries);
-        self.installed = Some(current);
+        self.installed = Some(Arc::new(current));
         self.end_draining(&change, &desired)?;
         Ok(changed)
     }
