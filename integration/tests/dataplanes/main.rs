@@ -800,19 +800,27 @@ fn links_of(bed: &Bed, device: &str) -> Vec<std::path::PathBuf> {
         .collect()
 }
 
-/// The value at `key` of the map `name` of the egress program on `device`, as bpftool formats
-/// it from the map's BTF: a map of the program object's own, which is not pinned.
-fn program_map_value(bed: &Bed, device: &str, name: &str, key: u32) -> serde_json::Value {
-    let json = |args: &[&str]| -> serde_json::Value {
-        let out = masq_testbed::netns::run("bpftool", &[&["-j"], args].concat()).unwrap();
-        serde_json::from_str(&out).unwrap()
-    };
+/// What bpftool says, as JSON.
+fn bpftool_json(args: &[&str]) -> serde_json::Value {
+    let out = masq_testbed::netns::run("bpftool", &[&["-j"], args].concat()).unwrap();
+    serde_json::from_str(&out).unwrap()
+}
+
+/// The egress program on `device`, as `bpftool prog show` says.
+fn egress_program(bed: &Bed, device: &str) -> serde_json::Value {
     let link = links_of(bed, device)
         .into_iter()
         .find(|pin| pin.to_string_lossy().ends_with("-egress"))
         .expect("the egress program's link is pinned");
-    let link = json(&["link", "show", "pinned", link.to_str().unwrap()]);
-    let program = json(&["prog", "show", "id", &link["prog_id"].to_string()]);
+    let link = bpftool_json(&["link", "show", "pinned", link.to_str().unwrap()]);
+    bpftool_json(&["prog", "show", "id", &link["prog_id"].to_string()])
+}
+
+/// The value at `key` of the map `name` of the egress program on `device`, as bpftool formats
+/// it from the map's BTF: a map of the program object's own, which is not pinned.
+fn program_map_value(bed: &Bed, device: &str, name: &str, key: u32) -> serde_json::Value {
+    let json = bpftool_json;
+    let program = egress_program(bed, device);
     // The kernel keeps 15 bytes of a map's name.
     let name = &name[..name.len().min(15)];
     let map = program["map_ids"]

@@ -16,8 +16,8 @@ use masq_testbed::{
 
 use crate::{
     Bed, DEFAULT_CONFIG, FamilyOnTheBed, PORT, Plane, assert_gre_leaves_with, bpftool_pinned,
-    host_prefix, node_ip, pod_ip, program_map_value, second_outside, unanswered_queries,
-    wait_for_udp_source,
+    egress_program, host_prefix, node_ip, pod_ip, program_map_value, second_outside,
+    unanswered_queries, wait_for_udp_source,
 };
 
 /// What pods see must not depend on the data plane.
@@ -404,4 +404,21 @@ fn the_programs_index_holds_the_policy_in_force(plane: Plane) {
     let lower = word_for(std::net::Ipv4Addr::new(198, 18, 7, 64));
     assert_eq!(lower & CHILD as u64, CHILD as u64, "{lower:#x}");
     assert_eq!(word_for(std::net::Ipv4Addr::new(10, 1, 0, 0)), ten);
+
+    // `status` says so, of the one egress program on every device.
+    let status = bed.status_json();
+    let indexes = status["ebpf"]["policy_index_v4"].as_array().unwrap();
+    let egress = egress_program(&bed, uplink)["id"].clone();
+    assert_eq!(indexes.len(), 1, "{indexes:?}");
+    assert_eq!(indexes[0]["program_id"], egress, "{indexes:?}");
+    assert_eq!(indexes[0]["in_force"], true, "{indexes:?}");
+    assert_eq!(indexes[0]["left_to_the_trie"], 0, "{indexes:?}");
+    let bpffs = format!("--bpffs={}", bed.topo.bpffs.display());
+    let text = String::from_utf8(bed.agent_cmd(&["status", &bpffs]).stdout).unwrap();
+    assert!(
+        text.contains(&format!(
+            "program {egress} decides IPv4 destinations by the policy trie's index\n"
+        )),
+        "{text}"
+    );
 }

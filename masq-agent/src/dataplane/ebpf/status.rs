@@ -70,10 +70,26 @@ pub struct EbpfStatus {
     /// No flow outlived the policy: packets toward destinations it leaves alone skip the NAT
     /// table (see `strays`).
     pub strays_cleared: bool,
+    /// The programs' index of the IPv4 policy trie, as each egress program holds it.
+    pub policy_index_v4: Vec<PolicyIndexStatus>,
     pub counters: BTreeMap<&'static str, u64>,
     /// What each policy entry decided; absent where an older agent pinned no counters.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decisions: Option<PolicyDecisions>,
+}
+
+/// The programs' index of the IPv4 policy trie (`non_masq_index_v4`) as one program holds it:
+/// each program object has its own, not pinned, found through the program's maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PolicyIndexStatus {
+    pub program_id: u32,
+    /// Whether it holds the policy in force (its stamp is the generation in force), so that the
+    /// program takes its answers; otherwise the program asks the trie, as while the agent
+    /// writes it after a change.
+    pub in_force: bool,
+    /// The /16s whose destinations the program looks up in the trie, more slowly, for want of
+    /// room in the index: the policy outgrew what the agent sized it for when it started.
+    pub left_to_the_trie: usize,
 }
 
 /// One family's NAT table: how full it is, and whose its flows are. A pod's new flow is
@@ -182,6 +198,9 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         .collect();
     let decisions = decisions::read(&pins, &tries)?;
     let interfaces: InterfaceTable = pins.open(map_names::INTERFACES)?;
+    let generation = PolicyWord(pins.open(map_names::POLICY_GENERATION)?);
+    let attachments = read_attachments(&pins);
+    let policy_index_v4 = read_policy_indexes(&attachments, generation.generation()?);
     let kernel = read_kernel_counters(bpffs)?.context("the counters map is not pinned")?;
     let nat = kernel
         .nat_capacities
@@ -201,7 +220,7 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         .collect();
     Ok(Some(EbpfStatus {
         bpffs: bpffs.to_path_buf(),
-        attachments: read_attachments(&pins),
+        attachments,
         interfaces: interfaces
             .iter()
             .filter_map(Result::ok)
@@ -237,10 +256,70 @@ pub fn read_status(bpffs: &Path) -> anyhow::Result<Option<EbpfStatus>> {
         masquerade_src: sources(prefix_action::MASQUERADE),
         nat,
         translated_by_address,
-        strays_cleared: PolicyWord(pins.open(map_names::POLICY_GENERATION)?).strays_cleared()?,
+        strays_cleared: generation.strays_cleared()?,
+        policy_index_v4,
         counters,
         decisions,
     }))
+}
+
+/// The index of the IPv4 policy trie of each egress program attached, as it holds the policy
+/// of `generation`. A program whose index cannot be read (an older agent's, without one) is
+/// left out.
+fn read_policy_indexes(
+    attachments: &[AttachmentStatus],
+    generation: u32,
+) -> Vec<PolicyIndexStatus> {
+    let mut programs: Vec<u32> = attachments
+        .iter()
+        .filter(|a| a.hook == Hook::Egress)
+        .map(|a| a.program_id)
+        .collect();
+    programs.sort_unstable();
+    programs.dedup();
+    programs
+        .into_iter()
+        .filter_map(|program_id| {
+            read_policy_index(program_id, generation)
+                .inspect_err(|err| {
+                    tracing::debug!("the policy index of program {program_id}: {err:#}")
+                })
+                .ok()
+        })
+        .collect()
+}
+
+fn read_policy_index(program_id: u32, generation: u32) -> anyhow::Result<PolicyIndexStatus> {
+    use aya::{
+        maps::{Map, MapData, MapInfo},
+        programs::loaded_programs,
+    };
+    use masq_ebpf::policy_index::{ASK_THE_TRIE, Chunk, STAMP_CHUNK, TOP_CHUNKS, stamp};
+    let program = loaded_programs()
+        .filter_map(Result::ok)
+        .find(|p| p.id() == program_id)
+        .context("no such program")?;
+    // The kernel keeps 15 bytes of a map's name.
+    let name = &map_names::NON_MASQ_INDEX_V4[..15];
+    let index = program
+        .map_ids()?
+        .unwrap_or_default()
+        .into_iter()
+        .find(|&id| MapInfo::from_id(id).is_ok_and(|m| m.name_as_str() == Some(name)))
+        .context("the program has no policy index")?;
+    let index: aya::maps::Array<MapData, Chunk> =
+        Map::Array(MapData::from_id(index)?).try_into()?;
+    let stamped = index.get(&STAMP_CHUNK, 0)?[0];
+    let mut left_to_the_trie = 0;
+    for chunk in 0..TOP_CHUNKS {
+        let words = index.get(&chunk, 0)?;
+        left_to_the_trie += words.iter().filter(|&&w| w == ASK_THE_TRIE).count();
+    }
+    Ok(PolicyIndexStatus {
+        program_id,
+        in_force: stamped == stamp(generation),
+        left_to_the_trie,
+    })
 }
 
 /// The programs' packet counters (summed over CPUs) and the NAT tables' capacities.
@@ -361,6 +440,26 @@ impl std::fmt::Display for EbpfStatus {
                  the last change to the policy"
             )?;
         }
+        for index in &self.policy_index_v4 {
+            let program = index.program_id;
+            match (index.in_force, index.left_to_the_trie) {
+                (false, _) => writeln!(
+                    f,
+                    "  program {program} asks the IPv4 policy trie: its index does not hold the \
+                     policy in force (yet)"
+                )?,
+                (true, 0) => writeln!(
+                    f,
+                    "  program {program} decides IPv4 destinations by the policy trie's index"
+                )?,
+                (true, left) => writeln!(
+                    f,
+                    "  program {program} decides IPv4 destinations by the policy trie's index, \
+                     but under {left} /16s by the trie, for want of room (a restart sizes the \
+                     index for the policy)"
+                )?,
+            }
+        }
         for (name, value) in &self.counters {
             writeln!(f, "  {name}: {value}")?;
         }
@@ -442,9 +541,33 @@ mod tests {
             nat,
             translated_by_address: BTreeMap::new(),
             strays_cleared: true,
+            policy_index_v4: Vec::new(),
             counters: BTreeMap::new(),
             decisions: None,
         }
+    }
+
+    #[test]
+    fn status_says_whether_each_program_takes_its_index_s_answers() {
+        let mut status = with_tables(BTreeMap::new());
+        let index = |program_id, in_force, left_to_the_trie| PolicyIndexStatus {
+            program_id,
+            in_force,
+            left_to_the_trie,
+        };
+        status.policy_index_v4 = vec![index(7, true, 0), index(8, false, 0), index(9, true, 3)];
+        let text = status.to_string();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("program ")).collect();
+        assert_eq!(
+            lines,
+            [
+                "  program 7 decides IPv4 destinations by the policy trie's index",
+                "  program 8 asks the IPv4 policy trie: its index does not hold the policy in \
+                 force (yet)",
+                "  program 9 decides IPv4 destinations by the policy trie's index, but under 3 \
+                 /16s by the trie, for want of room (a restart sizes the index for the policy)",
+            ]
+        );
     }
 
     #[test]

@@ -594,6 +594,17 @@ fn of_the_entries_for_one_prefix_the_set_keeps_the_one_that_decides() {
         .map(ToString::to_string)
         .collect();
     assert_eq!(members, ["0.0.0.0/1", "10.0.0.0/8 nomatch", "128.0.0.0/1"]);
+    // A rule for a /0's half, earlier or later, over the half.
+    let rules = vec![
+        (net("128.0.0.0/1"), Action::Masquerade),
+        (net("0.0.0.0/0"), Action::NonMasquerade),
+        (net("0.0.0.0/1"), Action::Masquerade),
+    ];
+    let members: Vec<String> = set_members(&rules)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(members, ["0.0.0.0/1 nomatch", "128.0.0.0/1 nomatch"]);
 }
 
 #[test]
