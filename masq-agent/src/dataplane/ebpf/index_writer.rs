@@ -166,12 +166,18 @@ fn write_as_handed_over(mut index: PolicyIndex, shared: &Shared) {
                 state = shared.wait(state);
             }
         };
-        let written = match &handed.entries {
-            Some(entries) => index.refresh(entries, handed.generation),
-            None if index.holds_the_trie() => index.stamp(handed.generation),
-            // The last write failed: the programs ask the trie until a hand-over carries it.
-            None => Ok(()),
-        };
+        // A write that panics leaves the index unstamped, and the index forgets what it
+        // wrote (`PolicyIndex::write`): the programs ask the trie, and the next hand-over
+        // writes it whole. The agent goes on either way.
+        let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match &handed.entries {
+                Some(entries) => index.refresh(entries, handed.generation),
+                None if index.holds_the_trie() => index.stamp(handed.generation),
+                // The last write failed: the programs ask the trie until a hand-over carries it.
+                None => Ok(()),
+            }
+        }))
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("writing the index panicked")));
         if let Err(err) = written {
             tracing::warn!(
                 "the programs look IPv4 destinations up in the policy trie, not its index, \
