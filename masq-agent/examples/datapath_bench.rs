@@ -219,7 +219,7 @@ impl Frames {
         // Half the table, less half of what a new-flow case adds: through such a case's runs,
         // one flow each, the table is half full on average, as issue 27 measures a first
         // packet, where filling it from half full would end it nearer full.
-        let spread_flows = (capacity / 4).saturating_sub(runs / 2);
+        let spread_flows = masq_testbed::spread_flows(runs, capacity);
         let spread_opened = (0..spread_flows).map(|i| spread_flow(i, SYN)).collect();
         let spread = (0..spread_flows).map(|i| spread_flow(i, ACK)).collect();
         let mut arp = outbound.clone();

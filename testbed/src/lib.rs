@@ -22,6 +22,26 @@ use std::{
 
 use anyhow::Context as _;
 
+/// The flows `datapath_bench`'s spread case opens in a NAT table of `capacity` entries before
+/// cases of `runs` runs each: half the table (a flow takes two entries) less half of what a
+/// new-flow case adds (a flow a run), so that a new-flow case's table is half full on average.
+pub fn spread_flows(runs: u32, capacity: u32) -> u32 {
+    (capacity / 4).saturating_sub(runs / 2)
+}
+
+/// `n` with its thousands apart, as the docs write numbers: 116 072.
+pub fn in_thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(' ');
+        }
+        out.push(digit);
+    }
+    out
+}
+
 /// `bpftool --json ARGS`, parsed: `null` for a lookup of a key the map lacks.
 fn bpftool_json(args: &[&str]) -> anyhow::Result<serde_json::Value> {
     let out = std::process::Command::new("bpftool")
@@ -200,4 +220,40 @@ pub fn flag_pairs() -> anyhow::Result<Vec<(String, String)>> {
         pairs.push((flag, value));
     }
     Ok(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_written_with_their_thousands_apart() {
+        let written: Vec<String> = [0, 999, 1_000, 30_000, 116_072, 524_288, 1_234_567]
+            .into_iter()
+            .map(in_thousands)
+            .collect();
+        assert_eq!(
+            written,
+            [
+                "0",
+                "999",
+                "1 000",
+                "30 000",
+                "116 072",
+                "524 288",
+                "1 234 567"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_spread_flows_and_a_new_flow_case_s_fill_half_the_table_on_average() {
+        let (runs, capacity) = (30_000, 524_288);
+        let spread = spread_flows(runs, capacity);
+        assert_eq!(spread, 116_072);
+        // Two entries a flow: the case starts below half and ends above it, as far each way.
+        let (start, end) = (2 * spread, 2 * (spread + runs));
+        assert_eq!(capacity / 2 - start, end - capacity / 2);
+        assert_eq!(spread_flows(capacity, capacity), 0);
+    }
 }

@@ -423,7 +423,7 @@ fn summary(
     }
     costs_table(&mut s, m, plan);
     if !datapath.is_empty() {
-        datapath_table(&mut s, datapath);
+        datapath_table(&mut s, datapath, plan.runs);
     }
     if !datapath_cold.is_empty() {
         cold_datapath_table(&mut s, datapath, datapath_cold);
@@ -669,10 +669,16 @@ fn churn_table(s: &mut String, churns: &[Churn]) {
     }
 }
 
-fn datapath_table(s: &mut String, datapath: &[DatapathCase]) {
+fn datapath_table(s: &mut String, datapath: &[DatapathCase], runs: u32) {
+    let capacity = masq_ebpf::NAT_DEFAULT_ENTRIES;
+    let spread = masq_testbed::in_thousands(masq_testbed::spread_flows(runs, capacity).into());
+    let (runs, capacity) = (
+        masq_testbed::in_thousands(runs.into()),
+        masq_testbed::in_thousands(capacity.into()),
+    );
     let _ = writeln!(
         s,
-        "\nThe data path alone: mean kernel-timed single runs of BPF_PROG_TEST_RUN, the median over rounds, every case at every size in each round, so that the machine's drift hits the sizes alike; ignored_floor (a packet the program drops out of at once) is the runner's own cost. non_masq_hit repeats one destination, so that what decides it stays in the CPU's caches; non_masq_uncached cycles through 65 536 destinations, more than the cache holds, each decided by the policy trie's index (non_masq_index_v4), as every destination is once the index holds the policy. snat_established is a packet of a known flow, one flow again and again; snat_established_spread the same among 116 072 flows (half the table, less half of what a new-flow case's 30 000 runs add), each run another's, so that its bucket and entry are cold, as for most packets on a busy node. snat_new_flow is a connection's first packet, each run a flow of its own (a pod's SYN, which skips the table lookup: its halves' inserts find any flow the table holds), a port, and both halves inserted, into a table that the spread case's flows and the case's own, one a run, hold half full on average, so that the inserts meet other flows in their buckets, as on a busy node; snat_new_flow_sources is the same while the family has source entries (nonMasqueradeSrcCIDRs), so that the source trie is asked too. rev_snat is a reply to a masqueraded flow; ingress_no_flow a packet to the node's port 22, outside NAT's spans, and ingress_node_service one to a service of the node's on a port inside them (10250), held a while with no flow on it: neither is looked up in the NAT table. The NAT table has the agent's default size (524 288 entries asked for; IPv4's slot table takes 8/5 as many slots of 64 bytes, 51 MiB), so that a lookup reads its lines out of as much memory as on a node.\n\n| data path, ns per packet | 4 prefixes | 10 000 | 100 000 |"
+        "\nThe data path alone: mean kernel-timed single runs of BPF_PROG_TEST_RUN, the median over rounds, every case at every size in each round, so that the machine's drift hits the sizes alike; ignored_floor (a packet the program drops out of at once) is the runner's own cost. non_masq_hit repeats one destination, so that what decides it stays in the CPU's caches; non_masq_uncached cycles through 65 536 destinations, more than the cache holds, each decided by the policy trie's index (non_masq_index_v4), as every destination is once the index holds the policy. snat_established is a packet of a known flow, one flow again and again; snat_established_spread the same among {spread} flows (half the table, less half of what a new-flow case's {runs} runs add), each run another's, so that its bucket and entry are cold, as for most packets on a busy node. snat_new_flow is a connection's first packet, each run a flow of its own (a pod's SYN, which skips the table lookup: its halves' inserts find any flow the table holds), a port, and both halves inserted, into a table that the spread case's flows and the case's own, one a run, hold half full on average, so that the inserts meet other flows in their buckets, as on a busy node; snat_new_flow_sources is the same while the family has source entries (nonMasqueradeSrcCIDRs), so that the source trie is asked too. rev_snat is a reply to a masqueraded flow; ingress_no_flow a packet to the node's port 22, outside NAT's spans, and ingress_node_service one to a service of the node's on a port inside them (10250), held a while with no flow on it: neither is looked up in the NAT table. The NAT table has the agent's default size ({capacity} entries asked for; IPv4's slot table takes 8/5 as many slots of 64 bytes, 51 MiB), so that a lookup reads its lines out of as much memory as on a node.\n\n| data path, ns per packet | 4 prefixes | 10 000 | 100 000 |"
     );
     let _ = writeln!(s, "|---|---:|---:|---:|");
     for case in [
