@@ -50,6 +50,12 @@ pub mod map_names {
     /// after every change to the trie; sized by the agent when it loads the object, not
     /// pinned.
     pub const NON_MASQ_INDEX_V4: &str = "non_masq_index_v4";
+
+    /// `name` as the kernel keeps it (`BPF_OBJ_NAME_LEN`, less its NUL), and as `bpftool` and
+    /// a map's info give it back: how a map that is not pinned is found by name.
+    pub fn as_the_kernel_keeps(name: &str) -> &str {
+        &name[..name.len().min(15)]
+    }
     /// The translation of each fragmented datagram in flight, taken from its first fragment
     /// for the later ones, which carry no ports; an LRU, since a datagram lives milliseconds.
     /// Not pinned.

@@ -59,6 +59,7 @@ fn bpftool_json(args: &[&str]) -> anyhow::Result<serde_json::Value> {
 /// The id of the map named `name` that program `program_id` uses, if it uses one: how a map
 /// the agent does not pin is found.
 pub fn program_map_id(program_id: u32, name: &str) -> anyhow::Result<Option<u32>> {
+    let name = masq_ebpf::map_names::as_the_kernel_keeps(name);
     let program = bpftool_json(&["prog", "show", "id", &program_id.to_string()])?;
     for id in program["map_ids"].as_array().into_iter().flatten() {
         let id = id.as_u64().context("a map id")?.to_string();

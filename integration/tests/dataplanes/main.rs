@@ -819,21 +819,14 @@ fn egress_program(bed: &Bed, device: &str) -> serde_json::Value {
 /// The value at `key` of the map `name` of the egress program on `device`, as bpftool formats
 /// it from the map's BTF: a map of the program object's own, which is not pinned.
 fn program_map_value(bed: &Bed, device: &str, name: &str, key: u32) -> serde_json::Value {
-    let json = bpftool_json;
-    let program = egress_program(bed, device);
-    // The kernel keeps 15 bytes of a map's name.
-    let name = &name[..name.len().min(15)];
-    let map = program["map_ids"]
-        .as_array()
+    let program = egress_program(bed, device)["id"].as_u64().unwrap() as u32;
+    let id = masq_testbed::program_map_id(program, name)
         .unwrap()
-        .iter()
-        .map(|id| json(&["map", "show", "id", &id.to_string()]))
-        .find(|map| map["name"] == name)
-        .unwrap_or_else(|| panic!("the program has no map {name}"));
+        .unwrap_or_else(|| panic!("the program has no map {name}"))
+        .to_string();
     let key: Vec<String> = key.to_ne_bytes().iter().map(u8::to_string).collect();
     let key: Vec<&str> = key.iter().map(String::as_str).collect();
-    let id = map["id"].to_string();
-    let found = json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());
+    let found = bpftool_json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());
     found["formatted"]["value"].clone()
 }
 

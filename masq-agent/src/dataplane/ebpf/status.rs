@@ -299,8 +299,7 @@ fn read_policy_index(program_id: u32, generation: u32) -> anyhow::Result<PolicyI
         .filter_map(Result::ok)
         .find(|p| p.id() == program_id)
         .context("no such program")?;
-    // The kernel keeps 15 bytes of a map's name.
-    let name = &map_names::NON_MASQ_INDEX_V4[..15];
+    let name = map_names::as_the_kernel_keeps(map_names::NON_MASQ_INDEX_V4);
     let index = program
         .map_ids()?
         .unwrap_or_default()
