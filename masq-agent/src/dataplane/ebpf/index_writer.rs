@@ -26,7 +26,7 @@ use super::{
 };
 
 /// What the IPv4 policy trie holds, shared with the thread that writes its index.
-pub type TrieEntries = Arc<BTreeMap<Prefix<4>, PolicyEntry>>;
+pub type SharedTrie = Arc<BTreeMap<Prefix<4>, PolicyEntry>>;
 
 /// The agent's side of the index's thread.
 pub struct IndexWriter {
@@ -56,7 +56,7 @@ struct State {
 
 struct HandOver {
     /// What the trie holds, where it changed since the hand-over before.
-    entries: Option<TrieEntries>,
+    entries: Option<SharedTrie>,
     /// The generation in force once the trie held it.
     generation: u32,
 }
@@ -116,7 +116,7 @@ impl IndexWriter {
 
     /// Hands the thread `generation`, the one in force, and `entries`, what the trie holds
     /// (`None` where `wants_entries` says the index already holds it).
-    pub fn hand_over(&mut self, generation: u32, entries: Option<TrieEntries>) {
+    pub fn hand_over(&mut self, generation: u32, entries: Option<SharedTrie>) {
         let mut state = self.shared.lock();
         let handed = HandOver {
             entries,
@@ -196,7 +196,7 @@ fn write_as_handed_over(mut index: PolicyIndex, shared: &Shared) {
 mod tests {
     use super::*;
 
-    fn entries(addr: [u8; 4]) -> TrieEntries {
+    fn entries(addr: [u8; 4]) -> SharedTrie {
         Arc::new(BTreeMap::from([((24, addr), PolicyEntry::default())]))
     }
 
