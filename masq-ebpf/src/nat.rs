@@ -630,7 +630,8 @@ pub enum IdentityError {
     /// The other half's key (the flow's tuple as replies carry it) is another flow's: on the
     /// node's address, a masqueraded flow holds the same port.
     Taken,
-    /// The table is full (`early_drop` may make room).
+    /// The table is full (`early_drop` may make room), for both halves or, its ingress half
+    /// kept (`WithoutRoom::KeepIngressHalf`), for the egress half.
     TableFull,
     /// Another CPU remembered the same flow first (or, its wait for another CPU's insert
     /// over, nothing says which flow holds the key): the packet goes as it would without the
@@ -638,18 +639,38 @@ pub enum IdentityError {
     NotRecorded,
 }
 
+/// What `track_identity` does with the ingress half it holds when the egress half finds no
+/// room.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum WithoutRoom {
+    /// Gives it back: no early drop and no call for the same flow follow.
+    GiveBack,
+    /// Keeps it, so that an early drop in the egress half's buckets makes room for that half
+    /// alone, and the next call for the flow makes it there (it takes up a flow whose ingress
+    /// half it finds without its egress half). Given back, the room the first drop made for
+    /// the ingress half could be taken by the egress half, or the second drop's by the ingress
+    /// half, where their buckets meet: the slot table would need a third drop, or refuse the
+    /// flow. The half kept is never dropped meanwhile: a flow without its egress half is none
+    /// to drop (`early_drop`).
+    KeepIngressHalf,
+}
+
 /// Remembers a flow that must never be translated (`egress_key` is its tuple as it leaves),
 /// of `kind`: a connection opened from outside toward a pod, one that started unmasqueraded
 /// before its destination left the non-masquerade CIDRs (`PASSTHROUGH`), or a flow of the
 /// node's own address (`NODE`). Both halves are identity entries; `segment`, the packet that
 /// opened it, crossed the half of direction `dir`. The reply half goes in first: on the node's
-/// address it reserves the tuple against masqueraded flows, as their reply halves do.
+/// address it reserves the tuple against masqueraded flows, as their reply halves do. Where
+/// the table holds the flow's ingress half without its egress half (kept through an early drop,
+/// `WithoutRoom::KeepIngressHalf`, or another CPU's between its two inserts), the egress half is
+/// made to go with it.
 #[inline(always)]
 pub fn track_identity<F: Family>(
     egress_key: &NatKey<F::Addr>,
     kind: u8,
     dir: u8,
     segment: &Segment,
+    without_room: WithoutRoom,
 ) -> Result<(), IdentityError> {
     let now = now_ns();
     let unseen = Segment::default();
@@ -670,14 +691,25 @@ pub fn track_identity<F: Family>(
     );
     match flow_table::insert_new::<F>(ingress_key, &ingress) {
         Ok(()) => {}
-        Err(err) if err.exists() => return Err(held_against::<F>(ingress_key, &ingress)),
+        Err(err) if err.exists() => match holder::<F>(ingress_key, &ingress) {
+            Holder::ThisFlow if flow_table::find::<F>(egress_key).is_none() => {}
+            Holder::ThisFlow | Holder::Unknown => return Err(IdentityError::NotRecorded),
+            Holder::AnotherFlow => return Err(IdentityError::Taken),
+        },
         Err(_) => return Err(IdentityError::TableFull),
     }
-    // If another CPU gave the same flow an entry meanwhile, it keeps it. Room for the reply
-    // half is not room for this one: in the slot table, each half has its own buckets.
+    // If another CPU gave the egress tuple an entry meanwhile, it keeps it; the ingress half
+    // stays only with its own flow's egress half. Room for the ingress half is not room for
+    // this one: in the slot table, each half has its own buckets.
     if let Err(err) = flow_table::insert_new::<F>(egress_key, &egress) {
-        let _ = flow_table::remove::<F>(ingress_key);
-        return Err(if err.exists() {
+        let exists = err.exists();
+        if !exists && without_room == WithoutRoom::KeepIngressHalf {
+            return Err(IdentityError::TableFull);
+        }
+        if !exists || holder::<F>(egress_key, &egress) != Holder::ThisFlow {
+            let _ = flow_table::remove::<F>(ingress_key);
+        }
+        return Err(if exists {
             IdentityError::NotRecorded
         } else {
             IdentityError::TableFull
@@ -687,23 +719,31 @@ pub fn track_identity<F: Family>(
     Ok(())
 }
 
-/// What it says that an identity flow's half (`identity`, keyed `key`) exists: `Taken` where
-/// the half the table holds is another flow's, a masqueraded one's, which translates to a
-/// pod. `NotRecorded` where it is the same flow's, remembered by another CPU, which puts its
-/// reply half in before its egress half; or where none is found, as when a wait for another
-/// CPU's insert ran out (`slot_table::insert_new`): no flow is moved off a tuple that no other
-/// flow is known to hold.
+/// Whose is the half the table holds under `key`, where an identity flow's half (`identity`)
+/// was to go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// The same flow's, made by another CPU, or by this one earlier.
+    ThisFlow,
+    /// Another flow's, a masqueraded one's, which translates to a pod.
+    AnotherFlow,
+    /// None is found, as when a wait for another CPU's insert ran out
+    /// (`slot_table::insert_new`): no flow is moved off a tuple that no other flow is known to
+    /// hold.
+    Unknown,
+}
+
 #[inline(always)]
-fn held_against<F: Family>(key: &NatKey<F::Addr>, identity: &NatEntry<F::Addr>) -> IdentityError {
+fn holder<F: Family>(key: &NatKey<F::Addr>, identity: &NatEntry<F::Addr>) -> Holder {
     let Some(held) = flow_table::find::<F>(key) else {
-        return IdentityError::NotRecorded;
+        return Holder::Unknown;
     };
     // SAFETY: a map value pointer from a successful lookup; its fields are copied out.
     let held = unsafe { &*held };
     if held.kind == identity.kind && held.addr == identity.addr && held.port == identity.port {
-        IdentityError::NotRecorded
+        Holder::ThisFlow
     } else {
-        IdentityError::Taken
+        Holder::AnotherFlow
     }
 }
 

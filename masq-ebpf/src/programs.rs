@@ -22,7 +22,7 @@ use crate::{
     early_drop::{self, SampleSlot},
     family::{Family, V4, V6},
     flow_table, frag, hint, maps,
-    nat::{self, AllocError, IdentityError, Made, Segment},
+    nat::{self, AllocError, IdentityError, Made, Segment, WithoutRoom},
     parse::{self, ETH_HLEN, L4, Packet},
     policy, ports, verifier,
 };
@@ -640,7 +640,13 @@ fn snat_keeps_its_address<F: Family>(
         if !node_port_reservable(key, segment) {
             return Err(Verdict::Keep(Counter::NotMasqNodeSource));
         }
-        return match nat::track_identity::<F>(key, nat_kind::NODE, direction::EGRESS, segment) {
+        return match nat::track_identity::<F>(
+            key,
+            nat_kind::NODE,
+            direction::EGRESS,
+            segment,
+            WithoutRoom::GiveBack,
+        ) {
             Err(IdentityError::Taken) => Ok(()),
             // Remembered; or, with the table full, it goes as it would without the programs.
             _ => Err(Verdict::Keep(Counter::NotMasqNodeSource)),
@@ -650,7 +656,13 @@ fn snat_keeps_its_address<F: Family>(
         && segment.seen & tcp_seen::OPENING == 0
         && F::is_draining_destination(ip.daddr)
         && matches!(
-            nat::track_identity::<F>(key, nat_kind::PASSTHROUGH, direction::EGRESS, segment),
+            nat::track_identity::<F>(
+                key,
+                nat_kind::PASSTHROUGH,
+                direction::EGRESS,
+                segment,
+                WithoutRoom::GiveBack
+            ),
             Ok(()) | Err(IdentityError::NotRecorded)
         )
     {
@@ -835,17 +847,30 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
                 // A full table makes room for a connection toward a pod as for a pod's own new
                 // flow, as conntrack does for any; called from here, where the frame of
                 // `snat_track_inbound` is not on the stack. A round for each half the slot
-                // table may find no room for, in buckets of its own (one in the hash table),
-                // not `egress`'s `EARLY_DROP_ROUNDS`: every call of the step is one more walk
-                // of it for the verifier, and a connection that loses the room to another
-                // CPU's flow is retransmitted.
-                if snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room
-                    || (early_drop::early_drop::<F>().dropped()
-                        && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
-                    || (F::in_slot_table()
-                        && early_drop::early_drop::<F>().dropped()
-                        && snat_track_inbound::<F>(ctx, ip, &l4) == Inbound::Room)
-                {
+                // table may find no room for, in buckets of its own (one in the hash table,
+                // where a drop makes room for both), not `egress`'s `EARLY_DROP_ROUNDS`: every
+                // call of the step is one more walk of it for the verifier, and a connection
+                // that loses the room to another CPU's flow is retransmitted. The ingress half
+                // is kept until the last round, so that the second drop makes room for the
+                // egress half alone (`WithoutRoom`). A round follows a drop that dropped
+                // nothing too (another CPU's may have made room), and the last gives the kept
+                // half back.
+                let mut tracked =
+                    snat_track_inbound::<F>(ctx, ip, &l4, WithoutRoom::KeepIngressHalf);
+                if tracked == Inbound::TableFull {
+                    early_drop::early_drop::<F>();
+                    let without_room = if F::in_slot_table() {
+                        WithoutRoom::KeepIngressHalf
+                    } else {
+                        WithoutRoom::GiveBack
+                    };
+                    tracked = snat_track_inbound::<F>(ctx, ip, &l4, without_room);
+                }
+                if F::in_slot_table() && tracked == Inbound::TableFull {
+                    early_drop::early_drop::<F>();
+                    tracked = snat_track_inbound::<F>(ctx, ip, &l4, WithoutRoom::GiveBack);
+                }
+                if tracked == Inbound::Room {
                     return TcAction::PASS;
                 }
                 // Untracked, its replies would leave masqueraded: conntrack too drops what it
@@ -928,7 +953,8 @@ fn snat_rev_nat_flow<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) 
 }
 
 /// What `snat_track_inbound` says of the table: it had room for the connection (or the packet
-/// opens none), or it had none (`early_drop` may make some). Either way the packet may pass.
+/// opens none), or it had none (`early_drop` may make some), for both halves or, the ingress
+/// half kept as `WithoutRoom` asked, for the egress half.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Inbound {
     Room,
@@ -938,8 +964,15 @@ enum Inbound {
 step! {
 /// Ingress, a packet of no known flow: a connection opened from outside toward a pod's own
 /// address is remembered, so that the pod's replies keep that address. A TCP connection opens
-/// with a SYN: stray segments (to an address the node no longer has, say) open nothing.
-fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4) -> Inbound {
+/// with a SYN: stray segments (to an address the node no longer has, say) open nothing. Where
+/// the egress half finds no room, the ingress half is kept or given back as `without_room`
+/// says.
+fn snat_track_inbound<F: Family>(
+    ctx: &TcContext,
+    ip: &Packet<F::Addr>,
+    l4: &L4,
+    without_room: WithoutRoom,
+) -> Inbound {
     let key = &ingress_key(ip, l4, F::ICMP);
     let segment = Segment::read::<F>(ctx, ip, l4);
     if l4.proto != F::ICMP
@@ -953,6 +986,7 @@ fn snat_track_inbound<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>, l4: &L4)
             nat_kind::PASSTHROUGH,
             direction::INGRESS,
             &segment,
+            without_room,
         ) {
             Ok(()) => maps::count(Counter::InboundTracked),
             Err(IdentityError::TableFull) => return Inbound::TableFull,

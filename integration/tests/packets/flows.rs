@@ -1322,7 +1322,8 @@ fn two_cpus_remembering_the_same_node_flows_at_once_leave_each_its_port<F: Harne
 /// A CPU remembering one of the node's flows puts its reply half in before its egress half.
 /// Another CPU that sees the flow's first packet between the two finds that half on the
 /// node's tuple: it is the flow's own, not a masqueraded flow's, and the packet leaves as it
-/// is, where a clash would move the node's flow to another port.
+/// is, where a clash would move the node's flow to another port. The flow is made whole: a
+/// half kept alone (through an early drop) is no flow's until it is.
 fn a_nodes_flow_found_half_remembered_is_left_as_it_is_and_not_moved_off_itself<
     F: HarnessFamily,
 >() {
@@ -1339,6 +1340,7 @@ fn a_nodes_flow_found_half_remembered_is_left_as_it_is_and_not_moved_off_itself<
         "left as it is"
     );
     assert_eq!(h.counter(Counter::NodePortClash), 0);
+    assert!(F::nat_entry(&h, &egress_key).is_some(), "made whole");
 }
 
 /// The default bed's spans, its table large enough that `flows` flows fill it to two fifths:

@@ -229,3 +229,91 @@ fn a_datagram_to_the_limited_broadcast_opens_no_flow() {
     h.ingress(&udp(REMOTE, 68, POD, 67));
     assert_eq!(h.counter(Counter::InboundTracked), 1);
 }
+
+/// A connection from outside into a full slot table needs room for two halves, each in two
+/// buckets of its own, which may meet. Here the ingress half's first bucket is one of the
+/// egress half's; the flow idle longest has a half in the ingress half's other bucket, the next
+/// one a half in the bucket they share, and neither has its other half where the connection
+/// could use it. The first drop makes room for the ingress half, the second, in the shared
+/// bucket, for the egress half: the connection gets it only if the ingress half keeps the room
+/// of the first drop meanwhile. Given back between the drops, it would take the shared bucket's
+/// room, the first of its two, and the connection would be refused after two drops.
+#[test]
+fn a_connection_from_outside_whose_halves_buckets_meet_takes_two_drops_in_a_full_slot_table() {
+    const SLOTS: u32 = 32;
+    let bed = TestBed::in_table(true, || TestBed::unconfigured_in(SLOTS, true)).unwrap();
+    let mut h = Ipv4Addr::configure(bed, &[(1024, 65535)], true);
+    let buckets = SLOTS / masq_ebpf::slot_table::BUCKET_SLOTS;
+    for pod_port in 20_000.. {
+        if h.nat().len() == SLOTS as usize {
+            break;
+        }
+        assert!(pod_port < 30_000, "the table fills");
+        let (verdict, _) = h.egress(&udp(POD, pod_port, REMOTE, 53));
+        assert_eq!(verdict, TC_ACT_OK);
+    }
+    let seed = h.maps.nat.v4.slot_seed().unwrap();
+    let place = |key: &NatKeyV4| masq_ebpf::slot_table::Place::of(key, buckets, seed).buckets;
+    let table = &h.maps.nat.v4;
+    // Each flow by its egress key, with the buckets its two halves are in.
+    let flows: Vec<(NatKeyV4, [u32; 2])> = h
+        .nat()
+        .into_iter()
+        .filter(|(key, _)| key.direction == direction::EGRESS)
+        .map(|(key, entry)| {
+            let held = |key: &NatKeyV4| table.bucket_of(key).expect("held");
+            (key, [held(&key), held(&key.reverse(&entry))])
+        })
+        .collect();
+    let with_halves_in = |a: u32, b: u32| {
+        flows
+            .iter()
+            .find(|(_, held)| *held == [a, b] || *held == [b, a])
+            .map(|(key, _)| *key)
+    };
+    let (client_port, idle_longest, idle_next) = (10_000..20_000)
+        .find_map(|client_port| {
+            let ingress = key((REMOTE, client_port), (POD, 8080), TCP, direction::INGRESS);
+            let egress = key((POD, 8080), (REMOTE, client_port), TCP, direction::EGRESS);
+            let ([shared, own], egress_buckets) = (place(&ingress), place(&egress));
+            if !egress_buckets.contains(&shared) || egress_buckets.contains(&own) {
+                return None;
+            }
+            let egress_own = egress_buckets[0] + egress_buckets[1] - shared;
+            let rest = (0..buckets).find(|b| ![shared, own, egress_own].contains(b))?;
+            Some((
+                client_port,
+                with_halves_in(own, rest)?,
+                with_halves_in(shared, rest)?,
+            ))
+        })
+        .expect("a connection and two flows placed so");
+    let newest = h.nat().iter().map(|(_, e)| e.last_seen_ns).max().unwrap();
+    let second = 1_000_000_000;
+    // Idle 9 s and 5 s, within UDP's 30 s: flows a full table may drop, not flows that are over.
+    for (flow, idle) in [(idle_longest, 9 * second), (idle_next, 5 * second)] {
+        let egress = h.maps.nat.v4.get(&flow).unwrap();
+        let reply_key = flow.reverse(&egress);
+        for half in [flow, reply_key] {
+            let mut entry = h.maps.nat.v4.get(&half).unwrap();
+            entry.last_seen_ns = newest - idle;
+            h.maps.nat.v4.write(&half, &entry).unwrap();
+        }
+    }
+    let syn = tcp(REMOTE, client_port, POD, 8080, SYN);
+    assert_eq!(h.ingress(&syn), (TC_ACT_OK, syn));
+    assert_eq!(h.counter(Counter::InboundTracked), 1);
+    assert_eq!(h.counter(Counter::DropNatTableFull), 0);
+    let after = h.nat();
+    let held = |key: &NatKeyV4| after.iter().any(|(k, _)| k == key);
+    assert!(!held(&idle_longest) && !held(&idle_next), "the two dropped");
+    assert_eq!(after.len(), SLOTS as usize - 2, "two flows for one");
+    for dir in [direction::INGRESS, direction::EGRESS] {
+        let half = if dir == direction::INGRESS {
+            key((REMOTE, client_port), (POD, 8080), TCP, dir)
+        } else {
+            key((POD, 8080), (REMOTE, client_port), TCP, dir)
+        };
+        assert!(held(&half), "the connection's half of direction {dir}");
+    }
+}

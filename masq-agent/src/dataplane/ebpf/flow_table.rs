@@ -265,6 +265,17 @@ where
         }
     }
 
+    /// The bucket of the slot table that holds the half of `key`, if it holds it: for tests
+    /// that need to know where halves meet. `None` in a hash table.
+    #[cfg(feature = "testbed")]
+    pub fn bucket_of(&self, key: &NatKey<A>) -> Option<u32> {
+        let Kind::Slots(table) = &self.kind else {
+            return None;
+        };
+        let mapped = table.mapped().ok()?;
+        slot_table::look_up(&mapped.memory, key).map(|(number, _)| number / BUCKET_SLOTS)
+    }
+
     /// Makes the half of `key` if the table holds none; `exists` says which refusal it was.
     pub fn insert_new(&mut self, key: &NatKey<A>, entry: &NatEntry<A>) -> Result<(), MapError> {
         match &mut self.kind {
