@@ -629,7 +629,10 @@ step! {
 ///   flow. Only where a masqueraded flow could be given its port (`node_port_reservable`):
 ///   replies to connections from outside to the node's services take no entry;
 /// - a TCP connection past its SYN, to a destination that just left the non-masquerade CIDRs:
-///   it started unmasqueraded, and translating it now would break it.
+///   it started unmasqueraded, and translating it now would break it. With the table full it
+///   goes on without an entry, as the draining trie leaves it while it may live, rather than
+///   be translated in the room an early drop would make for it (conntrack never moves a live
+///   flow).
 fn snat_keeps_its_address<F: Family>(
     ip: &Packet<F::Addr>,
     key: &NatKey<F::Addr>,
@@ -663,7 +666,7 @@ fn snat_keeps_its_address<F: Family>(
                 segment,
                 WithoutRoom::GiveBack
             ),
-            Ok(()) | Err(IdentityError::NotRecorded)
+            Ok(()) | Err(IdentityError::NotRecorded | IdentityError::TableFull)
         )
     {
         return Err(Verdict::Keep(Counter::NotMasqInbound));

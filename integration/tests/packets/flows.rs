@@ -38,6 +38,7 @@ in_both_families!(
     connections_opened_from_outside_keep_the_pods_address,
     a_packet_behind_optional_ip_headers_is_translated_past_them,
     a_policy_change_affects_new_flows_only,
+    a_draining_connection_keeps_its_address_in_a_full_table,
     an_exception_inside_a_non_masquerade_prefix_is_masqueraded,
     nothing_is_translated_before_the_agent_configures_ports,
     replies_outside_the_spans_are_looked_up_until_no_flow_holds_such_a_port,
@@ -1032,6 +1033,35 @@ fn a_policy_change_affects_new_flows_only<F: HarnessFamily>() {
         [F::REMOTE_NET],
         "only the prefix still out of the policy drains"
     );
+}
+
+/// A TCP connection that started unmasqueraded keeps its address while its destination's
+/// prefix drains, also where the table is full: left alone without an entry, as the draining
+/// trie leaves it for as long as an established connection lives, where translating it in
+/// mid-stream, with room an early drop made, would break it (conntrack never moves a live
+/// flow) and cost a pod's flow.
+fn a_draining_connection_keeps_its_address_in_a_full_table<F: HarnessFamily>() {
+    let mut h = F::bed(8, &[(1024, 65535)], true);
+    set_policy::<F>(&mut h, &policy_with(F::REMOTE2_NET), &[]);
+    let established = tcp(F::POD, 4003, F::REMOTE2, 443, ACK);
+    assert_eq!(h.egress(&established), (TC_ACT_OK, established.clone()));
+    for pod_port in 5001..5005 {
+        let (verdict, _) = h.egress(&udp(F::POD, pod_port, F::REMOTE, 53));
+        assert_eq!(verdict, TC_ACT_OK);
+    }
+    assert_eq!(F::nat(&h).len(), 8, "the table is full");
+    set_policy::<F>(&mut h, &nets::<F>(F::POLICY), &[]);
+    for _ in 0..2 {
+        assert_eq!(
+            h.egress(&established),
+            (TC_ACT_OK, established.clone()),
+            "stays unmasqueraded while its prefix drains"
+        );
+    }
+    let (_, back) = h.ingress(&tcp(F::REMOTE2, 443, F::POD, 4003, ACK));
+    assert_eq!(back, tcp(F::REMOTE2, 443, F::POD, 4003, ACK));
+    assert_eq!(h.counter(Counter::NatEarlyDropped), 0);
+    assert_eq!(pod_ports::<F>(&h), [5001, 5002, 5003, 5004]);
 }
 
 /// An exception (`masqueradeCIDRs`) inside a non-masquerade prefix: the longest prefix
