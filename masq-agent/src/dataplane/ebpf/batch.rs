@@ -110,22 +110,45 @@ pub fn per_cpu_totals_batched(map: &MapData, cpus: usize) -> io::Result<Vec<u64>
     Ok(totals)
 }
 
+/// The values of the array `map`'s first `count` slots, or of all its slots where it has
+/// fewer, read with the batch command (Linux 5.6), which reads them in slot order.
+pub fn array_head<V: Pod>(map: &MapData, count: usize) -> io::Result<Vec<V>> {
+    let mut values = Vec::with_capacity(count);
+    lookup_first::<u32>(map, size_of::<V>(), count, |_, value| {
+        // SAFETY: the kernel wrote `size_of::<V>()` bytes of a `V` there, possibly unaligned.
+        values.push(unsafe { value.as_ptr().cast::<V>().read_unaligned() });
+    })?;
+    Ok(values)
+}
+
 /// Hands each entry of `map` to `each`: its key, of type `K`, and its value's `value_size`
 /// bytes.
 fn lookup_each<K: Pod>(
     map: &MapData,
     value_size: usize,
+    each: impl FnMut(K, &[u8]),
+) -> io::Result<()> {
+    lookup_first(map, value_size, usize::MAX, each)
+}
+
+/// `lookup_each`, for the map's first `count` entries at most (in a hash map, the first the
+/// kernel's walk finds).
+fn lookup_first<K: Pod>(
+    map: &MapData,
+    value_size: usize,
+    count: usize,
     mut each: impl FnMut(K, &[u8]),
 ) -> io::Result<()> {
-    let mut chunk = CHUNK;
+    let (mut left, mut chunk) = (count, CHUNK);
     let mut keys: Vec<MaybeUninit<K>> = Vec::new();
     let mut values: Vec<u8> = Vec::new();
     // The kernel's cursor: where the last call stopped. Hash maps and arrays use four bytes
     // of it.
     let (mut cursor, mut started) = (0u64, false);
-    loop {
-        keys.resize(chunk, MaybeUninit::uninit());
-        values.resize(chunk * value_size, 0);
+    while left > 0 {
+        let asked = chunk.min(left);
+        keys.resize(asked, MaybeUninit::uninit());
+        values.resize(asked * value_size, 0);
         let mut next = 0u64;
         let mut attr = BatchAttr {
             in_batch: if started {
@@ -136,7 +159,7 @@ fn lookup_each<K: Pod>(
             out_batch: &mut next as *mut u64 as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
-            count: chunk as u32,
+            count: asked as u32,
             map_fd: fd(map),
             ..BatchAttr::default()
         };
@@ -145,12 +168,13 @@ fn lookup_each<K: Pod>(
         // none of the entries is the kernel's.
         let filled = match &result {
             Err(err) if err.raw_os_error() != Some(libc::ENOENT) => 0,
-            _ => (attr.count as usize).min(chunk),
+            _ => (attr.count as usize).min(asked),
         };
         for (i, value) in values.chunks_exact(value_size).take(filled).enumerate() {
             // SAFETY: the kernel filled the first `count` keys.
             each(unsafe { keys[i].assume_init() }, value);
         }
+        left -= filled;
         match result {
             Ok(()) => {
                 cursor = next;
@@ -158,10 +182,14 @@ fn lookup_each<K: Pod>(
             }
             // The end of the table; the last call may still have returned entries.
             Err(err) if err.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
-            Err(err) if err.raw_os_error() == Some(libc::ENOSPC) && filled == 0 => chunk *= 2,
+            // A bucket larger than the call's room; no more room than `left` is asked for.
+            Err(err) if err.raw_os_error() == Some(libc::ENOSPC) && filled == 0 && chunk < left => {
+                chunk *= 2;
+            }
             Err(err) => return Err(err),
         }
     }
+    Ok(())
 }
 
 /// Writes `values` into the slots `0..values.len()` of the array `map` (Linux 5.6).

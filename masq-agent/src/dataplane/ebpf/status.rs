@@ -291,7 +291,7 @@ fn read_policy_indexes(
 
 fn read_policy_index(program_id: u32, generation: u32) -> anyhow::Result<PolicyIndexStatus> {
     use aya::{
-        maps::{Map, MapData, MapInfo},
+        maps::{MapData, MapInfo},
         programs::loaded_programs,
     };
     use masq_ebpf::policy_index::{ASK_THE_TRIE, Chunk, STAMP_CHUNK, TOP_CHUNKS, stamp};
@@ -306,17 +306,23 @@ fn read_policy_index(program_id: u32, generation: u32) -> anyhow::Result<PolicyI
         .into_iter()
         .find(|&id| MapInfo::from_id(id).is_ok_and(|m| m.name_as_str() == Some(name)))
         .context("the program has no policy index")?;
-    let index: aya::maps::Array<MapData, Chunk> =
-        Map::Array(MapData::from_id(index)?).try_into()?;
-    let stamped = index.get(&STAMP_CHUNK, 0)?[0];
-    let mut left_to_the_trie = 0;
-    for chunk in 0..TOP_CHUNKS {
-        let words = index.get(&chunk, 0)?;
-        left_to_the_trie += words.iter().filter(|&&w| w == ASK_THE_TRIE).count();
-    }
+    // The top level and the stamp after it, read in batches (two calls), where a lookup each
+    // took 4 097.
+    let head: Vec<Chunk> =
+        super::batch::array_head(&MapData::from_id(index)?, STAMP_CHUNK as usize + 1)?;
+    let (Some(stamp_chunk), Some(top)) = (
+        head.get(STAMP_CHUNK as usize),
+        head.get(..TOP_CHUNKS as usize),
+    ) else {
+        anyhow::bail!(
+            "the policy index holds {} chunks, fewer than its top level",
+            head.len()
+        );
+    };
+    let left_to_the_trie = top.iter().flatten().filter(|&&w| w == ASK_THE_TRIE).count();
     Ok(PolicyIndexStatus {
         program_id,
-        in_force: stamped == stamp(generation),
+        in_force: stamp_chunk[0] == stamp(generation),
         left_to_the_trie,
     })
 }
