@@ -56,6 +56,7 @@ pub mod map_names {
     pub fn as_the_kernel_keeps(name: &str) -> &str {
         &name[..name.len().min(15)]
     }
+
     /// The translation of each fragmented datagram in flight, taken from its first fragment
     /// for the later ones, which carry no ports; an LRU, since a datagram lives milliseconds.
     /// Not pinned.

@@ -592,7 +592,7 @@ fn last_seen_at<F: HarnessFamily>(h: &mut TestBed, pod_port: u16, last_seen_ns: 
 }
 
 /// Writes `last_seen_ns` into both halves of the flow whose egress half is `key`.
-fn flow_last_seen_at<F: HarnessFamily>(
+pub(crate) fn flow_last_seen_at<F: HarnessFamily>(
     h: &mut TestBed,
     key: &NatKey<F::Octets>,
     last_seen_ns: u64,

@@ -6,7 +6,7 @@ use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TestBed};
 use masq_ebpf::{Counter, NatEntryV4, NatKeyV4, direction, program_names};
 use masq_testbed::packet::*;
 
-use crate::family::*;
+use crate::{family::*, flows::flow_last_seen_at};
 
 const NODE: Ipv4Addr = <Ipv4Addr as HarnessFamily>::NODE;
 const POD: Ipv4Addr = <Ipv4Addr as HarnessFamily>::POD;
@@ -271,7 +271,7 @@ fn a_connection_from_outside_whose_halves_buckets_meet_takes_two_drops_in_a_full
             .find(|(_, held)| *held == [a, b] || *held == [b, a])
             .map(|(key, _)| *key)
     };
-    let (client_port, idle_longest, idle_next) = (10_000..20_000)
+    let (client_port, halves, idle_longest, idle_next) = (10_000..20_000)
         .find_map(|client_port| {
             let ingress = key((REMOTE, client_port), (POD, 8080), TCP, direction::INGRESS);
             let egress = key((POD, 8080), (REMOTE, client_port), TCP, direction::EGRESS);
@@ -283,6 +283,7 @@ fn a_connection_from_outside_whose_halves_buckets_meet_takes_two_drops_in_a_full
             let rest = (0..buckets).find(|b| ![shared, own, egress_own].contains(b))?;
             Some((
                 client_port,
+                [ingress, egress],
                 with_halves_in(own, rest)?,
                 with_halves_in(shared, rest)?,
             ))
@@ -292,13 +293,7 @@ fn a_connection_from_outside_whose_halves_buckets_meet_takes_two_drops_in_a_full
     let second = 1_000_000_000;
     // Idle 9 s and 5 s, within UDP's 30 s: flows a full table may drop, not flows that are over.
     for (flow, idle) in [(idle_longest, 9 * second), (idle_next, 5 * second)] {
-        let egress = h.maps.nat.v4.get(&flow).unwrap();
-        let reply_key = flow.reverse(&egress);
-        for half in [flow, reply_key] {
-            let mut entry = h.maps.nat.v4.get(&half).unwrap();
-            entry.last_seen_ns = newest - idle;
-            h.maps.nat.v4.write(&half, &entry).unwrap();
-        }
+        flow_last_seen_at::<Ipv4Addr>(&mut h, &flow, newest - idle);
     }
     let syn = tcp(REMOTE, client_port, POD, 8080, SYN);
     assert_eq!(h.ingress(&syn), (TC_ACT_OK, syn));
@@ -308,12 +303,7 @@ fn a_connection_from_outside_whose_halves_buckets_meet_takes_two_drops_in_a_full
     let held = |key: &NatKeyV4| after.iter().any(|(k, _)| k == key);
     assert!(!held(&idle_longest) && !held(&idle_next), "the two dropped");
     assert_eq!(after.len(), SLOTS as usize - 2, "two flows for one");
-    for dir in [direction::INGRESS, direction::EGRESS] {
-        let half = if dir == direction::INGRESS {
-            key((REMOTE, client_port), (POD, 8080), TCP, dir)
-        } else {
-            key((POD, 8080), (REMOTE, client_port), TCP, dir)
-        };
-        assert!(held(&half), "the connection's half of direction {dir}");
+    for half in halves {
+        assert!(held(&half), "the connection's half {half:?}");
     }
 }
