@@ -17,10 +17,13 @@
 //!
 //! Usage: datapath_bench [--runs N] [--rounds N] [--sizes 4,10000,100000] [--cold-predictors KIB]
 
-use std::{net::Ipv4Addr, time::Instant};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    time::Instant,
+};
 
 use anyhow::bail;
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 use masq_agent::{
     dataplane::ebpf::{
         EbpfOptions, map_types,
@@ -37,6 +40,10 @@ const NODE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 2);
 const REMOTE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const CLUSTER: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const NODE_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);
+const POD_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 2);
+const REMOTE_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x10);
+const CLUSTER_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 10);
 /// A service of the node's on a port inside NAT's spans (the kubelet's).
 const SERVICE_PORT: u16 = 10250;
 /// The /24 of the new-flow cases' remotes, whose flows expire after each of those cases.
@@ -88,6 +95,14 @@ fn prefixes(count: usize) -> Vec<Ipv4Net> {
         .collect()
 }
 
+/// IPv6's policy of as many prefixes.
+fn prefixes_v6(count: usize) -> Vec<Ipv6Net> {
+    masq_testbed::prefixes::random_v6(count)
+        .iter()
+        .map(|p| p.parse().expect("generated prefixes parse"))
+        .collect()
+}
+
 /// The mean kernel-measured time of `runs` single runs over `frames` in turn, after checking
 /// that the case does what its name says.
 fn mean_ns(
@@ -102,7 +117,12 @@ fn mean_ns(
     let translated = first.frame != frames[0];
     let should_translate = matches!(
         name,
-        "snat_established" | SPREAD_CASE | "snat_new_flow" | SOURCES_CASE | "rev_snat"
+        "snat_established"
+            | SPREAD_CASE
+            | "snat_new_flow"
+            | SOURCES_CASE
+            | "rev_snat"
+            | "snat_established_v6"
     );
     if first.verdict != TC_ACT_OK || translated != should_translate {
         bail!(
@@ -168,12 +188,15 @@ fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<(
 
 /// The cases, each a name, the program it runs and the frames it runs in turn.
 type Cases = [(&'static str, &'static str, Vec<Vec<u8>>); CASES];
-const CASES: usize = 10;
+const CASES: usize = 13;
 
 /// The frames every size's cases share.
 struct Frames {
     outbound: Vec<u8>,
     to_cluster: Vec<u8>,
+    outbound_v6: Vec<u8>,
+    to_cluster_v6: Vec<u8>,
+    across_cluster_v6: Vec<Vec<u8>>,
     across_cluster: Vec<Vec<u8>>,
     new_flows: Vec<Vec<u8>>,
     /// The spread case's flows: the SYN that opens each, and the ACK the case sends.
@@ -227,6 +250,15 @@ impl Frames {
         Frames {
             to_cluster: packet::tcp(POD, 40001, CLUSTER, 443, ACK),
             outbound,
+            outbound_v6: packet::tcp(POD_V6, 40000, REMOTE_V6, 80, ACK),
+            to_cluster_v6: packet::tcp(POD_V6, 40001, CLUSTER_V6, 443, ACK),
+            // As `across_cluster`: more destinations than IPv6's verdict cache has slots.
+            across_cluster_v6: (0..=u16::MAX)
+                .map(|i| {
+                    let dst = Ipv6Addr::from(u128::from(CLUSTER_V6) + (u128::from(i) << 16));
+                    packet::tcp(POD_V6, 40002, dst, 443, ACK)
+                })
+                .collect(),
             across_cluster,
             new_flows,
             spread_opened,
@@ -259,6 +291,12 @@ impl Size {
             bail!("the benchmark flow was not masqueraded");
         }
         let reply = packet::tcp(REMOTE, 80, NODE, word(&translated, L4), ACK);
+        // IPv6 with a policy of as many prefixes, which has no index.
+        bed.enable_ipv6(NODE_V6, &prefixes_v6(count))?;
+        let (verdict, translated) = bed.egress(&frames.outbound_v6);
+        if verdict != TC_ACT_OK || packet::src6(&translated) != NODE_V6 {
+            bail!("the benchmark's IPv6 flow was not masqueraded");
+        }
         // As the agent's first sweep finds the tables: no flow outlived the policy.
         if !bed.clear_strays()? {
             bail!("a flow outlived the benchmark's policy");
@@ -285,6 +323,13 @@ impl Size {
             ("rev_snat", ingress, one(&reply)),
             ("ingress_no_flow", ingress, one(&to_node)),
             ("ingress_node_service", ingress, one(&to_service)),
+            ("non_masq_hit_v6", egress, one(&frames.to_cluster_v6)),
+            (
+                "non_masq_uncached_v6",
+                egress,
+                frames.across_cluster_v6.clone(),
+            ),
+            ("snat_established_v6", egress, one(&frames.outbound_v6)),
             ("ignored_floor", egress, one(&frames.arp)),
         ];
         Ok(Size {

@@ -400,7 +400,7 @@ impl Family for V6 {
 
     #[inline(always)]
     fn decide(addr: [u8; 16]) -> Decision {
-        policy::decide(&maps::NON_MASQ_V6, addr)
+        policy::decide_v6(&addr)
     }
 
     #[inline(always)]

@@ -36,8 +36,8 @@ pub mod map_names {
     pub const INTERFACES_BY_IFINDEX: &str = "interfaces_by_ifindex";
     pub const SETTINGS: &str = "settings";
     pub const COUNTERS: &str = "counters";
-    /// Bumped by the agent after every change to `non_masq_v4`; the programs' per-CPU verdict
-    /// caches hold only verdicts of the current generation. Pinned, so that a restarted
+    /// Bumped by the agent after every change to a policy trie; the programs' per-CPU verdict
+    /// caches and index hold only verdicts of the current generation. Pinned, so that a restarted
     /// agent's programs and the ones they replace see the same generation.
     pub const POLICY_GENERATION: &str = "policy_generation";
     /// Per CPU, the decisions each entry of the policy tries took, by the entry's
@@ -46,6 +46,8 @@ pub mod map_names {
     pub const DECISIONS: &str = "policy_decisions";
     /// Each program object's per-CPU cache of `non_masq_v4` verdicts; not pinned.
     pub const NON_MASQ_CACHE_V4: &str = "non_masq_cache_v4";
+    /// The same for `non_masq_v6`.
+    pub const NON_MASQ_CACHE_V6: &str = "non_masq_cache_v6";
     /// Each program object's index of `non_masq_v4` (`policy_index`), which the agent writes
     /// after every change to the trie; sized by the agent when it loads the object, not
     /// pinned.
@@ -317,6 +319,9 @@ impl Decision {
 /// Slots of the per-CPU verdict cache in front of `non_masq_v4`: direct-mapped by a hash of the
 /// destination.
 pub const NON_MASQ_CACHE_SLOTS: u32 = 4096;
+/// Slots of the per-CPU verdict cache in front of `non_masq_v6`: each twice IPv4's size, so
+/// half as many, the same memory a CPU.
+pub const NON_MASQ_CACHE_SLOTS_V6: u32 = NON_MASQ_CACHE_SLOTS / 2;
 
 /// The word of `map_names::POLICY_GENERATION`: the generation in its low bits, and a flag.
 pub mod policy_word {
@@ -362,6 +367,39 @@ pub mod verdict_slot {
     pub const fn index(addr: [u8; 4]) -> u32 {
         let bits = super::NON_MASQ_CACHE_SLOTS.trailing_zeros();
         u32::from_be_bytes(addr).wrapping_mul(0x9e37_79b1) >> (32 - bits)
+    }
+
+    /// IPv6's slot: the destination does not fit the tag beside the generation, so the slot
+    /// holds it whole beside IPv4's slot, whose tag holds a fold of it (`fold_v6`) in its high
+    /// 32 bits where IPv4's holds the address. A slot whose address and tag came from two
+    /// writers (a program preempted between the two writes) is taken for neither destination,
+    /// but by a chance of one in 2^32.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default)]
+    pub struct SlotV6 {
+        pub addr: [u8; 16],
+        pub verdict: Slot,
+    }
+
+    /// The four words of an IPv6 destination, xored.
+    #[inline(always)]
+    pub const fn fold_v6(addr: [u8; 16]) -> u32 {
+        const fn word(addr: &[u8; 16], at: usize) -> u32 {
+            u32::from_ne_bytes([addr[at], addr[at + 1], addr[at + 2], addr[at + 3]])
+        }
+        word(&addr, 0) ^ word(&addr, 4) ^ word(&addr, 8) ^ word(&addr, 12)
+    }
+
+    /// IPv6's tag without its verdict bit, for `addr` under `generation`.
+    #[inline(always)]
+    pub const fn tag_v6(addr: [u8; 16], generation: u32) -> u64 {
+        ((fold_v6(addr) as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
+    }
+
+    #[inline(always)]
+    pub const fn index_v6(addr: [u8; 16]) -> u32 {
+        let bits = super::NON_MASQ_CACHE_SLOTS_V6.trailing_zeros();
+        fold_v6(addr).wrapping_mul(0x9e37_79b1) >> (32 - bits)
     }
 
     /// The generation after `generation`, skipping 0.
@@ -928,6 +966,7 @@ mod layout {
     const _: () = assert!(size_of::<Settings>() == 8 * MAX_PORT_SPANS + 16);
     const _: () = assert!(size_of::<PolicyEntry>() == 8 && offset_of!(PolicyEntry, action) == 4);
     const _: () = assert!(size_of::<verdict_slot::Slot>() == 16);
+    const _: () = assert!(size_of::<verdict_slot::SlotV6>() == 32);
     const _: () = assert!(size_of::<SweepOrder>() == 8 * 16);
     const _: () = assert!(size_of::<SweepReport>() == 8 * (10 + node_ports::WORDS as usize));
 }

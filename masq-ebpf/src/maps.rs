@@ -8,9 +8,9 @@ use aya_ebpf::{
 use masq_ebpf::{
     Address, COUNTER_SLOTS, Counter, FRAGMENTS_MAX_ENTRIES, FragmentKey,
     INTERFACES_BY_IFINDEX_ENTRIES, INTERFACES_MAX_ENTRIES, IndexedInterface, Interface,
-    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_MAX_ENTRIES, NatEntry, NatKey, PolicyEntry,
-    Settings, SweepOrder, SweepReport, decision_slot, node_ports, policy_index, policy_word,
-    slot_table::Slot, verdict_slot,
+    NAT_DEFAULT_ENTRIES, NON_MASQ_CACHE_SLOTS, NON_MASQ_CACHE_SLOTS_V6, NON_MASQ_MAX_ENTRIES,
+    NatEntry, NatKey, PolicyEntry, Settings, SweepOrder, SweepReport, decision_slot, node_ports,
+    policy_index, policy_word, slot_table::Slot, verdict_slot,
 };
 
 /// A family's NAT table: both halves of every translated flow. A plain (not LRU) hash: when it
@@ -58,6 +58,12 @@ pub static POLICY_GENERATION: Array<u32, 1> = Array::new();
 #[btf_map(name = "non_masq_cache_v4")]
 pub static NON_MASQ_CACHE_V4: PerCpuArray<verdict_slot::Slot, { NON_MASQ_CACHE_SLOTS as usize }> =
     PerCpuArray::new();
+
+#[btf_map(name = "non_masq_cache_v6")]
+pub static NON_MASQ_CACHE_V6: PerCpuArray<
+    verdict_slot::SlotV6,
+    { NON_MASQ_CACHE_SLOTS_V6 as usize },
+> = PerCpuArray::new();
 
 /// The size here is the least the agent gives it; it sets the size when it loads the object.
 #[btf_map(name = "non_masq_index_v4")]

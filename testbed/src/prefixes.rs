@@ -1,7 +1,7 @@
 //! Large non-masquerade policies for the benchmarks: deterministic, so every run measures the
 //! same tables.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::topology;
 
@@ -42,6 +42,36 @@ pub fn random(count: usize) -> Vec<String> {
     out
 }
 
+/// `count` IPv6 prefixes as `addr/len` strings: fd00::/8 and fe80::/10 first (so cluster
+/// destinations hit), then random prefixes of lengths 24 to 64 outside both and outside
+/// 2001:db8::/32, which holds the test bed's outside and node addresses, so that traffic there
+/// walks the whole policy and is masqueraded.
+pub fn random_v6(count: usize) -> Vec<String> {
+    let keep_clear: [(u128, u32); 3] = [
+        (0xfd << 120, 8),
+        (0xfe80 << 112, 10),
+        (0x2001_0db8 << 96, 32),
+    ];
+    let mut out = vec!["fd00::/8".to_string(), "fe80::/10".to_string()];
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    while out.len() < count {
+        let len = 24 + (rng.next_u64() % 41) as u32;
+        let mask = u128::MAX << (128 - len);
+        let network = ((u128::from(rng.next_u64()) << 64) | u128::from(rng.next_u64())) & mask;
+        // Two prefixes overlap where they agree on the bits of the shorter.
+        let overlaps = |&(clear, bits): &(u128, u32)| {
+            let common = 128 - len.min(bits);
+            network >> common == clear >> common
+        };
+        if keep_clear.iter().any(overlaps) {
+            continue;
+        }
+        out.push(format!("{}/{len}", Ipv6Addr::from(network)));
+    }
+    out.truncate(count.max(1));
+    out
+}
+
 /// A config file with `count` random prefixes and a `cidrLimit` that admits them, with room for
 /// a few more.
 pub fn config(count: usize) -> String {
@@ -77,4 +107,40 @@ pub fn config_with_exceptions(count: usize) -> String {
     format!(
         "cidrLimit: {limit}\nresyncInterval: 60s\nnonMasqueradeCIDRs:\n{non_masq}masqueradeCIDRs:\n{masq}"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv6Addr;
+
+    use crate::topology;
+
+    #[test]
+    fn random_v6_prefixes_leave_the_outside_hosts_to_be_masqueraded() {
+        let prefixes = super::random_v6(2_000);
+        assert_eq!(prefixes.len(), 2_000);
+        assert_eq!(prefixes[..2], ["fd00::/8", "fe80::/10"]);
+        let outside = [
+            topology::EXT_ADDR_V6,
+            topology::NODE_UPLINK_V6,
+            topology::FAR_ADDR_V6,
+        ];
+        for prefix in &prefixes[2..] {
+            let (addr, len) = prefix.split_once('/').expect("addr/len");
+            let (addr, len): (Ipv6Addr, u32) = (addr.parse().unwrap(), len.parse().unwrap());
+            assert!((24..=64).contains(&len), "{prefix}");
+            let mask = u128::MAX << (128 - len);
+            assert_eq!(u128::from(addr) & !mask, 0, "{prefix}: a network address");
+            for host in outside
+                .iter()
+                .chain(&[Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 10)])
+            {
+                assert_ne!(
+                    u128::from(*host) & mask,
+                    u128::from(addr),
+                    "{prefix} holds {host}"
+                );
+            }
+        }
+    }
 }

@@ -48,8 +48,8 @@ fn each_policy_entry_counts_the_decisions_it_takes<F: HarnessFamily>() {
     h.egress(&tcp(F::POD, 40000, F::REMOTE, 80, ACK));
     assert_eq!(h.decided_by_default(), 1);
 
-    // A flow that keeps its address is decided at every packet; the second one of IPv4 comes
-    // from the verdict cache, which must carry the entry too.
+    // A flow that keeps its address is decided at every packet; the second one comes from
+    // IPv4's index or IPv6's verdict cache, which must carry the entry too.
     let to_service = udp(F::POD, 5353, F::SERVICE, 53);
     for _ in 0..2 {
         assert_eq!(h.egress(&to_service), (TC_ACT_OK, to_service.clone()));

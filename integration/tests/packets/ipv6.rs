@@ -4,7 +4,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use masq_agent::dataplane::ebpf::testbed::{TC_ACT_OK, TC_ACT_SHOT, TestBed};
-use masq_ebpf::Counter;
+use masq_ebpf::{Counter, verdict_slot};
 use masq_testbed::packet::*;
 
 use crate::{family::*, fragments::long_udp};
@@ -213,6 +213,42 @@ fn neighbour_discovery_and_mld_pass_untouched_both_ways() {
     assert_eq!(h.counter(Counter::ReverseTranslated), 0);
     assert_eq!(h.counter(Counter::IcmpErrorTranslated), 0);
     assert_eq!(h.counter(Counter::InboundTracked), 0);
+}
+
+/// Two destinations whose four words xor to the same value share a slot of the programs'
+/// verdict cache and its tag, which holds that fold where IPv4's holds the whole address: the
+/// address the slot holds beside it tells them apart, and each gets its own verdict, however
+/// they take turns in the slot.
+#[test]
+fn destinations_that_share_a_verdict_slot_and_its_tag_each_get_their_own_verdict() {
+    let kept = <Ipv6Addr as HarnessFamily>::SERVICE;
+    // The same bits flipped in the first two words: the fold is unchanged, and the address
+    // leaves fd00::/8 for a global one the policy masquerades.
+    let mut flipped = kept.octets();
+    for at in [0, 4] {
+        flipped[at] ^= 0xdc;
+    }
+    let masqueraded = Ipv6Addr::from(flipped);
+    let (a, b) = (kept.octets(), masqueraded.octets());
+    assert_eq!(verdict_slot::index_v6(a), verdict_slot::index_v6(b));
+    assert_eq!(verdict_slot::tag_v6(a, 1), verdict_slot::tag_v6(b, 1));
+
+    let mut h = harness::<Ipv6Addr>();
+    for turn in 0..3 {
+        let to_kept = udp(POD, 5000 + turn, kept, 53);
+        assert_eq!(
+            h.egress(&to_kept),
+            (TC_ACT_OK, to_kept.clone()),
+            "turn {turn}: {kept} keeps the pod's address"
+        );
+        let (verdict, out) = h.egress(&udp(POD, 6000 + turn, masqueraded, 53));
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(
+            Ipv6Addr::at(&out, Ipv6Addr::SRC),
+            NODE,
+            "turn {turn}: {masqueraded} is masqueraded"
+        );
+    }
 }
 
 #[test]

@@ -646,6 +646,7 @@ mod tests {
         let object = aya_obj::Object::parse(super::OBJECT).expect("the embedded object parses");
         let unpinned = [
             map_names::NON_MASQ_CACHE_V4,
+            map_names::NON_MASQ_CACHE_V6,
             map_names::FRAGMENTS_V4,
             map_names::FRAGMENTS_V6,
             map_names::NODE_PORTS,
