@@ -819,15 +819,26 @@ fn egress_program(bed: &Bed, device: &str) -> serde_json::Value {
 /// The value at `key` of the map `name` of the egress program on `device`, as bpftool formats
 /// it from the map's BTF: a map of the program object's own, which is not pinned.
 fn program_map_value(bed: &Bed, device: &str, name: &str, key: u32) -> serde_json::Value {
-    let program = egress_program(bed, device)["id"].as_u64().unwrap() as u32;
-    let id = masq_testbed::program_map_id(program, name)
-        .unwrap()
-        .unwrap_or_else(|| panic!("the program has no map {name}"))
-        .to_string();
+    let id = program_map_id(bed, device, name);
     let key: Vec<String> = key.to_ne_bytes().iter().map(u8::to_string).collect();
     let key: Vec<&str> = key.iter().map(String::as_str).collect();
     let found = bpftool_json(&[&["map", "lookup", "id", &id, "key"], &key[..]].concat());
     found["formatted"]["value"].clone()
+}
+
+/// What bpftool shows of the map `name` of the egress program on `device` (one that is not
+/// pinned): its type, sizes and flags.
+fn program_map(bed: &Bed, device: &str, name: &str) -> serde_json::Value {
+    bpftool_json(&["map", "show", "id", &program_map_id(bed, device, name)])
+}
+
+/// The id of the map `name` of the egress program on `device`.
+fn program_map_id(bed: &Bed, device: &str, name: &str) -> String {
+    let program = egress_program(bed, device)["id"].as_u64().unwrap() as u32;
+    masq_testbed::program_map_id(program, name)
+        .unwrap()
+        .unwrap_or_else(|| panic!("the program has no map {name}"))
+        .to_string()
 }
 
 /// The seed of the IPv4 slot table bed's agent pinned, as bpftool reads it: the word after

@@ -16,7 +16,7 @@ use masq_testbed::{
 
 use crate::{
     Bed, DEFAULT_CONFIG, FamilyOnTheBed, PORT, Plane, assert_gre_leaves_with, bpftool_pinned,
-    egress_program, host_prefix, node_ip, pod_ip, program_map_value, second_outside,
+    egress_program, host_prefix, node_ip, pod_ip, program_map, program_map_value, second_outside,
     unanswered_queries, wait_for_udp_source,
 };
 
@@ -42,6 +42,7 @@ mod ebpf {
     cases!(Ebpf: a_flow_stranded_by_a_change_stays_translated);
     cases!(Ebpf: the_programs_index_holds_the_policy_in_force);
     family_cases!(Ebpf: a_change_that_finds_the_table_full_says_what_it_could_not_keep);
+    family_cases!(Ebpf: ipv6s_verdict_cache_takes_its_slots_only_where_ipv6_is_translated);
 }
 
 mod iptables_nft {
@@ -343,6 +344,24 @@ fn turning_masq_link_local_on_moves_no_live_flow(plane: Plane) {
     let link_local = SocketAddr::from((topology::LINK_LOCAL_ADDR, PORT));
     let configs = (DEFAULT_CONFIG, masquerading.as_str());
     assert_a_change_moves_no_live_flow(&bed, IpFamily::Ipv4, link_local, configs, 41100);
+}
+
+/// IPv6's per-CPU verdict cache (`non_masq_cache_v6`, 64 KiB a CPU) takes its slots with
+/// `--enable-ipv6`, and one slot a CPU without, where no IPv6 packet is translated.
+fn ipv6s_verdict_cache_takes_its_slots_only_where_ipv6_is_translated(
+    plane: Plane,
+    family: IpFamily,
+) {
+    let bed = Bed::new(plane, family.config());
+    let _agent = bed.start_agent(family.agent_args());
+    family.assert_masqueraded(&bed);
+    let cache = program_map(
+        &bed,
+        topology::UPLINK_IF,
+        masq_ebpf::map_names::NON_MASQ_CACHE_V6,
+    );
+    let slots = family.pick(1, masq_ebpf::NON_MASQ_CACHE_SLOTS_V6);
+    assert_eq!(cache["max_entries"], slots, "{cache}");
 }
 
 /// The running agent writes the programs' index of the IPv4 policy trie, and stamps it with the

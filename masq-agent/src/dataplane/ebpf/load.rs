@@ -509,6 +509,9 @@ fn load_into(
     let mut loader = EbpfLoader::new();
     sizes.set(&mut loader);
     size_the_policy_maps(&mut loader, opts.policy_entries);
+    // 64 KiB a CPU where IPv6 is translated.
+    let ipv6_cache = opts.for_ipv6(masq_ebpf::NON_MASQ_CACHE_SLOTS_V6);
+    loader.map_max_entries(map_names::NON_MASQ_CACHE_V6, ipv6_cache);
     let paths: Vec<(&str, PathBuf)> = map_names::PINNED
         .iter()
         .map(|name| (*name, pins.map(name)))

@@ -33,8 +33,14 @@ impl EbpfOptions {
 
     /// The size of `nat_v6`: a table that is never used takes one entry, not megabytes.
     pub fn nat_v6_capacity(&self) -> u32 {
+        self.for_ipv6(self.nat_capacity)
+    }
+
+    /// The size of a map only IPv6's packets use: `entries`, or one (the kernel makes no map of
+    /// none) where the programs translate no IPv6.
+    pub fn for_ipv6(&self, entries: u32) -> u32 {
         if self.families.contains(IpFamily::Ipv6) {
-            self.nat_capacity
+            entries
         } else {
             1
         }
