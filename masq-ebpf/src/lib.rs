@@ -340,8 +340,8 @@ pub mod policy_word {
     }
 }
 
-/// A verdict cache slot: `tag`, one word read and written whole, holds the destination in its
-/// high 32 bits, the policy generation (31 bits) above the lowest bit, and the verdict
+/// The verdict caches' slots. IPv4's: `tag`, one word read and written whole, holds the
+/// destination in its high 32 bits, the policy generation (31 bits) above the lowest bit, and the verdict
 /// (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so that an empty
 /// slot never matches. `counted_in` is the deciding entry's slot of `policy_decisions`: read
 /// apart from the tag, so that a program preempted between the two writes can at worst count
@@ -360,13 +360,25 @@ pub mod verdict_slot {
     /// The slot's tag without its verdict bit, for `addr` under `generation`.
     #[inline(always)]
     pub const fn tag(addr: [u8; 4], generation: u32) -> u64 {
-        ((u32::from_be_bytes(addr) as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
+        tagged(u32::from_be_bytes(addr), generation)
     }
 
     #[inline(always)]
     pub const fn index(addr: [u8; 4]) -> u32 {
-        let bits = super::NON_MASQ_CACHE_SLOTS.trailing_zeros();
-        u32::from_be_bytes(addr).wrapping_mul(0x9e37_79b1) >> (32 - bits)
+        slot_of(u32::from_be_bytes(addr), super::NON_MASQ_CACHE_SLOTS)
+    }
+
+    /// A tag without its verdict bit: `high` (the destination, or its fold) above the
+    /// generation.
+    #[inline(always)]
+    const fn tagged(high: u32, generation: u32) -> u64 {
+        ((high as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
+    }
+
+    /// The slot of `slots` (a power of two) that `word` of a destination hashes to.
+    #[inline(always)]
+    const fn slot_of(word: u32, slots: u32) -> u32 {
+        word.wrapping_mul(0x9e37_79b1) >> (32 - slots.trailing_zeros())
     }
 
     /// IPv6's slot: the destination does not fit the tag beside the generation, so the slot
@@ -393,13 +405,12 @@ pub mod verdict_slot {
     /// IPv6's tag without its verdict bit, for `addr` under `generation`.
     #[inline(always)]
     pub const fn tag_v6(addr: [u8; 16], generation: u32) -> u64 {
-        ((fold_v6(addr) as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
+        tagged(fold_v6(addr), generation)
     }
 
     #[inline(always)]
     pub const fn index_v6(addr: [u8; 16]) -> u32 {
-        let bits = super::NON_MASQ_CACHE_SLOTS_V6.trailing_zeros();
-        fold_v6(addr).wrapping_mul(0x9e37_79b1) >> (32 - bits)
+        slot_of(fold_v6(addr), super::NON_MASQ_CACHE_SLOTS_V6)
     }
 
     /// The generation after `generation`, skipping 0.
@@ -407,6 +418,25 @@ pub mod verdict_slot {
         match generation.wrapping_add(1) & GENERATION_MASK {
             0 => 1,
             next => next,
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn every_destination_has_a_slot_and_its_tag_says_the_generation() {
+            for addr in [[0; 16], [0xff; 16], *b"\x20\x01\x0d\xb8abcdefghijkl"] {
+                assert!(index_v6(addr) < crate::NON_MASQ_CACHE_SLOTS_V6);
+                // An empty slot's tag, 0, is no tag of a generation in force.
+                assert_ne!(tag_v6(addr, 1), 0);
+                assert_ne!(tag_v6(addr, 1), tag_v6(addr, next(1)));
+                assert_eq!(tag_v6(addr, 7) & 1, 0, "the verdict's bit is left clear");
+            }
+            assert!(index([255; 4]) < crate::NON_MASQ_CACHE_SLOTS);
+            assert_eq!(tag([10, 0, 0, 1], 3), 0x0a00_0001_0000_0006);
+            assert_eq!(next(GENERATION_MASK), 1, "0 is skipped");
         }
     }
 }
