@@ -282,7 +282,8 @@ impl Size {
         let spans = [(1024, 65535)];
         let span_ranges = spans.map(|(first, last)| PortRange { first, last });
         let started = Instant::now();
-        let bed = TestBed::like_the_agents(opts.capacity, count)?;
+        // The decision counters sized for both families' policies, as the agent sizes them.
+        let bed = TestBed::like_the_agents(opts.capacity, 2 * count)?;
         let mut bed = TestBed::configured(bed, &spans, true, NODE, &prefixes(count))?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.

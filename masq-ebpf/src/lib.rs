@@ -46,8 +46,9 @@ pub mod map_names {
     pub const DECISIONS: &str = "policy_decisions";
     /// Each program object's per-CPU cache of `non_masq_v4` verdicts; not pinned.
     pub const NON_MASQ_CACHE_V4: &str = "non_masq_cache_v4";
-    /// The same for `non_masq_v6`.
-    pub const NON_MASQ_CACHE_V6: &str = "non_masq_cache_v6";
+    /// The same for `non_masq_v6`; named apart from IPv4's within the 15 characters the kernel
+    /// keeps (`as_the_kernel_keeps`), which `non_masq_cache_v6` would not be.
+    pub const NON_MASQ_CACHE_V6: &str = "non_masq_v6_cache";
     /// Each program object's index of `non_masq_v4` (`policy_index`), which the agent writes
     /// after every change to the trie; sized by the agent when it loads the object, not
     /// pinned.
@@ -382,10 +383,11 @@ pub mod verdict_slot {
     }
 
     /// IPv6's slot: the destination does not fit the tag beside the generation, so the slot
-    /// holds it whole beside IPv4's slot, whose tag holds a fold of it (`fold_v6`) in its high
-    /// 32 bits where IPv4's holds the address. A slot whose address and tag came from two
-    /// writers (a program preempted between the two writes) is taken for neither destination,
-    /// but by a chance of one in 2^32.
+    /// holds it whole beside IPv4's slot, whose tag holds 32 bits of its hash (`hash_v6`) where
+    /// IPv4's holds the address. A slot whose address and tag came from two writers (a program
+    /// preempted between the two writes) is taken for neither destination but where their
+    /// hashes' tag bits are equal: a chance of about one in 2^32 for two destinations that
+    /// share the slot, whose index is the hash's other bits.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default)]
     pub struct SlotV6 {
@@ -393,24 +395,36 @@ pub mod verdict_slot {
         pub verdict: Slot,
     }
 
-    /// The four words of an IPv6 destination, xored.
+    /// The odd multipliers of an IPv6 destination's halves in `hash_v6`.
+    pub const HASH_HIGH: u64 = 0x9e37_79b9_7f4a_7c15;
+    pub const HASH_LOW: u64 = 0xc2b2_ae3d_27d4_eb4f;
+
+    /// A hash of an IPv6 destination whose every bit depends on every bit of the address: its
+    /// halves multiplied, then murmur3's finish. An xor of its words would be the same for
+    /// addresses that differ by the same bits in two words (a pod prefix's node and pod
+    /// numbers), which would share a slot and its tag.
     #[inline(always)]
-    pub const fn fold_v6(addr: [u8; 16]) -> u32 {
-        const fn word(addr: &[u8; 16], at: usize) -> u32 {
-            u32::from_ne_bytes([addr[at], addr[at + 1], addr[at + 2], addr[at + 3]])
-        }
-        word(&addr, 0) ^ word(&addr, 4) ^ word(&addr, 8) ^ word(&addr, 12)
+    pub const fn hash_v6(addr: [u8; 16]) -> u64 {
+        let [a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p] = addr;
+        let high = u64::from_ne_bytes([a, b, c, d, e, f, g, h]);
+        let low = u64::from_ne_bytes([i, j, k, l, m, n, o, p]);
+        let mut h = high.wrapping_mul(HASH_HIGH) ^ low.wrapping_mul(HASH_LOW);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h
     }
 
-    /// IPv6's tag without its verdict bit, for `addr` under `generation`.
+    /// IPv6's tag without its verdict bit, for `addr` under `generation`: the hash's low half.
     #[inline(always)]
     pub const fn tag_v6(addr: [u8; 16], generation: u32) -> u64 {
-        tagged(fold_v6(addr), generation)
+        tagged(hash_v6(addr) as u32, generation)
     }
 
+    /// IPv6's slot: by the hash's high half, apart from the tag's bits.
     #[inline(always)]
     pub const fn index_v6(addr: [u8; 16]) -> u32 {
-        slot_of(fold_v6(addr), super::NON_MASQ_CACHE_SLOTS_V6)
+        slot_of((hash_v6(addr) >> 32) as u32, super::NON_MASQ_CACHE_SLOTS_V6)
     }
 
     /// The generation after `generation`, skipping 0.

@@ -59,7 +59,7 @@ pub static POLICY_GENERATION: Array<u32, 1> = Array::new();
 pub static NON_MASQ_CACHE_V4: PerCpuArray<verdict_slot::Slot, { NON_MASQ_CACHE_SLOTS as usize }> =
     PerCpuArray::new();
 
-#[btf_map(name = "non_masq_cache_v6")]
+#[btf_map(name = "non_masq_v6_cache")]
 pub static NON_MASQ_CACHE_V6: PerCpuArray<
     verdict_slot::SlotV6,
     { NON_MASQ_CACHE_SLOTS_V6 as usize },

@@ -346,7 +346,7 @@ fn turning_masq_link_local_on_moves_no_live_flow(plane: Plane) {
     assert_a_change_moves_no_live_flow(&bed, IpFamily::Ipv4, link_local, configs, 41100);
 }
 
-/// IPv6's per-CPU verdict cache (`non_masq_cache_v6`, 64 KiB a CPU) takes its slots with
+/// IPv6's per-CPU verdict cache (`non_masq_v6_cache`, 64 KiB a CPU) takes its slots with
 /// `--enable-ipv6`, and one slot a CPU without, where no IPv6 packet is translated.
 fn ipv6s_verdict_cache_takes_its_slots_only_where_ipv6_is_translated(
     plane: Plane,

@@ -215,21 +215,21 @@ fn neighbour_discovery_and_mld_pass_untouched_both_ways() {
     assert_eq!(h.counter(Counter::InboundTracked), 0);
 }
 
-/// Two destinations whose four words xor to the same value share a slot of the programs'
-/// verdict cache and its tag, which holds that fold where IPv4's holds the whole address: the
-/// address the slot holds beside it tells them apart, and each gets its own verdict, however
-/// they take turns in the slot.
+/// Two destinations of one hash share a slot of the programs' verdict cache and its tag, which
+/// holds 32 bits of the hash where IPv4's holds the whole address: the address the slot holds
+/// beside it tells them apart, and each gets its own verdict, however they take turns in the
+/// slot. The second destination is made from the first through the hash's inverse: a 64-bit
+/// collision, which no search would find.
 #[test]
 fn destinations_that_share_a_verdict_slot_and_its_tag_each_get_their_own_verdict() {
     let kept = <Ipv6Addr as HarnessFamily>::SERVICE;
-    // The same bits flipped in the first two words: the fold is unchanged, and the address
-    // leaves fd00::/8 for a global one the policy masquerades.
-    let mut flipped = kept.octets();
-    for at in [0, 4] {
-        flipped[at] ^= 0xdc;
-    }
-    let masqueraded = Ipv6Addr::from(flipped);
+    let masqueraded = same_hash_in(kept, Ipv6Addr::new(0x2001, 0xdb8, 9, 0, 0, 0, 0, 0));
+    assert!(
+        masqueraded.segments()[..4] == [0x2001, 0xdb8, 9, 0],
+        "{masqueraded}"
+    );
     let (a, b) = (kept.octets(), masqueraded.octets());
+    assert_eq!(verdict_slot::hash_v6(a), verdict_slot::hash_v6(b));
     assert_eq!(verdict_slot::index_v6(a), verdict_slot::index_v6(b));
     assert_eq!(verdict_slot::tag_v6(a, 1), verdict_slot::tag_v6(b, 1));
 
@@ -249,6 +249,34 @@ fn destinations_that_share_a_verdict_slot_and_its_tag_each_get_their_own_verdict
             "turn {turn}: {masqueraded} is masqueraded"
         );
     }
+}
+
+/// An address in the /64 of `prefix` whose `verdict_slot::hash_v6` is `addr`'s: the hash mixes
+/// the address's halves, each times an odd multiplier, with xor before its finish, so the
+/// low half that gives `prefix`'s high half the same mix is found by the low multiplier's
+/// inverse.
+fn same_hash_in(addr: Ipv6Addr, prefix: Ipv6Addr) -> Ipv6Addr {
+    use verdict_slot::{HASH_HIGH, HASH_LOW};
+    let halves = |addr: Ipv6Addr| {
+        let o = addr.octets();
+        let half = |at: usize| u64::from_ne_bytes(o[at..at + 8].try_into().unwrap());
+        (half(0), half(8))
+    };
+    let (high, low) = halves(addr);
+    let mixed = high.wrapping_mul(HASH_HIGH) ^ low.wrapping_mul(HASH_LOW);
+    let (prefix_high, _) = halves(prefix);
+    // Newton's iteration: each step doubles the bits of the inverse an odd number's square
+    // already gives three of.
+    let mut inverse = HASH_LOW;
+    for _ in 0..5 {
+        inverse = inverse.wrapping_mul(2u64.wrapping_sub(HASH_LOW.wrapping_mul(inverse)));
+    }
+    assert_eq!(HASH_LOW.wrapping_mul(inverse), 1);
+    let other_low = (mixed ^ prefix_high.wrapping_mul(HASH_HIGH)).wrapping_mul(inverse);
+    let mut octets = [0; 16];
+    octets[..8].copy_from_slice(&prefix_high.to_ne_bytes());
+    octets[8..].copy_from_slice(&other_low.to_ne_bytes());
+    Ipv6Addr::from(octets)
 }
 
 #[test]

@@ -667,5 +667,19 @@ mod tests {
                 "no map {name} in the object"
             );
         }
+        // The maps that are not pinned and are looked for by the name the kernel keeps
+        // (`status`, the tests): no other map is kept under it. (Both families' fragment
+        // tables, say, are: they are only reached through the programs.)
+        for name in [
+            map_names::NON_MASQ_INDEX_V4,
+            map_names::NON_MASQ_CACHE_V4,
+            map_names::NON_MASQ_CACHE_V6,
+        ] {
+            let kept = map_names::as_the_kernel_keeps(name);
+            let alike: Vec<&String> = (object.maps.keys())
+                .filter(|other| map_names::as_the_kernel_keeps(other) == kept)
+                .collect();
+            assert_eq!(alike, [name], "maps the kernel names {kept}");
+        }
     }
 }
