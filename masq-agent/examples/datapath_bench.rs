@@ -87,17 +87,10 @@ fn options() -> anyhow::Result<Options> {
     Ok(opts)
 }
 
-/// The benchmark's policies, as the trie holds them.
-fn prefixes(count: usize) -> Vec<Ipv4Net> {
-    masq_testbed::prefixes::random(count)
-        .iter()
-        .map(|p| p.parse().expect("generated prefixes parse"))
-        .collect()
-}
-
-/// IPv6's policy of as many prefixes.
-fn prefixes_v6(count: usize) -> Vec<Ipv6Net> {
-    masq_testbed::prefixes::random_v6(count)
+/// The benchmark's policies (`masq_testbed::prefixes`' `random` and `random_v6`), as the tries
+/// hold them.
+fn parsed<N: std::str::FromStr<Err: std::fmt::Debug>>(prefixes: Vec<String>) -> Vec<N> {
+    prefixes
         .iter()
         .map(|p| p.parse().expect("generated prefixes parse"))
         .collect()
@@ -284,7 +277,13 @@ impl Size {
         let started = Instant::now();
         // The decision counters sized for both families' policies, as the agent sizes them.
         let bed = TestBed::like_the_agents(opts.capacity, 2 * count)?;
-        let mut bed = TestBed::configured(bed, &spans, true, NODE, &prefixes(count))?;
+        let mut bed = TestBed::configured(
+            bed,
+            &spans,
+            true,
+            NODE,
+            &parsed::<Ipv4Net>(masq_testbed::prefixes::random(count)),
+        )?;
         let fill = started.elapsed();
         // Establish the flow, and learn its port for the reply.
         let (verdict, translated) = bed.egress(&frames.outbound);
@@ -293,7 +292,10 @@ impl Size {
         }
         let reply = packet::tcp(REMOTE, 80, NODE, word(&translated, L4), ACK);
         // IPv6 with a policy of as many prefixes, which has no index.
-        bed.enable_ipv6(NODE_V6, &prefixes_v6(count))?;
+        bed.enable_ipv6(
+            NODE_V6,
+            &parsed::<Ipv6Net>(masq_testbed::prefixes::random_v6(count)),
+        )?;
         let (verdict, translated) = bed.egress(&frames.outbound_v6);
         if verdict != TC_ACT_OK || packet::src6(&translated) != NODE_V6 {
             bail!("the benchmark's IPv6 flow was not masqueraded");

@@ -342,8 +342,8 @@ pub mod policy_word {
 }
 
 /// The verdict caches' slots. IPv4's: `tag`, one word read and written whole, holds the
-/// destination in its high 32 bits, the policy generation (31 bits) above the lowest bit, and the verdict
-/// (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so that an empty
+/// destination in its high 32 bits, the policy generation (31 bits) above the lowest bit, and
+/// the verdict (1: not masqueraded) in the lowest bit. Generation 0 means "no policy yet", so that an empty
 /// slot never matches. `counted_in` is the deciding entry's slot of `policy_decisions`: read
 /// apart from the tag, so that a program preempted between the two writes can at worst count
 /// one decision in the wrong slot, and never take a wrong verdict.
@@ -369,8 +369,8 @@ pub mod verdict_slot {
         slot_of(u32::from_be_bytes(addr), super::NON_MASQ_CACHE_SLOTS)
     }
 
-    /// A tag without its verdict bit: `high` (the destination, or its fold) above the
-    /// generation.
+    /// A tag without its verdict bit: `high` (IPv4's destination, or 32 bits of IPv6's hash)
+    /// above the generation.
     #[inline(always)]
     const fn tagged(high: u32, generation: u32) -> u64 {
         ((high as u64) << 32) | (((generation & GENERATION_MASK) as u64) << 1)
