@@ -20,7 +20,7 @@
 use std::{
     future::Future,
     io,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::mpsc,
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -329,32 +329,75 @@ impl Drop for Servers {
     }
 }
 
+/// The addresses every server binds, one socket each: a socket of each family, so that an IPv4
+/// client meets the IPv4 socket it always met, and not a dual-stack one's mapped addresses.
+const SERVER_ADDRS: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+    IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+];
+
 /// Binds every server of `lane` and leaves them running on the current event loop.
 async fn serve_lane(lane: usize) -> io::Result<()> {
-    for i in 0..u64::from(SERVER_PORTS) {
-        tokio::spawn(accept_each(listen(crr_port(lane, i))?, answer_once));
-        let udp = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, udp_port(lane, i))).await?;
-        tokio::spawn(echo_datagrams(udp));
+    for addr in SERVER_ADDRS {
+        for i in 0..u64::from(SERVER_PORTS) {
+            tokio::spawn(accept_each(listen(addr, crr_port(lane, i))?, answer_once));
+            tokio::spawn(echo_datagrams(bind_udp(addr, udp_port(lane, i))?));
+        }
+        tokio::spawn(accept_each(listen(addr, rr_port(lane))?, answer_each));
+        tokio::spawn(accept_each(listen(addr, bulk_port(lane))?, drain));
     }
-    tokio::spawn(accept_each(listen(rr_port(lane))?, answer_each));
-    tokio::spawn(accept_each(listen(bulk_port(lane))?, drain));
     Ok(())
 }
 
 /// Binds `lane`'s servers of new connections over `Tuples::Fresh`.
 async fn serve_fresh_tuples(lane: usize) -> io::Result<()> {
-    for i in 0..u64::from(FRESH_SERVER_PORTS) {
-        let port = Tuples::Fresh.server_port(lane, i);
-        tokio::spawn(accept_each(listen(port)?, answer_once));
+    for addr in SERVER_ADDRS {
+        for i in 0..u64::from(FRESH_SERVER_PORTS) {
+            let port = Tuples::Fresh.server_port(lane, i);
+            tokio::spawn(accept_each(listen(addr, port)?, answer_once));
+        }
     }
     Ok(())
 }
 
-fn listen(port: u16) -> io::Result<TcpListener> {
-    let socket = TcpSocket::new_v4()?;
+/// A TCP socket of `addr`'s family; an IPv6 one serves IPv6 alone (`SERVER_ADDRS`).
+fn tcp_socket(addr: IpAddr) -> io::Result<TcpSocket> {
+    match addr {
+        IpAddr::V4(_) => TcpSocket::new_v4(),
+        IpAddr::V6(_) => {
+            let socket = TcpSocket::new_v6()?;
+            socket2::SockRef::from(&socket).set_only_v6(true)?;
+            Ok(socket)
+        }
+    }
+}
+
+fn listen(addr: IpAddr, port: u16) -> io::Result<TcpListener> {
+    let socket = tcp_socket(addr)?;
     socket.set_reuseaddr(true)?;
-    socket.bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))?;
+    socket.bind(SocketAddr::new(addr, port))?;
     socket.listen(4096)
+}
+
+/// A UDP socket bound to `port` of `addr` (0: any), of `addr`'s family; an IPv6 one serves
+/// IPv6 alone, as `tcp_socket`'s.
+fn bind_udp(addr: IpAddr, port: u16) -> io::Result<UdpSocket> {
+    let domain = socket2::Domain::for_address(SocketAddr::new(addr, port));
+    let socket = socket2::Socket::new(domain, socket2::Type::DGRAM, None)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&SocketAddr::new(addr, port).into())?;
+    UdpSocket::from_std(socket.into())
+}
+
+/// The unspecified address of `server`'s family, which a client binds to reach it.
+fn any_of(server: IpAddr) -> IpAddr {
+    match server {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
 }
 
 async fn accept_each<F: Future<Output = io::Result<()>> + Send + 'static>(
@@ -440,12 +483,12 @@ impl Task {
     }
 }
 
-async fn connect(server: Ipv4Addr, port: u16) -> io::Result<TcpStream> {
-    let socket = TcpSocket::new_v4()?;
+async fn connect(server: IpAddr, port: u16) -> io::Result<TcpStream> {
+    let socket = tcp_socket(server)?;
     // Close with a reset: no TIME_WAIT piles up in the client over thousands of connections.
     // (A zero linger never blocks, the reason tokio deprecates setting it.)
     socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO))?;
-    let stream = socket.connect(SocketAddr::from((server, port))).await?;
+    let stream = socket.connect(SocketAddr::new(server, port)).await?;
     stream.set_nodelay(true)?;
     Ok(stream)
 }
@@ -455,7 +498,7 @@ async fn connect(server: Ipv4Addr, port: u16) -> io::Result<TcpStream> {
 #[derive(Clone, Copy)]
 pub struct Load<'a> {
     pub ns: &'a str,
-    pub server: Ipv4Addr,
+    pub server: IpAddr,
     pub shape: Shape,
     pub duration: Duration,
     /// At most this many operations a second, over all lanes, spread evenly over the tasks and
@@ -595,8 +638,8 @@ impl Load<'_> {
         self.rate(UDP_IN_FLIGHT, move |task| {
             task.repeat(move |seq| async move {
                 let port = udp_port(task.lane, task.index as u64 + seq);
-                let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
-                socket.send_to(b"q", (server, port)).await?;
+                let socket = bind_udp(any_of(server), 0)?;
+                socket.send_to(b"q", SocketAddr::new(server, port)).await?;
                 let mut buf = [0u8; 8];
                 socket.recv_from(&mut buf).await?;
                 Ok(1)

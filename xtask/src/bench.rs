@@ -6,7 +6,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     path::{Path, PathBuf},
     process::{Command, Output},
     time::{Duration, Instant},
@@ -29,7 +29,7 @@ use crate::{
         Plan, Sample, SweepCase, Traffic, median,
     },
     cost_meter::{self, Meter, Reading, RunTimeStats},
-    node_tables::{self, KUBE_POSTROUTING, Node},
+    node_tables::{self, Family, KUBE_POSTROUTING, Node},
     report, step,
     sweep_watch::{AGENT_METRICS, SweepWatch},
 };
@@ -278,6 +278,9 @@ pub struct Bed {
     _node_servers: Servers,
     agent: PathBuf,
     pub config: PathBuf,
+    /// Whether the node holds IPv6's tables too, and its agent translates IPv6
+    /// (`--enable-ipv6`): where some IPv6 traffic is measured (`Traffic::is_ipv6`).
+    pub ipv6: bool,
 }
 
 impl Bed {
@@ -294,15 +297,17 @@ impl Bed {
             _outside_servers: outside_servers,
             _node_servers: node_servers,
             agent: agent.to_path_buf(),
+            ipv6: false,
         })
     }
 
     /// A load of `traffic`'s clients against its servers, laid out as `shape`, for `duration`.
     pub fn load(&self, traffic: Traffic, shape: Shape, duration: Duration) -> Load<'_> {
-        let (ns, server) = match traffic {
-            Traffic::PodToOutside => (&self.topo.pods[0], topology::EXT_ADDR),
-            Traffic::NodeToOutside => (&self.topo.node, topology::EXT_ADDR),
-            Traffic::OutsideToNode => (&self.topo.ext, topology::NODE_UPLINK),
+        let (ns, server): (_, IpAddr) = match traffic {
+            Traffic::PodToOutside => (&self.topo.pods[0], topology::EXT_ADDR.into()),
+            Traffic::NodeToOutside => (&self.topo.node, topology::EXT_ADDR.into()),
+            Traffic::OutsideToNode => (&self.topo.ext, topology::NODE_UPLINK.into()),
+            Traffic::PodToOutsideV6 => (&self.topo.pods[0], topology::EXT_ADDR_V6.into()),
         };
         Load {
             ns,
@@ -337,12 +342,29 @@ impl Bed {
                 "--interface=eth0".into(),
             ]);
         }
+        if self.ipv6 {
+            args.push("--enable-ipv6".into());
+        }
         args
     }
 
-    /// Feeds `rules` to the node's iptables-restore of `mode`'s backend.
-    fn restore(&self, mode: Mode, flags: &[&str], rules: &str) -> anyhow::Result<()> {
-        let restore = format!("iptables-{}-restore", mode.backend());
+    /// The families whose tables the node holds.
+    fn families(&self) -> &'static [Family] {
+        match self.ipv6 {
+            true => &[Family::V4, Family::V6],
+            false => &[Family::V4],
+        }
+    }
+
+    /// Feeds `rules` to the node's restore of `family`'s tables in `mode`'s backend.
+    fn restore(
+        &self,
+        mode: Mode,
+        family: Family,
+        flags: &[&str],
+        rules: &str,
+    ) -> anyhow::Result<()> {
+        let restore = family.command(mode.backend(), "-restore");
         let mut child = self
             .topo
             .node_command(&restore)
@@ -361,18 +383,30 @@ impl Bed {
 
     /// Puts `mode` in force for a policy of `cidrs` prefixes, and returns the running agent.
     pub fn activate(&self, mode: Mode, cidrs: usize) -> anyhow::Result<Option<Process>> {
-        let route_back = format!("10.244.0.0/16 via {}", topology::NODE_UPLINK);
-        let ext_route = |op: &str| {
+        let route_back = |family: Family| match family {
+            Family::V4 => format!("10.244.0.0/16 via {}", topology::NODE_UPLINK),
+            Family::V6 => format!(
+                "{} via {}",
+                topology::POD_PREFIX_V6,
+                topology::NODE_UPLINK_V6
+            ),
+        };
+        let ext_route = |family: Family, op: &str| {
+            let route = route_back(family);
             let mut args = vec!["-n", self.topo.ext.as_str(), "route", op];
-            args.extend(route_back.split_whitespace());
+            args.extend(route.split_whitespace());
             netns::run("ip", &args)
         };
         self.prepare_node(mode)?;
         if !mode.masquerades() {
-            ext_route("replace")?;
+            for &family in self.families() {
+                ext_route(family, "replace")?;
+            }
             return Ok(None);
         }
-        let _ = ext_route("del");
+        for &family in self.families() {
+            let _ = ext_route(family, "del");
+        }
         let args = self.agent_args(mode);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let path = self.path_env(mode.backend());
@@ -405,7 +439,10 @@ impl Bed {
             let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
             self.run_agent(mode, "cleanup", &["cleanup", &bpffs])?;
         }
-        self.restore(mode, &[], node_tables::EMPTY_TABLES)
+        for &family in self.families() {
+            self.restore(mode, family, &[], node_tables::EMPTY_TABLES)?;
+        }
+        Ok(())
     }
 
     /// What to read of `mode`'s data plane while it is measured: the programs the agent
@@ -445,53 +482,60 @@ impl Bed {
     /// that hold nothing yet. As on a real node, kube-proxy's rules are there before the agent
     /// starts.
     pub fn prepare_node(&self, mode: Mode) -> anyhow::Result<()> {
-        self.restore(mode, &["--noflush"], &mode.node().rules())
+        for &family in self.families() {
+            self.restore(mode, family, &["--noflush"], &mode.node().rules(family))?;
+        }
+        Ok(())
     }
 
-    /// Fails unless the node's nat POSTROUTING is what `mode` needs: kube-proxy's jump first on
-    /// a kube-proxy node, and the agent's chain reached by the traffic of `measured` (an
-    /// agent's jump that nothing reaches would leave its masquerading untested).
+    /// Fails unless the node's nat POSTROUTING is what `mode` needs, in each family's tables:
+    /// kube-proxy's jump first on a kube-proxy node, and the agent's chain reached by the
+    /// traffic of `measured` of that family (an agent's jump that nothing reaches would leave
+    /// its masquerading untested).
     fn check_postrouting(&self, mode: Mode, measured: &[Metric]) -> anyhow::Result<()> {
-        let kube_proxy_first = mode.node() == Node::KubeProxy;
-        let reaches_chain = mode.masquerades()
-            && measured
-                .iter()
-                .any(|metric| metric.traffic().leaves_through_postrouting());
-        if !kube_proxy_first && !reaches_chain {
-            // Nothing to check, and listing would make the nat table a bare node lacks.
-            return Ok(());
-        }
-        let iptables = format!("iptables-{}", mode.backend());
-        let listing = self.topo.node_run(
-            &iptables,
-            &[
-                "-w",
-                "5",
-                "-t",
-                "nat",
-                "-L",
-                "POSTROUTING",
-                "-n",
-                "-v",
-                "-x",
-            ],
-        )?;
-        let rules = packets_and_targets(&listing);
-        if kube_proxy_first && rules.first().map(|r| r.1) != Some(KUBE_POSTROUTING) {
-            bail!(
-                "{}: {KUBE_POSTROUTING} is not the first jump in POSTROUTING:\n{listing}",
-                mode.name()
-            );
-        }
-        if reaches_chain
-            && !rules
-                .iter()
-                .any(|&(packets, target)| target == CHAIN && packets > 0)
-        {
-            bail!(
-                "{}: no packet reached the agent's chain {CHAIN}:\n{listing}",
-                mode.name()
-            );
+        for &family in self.families() {
+            let kube_proxy_first = mode.node() == Node::KubeProxy;
+            let reaches_chain = mode.masquerades()
+                && measured.iter().any(|metric| {
+                    metric.traffic().family() == family
+                        && metric.traffic().leaves_through_postrouting()
+                });
+            if !kube_proxy_first && !reaches_chain {
+                // Nothing to check, and listing would make the nat table a bare node lacks.
+                continue;
+            }
+            let iptables = family.command(mode.backend(), "");
+            let listing = self.topo.node_run(
+                &iptables,
+                &[
+                    "-w",
+                    "5",
+                    "-t",
+                    "nat",
+                    "-L",
+                    "POSTROUTING",
+                    "-n",
+                    "-v",
+                    "-x",
+                ],
+            )?;
+            let rules = packets_and_targets(&listing);
+            if kube_proxy_first && rules.first().map(|r| r.1) != Some(KUBE_POSTROUTING) {
+                bail!(
+                    "{}: {KUBE_POSTROUTING} is not the first jump in {iptables}'s POSTROUTING:\n{listing}",
+                    mode.name()
+                );
+            }
+            if reaches_chain
+                && !rules
+                    .iter()
+                    .any(|&(packets, target)| target == CHAIN && packets > 0)
+            {
+                bail!(
+                    "{}: no packet reached the agent's chain {CHAIN} in {iptables}:\n{listing}",
+                    mode.name()
+                );
+            }
         }
         Ok(())
     }
@@ -503,7 +547,12 @@ fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
     let mut beds = BTreeMap::new();
     for mode in &plan.modes {
         if !beds.contains_key(mode.backend()) {
-            beds.insert(mode.backend(), Bed::new(agent, 1)?);
+            let mut bed = Bed::new(agent, 1)?;
+            bed.ipv6 = plan
+                .metrics
+                .iter()
+                .any(|metric| metric.traffic().family() == Family::V6);
+            beds.insert(mode.backend(), bed);
         }
     }
     let mut samples = Vec::new();
@@ -713,10 +762,11 @@ fn window(
     let value = match metric {
         Metric::NewConnections
         | Metric::NodeOutboundConnections
-        | Metric::NodeInboundConnections => load.new_connections()?,
+        | Metric::NodeInboundConnections
+        | Metric::NewConnectionsV6 => load.new_connections()?,
         Metric::Transactions => load.transactions()?,
         Metric::Throughput => load.throughput()? / 1e9,
-        Metric::UdpNewFlows => load.udp_new_flows()?,
+        Metric::UdpNewFlows | Metric::UdpNewFlowsV6 => load.udp_new_flows()?,
     };
     Ok((value, before, meter.read()?))
 }

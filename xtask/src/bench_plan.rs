@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 use masq_testbed::load::{Shape, Tuples};
 use serde::Serialize;
 
-use crate::node_tables::Node;
+use crate::node_tables::{Family, Node};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, PartialOrd, Ord, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -113,16 +113,20 @@ pub enum Metric {
     UdpNewFlows,
     NodeOutboundConnections,
     NodeInboundConnections,
+    NewConnectionsV6,
+    UdpNewFlowsV6,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 6] = [
+    pub const ALL: [Metric; 8] = [
         Metric::NewConnections,
         Metric::Transactions,
         Metric::Throughput,
         Metric::UdpNewFlows,
         Metric::NodeOutboundConnections,
         Metric::NodeInboundConnections,
+        Metric::NewConnectionsV6,
+        Metric::UdpNewFlowsV6,
     ];
 
     pub fn name(self) -> &'static str {
@@ -133,6 +137,8 @@ impl Metric {
             Metric::UdpNewFlows => "UDP new flows/s",
             Metric::NodeOutboundConnections => "node's own new TCP connections/s, outbound",
             Metric::NodeInboundConnections => "new TCP connections/s to a node server, inbound",
+            Metric::NewConnectionsV6 => "new TCP connections/s over IPv6",
+            Metric::UdpNewFlowsV6 => "UDP new flows/s over IPv6",
         }
     }
 
@@ -140,6 +146,7 @@ impl Metric {
         match self {
             Metric::NodeOutboundConnections => Traffic::NodeToOutside,
             Metric::NodeInboundConnections => Traffic::OutsideToNode,
+            Metric::NewConnectionsV6 | Metric::UdpNewFlowsV6 => Traffic::PodToOutsideV6,
             _ => Traffic::PodToOutside,
         }
     }
@@ -154,14 +161,31 @@ pub enum Traffic {
     NodeToOutside,
     /// The outside host's clients to servers in the node's namespace, on its uplink address.
     OutsideToNode,
+    /// A pod's clients to the outside host's servers over IPv6.
+    PodToOutsideV6,
 }
 
 impl Traffic {
-    pub const ALL: [Traffic; 3] = [
+    pub const ALL: [Traffic; 4] = [
         Traffic::PodToOutside,
         Traffic::NodeToOutside,
         Traffic::OutsideToNode,
+        Traffic::PodToOutsideV6,
     ];
+
+    /// Whether it is a pod's traffic, which the agent is there to masquerade.
+    pub fn is_pods(self) -> bool {
+        matches!(self, Traffic::PodToOutside | Traffic::PodToOutsideV6)
+    }
+
+    /// Its family: IPv6's tables (ip6tables', the programs' IPv6 maps) are on the node only
+    /// while some IPv6 traffic is measured (`Bed::ipv6`).
+    pub fn family(self) -> Family {
+        match self {
+            Traffic::PodToOutsideV6 => Family::V6,
+            _ => Family::V4,
+        }
+    }
 
     /// Whether each new connection leaves by the uplink through nat POSTROUTING, whose jump to
     /// the agent's chain then counts it. A reply to a connection from outside is no new
@@ -187,6 +211,9 @@ impl Traffic {
             }
             Traffic::OutsideToNode => {
                 "clients on the outside host, servers in the node's own namespace on its uplink address: no mode translates them, and in the eBPF modes the programs hold no entry for them, their ports being ones the node listens on"
+            }
+            Traffic::PodToOutsideV6 => {
+                "clients in a pod, servers on the outside host, over IPv6: as the pods' IPv4 traffic, with the agent's IPv6 (`--enable-ipv6`: ip6tables' chain, or the programs' IPv6 maps, whose NAT table is the kernel's hash table) and kube-proxy's table written into ip6tables too"
             }
         }
     }
@@ -469,8 +496,8 @@ impl Plan {
                 sizes: vec![4, 10_000, 100_000],
                 // Twice the measurements of a run of one shape and four modes: five rounds of
                 // 1.5 s, and in the eBPF modes a window of the programs' cost after each, keep
-                // the whole run some forty minutes, the node's own connections (at the smallest
-                // size alone) adding some three.
+                // the whole run some forty minutes, the node's own connections and the pods'
+                // IPv6 traffic (at the smallest size alone) adding some three each.
                 rounds: 5,
                 seconds: Duration::from_millis(1500),
                 // Some 15 000 connections a window: the cost per connection to a few ns.

@@ -6,6 +6,8 @@
 pub const KUBE_PROXY_SERVICES: usize = 1_000;
 /// Where the services' ClusterIPs live; the benchmark's traffic never goes there.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// IPv6's, where the node holds IPv6 tables (`Family::V6`).
+pub const SERVICE_CIDR_V6: &str = "fd00:96::/112";
 /// kube-proxy's mark for traffic it masquerades itself.
 const MASQ_MARK: &str = "0x4000";
 /// kube-proxy's chain that masquerades what it marked; the first jump in nat POSTROUTING.
@@ -20,14 +22,73 @@ pub enum Node {
     KubeProxy,
 }
 
+/// Which of the node's tables: iptables' or ip6tables'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// The command of this family's tables in `backend` (`nft` or `legacy`), or with `suffix`
+    /// (`-restore`, `-save`).
+    pub fn command(self, backend: &str, suffix: &str) -> String {
+        let family = match self {
+            Family::V4 => "iptables",
+            Family::V6 => "ip6tables",
+        };
+        format!("{family}-{backend}{suffix}")
+    }
+
+    /// The pods' CIDR, which kube-proxy tells its own traffic by.
+    fn pod_cidr(self) -> &'static str {
+        match self {
+            Family::V4 => "10.244.0.0/16",
+            Family::V6 => masq_testbed::topology::POD_PREFIX_V6,
+        }
+    }
+
+    /// The ClusterIP of service `i`.
+    fn service_ip(self, i: usize) -> String {
+        match self {
+            Family::V4 => format!("10.96.{}.{}", i / 250, i % 250 + 1),
+            Family::V6 => format!("fd00:96::{:x}", i + 1),
+        }
+    }
+
+    /// `addr` as a prefix of itself alone, as `iptables-save` prints a match of it.
+    fn host(self, addr: &str) -> String {
+        match self {
+            Family::V4 => format!("{addr}/32"),
+            Family::V6 => format!("{addr}/128"),
+        }
+    }
+
+    /// An endpoint pod of service `i`, off the benchmark's pods.
+    fn endpoint_ip(self, i: usize) -> String {
+        match self {
+            Family::V4 => format!("10.244.{}.{}", 128 + i / 250, i % 250 + 1),
+            Family::V6 => format!("fd00:10:244:{:x}::{:x}", 0x100 + i / 250, i % 250 + 1),
+        }
+    }
+
+    /// `endpoint`, with `port`, as DNAT's `--to-destination` takes it.
+    fn with_port(self, endpoint: &str, port: u16) -> String {
+        match self {
+            Family::V4 => format!("{endpoint}:{port}"),
+            Family::V6 => format!("[{endpoint}]:{port}"),
+        }
+    }
+}
+
 impl Node {
-    /// The iptables-restore input (for `--noflush`) that sets the node up.
-    pub fn rules(self) -> String {
+    /// The restore input (for `--noflush`) of `family`'s tables that sets the node up.
+    pub fn rules(self, family: Family) -> String {
         // Conntrack runs on every real node; a rule that needs it makes sure it runs here.
         let mut rules =
             "*filter\n-A FORWARD -m conntrack --ctstate INVALID -j DROP\nCOMMIT\n".to_string();
         if self == Node::KubeProxy {
-            rules += &kube_proxy_nat(KUBE_PROXY_SERVICES);
+            rules += &kube_proxy_nat(KUBE_PROXY_SERVICES, family);
         }
         rules
     }
@@ -37,7 +98,7 @@ impl Node {
         match self {
             Node::Bare => "conntrack only, no nat table".into(),
             Node::KubeProxy => format!(
-                "kube-proxy's nat table: {KUBE_PROXY_SERVICES} ClusterIP services in {SERVICE_CIDR} (a linear KUBE-SERVICES list of `-d VIP -p tcp --dport` matches, jumped to from PREROUTING and OUTPUT, each to a KUBE-SVC and a KUBE-SEP chain that DNATs), KUBE-MARK-MASQ, and {KUBE_POSTROUTING} (mark check, MASQUERADE --random-fully) first in POSTROUTING"
+                "kube-proxy's nat table: {KUBE_PROXY_SERVICES} ClusterIP services in {SERVICE_CIDR} (a linear KUBE-SERVICES list of `-d VIP -p tcp --dport` matches, jumped to from PREROUTING and OUTPUT, each to a KUBE-SVC and a KUBE-SEP chain that DNATs), KUBE-MARK-MASQ, and {KUBE_POSTROUTING} (mark check, MASQUERADE --random-fully) first in POSTROUTING; where IPv6 is measured, the same in ip6tables, its services in {SERVICE_CIDR_V6}"
             ),
         }
     }
@@ -47,19 +108,9 @@ impl Node {
 /// iptables-nft deletes the tables, hooks and all; iptables-legacy keeps its tables, empty.
 pub const EMPTY_TABLES: &str = "*nat\nCOMMIT\n*filter\nCOMMIT\n";
 
-/// The ClusterIP of service `i`.
-fn service_ip(i: usize) -> String {
-    format!("10.96.{}.{}", i / 250, i % 250 + 1)
-}
-
-/// An endpoint pod of service `i`, off the benchmark's pod.
-fn endpoint_ip(i: usize) -> String {
-    format!("10.244.{}.{}", 128 + i / 250, i % 250 + 1)
-}
-
-/// kube-proxy's nat table (iptables mode) for `services` ClusterIP services of one endpoint
-/// each, as `iptables-save` prints it, rule for rule in kube-proxy's order.
-fn kube_proxy_nat(services: usize) -> String {
+/// kube-proxy's nat table (iptables mode) of `family` for `services` ClusterIP services of one
+/// endpoint each, as `iptables-save` prints it, rule for rule in kube-proxy's order.
+fn kube_proxy_nat(services: usize, family: Family) -> String {
     let mut chains = vec![
         "KUBE-SERVICES".to_string(),
         "KUBE-NODEPORTS".into(),
@@ -80,7 +131,9 @@ fn kube_proxy_nat(services: usize) -> String {
         ),
     ];
     for i in 0..services {
-        let (vip, endpoint) = (service_ip(i), endpoint_ip(i));
+        let (vip, endpoint) = (family.service_ip(i), family.endpoint_ip(i));
+        let (vip_host, endpoint_host) = (family.host(&vip), family.host(&endpoint));
+        let pods = family.pod_cidr();
         let (svc, sep) = (
             format!("KUBE-SVC-BENCH{i:04}"),
             format!("KUBE-SEP-BENCH{i:04}"),
@@ -88,15 +141,19 @@ fn kube_proxy_nat(services: usize) -> String {
         let name = format!("bench/svc-{i}:http");
         rules.extend([
             format!(
-                "-A KUBE-SERVICES -d {vip}/32 -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j {svc}"
+                "-A KUBE-SERVICES -d {vip_host} -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j {svc}"
             ),
             format!(
-                "-A {svc} ! -s 10.244.0.0/16 -d {vip}/32 -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j KUBE-MARK-MASQ"
+                "-A {svc} ! -s {pods} -d {vip_host} -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j KUBE-MARK-MASQ"
             ),
-            format!("-A {svc} -m comment --comment \"{name} -> {endpoint}:8080\" -j {sep}"),
-            format!("-A {sep} -s {endpoint}/32 -m comment --comment \"{name}\" -j KUBE-MARK-MASQ"),
             format!(
-                "-A {sep} -p tcp -m comment --comment \"{name}\" -m tcp -j DNAT --to-destination {endpoint}:8080"
+                "-A {svc} -m comment --comment \"{name} -> {}\" -j {sep}",
+                family.with_port(&endpoint, 8080)
+            ),
+            format!("-A {sep} -s {endpoint_host} -m comment --comment \"{name}\" -j KUBE-MARK-MASQ"),
+            format!(
+                "-A {sep} -p tcp -m comment --comment \"{name}\" -m tcp -j DNAT --to-destination {}",
+                family.with_port(&endpoint, 8080)
             ),
         ]);
         chains.extend([svc, sep]);
@@ -120,9 +177,8 @@ fn kube_proxy_nat(services: usize) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn kube_proxys_table_walks_every_service_before_the_nodeports_rule() {
-        let rules = Node::KubeProxy.rules();
+    /// Each service's VIP in `rules`' KUBE-SERVICES, which ends with the NodePorts rule.
+    fn service_vips(rules: &str) -> std::collections::BTreeSet<&str> {
         let service_rules: Vec<&str> = rules
             .lines()
             .filter(|l| l.starts_with("-A KUBE-SERVICES"))
@@ -134,22 +190,53 @@ mod tests {
             .filter_map(|l| l.split_once(" -d ")?.1.split_whitespace().next())
             .collect();
         assert_eq!(vips.len(), KUBE_PROXY_SERVICES, "a VIP each");
+        vips
+    }
+
+    #[test]
+    fn kube_proxys_table_walks_every_service_before_the_nodeports_rule() {
+        let rules = Node::KubeProxy.rules(Family::V4);
         assert!(
-            vips.iter()
+            service_vips(&rules)
+                .iter()
                 .all(|v| v.starts_with("10.96.") && v.ends_with("/32"))
         );
     }
 
     #[test]
+    fn kube_proxys_ipv6_table_is_the_same_walk_in_ipv6_addresses() {
+        let rules = Node::KubeProxy.rules(Family::V6);
+        let vips = service_vips(&rules);
+        let services: ipnet::Ipv6Net = SERVICE_CIDR_V6.parse().unwrap();
+        assert!(vips.iter().all(|v| {
+            let vip: ipnet::Ipv6Net = v.parse().unwrap();
+            vip.prefix_len() == 128 && services.contains(&vip)
+        }));
+        let dnat: Vec<&str> = rules
+            .lines()
+            .filter_map(|l| l.split_once("--to-destination ").map(|(_, to)| to))
+            .collect();
+        assert_eq!(dnat.len(), KUBE_PROXY_SERVICES);
+        let pods: ipnet::Ipv6Net = masq_testbed::topology::POD_PREFIX_V6.parse().unwrap();
+        assert!(dnat.iter().all(|to| {
+            let endpoint: std::net::SocketAddrV6 = to.parse().unwrap();
+            pods.contains(endpoint.ip()) && endpoint.port() == 8080
+        }));
+        assert!(!rules.contains("10.244."), "{rules}");
+    }
+
+    #[test]
     fn kube_postrouting_is_the_first_postrouting_jump() {
-        let rules = Node::KubeProxy.rules();
+        let rules = Node::KubeProxy.rules(Family::V4);
         let first = rules.lines().find(|l| l.starts_with("-A POSTROUTING"));
         assert!(first.unwrap().ends_with(&format!("-j {KUBE_POSTROUTING}")));
     }
 
     #[test]
     fn a_bare_node_has_no_nat_table() {
-        assert!(!Node::Bare.rules().contains("*nat"));
-        assert!(Node::Bare.rules().contains("conntrack"));
+        for family in [Family::V4, Family::V6] {
+            assert!(!Node::Bare.rules(family).contains("*nat"));
+            assert!(Node::Bare.rules(family).contains("conntrack"));
+        }
     }
 }

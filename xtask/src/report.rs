@@ -172,7 +172,7 @@ fn end_to_end_target_list() -> Vec<(Metric, Mode, Mode, Option<usize>, f64)> {
     // there to masquerade.
     let pods_traffic = Metric::ALL
         .into_iter()
-        .filter(|metric| metric.traffic() == Traffic::PodToOutside);
+        .filter(|metric| metric.traffic().is_pods());
     for metric in pods_traffic {
         for ebpf in [Mode::Ebpf, Mode::EbpfLegacy] {
             list.push((metric, ebpf, ebpf.same_backend_iptables(), Some(4), 1.0));
@@ -1223,7 +1223,38 @@ mod tests {
             said.contains("measured at 4 CIDRs only, the plan's smallest size"),
             "{said}"
         );
-        assert_eq!(said.matches("CIDRs only").count(), 2, "{said}");
+        // The node's two, and the pods' IPv6 traffic.
+        assert_eq!(said.matches("CIDRs only").count(), 3, "{said}");
+    }
+
+    #[test]
+    fn the_pods_ipv6_traffic_has_rows_at_the_smallest_size_only_and_a_target_against_the_chain() {
+        let plan = Plan {
+            sizes: vec![10_000, 4],
+            ..plan()
+        };
+        let m = medians(&samples_of(&plan, 3));
+        let text = summary_without_runs_of_their_own(&m, &plan, DataPath::default());
+        for metric in [Metric::NewConnectionsV6, Metric::UdpNewFlowsV6] {
+            let name = metric.name();
+            assert!(text.contains(&format!("| {name} | 4 |")), "{text}");
+            assert!(!text.contains(&format!("| {name} | 10000 |")), "{text}");
+            for shape in Shape::ALL {
+                for (ebpf, iptables) in [
+                    (Mode::Ebpf, Mode::IptablesNft),
+                    (Mode::EbpfLegacy, Mode::IptablesLegacy),
+                ] {
+                    let target = format!(
+                        "| {name}, {} ÷ {}, 4 CIDRs, {} | ≥ 1 |",
+                        ebpf.name(),
+                        iptables.name(),
+                        shape.name()
+                    );
+                    assert!(text.contains(&target), "{target}: {text}");
+                }
+            }
+            assert!(!text.contains(&format!("{name}, ebpf ÷ no NAT")), "{text}");
+        }
     }
 
     #[test]
