@@ -379,7 +379,7 @@ fn listen(addr: IpAddr, port: u16) -> io::Result<TcpListener> {
     socket.listen(4096)
 }
 
-/// A UDP socket bound to `port` of `addr` (0: any), of `addr`'s family; an IPv6 one serves
+/// A server's UDP socket bound to `port` of `addr`, of `addr`'s family; an IPv6 one serves
 /// IPv6 alone, as `tcp_socket`'s.
 fn bind_udp(addr: IpAddr, port: u16) -> io::Result<UdpSocket> {
     let domain = socket2::Domain::for_address(SocketAddr::new(addr, port));
@@ -638,7 +638,7 @@ impl Load<'_> {
         self.rate(UDP_IN_FLIGHT, move |task| {
             task.repeat(move |seq| async move {
                 let port = udp_port(task.lane, task.index as u64 + seq);
-                let socket = bind_udp(any_of(server), 0)?;
+                let socket = UdpSocket::bind((any_of(server), 0)).await?;
                 socket.send_to(b"q", SocketAddr::new(server, port)).await?;
                 let mut buf = [0u8; 8];
                 socket.recv_from(&mut buf).await?;
@@ -687,6 +687,33 @@ mod tests {
                 "operation {nth} ran early"
             );
         }
+    }
+
+    /// A server port holds a socket of each family, each taking its own family's clients: a
+    /// dual-stack IPv6 socket could not share the port with the IPv4 one (its bind would fail),
+    /// and would make the IPv4 figures a mapped address's.
+    #[test]
+    fn a_server_port_takes_a_socket_of_each_family_and_each_its_own_familys_clients() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let v4 = listen(SERVER_ADDRS[0], 0).unwrap();
+            let port = v4.local_addr().unwrap().port();
+            let v6 = listen(SERVER_ADDRS[1], port).unwrap();
+            assert_eq!(v6.local_addr().unwrap().port(), port);
+            let udp_v4 = bind_udp(SERVER_ADDRS[0], 0).unwrap();
+            let udp_port = udp_v4.local_addr().unwrap().port();
+            bind_udp(SERVER_ADDRS[1], udp_port).unwrap();
+
+            let client = connect(Ipv6Addr::LOCALHOST.into(), port).await;
+            let (accepted, peer) = v6.accept().await.unwrap();
+            assert!(peer.is_ipv6(), "{peer}");
+            drop((client, accepted));
+            connect(Ipv4Addr::LOCALHOST.into(), port).await.unwrap();
+            assert!(v4.accept().await.unwrap().1.is_ipv4());
+        });
     }
 
     #[test]

@@ -75,11 +75,22 @@ pub fn random_v6(count: usize) -> Vec<String> {
 /// A config file with `count` random prefixes and a `cidrLimit` that admits them, with room for
 /// a few more.
 pub fn config(count: usize) -> String {
-    let limit = count.max(64) + 16;
+    config_of(&random(count))
+}
+
+/// The same with `count` random IPv6 prefixes besides (`random_v6`): a policy of that size in
+/// each family, for an agent that translates IPv6 too.
+pub fn config_both_families(count: usize) -> String {
+    config_of(&[random(count), random_v6(count)].concat())
+}
+
+/// A config file with `prefixes` and a `cidrLimit` that admits them, with room for a few more.
+fn config_of(prefixes: &[String]) -> String {
+    let limit = prefixes.len().max(64) + 16;
     let mut text = format!("cidrLimit: {limit}\nresyncInterval: 60s\nnonMasqueradeCIDRs:\n");
-    for prefix in random(count) {
+    for prefix in prefixes {
         text.push_str("  - ");
-        text.push_str(&prefix);
+        text.push_str(prefix);
         text.push('\n');
     }
     text
@@ -113,7 +124,23 @@ pub fn config_with_exceptions(count: usize) -> String {
 mod tests {
     use std::net::Ipv6Addr;
 
+    use super::config_both_families;
     use crate::topology;
+
+    #[test]
+    fn a_config_of_both_families_holds_the_count_in_each_and_admits_them_all() {
+        let text = config_both_families(100);
+        let config: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+        let cidrs: Vec<&str> = config["nonMasqueradeCIDRs"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        let ipv6 = cidrs.iter().filter(|c| c.contains(':')).count();
+        assert_eq!((cidrs.len() - ipv6, ipv6), (100, 100));
+        assert!(config["cidrLimit"].as_u64().unwrap() >= 200);
+    }
 
     #[test]
     fn random_v6_prefixes_leave_the_outside_hosts_to_be_masqueraded() {

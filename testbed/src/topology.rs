@@ -61,6 +61,8 @@ const CLUSTER_LOCAL_TABLE: &str = "100";
 /// entry or NAT flow of a port a test later uses as a new flow.
 pub const POD_EPHEMERAL_PORTS: &str = "50000 60999";
 
+/// The pods' IPv4 prefix: pod `i` lives in `10.244.<i+1>.0/24`.
+pub const POD_PREFIX: &str = "10.244.0.0/16";
 /// The pods' IPv6 prefix: pod `i` lives in `fd00:10:244:<i+1>::/64`.
 pub const POD_PREFIX_V6: &str = "fd00:10:244::/48";
 /// The IPv6 CIDR that holds `CLUSTER_LOCAL_ADDR_V6`, for non-masquerade configs.
@@ -366,7 +368,7 @@ impl Topology {
             for family in ["iptables", "ip6tables"] {
                 for suffix in ["", "-restore", "-save"] {
                     std::os::unix::fs::symlink(
-                        format!("/usr/sbin/{family}-{backend}{suffix}"),
+                        Path::new("/usr/sbin").join(iptables_command(family, backend, suffix)),
                         dir.join(format!("{family}{suffix}")),
                     )?;
                 }
@@ -522,6 +524,12 @@ pub fn sweep_stale() {
 }
 
 /// Where bpffs is conventionally mounted; the test bed mounts it there if nothing has.
+/// The command of `family`'s tables (`iptables` or `ip6tables`) in `backend` (`nft` or
+/// `legacy`), with `suffix` (``, `-restore`, `-save`), as Debian installs them.
+pub fn iptables_command(family: &str, backend: &str, suffix: &str) -> String {
+    format!("{family}-{backend}{suffix}")
+}
+
 pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
 
 pub(crate) fn ensure_bpffs() -> anyhow::Result<()> {

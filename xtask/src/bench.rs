@@ -278,14 +278,14 @@ pub struct Bed {
     _node_servers: Servers,
     agent: PathBuf,
     pub config: PathBuf,
-    /// Whether the node holds IPv6's tables too, and its agent translates IPv6
-    /// (`--enable-ipv6`): where some IPv6 traffic is measured (`Traffic::is_ipv6`).
-    pub ipv6: bool,
+    /// The families whose tables the node holds, and whose traffic its agent translates
+    /// (IPv6's with `--enable-ipv6`).
+    families: &'static [Family],
 }
 
 impl Bed {
-    /// A bed with `pods` pod namespaces.
-    pub fn new(agent: &Path, pods: usize) -> anyhow::Result<Bed> {
+    /// A bed with `pods` pod namespaces, whose node holds `families`' tables.
+    pub fn new(agent: &Path, pods: usize, families: &'static [Family]) -> anyhow::Result<Bed> {
         let topo = Topology::new(pods)?;
         let outside_servers = Servers::start(&topo.ext)?;
         let node_servers = Servers::start(&topo.node)?;
@@ -297,7 +297,7 @@ impl Bed {
             _outside_servers: outside_servers,
             _node_servers: node_servers,
             agent: agent.to_path_buf(),
-            ipv6: false,
+            families,
         })
     }
 
@@ -342,17 +342,17 @@ impl Bed {
                 "--interface=eth0".into(),
             ]);
         }
-        if self.ipv6 {
+        if self.families.contains(&Family::V6) {
             args.push("--enable-ipv6".into());
         }
         args
     }
 
-    /// The families whose tables the node holds.
-    fn families(&self) -> &'static [Family] {
-        match self.ipv6 {
-            true => &[Family::V4, Family::V6],
-            false => &[Family::V4],
+    /// A config file of a policy of `cidrs` prefixes in each of the node's families.
+    pub fn policy(&self, cidrs: usize) -> String {
+        match self.families.contains(&Family::V6) {
+            true => prefixes::config_both_families(cidrs),
+            false => prefixes::config(cidrs),
         }
     }
 
@@ -383,29 +383,35 @@ impl Bed {
 
     /// Puts `mode` in force for a policy of `cidrs` prefixes, and returns the running agent.
     pub fn activate(&self, mode: Mode, cidrs: usize) -> anyhow::Result<Option<Process>> {
-        let route_back = |family: Family| match family {
-            Family::V4 => format!("10.244.0.0/16 via {}", topology::NODE_UPLINK),
-            Family::V6 => format!(
-                "{} via {}",
-                topology::POD_PREFIX_V6,
-                topology::NODE_UPLINK_V6
-            ),
-        };
+        // The outside host's route back to the pods, over the node: without NAT, the pods'
+        // own addresses come back that way; with it, nothing but the node's address may.
         let ext_route = |family: Family, op: &str| {
-            let route = route_back(family);
-            let mut args = vec!["-n", self.topo.ext.as_str(), "route", op];
-            args.extend(route.split_whitespace());
-            netns::run("ip", &args)
+            let (pods, node) = (family.pod_cidr(), family.node_uplink().to_string());
+            netns::run(
+                "ip",
+                &[
+                    "-n",
+                    self.topo.ext.as_str(),
+                    "route",
+                    op,
+                    pods,
+                    "via",
+                    &node,
+                ],
+            )
         };
         self.prepare_node(mode)?;
         if !mode.masquerades() {
-            for &family in self.families() {
+            for &family in self.families {
                 ext_route(family, "replace")?;
             }
             return Ok(None);
         }
-        for &family in self.families() {
-            let _ = ext_route(family, "del");
+        for &family in self.families {
+            match ext_route(family, "del") {
+                Err(err) if !format!("{err:#}").contains("No such process") => return Err(err),
+                _ => {}
+            }
         }
         let args = self.agent_args(mode);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -439,7 +445,7 @@ impl Bed {
             let bpffs = format!("--bpffs={}", self.topo.bpffs.display());
             self.run_agent(mode, "cleanup", &["cleanup", &bpffs])?;
         }
-        for &family in self.families() {
+        for &family in self.families {
             self.restore(mode, family, &[], node_tables::EMPTY_TABLES)?;
         }
         Ok(())
@@ -482,7 +488,7 @@ impl Bed {
     /// that hold nothing yet. As on a real node, kube-proxy's rules are there before the agent
     /// starts.
     pub fn prepare_node(&self, mode: Mode) -> anyhow::Result<()> {
-        for &family in self.families() {
+        for &family in self.families {
             self.restore(mode, family, &["--noflush"], &mode.node().rules(family))?;
         }
         Ok(())
@@ -493,7 +499,7 @@ impl Bed {
     /// traffic of `measured` of that family (an agent's jump that nothing reaches would leave
     /// its masquerading untested).
     fn check_postrouting(&self, mode: Mode, measured: &[Metric]) -> anyhow::Result<()> {
-        for &family in self.families() {
+        for &family in self.families {
             let kube_proxy_first = mode.node() == Node::KubeProxy;
             let reaches_chain = mode.masquerades()
                 && measured.iter().any(|metric| {
@@ -544,21 +550,18 @@ impl Bed {
 fn end_to_end(agent: &Path, plan: &Plan) -> anyhow::Result<Vec<Sample>> {
     // A bed per iptables backend: iptables-legacy's tables, once made, stay in their namespace
     // (empty, hooks and all), and would weigh on every mode after them.
+    // Each node runs both families whatever the metrics, so that an IPv4 figure is measured on
+    // the same node whether the run measures IPv6's or not.
     let mut beds = BTreeMap::new();
     for mode in &plan.modes {
         if !beds.contains_key(mode.backend()) {
-            let mut bed = Bed::new(agent, 1)?;
-            bed.ipv6 = plan
-                .metrics
-                .iter()
-                .any(|metric| metric.traffic().family() == Family::V6);
-            beds.insert(mode.backend(), bed);
+            beds.insert(mode.backend(), Bed::new(agent, 1, Family::BOTH)?);
         }
     }
     let mut samples = Vec::new();
     for &cidrs in &plan.sizes {
         for bed in beds.values() {
-            write_config(&bed.config, &prefixes::config(cidrs))?;
+            write_config(&bed.config, &bed.policy(cidrs))?;
         }
         let modes: Vec<Mode> = plan
             .modes
@@ -646,7 +649,7 @@ fn settle_node_services(bed: &Bed, mode: Mode) -> anyhow::Result<()> {
 fn churn(agent: &Path, plan: &Plan, tuples: Tuples) -> anyhow::Result<Churn> {
     // On for the whole churn, which measures costs and no rate to compare.
     let _stats = RunTimeStats::enable()?;
-    let bed = Bed::new(agent, 1)?;
+    let bed = Bed::new(agent, 1, Family::IPV4)?;
     let _fresh_servers = match tuples {
         Tuples::Fresh => Some(Servers::start_fresh(&bed.topo.ext)?),
         Tuples::Recurring => None,
@@ -818,7 +821,7 @@ fn apply_ms(log: &str) -> Option<f64> {
 }
 
 fn control_plane(agent: &Path, plan: &Plan) -> anyhow::Result<ControlPlane> {
-    let bed = Bed::new(agent, 1)?;
+    let bed = Bed::new(agent, 1, Family::IPV4)?;
     let mut cp = ControlPlane::default();
     let run_once = |extra: &[&str]| -> anyhow::Result<String> {
         let mut args = bed.agent_args(Mode::Ebpf);
@@ -938,7 +941,7 @@ fn add_pod_devices(bed: &Bed, pairs: usize) -> anyhow::Result<()> {
 /// `--one-change-only`: the daemon holding the large policy and the one-prefix changes to it,
 /// then the ConfigMap swaps to a small policy.
 fn one_change_only(agent: &Path, plan: &Plan) -> anyhow::Result<()> {
-    let bed = Bed::new(agent, 1)?;
+    let bed = Bed::new(agent, 1, Family::IPV4)?;
     let policy = prefixes::config(plan.large);
     write_config(&bed.config, &policy)?;
     let daemon = bed.activate(Mode::Ebpf, plan.large)?.context("agent")?;
@@ -1097,6 +1100,27 @@ mod tests {
             "cargo xtask bench --modes no-nat-bare,ebpf --shapes unpinned"
         );
         assert!(Cli::try_parse_from(["bench", "--shapes", "pinned-lanes"]).is_err());
+    }
+
+    #[test]
+    fn a_pods_ipv6_traffic_is_measured_at_the_smallest_size_alone_through_ipv6s_chain() {
+        use clap::Parser as _;
+        let cli = Cli::parse_from([
+            "bench",
+            "--sizes",
+            "10000,4",
+            "--metrics",
+            "new-connections,new-connections-v6,udp-new-flows-v6",
+        ]);
+        let plan = Plan::new(&cli.options);
+        assert_eq!(plan.metrics_at(10_000), [Metric::NewConnections]);
+        assert_eq!(plan.sizes_of(Metric::UdpNewFlowsV6), [4]);
+        for metric in [Metric::NewConnectionsV6, Metric::UdpNewFlowsV6] {
+            let traffic = metric.traffic();
+            assert_eq!(traffic.family(), Family::V6);
+            assert!(traffic.is_pods() && traffic.leaves_through_postrouting());
+        }
+        assert_eq!(Metric::NewConnections.traffic().family(), Family::V4);
     }
 
     #[test]

@@ -178,8 +178,7 @@ impl Traffic {
         matches!(self, Traffic::PodToOutside | Traffic::PodToOutsideV6)
     }
 
-    /// Its family: IPv6's tables (ip6tables', the programs' IPv6 maps) are on the node only
-    /// while some IPv6 traffic is measured (`Bed::ipv6`).
+    /// The family of its addresses.
     pub fn family(self) -> Family {
         match self {
             Traffic::PodToOutsideV6 => Family::V6,
@@ -543,7 +542,8 @@ impl Plan {
         plan
     }
 
-    /// The size the node's own traffic is measured at (see `Traffic::at_every_size`).
+    /// The size the traffic that is not measured at every size is measured at (see
+    /// `Traffic::at_every_size`).
     pub fn smallest_size(&self) -> Option<usize> {
         self.sizes.iter().copied().min()
     }

@@ -2,6 +2,10 @@
 //! as on every node, and on a realistic node kube-proxy's nat table (iptables mode), whose
 //! hooks and linear service list every new connection pays for in a cluster.
 
+use std::net::IpAddr;
+
+use masq_testbed::topology;
+
 /// ClusterIP services in kube-proxy's table: a mid-sized cluster's.
 pub const KUBE_PROXY_SERVICES: usize = 1_000;
 /// Where the services' ClusterIPs live; the benchmark's traffic never goes there.
@@ -30,21 +34,34 @@ pub enum Family {
 }
 
 impl Family {
-    /// The command of this family's tables in `backend` (`nft` or `legacy`), or with `suffix`
-    /// (`-restore`, `-save`).
+    /// The tables of a node that runs IPv4 alone.
+    pub const IPV4: &'static [Family] = &[Family::V4];
+    /// The tables of a dual-stack node.
+    pub const BOTH: &'static [Family] = &[Family::V4, Family::V6];
+
+    /// The command of this family's tables in `backend` (`nft` or `legacy`), with `suffix`
+    /// (`""`, `-restore`, `-save`).
     pub fn command(self, backend: &str, suffix: &str) -> String {
         let family = match self {
             Family::V4 => "iptables",
             Family::V6 => "ip6tables",
         };
-        format!("{family}-{backend}{suffix}")
+        topology::iptables_command(family, backend, suffix)
     }
 
     /// The pods' CIDR, which kube-proxy tells its own traffic by.
-    fn pod_cidr(self) -> &'static str {
+    pub fn pod_cidr(self) -> &'static str {
         match self {
-            Family::V4 => "10.244.0.0/16",
-            Family::V6 => masq_testbed::topology::POD_PREFIX_V6,
+            Family::V4 => topology::POD_PREFIX,
+            Family::V6 => topology::POD_PREFIX_V6,
+        }
+    }
+
+    /// The node's address on its uplink, which the outside host reaches it at.
+    pub fn node_uplink(self) -> IpAddr {
+        match self {
+            Family::V4 => topology::NODE_UPLINK.into(),
+            Family::V6 => topology::NODE_UPLINK_V6.into(),
         }
     }
 

@@ -901,7 +901,7 @@ fn what_ran(plan: &Plan) -> anyhow::Result<String> {
         .map(|mode| mode.name())
         .collect();
     text += &format!(
-        "\nWhat the node held besides the data plane under test, written with one iptables-restore in the mode's own backend (legacy for iptables (legacy), nft for the others; the two backends in separate namespaces) before the data plane started:\n- **{}**: {}; the ceiling of earlier reports, kept to show what kube-proxy's table costs.\n- **{}**: {}. No NAT on this node is the ceiling the NAT modes are compared against. The control plane's figures are measured on this node too. A ratio to iptables (legacy) also compares the two backends' kube-proxy tables: at a few CIDRs, legacy's walks its 1000 services faster than nft's, so that iptables (legacy) ÷ no NAT can pass 1.",
+        "\nWhat the node held besides the data plane under test, written with one restore a family (iptables' and ip6tables': the end-to-end nodes run both, their agents with `--enable-ipv6` and a policy of as many IPv6 prefixes as IPv4 ones) in the mode's own backend (legacy for iptables (legacy), nft for the others; the two backends in separate namespaces) before the data plane started:\n- **{}**: {}; the ceiling of earlier reports, kept to show what kube-proxy's table costs.\n- **{}**: {}. No NAT on this node is the ceiling the NAT modes are compared against. The control plane's figures are measured on this node too, IPv4's tables alone. A ratio to iptables (legacy) also compares the two backends' kube-proxy tables: at a few CIDRs, legacy's walks its 1000 services faster than nft's, so that iptables (legacy) ÷ no NAT can pass 1.",
         Mode::NoNatBare.name(),
         Mode::NoNatBare.node().describe(),
         on_kube_proxys_node.join(", "),

@@ -24,6 +24,7 @@ use tokio::{
 use crate::{
     bench::{Bed, proc_status_kib},
     bench_plan::Mode,
+    node_tables::Family,
     step,
 };
 
@@ -93,7 +94,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         &["build", "--release", "--package", "masq-agent", "--bins"],
     )?;
     let agent_bin = masq_testbed::workspace_root().join("target/release/masq-agent");
-    let bed = Bed::new(&agent_bin, PODS)?;
+    let bed = Bed::new(&agent_bin, PODS, Family::IPV4)?;
     write_config(&bed.config, &prefixes::config(4))?;
     let agent = bed
         .activate(Mode::Ebpf, 4)?
