@@ -523,13 +523,13 @@ pub fn sweep_stale() {
     sweep_agent_records();
 }
 
-/// Where bpffs is conventionally mounted; the test bed mounts it there if nothing has.
 /// The command of `family`'s tables (`iptables` or `ip6tables`) in `backend` (`nft` or
-/// `legacy`), with `suffix` (``, `-restore`, `-save`), as Debian installs them.
+/// `legacy`), with `suffix` (`""`, `-restore`, `-save`), as Debian installs them.
 pub fn iptables_command(family: &str, backend: &str, suffix: &str) -> String {
     format!("{family}-{backend}{suffix}")
 }
 
+/// Where bpffs is conventionally mounted; the test bed mounts it there if nothing has.
 pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
 
 pub(crate) fn ensure_bpffs() -> anyhow::Result<()> {

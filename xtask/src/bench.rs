@@ -342,15 +342,20 @@ impl Bed {
                 "--interface=eth0".into(),
             ]);
         }
-        if self.families.contains(&Family::V6) {
+        if self.runs_ipv6() {
             args.push("--enable-ipv6".into());
         }
         args
     }
 
+    /// Whether the node holds IPv6's tables and its agent translates IPv6.
+    fn runs_ipv6(&self) -> bool {
+        self.families.contains(&Family::V6)
+    }
+
     /// A config file of a policy of `cidrs` prefixes in each of the node's families.
     pub fn policy(&self, cidrs: usize) -> String {
-        match self.families.contains(&Family::V6) {
+        match self.runs_ipv6() {
             true => prefixes::config_both_families(cidrs),
             false => prefixes::config(cidrs),
         }
@@ -499,8 +504,8 @@ impl Bed {
     /// traffic of `measured` of that family (an agent's jump that nothing reaches would leave
     /// its masquerading untested).
     fn check_postrouting(&self, mode: Mode, measured: &[Metric]) -> anyhow::Result<()> {
+        let kube_proxy_first = mode.node() == Node::KubeProxy;
         for &family in self.families {
-            let kube_proxy_first = mode.node() == Node::KubeProxy;
             let reaches_chain = mode.masquerades()
                 && measured.iter().any(|metric| {
                     metric.traffic().family() == family

@@ -115,7 +115,7 @@ impl Node {
         match self {
             Node::Bare => "conntrack only, no nat table".into(),
             Node::KubeProxy => format!(
-                "kube-proxy's nat table: {KUBE_PROXY_SERVICES} ClusterIP services in {SERVICE_CIDR} (a linear KUBE-SERVICES list of `-d VIP -p tcp --dport` matches, jumped to from PREROUTING and OUTPUT, each to a KUBE-SVC and a KUBE-SEP chain that DNATs), KUBE-MARK-MASQ, and {KUBE_POSTROUTING} (mark check, MASQUERADE --random-fully) first in POSTROUTING; where IPv6 is measured, the same in ip6tables, its services in {SERVICE_CIDR_V6}"
+                "kube-proxy's nat table: {KUBE_PROXY_SERVICES} ClusterIP services in {SERVICE_CIDR} (a linear KUBE-SERVICES list of `-d VIP -p tcp --dport` matches, jumped to from PREROUTING and OUTPUT, each to a KUBE-SVC and a KUBE-SEP chain that DNATs), KUBE-MARK-MASQ, and {KUBE_POSTROUTING} (mark check, MASQUERADE --random-fully) first in POSTROUTING; on a node that runs IPv6 too, the same in ip6tables, its services in {SERVICE_CIDR_V6}"
             ),
         }
     }
