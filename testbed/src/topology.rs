@@ -141,6 +141,8 @@ pub struct Topology {
     pub dir: PathBuf,
     /// A directory of this topology's own on bpffs, for the agent's `--bpffs`; removed on drop.
     pub bpffs: PathBuf,
+    /// What every name of its starts with: `<NS_PREFIX><pid>-<n>`.
+    id: String,
 }
 
 impl Topology {
@@ -163,6 +165,7 @@ impl Topology {
             ext2: format!("{id}-ext2"),
             dir,
             bpffs: Path::new(BPFFS_ROOT).join(&id),
+            id,
         };
         // From here on, Drop cleans up whatever was created, even if a later step fails.
         topo.build().context("building the test topology")?;
@@ -418,24 +421,32 @@ impl Drop for Topology {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = std::fs::remove_dir_all(&self.bpffs);
-        sweep_agent_records();
+        remove_agent_records(|name| is_named_for(&self.id, name));
     }
 }
 
 /// Where a running agent records its mode for `masq-agent status`.
 const AGENT_RECORDS: &str = "/run/masq-agent";
 
-/// Removes the mode records of agents that are no longer running.
-fn sweep_agent_records() {
+/// Whether `name` (from `NS_PREFIX` on) is made of topology `id`'s: the id, then anything but
+/// another digit (`mqa1-1` is not `mqa1-12`'s).
+fn is_named_for(id: &str, name: &str) -> bool {
+    name.strip_prefix(id)
+        .is_some_and(|rest| !rest.starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// Removes the agents' files (`masq-agent status`'s record, a refused program's verifier log)
+/// that `picked` chooses by their names from `NS_PREFIX` on. Each is named after its agent's
+/// `--bpffs`, a test-bed directory (or one under it), whose name the file's keeps. Files of
+/// other agents (the node's own, another topology's) are left alone, whether their agents run
+/// or not: a test running beside reads what its exited agent left.
+fn remove_agent_records(picked: impl Fn(&str) -> bool) {
     let Ok(entries) = std::fs::read_dir(AGENT_RECORDS) else {
         return;
     };
     for entry in entries.flatten() {
-        let pid = std::fs::read(entry.path())
-            .ok()
-            .and_then(|text| serde_json::from_slice::<serde_json::Value>(&text).ok())
-            .and_then(|record| record["pid"].as_u64());
-        if pid.is_none_or(|pid| !netns::is_process_alive(pid as u32)) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.find(NS_PREFIX).is_some_and(|at| picked(&name[at..])) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -520,7 +531,7 @@ pub fn sweep_stale() {
             }
         }
     }
-    sweep_agent_records();
+    remove_agent_records(stale);
 }
 
 /// The command of `family`'s tables (`iptables` or `ip6tables`) in `backend` (`nft` or
@@ -541,4 +552,30 @@ pub(crate) fn ensure_bpffs() -> anyhow::Result<()> {
         run("mount", &["-t", "bpf", "bpf", BPFFS_ROOT])?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A topology removes its own agents' files on drop, those of its directories' names
+    /// (`--bpffs` under it), and no other topology's, whose test may be reading them.
+    #[test]
+    fn a_topologys_agent_files_are_those_named_for_it_alone() {
+        let id = format!("{NS_PREFIX}7-1");
+        for own in [
+            format!("{id}.json"),
+            format!("{id}_fresh.json"),
+            format!("{id}.masq_egress.verifier.log"),
+        ] {
+            assert!(is_named_for(&id, &own), "{own}");
+        }
+        for other in [
+            format!("{NS_PREFIX}7-12.json"),
+            format!("{NS_PREFIX}7-2.json"),
+            format!("{NS_PREFIX}70-1.json"),
+        ] {
+            assert!(!is_named_for(&id, &other), "{other}");
+        }
+    }
 }

@@ -9,7 +9,10 @@ use std::{
     time::Duration,
 };
 
-use masq_agent::{dataplane::ebpf::attach, policy::IpFamily};
+use masq_agent::{
+    dataplane::{ebpf::attach, state::STATE_DIR},
+    policy::IpFamily,
+};
 use masq_testbed::{probe::RawObserver, topology, wait_for, wait_for_long};
 
 use crate::{
@@ -194,7 +197,9 @@ fn status_says_what_an_exited_agent_left_and_when_it_cannot_tell(plane: Plane) {
 }
 
 /// No BPF filesystem where `--bpffs` points: the agent mounts one, or says clearly why it
-/// cannot. Run in a private mount namespace whose /sys/fs/bpf is a plain tmpfs.
+/// cannot. Run in a private mount namespace whose /sys/fs/bpf is a plain tmpfs, and whose
+/// agent state directory is one too: the agent's `--bpffs` is the node's default, whose record
+/// there is a real agent's.
 fn mounts_a_missing_bpffs_or_says_why_not(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let config = format!("--config={}", bed.config.display());
@@ -203,7 +208,8 @@ fn mounts_a_missing_bpffs_or_says_why_not(plane: Plane) {
     let agent = agent.display();
     let run = |bpffs: &str| {
         let script = format!(
-            "mount -t tmpfs masq-test /sys/fs/bpf && exec {agent} --once {config} {interface} \
+            "mkdir -p {STATE_DIR} && mount -t tmpfs masq-test {STATE_DIR} \
+             && mount -t tmpfs masq-test /sys/fs/bpf && exec {agent} --once {config} {interface} \
              --fallback-to-iptables=false --bpffs={bpffs}"
         );
         bed.topo
