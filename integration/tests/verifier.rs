@@ -1,9 +1,11 @@
 //! The verifier's budget, on the running kernel: both programs fit the stack limit as every
 //! kernel rounds it, and the figures the budget reports are the kernel's own.
 
+use std::sync::OnceLock;
+
 use masq_agent::dataplane::ebpf::testbed;
 use masq_ebpf::program_names;
-use masq_testbed::verifier::{self, SLOT_TABLE_PROGRAM, STACK_LIMIT, StackRule};
+use masq_testbed::verifier::{self, Budget, SLOT_TABLE_PROGRAM, STACK_LIMIT, StackRule};
 
 fn object() -> tempfile::NamedTempFile {
     written(testbed::object())
@@ -20,15 +22,22 @@ fn written(bytes: &[u8]) -> tempfile::NamedTempFile {
     file
 }
 
+/// What the verifier's verbose log says of each of `objects()`, read once for every test: each
+/// read is the verifier's whole walk of both programs with its log (some twenty seconds here),
+/// and says the same each time.
+fn measured() -> &'static [Vec<Budget>; 2] {
+    static MEASURED: OnceLock<[Vec<Budget>; 2]> = OnceLock::new();
+    MEASURED.get_or_init(|| objects().map(|object| verifier::measure(object.path()).unwrap()))
+}
+
 #[test]
 fn both_programs_fit_the_stack_as_every_kernel_counts_it() {
-    for object in objects() {
-        both_programs_of_fit_the_stack(&object);
+    for budgets in measured() {
+        both_programs_of_fit_the_stack(budgets);
     }
 }
 
-fn both_programs_of_fit_the_stack(object: &tempfile::NamedTempFile) {
-    let budgets = verifier::measure(object.path()).unwrap();
+fn both_programs_of_fit_the_stack(budgets: &[Budget]) {
     for program in [program_names::EGRESS, program_names::INGRESS] {
         let budget = budgets
             .iter()
@@ -57,8 +66,7 @@ fn both_programs_of_fit_the_stack(object: &tempfile::NamedTempFile) {
 
 #[test]
 fn the_instructions_processed_are_the_kernels_own_count() {
-    for object in objects() {
-        let verbose = verifier::measure(object.path()).unwrap();
+    for (object, verbose) in objects().iter().zip(measured()) {
         let quick = verifier::load_quick(object.path()).unwrap();
         for program in [program_names::EGRESS, program_names::INGRESS] {
             let from_log = verbose.iter().find(|b| b.program == program).unwrap();
@@ -84,7 +92,7 @@ fn the_stack_in_the_docs_is_the_programs_own() {
         .and_then(|(_, rest)| rest.split_once("<!-- budget:end -->"))
         .map(|(section, _)| section)
         .expect("install.md holds the budget between its markers");
-    let [without, with] = objects().map(|object| verifier::measure(object.path()).unwrap());
+    let [without, with] = measured();
     let rows: Vec<Vec<&str>> = section
         .lines()
         .filter(|line| line.starts_with("| masq_"))

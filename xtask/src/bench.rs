@@ -37,21 +37,10 @@ use crate::{
 pub fn run(options: &Options) -> anyhow::Result<()> {
     let plan = Plan::new(options);
     let started = Instant::now();
-    step(
-        "cargo",
-        &[
-            "build",
-            "--release",
-            "--package",
-            "masq-agent",
-            "--features",
-            "testbed",
-            "--bins",
-            "--examples",
-        ],
-    )?;
+    step("cargo", plan.profile.build_args())?;
     let root = workspace_root();
-    let agent = root.join("target/release/masq-agent");
+    let built = root.join("target").join(plan.profile.dir());
+    let agent = built.join("masq-agent");
     if options.agent.is_some() && !options.one_change_only && !options.churn_only {
         bail!("--agent measures one part alone: add --one-change-only or --churn-only");
     }
@@ -88,7 +77,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         Vec::new()
     } else {
         eprintln!("xtask: bench: the data path in isolation (BPF_PROG_TEST_RUN)");
-        datapath(&root.join("target/release/examples/datapath_bench"), &plan)?
+        datapath(&built.join("examples/datapath_bench"), &plan)?
     };
     let datapath_cold = if options.end_to_end_only {
         Vec::new()
@@ -96,7 +85,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         eprintln!("xtask: bench: the data path with the branch predictors cold");
         kept_on_failure(
             "the cold data path",
-            || datapath_cold(&root.join("target/release/examples/datapath_bench"), &plan),
+            || datapath_cold(&built.join("examples/datapath_bench"), &plan),
             |_| Vec::new(),
         )
     };
@@ -104,16 +93,13 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         Vec::new()
     } else {
         eprintln!("xtask: bench: the NAT table's sweep");
-        in_rounds::<SweepCase>(&root.join("target/release/examples/sweep_bench"), &plan)?
+        in_rounds::<SweepCase>(&built.join("examples/sweep_bench"), &plan)?
     };
     let node_ports = if options.end_to_end_only {
         Vec::new()
     } else {
         eprintln!("xtask: bench: reading the ports the node holds");
-        in_rounds::<NodePortsCase>(
-            &root.join("target/release/examples/node_ports_bench"),
-            &plan,
-        )?
+        in_rounds::<NodePortsCase>(&built.join("examples/node_ports_bench"), &plan)?
     };
     eprintln!("xtask: bench: end to end in namespaces");
     let samples = end_to_end(&agent, &plan)?;
@@ -234,10 +220,11 @@ fn datapath_cold(binary: &Path, plan: &Plan) -> anyhow::Result<Vec<DatapathCase>
     )
 }
 
-/// `datapath_bench` with the plan's runs a case, over five rounds, and `args`.
+/// `datapath_bench` with the plan's runs a case and rounds, and `args`.
 fn datapath_runs(binary: &Path, plan: &Plan, args: &[&str]) -> anyhow::Result<Vec<DatapathCase>> {
     let runs = plan.runs.to_string();
-    let mut all = vec!["--runs", &runs, "--rounds", "5"];
+    let rounds = plan.rounds.to_string();
+    let mut all = vec!["--runs", &runs, "--rounds", &rounds];
     all.extend_from_slice(args);
     json_lines(binary, &all)
 }

@@ -446,8 +446,50 @@ fn value_names<T: clap::ValueEnum>(values: &[T]) -> String {
     names.join(",")
 }
 
+/// The cargo profile whose binaries a run measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Profile {
+    /// Optimised, as a node runs the agent: the figures a report gives.
+    Release,
+    /// What `cargo xtask test` has just built: no build of its own, figures of no worth.
+    Dev,
+}
+
+impl Profile {
+    /// Its directory under target/.
+    pub fn dir(self) -> &'static str {
+        match self {
+            Profile::Release => "release",
+            Profile::Dev => "debug",
+        }
+    }
+
+    /// `cargo build`'s arguments for the binaries a run needs: the agent's and the examples'
+    /// with the testbed feature. The dev profile's are built as `cargo test --workspace`
+    /// builds them, every target of the workspace with the features they resolve together, so
+    /// that after the tests nothing is built again; a build of the agent's package alone
+    /// resolves others, and builds them all again (some three minutes).
+    pub fn build_args(self) -> &'static [&'static str] {
+        match self {
+            Profile::Release => &[
+                "build",
+                "--release",
+                "--package",
+                "masq-agent",
+                "--features",
+                "testbed",
+                "--bins",
+                "--examples",
+            ],
+            Profile::Dev => &["build", "--workspace", "--all-targets"],
+        }
+    }
+}
+
 pub struct Plan {
     pub command: String,
+    /// Whose binaries are measured.
+    pub profile: Profile,
     pub sizes: Vec<usize>,
     pub rounds: usize,
     pub seconds: Duration,
@@ -475,9 +517,11 @@ impl Plan {
         let mut plan = if options.quick {
             Plan {
                 command,
+                // One round of every step with the binaries the tests built: the quick run is
+                // there so that the benchmark's code cannot rot (CI runs it after the tests),
+                // not for figures.
+                profile: Profile::Dev,
                 sizes: vec![4, 10_000],
-                // One round runs every step of the benchmark: the quick run is there so that
-                // its code cannot rot (CI runs it), not for figures.
                 rounds: 1,
                 seconds: Duration::from_millis(400),
                 cost_window: Duration::from_millis(300),
@@ -494,6 +538,7 @@ impl Plan {
         } else {
             Plan {
                 command,
+                profile: Profile::Release,
                 sizes: vec![4, 10_000, 100_000],
                 // Twice the measurements of a run of one shape and four modes: five rounds of
                 // 1.5 s, and in the eBPF modes a window of the programs' cost after each, keep

@@ -10,7 +10,7 @@ use plotters::prelude::*;
 use crate::{
     bench_plan::{
         CHURN_RATE, Churn, ControlPlane, Cost, DatapathCase, Metric, Mode, NodePortsCase, Plan,
-        Sample, SweepCase, Traffic, median,
+        Profile, Sample, SweepCase, Traffic, median,
     },
     doc_sections::{today, update_section},
     node_tables::Node,
@@ -976,8 +976,13 @@ pub fn write(
     std::fs::create_dir_all(dir)?;
     let m = medians(samples);
     let command = &plan.command;
+    let binaries = match plan.profile {
+        Profile::Release => "",
+        Profile::Dev => ", the dev profile's binaries, the agent's unoptimised: no figure to read",
+    };
     let header = format!(
-        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement; took {:.0} s).\n\n{}",
+        "Measured {} on {}, with `{command}` ({} rounds, {:?} per measurement{binaries}; took \
+         {:.0} s).\n\n{}",
         today(),
         machine(),
         plan.rounds,
@@ -1115,6 +1120,7 @@ mod tests {
     fn plan() -> Plan {
         Plan {
             command: "cargo xtask bench --test".into(),
+            profile: Profile::Release,
             sizes: vec![4],
             rounds: 3,
             seconds: Duration::from_secs(1),
