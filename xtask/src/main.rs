@@ -209,17 +209,24 @@ fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
 }
 
 /// Builds the test binaries the VMs run, and runs their cases on the older kernels. They are
-/// built with the whole workspace's features, as `cargo test --workspace` built them and the
-/// agent's binary beside them (which the cases run): a build of one package would resolve
-/// other features and build both again (some three minutes of every CI run).
+/// built as `cargo test --workspace` built them, and the agent's binary beside them (which the
+/// cases run): every library, binary and test target of the workspace (`--test '*'` takes
+/// those `test = false` keeps from a plain run too). A build of their targets alone resolves
+/// the proc macros' dependencies otherwise, and builds some forty crates and the agent again
+/// (a minute and a half of every CI run).
 fn vm_cases() -> anyhow::Result<()> {
-    let mut args = vec!["test", "--workspace", "--no-run", "--message-format=json"];
     let targets = vm::targets();
-    for target in &targets {
-        args.extend(["--test", target]);
-    }
     let out = Command::new("cargo")
-        .args(&args)
+        .args([
+            "test",
+            "--workspace",
+            "--no-run",
+            "--message-format=json",
+            "--lib",
+            "--bins",
+            "--test",
+            "*",
+        ])
         .stderr(std::process::Stdio::inherit())
         .output()
         .context("building the end-to-end tests")?;
