@@ -114,7 +114,7 @@ pub fn agent_binary() -> PathBuf {
         .join("masq-agent");
     assert!(
         binary.exists(),
-        "{} is not built: run `cargo build -p masq-agent`, or `cargo xtask test`",
+        "{} is not built: run `cargo test --workspace --no-run`, or `cargo xtask test`",
         binary.display()
     );
     binary

@@ -437,9 +437,10 @@ fn is_named_for(id: &str, name: &str) -> bool {
 
 /// Removes the agents' files (`masq-agent status`'s record, a refused program's verifier log)
 /// that `picked` chooses by their names from `NS_PREFIX` on. Each is named after its agent's
-/// `--bpffs`, a test-bed directory (or one under it), whose name the file's keeps. Files of
-/// other agents (the node's own, another topology's) are left alone, whether their agents run
-/// or not: a test running beside reads what its exited agent left.
+/// `--bpffs`, a test-bed directory (or one under it), whose name the file's keeps. Files no
+/// topology's name are never removed (a node's own agent's), nor those of a topology whose test
+/// still runs, but by its own drop, whether their agents run or not: a test reads what its
+/// exited agent left.
 fn remove_agent_records(picked: impl Fn(&str) -> bool) {
     let Ok(entries) = std::fs::read_dir(AGENT_RECORDS) else {
         return;

@@ -451,7 +451,7 @@ fn value_names<T: clap::ValueEnum>(values: &[T]) -> String {
 pub enum Profile {
     /// Optimised, as a node runs the agent: the figures a report gives.
     Release,
-    /// What `cargo xtask test` has just built: no build of its own, figures of no worth.
+    /// What `cargo xtask test` builds: after it, nothing new to build; figures of no worth.
     Dev,
 }
 
@@ -464,11 +464,11 @@ impl Profile {
         }
     }
 
-    /// `cargo build`'s arguments for the binaries a run needs: the agent's and the examples'
+    /// cargo's arguments that build the binaries a run needs: the agent's and the examples'
     /// with the testbed feature. The dev profile's are built as `cargo test --workspace`
-    /// builds them, every target of the workspace with the features they resolve together, so
-    /// that after the tests nothing is built again; a build of the agent's package alone
-    /// resolves others, and builds them all again (some three minutes).
+    /// builds them (its units exactly), so that after the tests nothing is built again; a
+    /// build of the agent's package alone resolves other features, and builds it all again
+    /// (some three minutes).
     pub fn build_args(self) -> &'static [&'static str] {
         match self {
             Profile::Release => &[
@@ -481,7 +481,7 @@ impl Profile {
                 "--bins",
                 "--examples",
             ],
-            Profile::Dev => &["build", "--workspace", "--all-targets"],
+            Profile::Dev => &["test", "--workspace", "--no-run"],
         }
     }
 }

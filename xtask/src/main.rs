@@ -154,11 +154,11 @@ fn run_step(command: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How many tests of a binary `cargo xtask test` runs at once, unless `RUST_TEST_THREADS` says:
-/// the end-to-end tests wait on agents, namespaces and the kernel more than they compute, and
-/// four at a time take some 40 % less time than the harness's one a CPU on the 2-CPU machines
-/// (the dataplanes suite 230-250 s against 420).
-const TEST_THREADS: &str = "4";
+/// The fewest tests of a binary `cargo xtask test` runs at once (the harness's own default is
+/// one a CPU), unless `RUST_TEST_THREADS` is set: the end-to-end tests wait on agents,
+/// namespaces and the kernel more than they compute, and four at a time take some 40 % less
+/// time than two on the 2-CPU machines (the dataplanes suite 230-250 s against 420).
+const TEST_THREADS_AT_LEAST: usize = 4;
 
 fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions.
@@ -202,18 +202,23 @@ fn test(cargo_test_args: &[String]) -> anyhow::Result<()> {
     let mut tests = Command::new("cargo");
     tests.args(["test", "--workspace"]).args(cargo_test_args);
     if std::env::var_os("RUST_TEST_THREADS").is_none() {
-        tests.env("RUST_TEST_THREADS", TEST_THREADS);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tests.env(
+            "RUST_TEST_THREADS",
+            cpus.max(TEST_THREADS_AT_LEAST).to_string(),
+        );
     }
     run_step(&mut tests)?;
     vm_cases()
 }
 
 /// Builds the test binaries the VMs run, and runs their cases on the older kernels. They are
-/// built as `cargo test --workspace` built them, and the agent's binary beside them (which the
-/// cases run): every library, binary and test target of the workspace (`--test '*'` takes
-/// those `test = false` keeps from a plain run too). A build of their targets alone resolves
-/// the proc macros' dependencies otherwise, and builds some forty crates and the agent again
-/// (a minute and a half of every CI run).
+/// built as `cargo test --workspace` built them: every library, binary and test target of the
+/// workspace (`--test '*'` takes those `test = false` keeps from a plain run too). A build of
+/// their targets alone resolves the proc macros' dependencies otherwise, and builds some forty
+/// crates and the agent again (a minute and a half of every CI run). The agent's binary, which
+/// the cases run, is built for masq-agent's own tests, which `--test '*'` takes (`--bins`
+/// builds the binaries' unit tests): checked here, so that its absence fails on the host.
 fn vm_cases() -> anyhow::Result<()> {
     let targets = vm::targets();
     let out = Command::new("cargo")
@@ -233,9 +238,21 @@ fn vm_cases() -> anyhow::Result<()> {
     if !out.status.success() {
         bail!("building the end-to-end tests failed");
     }
-    let binaries: Vec<(String, std::path::PathBuf)> = String::from_utf8_lossy(&out.stdout)
+    let messages: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect();
+    let agent_built = messages.iter().any(|message| {
+        message["target"]["name"] == "masq-agent"
+            && message["target"]["kind"][0] == "bin"
+            && message["profile"]["test"] == false
+            && message["executable"].is_string()
+    });
+    if !agent_built {
+        bail!("the build made no masq-agent binary, which the VMs' cases run");
+    }
+    let binaries: Vec<(String, std::path::PathBuf)> = messages
+        .iter()
         .filter_map(|message| {
             let name = message["target"]["name"].as_str()?;
             let executable = message["executable"].as_str()?;

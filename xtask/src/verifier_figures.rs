@@ -88,7 +88,7 @@ pub fn built_object() -> anyhow::Result<PathBuf> {
     }
     match newest {
         Some((_, object)) => Ok(object),
-        None => bail!("no eBPF object built yet: run `cargo build -p masq-agent`"),
+        None => bail!("no eBPF object built yet: run `cargo test --workspace --no-run`"),
     }
 }
 

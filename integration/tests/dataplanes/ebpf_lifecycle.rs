@@ -198,8 +198,8 @@ fn status_says_what_an_exited_agent_left_and_when_it_cannot_tell(plane: Plane) {
 
 /// No BPF filesystem where `--bpffs` points: the agent mounts one, or says clearly why it
 /// cannot. Run in a private mount namespace whose /sys/fs/bpf is a plain tmpfs, and whose
-/// agent state directory is one too: the agent's `--bpffs` is the node's default, whose record
-/// there is a real agent's.
+/// agent state directory is one too: the record of that `--bpffs`, no topology's name, would
+/// stay in the node's own, where no test bed's drop removes it.
 fn mounts_a_missing_bpffs_or_says_why_not(plane: Plane) {
     let bed = Bed::new(plane, DEFAULT_CONFIG);
     let config = format!("--config={}", bed.config.display());
