@@ -181,7 +181,7 @@ fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<(
 
 /// The cases, each a name, the program it runs and the frames it runs in turn.
 type Cases = [(&'static str, &'static str, Vec<Vec<u8>>); CASES];
-const CASES: usize = 13;
+const CASES: usize = 14;
 
 /// The frames every size's cases share.
 struct Frames {
@@ -191,6 +191,7 @@ struct Frames {
     to_cluster_v6: Vec<u8>,
     across_cluster_v6: Vec<Vec<u8>>,
     across_cluster: Vec<Vec<u8>>,
+    from_cluster: Vec<Vec<u8>>,
     new_flows: Vec<Vec<u8>>,
     /// The spread case's flows: the SYN that opens each, and the ACK the case sends.
     spread_opened: Vec<Vec<u8>>,
@@ -208,6 +209,14 @@ impl Frames {
             .map(|i| {
                 let [a, b] = i.to_be_bytes();
                 packet::tcp(POD, 40002, Ipv4Addr::new(10, 96, a, b), 443, ACK)
+            })
+            .collect();
+        // Packets of the pod's flows toward the cluster coming back, from as many addresses:
+        // each run's NAT bucket another's, and its address another's for the policy.
+        let from_cluster = (0..=u16::MAX)
+            .map(|i| {
+                let [a, b] = i.to_be_bytes();
+                packet::tcp(Ipv4Addr::new(10, 96, a, b), 443, POD, 40002, ACK)
             })
             .collect();
         // A flow of its own per run, to remotes enough that none runs out of ports: every run
@@ -253,6 +262,7 @@ impl Frames {
                 })
                 .collect(),
             across_cluster,
+            from_cluster,
             new_flows,
             spread_opened,
             spread,
@@ -326,6 +336,7 @@ impl Size {
             ("rev_snat", ingress, one(&reply)),
             ("ingress_no_flow", ingress, one(&to_node)),
             ("ingress_node_service", ingress, one(&to_service)),
+            ("ingress_from_cluster", ingress, frames.from_cluster.clone()),
             ("non_masq_hit_v6", egress, one(&frames.to_cluster_v6)),
             (
                 "non_masq_uncached_v6",

@@ -130,15 +130,8 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
     if hint::unlikely(l4.proto == F::ICMP && l4.icmp_type != F::ECHO_REQUEST) {
         return Egress::ICMP_NOT_ECHO_REQUEST;
     }
-    // Toward a destination the policy leaves alone, no flow has an entry while the agent says
-    // none outlived a policy change: the packet needs no lookup in the NAT table. The flag is
-    // read again after the decision: the agent clears it before it changes a trie, so a
-    // decision that saw the change sees the flag cleared too.
-    if maps::strays_cleared() {
-        let decision = F::decide(ip.daddr);
-        if decision.keeps_address && maps::strays_cleared() {
-            return Egress::done(snat_left_alone::<F>(ctx, &ip, decision).count());
-        }
+    if let Some(decision) = left_alone_without_entry::<F>(ip.daddr) {
+        return Egress::done(snat_left_alone::<F>(ctx, &ip, decision).count());
     }
     if from_node_socket_without_entry::<F>(ctx, &ip, &l4) {
         return Egress::done(Verdict::Keep(Counter::NotMasqNodeSource).count());
@@ -606,8 +599,22 @@ fn keeps_its_address(decision: Decision, source: Source) -> Verdict {
     Verdict::Keep(Counter::NotMasqNonMasqDestination)
 }
 
+/// The policy's decision for a flow's remote end, `remote`, where the policy leaves it alone
+/// and the agent says no flow outlived a policy change: then no flow with that remote end has
+/// an entry (the agent's check reads every flow's), and its packets, either way, need no lookup
+/// in the NAT table. The flag is read again after the decision: the agent clears it before it
+/// changes a trie, so a decision that saw the change sees the flag cleared too.
+#[inline(always)]
+fn left_alone_without_entry<F: Family>(remote: F::Addr) -> Option<Decision> {
+    if !maps::strays_cleared() {
+        return None;
+    }
+    let decision = F::decide(remote);
+    (decision.keeps_address && maps::strays_cleared()).then_some(decision)
+}
+
 /// Egress, a packet toward a destination the policy leaves alone, with no flow entry to look
-/// for (see `maps::strays_cleared`).
+/// for (`left_alone_without_entry`).
 #[inline(always)]
 fn snat_left_alone<F: Family>(
     ctx: &TcContext,
@@ -834,6 +841,19 @@ fn snat_rev_nat<F: Family>(ctx: &TcContext, ip: &Packet<F::Addr>) -> TcAction {
         || (l4.proto == F::ICMP && l4.icmp_type == F::ECHO_REPLY)
     {
         if l4.proto != F::ICMP && to_node_without_entry::<F>(ctx, ip, &l4) {
+            return TcAction::PASS;
+        }
+        // From a remote end the policy leaves alone: a pod's flow toward the cluster coming
+        // back, or another node's pod connecting to one here, most of what crosses a node's
+        // uplink inbound. No flow to look up, and none to remember (`snat_track_inbound`
+        // remembers connections from remote ends that masquerade). Asked only of packets to
+        // an address not the node's: the replies of masqueraded flows come to the node's, and
+        // the decision would cost each some 10 ns before its lookup (docs/architecture.md).
+        if !Device::<F>::entry(ctx)
+            .and_then(Device::<F>::on)
+            .is_some_and(|device| device.holds(&ip.daddr))
+            && left_alone_without_entry::<F>(ip.saddr).is_some()
+        {
             return TcAction::PASS;
         }
         match snat_rev_nat_flow::<F>(ctx, ip, &l4) {

@@ -1,5 +1,6 @@
 //! Flows that outlive their policy: once the agent finds that no flow's entry leads toward a
-//! destination the policy leaves alone, packets toward such destinations skip the NAT table;
+//! destination the policy leaves alone, packets to and from such destinations skip the NAT
+//! table;
 //! a change to the policy makes every packet look its flow up again, until the flows it
 //! stranded are gone.
 
@@ -54,12 +55,27 @@ fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Harness
     let stray = key::<F>((F::POD, 5353), (F::SERVICE, 53), UDP, direction::EGRESS);
     F::plant(&mut h, &stray, snat);
     assert_eq!(h.egress(&to_service), (TC_ACT_OK, to_service.clone()));
+    // Nor is it for a packet the service sends a pod, whose reply half it holds now: another
+    // node's pod connecting, or the pod's flow to the service coming back.
+    let back = udp(F::SERVICE, 53, F::POD, 5353);
+    let back_key = key::<F>((F::SERVICE, 53), (F::POD, 5353), UDP, direction::INGRESS);
+    F::plant(
+        &mut h,
+        &back_key,
+        masq_ebpf::NatEntry {
+            addr: F::POD2.octets(),
+            ..snat
+        },
+    );
+    assert_eq!(h.ingress(&back), (TC_ACT_OK, back.clone()));
 
-    // Unsure again, the programs look it up; and a check finds it.
+    // Unsure again, the programs look them up; and a check finds the flow.
     h.maps.policy.lower_strays_cleared().unwrap();
     assert_eq!(F::at(&h.egress(&to_service).1, F::SRC), F::NODE);
+    assert_eq!(F::at(&h.ingress(&back).1, F::DST), F::POD2);
     assert!(!h.clear_strays().unwrap());
     F::remove(&mut h, &stray);
+    F::remove(&mut h, &back_key);
     assert!(h.clear_strays().unwrap());
 }
 
