@@ -295,6 +295,7 @@ impl Bed {
             Traffic::NodeToOutside => (&self.topo.node, topology::EXT_ADDR.into()),
             Traffic::OutsideToNode => (&self.topo.ext, topology::NODE_UPLINK.into()),
             Traffic::PodToOutsideV6 => (&self.topo.pods[0], topology::EXT_ADDR_V6.into()),
+            Traffic::PodToCluster => (&self.topo.pods[0], topology::CLUSTER_LOCAL_ADDR.into()),
         };
         Load {
             ns,
@@ -758,8 +759,9 @@ fn window(
         Metric::NewConnections
         | Metric::NodeOutboundConnections
         | Metric::NodeInboundConnections
-        | Metric::NewConnectionsV6 => load.new_connections()?,
-        Metric::Transactions => load.transactions()?,
+        | Metric::NewConnectionsV6
+        | Metric::ClusterConnections => load.new_connections()?,
+        Metric::Transactions | Metric::ClusterTransactions => load.transactions()?,
         Metric::Throughput => load.throughput()? / 1e9,
         Metric::UdpNewFlows | Metric::UdpNewFlowsV6 => load.udp_new_flows()?,
     };

@@ -115,10 +115,12 @@ pub enum Metric {
     NodeInboundConnections,
     NewConnectionsV6,
     UdpNewFlowsV6,
+    ClusterConnections,
+    ClusterTransactions,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 8] = [
+    pub const ALL: [Metric; 10] = [
         Metric::NewConnections,
         Metric::Transactions,
         Metric::Throughput,
@@ -127,6 +129,8 @@ impl Metric {
         Metric::NodeInboundConnections,
         Metric::NewConnectionsV6,
         Metric::UdpNewFlowsV6,
+        Metric::ClusterConnections,
+        Metric::ClusterTransactions,
     ];
 
     pub fn name(self) -> &'static str {
@@ -139,6 +143,8 @@ impl Metric {
             Metric::NodeInboundConnections => "new TCP connections/s to a node server, inbound",
             Metric::NewConnectionsV6 => "new TCP connections/s over IPv6",
             Metric::UdpNewFlowsV6 => "UDP new flows/s over IPv6",
+            Metric::ClusterConnections => "new TCP connections/s to the cluster",
+            Metric::ClusterTransactions => "TCP transactions/s to the cluster",
         }
     }
 
@@ -147,6 +153,7 @@ impl Metric {
             Metric::NodeOutboundConnections => Traffic::NodeToOutside,
             Metric::NodeInboundConnections => Traffic::OutsideToNode,
             Metric::NewConnectionsV6 | Metric::UdpNewFlowsV6 => Traffic::PodToOutsideV6,
+            Metric::ClusterConnections | Metric::ClusterTransactions => Traffic::PodToCluster,
             _ => Traffic::PodToOutside,
         }
     }
@@ -163,19 +170,27 @@ pub enum Traffic {
     OutsideToNode,
     /// A pod's clients to the outside host's servers over IPv6.
     PodToOutsideV6,
+    /// A pod's clients to servers at a cluster address, inside the non-masquerade CIDRs: most
+    /// of a node's pod traffic, which no mode translates.
+    PodToCluster,
 }
 
 impl Traffic {
-    pub const ALL: [Traffic; 4] = [
+    pub const ALL: [Traffic; 5] = [
         Traffic::PodToOutside,
         Traffic::NodeToOutside,
         Traffic::OutsideToNode,
         Traffic::PodToOutsideV6,
+        Traffic::PodToCluster,
     ];
 
-    /// Whether it is a pod's traffic, which the agent is there to masquerade.
+    /// Whether it is a pod's traffic, which the agent is there to masquerade or to leave
+    /// alone as its policy says.
     pub fn is_pods(self) -> bool {
-        matches!(self, Traffic::PodToOutside | Traffic::PodToOutsideV6)
+        matches!(
+            self,
+            Traffic::PodToOutside | Traffic::PodToOutsideV6 | Traffic::PodToCluster
+        )
     }
 
     /// The family of its addresses.
@@ -213,6 +228,9 @@ impl Traffic {
             }
             Traffic::PodToOutsideV6 => {
                 "clients in a pod, servers on the outside host, over IPv6: as the pods' IPv4 traffic, with the agent's IPv6 (`--enable-ipv6`: ip6tables' chain, or the programs' IPv6 maps, whose NAT table is the kernel's hash table) and kube-proxy's table written into ip6tables too"
+            }
+            Traffic::PodToCluster => {
+                "clients in a pod, servers on the outside host at a cluster address (inside the non-masquerade CIDRs), over TCP: no mode translates it; in the iptables modes each connection's first packet walks the chain to its non-masquerade rule, and in the eBPF modes the programs decide every packet both ways and leave it alone without a NAT lookup"
             }
         }
     }

@@ -1230,19 +1230,25 @@ mod tests {
             said.contains("measured at 4 CIDRs only, the plan's smallest size"),
             "{said}"
         );
-        // The node's two, and the pods' IPv6 traffic.
-        assert_eq!(said.matches("CIDRs only").count(), 3, "{said}");
+        // The node's two, the pods' IPv6 traffic and their traffic to the cluster.
+        assert_eq!(said.matches("CIDRs only").count(), 4, "{said}");
     }
 
     #[test]
-    fn the_pods_ipv6_traffic_has_rows_at_the_smallest_size_only_and_a_target_against_the_chain() {
+    fn the_pods_ipv6_and_cluster_traffic_have_rows_at_the_smallest_size_only_and_a_target_against_the_chain()
+     {
         let plan = Plan {
             sizes: vec![10_000, 4],
             ..plan()
         };
         let m = medians(&samples_of(&plan, 3));
         let text = summary_without_runs_of_their_own(&m, &plan, DataPath::default());
-        for metric in [Metric::NewConnectionsV6, Metric::UdpNewFlowsV6] {
+        for metric in [
+            Metric::NewConnectionsV6,
+            Metric::UdpNewFlowsV6,
+            Metric::ClusterConnections,
+            Metric::ClusterTransactions,
+        ] {
             let name = metric.name();
             assert!(text.contains(&format!("| {name} | 4 |")), "{text}");
             assert!(!text.contains(&format!("| {name} | 10000 |")), "{text}");
