@@ -204,20 +204,19 @@ impl Frames {
     /// entries a flow, less what `runs` new flows take.
     fn new(runs: u32, capacity: u32) -> Frames {
         let outbound = packet::tcp(POD, 40000, REMOTE, 80, ACK);
-        // More destinations than the per-CPU verdict cache has slots: most runs walk the trie.
+        // More cluster addresses than the per-CPU verdict cache has slots: most runs ask the
+        // policy anew, each run's address another's.
+        let cluster_addr = |i: u16| {
+            let [a, b] = i.to_be_bytes();
+            Ipv4Addr::new(10, 96, a, b)
+        };
         let across_cluster = (0..=u16::MAX)
-            .map(|i| {
-                let [a, b] = i.to_be_bytes();
-                packet::tcp(POD, 40002, Ipv4Addr::new(10, 96, a, b), 443, ACK)
-            })
+            .map(|i| packet::tcp(POD, 40002, cluster_addr(i), 443, ACK))
             .collect();
-        // Packets of the pod's flows toward the cluster coming back, from as many addresses:
-        // each run's NAT bucket another's, and its address another's for the policy.
+        // The pod's flows toward those addresses coming back (the same packets as other nodes'
+        // pods connecting send): were they looked up, each run's NAT bucket another's.
         let from_cluster = (0..=u16::MAX)
-            .map(|i| {
-                let [a, b] = i.to_be_bytes();
-                packet::tcp(Ipv4Addr::new(10, 96, a, b), 443, POD, 40002, ACK)
-            })
+            .map(|i| packet::tcp(cluster_addr(i), 443, POD, 40002, ACK))
             .collect();
         // A flow of its own per run, to remotes enough that none runs out of ports: every run
         // takes the path of a connection's first packet, into a table as large as the agent's.

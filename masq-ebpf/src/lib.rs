@@ -328,7 +328,7 @@ pub const NON_MASQ_CACHE_SLOTS_V6: u32 = NON_MASQ_CACHE_SLOTS / 2;
 pub mod policy_word {
     /// Set by the agent once it has checked that no flow holds a NAT entry toward a destination
     /// the policy now leaves alone (one that outlived the policy it started under). Until a
-    /// policy change clears it, a packet toward such a destination has no flow to find, and
+    /// policy change clears it, a packet to or from such an address has no flow to find, and
     /// the programs skip the NAT table, whose lookup that misses reads a cold bucket.
     pub const STRAYS_CLEARED: u32 = 1 << 31;
     /// The generation's bits.

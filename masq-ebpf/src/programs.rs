@@ -389,8 +389,10 @@ fn packet_key<A: Copy>(ip: &Packet<A>, l4: &L4, dir: u8) -> NatKey<A> {
     nat::key(ip.saddr, ip.daddr, l4.proto, l4.sport, l4.dport, dir)
 }
 
-/// The device a packet crosses, as the agent configured it for the family. Only packets of no
-/// known flow need it, so the packets of established flows, both ways, skip the lookups.
+/// The device a packet crosses, as the agent configured it for the family. The packets of
+/// established flows leaving skip its lookup; coming in, each reads its element of
+/// `interfaces_by_ifindex` (a line every packet of the device reads) to know whether it comes
+/// to the node's own address, where the replies of masqueraded flows come.
 struct Device<F: Family> {
     iface: &'static Interface,
     /// The device's own address.
@@ -601,9 +603,13 @@ fn keeps_its_address(decision: Decision, source: Source) -> Verdict {
 
 /// The policy's decision for a flow's remote end, `remote`, where the policy leaves it alone
 /// and the agent says no flow outlived a policy change: then no flow with that remote end has
-/// an entry (the agent's check reads every flow's), and its packets, either way, need no lookup
-/// in the NAT table. The flag is read again after the decision: the agent clears it before it
-/// changes a trie, so a decision that saw the change sees the flag cleared too.
+/// an entry, and its packets, either way, need no lookup in the NAT table. The agent's check
+/// reads every egress half's destination, and a reply half's source is its egress half's
+/// destination (`NatKey::reverse`). A reply half alone, for the moment its flow is made or
+/// removed, and the flows the agent records as left alone just before a change that will
+/// masquerade their destination, would let their packets pass untouched anyway. The flag is
+/// read again after the decision: the agent clears it before it changes a trie, so a decision
+/// that saw the change sees the flag cleared too.
 #[inline(always)]
 fn left_alone_without_entry<F: Family>(remote: F::Addr) -> Option<Decision> {
     if !maps::strays_cleared() {

@@ -169,7 +169,7 @@ fn end_to_end_target_list() -> Vec<(Metric, Mode, Mode, Option<usize>, f64)> {
     ];
     // Issues 16 and 27: never slower than the chain it replaces at the sizes most clusters
     // run, measured on a node of the same backend; for the pods' traffic, what the chain is
-    // there to masquerade.
+    // there to masquerade or leave alone.
     let pods_traffic = Metric::ALL
         .into_iter()
         .filter(|metric| metric.traffic().is_pods());

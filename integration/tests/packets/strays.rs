@@ -5,7 +5,7 @@
 //! stranded are gone.
 
 use masq_agent::dataplane::ebpf::testbed::TC_ACT_OK;
-use masq_ebpf::direction;
+use masq_ebpf::{Counter, direction};
 use masq_testbed::packet::*;
 
 use crate::family::*;
@@ -44,9 +44,20 @@ fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Harness
         .find(|net: &ipnet::IpNet| net.contains(&F::SERVICE.into()))
         .unwrap();
     assert_eq!(h.decisions_of(service), Some(Some(2)));
-    // The masqueraded flow goes on.
+    // The masqueraded flow goes on, both ways.
     let ack = tcp(F::POD, 40000, F::REMOTE, 80, ACK);
-    assert_eq!(F::at(&h.egress(&ack).1, F::SRC), F::NODE);
+    let (_, out) = h.egress(&ack);
+    assert_eq!(F::at(&out, F::SRC), F::NODE);
+    let reply = tcp(F::REMOTE, 80, F::NODE, word(&out, F::L4), ACK);
+    assert_eq!(F::at(&h.ingress(&reply).1, F::DST), F::POD);
+    // A connection from a remote end the policy masquerades, toward a pod (an address the
+    // policy leaves alone, as the cluster's are), is remembered, so that the pod's replies keep
+    // its address: the source decides, not the destination.
+    let syn = tcp(F::REMOTE, 5555, F::POD, 8080, SYN);
+    assert_eq!(h.ingress(&syn), (TC_ACT_OK, syn));
+    assert_eq!(h.counter(Counter::InboundTracked), 1);
+    let syn_ack = tcp(F::POD, 8080, F::REMOTE, 5555, SYN | ACK);
+    assert_eq!(h.egress(&syn_ack), (TC_ACT_OK, syn_ack));
 
     // An entry toward the service, which no program writes while the flag is set: the table
     // is not looked at.
@@ -55,8 +66,9 @@ fn packets_left_alone_skip_the_table_once_no_flow_outlived_the_policy<F: Harness
     let stray = key::<F>((F::POD, 5353), (F::SERVICE, 53), UDP, direction::EGRESS);
     F::plant(&mut h, &stray, snat);
     assert_eq!(h.egress(&to_service), (TC_ACT_OK, to_service.clone()));
-    // Nor is it for a packet the service sends a pod, whose reply half it holds now: another
-    // node's pod connecting, or the pod's flow to the service coming back.
+    // Nor is it for a packet from the service to a pod (another node's pod connecting, or a
+    // pod's flow to the service coming back), though a half planted under its tuple would
+    // send it to another pod.
     let back = udp(F::SERVICE, 53, F::POD, 5353);
     let back_key = key::<F>((F::SERVICE, 53), (F::POD, 5353), UDP, direction::INGRESS);
     F::plant(

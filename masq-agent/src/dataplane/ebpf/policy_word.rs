@@ -23,12 +23,14 @@ impl PolicyWord {
         Ok(())
     }
 
-    /// Whether the programs skip the NAT table toward destinations the policy leaves alone.
+    /// Whether the programs skip the NAT table for packets to and from addresses the policy
+    /// leaves alone.
     pub fn strays_cleared(&self) -> anyhow::Result<bool> {
         Ok(policy_word::strays_cleared(read(&self.0)?))
     }
 
-    /// Lets the programs skip the NAT table toward destinations the policy leaves alone.
+    /// Lets the programs skip the NAT table for packets to and from addresses the policy
+    /// leaves alone.
     pub fn raise_strays_cleared(&mut self) -> anyhow::Result<()> {
         let word = read(&self.0)?;
         self.0.set(0, word | policy_word::STRAYS_CLEARED, 0)?;

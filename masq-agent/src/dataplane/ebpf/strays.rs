@@ -1,8 +1,9 @@
 //! Flows that outlived their policy: a flow keeps its NAT entry whatever the policy says now,
 //! so after a change some entries may lead toward destinations the policy now leaves alone.
 //! While any may, the programs look every packet up in the NAT table. Once a check of the
-//! tables finds none, the agent sets `policy_word::STRAYS_CLEARED`, and packets toward such
-//! destinations skip the table; the next change to the policy tries clears it again. The agent
+//! tables finds none, the agent sets `policy_word::STRAYS_CLEARED`, and packets to and from
+//! such addresses skip the table (a flow's reply half comes from its egress half's
+//! destination); the next change to the policy tries clears it again. The agent
 //! checks as soon as the grace after a change has passed, then at every sweep until no stray is
 //! left: a check reads both NAT tables whole.
 
@@ -57,7 +58,7 @@ impl StrayWatch {
 pub const GRACE: Duration = Duration::from_secs(1);
 
 impl StrayWatch {
-    /// Whether the programs skip the NAT table toward destinations the policy leaves alone. If
+    /// Whether the programs skip the NAT table for addresses the policy leaves alone. If
     /// not, and the tries changed more than `grace` ago, checks both tables against both
     /// policy tries, and sets the flag if no entry leads toward such a destination.
     pub fn check(
