@@ -48,6 +48,7 @@ const CLUSTER_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 10);
 const SERVICE_PORT: u16 = 10250;
 /// The /24 of the new-flow cases' remotes, whose flows expire after each of those cases.
 const NEW_FLOW_REMOTES: [u8; 3] = [198, 51, 100];
+const NEW_FLOW_REMOTES_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 2, 0, 0, 0, 0, 0);
 /// The spread case's remotes, 203.0.113.128 and the 99 after it (clear of `NODE` and
 /// `REMOTE`), whose flows expire once the cases that run beside them are done.
 const SPREAD_REMOTES: (Ipv4Addr, u32) = (Ipv4Addr::new(203, 0, 113, 128), 100);
@@ -116,6 +117,7 @@ fn mean_ns(
             | SOURCES_CASE
             | "rev_snat"
             | "snat_established_v6"
+            | "snat_new_flow_v6"
     );
     if first.verdict != TC_ACT_OK || translated != should_translate {
         bail!(
@@ -181,7 +183,7 @@ fn hold_node_service(bed: &mut TestBed, spans: &[PortRange]) -> anyhow::Result<(
 
 /// The cases, each a name, the program it runs and the frames it runs in turn.
 type Cases = [(&'static str, &'static str, Vec<Vec<u8>>); CASES];
-const CASES: usize = 14;
+const CASES: usize = 15;
 
 /// The frames every size's cases share.
 struct Frames {
@@ -193,6 +195,7 @@ struct Frames {
     across_cluster: Vec<Vec<u8>>,
     from_cluster: Vec<Vec<u8>>,
     new_flows: Vec<Vec<u8>>,
+    new_flows_v6: Vec<Vec<u8>>,
     /// The spread case's flows: the SYN that opens each, and the ACK the case sends.
     spread_opened: Vec<Vec<u8>>,
     spread: Vec<Vec<u8>>,
@@ -233,6 +236,15 @@ impl Frames {
                 packet::tcp(pod, sport, remote, 80, SYN)
             })
             .collect();
+        // The same in IPv6, each run's remote one of 200 in the documentation's range.
+        let new_flows_v6 = (0..runs)
+            .map(|i| {
+                let pod = Ipv6Addr::from(u128::from(POD_V6) + u128::from(i / 50_000));
+                let sport = 1024 + (i % 50_000) as u16;
+                let remote = Ipv6Addr::from(u128::from(NEW_FLOW_REMOTES_V6) + u128::from(i % 200));
+                packet::tcp(pod, sport, remote, 80, SYN)
+            })
+            .collect();
         let spread_flow = |i: u32, flags: u8| {
             let pod = Ipv4Addr::from(u32::from(POD) + 8 + i / 50_000);
             let sport = 1024 + (i % 50_000) as u16;
@@ -263,6 +275,7 @@ impl Frames {
             across_cluster,
             from_cluster,
             new_flows,
+            new_flows_v6,
             spread_opened,
             spread,
             arp,
@@ -343,6 +356,9 @@ impl Size {
                 frames.across_cluster_v6.clone(),
             ),
             ("snat_established_v6", egress, one(&frames.outbound_v6)),
+            // IPv6's first packets, into a table that holds the case's own flows alone: the
+            // spread case's are IPv4's.
+            ("snat_new_flow_v6", egress, frames.new_flows_v6.clone()),
             ("ignored_floor", egress, one(&frames.arp)),
         ];
         Ok(Size {
@@ -392,6 +408,13 @@ impl Size {
             // Their flows expire, so that the other cases find the table as they left it.
             if makes_new_flows(name) {
                 expire_flows_with(bed, |a| a.octets()[..3] == NEW_FLOW_REMOTES)?;
+                let remotes_v6 =
+                    u128::from(NEW_FLOW_REMOTES_V6)..u128::from(NEW_FLOW_REMOTES_V6) + 200;
+                bed.expire_nat::<[u8; 16]>(|key| {
+                    [key.saddr, key.daddr]
+                        .into_iter()
+                        .any(|a| remotes_v6.contains(&u128::from_be_bytes(a)))
+                })?;
             }
         }
         // So that the other cases, and the next round, find the table with one flow: a lookup
@@ -410,7 +433,8 @@ fn runs_beside_spread_flows(name: &str) -> bool {
     name == SPREAD_CASE || makes_new_flows(name)
 }
 
-/// The cases whose every run makes a flow of its own: `snat_new_flow` and `SOURCES_CASE`.
+/// The cases whose every run makes a flow of its own: `snat_new_flow`, `SOURCES_CASE` and
+/// `snat_new_flow_v6`.
 fn makes_new_flows(name: &str) -> bool {
     name.starts_with("snat_new_flow")
 }

@@ -261,10 +261,9 @@ impl<A: Address + 'static> SampledFlow<A> {
     #[inline(always)]
     fn look_at<F: Family<Addr = A>>(&mut self, slot: u32, now_ns: u64) -> Rank {
         if F::in_slot_table() {
-            let Some(key) = flow_table::flow_of_slot::<F>(slot) else {
+            if !flow_table::flow_of_slot::<F>(slot, &mut self.key) {
                 return Rank::NOT_TO_DROP;
-            };
-            self.key = key;
+            }
         } else {
             let Some(sampled) = F::drop_sample().get_ptr(slot) else {
                 return Rank::NOT_TO_DROP;

@@ -38,7 +38,7 @@ pub trait Family {
     const OWN_FRAMES: bool;
     /// The family's global BPF functions, which the verifier walks once each:
     /// `early_drop::early_drop`'s, its look at a flow and its drop of the one chosen, and
-    /// `nat::reserve_port`'s.
+    /// `nat::search_port`'s.
     const EARLY_DROP: extern "C" fn(u64) -> i64;
     const DROP_RANK: extern "C" fn(u32, u64) -> i64;
     const DROP_RANKED: extern "C" fn(u32, i64, u64) -> i64;
@@ -56,7 +56,7 @@ pub trait Family {
     const DROP_VACANCY: u32;
     /// The family's slot of the sweep program's report (`masq_ebpf::sweep_report`).
     const SWEEP_REPORT: u32;
-    /// Where `nat::reserve_port` leaves the flow for `RESERVE_PORT`.
+    /// Where `nat::request_port` leaves the flow for `RESERVE_PORT`.
     fn port_request() -> &'static PortRequests<Self::Addr>;
 
     /// Parses the IP header at `offset`: the packet's own, or one quoted in an ICMP error.
@@ -370,17 +370,14 @@ impl Family for V6 {
         maps::set_by_agent(&maps::MASQ_SLOT_BUCKETS_V6)
     }
 
-    /// None: IPv6 keeps its hash table (`in_slot_table`).
     #[inline(always)]
     fn slot_seed() -> u64 {
-        0
+        maps::set_by_agent(&maps::MASQ_SLOT_SEED_V6)
     }
 
-    /// Never: a slot operation is a frame of its own (`flow_table`), and IPv6's deepest chains
-    /// of frames (its addresses, and the spills they cause) leave no room for one below them.
     #[inline(always)]
     fn in_slot_table() -> bool {
-        false
+        maps::in_slot_table()
     }
 
     #[inline(always)]

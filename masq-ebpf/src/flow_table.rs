@@ -1,8 +1,8 @@
 //! Where the halves of the NAT table's flows are kept: the one place the programs find, make,
-//! remove and walk them. IPv4's halves are in its slot table (`masq_ebpf::slot_table`) in the
-//! object built with it (`maps::in_slot_table`, a constant), for kernels with BPF atomics on
-//! map values (5.12); otherwise, and IPv6's always, elements of a kernel hash table keyed by
-//! `NatKey` (`nat_v4`, `nat_v6`).
+//! remove and walk them. Each family's halves are in its slot table (`masq_ebpf::slot_table`)
+//! in the object built with it (`maps::in_slot_table`, a constant), for kernels with BPF
+//! atomics on map values (5.12); otherwise, elements of a kernel hash table keyed by `NatKey`
+//! (`nat_v4`, `nat_v6`).
 
 use core::{
     ffi::c_void,
@@ -157,16 +157,30 @@ fn note_no_room<F: Family>(key: &NatKey<F::Addr>) {
     }
 }
 
-/// The egress key of the flow whose half slot `number` of the slot table holds, if it holds
-/// one (a copy, which another CPU's change may tear into a key no flow has).
+/// Writes into `key` the egress key of the flow whose half slot `number` of the slot table
+/// holds, and says whether it holds one. The key is copied whole, by plain loads of the
+/// slot's aligned words, and turned round in place where the half is a reply's: volatile
+/// copies of the key and entry went a byte at a time, each byte its own spilled register, and
+/// took the frame of IPv6's early drop past the verifier's 512 bytes. Another CPU's change
+/// may tear the copy into a key no flow has.
 #[inline(always)]
-pub fn flow_of_slot<F: Family>(number: u32) -> Option<NatKey<F::Addr>> {
-    let (key, entry) = slot_table::held_at(&slots::<F>(), number)?;
-    Some(if key.direction == direction::EGRESS {
-        key
-    } else {
-        key.reverse(&entry)
-    })
+pub fn flow_of_slot<F: Family>(number: u32, key: &mut NatKey<F::Addr>) -> bool {
+    let Some(slot) = slot_table::held_at(&slots::<F>(), number) else {
+        return false;
+    };
+    // SAFETY: a slot of the map, which another CPU may write meanwhile (see above).
+    unsafe {
+        *key = core::ptr::read(&raw const (*slot).key);
+        if key.direction != direction::EGRESS {
+            // The reply half's remote end is the flow's destination, and its entry holds the
+            // pod's end.
+            (key.daddr, key.dport) = (key.saddr, key.sport);
+            key.saddr = core::ptr::read(&raw const (*slot).entry.addr);
+            key.sport = core::ptr::read(&raw const (*slot).entry.port);
+            key.direction = direction::EGRESS;
+        }
+    }
+    true
 }
 
 /// A lookup is the family's global function, which the verifier walks once, where a static

@@ -190,9 +190,10 @@ pub mod global_names {
     /// verifier, which follows only the way `Place::of` reduces a hash to this many.
     pub const SLOT_BUCKETS_V4: &str = "MASQ_SLOT_BUCKETS_V4";
     pub const SLOT_BUCKETS_V6: &str = "MASQ_SLOT_BUCKETS_V6";
-    /// IPv4's slot table's seed (`slot_table::seed_at`, where the table keeps it too): read
-    /// with the buckets, on a line every packet reads.
+    /// Each family's slot table's seed (`slot_table::seed_at`, where the table keeps it too):
+    /// read with the buckets, on a line every packet reads.
     pub const SLOT_SEED_V4: &str = "MASQ_SLOT_SEED_V4";
+    pub const SLOT_SEED_V6: &str = "MASQ_SLOT_SEED_V6";
     /// 1 where the CPU makes every store seen in the order it was made (x86's total store
     /// order): there a plain store publishes a slot the slot table's insert wrote, where other
     /// CPUs need a locked instruction, which waits for the slot's cache line (`SlotMemory::

@@ -102,9 +102,11 @@ pub static MASQ_SLOT_BUCKETS_V4: u32 = 2;
 #[unsafe(no_mangle)]
 pub static MASQ_SLOT_BUCKETS_V6: u32 = 2;
 
-/// `global_names::SLOT_SEED_V4`, as the agent sets it.
+/// `global_names::SLOT_SEED_V4` and `_V6`, as the agent sets them.
 #[unsafe(no_mangle)]
 pub static MASQ_SLOT_SEED_V4: u64 = 0;
+#[unsafe(no_mangle)]
+pub static MASQ_SLOT_SEED_V6: u64 = 0;
 
 /// `global_names::STORES_IN_ORDER`, as the agent sets it: 0 (a locked instruction, right on
 /// every CPU) unless it says otherwise.
@@ -171,7 +173,7 @@ pub static DROP_SAMPLE_V6: DropSample<[u8; 16]> = Array::new();
 #[btf_map(name = "nat_drop_vacancy")]
 pub static DROP_VACANCY: Array<u32, 2> = Array::new();
 
-/// What `nat::reserve_port` hands its family's global BPF function, which takes no pointer
+/// What `nat::request_port` hands its family's global BPF function, which takes no pointer
 /// before Linux 5.12, and what it gets back: this CPU's slot. Not pinned.
 #[repr(C)]
 #[derive(Clone, Copy)]

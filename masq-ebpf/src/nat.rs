@@ -388,94 +388,119 @@ fn within_reach(a: u32, b: u32) -> bool {
     a.wrapping_sub(b) <= SEQ_REACH || b.wrapping_sub(a) <= SEQ_REACH
 }
 
-/// Gives a new egress flow a port on `to`, one of the node's addresses, creating both halves;
-/// or finds the flow's own halves there already (`Made::Found`). The egress half is left in
-/// `egress`.
+/// Asks this CPU's port search (`search_port`) for a port for the new egress flow of
+/// `egress_key` on `to`, one of the node's addresses: the flow's egress half, without its port,
+/// goes in the search's request. A global BPF function takes no pointer before Linux 5.12: the
+/// flow goes in and its port comes back through this CPU's `PortRequest`. False without one
+/// (which a per-CPU array of one always has).
 #[inline(always)]
-pub fn create_snat<F: Family>(
+pub fn request_port<F: Family>(
     egress_key: &NatKey<F::Addr>,
     to: F::Addr,
     segment: &Segment,
-    egress: &mut NatEntry<F::Addr>,
-) -> Result<Made, AllocError> {
-    *egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
-    claim_port::<F>(egress_key, segment, egress)
-}
-
-/// Searches a port for the flow in `egress` (`reserve_port`, from the start) and publishes its
-/// egress half; where no port could be had, finds the flow's own halves if the table holds
-/// them. `create_snat`'s allocation, and all of it again once `early_drop` made room in a full
-/// table: not one port retried, which failed in every round when taken, and each round dropped
-/// another flow for nothing (the one the first search found no room for may be the node's, as
-/// it is asked only once a port is reserved, or another CPU's flow's by now; the dropped flow's
-/// is free only toward that flow's destination). The search is a call of `reserve_port`'s
-/// global function, which the verifier walks once, not once per caller.
-#[inline(always)]
-pub fn claim_port<F: Family>(
-    egress_key: &NatKey<F::Addr>,
-    segment: &Segment,
-    egress: &mut NatEntry<F::Addr>,
-) -> Result<Made, AllocError> {
-    let reserved = reserve_port::<F>(egress_key, egress);
-    // A pod's SYN comes to the search without a lookup, and another CPU may have made the
-    // same flow since: where no port could be had, the flow may hold one already.
-    if reserved != RESERVED
-        && let Some(existing) = flow_table::find::<F>(egress_key)
-    {
-        return Ok(adopt::<F>(egress_key, existing, segment, egress));
-    }
-    match reserved {
-        RESERVED => {
-            let ingress_key = egress_key.reverse(egress);
-            publish_egress::<F>(egress_key, &ingress_key, segment, egress)
-        }
-        PORTS_EXHAUSTED => {
-            maps::count(Counter::AllocationFailed);
-            Err(AllocError::PortsExhausted)
-        }
-        _ => Err(AllocError::TableFull),
-    }
-}
-
-const RESERVED: u32 = 0;
-const PORTS_EXHAUSTED: u32 = 1;
-const TABLE_FULL: u32 = 2;
-
-/// Finds `egress` a free port and reserves it by inserting the flow's reply half. Says
-/// `RESERVED` (the port in `egress`), `PORTS_EXHAUSTED` or `TABLE_FULL`. The search runs in
-/// the family's global BPF function (`masq_reserve_port_v4` or `_v6`), which the verifier
-/// walks once, where it walks a static one again in every state its callers reach it with
-/// (the first packets of the protocols and of pods and the node, and a full table's new flows
-/// once a drop made room). A global function takes no pointer before Linux 5.12: the flow goes
-/// in and its port comes back through this CPU's `PortRequest`.
-#[inline(always)]
-fn reserve_port<F: Family>(egress_key: &NatKey<F::Addr>, egress: &mut NatEntry<F::Addr>) -> u32 {
-    // No slot (which a per-CPU array of one always has) gives no port: never `TABLE_FULL`,
-    // which would have a full table drop flows for room that no search could use.
+) -> bool {
     let Some(request) = F::port_request().get_ptr_mut(0) else {
-        return PORTS_EXHAUSTED;
+        return false;
     };
     // SAFETY: this CPU's slot of a per-CPU map; a tc program runs to its end on one CPU, and
     // none of ours runs inside another there.
     unsafe {
         (*request).egress_key = *egress_key;
-        (*request).egress = *egress;
+        (*request).egress = half(to, 0, nat_kind::SNAT, segment, now_ns());
     }
-    let code = (F::RESERVE_PORT)();
-    // SAFETY: as above.
-    egress.port = unsafe { (*request).egress.port };
-    code as u32
+    true
 }
 
-/// `reserve_port`'s search, in each family's global BPF function.
+/// What a port search (`search_port`) says, as its global function returns it, in one
+/// register: the port it reserved, or why it reserved none.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Search(i64);
+
+/// Searches' answers other than a port, which is never 0 or negative.
+const PORTS_EXHAUSTED: i64 = -1;
+/// No port whose reply half had room (the slot table), or no room at all (the hash table).
+const TABLE_FULL: i64 = -2;
+
+impl Search {
+    /// The port reserved: the flow's reply half holds it.
+    #[inline(always)]
+    pub fn reserved(self) -> Option<u16> {
+        (self.0 > 0).then_some(self.0 as u16)
+    }
+}
+
+/// Finds the flow of this CPU's request (`request_port`) a free port and reserves it by
+/// inserting the flow's reply half. The search runs in the family's global BPF function
+/// (`masq_reserve_port_v4` or `_v6`), which the verifier walks once, where it walks a static
+/// one again in every state its callers reach it with (the first packets of the protocols and
+/// of pods and the node, and a full table's new flows once a drop made room). Its frame, and
+/// the insert's below it, leave IPv6 room above them for the program's path alone within the
+/// verifier's 512 bytes of stack (on kernels before 6.9, which count each frame in steps of 32
+/// bytes): the path calls it, not a step of its own.
+#[inline(always)]
+pub fn search_port<F: Family>() -> Search {
+    Search((F::RESERVE_PORT)())
+}
+
+/// The egress half of the new flow that `request_port` asked a port for, and the one its
+/// steps keep there after the search (`claim_port` sets its port to the one reserved): where
+/// the program's path reads it to translate the packet, and where a search after an early
+/// drop starts from, rather than in the path's frame, which IPv6's deepest chain cannot spare.
+/// The search hands its port back in a register, and writes nothing of the half: a load over
+/// a recent narrower store waits until that store is done, and a store of the port at the
+/// search's end would be done only after those of the reply half's insert, to a line of the
+/// table that is rarely in the cache (a first packet cost some 50 ns more so, measured).
+#[inline(always)]
+pub fn searched<F: Family>() -> Option<*mut NatEntry<F::Addr>> {
+    // SAFETY: as in `request_port`.
+    F::port_request()
+        .get_ptr_mut(0)
+        .map(|request| unsafe { &raw mut (*request).egress })
+}
+
+/// Publishes the egress half of the flow a port search (`search`) was for, its port reserved;
+/// where no port could be had, finds the flow's own halves if the table holds them
+/// (`Made::Found`). The egress half, as the search was asked for it (`searched`), is left in
+/// `egress`, with the port reserved. Once `early_drop`
+/// made room in a full table, the search is all of it again: not one port retried, which
+/// failed in every round when taken, and each round dropped another flow for nothing (the one
+/// the first search found no room for may be the node's, as it is asked only once a port is
+/// reserved, or another CPU's flow's by now; the dropped flow's is free only toward that
+/// flow's destination).
+#[inline(always)]
+pub fn claim_port<F: Family>(
+    egress_key: &NatKey<F::Addr>,
+    segment: &Segment,
+    search: Search,
+    egress: &mut NatEntry<F::Addr>,
+) -> Result<Made, AllocError> {
+    if let Some(port) = search.reserved() {
+        egress.port = port;
+        let ingress_key = egress_key.reverse(egress);
+        return publish_egress::<F>(egress_key, &ingress_key, segment, egress);
+    }
+    // A pod's SYN comes to the search without a lookup, and another CPU may have made the
+    // same flow since: where no port could be had, the flow may hold one already.
+    if let Some(existing) = flow_table::find::<F>(egress_key) {
+        return Ok(adopt::<F>(egress_key, existing, segment, egress));
+    }
+    if search.0 == PORTS_EXHAUSTED {
+        maps::count(Counter::AllocationFailed);
+        return Err(AllocError::PortsExhausted);
+    }
+    Err(AllocError::TableFull)
+}
+
+/// `search_port`'s search, in each family's global BPF function.
 #[inline(always)]
 fn reserve_port_global<F: Family>() -> i64 {
-    // As in `reserve_port`: no port without them.
+    // As in `request_port`: no port without them.
     let (Some(request), Some(settings)) = (F::port_request().get_ptr_mut(0), maps::settings())
     else {
-        return i64::from(PORTS_EXHAUSTED);
+        return PORTS_EXHAUSTED;
     };
-    // SAFETY: as in `reserve_port`, which filled it.
+    // SAFETY: as in `request_port`, which filled it.
     let request = unsafe { &mut *request };
     let egress_key = &request.egress_key;
     // The reply half differs from one attempt to the next only in its port. No reply has
@@ -519,20 +544,17 @@ fn reserve_port_global<F: Family>() -> i64 {
                 let _ = flow_table::remove::<F>(key);
                 continue;
             }
-            Ok(()) => {
-                request.egress.port = ingress_key.dport;
-                return i64::from(RESERVED);
-            }
+            Ok(()) => return i64::from(ingress_key.dport),
             Err(err) if err.exists() => continue,
             Err(_) if F::in_slot_table() => without_room = true,
-            Err(_) => return i64::from(TABLE_FULL),
+            Err(_) => return TABLE_FULL,
         }
     }
-    i64::from(if without_room {
+    if without_room {
         TABLE_FULL
     } else {
         PORTS_EXHAUSTED
-    })
+    }
 }
 
 /// The port a search of the slot table after an early drop tries first: the room the drop
@@ -567,14 +589,14 @@ fn port_to_retry<F: Family>(
     ports::in_spans(settings, port).then_some(port)
 }
 
-/// `reserve_port` for IPv4, a global BPF function.
+/// `search_port` for IPv4, a global BPF function.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn masq_reserve_port_v4() -> i64 {
     reserve_port_global::<crate::family::V4>()
 }
 
-/// `reserve_port` for IPv6, a global BPF function.
+/// `search_port` for IPv6, a global BPF function.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn masq_reserve_port_v6() -> i64 {
@@ -679,25 +701,30 @@ pub fn track_identity<F: Family>(
     } else {
         (&unseen, segment)
     };
+    // The egress half is made once the ingress half is in: two halves at once in the frame
+    // took IPv6's chain of frames past the verifier's 512 bytes.
     let (addr, port) = (egress_key.saddr, egress_key.sport);
-    let egress = half(addr, port, kind, egress_segment, now);
-    let ingress_key = &egress_key.reverse(&egress);
-    let ingress = half(
-        ingress_key.daddr,
-        ingress_key.dport,
-        kind,
-        ingress_segment,
-        now,
-    );
-    match flow_table::insert_new::<F>(ingress_key, &ingress) {
-        Ok(()) => {}
-        Err(err) if err.exists() => match holder::<F>(ingress_key, &ingress) {
-            Holder::ThisFlow if flow_table::find::<F>(egress_key).is_none() => {}
-            Holder::ThisFlow | Holder::Unknown => return Err(IdentityError::NotRecorded),
-            Holder::AnotherFlow => return Err(IdentityError::Taken),
-        },
-        Err(_) => return Err(IdentityError::TableFull),
+    let ingress_key = &identity_reverse(egress_key);
+    // A scope of its own, so that the two halves share their place in the frame.
+    {
+        let ingress = half(
+            ingress_key.daddr,
+            ingress_key.dport,
+            kind,
+            ingress_segment,
+            now,
+        );
+        match flow_table::insert_new::<F>(ingress_key, &ingress) {
+            Ok(()) => {}
+            Err(err) if err.exists() => match holder::<F>(ingress_key, &ingress) {
+                Holder::ThisFlow if flow_table::find::<F>(egress_key).is_none() => {}
+                Holder::ThisFlow | Holder::Unknown => return Err(IdentityError::NotRecorded),
+                Holder::AnotherFlow => return Err(IdentityError::Taken),
+            },
+            Err(_) => return Err(IdentityError::TableFull),
+        }
     }
+    let egress = half(addr, port, kind, egress_segment, now);
     // If another CPU gave the egress tuple an entry meanwhile, it keeps it; the ingress half
     // stays only with its own flow's egress half. Room for the ingress half is not room for
     // this one: in the slot table, each half has its own buckets.
@@ -747,13 +774,19 @@ fn holder<F: Family>(key: &NatKey<F::Addr>, identity: &NatEntry<F::Addr>) -> Hol
     }
 }
 
-/// The pod-side tuple of a flow whose first packet came in as `ingress_key`.
+/// The key of the other half of an identity flow (one that keeps its own tuple) whose half
+/// `key` is: the pod-side tuple of a flow whose first packet came in as `key`, or the reply's
+/// tuple of one whose first packet left as `key`.
 #[inline(always)]
-pub fn egress_key_of<A: Address>(ingress_key: &NatKey<A>) -> NatKey<A> {
-    let identity = NatEntry {
-        addr: ingress_key.daddr,
-        port: ingress_key.dport,
-        ..NatEntry::default()
+pub fn identity_reverse<A: Address>(key: &NatKey<A>) -> NatKey<A> {
+    let (addr, port) = if key.direction == direction::EGRESS {
+        (key.saddr, key.sport)
+    } else {
+        (key.daddr, key.dport)
     };
-    ingress_key.reverse(&identity)
+    key.reverse(&NatEntry {
+        addr,
+        port,
+        ..NatEntry::default()
+    })
 }

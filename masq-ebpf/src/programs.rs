@@ -172,8 +172,12 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             if let Err(verdict) = snat_keeps_its_address::<F>(&ip, &key, source, &segment) {
                 return Egress::done(verdict.count());
             }
-            let mut entry = NatEntry::default();
-            let mut made = snat_masquerade_new::<F>(iface, &key, &segment, &mut entry);
+            if !snat_request_port::<F>(iface, &key, &segment) {
+                return Egress::done(Verdict::Keep(Counter::NotInspected).count());
+            }
+            // The port search is called from here, between the steps, as each round's below
+            // (`nat::search_port`).
+            let mut made = snat_masquerade_new::<F>(&key, &segment, nat::search_port::<F>());
             if made == Masquerading::MASQUERADED {
                 early_drop::remember::<F>(SampleSlot::RANDOM, &key);
             } else if made == Masquerading::TABLE_FULL {
@@ -187,7 +191,7 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
                     if !room.dropped() {
                         continue;
                     }
-                    made = snat_masquerade_again::<F>(&key, &segment, &mut entry);
+                    made = snat_masquerade_again::<F>(&key, &segment, nat::search_port::<F>());
                     if made == Masquerading::MASQUERADED {
                         early_drop::remember::<F>(SampleSlot::freed(room), &key);
                     }
@@ -198,7 +202,11 @@ fn egress<F: Family>(ctx: &TcContext) -> Egress {
             }
             Egress::done(match made {
                 Masquerading::MASQUERADED | Masquerading::KNOWN_FLOW => {
-                    snat_nat::<F>(ctx, &ip, &l4, &entry)
+                    match nat::searched::<F>() {
+                        // SAFETY: this CPU's request, as `snat_claim_port` left it.
+                        Some(entry) => snat_nat::<F>(ctx, &ip, &l4, unsafe { &*entry }),
+                        None => Verdict::Keep(Counter::NotInspected).count(),
+                    }
                 }
                 Masquerading::TABLE_FULL => Verdict::Drop(Counter::DropNatTableFull).count(),
                 done => done.action(),
@@ -280,21 +288,17 @@ fn snat_new_flow<F: Family>(
 }
 
 step! {
-/// Egress, the first packet of a flow to masquerade, leaving by the device of `iface`: a port
-/// for it, and both halves of its entry. A flow of the node's own is one whose port a
-/// masqueraded flow held already. Says:
-/// - `MASQUERADED`: the egress half is in `entry`;
-/// - `KNOWN_FLOW`: the table held the flow already, and its egress half is in `entry`;
-/// - `TABLE_FULL`: no room for the flow (`early_drop` may make some);
-/// - or what tc is to do: drop the packet when every port is taken.
-fn snat_masquerade_new<F: Family>(
+/// Egress, the first packet of a flow to masquerade, leaving by the device of `iface`: what
+/// its port search is asked for (`nat::request_port`), on the device's address, or, for a flow
+/// of the node's own (one whose port a masqueraded flow held already), on its own. False where
+/// the device or the search's request is missing.
+fn snat_request_port<F: Family>(
     iface: &'static Interface,
     key: &NatKey<F::Addr>,
     segment: &Segment,
-    entry: &mut NatEntry<F::Addr>,
-) -> Masquerading {
+) -> bool {
     let Some(device) = Device::<F>::on(opaque(iface)) else {
-        return Masquerading::done(Verdict::Keep(Counter::NotInspected).count());
+        return false;
     };
     // A node flow's clash moves its port, never its address.
     let to = if device.holds(&key.saddr) {
@@ -302,17 +306,55 @@ fn snat_masquerade_new<F: Family>(
     } else {
         device.masquerade_addr()
     };
-    let made = nat::create_snat::<F>(key, to, segment, entry);
+    nat::request_port::<F>(key, to, segment)
+}
+}
+
+step! {
+/// Egress, the first packet of a flow to masquerade, once its port search (`search`) ran: both
+/// halves of its entry. Says:
+/// - `MASQUERADED`: its egress half is `nat::searched`;
+/// - `KNOWN_FLOW`: the table held the flow already, and its egress half is `nat::searched`;
+/// - `TABLE_FULL`: no room for the flow (`early_drop` may make some);
+/// - or what tc is to do: drop the packet when every port is taken.
+fn snat_masquerade_new<F: Family>(
+    key: &NatKey<F::Addr>,
+    segment: &Segment,
+    search: nat::Search,
+) -> Masquerading {
+    let mut entry = NatEntry::default();
+    let made = snat_claim_port::<F>(key, segment, search, &mut entry);
     if matches!(made, Ok(Made::Found)) {
         return Masquerading::KNOWN_FLOW;
     }
     // Asked again rather than kept across the call: a value known on each path that lives
     // through it would have the verifier walk the allocation once per value.
-    if !moved_off_a_clash(key, entry) {
+    if !moved_off_a_clash(key, &entry) {
         count_masqueraded::<F>(key);
     }
-    masquerading::<F>(key, entry, made)
+    masquerading::<F>(key, &entry, made)
 }
+}
+
+/// `nat::claim_port` on a copy in `entry` of the egress half the search was asked for
+/// (`nat::searched`), and the half it leaves written back there, where the program's path
+/// reads it to translate the packet. Without the search's request, no port.
+#[inline(always)]
+fn snat_claim_port<F: Family>(
+    key: &NatKey<F::Addr>,
+    segment: &Segment,
+    search: nat::Search,
+    entry: &mut NatEntry<F::Addr>,
+) -> Result<Made, AllocError> {
+    let Some(searched) = nat::searched::<F>() else {
+        return Err(AllocError::PortsExhausted);
+    };
+    // SAFETY: this CPU's request (`nat::searched`).
+    *entry = unsafe { *searched };
+    let made = nat::claim_port::<F>(key, segment, search, entry);
+    // SAFETY: as above.
+    unsafe { *searched = *entry };
+    made
 }
 
 /// Whether the flow `entry` translates is the node's own, given another port because a
@@ -360,16 +402,16 @@ fn count_masqueraded<F: Family>(egress_key: &NatKey<F::Addr>) {
 
 step! {
 /// Egress, the first packet of a flow to masquerade, once `early_drop` made room in a full
-/// table: a port for it, searched for again (`nat::claim_port`), and both halves of its entry.
-/// `entry` holds what `snat_masquerade_new` made of it. Says what `snat_masquerade_new` says;
-/// `TABLE_FULL` when another CPU's flow took the room first.
+/// table and its port was searched for again (`search`): both halves of its entry. Says what
+/// `snat_masquerade_new` says; `TABLE_FULL` when another CPU's flow took the room first.
 fn snat_masquerade_again<F: Family>(
     key: &NatKey<F::Addr>,
     segment: &Segment,
-    entry: &mut NatEntry<F::Addr>,
+    search: nat::Search,
 ) -> Masquerading {
-    let made = nat::claim_port::<F>(key, segment, entry);
-    masquerading::<F>(key, entry, made)
+    let mut entry = NatEntry::default();
+    let made = snat_claim_port::<F>(key, segment, search, &mut entry);
+    masquerading::<F>(key, &entry, made)
 }
 }
 
@@ -1011,7 +1053,7 @@ fn snat_track_inbound<F: Family>(
         && !F::is_non_masq_destination(ip.saddr)
     {
         match nat::track_identity::<F>(
-            &nat::egress_key_of(key),
+            &nat::identity_reverse(key),
             nat_kind::PASSTHROUGH,
             direction::INGRESS,
             &segment,

@@ -395,28 +395,17 @@ pub fn read_ahead<A: Address, M: SlotMemory<A>>(memory: &M, key: &NatKey<A>) -> 
     bucket * BUCKET_SLOTS + index
 }
 
-/// The key and entry of slot `number` (bucket times `BUCKET_SLOTS`, plus its index), copied,
-/// if its byte says it holds a half. Another CPU may free the slot and write another half
-/// there while it is read: the copy may then be torn, a key no half has, which its callers
-/// find nowhere.
+/// Slot `number` (bucket times `BUCKET_SLOTS`, plus its index), if its byte says it holds a
+/// half. Another CPU may free the slot and write another half there while its caller reads
+/// it: what it reads may then be torn, a key no half has, which it must find nowhere.
 #[inline(always)]
-pub fn held_at<A: Address, M: SlotMemory<A>>(
-    memory: &M,
-    number: u32,
-) -> Option<(NatKey<A>, NatEntry<A>)> {
+pub fn held_at<A: Address, M: SlotMemory<A>>(memory: &M, number: u32) -> Option<*mut Slot<A>> {
     let (bucket, index) = (number / BUCKET_SLOTS, number % BUCKET_SLOTS);
     let word = load(memory.word(bucket)?);
     if held_slots(word) & at_slot(slot_byte::HELD, index) == 0 {
         return None;
     }
-    let slot = memory.slot(bucket, index)?;
-    // SAFETY: a valid slot of the memory; copied by volatile reads, as the caller is told.
-    unsafe {
-        Some((
-            core::ptr::read_volatile(&raw const (*slot).key),
-            core::ptr::read_volatile(&raw const (*slot).entry),
-        ))
-    }
+    memory.slot(bucket, index)
 }
 
 /// Makes the half of `key` in the emptier of its buckets, if neither holds it: claims a free

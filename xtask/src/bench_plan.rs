@@ -22,7 +22,7 @@ pub enum Mode {
     /// The eBPF data plane on a node whose tables (kube-proxy's, and the agent's reduced
     /// chain) are in the legacy backend: what `IptablesLegacy` is measured against.
     EbpfLegacy,
-    /// The eBPF data plane with IPv4's halves in the kernel's hash table
+    /// The eBPF data plane with the halves in the kernel's hash tables
     /// (`MASQ_AGENT_SLOT_TABLE=0`), as a kernel before 5.12 keeps them, where `Ebpf` keeps them
     /// in the slot table: measured only when named (`--modes`), against `Ebpf`.
     EbpfHashTable,
@@ -227,7 +227,7 @@ impl Traffic {
                 "clients on the outside host, servers in the node's own namespace on its uplink address: no mode translates them, and in the eBPF modes the programs hold no entry for them, their ports being ones the node listens on"
             }
             Traffic::PodToOutsideV6 => {
-                "clients in a pod, servers on the outside host, over IPv6: as the pods' IPv4 traffic, with the agent's IPv6 (`--enable-ipv6`: ip6tables' chain, or the programs' IPv6 maps, whose NAT table is the kernel's hash table) and kube-proxy's table written into ip6tables too"
+                "clients in a pod, servers on the outside host, over IPv6: as the pods' IPv4 traffic, with the agent's IPv6 (`--enable-ipv6`: ip6tables' chain, or the programs' IPv6 maps, whose NAT table is the slot table as IPv4's is) and kube-proxy's table written into ip6tables too"
             }
             Traffic::PodToCluster => {
                 "clients in a pod, servers on the outside host at a cluster address (inside the non-masquerade CIDRs), over TCP: no mode translates it; in the iptables modes each connection's first packet walks the chain to its non-masquerade rule, and in the eBPF modes the programs decide every packet both ways and leave it alone without a NAT lookup"

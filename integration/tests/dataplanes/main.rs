@@ -145,6 +145,13 @@ impl Bed {
         args
     }
 
+    /// `plane_args`, and `family`'s own flags.
+    fn family_args(&self, family: IpFamily) -> Vec<String> {
+        let mut args = self.plane_args();
+        args.extend(family.agent_args().iter().map(|a| a.to_string()));
+        args
+    }
+
     fn start_agent(&self, extra: &[&str]) -> Process {
         let mut args = self.plane_args();
         args.extend(extra.iter().map(|s| s.to_string()));
@@ -574,8 +581,7 @@ fn explain_from(
         "--proto=udp".to_string(),
         "--json".to_string(),
     ];
-    args.extend(bed.plane_args());
-    args.extend(family.agent_args().iter().map(|a| a.to_string()));
+    args.extend(bed.family_args(family));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = bed.agent_cmd(&args);
     let json = serde_json::from_slice(&out.stdout)
@@ -691,12 +697,12 @@ fn reads_full(nat: &serde_json::Value) -> bool {
 }
 
 /// The entries `family`'s NAT table says it has room for at `--nat-capacity=flows`: two a flow,
-/// rounded up to whole buckets in IPv4's slot table, where the agent keeps its halves there
-/// (`slot_table::rated_halves`).
+/// rounded up to whole buckets in the family's slot table, where the agent keeps its halves
+/// there (`slot_table::rated_halves`).
 fn nat_room(bed: &Bed, family: IpFamily, flows: u32) -> u64 {
     use masq_ebpf::slot_table::{buckets_for, rated_halves};
     let halves = 2 * flows;
-    if family == IpFamily::Ipv4 && slot_seed(bed).is_some() {
+    if slot_seed(bed, family).is_some() {
         rated_halves(buckets_for(halves))
     } else {
         u64::from(halves)
@@ -843,13 +849,14 @@ fn program_map_id(bed: &Bed, device: &str, name: &str) -> String {
 
 /// The seed of the IPv4 slot table bed's agent pinned, as bpftool reads it: the word after
 /// its buckets'. `None` where the halves are in the hash table.
-fn slot_seed(bed: &Bed) -> Option<u64> {
-    use masq_ebpf::{map_names::NAT_SLOT_WORDS_V4, slot_table};
-    let words = bpftool_pinned(bed, &["map", "show"], NAT_SLOT_WORDS_V4, &[]);
+fn slot_seed(bed: &Bed, family: IpFamily) -> Option<u64> {
+    use masq_ebpf::{map_names, slot_table};
+    let name = family.pick(map_names::NAT_SLOT_WORDS_V4, map_names::NAT_SLOT_WORDS_V6);
+    let words = bpftool_pinned(bed, &["map", "show"], name, &[]);
     let (buckets, seeded) = slot_table::buckets_in(words["max_entries"].as_u64()? as u32)?;
     assert!(seeded, "a new slot table without its seed: {words}");
     let key = key_args(slot_table::seed_at(buckets));
-    let lookup = bpftool_pinned(bed, &["map", "lookup"], NAT_SLOT_WORDS_V4, &key);
+    let lookup = bpftool_pinned(bed, &["map", "lookup"], name, &key);
     lookup["formatted"]["value"].as_u64()
 }
 

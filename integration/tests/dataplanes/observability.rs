@@ -51,8 +51,7 @@ impl Bed {
     fn explain(&self, dst: IpAddr, family: IpFamily) -> (bool, serde_json::Value) {
         let dst = dst.to_string();
         let mut args = vec!["explain".to_string(), dst, "--json".to_string()];
-        args.extend(self.plane_args());
-        args.extend(family.agent_args().iter().map(|a| a.to_string()));
+        args.extend(self.family_args(family));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = self.agent_cmd(&args);
         let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
@@ -562,7 +561,7 @@ fn a_full_nat_table_reads_full_beside_the_other_familys_empty_one(plane: Plane, 
     // IPv6's config holds both families' pods.
     let bed = Bed::new(plane, IpFamily::Ipv6.config());
     let metrics_addr = format!("--metrics-addr={METRICS_ADDR}");
-    // 64 flows: 128 entries in each family's table, and more room in IPv4's slot table.
+    // 64 flows: 128 entries in each family's table, and more room in a slot table.
     const FLOWS: u32 = 64;
     let capacity = format!("--nat-capacity={FLOWS}");
     let _agent = bed.start_agent(&["--enable-ipv6", &capacity, &metrics_addr]);

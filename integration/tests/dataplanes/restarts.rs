@@ -38,6 +38,8 @@ mod ebpf {
         a_new_nat_capacity_keeps_open_connections,
         a_capacity_change_during_a_transfer_loses_nothing,
         a_rollback_with_nothing_to_drain_removes_the_programs,
+    );
+    family_cases!(Ebpf:
         the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing,
         the_slot_table_keeps_its_seed_across_restarts,
     );
@@ -361,18 +363,22 @@ fn a_capacity_change_during_a_transfer_loses_nothing(plane: Plane) {
     );
 }
 
-/// A transfer runs while the agent restarts with IPv4's halves in the slot table, and again
-/// with them back in the hash table: every byte arrives, and each agent carried the flows of
-/// the table the other left.
-fn the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
+/// A transfer runs while the agent restarts with the halves in the slot tables, and again with
+/// them back in the hash tables: every byte arrives, and each agent carried the flows of the
+/// table the other left.
+fn the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing(
+    plane: Plane,
+    family: IpFamily,
+) {
+    let bed = Bed::new(plane, family.config());
+    let args = bed.family_args(family);
     // The hash table first, whatever the tests' environment asks for.
-    let mut agent = bed.spawn_agent(&bed.plane_args(), &[(SLOT_TABLE_ENV, "0")]);
-    let transfer = PacedTransfer::start(&bed, (topology::EXT_ADDR, 9780).into(), 60);
+    let mut agent = bed.spawn_agent(&args, &[(SLOT_TABLE_ENV, "0")]);
+    let transfer = PacedTransfer::start(&bed, (family.outside().ip(), 9780).into(), 60);
     for slot_table in ["1", "0"] {
         std::thread::sleep(Duration::from_millis(500));
         agent.stop(libc::SIGTERM).unwrap();
-        agent = bed.spawn_agent(&bed.plane_args(), &[(SLOT_TABLE_ENV, slot_table)]);
+        agent = bed.spawn_agent(&args, &[(SLOT_TABLE_ENV, slot_table)]);
         assert!(
             agent.log_text().contains("flows carried"),
             "{SLOT_TABLE_ENV}={slot_table}: {}",
@@ -386,20 +392,26 @@ fn the_halves_move_between_the_tables_during_a_transfer_and_lose_nothing(plane: 
 /// after a restart that keeps the table, so that its flows are found where they are; the table
 /// a new `--nat-capacity` makes takes it too, and the open connection's halves, carried there,
 /// are found by it.
-fn the_slot_table_keeps_its_seed_across_restarts(plane: Plane) {
-    let bed = Bed::new(plane, DEFAULT_CONFIG);
+fn the_slot_table_keeps_its_seed_across_restarts(plane: Plane, family: IpFamily) {
+    let bed = Bed::new(plane, family.config());
     let with = |capacity: &str| {
-        let args = [bed.plane_args(), vec![format!("--nat-capacity={capacity}")]].concat();
+        let mut args = bed.family_args(family);
+        args.push(format!("--nat-capacity={capacity}"));
         bed.spawn_agent(&args, &[(SLOT_TABLE_ENV, "1")])
     };
     let mut agent = with("4096");
-    let conversation = Conversation::open(&bed, IpFamily::Ipv4, 9790);
-    let seed = slot_seed(&bed).expect("the halves in the slot table");
+    let conversation = Conversation::open(&bed, family, 9790);
+    let seed = slot_seed(&bed, family).expect("the halves in the slot table");
     assert_ne!(seed, 0, "an unseeded slot table");
     for (capacity, table) in [("4096", "the same table"), ("8192", "the new table")] {
         agent.stop(libc::SIGTERM).unwrap();
         agent = with(capacity);
-        assert_eq!(slot_seed(&bed), Some(seed), "{table}: {}", agent.log_text());
+        assert_eq!(
+            slot_seed(&bed, family),
+            Some(seed),
+            "{table}: {}",
+            agent.log_text()
+        );
         conversation
             .exchange(&format!("through {table}"))
             .unwrap_or_else(|err| panic!("the connection through {table}: {err}"));

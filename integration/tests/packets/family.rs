@@ -516,9 +516,9 @@ pub fn error_checksums<F: HarnessFamily>(error: &[u8]) -> Vec<usize> {
 }
 
 /// Cases written once over both families: each runs as `<case>::ipv4` and `<case>::ipv6`, the
-/// halves where the agent keeps them here (IPv4's in the slot table where the kernel has BPF
-/// atomics on map values, 5.12; IPv6's in the hash table), and as `<case>::ipv4_hash_table`,
-/// IPv4's halves in the hash table, as an older kernel keeps them.
+/// halves where the agent keeps them here (in the slot table where the kernel has BPF atomics
+/// on map values, 5.12), and as `<case>::ipv4_hash_table` and `<case>::ipv6_hash_table`, the
+/// halves in the hash table, as an older kernel keeps them.
 macro_rules! in_both_families {
     ($($case:ident),* $(,)?) => {
         $(mod $case {
@@ -536,6 +536,13 @@ macro_rules! in_both_families {
             #[test]
             fn ipv6() {
                 super::$case::<std::net::Ipv6Addr>()
+            }
+            #[test]
+            fn ipv6_hash_table() {
+                masq_agent::dataplane::ebpf::testbed::TestBed::in_table(
+                    false,
+                    super::$case::<std::net::Ipv6Addr>,
+                )
             }
         })*
     };

@@ -276,7 +276,7 @@ pub struct DaemonFlags {
           value_parser = parse_go_bool)]
     pub fallback_to_iptables: bool,
 
-    /// Flows the eBPF NAT table holds (two entries each; IPv4's slot table has room for 8/5
+    /// Flows the eBPF NAT table holds (two entries each; the slot table has room for 8/5
     /// of them); when full, new flows are dropped and counted while existing ones keep working.
     #[arg(long, global = true, value_name = "FLOWS", default_value_t = 262_144,
           value_parser = clap::value_parser!(u32).range(1..=8_388_608))]

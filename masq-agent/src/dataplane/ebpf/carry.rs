@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::{
     batch,
     expiry::FlowOwner,
-    flow_table::{NatTable, V4_MAPS},
+    flow_table::{NatTable, TableMaps, V4_MAPS, V6_MAPS},
     map_types::{Counters, NatFamily},
     maps::Maps,
     pins::Pins,
@@ -75,9 +75,13 @@ struct Old {
 /// Where an old table's halves are.
 enum Source {
     /// A hash table, pinned as the `Old`'s name.
-    Hash { map: MapData, layout: Layout },
-    /// A slot table (IPv4's), whose maps are pinned under `V4_MAPS`' other names.
-    Slots(NatTable<[u8; 4]>),
+    Hash {
+        map: MapData,
+        layout: Layout,
+    },
+    /// A slot table, whose maps are pinned under its family's `TableMaps`' other names.
+    SlotsV4(NatTable<[u8; 4]>),
+    SlotsV6(NatTable<[u8; 16]>),
 }
 
 /// The old NAT tables whose flows are being carried into the new ones.
@@ -92,8 +96,17 @@ impl Carried {
     /// this build does not know is left to be replaced, and said so.
     pub fn open(pins: &Pins, capacity: impl Fn(&str) -> u32) -> Carried {
         let mut tables = Vec::new();
-        if let Some(slots) = open_slot_table(pins, &capacity) {
-            tables.push(slots);
+        let slot_tables = [
+            open_slot_table(pins, &V4_MAPS, &capacity).map(Source::SlotsV4),
+            open_slot_table(pins, &V6_MAPS, &capacity).map(Source::SlotsV6),
+        ];
+        for (maps, source) in [&V4_MAPS, &V6_MAPS].into_iter().zip(slot_tables) {
+            if let Some(source) = source {
+                tables.push(Old {
+                    name: maps.hash,
+                    source,
+                });
+            }
         }
         for name in [map_names::NAT_V4, map_names::NAT_V6] {
             let path = pins.map(name);
@@ -162,7 +175,10 @@ impl Carried {
     pub fn copy_into(&self, maps: &mut Maps) {
         for old in &self.tables {
             let copied = match &old.source {
-                Source::Slots(table) => table
+                Source::SlotsV4(table) => table
+                    .read_all()
+                    .and_then(|halves| copy_entries(halves.into_iter().collect(), maps)),
+                Source::SlotsV6(table) => table
                     .read_all()
                     .and_then(|halves| copy_entries(halves.into_iter().collect(), maps)),
                 Source::Hash { map, layout } if old.name == map_names::NAT_V6 => {
@@ -222,10 +238,19 @@ struct Outcome {
     left_out: usize,
 }
 
-/// The slot table an earlier agent pinned, if the new tables replace it: it held halves (more
-/// than one bucket) and the new one is another size, or none (`capacity` of its words).
-fn open_slot_table(pins: &Pins, capacity: &impl Fn(&str) -> u32) -> Option<Old> {
-    let maps = &V4_MAPS;
+/// The family's slot table an earlier agent pinned in its `maps`, if the new tables replace
+/// it: it held halves (more than one bucket) and the new one is another size, or none
+/// (`capacity` of its words).
+fn open_slot_table<A>(
+    pins: &Pins,
+    maps: &TableMaps,
+    capacity: &impl Fn(&str) -> u32,
+) -> Option<NatTable<A>>
+where
+    A: Address,
+    NatKey<A>: Pod,
+    NatEntry<A>: Pod,
+{
     if !(pins.map(maps.slots).exists() && pins.map(maps.words).exists()) {
         return None;
     }
@@ -235,13 +260,10 @@ fn open_slot_table(pins: &Pins, capacity: &impl Fn(&str) -> u32) -> Option<Old> 
         if buckets == capacity(maps.words) {
             return Ok(None);
         }
-        NatTable::<[u8; 4]>::from_slot_maps(slots, words)
+        NatTable::<A>::from_slot_maps(slots, words)
     })();
     match opened {
-        Ok(table) => table.map(|table| Old {
-            name: maps.hash,
-            source: Source::Slots(table),
-        }),
+        Ok(table) => table,
         Err(err) => {
             warn!(
                 map = maps.slots,

@@ -263,9 +263,11 @@ fn record(nat: &mut NatTables, flows: &[Flow], kind: u8) -> Recorded {
     let now = flow_table::monotonic_now_ns();
     let mut recorded = Recorded::default();
     // Mapped once for all the flows, not once a flow (a hash table needs nothing).
-    let _mapped = nat.v4.keep_mapped().inspect_err(|err| {
+    let unmapped = |err: &anyhow::Error| {
         warn!("the NAT slots are mapped a flow at a time: {err:#}");
-    });
+    };
+    let _mapped_v4 = nat.v4.keep_mapped().inspect_err(unmapped);
+    let _mapped_v6 = nat.v6.keep_mapped().inspect_err(unmapped);
     for flow in flows {
         let ends = (flow.local, flow.remote);
         let recording = match ends {

@@ -25,6 +25,7 @@ use aya_obj::generated::bpf_map_type;
 use super::{
     carry::Carried,
     drop_sample,
+    flow_table::{V4_MAPS, V6_MAPS},
     hook::Hook,
     kernel_sweep::{KernelSweep, LeftPressed, Sweeper},
     map_types::SweepMaps,
@@ -119,7 +120,7 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Sche
         .with_context(|| format!("program {name} is not a classifier"))
 }
 
-/// The size of each family's NAT table, and of its drop sample, and IPv4's slot table's seed,
+/// The size of each family's NAT table, and of its drop sample, and its slot table's seed,
 /// which the programs read from globals; the loader borrows the globals' values from here.
 /// Where the halves are kept in the slot table (`slot_table`), the hash tables take one entry
 /// each, and the other way round.
@@ -128,16 +129,33 @@ pub struct NatSizes {
     v6_entries: u32,
     v4_sample_slots: u32,
     v6_sample_slots: u32,
-    /// Whether IPv4's halves are in the slot table (and the object is the one built with it).
+    /// Whether the halves are in the slot tables (and the object is the one built with them).
     slot_table: bool,
     v4_buckets: u32,
     v6_buckets: u32,
-    /// From `slot_seed`.
-    v4_slot_seed: u64,
+    seeds: SlotSeeds,
 }
 
-/// The seed of IPv4's slot table: the one a pinned table has, which its halves were placed by,
-/// or a new one at random (`slot_table::seed_at`).
+/// Each family's slot table's seed (`slot_seed`).
+#[derive(Clone, Copy, Debug)]
+pub struct SlotSeeds {
+    pub v4: u64,
+    pub v6: u64,
+}
+
+impl SlotSeeds {
+    /// New seeds, at random: tables no earlier agent pinned.
+    #[cfg(feature = "testbed")]
+    pub fn random() -> anyhow::Result<SlotSeeds> {
+        Ok(SlotSeeds {
+            v4: slot_seed(None)?,
+            v6: slot_seed(None)?,
+        })
+    }
+}
+
+/// The seed of a family's slot table: the one a pinned table has, which its halves were placed
+/// by, or a new one at random (`slot_table::seed_at`).
 pub fn slot_seed(pinned: Option<u64>) -> anyhow::Result<u64> {
     Ok(match pinned {
         Some(seed) if seed != 0 => seed,
@@ -146,26 +164,30 @@ pub fn slot_seed(pinned: Option<u64>) -> anyhow::Result<u64> {
     })
 }
 
+/// A family's drop sample's slots. A full slot table looks at the new half's buckets: the
+/// sample then goes unused, and takes the one slot the kernel asks of an array.
+fn sample_slots(entries: u32, slot_table: bool) -> u32 {
+    if slot_table {
+        1
+    } else {
+        masq_ebpf::drop_sample_slots(entries)
+    }
+}
+
 impl NatSizes {
-    pub fn new(v4_entries: u32, v6_entries: u32, slot_table: bool, v4_slot_seed: u64) -> NatSizes {
+    pub fn new(v4_entries: u32, v6_entries: u32, slot_table: bool, seeds: SlotSeeds) -> NatSizes {
         // A slot table is made larger than its entries, so that it has room for them all
         // (`slot_table::buckets_for`).
         let buckets = slot_table::buckets_for;
         NatSizes {
             v4_entries,
             v6_entries,
-            // A full slot table looks at the new half's buckets: IPv4's sample then goes unused,
-            // and takes the one slot the kernel asks of an array.
-            v4_sample_slots: if slot_table {
-                1
-            } else {
-                masq_ebpf::drop_sample_slots(v4_entries)
-            },
-            v6_sample_slots: masq_ebpf::drop_sample_slots(v6_entries),
+            v4_sample_slots: sample_slots(v4_entries, slot_table),
+            v6_sample_slots: sample_slots(v6_entries, slot_table),
             slot_table,
             v4_buckets: buckets(v4_entries),
             v6_buckets: buckets(v6_entries),
-            v4_slot_seed,
+            seeds,
         }
     }
 
@@ -185,26 +207,40 @@ impl NatSizes {
 
     /// The maps sized here, and their sizes.
     fn max_entries(&self) -> [(&'static str, u32); 8] {
-        // IPv6's halves are always in its hash table (masq-ebpf's `Family::in_slot_table`).
         let (in_slots, in_hash) = match self.slot_table {
             true => (1, 0),
             false => (0, 1),
         };
         // The table not in use takes one entry: the kernel allows no array or hash of none.
         let used = |entries: u32, used: u32| if used == 1 { entries } else { 1 };
+        // A family that translates nothing takes one entry (`EbpfOptions::for_ipv6`), and
+        // uses no slot table either.
+        let slots_of = |entries: u32| if entries > 1 { in_slots } else { 0 };
         [
             (map_names::NAT_V4, used(self.v4_entries, in_hash)),
-            (map_names::NAT_V6, self.v6_entries),
+            (map_names::NAT_V6, used(self.v6_entries, in_hash)),
             (
                 map_names::NAT_SLOTS_V4,
-                used(self.v4_buckets * BUCKET_SLOTS, in_slots),
+                used(self.v4_buckets * BUCKET_SLOTS, slots_of(self.v4_entries)),
             ),
             (
                 map_names::NAT_SLOT_WORDS_V4,
-                used(slot_table::words_for(self.v4_buckets), in_slots),
+                used(
+                    slot_table::words_for(self.v4_buckets),
+                    slots_of(self.v4_entries),
+                ),
             ),
-            (map_names::NAT_SLOTS_V6, 1),
-            (map_names::NAT_SLOT_WORDS_V6, 1),
+            (
+                map_names::NAT_SLOTS_V6,
+                used(self.v6_buckets * BUCKET_SLOTS, slots_of(self.v6_entries)),
+            ),
+            (
+                map_names::NAT_SLOT_WORDS_V6,
+                used(
+                    slot_table::words_for(self.v6_buckets),
+                    slots_of(self.v6_entries),
+                ),
+            ),
             (map_names::DROP_SAMPLE_V4, self.v4_sample_slots),
             (map_names::DROP_SAMPLE_V6, self.v6_sample_slots),
         ]
@@ -218,7 +254,7 @@ impl NatSizes {
             .unwrap_or(0)
     }
 
-    /// The object these sizes are for: the one with the slot table where the halves go there.
+    /// The object these sizes are for: the one with the slot tables where the halves go there.
     pub fn object(&self) -> &'static [u8] {
         match self.slot_table {
             true => SLOT_TABLE_OBJECT,
@@ -243,15 +279,16 @@ impl NatSizes {
             )
             .override_global(global_names::SLOT_BUCKETS_V4, &self.v4_buckets, true)
             .override_global(global_names::SLOT_BUCKETS_V6, &self.v6_buckets, true)
-            .override_global(global_names::SLOT_SEED_V4, &self.v4_slot_seed, true);
+            .override_global(global_names::SLOT_SEED_V4, &self.seeds.v4, true)
+            .override_global(global_names::SLOT_SEED_V6, &self.seeds.v6, true);
     }
 }
 
-/// Set to `0` to keep IPv4's halves in the kernel's hash table where the slot table could hold
-/// them, or to `1` to ask for the slot table (the default where the kernel has it).
+/// Set to `0` to keep the halves in the kernel's hash tables where the slot tables could hold
+/// them, or to `1` to ask for the slot tables (the default where the kernel has them).
 pub const SLOT_TABLE_ENV: &str = "MASQ_AGENT_SLOT_TABLE";
 
-/// Whether IPv4's NAT halves go in the slot table here: where the kernel has BPF atomics on map
+/// Whether the NAT halves go in the slot tables here: where the kernel has BPF atomics on map
 /// values (compare-and-exchange, xor: Linux 5.12), unless `SLOT_TABLE_ENV` is `0`. Asked for
 /// on an older kernel, the request is said to be ignored: its verifier would refuse the
 /// programs.
@@ -337,8 +374,12 @@ pub fn load(
     // Before the programs can reach the table: they are attached after this.
     maps.nat
         .v4
-        .keep_seed(sizes.v4_slot_seed)
+        .keep_seed(sizes.seeds.v4)
         .context("the IPv4 NAT slot table's seed")?;
+    maps.nat
+        .v6
+        .keep_seed(sizes.seeds.v6)
+        .context("the IPv6 NAT slot table's seed")?;
     Ok((Programs { ebpf, sweeps, tick }, maps))
 }
 
@@ -411,15 +452,21 @@ pub fn load_pinned(opts: &EbpfOptions, pins: &Pins) -> anyhow::Result<Loaded> {
     pins.prepare()?;
     // A table reused keeps its seed; one replaced may take it too. One that cannot be read
     // is replaced (`discard_incompatible`), and the new table takes a new seed.
-    let pinned_seed = pins.slot_seed_v4().unwrap_or_else(|err| {
-        tracing::warn!("the pinned IPv4 NAT table's seed: {err:#}");
-        None
-    });
+    let pinned_seed = |family: &str, pinned: anyhow::Result<Option<u64>>| {
+        slot_seed(pinned.unwrap_or_else(|err| {
+            tracing::warn!("the pinned {family} NAT table's seed: {err:#}");
+            None
+        }))
+    };
+    let seeds = SlotSeeds {
+        v4: pinned_seed("IPv4", pins.slot_seed::<[u8; 4]>(&V4_MAPS))?,
+        v6: pinned_seed("IPv6", pins.slot_seed::<[u8; 16]>(&V6_MAPS))?,
+    };
     let sizes = NatSizes::new(
         opts.nat_capacity,
         opts.nat_v6_capacity(),
         slot_table(),
-        slot_seed(pinned_seed)?,
+        seeds,
     );
     let mut carried = Carried::open(pins, |name| sizes.entries_of(name));
     match load_into(opts, pins, &sizes) {
@@ -606,7 +653,7 @@ mod tests {
     use aya::maps::MapType;
     use masq_ebpf::{NatEntryV4, NatKeyV6, PolicyEntry, map_names};
 
-    use super::{NatSizes, expected_maps};
+    use super::{NatSizes, SlotSeeds, expected_maps};
 
     /// Both embedded objects went through `bpf_straighten` (build.rs): they hold the jumps to
     /// the next instruction it leaves, and it finds no branch left to straighten in either.
@@ -620,11 +667,47 @@ mod tests {
         }
     }
 
+    /// Each family's halves go in its slot table where the agent uses them, and a family that
+    /// translates nothing (IPv6 without `--enable-ipv6`: one entry) takes one entry in each of
+    /// its maps, so that `status` reads no table for it.
+    #[test]
+    fn a_family_that_is_off_takes_no_room_in_either_table() {
+        let seeds = SlotSeeds { v4: 1, v6: 1 };
+        let entries = |sizes: &NatSizes, names: [&str; 3]| names.map(|n| sizes.entries_of(n));
+        let v4 = [
+            map_names::NAT_V4,
+            map_names::NAT_SLOTS_V4,
+            map_names::NAT_SLOT_WORDS_V4,
+        ];
+        let v6 = [
+            map_names::NAT_V6,
+            map_names::NAT_SLOTS_V6,
+            map_names::NAT_SLOT_WORDS_V6,
+        ];
+        let both_on = NatSizes::new(4096, 4096, true, seeds);
+        for family in [v4, v6] {
+            let [hash, slots, words] = entries(&both_on, family);
+            assert_eq!(hash, 1, "{family:?}");
+            assert!(
+                slots >= 4096 && words > 1,
+                "{family:?}: {slots} slots, {words} words"
+            );
+        }
+        let v6_off = NatSizes::new(4096, 1, true, seeds);
+        assert_eq!(entries(&v6_off, v6), [1, 1, 1]);
+        assert_eq!(entries(&v6_off, v4), entries(&both_on, v4));
+        let in_hash = NatSizes::new(4096, 4096, false, seeds);
+        for family in [v4, v6] {
+            assert_eq!(entries(&in_hash, family), [4096, 1, 1], "{family:?}");
+        }
+    }
+
     /// What a pinned map is checked against comes from the object: spot checks of its shapes
     /// against the types the agent reads the maps with, and the sizes the loader gives.
     #[test]
     fn pinned_maps_are_checked_against_the_object_s_shapes_at_the_loader_s_sizes() {
-        let specs = expected_maps(&NatSizes::new(4096, 1, false, 0), 100).unwrap();
+        let seeds = SlotSeeds { v4: 0, v6: 0 };
+        let specs = expected_maps(&NatSizes::new(4096, 1, false, seeds), 100).unwrap();
         let spec = |name| specs.iter().find(|s| s.name == name).unwrap();
         let trie = spec(map_names::NON_MASQ_V4);
         assert_eq!(trie.kind, MapType::LpmTrie);

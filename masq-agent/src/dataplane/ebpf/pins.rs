@@ -12,7 +12,7 @@ use aya::maps::{Map, MapData, MapError, MapType};
 use tracing::{info, warn};
 
 use super::{
-    flow_table::{NatTable, Table, TableMaps, V4_MAPS},
+    flow_table::{NatTable, Table, TableMaps},
     hook::Hook,
     map_types,
 };
@@ -69,9 +69,14 @@ impl Pins {
             .map(Some)
     }
 
-    /// The seed of the IPv4 slot table pinned here, if one is.
-    pub fn slot_seed_v4(&self) -> anyhow::Result<Option<u64>> {
-        let Some(table) = self.nat_table::<[u8; 4]>(&V4_MAPS)? else {
+    /// The seed of the family's slot table pinned here in its `maps`, if one is.
+    pub fn slot_seed<A>(&self, maps: &TableMaps) -> anyhow::Result<Option<u64>>
+    where
+        A: masq_ebpf::Address,
+        masq_ebpf::NatKey<A>: aya::Pod,
+        masq_ebpf::NatEntry<A>: aya::Pod,
+    {
+        let Some(table) = self.nat_table::<A>(maps)? else {
             return Ok(None);
         };
         table.slot_seed().map(Some)

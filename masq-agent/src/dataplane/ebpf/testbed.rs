@@ -73,14 +73,14 @@ pub struct Run {
 }
 
 thread_local! {
-    /// Where this thread's beds keep IPv4's halves, if a test chose (`TestBed::in_table`):
-    /// whether in the slot table.
+    /// Where this thread's beds keep the halves, if a test chose (`TestBed::in_table`): whether
+    /// in the slot tables.
     static SLOT_TABLE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 impl TestBed {
-    /// The object with both programs loaded and nothing configured: IPv4's halves where the
-    /// agent would keep them here (`load::slot_table`), or where this thread chose (`in_table`).
+    /// The object with both programs loaded and nothing configured: the halves where the agent
+    /// would keep them here (`load::slot_table`), or where this thread chose (`in_table`).
     pub fn unconfigured(nat_entries: u32) -> anyhow::Result<TestBed> {
         TestBed::unconfigured_in(nat_entries, TestBed::chosen_table())
     }
@@ -89,14 +89,14 @@ impl TestBed {
     /// `nat_entries` halves (`slot_table::buckets_for`), and the policy's maps sized as the
     /// agent sizes them for a policy of `policy_entries` prefixes: the benchmarks'.
     pub fn like_the_agents(nat_entries: u32, policy_entries: usize) -> anyhow::Result<TestBed> {
-        let seed = load::slot_seed(None)?;
-        let sizes = load::NatSizes::new(nat_entries, nat_entries, TestBed::chosen_table(), seed);
+        let seeds = load::SlotSeeds::random()?;
+        let sizes = load::NatSizes::new(nat_entries, nat_entries, TestBed::chosen_table(), seeds);
         let mut loader = EbpfLoader::new();
         load::size_the_policy_maps(&mut loader, policy_entries);
         TestBed::unconfigured_sized(loader, &sizes)
     }
 
-    /// Whether this thread's beds keep IPv4's halves in the slot table.
+    /// Whether this thread's beds keep the halves in the slot tables.
     fn chosen_table() -> bool {
         SLOT_TABLE.get().unwrap_or_else(load::slot_table)
     }
@@ -111,8 +111,8 @@ impl TestBed {
         self.programs.keep_the_tick()
     }
 
-    /// Runs `f` with the beds this thread makes (`unconfigured`) keeping IPv4's halves in the
-    /// slot table, or in the hash table: a test written for either table, run on one.
+    /// Runs `f` with the beds this thread makes (`unconfigured`) keeping the halves in the slot
+    /// tables, or in the hash tables: a test written for either table, run on one.
     pub fn in_table<T>(slot_table: bool, f: impl FnOnce() -> T) -> T {
         SLOT_TABLE.set(Some(slot_table));
         let result = f();
@@ -120,15 +120,20 @@ impl TestBed {
         result
     }
 
-    /// As `unconfigured`, the IPv4 halves in the slot table or not, whatever the environment
+    /// As `unconfigured`, the halves in the slot tables or not, whatever the environment
     /// asks: for what only one of the tables has (the hash table's drop sample). A slot table
     /// holds `nat_entries` halves and no more (`NatSizes::with_slots_for_entries_alone`).
     pub fn unconfigured_in(nat_entries: u32, slot_table: bool) -> anyhow::Result<TestBed> {
-        let sizes =
-            load::NatSizes::new(nat_entries, nat_entries, slot_table, load::slot_seed(None)?)
-                .with_slots_for_entries_alone();
+        let sizes = load::NatSizes::new(
+            nat_entries,
+            nat_entries,
+            slot_table,
+            load::SlotSeeds::random()?,
+        )
+        .with_slots_for_entries_alone();
         let bed = TestBed::unconfigured_sized(EbpfLoader::new(), &sizes)?;
         bed.maps.nat.v4.limit_to(nat_entries)?;
+        bed.maps.nat.v6.limit_to(nat_entries)?;
         Ok(bed)
     }
 
