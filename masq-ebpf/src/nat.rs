@@ -450,7 +450,7 @@ pub fn search_port<F: Family>() -> Search {
 /// The search hands its port back in a register, and writes nothing of the half: a load over
 /// a recent narrower store waits until that store is done, and a store of the port at the
 /// search's end would be done only after those of the reply half's insert, to a line of the
-/// table that is rarely in the cache (a first packet cost some 50 ns more so, measured).
+/// table that is rarely in the cache (a first packet cost some 60 ns more so, measured).
 #[inline(always)]
 pub fn searched<F: Family>() -> Option<*mut NatEntry<F::Addr>> {
     // SAFETY: as in `request_port`.

@@ -847,7 +847,7 @@ fn program_map_id(bed: &Bed, device: &str, name: &str) -> String {
         .to_string()
 }
 
-/// The seed of the IPv4 slot table bed's agent pinned, as bpftool reads it: the word after
+/// The seed of `family`'s slot table the bed's agent pinned, as bpftool reads it: the word after
 /// its buckets'. `None` where the halves are in the hash table.
 fn slot_seed(bed: &Bed, family: IpFamily) -> Option<u64> {
     use masq_ebpf::{map_names, slot_table};
