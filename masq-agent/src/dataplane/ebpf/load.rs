@@ -213,34 +213,24 @@ impl NatSizes {
         };
         // The table not in use takes one entry: the kernel allows no array or hash of none.
         let used = |entries: u32, used: u32| if used == 1 { entries } else { 1 };
-        // A family that translates nothing takes one entry (`EbpfOptions::for_ipv6`), and
-        // uses no slot table either.
-        let slots_of = |entries: u32| if entries > 1 { in_slots } else { 0 };
+        // A family's slot table's slots and words. A family that translates nothing takes one
+        // entry (`EbpfOptions::for_ipv6`), and uses no slot table either.
+        let slot_maps = |entries: u32, buckets: u32| {
+            let in_use = if entries > 1 { in_slots } else { 0 };
+            (
+                used(buckets * BUCKET_SLOTS, in_use),
+                used(slot_table::words_for(buckets), in_use),
+            )
+        };
+        let (v4_slots, v4_words) = slot_maps(self.v4_entries, self.v4_buckets);
+        let (v6_slots, v6_words) = slot_maps(self.v6_entries, self.v6_buckets);
         [
             (map_names::NAT_V4, used(self.v4_entries, in_hash)),
             (map_names::NAT_V6, used(self.v6_entries, in_hash)),
-            (
-                map_names::NAT_SLOTS_V4,
-                used(self.v4_buckets * BUCKET_SLOTS, slots_of(self.v4_entries)),
-            ),
-            (
-                map_names::NAT_SLOT_WORDS_V4,
-                used(
-                    slot_table::words_for(self.v4_buckets),
-                    slots_of(self.v4_entries),
-                ),
-            ),
-            (
-                map_names::NAT_SLOTS_V6,
-                used(self.v6_buckets * BUCKET_SLOTS, slots_of(self.v6_entries)),
-            ),
-            (
-                map_names::NAT_SLOT_WORDS_V6,
-                used(
-                    slot_table::words_for(self.v6_buckets),
-                    slots_of(self.v6_entries),
-                ),
-            ),
+            (map_names::NAT_SLOTS_V4, v4_slots),
+            (map_names::NAT_SLOT_WORDS_V4, v4_words),
+            (map_names::NAT_SLOTS_V6, v6_slots),
+            (map_names::NAT_SLOT_WORDS_V6, v6_words),
             (map_names::DROP_SAMPLE_V4, self.v4_sample_slots),
             (map_names::DROP_SAMPLE_V6, self.v6_sample_slots),
         ]
